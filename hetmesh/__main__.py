@@ -1,0 +1,3 @@
+from hetmesh.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""The client SDK: a light peer that talks to a mesh."""

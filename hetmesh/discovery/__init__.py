@@ -1,0 +1,1 @@
+"""The libp2p control plane: host, membership, announcements, liveness, profiling."""

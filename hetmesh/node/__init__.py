@@ -1,0 +1,1 @@
+"""The node daemon: one trio nursery tree wiring discovery, scheduler, transport and stages."""

@@ -1,0 +1,1 @@
+"""Cost model, planner, router and replanning policy: pure functions, no I/O."""

@@ -1,0 +1,4 @@
+"""Frames, the tensor codec (sans-IO) and the data-plane backends.
+
+Knows bytes and tensors, never policy.
+"""
