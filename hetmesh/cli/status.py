@@ -1,0 +1,122 @@
+"""``hetmesh status --mesh ADDR``: ask any node for its view of the mesh."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+
+from hetmesh.cli._app import app
+
+
+def _si(value: float, unit: str) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.1f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+def _bytes(value: float) -> str:
+    for factor, prefix in ((1 << 40, "Ti"), (1 << 30, "Gi"), (1 << 20, "Mi"), (1 << 10, "Ki")):
+        if value >= factor:
+            return f"{value / factor:.1f} {prefix}B"
+    return f"{value:.0f} B"
+
+
+def short_id(peer_id: str) -> str:
+    return peer_id if len(peer_id) <= 12 else f"…{peer_id[-8:]}"
+
+
+def _host_of(record: dict[str, Any]) -> str:
+    for addr in record.get("addrs") or ():
+        parts = str(addr).split("/")
+        if len(parts) > 4:
+            return f"{parts[2]}:{parts[4]}"
+    return "?"
+
+
+def status_renderable(view: dict[str, Any]) -> Group:
+    """The peers table and the link matrix for a status view (pure)."""
+    peers = Table(title=f"mesh seen from {short_id(str(view.get('self', '?')))}")
+    for col in ("peer", "host", "health", "devices", "memory free/total", "FLOP/s", "mem BW"):
+        peers.add_column(col)
+    ids: list[str] = []
+    for peer in view.get("peers", []):
+        record = peer.get("record") or {}
+        pid = str(peer.get("peer_id", "?"))
+        ids.append(pid)
+        devices = record.get("devices") or []
+        peers.add_row(
+            short_id(pid),
+            _host_of(record),
+            str(peer.get("health", "?")),
+            ", ".join(str(d.get("device", "?")) for d in devices) or "(profiling)",
+            ", ".join(
+                f"{_bytes(d.get('memory_free_bytes', 0))}/{_bytes(d.get('memory_total_bytes', 0))}"
+                for d in devices
+            ),
+            ", ".join(_si(float(d.get("matmul_flops", 0.0)), "FLOP/s") for d in devices),
+            ", ".join(_si(float(d.get("memory_bandwidth_bps", 0.0)), "B/s") for d in devices),
+        )
+    links = {(str(lk["src"]), str(lk["dst"])): lk for lk in view.get("links", [])}
+    matrix = Table(title="links (row → column): RTT, bandwidth")
+    matrix.add_column("from \\ to")
+    for pid in ids:
+        matrix.add_column(short_id(pid))
+    for src in ids:
+        cells = []
+        for dst in ids:
+            link = links.get((src, dst))
+            if src == dst:
+                cells.append("-")
+            elif link is None:
+                cells.append("?")
+            else:
+                rtt_ms = float(link["rtt_s"]) * 1e3
+                cells.append(f"{rtt_ms:.2f} ms, {_si(float(link['bandwidth_bps']), 'B/s')}")
+        matrix.add_row(short_id(src), *cells)
+    return Group(peers, matrix)
+
+
+def render_status(view: dict[str, Any], *, width: int = 160) -> str:
+    """The status view as plain text (pure; used by tests and ``--plain``)."""
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(status_renderable(view))
+    return console.export_text()
+
+
+@app.command()
+def status(
+    mesh: Annotated[str, typer.Option(help="Any node's multiaddr, with /p2p/PEER_ID.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw view as JSON.")] = False,
+    mesh_secret: Annotated[str | None, typer.Option(envvar="HETMESH_MESH_SECRET")] = None,
+    mesh_secret_file: Annotated[Path | None, typer.Option()] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the node.")] = 5.0,
+) -> None:
+    """Print the peers and the link matrix as one node sees them."""
+    import trio
+
+    from hetmesh.cli.node import first_mesh_error, resolve_secret
+    from hetmesh.discovery.host import configure_libp2p_logging
+    from hetmesh.discovery.status import fetch_status
+
+    configure_libp2p_logging()
+    secret = resolve_secret(mesh_secret, mesh_secret_file)
+    try:
+        view = trio.run(lambda: fetch_status(mesh, mesh_secret=secret, timeout_s=timeout))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--mesh") from exc
+    except BaseExceptionGroup as group:
+        found = first_mesh_error(group)
+        if found is None:
+            raise
+        raise found from None
+    if as_json:
+        typer.echo(json.dumps(view, indent=1, default=str))
+    else:
+        Console().print(status_renderable(view))

@@ -1,0 +1,138 @@
+"""Link probe: RTT and bandwidth between two nodes over a plain TCP socket.
+
+This is the only module that knows how links are measured; when the
+transport's ``tcp`` backend lands, swap :func:`probe_link` and
+:func:`serve_probe` for it and nothing else changes.
+
+Protocol (one connection per probe): the client sends a 32-byte token
+derived from the mesh key (so strangers cannot use the port as a sink), then
+``b"P"`` pings, each echoed by one byte, then ``b"B"`` + an 8-byte length +
+that many bytes, acknowledged by ``b"K"`` once all of them arrived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import statistics
+import struct
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+from hetmesh.errors import PeerUnreachable, RemoteProtocolError
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 4 * 1024 * 1024
+MAX_PROBE_BYTES = 64 * 1024 * 1024
+_LEN = struct.Struct(">Q")
+_CHUNK = bytes(256 * 1024)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkMeasurement:
+    rtt_s: float
+    bandwidth_bps: float
+
+
+def probe_token(psk: str) -> bytes:
+    return hashlib.sha256(b"hetmesh/probe/v1\x00" + psk.encode()).digest()
+
+
+async def _receive_exact(stream: trio.SocketStream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(n - len(buf))
+        if not chunk:
+            raise RemoteProtocolError("probe connection closed early")
+        buf += chunk
+    return bytes(buf)
+
+
+async def _handle(stream: trio.SocketStream, token: bytes) -> None:
+    async with stream:
+        with trio.move_on_after(30):
+            got = await _receive_exact(stream, len(token))
+            if not hmac.compare_digest(got, token):
+                return
+            while True:
+                op = await stream.receive_some(1)
+                if op == b"P":
+                    await stream.send_all(b"p")
+                elif op == b"B":
+                    (n,) = _LEN.unpack(await _receive_exact(stream, _LEN.size))
+                    if n > MAX_PROBE_BYTES:
+                        return
+                    remaining = n
+                    while remaining:
+                        chunk = await stream.receive_some(min(remaining, 1 << 20))
+                        if not chunk:
+                            return
+                        remaining -= len(chunk)
+                    await stream.send_all(b"K")
+                else:
+                    return
+
+
+async def serve_probe(
+    host: str, psk: str, *, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Answer link probes on ``host`` (an IP; "0.0.0.0" for all); reports the port."""
+    token = probe_token(psk)
+    listeners = await trio.open_tcp_listeners(0, host=host)
+    port = listeners[0].socket.getsockname()[1]
+
+    async def handler(stream: trio.SocketStream) -> None:
+        try:
+            await _handle(stream, token)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError):
+            pass
+        except Exception:
+            log.debug("probe handler failed", exc_info=True)
+
+    async with trio.open_nursery() as nursery:
+        task_status.started(port)
+        await trio.serve_listeners(handler, listeners, handler_nursery=nursery)
+
+
+async def probe_link(
+    host: str, port: int, psk: str, *, nbytes: int = PROBE_BYTES, timeout_s: float = 15.0
+) -> LinkMeasurement:
+    """Measure RTT (median of 5 pings) and one-way bandwidth to a probe server."""
+    try:
+        with trio.fail_after(timeout_s):
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                await stream.send_all(probe_token(psk))
+                rtts = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    await stream.send_all(b"P")
+                    await _receive_exact(stream, 1)
+                    rtts.append(time.perf_counter() - t0)
+                rtt = statistics.median(rtts)
+                t0 = time.perf_counter()
+                await stream.send_all(b"B" + _LEN.pack(nbytes))
+                remaining = nbytes
+                while remaining:
+                    piece = _CHUNK[: min(remaining, len(_CHUNK))]
+                    await stream.send_all(piece)
+                    remaining -= len(piece)
+                if await _receive_exact(stream, 1) != b"K":
+                    raise RemoteProtocolError("probe server did not acknowledge")
+                elapsed = max(time.perf_counter() - t0 - rtt, 1e-6)
+                return LinkMeasurement(rtt_s=rtt, bandwidth_bps=nbytes / elapsed)
+    except trio.TooSlowError as exc:
+        raise PeerUnreachable(f"link probe to {host}:{port} timed out") from exc
+    except (OSError, trio.BrokenResourceError) as exc:
+        raise PeerUnreachable(f"link probe to {host}:{port} failed: {exc}") from exc
+
+
+__all__ = ["PROBE_BYTES", "LinkMeasurement", "probe_link", "probe_token", "serve_probe"]

@@ -1,0 +1,528 @@
+"""The discovery service: membership, announcements, liveness and link probes.
+
+One :class:`Discovery` per node wraps the node's libp2p host. Its
+:meth:`Discovery.serve` runs, in one nursery:
+
+- an announcement round about once a second: the local record is sent to
+  every known peer on its own short stream (length-prefixed msgpack); a
+  record doubles as the heartbeat, and it carries the addresses of the peers
+  we see alive (peer exchange), so one bootstrap address teaches the whole mesh;
+- a liveness clock that re-judges the :class:`~hetmesh.discovery.table.PeerTable`
+  and hangs up on dead peers;
+- mDNS (advertising only this mesh's fingerprint) and bootstrap dialling;
+- link probes to every alive peer, periodically and on membership change.
+
+Everything the node publishes goes through the ``set_*`` methods; everything
+it reads comes from :meth:`Discovery.members`, :meth:`Discovery.view` and
+:meth:`Discovery.subscribe`. New RPCs register with :meth:`Discovery.add_handler`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import trio
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+from hetmesh import __version__
+from hetmesh.discovery import wire
+from hetmesh.discovery.host import dial, guarded_handler, mesh_fingerprint
+from hetmesh.discovery.probe import probe_link, serve_probe
+from hetmesh.discovery.table import Health, LivenessPolicy, PeerEntry, PeerTable, TableEvent
+from hetmesh.discovery.wire import Announcement, KnownPeer, Load
+from hetmesh.errors import (
+    AuthenticationFailed,
+    ConnectTimeout,
+    MeshError,
+    PeerUnreachable,
+    RemoteProtocolError,
+)
+from hetmesh.resources import DeviceProfile, LinkProfile, PeerId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiscoveryConfig:
+    bootstrap: tuple[str, ...] = ()
+    mdns: bool = True
+    mesh_secret: str | None = None
+    policy: LivenessPolicy = field(default_factory=LivenessPolicy)
+    dial_timeout_s: float = 3.0
+    send_timeout_s: float = 2.0
+    link_probe_interval_s: float = 60.0
+    link_probe_bytes: int = 4 * 1024 * 1024
+    dead_redial_every_s: float = 5.0
+    require_bootstrap: bool = True  # fail start-up if no bootstrap peer answers
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryStatistics:
+    announcements_sent: int
+    send_failures: int
+    accepted: int
+    rejected: int
+    stale: int
+    alive: int
+    suspect: int
+    joining: int
+    dead_or_left: int
+    link_probes: int
+
+
+def expand_listen_addrs(addrs: Sequence[Any], peer_id: str) -> tuple[str, ...]:
+    """Dialable multiaddrs (with /p2p/) for our listen addrs; 0.0.0.0 becomes each IPv4."""
+    out: list[str] = []
+    for addr in addrs:
+        text = str(addr).split("/p2p/")[0]
+        parts = text.split("/")
+        # ['', 'ip4', HOST, 'tcp', PORT]
+        if len(parts) >= 5 and parts[1] == "ip4" and parts[2] == "0.0.0.0":
+            ips = []
+            for nics in psutil.net_if_addrs().values():
+                for nic in nics:
+                    if nic.family.name == "AF_INET":
+                        ips.append(nic.address)
+            non_loop = [ip for ip in ips if not ipaddress.ip_address(ip).is_loopback]
+            for ip in non_loop or ips:
+                out.append("/".join(["", "ip4", ip, *parts[3:]]) + f"/p2p/{peer_id}")
+        else:
+            out.append(f"{text}/p2p/{peer_id}")
+    return tuple(dict.fromkeys(out))
+
+
+def _addr_host(addr: str) -> str | None:
+    parts = addr.split("/")
+    if len(parts) >= 3 and parts[1] in ("ip4", "ip6"):
+        return parts[2]
+    return None
+
+
+class Discovery:
+    """Membership, announcements and liveness of one node (see the module doc)."""
+
+    def __init__(self, host: Any, config: DiscoveryConfig, *, psk: str) -> None:
+        self.host = host
+        self.config = config
+        self.psk = psk
+        self.peer_id: PeerId = str(host.get_id())
+        self.boot_id = time.time_ns()
+        self.table = PeerTable(self.peer_id, config.policy)
+        self.addrs: tuple[str, ...] = ()
+        self.probe_port = 0
+        self._seq = 0
+        self._devices: tuple[DeviceProfile, ...] = ()
+        self._links: dict[PeerId, LinkProfile] = {}
+        self._data_plane: dict[str, Any] = {}
+        self._stages: tuple[dict[str, Any], ...] = ()
+        self._load = Load()
+        self._extra: dict[str, Any] = {}
+        self._subscribers: list[trio.MemorySendChannel[TableEvent]] = []
+        self._candidates_send, self._candidates_recv = trio.open_memory_channel[
+            tuple[PeerId, tuple[str, ...]]
+        ](256)
+        self._probe_wanted = trio.Event()
+        self._last_dial: dict[PeerId, float] = {}
+        self._sent = 0
+        self._send_failures = 0
+        self._probes = 0
+        self._stopping = False
+
+    # -- what the node publishes ----------------------------------------------
+
+    def set_devices(self, devices: Sequence[DeviceProfile]) -> None:
+        self._devices = tuple(devices)
+
+    def set_data_plane(self, offer: dict[str, Any]) -> None:
+        """The transport's data-plane offer (opaque to discovery)."""
+        self._data_plane = dict(offer)
+
+    def set_stages(self, stages: Sequence[dict[str, Any]]) -> None:
+        """Stages this node serves, e.g. ``{"model": ..., "start": 0, "end": 8, "ready": True}``."""
+        self._stages = tuple(dict(s) for s in stages)
+
+    def set_load(self, load: Load) -> None:
+        self._load = load
+
+    @property
+    def load(self) -> Load:
+        return self._load
+
+    def set_extra(self, key: str, value: Any) -> None:
+        """Publish any other msgpack-able field (e.g. ``"plan"``) in the announcement."""
+        self._extra[key] = value
+
+    def add_handler(self, protocol: str, handler: Callable[[Any], Awaitable[None]]) -> None:
+        """Serve a new libp2p protocol; the handler is guarded (see host.guarded_handler)."""
+        from libp2p.custom_types import TProtocol
+
+        self.host.set_stream_handler(TProtocol(protocol), guarded_handler(protocol, handler))
+
+    # -- what the node reads --------------------------------------------------
+
+    def members(self) -> list[PeerEntry]:
+        """The live table (alive and suspect peers), sorted by peer id."""
+        return self.table.members()
+
+    def alive(self) -> list[PeerEntry]:
+        return self.table.alive()
+
+    def subscribe(self) -> trio.MemoryReceiveChannel[TableEvent]:
+        """A channel of health changes (joins, suspicions, deaths, departures)."""
+        send, recv = trio.open_memory_channel[TableEvent](1024)
+        self._subscribers.append(send)
+        return recv
+
+    def local_record(self, *, goodbye: bool = False) -> Announcement:
+        self._seq += 1
+        known = tuple(
+            KnownPeer(peer_id=e.peer_id, addrs=e.addrs) for e in self.table.alive() if e.addrs
+        )
+        return Announcement(
+            version=__version__,
+            peer_id=self.peer_id,
+            boot_id=self.boot_id,
+            seq=self._seq,
+            addrs=self.addrs,
+            devices=self._devices,
+            links=tuple(self._links[k] for k in sorted(self._links)),
+            data_plane=self._data_plane,
+            stages=self._stages,
+            load=self._load,
+            known_peers=known,
+            probe_port=self.probe_port,
+            goodbye=goodbye,
+            sent_at_s=time.time(),
+            extra=dict(self._extra),
+        )
+
+    def view(self) -> dict[str, Any]:
+        """The node's view of the mesh as a plain (msgpack-able) map."""
+        now = trio.current_time()
+        me = self.local_record()
+        self._seq -= 1  # a view is not an announcement
+        peers = [
+            {
+                "peer_id": self.peer_id,
+                "health": "self",
+                "last_heard_s": 0.0,
+                "record": me.to_wire(),
+            }
+        ]
+        links = [link.to_wire() for link in me.links]
+        for entry in sorted(self.table.entries.values(), key=lambda e: e.peer_id):
+            if entry.record is None:
+                continue
+            peers.append(
+                {
+                    "peer_id": entry.peer_id,
+                    "health": str(entry.health),
+                    "last_heard_s": round(now - entry.last_heard, 3),
+                    "record": entry.record.to_wire(),
+                }
+            )
+            if entry.health in (Health.ALIVE, Health.SUSPECT):
+                links += [link.to_wire() for link in entry.record.links]
+        return {
+            "self": self.peer_id,
+            "version": __version__,
+            "generated_at_s": time.time(),
+            "peers": peers,
+            "links": links,
+            "statistics": self.statistics_dict(),
+        }
+
+    def statistics(self) -> DiscoveryStatistics:
+        t = self.table.statistics()
+        return DiscoveryStatistics(
+            announcements_sent=self._sent,
+            send_failures=self._send_failures,
+            accepted=t.accepted,
+            rejected=t.rejected,
+            stale=t.stale,
+            alive=t.alive,
+            suspect=t.suspect,
+            joining=t.joining,
+            dead_or_left=t.dead_or_left,
+            link_probes=self._probes,
+        )
+
+    def statistics_dict(self) -> dict[str, int]:
+        s = self.statistics()
+        return {name: getattr(s, name) for name in s.__slots__}
+
+    # -- inbound ----------------------------------------------------------------
+
+    def receive(self, payload: bytes, remote: PeerId) -> Announcement | None:
+        """Apply one announcement payload from an authenticated peer; None if rejected."""
+        try:
+            record = wire.decode_announcement(payload)
+            if record.peer_id != remote:
+                raise RemoteProtocolError(
+                    f"announcement for {record.peer_id} arrived from {remote}"
+                )
+        except RemoteProtocolError as exc:
+            self.table.note_rejected()
+            log.debug("rejected an announcement from %s: %s", remote, exc)
+            return None
+        self._emit(self.table.note_announcement(record, trio.current_time()))
+        for known in record.known_peers:
+            self._offer_candidate(known.peer_id, known.addrs)
+        return record
+
+    async def _handle_announce(self, stream: Any) -> None:
+        remote = str(stream.muxed_conn.peer_id)
+        try:
+            payload = await wire.read_frame(
+                stream, max_bytes=wire.MAX_ANNOUNCEMENT_BYTES, timeout_s=5.0
+            )
+        except RemoteProtocolError:
+            self.table.note_rejected()
+            raise
+        self.receive(payload, remote)
+
+    async def _handle_status(self, stream: Any) -> None:
+        await wire.write_frame(stream, wire.encode(self.view()))
+
+    # -- outbound ---------------------------------------------------------------
+
+    def _offer_candidate(self, peer_id: PeerId, addrs: tuple[str, ...]) -> None:
+        if peer_id == self.peer_id or not addrs:
+            return
+        if self.table.note_candidate(peer_id, addrs, trio.current_time()):
+            with contextlib.suppress(trio.WouldBlock):
+                self._candidates_send.send_nowait((peer_id, addrs))
+
+    def _peer_info(self, peer_id: PeerId, addrs: Sequence[str]) -> Any:
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+        from multiaddr import Multiaddr
+
+        maddrs = [Multiaddr(a.split("/p2p/")[0]) for a in addrs]
+        return PeerInfo(ID.from_base58(peer_id), maddrs)
+
+    async def _send(self, peer_id: PeerId, addrs: Sequence[str], payload: bytes) -> None:
+        """Send one record to one peer; failures only feed the liveness judgement."""
+        from libp2p.custom_types import TProtocol
+
+        info = self._peer_info(peer_id, addrs)
+        try:
+            if info.peer_id not in self.host.get_network().connections:
+                await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
+            with trio.fail_after(self.config.send_timeout_s):
+                stream = await self.host.new_stream(
+                    info.peer_id, [TProtocol(wire.ANNOUNCE_PROTOCOL)]
+                )
+                try:
+                    await wire.write_frame(stream, payload)
+                    await stream.close()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await stream.reset()
+                    raise
+            self._sent += 1
+        except PeerUnreachable:
+            self._send_failures += 1
+            self._emit(self.table.note_refused(peer_id, trio.current_time()))
+        except (AuthenticationFailed, ConnectTimeout, trio.TooSlowError):
+            self._send_failures += 1
+        except Exception as exc:  # libp2p errors: a dropped connection is a refusal
+            self._send_failures += 1
+            log.debug("announcing to %s failed: %r", peer_id, exc)
+            if info.peer_id not in self.host.get_network().connections:
+                self._emit(self.table.note_refused(peer_id, trio.current_time()))
+
+    def _targets(self, now: float) -> list[PeerEntry]:
+        out = []
+        for entry in self.table.dial_targets():
+            if not entry.addrs:
+                continue
+            if entry.health is Health.DEAD or (
+                entry.record is None and entry.health is Health.JOINING
+            ):
+                last = self._last_dial.get(entry.peer_id, -math.inf)
+                if now - last < self.config.dead_redial_every_s:
+                    continue
+            self._last_dial[entry.peer_id] = now
+            out.append(entry)
+        return out
+
+    async def _announce_round(self, *, goodbye: bool = False) -> None:
+        payload = wire.encode(self.local_record(goodbye=goodbye))
+        now = trio.current_time()
+        targets = self.table.members() if goodbye else self._targets(now)
+        async with trio.open_nursery() as nursery:
+            for entry in targets:
+                nursery.start_soon(self._send, entry.peer_id, entry.addrs, payload)
+
+    def _emit(self, events: list[TableEvent]) -> None:
+        for event in events:
+            log.info("peer %s: %s -> %s", event.peer_id, event.old, event.new)
+            if event.new is Health.ALIVE and event.old is not Health.SUSPECT:
+                self._probe_wanted.set()
+            if event.new in (Health.DEAD, Health.LEFT):
+                self._links.pop(event.peer_id, None)
+            for send in list(self._subscribers):
+                try:
+                    send.send_nowait(event)
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._subscribers.remove(send)
+
+    # -- services ------------------------------------------------------------------
+
+    async def _serve_announcements(self) -> None:
+        interval = self.config.policy.interval_s
+        while True:
+            await self._announce_round()
+            await trio.sleep(interval)
+
+    async def _serve_liveness(self) -> None:
+        while True:
+            events = self.table.tick(trio.current_time())
+            self._emit(events)
+            for event in events:
+                if event.new is Health.DEAD:
+                    await self._hang_up(event.peer_id)
+            await trio.sleep(0.2)
+
+    async def _hang_up(self, peer_id: PeerId) -> None:
+        from libp2p.peer.id import ID
+
+        with trio.move_on_after(1.0), contextlib.suppress(Exception):
+            await self.host.disconnect(ID.from_base58(peer_id))
+
+    async def _serve_candidates(self) -> None:
+        async with trio.open_nursery() as nursery:
+            async for peer_id, addrs in self._candidates_recv:
+                payload = wire.encode(self.local_record())
+                self._last_dial[peer_id] = trio.current_time()
+                nursery.start_soon(self._send, peer_id, addrs, payload)
+
+    async def _serve_links(self) -> None:
+        while True:
+            with trio.move_on_after(self.config.link_probe_interval_s):
+                await self._probe_wanted.wait()
+                await trio.sleep(0.5)  # let a burst of joins settle
+            self._probe_wanted = trio.Event()
+            for entry in self.table.alive():
+                await self._probe_one(entry)
+
+    async def _probe_one(self, entry: PeerEntry) -> None:
+        record = entry.record
+        if record is None or not record.probe_port:
+            return
+        hosts = [h for h in map(_addr_host, record.addrs) if h]
+        for host_ip in hosts[:2]:
+            try:
+                m = await probe_link(
+                    host_ip, record.probe_port, self.psk, nbytes=self.config.link_probe_bytes
+                )
+            except (PeerUnreachable, RemoteProtocolError) as exc:
+                log.debug("link probe to %s at %s failed: %s", entry.peer_id, host_ip, exc)
+                continue
+            self._probes += 1
+            self._links[entry.peer_id] = LinkProfile(
+                src=self.peer_id,
+                dst=entry.peer_id,
+                rtt_s=m.rtt_s,
+                bandwidth_bps=m.bandwidth_bps,
+                measured_at_s=time.time(),
+            )
+            return
+
+    async def _bootstrap(self) -> None:
+        """Dial the bootstrap peers; raise if none of them answers."""
+        from hetmesh.discovery.host import parse_peer_addr
+
+        if not self.config.bootstrap:
+            return
+        failures: list[MeshError] = []
+        for addr in self.config.bootstrap:
+            info = parse_peer_addr(addr)
+            try:
+                await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
+            except MeshError as exc:
+                log.warning("bootstrap peer %s: %s", addr, exc)
+                failures.append(exc)
+                continue
+            self._offer_candidate(str(info.peer_id), (addr,))
+        if len(failures) == len(self.config.bootstrap) and self.config.require_bootstrap:
+            auth = [f for f in failures if isinstance(f, AuthenticationFailed)]
+            raise (auth or failures)[0]
+
+    def _start_mdns(self) -> Any:
+        from libp2p.discovery.events.peerDiscovery import peerDiscovery
+        from libp2p.discovery.mdns.mdns import create_mdns_discovery
+
+        token = trio.lowlevel.current_trio_token()
+        plain = [a.split("/p2p/")[0] for a in self.addrs]
+        port = int(plain[0].split("/")[4]) if plain else 0
+
+        def on_peer(info: Any) -> None:  # called on a zeroconf thread
+            peer_id = str(info.peer_id)
+            addrs = tuple(f"{a}/p2p/{peer_id}" for a in map(str, info.addrs) if "/tcp/" in a)
+            if peer_id == self.peer_id or not addrs:
+                return
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._offer_candidate, peer_id, addrs)
+
+        mdns = create_mdns_discovery(
+            self.host.get_network(),
+            port=port,
+            listen_addrs=plain,
+            private_network_fingerprint=mesh_fingerprint(self.config.mesh_secret),
+        )
+        peerDiscovery.register_peer_discovered_handler(on_peer)
+        mdns.start()
+        return mdns, on_peer
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run discovery until cancelled; a goodbye goes out on the way down."""
+        self.add_handler(wire.ANNOUNCE_PROTOCOL, self._handle_announce)
+        self.add_handler(wire.STATUS_PROTOCOL, self._handle_status)
+        self.addrs = expand_listen_addrs(self.host.get_transport_addrs(), self.peer_id)
+        probe_host = "0.0.0.0"
+        mdns: Any = None
+        try:
+            async with trio.open_nursery() as nursery:
+                self.probe_port = await nursery.start(serve_probe, probe_host, self.psk)
+                await self._bootstrap()
+                if self.config.mdns:
+                    mdns = self._start_mdns()
+                nursery.start_soon(self._serve_candidates)
+                nursery.start_soon(self._serve_announcements)
+                nursery.start_soon(self._serve_liveness)
+                nursery.start_soon(self._serve_links)
+                task_status.started()
+        finally:
+            with trio.CancelScope(deadline=trio.current_time() + 1.5, shield=True):
+                await self._announce_round(goodbye=True)
+            if mdns is not None:
+                self._stop_mdns(mdns)
+
+    @staticmethod
+    def _stop_mdns(mdns: Any) -> None:
+        from libp2p.discovery.events.peerDiscovery import peerDiscovery
+
+        service, handler = mdns
+        peerDiscovery.unregister_peer_discovered_handler(handler)
+        with contextlib.suppress(Exception):
+            service.stop()
+
+
+__all__ = [
+    "Discovery",
+    "DiscoveryConfig",
+    "DiscoveryStatistics",
+    "expand_listen_addrs",
+]

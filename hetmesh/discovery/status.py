@@ -1,0 +1,58 @@
+"""Asking a node for its view of the mesh (the status RPC client side).
+
+The server side is :meth:`hetmesh.discovery.service.Discovery.view`, served on
+:data:`~hetmesh.discovery.wire.STATUS_PROTOCOL`. The client is a throw-away
+libp2p host with a random identity: it never announces itself, so it never
+enters any peer table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import trio
+
+from hetmesh.discovery import wire
+from hetmesh.discovery.host import derive_psk, dial, open_host, parse_peer_addr
+from hetmesh.errors import ConnectTimeout, RemoteProtocolError, StreamReset
+
+
+async def fetch_status(
+    addr: str, *, mesh_secret: str | None = None, timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """The view of the node at ``addr`` (``/ip4/H/tcp/P/p2p/ID``).
+
+    Raises ``ValueError`` for a malformed address, :class:`AuthenticationFailed`
+    for a wrong mesh secret, :class:`PeerUnreachable` / :class:`ConnectTimeout`
+    when the node cannot be reached, :class:`RemoteProtocolError` for a bad reply.
+    """
+    from libp2p import generate_new_ed25519_identity
+    from libp2p.custom_types import TProtocol
+
+    info = parse_peer_addr(addr)
+    async with open_host(
+        generate_new_ed25519_identity(),
+        psk=derive_psk(mesh_secret),
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        dial_timeout_s=min(timeout_s, 3.0),
+    ) as host:
+        await dial(host, info, timeout_s=min(timeout_s, 3.0))
+        try:
+            with trio.fail_after(timeout_s):
+                stream = await host.new_stream(info.peer_id, [TProtocol(wire.STATUS_PROTOCOL)])
+                try:
+                    payload = await wire.read_frame(
+                        stream, max_bytes=wire.MAX_STATUS_BYTES, timeout_s=timeout_s
+                    )
+                finally:
+                    with contextlib.suppress(Exception):
+                        await stream.close()
+        except trio.TooSlowError as exc:
+            raise ConnectTimeout(f"{addr} did not answer the status request in time") from exc
+        except StreamReset as exc:
+            raise RemoteProtocolError(f"{addr} closed the status stream: {exc}") from exc
+        return wire.decode_map(payload, max_bytes=wire.MAX_STATUS_BYTES)
+
+
+__all__ = ["fetch_status"]

@@ -1,0 +1,166 @@
+"""Discovery records and their framing on libp2p streams.
+
+Every message is one msgpack map behind a 4-byte big-endian length. Decoding
+is strict at the boundary: oversized frames, undecodable bytes and records
+that are missing fields or carry ill-typed ones raise
+:class:`~hetmesh.errors.RemoteProtocolError`; unknown fields are ignored so
+that mixed versions coexist. Nothing here does I/O except the two small
+stream helpers at the bottom.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgpack
+import trio
+
+from hetmesh.errors import RemoteProtocolError, StreamReset
+from hetmesh.resources import DeviceProfile, LinkProfile, PeerId, WireRecord
+
+ANNOUNCE_PROTOCOL = "/hetmesh/announce/1.0.0"
+STATUS_PROTOCOL = "/hetmesh/status/1.0.0"
+
+MAX_ANNOUNCEMENT_BYTES = 256 * 1024
+MAX_STATUS_BYTES = 8 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load(WireRecord):
+    """How busy a peer is right now."""
+
+    queue_depth: int = 0
+    active_sessions: int = 0
+    kv_bytes_used: int = 0
+    kv_bytes_free: int = 0
+    recent_step_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KnownPeer(WireRecord):
+    """A peer the sender considers alive, for peer exchange."""
+
+    peer_id: PeerId
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Announcement(WireRecord):
+    """What a node tells every peer about itself, about once a second.
+
+    ``(boot_id, seq)`` orders records from one peer: ``boot_id`` changes when
+    the process restarts (so a restarted node is not mistaken for a stale
+    one), ``seq`` grows by one per record. ``stages``, ``data_plane`` and
+    ``extra`` are opaque here: the node daemon and the transport define them.
+    """
+
+    version: str
+    peer_id: PeerId
+    boot_id: int
+    seq: int
+    addrs: tuple[str, ...]
+    devices: tuple[DeviceProfile, ...] = ()
+    links: tuple[LinkProfile, ...] = ()
+    data_plane: dict[str, Any] = field(default_factory=dict)
+    stages: tuple[dict[str, Any], ...] = ()
+    load: Load = field(default_factory=Load)
+    known_peers: tuple[KnownPeer, ...] = ()
+    probe_port: int = 0  # TCP port of the link-probe server on the announced hosts; 0 = none
+    goodbye: bool = False
+    sent_at_s: float = 0.0  # sender's wall clock
+    extra: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = 1
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.boot_id, self.seq)
+
+
+def encode(record: WireRecord | dict[str, Any]) -> bytes:
+    """msgpack bytes of a record (or a plain map)."""
+    data = record.to_wire() if isinstance(record, WireRecord) else record
+    out = msgpack.packb(data, use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
+
+
+def decode_map(payload: bytes, *, max_bytes: int = MAX_ANNOUNCEMENT_BYTES) -> dict[str, Any]:
+    """Decode one msgpack map, or raise :class:`RemoteProtocolError`."""
+    if len(payload) > max_bytes:
+        raise RemoteProtocolError(f"message of {len(payload)} bytes exceeds {max_bytes}")
+    try:
+        data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise RemoteProtocolError(f"undecodable message: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RemoteProtocolError(f"expected a map, got {type(data).__name__}")
+    return data
+
+
+def decode_announcement(payload: bytes) -> Announcement:
+    """Parse an announcement, or raise :class:`RemoteProtocolError`."""
+    data = decode_map(payload, max_bytes=MAX_ANNOUNCEMENT_BYTES)
+    try:
+        record = Announcement.from_wire(data)
+    except (ValueError, TypeError) as exc:
+        raise RemoteProtocolError(f"malformed announcement: {exc}") from exc
+    if record.seq < 0 or record.boot_id < 0:
+        raise RemoteProtocolError("malformed announcement: negative sequence")
+    return record
+
+
+class ByteStream(Protocol):
+    async def read(self, n: int | None = None) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+
+async def _read_exact(stream: ByteStream, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = await stream.read(n - len(buf))
+        except Exception as exc:  # libp2p StreamEOF / StreamReset / StreamError
+            raise StreamReset(f"stream ended after {len(buf)} of {n} bytes") from exc
+        if not chunk:
+            raise StreamReset(f"stream ended after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+async def write_frame(stream: ByteStream, payload: bytes) -> None:
+    """Write one length-prefixed message."""
+    await stream.write(_HEADER.pack(len(payload)) + payload)
+
+
+async def read_frame(stream: ByteStream, *, max_bytes: int, timeout_s: float) -> bytes:
+    """Read one length-prefixed message within ``timeout_s``.
+
+    Raises :class:`RemoteProtocolError` for a length over ``max_bytes`` (without
+    reading the body), :class:`StreamReset` if the stream ends early and
+    ``trio.TooSlowError`` on timeout.
+    """
+    with trio.fail_after(timeout_s):
+        (size,) = _HEADER.unpack(await _read_exact(stream, _HEADER.size))
+        if size > max_bytes:
+            raise RemoteProtocolError(f"frame of {size} bytes exceeds {max_bytes}")
+        return await _read_exact(stream, size)
+
+
+__all__ = [
+    "ANNOUNCE_PROTOCOL",
+    "MAX_ANNOUNCEMENT_BYTES",
+    "MAX_STATUS_BYTES",
+    "STATUS_PROTOCOL",
+    "Announcement",
+    "KnownPeer",
+    "Load",
+    "decode_announcement",
+    "decode_map",
+    "encode",
+    "read_frame",
+    "write_frame",
+]

@@ -1,0 +1,183 @@
+"""The node daemon: one trio nursery tree.
+
+```
+run_node(config)
+└── open_host                      libp2p host (identity, psk, noise, yamux)
+    └── nursery
+        ├── serve_discovery        announcements, membership, liveness, link probes,
+        │                          status RPC (Discovery.serve)
+        └── serve_profiling        measured DeviceProfiles, refreshed when idle
+```
+
+Each service is ``serve_*(node, task_status=...)``: it reports readiness with
+``task_status.started()`` and then runs until cancelled. Shutdown is the
+cancellation of the root scope; discovery sends its goodbye from a shielded
+``finally``. Later services (stages, sessions, scheduler) take the same
+:class:`Node` and are added to :func:`run_node` with one ``nursery.start``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+from hetmesh.discovery import profiling
+from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_host
+from hetmesh.discovery.service import Discovery, DiscoveryConfig
+from hetmesh.discovery.table import LivenessPolicy
+
+log = logging.getLogger(__name__)
+
+NODE_INFO_FILE = "node.json"
+
+
+def default_data_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("hetmesh"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    """Everything ``hetmesh node start`` can set; defaults suit a LAN."""
+
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    bootstrap: tuple[str, ...] = ()
+    mesh_secret: str | None = None
+    mdns: bool = True
+    data_dir: Path = field(default_factory=default_data_dir)
+    max_memory_bytes: int | None = None
+    device: str | None = None  # restrict to one torch device ("cpu", "cuda:0")
+    liveness: LivenessPolicy = field(default_factory=LivenessPolicy)
+    link_probe_interval_s: float = 60.0
+    profile_update_s: float = 5.0  # memory/utilisation figures
+    benchmark_refresh_s: float = 600.0  # re-measure FLOP/s when idle this often
+    benchmark_budget_s: float = 1.5
+    dial_timeout_s: float = 3.0
+
+
+@dataclass(slots=True)
+class Node:
+    """The running node, handed to every service."""
+
+    config: NodeConfig
+    host: Any
+    discovery: Discovery
+    device_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+
+    @property
+    def peer_id(self) -> str:
+        return self.discovery.peer_id
+
+
+async def serve_discovery(
+    node: Node, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    await node.discovery.serve(task_status=task_status)
+
+
+async def serve_profiling(
+    node: Node, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Publish measured DeviceProfiles; ready once the first benchmark is in."""
+    cfg = node.config
+
+    def measure(refresh: bool) -> tuple[profiling.Benchmark, dict[int, float]]:
+        bench = profiling.benchmark_cpu(
+            cfg.data_dir, refresh=refresh, budget_s=cfg.benchmark_budget_s
+        )
+        gpu = (
+            profiling.measure_gpu_flops()
+            if cfg.device in (None, "cuda") or (cfg.device or "").startswith("cuda")
+            else {}
+        )
+        return bench, gpu
+
+    def profiles(bench: profiling.Benchmark, gpu: dict[int, float]) -> Any:
+        return profiling.device_profiles(
+            node.peer_id,
+            bench,
+            gpu_flops=gpu,
+            max_memory_bytes=cfg.max_memory_bytes,
+            only=cfg.device,
+        )
+
+    bench, gpu = await trio.to_thread.run_sync(measure, False, limiter=node.device_limiter)
+    node.discovery.set_devices(await trio.to_thread.run_sync(profiles, bench, gpu))
+    log.info(
+        "profiled: %.1f GFLOP/s, %.1f GB/s memory",
+        bench.matmul_flops / 1e9,
+        bench.memory_bandwidth_bps / 1e9,
+    )
+    task_status.started()
+    last_bench = trio.current_time()
+    while True:
+        await trio.sleep(cfg.profile_update_s)
+        busy = node.discovery.load.active_sessions > 0 or node.discovery.load.queue_depth > 0
+        due = trio.current_time() - last_bench >= cfg.benchmark_refresh_s and not busy
+        if due and await trio.to_thread.run_sync(profiling.system_idle):
+            bench, gpu = await trio.to_thread.run_sync(measure, True, limiter=node.device_limiter)
+            last_bench = trio.current_time()
+        node.discovery.set_devices(await trio.to_thread.run_sync(profiles, bench, gpu))
+
+
+def _write_node_info(node: Node) -> None:
+    info = {"peer_id": node.peer_id, "addrs": list(node.discovery.addrs), "pid": os.getpid()}
+    path = node.config.data_dir / NODE_INFO_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+
+
+async def run_node(
+    config: NodeConfig, *, task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run a node until cancelled. Raises AuthenticationFailed / PeerUnreachable when
+    no bootstrap peer accepts us (the CLI prints it and exits non-zero)."""
+    key_pair = load_or_create_identity(config.data_dir)
+    psk = derive_psk(config.mesh_secret)
+    async with open_host(
+        key_pair, psk=psk, listen=config.listen, dial_timeout_s=config.dial_timeout_s
+    ) as host:
+        discovery = Discovery(
+            host,
+            DiscoveryConfig(
+                bootstrap=config.bootstrap,
+                mdns=config.mdns,
+                mesh_secret=config.mesh_secret,
+                policy=config.liveness,
+                dial_timeout_s=config.dial_timeout_s,
+                link_probe_interval_s=config.link_probe_interval_s,
+            ),
+            psk=psk,
+        )
+        node = Node(config=config, host=host, discovery=discovery)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_discovery, node)
+            for addr in discovery.addrs:
+                log.info("listening on %s", addr)
+            log.info("peer id %s", node.peer_id)
+            await nursery.start(serve_profiling, node)
+            _write_node_info(node)
+            log.info("node ready")
+            task_status.started(node)
+
+
+__all__ = [
+    "NODE_INFO_FILE",
+    "Node",
+    "NodeConfig",
+    "default_data_dir",
+    "run_node",
+    "serve_discovery",
+    "serve_profiling",
+]
