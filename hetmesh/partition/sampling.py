@@ -1,0 +1,81 @@
+"""Choosing the next token from logits: greedy, or seeded temperature/top-k/top-p.
+
+Each session owns one :class:`Sampler` with its own ``torch.Generator``, so
+a seeded request draws the same tokens whatever else the process runs.
+Sampling happens in fp32 on the CPU, so the draw does not depend on the
+device that produced the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hetmesh.errors import InvalidRequest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How a request picks tokens. ``temperature`` 0 or None means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise InvalidRequest("max_new_tokens must be an integer")
+        if self.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature is not None and (
+            not math.isfinite(self.temperature) or self.temperature < 0
+        ):
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidRequest(f"top_k must be at least 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop sequences must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature
+
+
+class Sampler:
+    """Picks one token id from a logits vector; owns the session's generator."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator(device="cpu")
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """``logits``: ``(vocab,)`` for the position to fill."""
+        scores = logits.detach().reshape(-1).to("cpu", torch.float32)
+        if self.params.greedy:
+            return int(scores.argmax())
+        scores = scores / float(self.params.temperature or 1.0)  # not greedy: > 0
+        if self.params.top_k is not None and self.params.top_k < scores.numel():
+            kth = torch.topk(scores, self.params.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.params.top_p is not None and self.params.top_p < 1:
+            ordered, order = torch.sort(scores, descending=True)
+            cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+            # drop a token once the mass before it already reaches top_p (keep >= 1)
+            drop = (cumulative - torch.softmax(ordered, dim=-1)) >= self.params.top_p
+            scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+__all__ = ["Sampler", "SamplingParams"]

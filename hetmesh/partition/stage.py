@@ -1,0 +1,418 @@
+"""A pipeline stage: the model's units ``[start, end)`` as one torch module.
+
+Unit 0 is the token embedding, units ``1..L`` the decoder layers, unit
+``L + 1`` the final norm and LM head (see :mod:`hetmesh.partition.profile`).
+A stage is built from transformers' own decoder-layer classes on the meta
+device and then reads only its own tensors from the safetensors files, so a
+third of a model costs about a third of its memory.
+
+The node daemon calls::
+
+    stage = load_stage(model_dir, start, end, device="cpu", dtype=torch.float32)
+    kv = stage.new_kv()                       # one per session
+    out = stage.forward(inputs, kv)           # one session
+    outs = stage.forward_batch([(x1, kv1), (x2, kv2)])   # many, one forward
+
+``inputs`` are int64 token ids ``(seq,)`` on a stage holding the embedding,
+else hidden states ``(seq, hidden)``; the output is hidden states
+``(seq, hidden)``, or logits ``(seq, vocab)`` on a stage holding the head.
+Positions follow from ``kv.length``. Bad inputs raise
+:class:`~hetmesh.errors.InvalidRequest` (the caller's fault, reported to the
+client); failures inside torch raise :class:`~hetmesh.errors.ComputeError` or
+:class:`~hetmesh.errors.DeviceOutOfMemory`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetmesh.errors import ComputeError, CorruptModel, DeviceOutOfMemory, InvalidRequest
+from hetmesh.partition.kv import SessionKV
+from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
+from hetmesh.partition.store import check_model_dir, weight_files
+from hetmesh.resources import ModelProfile
+
+# architecture -> (transformers module, class-name prefix)
+_FAMILIES = {
+    "LlamaForCausalLM": ("transformers.models.llama.modeling_llama", "Llama"),
+    "MistralForCausalLM": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "Qwen2ForCausalLM": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+}
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _family_classes(arch: str) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
+    module_name, prefix = _FAMILIES[arch]
+    module = importlib.import_module(module_name)
+    return (
+        getattr(module, f"{prefix}DecoderLayer"),
+        getattr(module, f"{prefix}RMSNorm"),
+        getattr(module, f"{prefix}RotaryEmbedding"),
+    )
+
+
+def _sliding_window(config: Any, layer: int) -> int | None:
+    """The attention window of global decoder layer ``layer`` (None = full)."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":
+        return int(window) if window else None
+    layer_types = getattr(config, "layer_types", None)
+    if window and layer_types is not None and layer_types[layer] == "sliding_attention":
+        return int(window)
+    return None
+
+
+class _BatchCache:
+    """What the stock attention layers see as their cache during one forward.
+
+    ``update`` stores each row's new keys and values in its own session's
+    KV cache and hands back the rows' full keys and values, right-padded to a
+    common length (the mask hides the padding).
+    """
+
+    def __init__(self, sessions: Sequence[SessionKV], lengths: Sequence[int]) -> None:
+        self.sessions = sessions
+        self.lengths = lengths  # new tokens per row
+        self.total = max(kv.length + n for kv, n in zip(sessions, lengths, strict=True))
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key, value: (batch, kv_heads, seq, head_dim)
+        if len(self.sessions) == 1:
+            k, v = self.sessions[0]._write(layer_idx, key[0], value[0])
+            return k.unsqueeze(0), v.unsqueeze(0)
+        batch, heads, _, dim = key.shape
+        keys = key.new_zeros((batch, heads, self.total, dim))
+        values = value.new_zeros((batch, heads, self.total, dim))
+        for row, (kv, n) in enumerate(zip(self.sessions, self.lengths, strict=True)):
+            k, v = kv._write(layer_idx, key[row, :, :n], value[row, :, :n])
+            keys[row, :, : k.shape[1]] = k
+            values[row, :, : v.shape[1]] = v
+        return keys, values
+
+
+class Stage(nn.Module):
+    """Units ``[start, end)`` of a decoder-only model, with per-session KV caches."""
+
+    def __init__(
+        self,
+        config: Any,
+        profile: ModelProfile,
+        start: int,
+        end: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.profile = profile
+        self.start, self.end = start, end
+        self.device, self.dtype = device, dtype
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.max_context: int = profile.max_context
+        self.has_embed = start == 0
+        self.has_head = end == profile.num_units
+        self.layer_range = range(max(start, 1) - 1, min(end, profile.num_layers + 1) - 1)
+        heads = config.num_attention_heads
+        self.kv_heads: int = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layer_cls, norm_cls, rotary_cls = _family_classes(profile.architecture)
+
+        with torch.device("meta"):
+            self.embed_tokens = (
+                nn.Embedding(config.vocab_size, config.hidden_size) if self.has_embed else None
+            )
+            layers = []
+            for local, global_index in enumerate(self.layer_range):
+                # built with its global index (per-layer config such as sliding
+                # windows), then renumbered: the session caches index layers locally.
+                layer = layer_cls(config, global_index)
+                layer.self_attn.layer_idx = local  # type: ignore[union-attr]
+                layers.append(layer)
+            self.layers = nn.ModuleList(layers)
+            self.norm = (
+                norm_cls(config.hidden_size, eps=config.rms_norm_eps) if self.has_head else None
+            )
+            self.lm_head = (
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                if self.has_head
+                else None
+            )
+        self.rotary_emb = rotary_cls(config=config).to(device) if self.layers else None
+        self.windows = [_sliding_window(config, g) for g in self.layer_range]
+
+    # -- introspection ------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def param_count(self) -> int:
+        """Parameters held (a tied embedding shared with the head counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_kv(self) -> SessionKV:
+        """A fresh, empty KV cache for one session on this stage."""
+        return SessionKV(
+            owner=id(self),
+            num_layers=self.num_layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_length=self.max_context,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    def extra_repr(self) -> str:
+        return f"units=[{self.start}, {self.end}), layers={list(self.layer_range)}"
+
+    # -- compute ------------------------------------------------------------------------
+
+    def forward(  # type: ignore[override]
+        self, inputs: torch.Tensor, kv: SessionKV, *, last_only: bool = False
+    ) -> torch.Tensor:
+        """Run one session's chunk; see the module docstring for shapes."""
+        outputs: list[torch.Tensor] = self.forward_batch([(inputs, kv)], last_only=last_only)
+        return outputs[0]
+
+    def forward_batch(
+        self, items: Sequence[tuple[torch.Tensor, SessionKV]], *, last_only: bool = False
+    ) -> list[torch.Tensor]:
+        """Run several sessions' chunks (any lengths, any KV lengths) in one forward.
+
+        Returns one output per item, in order. With ``last_only`` a head stage
+        returns logits of each chunk's last token only, ``(1, vocab)``.
+        """
+        if not items:
+            return []
+        prepared = [self._check_input(x, kv) for x, kv in items]
+        sessions = [kv for _, kv in items]
+        if len({id(kv) for kv in sessions}) != len(sessions):
+            raise InvalidRequest("a session appears twice in one batch")
+        try:
+            with torch.inference_mode():
+                outputs = self._run(prepared, sessions, last_only)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemory(f"stage [{self.start}, {self.end}): {exc}") from exc
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise ComputeError(f"stage [{self.start}, {self.end}) failed: {exc}") from exc
+        for kv, x in zip(sessions, prepared, strict=True):
+            kv._commit(x.shape[0])
+        return outputs
+
+    def _check_input(self, x: Any, kv: Any) -> torch.Tensor:
+        if not isinstance(kv, SessionKV):
+            raise InvalidRequest(f"expected a SessionKV, got {type(kv).__name__}")
+        kv._check_usable(id(self))
+        if not isinstance(x, torch.Tensor):
+            raise InvalidRequest(f"expected a tensor, got {type(x).__name__}")
+        if self.has_embed:
+            if x.dtype not in (torch.int64, torch.int32) or x.dim() != 1:
+                raise InvalidRequest(
+                    f"first stage takes int64 token ids of shape (seq,), got {x.dtype} "
+                    f"{tuple(x.shape)}"
+                )
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
+                raise InvalidRequest(f"token id outside the vocabulary [0, {self.vocab_size})")
+            x = x.to(self.device, torch.int64)
+        else:
+            if not x.is_floating_point() or x.dim() != 2 or x.shape[1] != self.hidden_size:
+                raise InvalidRequest(
+                    f"stage [{self.start}, {self.end}) takes hidden states (seq, "
+                    f"{self.hidden_size}), got {x.dtype} {tuple(x.shape)}"
+                )
+            x = x.to(self.device, self.dtype)
+        if x.shape[0] == 0:
+            raise InvalidRequest("empty input chunk")
+        if kv.length + x.shape[0] > self.max_context:
+            raise InvalidRequest(
+                f"context of {kv.length + x.shape[0]} tokens exceeds the model's "
+                f"maximum of {self.max_context}"
+            )
+        checked: torch.Tensor = x
+        return checked
+
+    def _run(
+        self, xs: list[torch.Tensor], sessions: list[SessionKV], last_only: bool
+    ) -> list[torch.Tensor]:
+        lengths = [x.shape[0] for x in xs]
+        batch, width = len(xs), max(lengths)
+        if self.embed_tokens is not None:
+            ids = torch.zeros((batch, width), dtype=torch.int64, device=self.device)
+            for row, x in enumerate(xs):
+                ids[row, : x.shape[0]] = x
+            hidden = self.embed_tokens(ids)  # (batch, seq, hidden)
+        else:
+            hidden = torch.zeros(
+                (batch, width, self.hidden_size), dtype=self.dtype, device=self.device
+            )
+            for row, x in enumerate(xs):
+                hidden[row, : x.shape[0]] = x
+
+        if self.layers:
+            for kv in sessions:
+                kv._reserve(max(lengths))
+            past = torch.tensor([kv.length for kv in sessions], device=self.device)
+            position_ids = past[:, None] + torch.arange(width, device=self.device)[None, :]
+            position_embeddings = self.rotary_emb(hidden, position_ids)  # type: ignore[misc]
+            cache = _BatchCache(sessions, lengths)
+            masks: dict[int | None, torch.Tensor | None] = {}
+            for layer, window in zip(self.layers, self.windows, strict=True):
+                if window not in masks:
+                    masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
+                hidden = layer(
+                    hidden,
+                    attention_mask=masks[window],
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    position_embeddings=position_embeddings,
+                )  # (batch, seq, hidden)
+
+        if self.norm is not None and self.lm_head is not None:
+            if last_only:
+                rows = torch.arange(batch, device=self.device)
+                last = torch.tensor(lengths, device=self.device) - 1
+                hidden = hidden[rows, last][:, None, :]  # (batch, 1, hidden)
+                lengths = [1] * batch
+            hidden = self.lm_head(self.norm(hidden))  # (batch, seq, vocab)
+        return [hidden[row, :n] for row, n in enumerate(lengths)]
+
+    def _mask(
+        self,
+        past: torch.Tensor,
+        lengths: list[int],
+        position_ids: torch.Tensor,
+        total: int,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """Additive attention mask ``(batch, 1, seq, total)``; None where sdpa's own works."""
+        single = len(lengths) == 1
+        past_len, n = int(past[0]), lengths[0]
+        simple = past_len == 0 or n == 1  # plain causal, or attend to everything
+        if (
+            single
+            and simple
+            and self.config._attn_implementation == "sdpa"
+            and (window is None or past_len + n <= window)
+        ):
+            return None
+        keys = torch.arange(total, device=self.device)[None, None, :]
+        queries = position_ids[:, :, None]  # absolute position of each query
+        ends = (past + torch.tensor(lengths, device=self.device))[:, None, None]
+        allowed = (keys <= queries) & (keys < ends)
+        if window is not None:
+            allowed &= queries - keys < window
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[:, None]  # padded query rows still see key 0: no NaN rows
+
+
+def load_stage(
+    model_dir: str | os.PathLike[str],
+    start: int,
+    end: int,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> Stage:
+    """Build the stage for units ``[start, end)`` and load only its tensors.
+
+    Raises ``ModelNotFound``/``UnsupportedModel``/``CorruptModel`` for a bad
+    folder and ``InvalidRequest`` for a range outside the model.
+    """
+    import transformers
+
+    folder = Path(model_dir)
+    config_dict = check_model_dir(folder)
+    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise InvalidRequest(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    try:
+        profile = model_profile(config_dict, dtype=dtype_name, name=folder.name)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if not (
+        isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= profile.num_units
+    ):
+        raise InvalidRequest(f"unit range [{start}, {end}) outside [0, {profile.num_units})")
+    config = transformers.AutoConfig.from_pretrained(str(folder))
+    config._attn_implementation = attn_implementation  # unset means non-causal attention
+    torch_device = torch.device(device)
+    stage = Stage(config, profile, start, end, device=torch_device, dtype=dtype)
+    _load_tensors(stage, folder, config_dict)
+    stage.eval()
+    return stage
+
+
+def _tensor_sources(stage: Stage, config: dict[str, Any]) -> dict[str, str]:
+    """Stage parameter name -> checkpoint tensor name."""
+    names: dict[str, str] = {}
+    if stage.embed_tokens is not None:
+        names["embed_tokens.weight"] = "model.embed_tokens.weight"
+    for local, global_index in enumerate(stage.layer_range):
+        for param, _ in stage.layers[local].named_parameters():
+            names[f"layers.{local}.{param}"] = f"model.layers.{global_index}.{param}"
+    if stage.norm is not None:
+        names["norm.weight"] = "model.norm.weight"
+    if stage.lm_head is not None and not (stage.embed_tokens is not None and _tied(config)):
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
+
+
+def _tied(config: dict[str, Any]) -> bool:
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def _load_tensors(stage: Stage, folder: Path, config: dict[str, Any]) -> None:
+    from safetensors import safe_open
+
+    files = weight_files(folder)
+    wanted = _tensor_sources(stage, config)
+    if "lm_head.weight" in wanted.values() and "lm_head.weight" not in files:
+        if not _tied(config):
+            raise CorruptModel(f"{folder}: no lm_head.weight and embeddings are not tied")
+        wanted["lm_head.weight"] = "model.embed_tokens.weight"  # tied: the head reads the embedding
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for param, tensor in wanted.items():
+        if tensor not in files:
+            raise CorruptModel(f"{folder}: tensor {tensor} missing from the checkpoint")
+        by_file.setdefault(files[tensor], []).append((param, tensor))
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for file, pairs in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for param, tensor in pairs:
+                    state[param] = handle.get_tensor(tensor).to(stage.device, stage.dtype)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise CorruptModel(f"{folder}: cannot read tensors ({exc})") from exc
+    for param, value in state.items():
+        expected = stage.get_parameter(param).shape
+        if value.shape != expected:
+            raise CorruptModel(
+                f"{folder}: tensor for {param} has shape {tuple(value.shape)}, "
+                f"config says {tuple(expected)}"
+            )
+    stage.load_state_dict(state, strict=False, assign=True)
+    if stage.embed_tokens is not None and stage.lm_head is not None and _tied(config):
+        stage.lm_head.weight = stage.embed_tokens.weight  # one shared matrix
+    left = [name for name, p in stage.named_parameters() if p.is_meta]
+    if left:
+        raise CorruptModel(f"{folder}: no tensors for {left[:3]}")
+
+
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "SUPPORTED_ARCHITECTURES", "Stage", "load_stage"]

