@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import sys
 
+from hetmesh.cli import model as _model  # noqa: F401  (registers commands)
 from hetmesh.cli import node as _node  # noqa: F401  (registers commands)
 from hetmesh.cli import status as _status  # noqa: F401  (registers commands)
-from hetmesh.cli import model as _model  # noqa: F401  (registers commands)
 from hetmesh.cli import version as _version  # noqa: F401  (registers commands)
 from hetmesh.cli._app import app
 from hetmesh.errors import MeshError
