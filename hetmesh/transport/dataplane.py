@@ -1,0 +1,535 @@
+"""A node's data plane: listeners for every backend, link negotiation, credentials.
+
+See the package docstring for the API and a usage example.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from hetmesh.errors import (
+    AuthenticationFailed,
+    ConnectTimeout,
+    LocalProtocolError,
+    MeshError,
+    PeerUnreachable,
+    RemoteProtocolError,
+    TransportError,
+)
+from hetmesh.transport import handshake
+from hetmesh.transport.codec import BufferPool
+from hetmesh.transport.credentials import Credential, CredentialBook, CredentialStatistics
+from hetmesh.transport.frames import (
+    DEFAULT_LIMITS,
+    ERROR_FALLBACK,
+    Decision,
+    Error,
+    Frame,
+    Hello,
+    Limits,
+    Offer,
+)
+from hetmesh.transport.links import (
+    BufferedReader,
+    FramedStream,
+    Link,
+    StreamLink,
+    TcpLink,
+    blocking_framer,
+    in_thread,
+    sendmsg_all,
+    tune_tcp,
+)
+from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
+from hetmesh.transport.shm import ShmLink, packet_framer
+
+log = logging.getLogger(__name__)
+
+
+def host_identity() -> str:
+    """Boot id + network namespace: equal exactly when shm and abstract sockets are shared."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return f"unknown-{secrets.token_hex(8)}"
+    return f"{boot}/{netns}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataPlaneConfig:
+    """How this node offers and accepts data-plane links.
+
+    ``backends`` is the preference order (the listener's order decides);
+    ``deny`` removes backends whatever the peer says; ``require_encryption``
+    leaves only libp2p; ``gloo`` lets torchdist run on CPU (tests; NCCL is
+    used automatically when both ends have it).
+    """
+
+    peer_id: str
+    backends: tuple[str, ...] = BACKENDS
+    deny: tuple[str, ...] = ()
+    require_encryption: bool = False
+    gloo: bool = False
+    tcp_host: str = "127.0.0.1"
+    device: str | None = None  # "cuda:N" to receive NCCL payloads on that device
+    limits: Limits = DEFAULT_LIMITS
+    handshake_timeout_s: float = 10.0
+    socket_buffer_bytes: int = 0  # 0: let the kernel autotune
+    shm_budget_bytes: int = 2 << 30
+    torchdist_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataPlaneStatistics:
+    peer_id: str
+    endpoints: tuple[tuple[str, str], ...]
+    links_opened: dict[str, int]
+    connections_refused: int
+    credentials: CredentialStatistics
+    choices: tuple[str, ...] = field(default=())  # the reason of every link, newest last
+
+
+@dataclass(slots=True)
+class _Waiting:
+    choice: Choice
+    remote_peer_id: str
+    delivered: trio.MemoryReceiveChannel[Link]
+    deliver: trio.MemorySendChannel[Link]
+
+
+class DataPlane:
+    """Negotiates and opens links. Create with :func:`open_data_plane`."""
+
+    def __init__(self, config: DataPlaneConfig, nursery: trio.Nursery) -> None:
+        self.config = config
+        self._nursery = nursery
+        self.book = CredentialBook(config.peer_id)
+        self._endpoints: dict[str, str] = {}
+        self._waiting: dict[bytes, _Waiting] = {}
+        self._opened: dict[str, int] = {}
+        self._refused = 0
+        self._choices: list[str] = []
+        self._host_id = host_identity()
+        self._cuda = bool(config.device and config.device.startswith("cuda"))
+
+    # --- offers ------------------------------------------------------------------
+    def offer(self, credential: Credential | None = None) -> Offer:
+        from hetmesh.transport.torchdist import nccl_available
+
+        c = self.config
+        return Offer(
+            peer_id=c.peer_id,
+            host_id=self._host_id,
+            backends=c.backends,
+            endpoints=tuple(sorted(self._endpoints.items())),
+            cuda=self._cuda,
+            nccl=self._cuda and nccl_available(),
+            gloo=c.gloo,
+            deny=c.deny,
+            require_encryption=c.require_encryption,
+            credential_id=credential.credential_id if credential else b"",
+            credential_secret=credential.secret if credential else b"",
+        )
+
+    def statistics(self) -> DataPlaneStatistics:
+        return DataPlaneStatistics(
+            peer_id=self.config.peer_id,
+            endpoints=tuple(sorted(self._endpoints.items())),
+            links_opened=dict(self._opened),
+            connections_refused=self._refused,
+            credentials=self.book.statistics(),
+            choices=tuple(self._choices[-32:]),
+        )
+
+    def _record(self, link: Link, reason: str) -> Link:
+        link.reason = reason
+        self._opened[link.backend] = self._opened.get(link.backend, 0) + 1
+        self._choices.append(f"{link.remote_peer_id}: {reason}")
+        log.info("data-plane link to %s: %s", link.remote_peer_id, reason)
+        return link
+
+    # --- dialer --------------------------------------------------------------------
+    async def connect(self, control: Any, *, expected_peer_id: str | None = None) -> Link:
+        """Open a link to the peer at the other end of ``control`` (we dial).
+
+        ``control`` is an authenticated byte stream (``send_all``,
+        ``receive_some``, ``aclose``): a libp2p stream through
+        :class:`~hetmesh.transport.p2p.Libp2pStream`, or a trio stream. If
+        libp2p is chosen, the control stream becomes the link; otherwise it
+        can be closed once this returns. Raises :class:`AuthenticationFailed`,
+        :class:`PeerUnreachable`, :class:`ConnectTimeout`,
+        :class:`RemoteProtocolError`.
+        """
+        framed = FramedStream(control, self.config.limits)
+        timeout = self.config.handshake_timeout_s
+        try:
+            with trio.fail_after(timeout):
+                await framed.send(self.offer())
+                theirs = await framed.receive()
+        except trio.TooSlowError:
+            raise ConnectTimeout("no offer from the peer") from None
+        if not isinstance(theirs, Offer) or not theirs.credential_id:
+            raise RemoteProtocolError("expected the listener's offer with a credential")
+        if expected_peer_id is not None and theirs.peer_id != expected_peer_id:
+            raise AuthenticationFailed(f"control stream peer is {theirs.peer_id!r}")
+        credential = Credential(
+            theirs.credential_id, theirs.credential_secret, self.config.peer_id, theirs.peer_id
+        )
+        choice = choose_backend(self.offer(), theirs)
+        reason = choice.reason
+        link: Link | None = None
+        if choice.backend and choice.backend != "libp2p":
+            try:
+                with trio.fail_after(timeout + self.config.torchdist_timeout_s):
+                    link = await self._dial(choice, credential, theirs.peer_id)
+            except (TransportError, OSError, trio.TooSlowError) as exc:
+                if isinstance(exc, AuthenticationFailed):
+                    raise
+                skip = choose_backend(self.offer(), _without(theirs, choice.backend))
+                log.warning(
+                    "%s link to %s failed (%r); trying %s",
+                    choice.backend,
+                    theirs.peer_id,
+                    exc,
+                    skip.backend or "nothing",
+                )
+                if skip.backend != "libp2p":
+                    await framed.send(Error(code=ERROR_FALLBACK, message=repr(exc)))
+                    raise PeerUnreachable(f"{choice.backend} failed: {exc!r}") from exc
+                choice = skip
+                reason = f"libp2p: {choice.reason}; fell back after {exc!r}"
+        if not choice.backend:
+            await framed.send(Error(code=ERROR_FALLBACK, message=reason))
+            raise PeerUnreachable(reason)
+        await framed.send(Decision(backend=choice.backend, reason=reason))
+        if link is None:
+            with trio.fail_after(timeout):
+                await handshake.dial_async(framed.send, framed.receive, credential)
+            link = StreamLink(framed, theirs.peer_id)
+        return self._record(link, reason)
+
+    async def _dial(self, choice: Choice, credential: Credential, peer: str) -> Link:
+        c = self.config
+        if choice.backend == "shm":
+            return await in_thread(
+                dial_shm,
+                choice.endpoint,
+                credential,
+                peer,
+                c.limits,
+                c.shm_budget_bytes,
+                c.handshake_timeout_s,
+            )
+        sock = await in_thread(
+            dial_tcp,
+            choice.endpoint,
+            credential,
+            c.limits,
+            c.socket_buffer_bytes,
+            c.handshake_timeout_s,
+        )
+        if choice.backend == "tcp":
+            link: Link = TcpLink(sock, peer, c.limits)
+        else:
+            link = await in_thread(_torchdist_dial, sock, credential, c)
+        link_start(link)
+        return link
+
+    # --- listener ------------------------------------------------------------------
+    async def accept(self, control: Any, *, expected_peer_id: str | None = None) -> Link:
+        """Accept a link from the peer at the other end of ``control`` (they dial).
+
+        Same errors as :meth:`connect`. The credential is one-time and is
+        retired whatever the outcome.
+        """
+        framed = FramedStream(control, self.config.limits)
+        timeout = self.config.handshake_timeout_s
+        with trio.fail_after(timeout):
+            theirs = await framed.receive()
+        if not isinstance(theirs, Offer):
+            raise RemoteProtocolError("expected the dialer's offer")
+        if expected_peer_id is not None and theirs.peer_id != expected_peer_id:
+            raise AuthenticationFailed(f"control stream peer is {theirs.peer_id!r}")
+        credential = self.book.issue(theirs.peer_id)
+        mine = self.offer(credential)
+        choice = choose_backend(theirs, mine)
+        send, receive = trio.open_memory_channel[Link](1)
+        self._waiting[credential.credential_id] = _Waiting(choice, theirs.peer_id, receive, send)
+        try:
+            await framed.send(mine)
+            with trio.fail_after(timeout + self.config.torchdist_timeout_s):
+                decision = await framed.receive()
+                if isinstance(decision, Error):
+                    raise PeerUnreachable(f"dialer gave up: {decision.message}")
+                if not isinstance(decision, Decision):
+                    raise RemoteProtocolError("expected the dialer's decision")
+                if (
+                    decision.backend == "libp2p"
+                    and "libp2p" in mine.backends
+                    and "libp2p" not in mine.deny
+                ):
+                    await handshake.listen_async(
+                        framed.send, framed.receive, self._verifier(theirs.peer_id)
+                    )
+                    return self._record(StreamLink(framed, theirs.peer_id), decision.reason)
+                if decision.backend != choice.backend:
+                    raise RemoteProtocolError(
+                        f"dialer chose {decision.backend}, we computed {choice.backend}"
+                    )
+                link = await receive.receive()
+                return self._record(link, decision.reason)
+        except trio.TooSlowError:
+            raise ConnectTimeout("the dialer did not complete the link in time") from None
+        finally:
+            self._waiting.pop(credential.credential_id, None)
+            self.book.consume(credential.credential_id)
+            while True:  # a link delivered after we gave up must not leak
+                try:
+                    late = receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                self._nursery.start_soon(late.aclose)
+
+    def _verifier(self, dialer_id: str | None) -> handshake.Verifier:
+        def verify(hello: Hello, nonce: bytes, mac: bytes) -> Credential | None:
+            if dialer_id is not None and hello.peer_id != dialer_id:
+                self.book.lookup(hello.credential_id)
+                return None
+            return self.book.verify(hello.credential_id, hello.peer_id, hello.nonce, nonce, mac)
+
+        return verify
+
+    def _verify_from_thread(self, hello: Hello, nonce: bytes, mac: bytes) -> Credential | None:
+        return trio.from_thread.run_sync(self._verifier(None), hello, nonce, mac)
+
+    async def _serve_tcp(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listener = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await listener.bind((self.config.tcp_host, 0))
+        listener.listen(128)
+        host, port = listener.getsockname()[:2]
+        self._endpoints["tcp"] = self._endpoints["torchdist"] = f"{host}:{port}"
+        task_status.started()
+        with listener:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    conn, _ = await listener.accept()
+                    sock = socket.socket(fileno=conn.detach())
+                    nursery.start_soon(self._handle_tcp, sock)
+
+    async def _serve_shm(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        name = f"\0hetmesh-shm-{secrets.token_hex(12)}"
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        await listener.bind(name)
+        listener.listen(128)
+        self._endpoints["shm"] = name[1:]
+        task_status.started()
+        with listener:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    conn, _ = await listener.accept()
+                    sock = socket.socket(fileno=conn.detach())
+                    nursery.start_soon(self._handle_shm, sock)
+
+    async def _handle(self, sock: socket.socket, setup: Callable[..., Any]) -> None:
+        """One incoming data connection: authenticate it, then hand the link to ``accept``."""
+        c = self.config
+        try:
+            with trio.fail_after(c.handshake_timeout_s + c.torchdist_timeout_s):
+                link, waiting = await in_thread(setup, sock)
+        except (MeshError, OSError, trio.TooSlowError) as exc:
+            self._refused += 1
+            log.warning("refused a data connection: %r", exc)
+            sock.close()
+            return
+        except Exception:
+            self._refused += 1
+            log.exception("data connection handler failed")
+            sock.close()
+            return
+        link_start(link)
+        try:
+            waiting.deliver.send_nowait(link)
+        except (trio.WouldBlock, trio.BrokenResourceError):
+            await link.aclose()
+
+    async def _handle_tcp(self, sock: socket.socket) -> None:
+        await self._handle(sock, self._setup_tcp)
+
+    async def _handle_shm(self, sock: socket.socket) -> None:
+        await self._handle(sock, self._setup_shm)
+
+    def _listen(self, send: Any, receive: Any) -> tuple[Credential, _Waiting]:
+        credential, _ = handshake.listen_blocking(send, receive, self._verify_from_thread)
+        waiting = self._waiting.get(credential.credential_id)
+        if waiting is None:
+            raise AuthenticationFailed("credential is no longer awaited")
+        return credential, waiting
+
+    def _setup_tcp(self, sock: socket.socket) -> tuple[Link, _Waiting]:
+        c = self.config
+        sock.settimeout(c.handshake_timeout_s)
+        tune_tcp(sock, c.socket_buffer_bytes)
+        pool = BufferPool()
+        reader = BufferedReader(sock, c.limits, pool)
+
+        def send(frame: Frame) -> None:
+            from hetmesh.transport.frames import encode
+
+            sendmsg_all(sock, [memoryview(p) for p in encode(frame, c.limits)])
+
+        credential, waiting = self._listen(send, reader.read_frame)
+        if waiting.choice.backend == "torchdist":
+            from hetmesh.transport.torchdist import TorchDistLink, listen_group
+
+            pg, store = listen_group(
+                sock,
+                credential.credential_id.hex(),
+                c.tcp_host,
+                c.torchdist_timeout_s,
+                c.device if self._cuda else None,
+            )
+            sock.settimeout(None)
+            link: Link = TorchDistLink(
+                sock,
+                reader,
+                pg,
+                store,
+                0,
+                waiting.remote_peer_id,
+                c.limits,
+                c.device if self._cuda else None,
+            )
+            return link, waiting
+        if waiting.choice.backend != "tcp":
+            raise AuthenticationFailed("credential was issued for another backend")
+        sock.settimeout(None)
+        return TcpLink(sock, waiting.remote_peer_id, c.limits), waiting
+
+    def _setup_shm(self, sock: socket.socket) -> tuple[Link, _Waiting]:
+        c = self.config
+        sock.settimeout(c.handshake_timeout_s)
+        _, waiting = self._listen(*packet_framer(sock, c.limits))
+        if waiting.choice.backend != "shm":
+            raise AuthenticationFailed("credential was issued for another backend")
+        sock.settimeout(None)
+        return ShmLink(
+            sock, waiting.remote_peer_id, c.limits, budget_bytes=c.shm_budget_bytes
+        ), waiting
+
+
+def link_start(link: Link) -> None:
+    start = getattr(link, "start", None)
+    if start is not None:
+        start()
+
+
+def _without(offer: Offer, backend: str) -> Offer:
+    from dataclasses import replace
+
+    return replace(offer, deny=(*offer.deny, backend))
+
+
+def dial_tcp(
+    endpoint: str, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
+) -> socket.socket:
+    """Blocking: connect to a tcp endpoint and prove the credential."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except TimeoutError as exc:
+        raise ConnectTimeout(f"tcp connect to {endpoint} timed out") from exc
+    except (OSError, ValueError) as exc:
+        raise PeerUnreachable(f"tcp connect to {endpoint} failed: {exc}") from exc
+    try:
+        tune_tcp(sock, buffer_bytes)
+        handshake.dial_blocking(*blocking_framer(sock, limits, BufferPool()), credential)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _torchdist_dial(sock: socket.socket, credential: Credential, c: DataPlaneConfig) -> Link:
+    from hetmesh.transport.torchdist import TorchDistLink, dial_group, nccl_available
+
+    device = c.device if c.device and c.device.startswith("cuda") and nccl_available() else None
+    pool = BufferPool()
+    reader = BufferedReader(sock, c.limits, pool)
+    sock.settimeout(c.torchdist_timeout_s)
+    pg, store = dial_group(
+        reader, credential.credential_id.hex(), c.tcp_host, c.torchdist_timeout_s, device
+    )
+    sock.settimeout(None)
+    return TorchDistLink(sock, reader, pg, store, 1, credential.listener_id, c.limits, device)
+
+
+def dial_shm(
+    endpoint: str,
+    credential: Credential,
+    peer: str,
+    limits: Limits,
+    budget_bytes: int,
+    timeout_s: float,
+) -> ShmLink:
+    """Blocking: connect to a shm doorbell socket and prove the credential."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect("\0" + endpoint)
+        handshake.dial_blocking(*packet_framer(sock, limits), credential)
+        sock.settimeout(None)
+    except OSError as exc:
+        sock.close()
+        raise PeerUnreachable(f"shm connect to {endpoint!r} failed: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return ShmLink(sock, peer, limits, budget_bytes=budget_bytes)
+
+
+@contextlib.asynccontextmanager
+async def open_data_plane(config: DataPlaneConfig) -> AsyncIterator[DataPlane]:
+    """Start this node's data-plane listeners; yields the :class:`DataPlane`."""
+    if not config.peer_id:
+        raise LocalProtocolError("a data plane needs our peer id")
+    try:
+        async with trio.open_nursery() as nursery:
+            plane = DataPlane(config, nursery)
+            usable = set(config.backends) - set(config.deny)
+            if usable & {"tcp", "torchdist"} and not config.require_encryption:
+                await nursery.start(plane._serve_tcp)
+            if "shm" in usable and not config.require_encryption:
+                await nursery.start(plane._serve_shm)
+            try:
+                yield plane
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The listeners only stop by cancellation: surface the body's own error unwrapped.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+__all__ = [
+    "DataPlane",
+    "DataPlaneConfig",
+    "DataPlaneStatistics",
+    "dial_shm",
+    "dial_tcp",
+    "host_identity",
+    "open_data_plane",
+]

@@ -1,0 +1,583 @@
+"""Data-plane frames and their sans-IO codec (h11's shape).
+
+Wire layout of one frame::
+
+    prefix  16 bytes  ">2sBBIQ": magic b"HM", protocol version, tag,
+                      header length (u32), payload length (u64)
+    header  msgpack list, the frame's fields; tensors as [dtype, shape, nbytes]
+    payload the raw bytes of every tensor, in order, nothing between them
+
+:func:`encode` returns the prefix+header as ``bytes`` followed by one
+``memoryview`` per tensor, read straight from the tensor's memory, for a
+gathering write. :class:`Decoder` is incremental (``receive_data`` /
+``next_frame``); every length is checked against :class:`Limits` before
+anything is allocated. Peer faults raise :class:`RemoteProtocolError`, our
+own misuse :class:`LocalProtocolError`.
+
+Blocking and threaded readers that want to ``recv_into`` tensors directly use
+the same two steps the decoder uses: :func:`parse_prefix` and
+:func:`parse_header`, then :meth:`Pending.build` once the payload is in.
+
+Imports neither trio nor libp2p.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Final, Literal
+
+import msgpack
+import torch
+
+from hetmesh.errors import LocalProtocolError, RemoteProtocolError
+from hetmesh.transport.codec import (
+    TensorSpec,
+    as_tensor,
+    byte_view,
+    checked_spec,
+    host_tensor,
+    same_bits,
+    spec_of,
+)
+
+MAGIC: Final = b"HM"
+VERSION: Final = 1
+PREFIX = struct.Struct(">2sBBIQ")
+PREFIX_BYTES: Final = PREFIX.size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Caps checked before any allocation. Both peers should use the same ones."""
+
+    max_header_bytes: int = 1 << 20
+    max_payload_bytes: int = 4 << 30
+    max_tensors: int = 64
+    max_dims: int = 8
+    max_elements: int = 1 << 31
+    max_items: int = 1 << 20  # positions, token ids
+    max_string_bytes: int = 64 << 10
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+
+class Frame:
+    """Base of every frame. ``TAG`` is stable and never reused."""
+
+    TAG: ClassVar[int]
+    __slots__ = ()
+
+    def tensors_(self) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        for f in fields(self):  # type: ignore[arg-type]
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "tensors":
+                if len(a) != len(b) or not all(same_bits(x, y) for x, y in zip(a, b, strict=True)):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Offer(Frame):
+    """One peer's data-plane offer, exchanged on the control stream.
+
+    ``endpoints`` maps a backend to where to reach it (``"host:port"`` for
+    tcp/torchdist, an abstract unix socket name for shm). The listener also
+    puts the one-time credential in its offer; the dialer leaves it empty.
+    """
+
+    TAG: ClassVar[int] = 1
+    peer_id: str
+    host_id: str
+    backends: tuple[str, ...]
+    endpoints: tuple[tuple[str, str], ...] = ()
+    cuda: bool = False
+    nccl: bool = False
+    gloo: bool = False
+    deny: tuple[str, ...] = ()
+    require_encryption: bool = False
+    credential_id: bytes = b""
+    credential_secret: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Decision(Frame):
+    """The dialer tells the listener which backend it actually connected."""
+
+    TAG: ClassVar[int] = 2
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Hello(Frame):
+    """First frame on a data connection: who dials, for which credential."""
+
+    TAG: ClassVar[int] = 3
+    peer_id: str
+    credential_id: bytes
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Challenge(Frame):
+    TAG: ClassVar[int] = 4
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Proof(Frame):
+    TAG: ClassVar[int] = 5
+    mac: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Activations(Frame):
+    """Hidden states (or token ids) for one step of one session."""
+
+    TAG: ClassVar[int] = 6
+    session_id: str
+    step: int
+    positions: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    def tensors_(self) -> tuple[torch.Tensor, ...]:
+        return self.tensors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Tokens(Frame):
+    TAG: ClassVar[int] = 7
+    session_id: str
+    step: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class KVBlock(Frame):
+    """KV cache of ``session_id`` for layers from ``first_layer``, positions from ``start``."""
+
+    TAG: ClassVar[int] = 8
+    session_id: str
+    first_layer: int
+    start: int
+    tensors: tuple[torch.Tensor, ...]
+
+    def tensors_(self) -> tuple[torch.Tensor, ...]:
+        return self.tensors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Cancel(Frame):
+    TAG: ClassVar[int] = 9
+    session_id: str
+    reason: str = ""
+
+
+ErrorCode = Literal[1, 2, 3, 4]
+ERROR_PROTOCOL: Final = 1
+ERROR_AUTH: Final = 2
+ERROR_INTERNAL: Final = 3
+ERROR_FALLBACK: Final = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Error(Frame):
+    TAG: ClassVar[int] = 10
+    code: int
+    message: str
+    session_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Goodbye(Frame):
+    TAG: ClassVar[int] = 11
+    reason: str = ""
+
+
+FRAME_TYPES: Final[dict[int, type[Frame]]] = {
+    cls.TAG: cls
+    for cls in (
+        Offer,
+        Decision,
+        Hello,
+        Challenge,
+        Proof,
+        Activations,
+        Tokens,
+        KVBlock,
+        Cancel,
+        Error,
+        Goodbye,
+    )
+}
+
+# --- field kinds, used both to encode and to validate what a peer sent -----------------
+
+_STR, _BYTES, _INT, _UINT, _BOOL, _STRS, _PAIRS, _INTS, _TENSORS = range(9)
+_KIND: dict[str, int] = {
+    "peer_id": _STR,
+    "host_id": _STR,
+    "backends": _STRS,
+    "endpoints": _PAIRS,
+    "cuda": _BOOL,
+    "nccl": _BOOL,
+    "gloo": _BOOL,
+    "deny": _STRS,
+    "require_encryption": _BOOL,
+    "credential_id": _BYTES,
+    "credential_secret": _BYTES,
+    "backend": _STR,
+    "reason": _STR,
+    "nonce": _BYTES,
+    "mac": _BYTES,
+    "session_id": _STR,
+    "step": _UINT,
+    "positions": _INTS,
+    "tensors": _TENSORS,
+    "token_ids": _INTS,
+    "first_layer": _UINT,
+    "start": _UINT,
+    "code": _UINT,
+    "message": _STR,
+}
+_FIELDS: dict[type[Frame], tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    for cls in FRAME_TYPES.values()
+}
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _check_local(kind: int, name: str, value: Any, limits: Limits) -> Any:
+    """Validate one field of a frame we are about to send; returns its wire value."""
+    bad = False
+    if kind == _STR:
+        bad = not isinstance(value, str) or len(value.encode()) > limits.max_string_bytes
+    elif kind == _BYTES:
+        bad = not isinstance(value, bytes) or len(value) > limits.max_string_bytes
+    elif kind in (_INT, _UINT):
+        bad = type(value) is not int or not (
+            (0 if kind == _UINT else _INT64_MIN) <= value <= _INT64_MAX
+        )
+    elif kind == _BOOL:
+        bad = type(value) is not bool
+    elif kind == _STRS:
+        bad = not isinstance(value, tuple) or not all(isinstance(v, str) for v in value)
+        value = list(value) if not bad else value
+    elif kind == _PAIRS:
+        bad = not isinstance(value, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in value
+        )
+        value = [list(p) for p in value] if not bad else value
+    elif kind == _INTS:
+        bad = (
+            not isinstance(value, tuple)
+            or len(value) > limits.max_items
+            or not all(type(v) is int and _INT64_MIN <= v <= _INT64_MAX for v in value)
+        )
+        value = list(value) if not bad else value
+    if bad:
+        raise LocalProtocolError(f"frame field {name}={value!r:.80} is invalid")
+    return value
+
+
+def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> list[bytes | memoryview]:
+    """Serialise ``frame``: prefix+header bytes, then one memoryview per tensor (no copies).
+
+    CUDA tensors are staged through pinned host memory. The memoryviews borrow
+    the tensors' memory: write them out before mutating the tensors.
+    Raises :class:`LocalProtocolError` for invalid fields or a frame over ``limits``.
+    """
+    cls = type(frame)
+    if cls not in _FIELDS:
+        raise LocalProtocolError(f"{cls.__name__} is not a frame type")
+    header: list[Any] = []
+    views: list[memoryview] = []
+    payload = 0
+    for name in _FIELDS[cls]:
+        value = getattr(frame, name)
+        kind = _KIND[name]
+        if kind == _TENSORS:
+            if not isinstance(value, tuple) or len(value) > limits.max_tensors:
+                raise LocalProtocolError("tensors must be a tuple within max_tensors")
+            described = []
+            for t in value:
+                if not isinstance(t, torch.Tensor):
+                    raise LocalProtocolError("tensors must hold torch.Tensor values")
+                h = host_tensor(t)
+                spec = spec_of(h)
+                if len(spec.shape) > limits.max_dims or h.numel() > limits.max_elements:
+                    raise LocalProtocolError(f"tensor {spec} exceeds limits")
+                described.append([spec.dtype, list(spec.shape), spec.nbytes])
+                views.append(byte_view(h))
+                payload += spec.nbytes
+            header.append(described)
+        else:
+            header.append(_check_local(kind, name, value, limits))
+    head = msgpack.packb(header, use_bin_type=True)
+    if len(head) > limits.max_header_bytes or payload > limits.max_payload_bytes:
+        raise LocalProtocolError(f"{cls.__name__} exceeds frame limits")
+    return [PREFIX.pack(MAGIC, VERSION, cls.TAG, len(head), payload) + head, *views]
+
+
+def encode_bytes(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The whole frame as one ``bytes`` (copies the payload: tests and small frames only)."""
+    return b"".join(bytes(p) for p in encode(frame, limits))
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    tag: int
+    header_bytes: int
+    payload_bytes: int
+
+
+def parse_prefix(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Prefix:
+    """Check the fixed 16-byte prefix. :class:`RemoteProtocolError` on any fault."""
+    magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack(bytes(data[:PREFIX_BYTES]))
+    if magic != MAGIC:
+        raise RemoteProtocolError("bad frame magic")
+    if version != VERSION:
+        raise RemoteProtocolError(f"unsupported protocol version {version}")
+    cls = FRAME_TYPES.get(tag)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown frame tag {tag}")
+    if header_bytes > limits.max_header_bytes:
+        raise RemoteProtocolError(f"header of {header_bytes} bytes exceeds the cap")
+    if payload_bytes > limits.max_payload_bytes:
+        raise RemoteProtocolError(f"payload of {payload_bytes} bytes exceeds the cap")
+    if payload_bytes and "tensors" not in _FIELDS[cls]:
+        raise RemoteProtocolError(f"{cls.__name__} cannot carry a payload")
+    return Prefix(tag, header_bytes, payload_bytes)
+
+
+def _check_remote(kind: int, value: Any, limits: Limits) -> Any:
+    """Validate one header field sent by the peer; returns the frame's value."""
+    if kind == _STR:
+        if isinstance(value, str) and len(value) <= limits.max_string_bytes:
+            return value
+    elif kind == _BYTES:
+        if isinstance(value, bytes) and len(value) <= limits.max_string_bytes:
+            return value
+    elif kind in (_INT, _UINT):
+        if type(value) is int and (kind == _INT or value >= 0):
+            return value
+    elif kind == _BOOL:
+        if type(value) is bool:
+            return value
+    elif kind == _STRS:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    elif kind == _PAIRS:
+        if isinstance(value, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in value
+        ):
+            return tuple((p[0], p[1]) for p in value)
+    elif kind == _INTS and (
+        isinstance(value, list)
+        and len(value) <= limits.max_items
+        and all(type(v) is int for v in value)
+    ):
+        return tuple(value)
+    raise RemoteProtocolError(f"malformed header field {value!r:.80}")
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A parsed header whose tensor payload has yet to be read.
+
+    ``specs`` says what to allocate; read ``sum(nbytes)`` payload bytes into
+    the buffers, in order, then call :meth:`build`.
+    """
+
+    cls: type[Frame]
+    values: dict[str, Any]
+    specs: tuple[TensorSpec, ...]
+
+    def build(self, buffers: Sequence[torch.Tensor] = ()) -> Frame:
+        """The frame, with tensors viewing ``buffers`` (uint8, one per spec)."""
+        values = dict(self.values)
+        if "tensors" in values:
+            if len(buffers) != len(self.specs):
+                raise LocalProtocolError("one buffer per tensor spec is needed")
+            values["tensors"] = tuple(
+                as_tensor(b, s) for b, s in zip(buffers, self.specs, strict=True)
+            )
+        return self.cls(**values)
+
+
+def parse_header(
+    prefix: Prefix, header: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> Pending:
+    """Decode and validate the msgpack header. :class:`RemoteProtocolError` on any fault."""
+    cls = FRAME_TYPES[prefix.tag]
+    try:
+        items = msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types for garbage
+        raise RemoteProtocolError(f"undecodable frame header: {exc}") from None
+    names = _FIELDS[cls]
+    if not isinstance(items, list) or len(items) != len(names):
+        raise RemoteProtocolError(f"{cls.__name__} header has the wrong shape")
+    values: dict[str, Any] = {}
+    specs: tuple[TensorSpec, ...] = ()
+    for name, value in zip(names, items, strict=True):
+        kind = _KIND[name]
+        if kind == _TENSORS:
+            if not isinstance(value, list) or len(value) > limits.max_tensors:
+                raise RemoteProtocolError("tensor list missing or too long")
+            parsed = []
+            for d in value:
+                if not isinstance(d, list) or len(d) != 3:
+                    raise RemoteProtocolError("malformed tensor description")
+                parsed.append(
+                    checked_spec(
+                        d[0],
+                        d[1],
+                        d[2],
+                        max_dims=limits.max_dims,
+                        max_elements=limits.max_elements,
+                    )
+                )
+            specs = tuple(parsed)
+            values[name] = ()
+        else:
+            values[name] = _check_remote(kind, value, limits)
+    if sum(s.nbytes for s in specs) != prefix.payload_bytes:
+        raise RemoteProtocolError("payload length does not match the tensor descriptions")
+    return Pending(cls, values, specs)
+
+
+class _NeedData:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData()
+
+
+class Decoder:
+    """Incremental frame decoder for byte streams (sans-IO).
+
+    ``allocate(nbytes)`` gives the ``uint8`` buffer a tensor is read into
+    (a pool's ``acquire``; default ``torch.empty``); ``release`` gets the
+    buffers of a frame that failed half way. Payload bytes are copied once,
+    from the chunk handed to :meth:`receive_data` into the tensor.
+    """
+
+    def __init__(
+        self,
+        limits: Limits = DEFAULT_LIMITS,
+        *,
+        allocate: Callable[[int], torch.Tensor] | None = None,
+        release: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        self._limits = limits
+        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        self._release = release or (lambda t: None)
+        self._buf = bytearray()
+        self._prefix: Prefix | None = None
+        self._pending: Pending | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._views: list[memoryview] = []
+        self._slot = 0  # which tensor is being filled
+        self._filled = 0  # bytes written into it
+        self._failed = False
+
+    @property
+    def in_frame(self) -> bool:
+        """True while part of a frame has been received."""
+        return bool(self._buf) or self._prefix is not None
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes from the stream (any chunking)."""
+        if self._failed:
+            raise LocalProtocolError("decoder already failed")
+        self._buf += data
+
+    def next_frame(self) -> Frame | _NeedData:
+        """The next complete frame, or :data:`NEED_DATA`.
+
+        Raises :class:`RemoteProtocolError` for malformed input; the decoder
+        is then dead and any partial tensors have been released.
+        """
+        if self._failed:
+            raise LocalProtocolError("decoder already failed")
+        try:
+            return self._step()
+        except RemoteProtocolError:
+            self._failed = True
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Drop a partial frame and release its buffers (stream ended or failed)."""
+        for b in self._buffers:
+            self._release(b)
+        self._buffers, self._views = [], []
+        self._prefix, self._pending = None, None
+        self._buf.clear()
+
+    def _step(self) -> Frame | _NeedData:
+        if self._prefix is None:
+            if len(self._buf) < PREFIX_BYTES:
+                return NEED_DATA
+            self._prefix = parse_prefix(self._buf, self._limits)
+            del self._buf[:PREFIX_BYTES]
+        if self._pending is None:
+            if len(self._buf) < self._prefix.header_bytes:
+                return NEED_DATA
+            n = self._prefix.header_bytes
+            self._pending = parse_header(self._prefix, bytes(self._buf[:n]), self._limits)
+            del self._buf[:n]
+            self._buffers = [self._allocate(s.nbytes) for s in self._pending.specs]
+            self._views = [byte_view(b) for b in self._buffers]
+            self._slot, self._filled = 0, 0
+        taken = 0
+        buf = memoryview(self._buf)
+        try:
+            while self._slot < len(self._views) and taken < len(buf):
+                view = self._views[self._slot]
+                n = min(len(view) - self._filled, len(buf) - taken)
+                view[self._filled : self._filled + n] = buf[taken : taken + n]
+                taken += n
+                self._filled += n
+                if self._filled == len(view):
+                    self._slot += 1
+                    self._filled = 0
+            while self._slot < len(self._views) and len(self._views[self._slot]) == 0:
+                self._slot += 1
+        finally:
+            buf.release()
+        del self._buf[:taken]
+        if self._slot < len(self._views):
+            return NEED_DATA
+        frame = self._pending.build(self._buffers)
+        self._prefix, self._pending, self._buffers, self._views = None, None, [], []
+        return frame
+
+
+def decode_all(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Frame]:
+    """Every frame in ``data`` (which must end on a frame boundary)."""
+    decoder = Decoder(limits)
+    decoder.receive_data(data)
+    out: list[Frame] = []
+    while not isinstance(frame := decoder.next_frame(), _NeedData):
+        out.append(frame)
+    if decoder.in_frame:
+        raise RemoteProtocolError("data ends inside a frame")
+    return out

@@ -1,0 +1,90 @@
+"""The credential handshake, written once for blocking and once for async framing.
+
+Dialer: ``Hello`` -> (``Challenge``) -> ``Proof`` -> (``Proof``).
+Listener: (``Hello``) -> ``Challenge`` -> (``Proof``) -> ``Proof`` or ``Error(AUTH)``.
+Both raise :class:`AuthenticationFailed` when the peer cannot prove the
+credential and :class:`RemoteProtocolError` for frames out of order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from hetmesh.errors import AuthenticationFailed, RemoteProtocolError
+from hetmesh.transport.credentials import Credential, check, new_nonce, proof
+from hetmesh.transport.frames import ERROR_AUTH, Challenge, Error, Frame, Hello, Proof
+
+#: Given the Hello and the listener's nonce and the dialer's MAC, the verified credential or None.
+Verifier = Callable[[Hello, bytes, bytes], Credential | None]
+
+
+_F = TypeVar("_F", bound=Frame)
+
+
+def _expect(frame: Frame, cls: type[_F]) -> _F:
+    if isinstance(frame, Error) and frame.code == ERROR_AUTH:
+        raise AuthenticationFailed(f"peer refused the credential: {frame.message}")
+    if not isinstance(frame, cls):
+        raise RemoteProtocolError(f"expected {cls.__name__}, got {type(frame).__name__}")
+    return frame
+
+
+def dial_blocking(
+    send: Callable[[Frame], object], receive: Callable[[], Frame], credential: Credential
+) -> None:
+    nonce = new_nonce()
+    send(Hello(peer_id=credential.dialer_id, credential_id=credential.credential_id, nonce=nonce))
+    challenge = _expect(receive(), Challenge)
+    send(Proof(mac=proof(credential, "dialer", nonce, challenge.nonce)))
+    reply = _expect(receive(), Proof)
+    if not check(proof(credential, "listener", nonce, challenge.nonce), reply.mac):
+        raise AuthenticationFailed("the listener could not prove the credential")
+
+
+def listen_blocking(
+    send: Callable[[Frame], object], receive: Callable[[], Frame], verify: Verifier
+) -> tuple[Credential, Hello]:
+    hello = _expect(receive(), Hello)
+    nonce = new_nonce()
+    send(Challenge(nonce=nonce))
+    mac = _expect(receive(), Proof).mac
+    credential = verify(hello, nonce, mac)
+    if credential is None:
+        send(Error(code=ERROR_AUTH, message="credential refused"))
+        raise AuthenticationFailed(f"peer {hello.peer_id!r} failed the credential check")
+    send(Proof(mac=proof(credential, "listener", hello.nonce, nonce)))
+    return credential, hello
+
+
+async def dial_async(
+    send: Callable[[Frame], Awaitable[object]],
+    receive: Callable[[], Awaitable[Frame]],
+    credential: Credential,
+) -> None:
+    nonce = new_nonce()
+    await send(
+        Hello(peer_id=credential.dialer_id, credential_id=credential.credential_id, nonce=nonce)
+    )
+    challenge = _expect(await receive(), Challenge)
+    await send(Proof(mac=proof(credential, "dialer", nonce, challenge.nonce)))
+    reply = _expect(await receive(), Proof)
+    if not check(proof(credential, "listener", nonce, challenge.nonce), reply.mac):
+        raise AuthenticationFailed("the listener could not prove the credential")
+
+
+async def listen_async(
+    send: Callable[[Frame], Awaitable[object]],
+    receive: Callable[[], Awaitable[Frame]],
+    verify: Verifier,
+) -> tuple[Credential, Hello]:
+    hello = _expect(await receive(), Hello)
+    nonce = new_nonce()
+    await send(Challenge(nonce=nonce))
+    mac = _expect(await receive(), Proof).mac
+    credential = verify(hello, nonce, mac)
+    if credential is None:
+        await send(Error(code=ERROR_AUTH, message="credential refused"))
+        raise AuthenticationFailed(f"peer {hello.peer_id!r} failed the credential check")
+    await send(Proof(mac=proof(credential, "listener", hello.nonce, nonce)))
+    return credential, hello

@@ -1,0 +1,541 @@
+"""Links: one long-lived, authenticated data-plane connection between two peers.
+
+Every backend gives the same small async interface (:class:`Link`):
+``send(frame)``, ``receive() -> frame``, ``release(frame)``,
+``statistics()``, ``aclose()``. A received frame's tensors live in pooled
+(or shared) memory and stay valid until ``release(frame)``.
+
+Socket backends (tcp, shm, torchdist) run a dedicated blocking reader thread
+per link that reads each frame straight into pooled tensors and hands it to
+trio with one ``run_sync_soon``; sends try a non-blocking ``sendmsg`` from the
+trio thread first and only fall back to a worker thread when the socket
+buffer is full. Measured (docs/benchmarks.md): trio's own socket loop adds
+~100 µs per message, the reader thread a few µs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import trio
+
+from hetmesh.errors import (
+    LocalProtocolError,
+    RemoteProtocolError,
+    StreamReset,
+    TransportError,
+)
+from hetmesh.transport.codec import BufferPool, byte_view
+from hetmesh.transport.frames import (
+    DEFAULT_LIMITS,
+    NEED_DATA,
+    PREFIX_BYTES,
+    Decoder,
+    Frame,
+    Goodbye,
+    Limits,
+    Pending,
+    encode,
+    parse_header,
+    parse_prefix,
+)
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
+    """Run blocking ``fn`` in a worker thread; on cancellation the thread is abandoned."""
+    result: _T = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+        fn, *args, abandon_on_cancel=True
+    )
+    return result
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkStatistics:
+    backend: str
+    reason: str
+    remote_peer_id: str
+    frames_sent: int
+    frames_received: int
+    bytes_sent: int
+    bytes_received: int
+    in_use_bytes: int  # received tensor bytes not yet released
+    cached_bytes: int  # pooled receive buffers kept for reuse
+    errors: int
+    closed: bool
+
+
+class Link:
+    """Base of every backend's link. Not for direct construction: see ``DataPlane``."""
+
+    backend = "?"
+
+    def __init__(self, remote_peer_id: str, limits: Limits) -> None:
+        self.remote_peer_id = remote_peer_id
+        self.reason = ""
+        self.limits = limits
+        self.pool = BufferPool()
+        self._frames_sent = self._frames_received = 0
+        self._bytes_sent = self._bytes_received = 0
+        self._errors = 0
+        self._closed = False
+        self._send_lock = trio.Lock()
+
+    async def send(self, frame: Frame) -> None:
+        """Send one frame. The tensors may be reused once this returns.
+
+        Raises :class:`StreamReset` (peer gone), :class:`LocalProtocolError`
+        (invalid frame), :class:`TransportError` for other failures.
+        """
+        raise NotImplementedError
+
+    async def receive(self) -> Frame:
+        """The next frame from the peer. Release its tensors with :meth:`release`.
+
+        Raises :class:`StreamReset` when the peer vanished (also mid-frame:
+        the partial buffers are released first), :class:`RemoteProtocolError`
+        for malformed input. Either is fatal to this link only.
+        """
+        raise NotImplementedError
+
+    def release(self, frame: Frame) -> None:
+        """Give the frame's receive buffers back (to the pool, or to the sending peer)."""
+        for t in frame.tensors_():
+            self.pool.release(t)
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    def statistics(self) -> LinkStatistics:
+        pool = self.pool.statistics()
+        return LinkStatistics(
+            backend=self.backend,
+            reason=self.reason,
+            remote_peer_id=self.remote_peer_id,
+            frames_sent=self._frames_sent,
+            frames_received=self._frames_received,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received,
+            in_use_bytes=pool.in_use_bytes,
+            cached_bytes=pool.cached_bytes,
+            errors=self._errors,
+            closed=self._closed,
+        )
+
+    async def __aenter__(self) -> Link:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# --- blocking socket helpers ---------------------------------------------------------
+
+
+def _advance(parts: list[memoryview], n: int) -> list[memoryview]:
+    while n and parts:
+        if n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        else:
+            parts[0] = parts[0][n:]
+            n = 0
+    return parts
+
+
+def sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Blocking gathering write of every part (loops over partial writes)."""
+    parts = [p for p in parts if len(p)]
+    while parts:
+        n = sock.sendmsg(parts[:512])
+        _advance(parts, n)
+
+
+def try_sendmsg(sock: socket.socket, parts: list[memoryview]) -> list[memoryview]:
+    """Write what the kernel takes right now; returns what is left (non-blocking)."""
+    parts = [p for p in parts if len(p)]
+    while parts:
+        try:
+            n = sock.sendmsg(parts[:512], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return parts
+        _advance(parts, n)
+    return parts
+
+
+class BufferedReader:
+    """Blocking reads of whole frames from a stream socket into pooled tensors.
+
+    Small reads (prefix, header, small payloads) go through one staging
+    buffer so an 8 KiB frame costs one ``recv``; large payloads are read with
+    ``recv_into`` straight into the destination tensor.
+    """
+
+    def __init__(self, sock: socket.socket, limits: Limits, pool: BufferPool) -> None:
+        self._sock = sock
+        self._limits = limits
+        self._pool = pool
+        self._buf = bytearray(256 << 10)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self.bytes_read = 0
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            n = self._end - self._start
+            self._view[:n] = self._view[self._start : self._end]
+            self._start, self._end = 0, n
+        try:
+            got = self._sock.recv_into(self._view[self._end :])
+        except OSError as exc:
+            raise StreamReset(f"connection broken: {exc}") from exc
+        if got == 0:
+            raise StreamReset("peer closed the connection")
+        self._end += got
+        self.bytes_read += got
+
+    def read_small(self, n: int) -> bytes:
+        while self._end - self._start < n:
+            if n > len(self._buf):
+                raise LocalProtocolError("read_small is for reads below the staging size")
+            self._fill()
+        data = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        return data
+
+    def read_into(self, target: memoryview) -> None:
+        have = min(self._end - self._start, len(target))
+        target[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        got = have
+        while got < len(target):
+            if len(target) - got < (64 << 10):
+                self._fill()
+                n = min(self._end - self._start, len(target) - got)
+                target[got : got + n] = self._view[self._start : self._start + n]
+                self._start += n
+                got += n
+                continue
+            try:
+                n = self._sock.recv_into(target[got:])
+            except OSError as exc:
+                raise StreamReset(f"connection broken: {exc}") from exc
+            if n == 0:
+                raise StreamReset("peer closed the connection mid-frame")
+            got += n
+            self.bytes_read += n
+
+    def read_pending(self) -> Pending:
+        prefix = parse_prefix(self.read_small(PREFIX_BYTES), self._limits)
+        if prefix.header_bytes > len(self._buf):
+            header = bytearray(prefix.header_bytes)
+            self.read_into(memoryview(header))
+        else:
+            header = bytearray(self.read_small(prefix.header_bytes))
+        return parse_header(prefix, header, self._limits)
+
+    def read_frame(self) -> Frame:
+        pending = self.read_pending()
+        buffers: list[torch.Tensor] = []
+        try:
+            for spec in pending.specs:
+                buffer = self._pool.acquire(spec.nbytes)
+                buffers.append(buffer)
+                self.read_into(byte_view(buffer))
+        except BaseException:
+            for b in buffers:
+                self._pool.release(b)
+            raise
+        return pending.build(buffers)
+
+
+# --- threaded links ----------------------------------------------------------------
+
+
+class ThreadedLink(Link):
+    """A link whose receive side is one blocking reader thread (see module doc)."""
+
+    max_inflight = 8
+
+    def __init__(self, remote_peer_id: str, limits: Limits) -> None:
+        super().__init__(remote_peer_id, limits)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._send_items, self._receive_items = trio.open_memory_channel[Any](math.inf)
+        self._credit = threading.Semaphore(self.max_inflight)
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def start(self) -> None:
+        """Start the reader thread (call from the trio thread)."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"hetmesh-{self.backend}-reader", daemon=True
+        )
+        self._reader.start()
+
+    # subclasses implement these three
+    def _read_frame_blocking(self) -> Frame:
+        raise NotImplementedError
+
+    def _write_blocking(self, frame: Frame) -> int:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        raise NotImplementedError
+
+    async def _write(self, frame: Frame) -> int:
+        """Default: the whole write in a worker thread."""
+        return await in_thread(self._write_blocking, frame)
+
+    def _read_loop(self) -> None:
+        torch.set_num_threads(1)
+        while not self._stop.is_set():
+            self._credit.acquire()
+            item: Any
+            try:
+                item = self._read_frame_blocking()
+            except TransportError as exc:
+                item = exc
+            except RemoteProtocolError as exc:
+                item = exc
+            except Exception as exc:  # boundary: anything else ends this link only
+                log.exception("%s link reader failed", self.backend)
+                item = StreamReset(f"reader failed: {exc!r}")
+            if self._stop.is_set():
+                if isinstance(item, Frame):
+                    self.release(item)
+                return
+            assert self._token is not None
+            try:
+                self._token.run_sync_soon(self._send_items.send_nowait, item)
+            except trio.RunFinishedError:
+                return
+            if isinstance(item, BaseException):
+                return
+
+    async def receive(self) -> Frame:
+        if self._failure is not None:
+            raise StreamReset(f"link failed earlier: {self._failure}") from self._failure
+        if self._closed:
+            raise StreamReset("link closed")
+        item = await self._receive_items.receive()
+        self._credit.release()
+        if isinstance(item, BaseException):
+            self._failure = item
+            self._errors += 1
+            raise item
+        self._frames_received += 1
+        self._bytes_received += sum(t.nbytes for t in item.tensors_())
+        return item  # type: ignore[no-any-return]
+
+    async def send(self, frame: Frame) -> None:
+        if self._closed:
+            raise StreamReset("link closed")
+        async with self._send_lock:
+            try:
+                n = await self._write(frame)
+            except OSError as exc:
+                self._errors += 1
+                raise StreamReset(f"send failed: {exc}") from exc
+            except TransportError:
+                self._errors += 1
+                raise
+        self._frames_sent += 1
+        self._bytes_sent += n
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        with (
+            trio.CancelScope(deadline=trio.current_time() + 1, shield=True),
+            contextlib.suppress(Exception),
+        ):
+            await self.send(Goodbye(reason="closing"))
+        self._closed = True
+        self._stop.set()
+        self._shutdown()
+        self._credit.release()
+        reader = self._reader
+        if reader is not None:
+            await in_thread(reader.join, 2.0)
+        while True:
+            try:
+                item = self._receive_items.receive_nowait()
+            except trio.WouldBlock:
+                break
+            if isinstance(item, Frame):
+                self.release(item)
+
+
+class TcpLink(ThreadedLink):
+    """Frames over one TCP (or any stream) socket, read with ``recv_into``."""
+
+    backend = "tcp"
+
+    def __init__(self, sock: socket.socket, remote_peer_id: str, limits: Limits) -> None:
+        super().__init__(remote_peer_id, limits)
+        self.sock = sock
+        self._reader_io = BufferedReader(sock, limits, self.pool)
+
+    def _read_frame_blocking(self) -> Frame:
+        return self._reader_io.read_frame()
+
+    def _write_blocking(self, frame: Frame) -> int:
+        parts = [memoryview(p) for p in encode(frame, self.limits)]
+        total = sum(len(p) for p in parts)
+        sendmsg_all(self.sock, parts)
+        return total
+
+    async def _write(self, frame: Frame) -> int:
+        parts = [memoryview(p) for p in encode(frame, self.limits)]
+        total = sum(len(p) for p in parts)
+        left = try_sendmsg(self.sock, parts)
+        if left:
+            await in_thread(sendmsg_all, self.sock, left)
+        return total
+
+    def _shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def tune_tcp(sock: socket.socket, buffer_bytes: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def blocking_framer(sock: socket.socket, limits: Limits, pool: BufferPool) -> tuple[Any, Any]:
+    """``(send, receive)`` for the handshake on a blocking stream socket."""
+    reader = BufferedReader(sock, limits, pool)
+
+    def send(frame: Frame) -> None:
+        sendmsg_all(sock, [memoryview(p) for p in encode(frame, limits)])
+
+    return send, reader.read_frame
+
+
+# --- links over an async byte stream (libp2p) ---------------------------------------
+
+
+class FramedStream:
+    """Frames over any trio-style byte stream (``send_all`` / ``receive_some`` / ``aclose``)."""
+
+    def __init__(
+        self,
+        stream: Any,
+        limits: Limits = DEFAULT_LIMITS,
+        pool: BufferPool | None = None,
+        *,
+        chunk_bytes: int = 1 << 20,
+    ) -> None:
+        self.stream = stream
+        self.limits = limits
+        self.pool = pool or BufferPool()
+        self._decoder = Decoder(limits, allocate=self.pool.acquire, release=self.pool.release)
+        self._chunk = chunk_bytes
+
+    async def send(self, frame: Frame) -> int:
+        total = 0
+        try:
+            for part in encode(frame, self.limits):
+                view = memoryview(part)
+                for i in range(0, len(view), self._chunk):
+                    await self.stream.send_all(bytes(view[i : i + self._chunk]))
+                total += len(view)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise StreamReset(f"stream broken while sending: {exc!r}") from exc
+        return total
+
+    async def receive(self) -> Frame:
+        while True:
+            frame = self._decoder.next_frame()
+            if frame is not NEED_DATA:
+                assert isinstance(frame, Frame)
+                return frame
+            try:
+                data = await self.stream.receive_some(self._chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self._decoder.abort()
+                raise StreamReset(f"stream broken: {exc!r}") from exc
+            except BaseException:
+                self._decoder.abort()
+                raise
+            if not data:
+                mid = self._decoder.in_frame
+                self._decoder.abort()
+                raise StreamReset("peer closed the stream" + (" mid-frame" if mid else ""))
+            self._decoder.receive_data(data)
+
+
+class StreamLink(Link):
+    """A link over an async byte stream: the encrypted libp2p fallback."""
+
+    backend = "libp2p"
+
+    def __init__(self, framed: FramedStream, remote_peer_id: str) -> None:
+        super().__init__(remote_peer_id, framed.limits)
+        self.pool = framed.pool
+        self._framed = framed
+        self._receive_lock = trio.Lock()
+
+    async def send(self, frame: Frame) -> None:
+        if self._closed:
+            raise StreamReset("link closed")
+        async with self._send_lock:
+            try:
+                n = await self._framed.send(frame)
+            except TransportError:
+                self._errors += 1
+                raise
+        self._frames_sent += 1
+        self._bytes_sent += n
+
+    async def receive(self) -> Frame:
+        if self._closed:
+            raise StreamReset("link closed")
+        async with self._receive_lock:
+            try:
+                frame = await self._framed.receive()
+            except (TransportError, RemoteProtocolError):
+                self._errors += 1
+                raise
+        self._frames_received += 1
+        self._bytes_received += sum(t.nbytes for t in frame.tensors_())
+        return frame
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        with trio.CancelScope(deadline=trio.current_time() + 1, shield=True):
+            with contextlib.suppress(Exception):
+                await self.send(Goodbye(reason="closing"))
+            self._closed = True
+            with contextlib.suppress(Exception):
+                await self._framed.stream.aclose()
+        self._closed = True
+
+
+def now_ns() -> int:
+    """Monotonic clock shared by processes on one host (for one-way latency)."""
+    return time.perf_counter_ns()
+
+
+def tensors_nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors)

@@ -1,0 +1,294 @@
+"""Same-host links: tensors handed over in shared memory, a doorbell on a unix socket.
+
+Each side owns the ``memfd`` segments it sends from. A tensor payload lives
+in one segment (size rounded up to a power of two, at least 64 KiB); a
+segment's file descriptor travels once, with ``SCM_RIGHTS``, on the
+``SOCK_SEQPACKET`` doorbell socket, and the receiver maps it once. A frame on
+the doorbell is the frame's normal prefix+header plus the segment ids; the
+receiver's tensors are views of its mapping (no copy), valid until
+``release(frame)``, which tells the sender the segments are free again.
+
+Zero-copy send: write the payload straight into :meth:`ShmLink.allocate`'s
+tensor, then send it; any other tensor is copied into a segment once. The
+sender must not touch a tensor's segment after sending it. Total segment
+memory is capped (``budget_bytes``); a send waits for releases when full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset, TransportError
+from hetmesh.transport.codec import DTYPES, ITEMSIZE
+from hetmesh.transport.frames import (
+    PREFIX_BYTES,
+    Frame,
+    Limits,
+    decode_all,
+    encode,
+    parse_header,
+    parse_prefix,
+)
+from hetmesh.transport.links import ThreadedLink, in_thread
+
+MIN_SEGMENT = 64 << 10
+MAX_PACKET = 1 << 20
+_FRAME, _RELEASE = 0, 1
+
+
+def segment_size(nbytes: int) -> int:
+    return max(MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
+
+
+@dataclass(slots=True)
+class _Segment:
+    seg_id: int
+    size: int
+    fd: int
+    map: mmap.mmap
+    buffer: torch.Tensor  # uint8 view of the whole mapping
+
+
+def _map(fd: int, size: int, seg_id: int) -> _Segment:
+    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+    return _Segment(seg_id, size, fd, mapping, buffer)
+
+
+def packet_framer(sock: socket.socket, limits: Limits) -> tuple[Any, Any]:
+    """``(send, receive)`` of whole frames, one per packet (handshake phase)."""
+
+    def send(frame: Frame) -> None:
+        sock.sendmsg([memoryview(p) for p in encode(frame, limits)])
+
+    def receive() -> Frame:
+        data = sock.recv(MAX_PACKET)
+        if not data:
+            raise StreamReset("peer closed the doorbell socket")
+        frames = decode_all(data, limits)
+        if len(frames) != 1:
+            raise RemoteProtocolError("one frame per packet expected")
+        return frames[0]
+
+    return send, receive
+
+
+class ShmLink(ThreadedLink):
+    backend = "shm"
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        remote_peer_id: str,
+        limits: Limits,
+        *,
+        budget_bytes: int = 2 << 30,
+        wait_s: float = 30.0,
+    ) -> None:
+        super().__init__(remote_peer_id, limits)
+        self.sock = sock
+        self._budget = budget_bytes
+        self._wait_s = wait_s
+        self._cond = threading.Condition()
+        self._own: dict[int, _Segment] = {}
+        self._free: dict[int, list[int]] = {}
+        self._own_bytes = 0
+        self._next_id = 1
+        self._announced: set[int] = set()
+        self._allocated: dict[int, int] = {}  # data_ptr -> own seg id, allocated not yet sent
+        self._remote: dict[int, _Segment] = {}
+        self._lent: dict[int, int] = {}  # data_ptr of a received tensor -> remote seg id
+        self._lent_bytes = 0
+
+    # --- sender side -----------------------------------------------------------
+    def _take_segment(self, nbytes: int) -> _Segment:
+        size = segment_size(nbytes)
+        with self._cond:
+            while True:
+                free = self._free.get(size)
+                if free:
+                    return self._own[free.pop()]
+                if self._own_bytes + size <= self._budget:
+                    break
+                if not self._cond.wait(self._wait_s):
+                    raise TransportError("shared-memory budget exhausted: peer does not release")
+            seg_id = self._next_id
+            self._next_id += 1
+            self._own_bytes += size
+        fd = os.memfd_create(f"hetmesh-{seg_id}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        segment = _map(fd, size, seg_id)
+        with self._cond:
+            self._own[seg_id] = segment
+        return segment
+
+    def allocate(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor in shared memory: fill it, then send it without any copy."""
+        name = next((k for k, v in DTYPES.items() if v == dtype), None)
+        if name is None:
+            raise LocalProtocolError(f"dtype {dtype} is not sendable")
+        nbytes = ITEMSIZE[name] * int(torch.Size(shape).numel())
+        segment = self._take_segment(nbytes)
+        tensor = segment.buffer[:nbytes].view(dtype).view(shape)
+        if nbytes:
+            self._allocated[tensor.data_ptr()] = segment.seg_id
+        return tensor
+
+    def _write_blocking(self, frame: Frame) -> int:
+        parts = encode(frame, self.limits)
+        head = bytes(parts[0])
+        seg_ids: list[int] = []
+        new: list[list[int]] = []
+        fds: list[int] = []
+        total = len(head)
+        for tensor, view in zip(frame.tensors_(), parts[1:], strict=True):
+            mv = memoryview(view)
+            n = len(mv)
+            total += n
+            seg_id = self._allocated.pop(tensor.data_ptr(), None) if n else None
+            if seg_id is None:
+                segment = self._take_segment(n)
+                if n:
+                    segment.buffer[:n].numpy()[:] = memoryview(mv).cast("B")
+                seg_id = segment.seg_id
+            seg_ids.append(seg_id)
+            if seg_id not in self._announced:
+                self._announced.add(seg_id)
+                segment = self._own[seg_id]
+                new.append([seg_id, segment.size])
+                fds.append(segment.fd)
+        packet = msgpack.packb([_FRAME, head, seg_ids, new], use_bin_type=True)
+        if len(packet) > MAX_PACKET:
+            raise LocalProtocolError("frame header too large for the shm doorbell")
+        if fds:
+            socket.send_fds(self.sock, [packet], fds)
+        else:
+            self.sock.send(packet)
+        return total
+
+    async def _write(self, frame: Frame) -> int:
+        copy = sum(t.nbytes for t in frame.tensors_() if t.data_ptr() not in self._allocated)
+        if copy < (1 << 20):
+            return self._write_blocking(frame)
+        return await in_thread(self._write_blocking, frame)
+
+    def _on_release(self, seg_ids: list[Any]) -> None:
+        with self._cond:
+            for seg_id in seg_ids:
+                segment = self._own.get(seg_id) if type(seg_id) is int else None
+                if segment is None:
+                    raise RemoteProtocolError("release of an unknown segment")
+                self._free.setdefault(segment.size, []).append(seg_id)
+            self._cond.notify_all()
+
+    # --- receiver side ---------------------------------------------------------
+    def _read_frame_blocking(self) -> Frame:
+        while True:
+            try:
+                data, fds, flags, _ = socket.recv_fds(self.sock, MAX_PACKET, 64)
+            except OSError as exc:
+                raise StreamReset(f"doorbell socket broken: {exc}") from exc
+            try:
+                if not data:
+                    raise StreamReset("peer closed the doorbell socket")
+                if flags & socket.MSG_TRUNC or flags & socket.MSG_CTRUNC:
+                    raise RemoteProtocolError("truncated doorbell packet")
+                frame = self._on_packet(data, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if frame is not None:
+                return frame
+
+    def _on_packet(self, data: bytes, fds: list[int]) -> Frame | None:
+        try:
+            message = msgpack.unpackb(data, raw=False, use_list=True)
+        except Exception as exc:
+            raise RemoteProtocolError(f"undecodable doorbell packet: {exc}") from None
+        if not isinstance(message, list) or not message:
+            raise RemoteProtocolError("malformed doorbell packet")
+        if message[0] == _RELEASE and len(message) == 2 and isinstance(message[1], list):
+            self._on_release(message[1])
+            return None
+        if message[0] != _FRAME or len(message) != 4:
+            raise RemoteProtocolError("malformed doorbell packet")
+        _, head, seg_ids, new = message
+        if (
+            not isinstance(head, bytes)
+            or not isinstance(seg_ids, list)
+            or not isinstance(new, list)
+        ):
+            raise RemoteProtocolError("malformed doorbell packet")
+        if len(new) != len(fds):
+            raise RemoteProtocolError("segment descriptors do not match the passed fds")
+        for item, fd in zip(new, fds, strict=True):
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or type(item[0]) is not int
+                or type(item[1]) is not int
+                or item[0] in self._remote
+                or not 0 < item[1] <= self.limits.max_payload_bytes
+                or os.fstat(fd).st_size < item[1]
+            ):
+                raise RemoteProtocolError("bad shared-memory segment")
+            self._remote[item[0]] = _map(fd, item[1], item[0])
+        prefix = parse_prefix(head[:PREFIX_BYTES], self.limits)
+        if len(head) != PREFIX_BYTES + prefix.header_bytes:
+            raise RemoteProtocolError("doorbell header length mismatch")
+        pending = parse_header(prefix, head[PREFIX_BYTES:], self.limits)
+        if len(seg_ids) != len(pending.specs):
+            raise RemoteProtocolError("one segment per tensor expected")
+        buffers = []
+        for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
+            segment = self._remote.get(seg_id) if type(seg_id) is int else None
+            if segment is None or spec.nbytes > segment.size:
+                raise RemoteProtocolError("tensor does not fit its segment")
+            buffers.append(segment.buffer)
+        frame = pending.build(buffers)
+        with self._cond:
+            for t, seg_id in zip(frame.tensors_(), seg_ids, strict=True):
+                self._lent[t.data_ptr()] = seg_id
+                self._lent_bytes += t.nbytes
+        return frame
+
+    def release(self, frame: Frame) -> None:
+        """Hand the frame's segments back to the sender (tensors are invalid afterwards)."""
+        seg_ids = []
+        with self._cond:
+            for t in frame.tensors_():
+                seg_id = self._lent.pop(t.data_ptr(), None)
+                if seg_id is not None:
+                    self._lent_bytes -= t.nbytes
+                    seg_ids.append(seg_id)
+        if seg_ids and not self._closed:
+            with contextlib.suppress(OSError):
+                self.sock.send(msgpack.packb([_RELEASE, seg_ids]))
+
+    def statistics(self) -> Any:
+        stats = super().statistics()
+        with self._cond:
+            return type(stats)(
+                **{
+                    **{f: getattr(stats, f) for f in stats.__dataclass_fields__},
+                    "in_use_bytes": self._lent_bytes,
+                    "cached_bytes": self._own_bytes,
+                }
+            )
+
+    def _shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for segment in [*self._own.values(), *self._remote.values()]:
+            with contextlib.suppress(OSError):
+                os.close(segment.fd)
