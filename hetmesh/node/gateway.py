@@ -1,0 +1,365 @@
+"""The gateway: drives one request's session through a pipeline and survives its failures.
+
+For every request the gateway keeps the token history (prompt + generated).
+It opens the session on each stage of the pipeline the router picked
+(control plane), sends token ids to the first stage (data plane) and waits
+for each sampled token from the last stage. If a stage dies, stalls past the
+step timeout or answers with an internal error, the gateway finds the peers
+that no longer answer, picks another pipeline that avoids them, replays the
+history as one prefill to rebuild the KV caches, and carries on: the caller
+sees one continuous stream, with no token lost or repeated. Sampling is
+seeded per step (``control.step_seed``), so a replayed seeded session draws
+the same tokens as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from hetmesh.errors import (
+    InvalidRequest,
+    MeshError,
+    NoRoute,
+    Rejected,
+    RequestTimeout,
+    TransportError,
+)
+from hetmesh.node.control import CloseSession, OpenSession, Reply, SamplingWire
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.resources import PeerId
+from hetmesh.transport.frames import ERROR_PROTOCOL, Activations, Error, Frame, Tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One stage of a pipeline: which peer serves which units."""
+
+    peer_id: PeerId
+    start: int
+    end: int
+
+
+Control = Callable[[PeerId, OpenSession | CloseSession], Awaitable[Reply]]
+Send = Callable[[PeerId, Frame], Awaitable[None]]
+Choose = Callable[[str, frozenset[PeerId]], Sequence[Hop]]
+Ping = Callable[[PeerId], Awaitable[bool]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayTimeouts:
+    """Step timeouts: ``factor`` × the recent step time, never below the floors."""
+
+    factor: float = 4.0
+    step_floor_s: float = 2.0
+    prefill_floor_s: float = 10.0
+    prefill_per_token_s: float = 0.01
+    admission_s: float = 30.0  # how long a request waits for a busy mesh
+    ping_s: float = 1.5
+    max_recoveries: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayStatistics:
+    sessions_started: int
+    sessions_finished: int
+    sessions_failed: int
+    active_sessions: int
+    recoveries: int
+    tokens_out: int
+    stale_frames: int
+    rejected_busy: int
+
+
+class _StepFailed(Exception):
+    """A step did not complete on the current pipeline (internal to the gateway)."""
+
+    def __init__(self, reason: str, suspects: frozenset[PeerId] = frozenset()) -> None:
+        super().__init__(reason)
+        self.suspects = suspects
+
+
+class Gateway:
+    """Runs sessions for requests that enter at this node."""
+
+    def __init__(
+        self,
+        *,
+        peer_id: PeerId,
+        control: Control,
+        send: Send,
+        choose: Choose,
+        ping: Ping,
+        eos_token_ids: frozenset[int],
+        max_context: int,
+        timeouts: GatewayTimeouts | None = None,
+    ) -> None:
+        self.peer_id = peer_id
+        self._control = control
+        self._send = send
+        self._choose = choose
+        self._ping = ping
+        self._eos = eos_token_ids
+        self.max_context = max_context
+        self.timeouts = timeouts or GatewayTimeouts()
+        self._inboxes: dict[str, trio.MemorySendChannel[Tokens | Error]] = {}
+        self._step_s = 0.0  # moving average of decode step time
+        self._started = self._finished = self._failed = 0
+        self._recoveries = self._tokens = self._stale = self._busy = 0
+
+    # -- inbound ------------------------------------------------------------------
+
+    def on_frame(self, frame: Tokens | Error) -> None:
+        """Route a token or error frame to its session; stale frames are dropped."""
+        inbox = self._inboxes.get(frame.session_id)
+        if inbox is None:
+            self._stale += 1
+            return
+        try:
+            inbox.send_nowait(frame)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._stale += 1
+
+    # -- requests -----------------------------------------------------------------
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_context:
+            raise InvalidRequest(
+                f"prompt of {len(prompt_ids)} tokens plus max_new_tokens "
+                f"{params.max_new_tokens} exceeds the model's context of {self.max_context}"
+            )
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[int]:
+        """Yield generated token ids until an end-of-sequence id (not yielded) or
+        ``max_new_tokens``, exactly as the local reference pipeline does.
+
+        Raises ``InvalidRequest`` for impossible requests, ``Rejected`` when the
+        mesh stays busy, ``NoRoute`` when no pipeline is left, ``RequestTimeout``
+        after too many failed recoveries.
+        """
+        self.validate(prompt_ids, params)
+        base = uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        sampling = SamplingWire(
+            temperature=float(params.temperature or 0.0),
+            top_k=params.top_k or 0,
+            top_p=params.top_p if params.top_p is not None else 1.0,
+            seed=seed,
+        )
+        history = [int(t) for t in prompt_ids]
+        generated: list[int] = []
+        avoid: set[PeerId] = set()
+        self._started += 1
+        finished = False
+        try:
+            for attempt in range(self.timeouts.max_recoveries + 1):
+                session_id = f"{base}.{attempt}"
+                hops = tuple(self._choose(base, frozenset(avoid)))
+                if not hops:
+                    raise NoRoute("no pipeline serves the model")
+                inbox_send, inbox = trio.open_memory_channel[Tokens | Error](math.inf)
+                self._inboxes[session_id] = inbox_send
+                try:
+                    await self._open(
+                        session_id, hops, len(prompt_ids) + params.max_new_tokens, sampling
+                    )
+                    async for token in self._run(
+                        session_id, hops, inbox, history, generated, params.max_new_tokens
+                    ):
+                        yield token
+                    finished = True
+                    return
+                except _StepFailed as exc:
+                    suspects = exc.suspects or await self._find_silent(hops)
+                    avoid |= suspects
+                    self._recoveries += 1
+                    log.warning(
+                        "session %s: %s; recovering after %d tokens, avoiding %s",
+                        base,
+                        exc,
+                        len(generated),
+                        sorted(suspects) or "nobody",
+                    )
+                finally:
+                    del self._inboxes[session_id]
+                    with trio.CancelScope(shield=True):
+                        await self._close(session_id, hops)
+            raise RequestTimeout(f"session gave up after {self.timeouts.max_recoveries} recoveries")
+        finally:
+            if finished:
+                self._finished += 1
+            else:
+                self._failed += 1
+
+    async def _open(
+        self, session_id: str, hops: Sequence[Hop], max_tokens: int, sampling: SamplingWire
+    ) -> None:
+        """Open the session on every stage, waiting (with back-off) while they are busy."""
+        requests = [
+            OpenSession(
+                session_id=session_id,
+                start=hop.start,
+                end=hop.end,
+                next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
+                gateway=self.peer_id,
+                max_tokens=max_tokens,
+                sampling=sampling,
+            )
+            for i, hop in enumerate(hops)
+        ]
+        deadline = trio.current_time() + self.timeouts.admission_s
+        delay = 0.05
+        while True:
+            replies = await self._ask_all(hops, requests)
+            failed = [(hop, r) for hop, r in zip(hops, replies, strict=True) if not r.ok]
+            if not failed:
+                return
+            await self._close(session_id, hops)
+            for _, reply in failed:
+                if reply.kind == "invalid":
+                    reply.raise_for_error()
+            unreachable = frozenset(hop.peer_id for hop, r in failed if r.kind != "busy")
+            if unreachable:
+                raise _StepFailed("a stage refused or did not answer the session", unreachable)
+            self._busy += 1
+            if trio.current_time() + delay > deadline:
+                raise Rejected("busy: every pipeline is full; try again later")
+            await trio.sleep(delay)  # back off while busy stages drain
+            delay = min(delay * 2, 1.0)
+
+    async def _ask_all(self, hops: Sequence[Hop], requests: Sequence[OpenSession]) -> list[Reply]:
+        """Send each hop its request concurrently; a failure becomes an error reply."""
+        replies = [Reply(ok=False, kind="internal", message="no answer")] * len(hops)
+
+        async def ask(i: int) -> None:
+            try:
+                with trio.fail_after(self.timeouts.ping_s * 2):
+                    replies[i] = await self._control(hops[i].peer_id, requests[i])
+            except (MeshError, trio.TooSlowError) as exc:
+                replies[i] = Reply(ok=False, kind="internal", message=str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(hops)):
+                nursery.start_soon(ask, i)
+        return replies
+
+    async def _run(
+        self,
+        session_id: str,
+        hops: Sequence[Hop],
+        inbox: trio.MemoryReceiveChannel[Tokens | Error],
+        history: list[int],
+        generated: list[int],
+        max_new_tokens: int,
+    ) -> AsyncIterator[int]:
+        first = hops[0].peer_id
+        feed = list(history)  # the whole history: a first prefill or a replay
+        position = 0
+        while len(generated) < max_new_tokens:
+            step = len(generated)
+            ids = torch.tensor(feed, dtype=torch.int64)
+            frame = Activations(
+                session_id=session_id,
+                step=step,
+                positions=tuple(range(position, position + len(feed))),
+                tensors=(ids,),
+            )
+            started = time.perf_counter()
+            try:
+                await self._send(first, frame)
+            except TransportError as exc:
+                raise _StepFailed(
+                    f"cannot reach the first stage: {exc}", frozenset({first})
+                ) from exc
+            token = await self._await_token(inbox, step, len(feed))
+            self._note_step(time.perf_counter() - started, len(feed))
+            position += len(feed)
+            if token in self._eos:
+                return
+            generated.append(token)
+            history.append(token)
+            self._tokens += 1
+            yield token
+            feed = [token]
+
+    async def _await_token(
+        self, inbox: trio.MemoryReceiveChannel[Tokens | Error], step: int, fed: int
+    ) -> int:
+        t = self.timeouts
+        if fed > 1:
+            timeout = max(t.prefill_floor_s, fed * t.prefill_per_token_s, t.factor * self._step_s)
+        else:
+            timeout = max(t.step_floor_s, t.factor * self._step_s)
+        with trio.move_on_after(timeout):
+            while True:
+                frame = await inbox.receive()
+                if isinstance(frame, Error):
+                    if frame.code == ERROR_PROTOCOL:
+                        raise InvalidRequest(frame.message)
+                    raise _StepFailed(f"a stage failed: {frame.message}")
+                if frame.step == step and frame.token_ids:
+                    return int(frame.token_ids[0])
+                self._stale += 1
+        raise _StepFailed(f"no token for step {step} within {timeout:.1f} s")
+
+    def _note_step(self, elapsed: float, fed: int) -> None:
+        if fed == 1:
+            self._step_s = elapsed if self._step_s == 0 else 0.8 * self._step_s + 0.2 * elapsed
+
+    async def _find_silent(self, hops: Sequence[Hop]) -> frozenset[PeerId]:
+        """The peers of ``hops`` that do not answer a ping in time."""
+        silent: set[PeerId] = set()
+
+        async def check(peer: PeerId) -> None:
+            ok = False
+            with trio.move_on_after(self.timeouts.ping_s):
+                try:
+                    ok = await self._ping(peer)
+                except MeshError:
+                    ok = False
+            if not ok:
+                silent.add(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in {h.peer_id for h in hops}:
+                nursery.start_soon(check, peer)
+        return frozenset(silent)
+
+    async def _close(self, session_id: str, hops: Sequence[Hop]) -> None:
+        async def close_one(peer: PeerId) -> None:
+            with trio.move_on_after(self.timeouts.ping_s):
+                try:
+                    await self._control(peer, CloseSession(session_id=session_id))
+                except MeshError as exc:
+                    log.debug("closing %s on %s: %s", session_id, peer, exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer in {h.peer_id for h in hops}:
+                nursery.start_soon(close_one, peer)
+
+    def statistics(self) -> GatewayStatistics:
+        return GatewayStatistics(
+            sessions_started=self._started,
+            sessions_finished=self._finished,
+            sessions_failed=self._failed,
+            active_sessions=len(self._inboxes),
+            recoveries=self._recoveries,
+            tokens_out=self._tokens,
+            stale_frames=self._stale,
+            rejected_busy=self._busy,
+        )

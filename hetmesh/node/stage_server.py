@@ -1,0 +1,315 @@
+"""A stage server: one loaded :class:`~hetmesh.partition.stage.Stage`, its sessions' KV
+caches, and a continuous-batching loop.
+
+Activations arrive from the data plane (token ids on the first stage, hidden
+states elsewhere), wait in an inbox, and every round the loop takes all that
+is pending — any mix of prefill chunks and decode steps of different sessions
+— and runs them as one forward on the device thread. Outputs go straight to
+the next stage, or, on the last stage, are sampled and sent to the session's
+gateway as a token. Sessions join and leave between rounds; a bad item fails
+alone (its gateway gets an ``Error`` frame) while the rest of the batch runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from hetmesh.errors import InvalidRequest, MeshError, Rejected
+from hetmesh.node.control import CloseSession, OpenSession, Reply, step_seed
+from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
+from hetmesh.partition.kv import SessionKV
+from hetmesh.partition.sampling import Sampler, SamplingParams
+from hetmesh.partition.stage import Stage
+from hetmesh.resources import PeerId
+from hetmesh.transport.frames import (
+    ERROR_INTERNAL,
+    ERROR_PROTOCOL,
+    Activations,
+    Error,
+    Frame,
+    Tokens,
+)
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[PeerId, Frame], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Session:
+    request: OpenSession
+    kv: SessionKV
+    sampler: Sampler | None
+
+
+@dataclass(slots=True)
+class _Item:
+    session_id: str
+    step: int
+    positions: tuple[int, ...]
+    inputs: torch.Tensor
+    release: Callable[[], None]
+
+
+@dataclass(slots=True)
+class _Outcome:
+    item: _Item
+    output: torch.Tensor | int | None = None
+    error: MeshError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StageStatistics:
+    start: int
+    end: int
+    rounds: int
+    items: int
+    tokens: int
+    errors: int
+    queue_depth: int
+    recent_step_s: tuple[float, ...]
+    kv: KVStatistics
+
+
+@dataclass(slots=True)
+class _Counters:
+    rounds: int = 0
+    items: int = 0
+    tokens: int = 0
+    errors: int = 0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+
+class StageServer:
+    """Serves ``stage`` to many sessions; see the module docstring."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        *,
+        limits: KVLimits,
+        send: Send,
+        max_batch: int = 32,
+        device_limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self.stage = stage
+        self.kv = KVManager(
+            limits, bytes_per_token=stage.kv_bytes_per_token(), factory=stage.new_kv
+        )
+        self._send = send
+        self._max_batch = max_batch
+        self._limiter = device_limiter or trio.CapacityLimiter(1)
+        self._sessions: dict[str, _Session] = {}
+        self._inbox_send, self._inbox = trio.open_memory_channel[_Item](math.inf)
+        self._pending: deque[_Item] = deque()
+        self._counters = _Counters()
+
+    # -- control ----------------------------------------------------------------
+
+    def handle(self, request: OpenSession | CloseSession) -> Reply:
+        """Apply a control request; never raises for the peer's mistakes."""
+        if isinstance(request, CloseSession):
+            self.close(request.session_id)
+            return Reply(ok=True)
+        if (request.start, request.end) != (self.stage.start, self.stage.end):
+            return Reply(
+                ok=False,
+                kind="not_serving",
+                message=f"this node serves units [{self.stage.start}, {self.stage.end}), "
+                f"not [{request.start}, {request.end})",
+            )
+        try:
+            kv = self.kv.open(request.session_id, request.max_tokens)
+        except Rejected as exc:
+            return Reply(ok=False, kind="busy", message=str(exc))
+        except InvalidRequest as exc:
+            return Reply(ok=False, kind="invalid", message=str(exc))
+        sampler = None
+        if self.stage.has_head:
+            s = request.sampling
+            sampler = Sampler(
+                SamplingParams(
+                    temperature=s.temperature or None,
+                    top_k=s.top_k or None,
+                    top_p=s.top_p if s.top_p < 1 else None,
+                    seed=s.seed,
+                )
+            )
+        self._sessions[request.session_id] = _Session(request, kv, sampler)
+        return Reply(ok=True)
+
+    def close(self, session_id: str) -> None:
+        """Free a session's KV cache at once (unknown ids are ignored)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.kv.free()
+        self.kv.close(session_id)
+
+    def expire_idle(self) -> list[str]:
+        expired = self.kv.expire_idle()
+        for sid in expired:
+            session = self._sessions.pop(sid, None)
+            if session is not None:
+                session.kv.free()
+        return expired
+
+    # -- data -------------------------------------------------------------------
+
+    def submit(self, frame: Activations, release: Callable[[], None]) -> None:
+        """Queue an activation frame; ``InvalidRequest`` for an unknown session."""
+        if frame.session_id not in self._sessions:
+            release()
+            raise InvalidRequest(f"unknown session {frame.session_id}")
+        if len(frame.tensors) != 1:
+            release()
+            raise InvalidRequest(f"expected one tensor per activation, got {len(frame.tensors)}")
+        item = _Item(frame.session_id, frame.step, frame.positions, frame.tensors[0], release)
+        self._inbox_send.send_nowait(item)
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The batching loop; never returns."""
+        task_status.started()
+        while True:
+            batch = await self._next_batch()
+            started = time.perf_counter()
+            outcomes = await trio.to_thread.run_sync(self._compute, batch, limiter=self._limiter)
+            elapsed = time.perf_counter() - started
+            c = self._counters
+            c.rounds += 1
+            c.items += len(batch)
+            c.tokens += sum(item.inputs.shape[0] for item in batch)
+            c.recent.append(elapsed)
+            for outcome in outcomes:
+                await self._deliver(outcome)
+
+    async def _next_batch(self) -> list[_Item]:
+        if not self._pending:
+            self._pending.append(await self._inbox.receive())
+        while True:
+            try:
+                self._pending.append(self._inbox.receive_nowait())
+            except trio.WouldBlock:
+                break
+        batch: list[_Item] = []
+        seen: set[str] = set()
+        deferred: deque[_Item] = deque()
+        while self._pending and len(batch) < self._max_batch:
+            item = self._pending.popleft()
+            if item.session_id in seen:  # a session's next step waits for the next round
+                deferred.append(item)
+            else:
+                seen.add(item.session_id)
+                batch.append(item)
+        self._pending.extendleft(reversed(deferred))
+        return batch
+
+    def _compute(self, batch: list[_Item]) -> list[_Outcome]:
+        """Runs on the device thread: one forward for the whole batch if it can."""
+        outcomes = [_Outcome(item) for item in batch]
+        ready: list[_Outcome] = []
+        for outcome in outcomes:
+            session = self._sessions.get(outcome.item.session_id)
+            if session is None:
+                outcome.error = InvalidRequest(f"session {outcome.item.session_id} was closed")
+            elif outcome.item.positions[:1] != (session.kv.length,):
+                outcome.error = InvalidRequest(
+                    f"session {outcome.item.session_id}: activation starts at position "
+                    f"{outcome.item.positions[:1]}, the cache holds {session.kv.length}"
+                )
+            else:
+                ready.append(outcome)
+        try:
+            self._forward(ready)
+        except MeshError:
+            for outcome in ready:  # isolate the culprit: run each alone
+                try:
+                    self._forward([outcome])
+                except MeshError as exc:
+                    outcome.error = exc
+        for outcome in outcomes:
+            outcome.item.release()
+        return outcomes
+
+    def _forward(self, outcomes: list[_Outcome]) -> None:
+        if not outcomes:
+            return
+        sessions = [self._sessions[o.item.session_id] for o in outcomes]
+        results = self.stage.forward_batch(
+            [(o.item.inputs, s.kv) for o, s in zip(outcomes, sessions, strict=True)],
+            last_only=self.stage.has_head,
+        )
+        for outcome, session, result in zip(outcomes, sessions, results, strict=True):
+            if session.sampler is None:
+                outcome.output = result.contiguous()
+                continue
+            seed = session.request.sampling.seed
+            session.sampler.generator.manual_seed(step_seed(seed, outcome.item.step))
+            outcome.output = session.sampler(result[-1])
+
+    async def _deliver(self, outcome: _Outcome) -> None:
+        item = outcome.item
+        session = self._sessions.get(item.session_id)
+        if session is None:
+            return
+        request = session.request
+        try:
+            if outcome.error is not None:
+                self._counters.errors += 1
+                code = (
+                    ERROR_PROTOCOL if isinstance(outcome.error, InvalidRequest) else ERROR_INTERNAL
+                )
+                log.info(
+                    "session %s failed on [%d, %d): %s",
+                    item.session_id,
+                    request.start,
+                    request.end,
+                    outcome.error,
+                )
+                await self._send(
+                    request.gateway,
+                    Error(code=code, message=str(outcome.error), session_id=item.session_id),
+                )
+            elif isinstance(outcome.output, int):
+                await self._send(
+                    request.next_peer,
+                    Tokens(session_id=item.session_id, step=item.step, token_ids=(outcome.output,)),
+                )
+            elif outcome.output is not None:
+                end = item.positions[-1] + 1 if item.positions else 0
+                await self._send(
+                    request.next_peer,
+                    Activations(
+                        session_id=item.session_id,
+                        step=item.step,
+                        positions=tuple(range(end - outcome.output.shape[0], end)),
+                        tensors=(outcome.output,),
+                    ),
+                )
+        except MeshError as exc:  # the next hop is gone: the gateway's timeout recovers
+            log.warning("session %s: cannot deliver its output: %s", item.session_id, exc)
+
+    def statistics(self) -> StageStatistics:
+        c = self._counters
+        return StageStatistics(
+            start=self.stage.start,
+            end=self.stage.end,
+            rounds=c.rounds,
+            items=c.items,
+            tokens=c.tokens,
+            errors=c.errors,
+            queue_depth=len(self._pending) + self._inbox.statistics().current_buffer_used,
+            recent_step_s=tuple(c.recent),
+            kv=self.kv.statistics(),
+        )

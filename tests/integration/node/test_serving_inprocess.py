@@ -1,0 +1,285 @@
+"""Stage servers and a gateway wired together in one process, over in-memory hops.
+
+Real stages of a seeded tiny Llama; the network is replaced by direct calls so
+that batching, session control and recovery logic are exercised on their own.
+The multi-process tests cover the real data plane.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import pytest
+import torch
+import trio
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hetmesh.errors import InvalidRequest, MeshError, PeerUnreachable
+from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
+from hetmesh.node.kvcache import KVLimits
+from hetmesh.node.stage_server import StageServer
+from hetmesh.partition.generate import LocalPipeline
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.partition.stage import load_stage
+from hetmesh.transport.frames import Activations, Error, Frame, Tokens
+
+GATEWAY = "gw"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(folder)
+    return folder
+
+
+class Mesh:
+    """Stage servers keyed by peer id, reached through plain function calls."""
+
+    def __init__(self, model_dir, layout: dict[str, tuple[int, int]]) -> None:
+        self.servers = {
+            peer: StageServer(
+                load_stage(model_dir, a, b),
+                limits=KVLimits(max_sessions=8, max_tokens_per_session=200, budget_bytes=1 << 30),
+                send=self.send,
+            )
+            for peer, (a, b) in layout.items()
+        }
+        self.dead: set[str] = set()
+        self.frozen: set[str] = set()
+        self.gateway: Gateway | None = None
+
+    async def send(self, peer: str, frame: Frame) -> None:
+        if peer in self.dead:
+            raise PeerUnreachable(peer)
+        if peer == GATEWAY:
+            assert isinstance(frame, Tokens | Error)
+            assert self.gateway is not None
+            self.gateway.on_frame(frame)
+            return
+        if peer in self.frozen:
+            return  # swallowed: a stalled peer
+        assert isinstance(frame, Activations)
+        try:
+            self.servers[peer].submit(frame, release=lambda: None)
+        except MeshError as exc:
+            assert self.gateway is not None
+            self.gateway.on_frame(Error(code=1, message=str(exc), session_id=frame.session_id))
+
+    async def control(self, peer: str, request: OpenSession | CloseSession) -> Reply:
+        if peer in self.dead:
+            raise PeerUnreachable(peer)
+        if peer in self.frozen:
+            await trio.sleep_forever()
+        return self.servers[peer].handle(request)
+
+    async def ping(self, peer: str) -> bool:
+        if peer in self.dead:
+            raise PeerUnreachable(peer)
+        if peer in self.frozen:
+            await trio.sleep_forever()
+        return True
+
+
+def chooser(pipelines):
+    def choose(session_id, avoid):
+        for hops in pipelines:
+            if not {h.peer_id for h in hops} & avoid:
+                return hops
+        return ()
+
+    return choose
+
+
+def make_gateway(mesh: Mesh, pipelines, **timeouts) -> Gateway:
+    gateway = Gateway(
+        peer_id=GATEWAY,
+        control=mesh.control,
+        send=mesh.send,
+        choose=chooser(pipelines),
+        ping=mesh.ping,
+        eos_token_ids=frozenset(),
+        max_context=256,
+        timeouts=GatewayTimeouts(**timeouts),
+    )
+    mesh.gateway = gateway
+    return gateway
+
+
+async def collect(gateway, prompt, params, *, on_token=None):
+    out = []
+    async with aclosing(gateway.generate(prompt, params)) as tokens:
+        async for token in tokens:
+            out.append(token)
+            if on_token is not None:
+                on_token(len(out))
+    return out
+
+
+def reference(model_dir, prompt, n):
+    pipeline = LocalPipeline.load(model_dir, 1)
+    return list(pipeline.generate_ids(prompt, SamplingParams(max_new_tokens=n), eos_ids=set()))
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [1, 2, 3], list(range(10, 50))]
+
+
+async def test_gateway_streams_reference_tokens_through_three_stages(tiny_model):
+    mesh = Mesh(tiny_model, {"a": (0, 2), "b": (2, 4), "c": (4, 6)})
+    hops = (Hop("a", 0, 2), Hop("b", 2, 4), Hop("c", 4, 6))
+    gateway = make_gateway(mesh, [hops])
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+        results: dict[int, list[int]] = {}
+
+        async def run(i):
+            results[i] = await collect(gateway, PROMPTS[i], SamplingParams(max_new_tokens=12))
+
+        async with trio.open_nursery() as clients:  # concurrent sessions share batches
+            for i in range(len(PROMPTS)):
+                clients.start_soon(run, i)
+        nursery.cancel_scope.cancel()
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i] == reference(tiny_model, prompt, 12)
+    assert max(s.statistics().items / s.statistics().rounds for s in mesh.servers.values()) > 1
+    for server in mesh.servers.values():  # closing frees every cache at once
+        assert server.statistics().kv.sessions == 0
+
+
+async def test_gateway_recovers_from_a_killed_replica(tiny_model):
+    mesh = Mesh(tiny_model, {"a": (0, 2), "b1": (2, 4), "b2": (2, 4), "c": (4, 6)})
+    first = (Hop("a", 0, 2), Hop("b1", 2, 4), Hop("c", 4, 6))
+    second = (Hop("a", 0, 2), Hop("b2", 2, 4), Hop("c", 4, 6))
+    gateway = make_gateway(mesh, [first, second], step_floor_s=0.5, ping_s=0.3)
+
+    def kill_halfway(n):
+        if n == 8:
+            mesh.dead.add("b1")
+
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+        out = await collect(
+            gateway, PROMPTS[0], SamplingParams(max_new_tokens=16), on_token=kill_halfway
+        )
+        nursery.cancel_scope.cancel()
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    assert gateway.statistics().recoveries == 1
+
+
+async def test_gateway_recovers_from_a_stalled_replica(tiny_model):
+    mesh = Mesh(tiny_model, {"a": (0, 2), "b1": (2, 4), "b2": (2, 4), "c": (4, 6)})
+    first = (Hop("a", 0, 2), Hop("b1", 2, 4), Hop("c", 4, 6))
+    second = (Hop("a", 0, 2), Hop("b2", 2, 4), Hop("c", 4, 6))
+    gateway = make_gateway(mesh, [first, second], step_floor_s=0.5, ping_s=0.3)
+
+    def freeze_halfway(n):
+        if n == 8:
+            mesh.frozen.add("b1")
+
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+        out = await collect(
+            gateway, PROMPTS[0], SamplingParams(max_new_tokens=16), on_token=freeze_halfway
+        )
+        nursery.cancel_scope.cancel()
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    assert gateway.statistics().recoveries == 1
+
+
+async def test_gateway_seeded_sampling_survives_recovery(tiny_model):
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=20, seed=1234)
+    pipelines = [
+        (Hop("a", 0, 2), Hop("b1", 2, 4), Hop("c", 4, 6)),
+        (Hop("a", 0, 2), Hop("b2", 2, 4), Hop("c", 4, 6)),
+    ]
+    layout = {"a": (0, 2), "b1": (2, 4), "b2": (2, 4), "c": (4, 6)}
+    runs = []
+    for kill in (False, True):
+        mesh = Mesh(tiny_model, layout)
+        gateway = make_gateway(mesh, pipelines, step_floor_s=0.5, ping_s=0.3)
+
+        def maybe_kill(n, mesh=mesh, kill=kill):
+            if kill and n == 5:
+                mesh.dead.add("b1")
+
+        async with trio.open_nursery() as nursery:
+            for server in mesh.servers.values():
+                await nursery.start(server.serve)
+            runs.append(await collect(gateway, PROMPTS[1], params, on_token=maybe_kill))
+            nursery.cancel_scope.cancel()
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 16
+
+
+async def test_bad_input_fails_alone(tiny_model):
+    mesh = Mesh(tiny_model, {"a": (0, 3), "c": (3, 6)})
+    hops = (Hop("a", 0, 3), Hop("c", 3, 6))
+    gateway = make_gateway(mesh, [hops])
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+        good: list[int] = []
+        good_done = trio.Event()
+
+        async def run_good():
+            good.extend(await collect(gateway, PROMPTS[0], SamplingParams(max_new_tokens=10)))
+            good_done.set()
+
+        nursery.start_soon(run_good)
+        with pytest.raises(InvalidRequest, match="empty"):
+            await collect(gateway, [], SamplingParams(max_new_tokens=4))
+        with pytest.raises(InvalidRequest, match="context"):
+            await collect(gateway, list(range(90)) * 3, SamplingParams(max_new_tokens=4))
+        with pytest.raises(InvalidRequest, match="vocabulary"):
+            await collect(gateway, [5, 500], SamplingParams(max_new_tokens=4))
+        # hidden states of the wrong width straight into the second stage
+        server_c = mesh.servers["c"]
+        reply = server_c.handle(
+            OpenSession(
+                session_id="rogue",
+                start=3,
+                end=6,
+                next_peer=GATEWAY,
+                gateway=GATEWAY,
+                max_tokens=10,
+                sampling=gateway_sampling(),
+            )
+        )
+        assert reply.ok
+        server_c.submit(
+            Activations(session_id="rogue", step=0, positions=(0,), tensors=(torch.zeros(1, 7),)),
+            release=lambda: None,
+        )
+        with pytest.raises(MeshError, match="unknown session"):
+            server_c.submit(
+                Activations(
+                    session_id="nope", step=0, positions=(0,), tensors=(torch.zeros(1, 64),)
+                ),
+                release=lambda: None,
+            )
+        await good_done.wait()
+        nursery.cancel_scope.cancel()
+    assert good == reference(tiny_model, PROMPTS[0], 10)
+    assert server_c.statistics().errors >= 1
+
+
+def gateway_sampling():
+    from hetmesh.node.control import SamplingWire
+
+    return SamplingWire()
