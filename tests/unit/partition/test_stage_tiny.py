@@ -1,0 +1,239 @@
+"""Stages of seeded random tiny models reproduce the full transformers model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny import (
+    EOS,
+    FAMILIES,
+    VOCAB,
+    greedy_reference,
+    reference_logits,
+    save_tiny,
+)
+
+from hetmesh.errors import InvalidRequest
+from hetmesh.partition.generate import LocalPipeline, balanced_ranges
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.partition.stage import Stage, load_stage
+
+ATOL = 1e-4
+# units of a 4-layer model: 0 embed, 1..4 layers, 5 head
+SPLITS = {
+    "1": [(0, 6)],
+    "2": [(0, 3), (3, 6)],
+    "3-uneven": [(0, 4), (4, 5), (5, 6)],
+    "5-embed-only-head-only": [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6)],
+    "embed+layer|rest": [(0, 2), (2, 6)],
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_tiny(request.param, folder)
+    return request.param, folder, model
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(4, VOCAB, (33,), generator=gen)
+
+
+def _chain(stages: list[Stage], kvs: list[Any], x: torch.Tensor) -> torch.Tensor:
+    for stage, kv in zip(stages, kvs, strict=True):
+        x = stage.forward(x, kv)
+    return x
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_stage_chain_matches_full_model_prefill_and_decode(
+    tiny: Any, prompt: torch.Tensor, split: str
+) -> None:
+    _, folder, model = tiny
+    gen = torch.Generator().manual_seed(3)
+    steps = [int(t) for t in torch.randint(4, VOCAB, (20,), generator=gen)]
+    ref_prefill, ref_steps = reference_logits(model, prompt, steps)
+    stages = [load_stage(folder, a, b) for a, b in SPLITS[split]]
+    kvs = [s.new_kv() for s in stages]
+    torch.testing.assert_close(_chain(stages, kvs, prompt), ref_prefill, atol=ATOL, rtol=0)
+    for token, ref in zip(steps, ref_steps, strict=True):
+        out = _chain(stages, kvs, torch.tensor([token]))
+        torch.testing.assert_close(out[-1], ref, atol=ATOL, rtol=0)
+    assert [kv.length for kv in kvs] == [len(prompt) + 20] * len(stages)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 5])
+def test_greedy_generation_matches_transformers_generate(
+    tiny: Any, prompt: torch.Tensor, num_stages: int
+) -> None:
+    _, folder, model = tiny
+    expected = greedy_reference(model, prompt, 20)
+    pipeline = LocalPipeline.load(folder, num_stages)
+    assert len(pipeline.stages) == num_stages
+    got = list(
+        pipeline.generate_ids(prompt.tolist(), SamplingParams(max_new_tokens=20), eos_ids={EOS})
+    )
+    assert got == expected
+
+
+def test_chunked_prefill_matches_one_prefill(tiny: Any, prompt: torch.Tensor) -> None:
+    _, folder, model = tiny
+    ref_prefill, _ = reference_logits(model, prompt, [])
+    stages = [load_stage(folder, 0, 3), load_stage(folder, 3, 6)]
+    kvs = [s.new_kv() for s in stages]
+    first = _chain(stages, kvs, prompt[:20])
+    second = _chain(stages, kvs, prompt[20:])
+    torch.testing.assert_close(torch.cat([first, second]), ref_prefill, atol=ATOL, rtol=0)
+
+
+def test_forward_batch_matches_separate_forwards(tiny: Any) -> None:
+    """Sessions at KV lengths 0, 5, 17, 30 mixing prefill chunks and decode steps."""
+    _, folder, _ = tiny
+    gen = torch.Generator().manual_seed(11)
+    histories = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (0, 5, 17, 30)]
+    chunks = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (9, 1, 4, 1)]
+    for start, end in [(0, 6), (0, 2), (2, 5), (5, 6)]:
+        stage = load_stage(folder, start, end)
+        first = load_stage(folder, 0, start) if start else None
+
+        def feed(x: torch.Tensor, kv_first: Any, kv: Any) -> torch.Tensor:
+            return first.forward(x, kv_first) if first is not None else x  # noqa: B023
+
+        solo, batched = [], []
+        for history, chunk in zip(histories, chunks, strict=True):
+            pair = []
+            for _ in range(2):  # identical state for the solo and the batched run
+                kv_first = first.new_kv() if first is not None else None
+                kv = stage.new_kv()
+                if len(history):
+                    stage.forward(feed(history, kv_first, kv), kv)
+                pair.append((feed(chunk, kv_first, kv), kv))
+            solo.append(stage.forward(*pair[0]))
+            batched.append(pair[1])
+        outputs = stage.forward_batch(batched)
+        for got, want in zip(outputs, solo, strict=True):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert [kv.length for _, kv in batched] == [9, 6, 21, 31]
+
+
+def test_eager_attention_matches_sdpa(tiny: Any, prompt: torch.Tensor) -> None:
+    _, folder, model = tiny
+    ref_prefill, _ = reference_logits(model, prompt, [])
+    stages = [load_stage(folder, 0, 3, attn_implementation="eager"), load_stage(folder, 3, 6)]
+    kvs = [s.new_kv() for s in stages]
+    for part in (slice(0, 10), slice(10, None)):
+        got = _chain(stages, kvs, prompt[part])
+        torch.testing.assert_close(got, ref_prefill[part], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 6), (0, 1), (5, 6), (1, 5), (2, 3), (0, 2), (4, 6)])
+def test_stage_param_count_matches_profile(tiny: Any, start: int, end: int) -> None:
+    _, folder, model = tiny
+    stage = load_stage(folder, start, end)
+    assert stage.param_count() == stage.profile.range_param_count(start, end)
+    if (start, end) == (0, 6):
+        assert stage.param_count() == sum(p.numel() for p in model.parameters())
+    assert not any(p.is_meta for p in stage.parameters())
+
+
+def test_tied_stage_shares_one_matrix(tiny: Any) -> None:
+    _, folder, model = tiny
+    stage = load_stage(folder, 0, 6)
+    assert stage.embed_tokens is not None
+    assert stage.lm_head is not None
+    shared = stage.lm_head.weight is stage.embed_tokens.weight
+    assert shared == model.config.tie_word_embeddings
+    head_only = load_stage(folder, 5, 6)
+    assert head_only.lm_head is not None
+    torch.testing.assert_close(head_only.lm_head.weight, model.lm_head.weight, atol=0, rtol=0)
+
+
+def test_balanced_ranges_cover_every_unit(tiny: Any) -> None:
+    _, folder, _ = tiny
+    profile = load_stage(folder, 0, 1).profile
+    for k in range(1, profile.num_units + 1):
+        ranges = balanced_ranges(profile, k)
+        assert len(ranges) == k
+        assert ranges[0][0] == 0
+        assert ranges[-1][1] == profile.num_units
+        assert all(a < b for a, b in ranges)
+        assert all(ranges[i][1] == ranges[i + 1][0] for i in range(k - 1))
+    with pytest.raises(InvalidRequest):
+        balanced_ranges(profile, profile.num_units + 1)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("llama-validation")
+    save_tiny("llama-untied", folder)
+    return folder
+
+
+def test_stage_rejects_bad_inputs(llama_dir: Path) -> None:
+    first, middle = load_stage(llama_dir, 0, 2), load_stage(llama_dir, 2, 6)
+    kv = first.new_kv()
+    bad_first = [
+        torch.zeros(4),  # floats to the embedding
+        torch.zeros((1, 4), dtype=torch.int64),  # a batch dimension
+        torch.tensor([VOCAB]),  # outside the vocabulary
+        torch.tensor([-1]),
+        torch.zeros(0, dtype=torch.int64),  # empty
+    ]
+    for x in bad_first:
+        with pytest.raises(InvalidRequest):
+            first.forward(x, kv)
+    bad_middle = [torch.zeros(3, 65), torch.zeros(3), torch.zeros((3, 64), dtype=torch.int64)]
+    for x in bad_middle:
+        with pytest.raises(InvalidRequest):
+            middle.forward(x, middle.new_kv())
+    with pytest.raises(InvalidRequest, match="another stage"):
+        middle.forward(torch.zeros(2, 64), kv)
+    with pytest.raises(InvalidRequest, match="twice"):
+        first.forward_batch([(torch.tensor([5]), kv), (torch.tensor([6]), kv)])
+    assert kv.length == 0  # nothing above touched the session
+
+
+def test_stage_rejects_context_overflow_and_freed_kv(llama_dir: Path) -> None:
+    stage = load_stage(llama_dir, 0, 6)
+    kv = stage.new_kv()
+    stage.forward(torch.arange(96) % 90 + 4, kv)
+    with pytest.raises(InvalidRequest, match="exceeds"):
+        stage.forward(torch.arange(4, 37), kv)  # 96 + 33 > 128
+    stage.forward(torch.arange(4, 36), kv)  # exactly 128
+    assert kv.length == 128
+    kv.free()
+    assert kv.freed
+    assert kv.nbytes == 0
+    with pytest.raises(InvalidRequest, match="freed"):
+        stage.forward(torch.tensor([5]), kv)
+
+
+def test_load_stage_rejects_bad_ranges(llama_dir: Path) -> None:
+    for start, end in [(0, 0), (3, 2), (-1, 2), (0, 7)]:
+        with pytest.raises(InvalidRequest):
+            load_stage(llama_dir, start, end)
+    with pytest.raises(InvalidRequest):
+        load_stage(llama_dir, 0, 2, attn_implementation="flash")
+
+
+def test_session_kv_accounting_and_truncate(llama_dir: Path) -> None:
+    stage = load_stage(llama_dir, 1, 3)  # two layers, 2 KV heads of 16 dims
+    kv = stage.new_kv()
+    assert (kv.length, kv.nbytes, kv.used_bytes) == (0, 0, 0)
+    hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
+    full = stage.forward(hidden, kv)
+    per_token = 2 * 2 * 2 * 16 * 4
+    assert stage.kv_bytes_per_token() == per_token
+    assert kv.used_bytes == 10 * per_token
+    assert kv.nbytes >= kv.used_bytes
+    kv.truncate(6)  # replay the last four tokens: same outputs
+    again = stage.forward(hidden[6:], kv)
+    torch.testing.assert_close(again, full[6:], atol=ATOL, rtol=0)
+    with pytest.raises(InvalidRequest):
+        kv.truncate(11)
