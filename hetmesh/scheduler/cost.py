@@ -1,0 +1,344 @@
+"""The cost model: how long a unit range takes on a device, what it holds, what links cost.
+
+For units ``[a, b)`` on device ``d``, a step over ``t`` tokens at context ``c``:
+
+- compute term: ``t · Σ(flops_per_token + c · attention_flops_per_token_per_context)``
+  ÷ the device's measured matmul FLOP/s;
+- memory term: (weights read once per step + ``t · c`` tokens of KV read) ÷ the
+  device's measured memory bandwidth (the embedding reads only its looked-up rows,
+  counted as zero);
+- step time = max(compute, memory) — the two overlap on real hardware, and decode
+  is usually memory-bound — plus ``(b - a) ×`` the device's per-unit dispatch
+  overhead (Python and kernel launches; dominant on CPU for small models) plus a
+  fixed per-stage overhead.
+
+A boundary activation costs ``bytes ÷ bandwidth + RTT / 2`` on the latency path and
+``bytes ÷ bandwidth`` of link occupancy on the throughput path (RTT overlaps when
+micro-batches are in flight). A pipeline's per-token decode latency is the sum of
+its stage steps and links, plus the sampled token's return from the last stage to
+the first. Its throughput is ``t`` ÷ the slowest stage step or link occupancy.
+
+Stage memory = weights (tied embeddings counted once when one stage holds both
+ends) + KV budget + activation workspace + reserve; see
+:class:`~hetmesh.scheduler.records.PlanConstraints`.
+
+Pure: numpy for the all-ranges matrices the search uses, nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
+from hetmesh.scheduler.records import (
+    Objective,
+    Pipeline,
+    PlanConstraints,
+    Stage,
+    device_key,
+)
+
+FloatArray = npt.NDArray[np.float64]
+INF = math.inf
+PREFILL_TOKENS = 1000
+_WORKSPACE_FACTOR = 8  # MLP intermediates and attention scratch, in hidden-size rows
+_LOGIT_BYTES = 4  # float32 logits
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """A device (index into the cost model's sorted devices) holding ``[start, end)``."""
+
+    device: int
+    start: int
+    end: int
+
+
+def sort_devices(devices: Sequence[DeviceProfile]) -> list[DeviceProfile]:
+    """Devices in canonical order; duplicates are refused."""
+    ordered = sorted(devices, key=lambda d: (d.peer_id, d.device))
+    for before, after in itertools.pairwise(ordered):
+        if (before.peer_id, before.device) == (after.peer_id, after.device):
+            raise ValueError(f"device {device_key(after.peer_id, after.device)} listed twice")
+    return ordered
+
+
+class CostModel:
+    """Costs of every unit range on every device of one mesh, for one model."""
+
+    def __init__(
+        self,
+        model: ModelProfile,
+        devices: Sequence[DeviceProfile],
+        links: Sequence[LinkProfile],
+        constraints: PlanConstraints,
+    ) -> None:
+        if model.num_units < 1:
+            raise ValueError("the model has no units")
+        self.model = model
+        self.constraints = constraints
+        self.devices = sort_devices(devices)
+        self.n = model.num_units
+        self.context = min(
+            constraints.context_tokens, model.max_context or constraints.context_tokens
+        )
+        units = model.units
+        self.hidden_bytes = float(units[0].output_bytes_per_token)
+        self.token_bytes = float(units[-1].output_bytes_per_token)
+
+        def prefix(values: Sequence[float]) -> FloatArray:
+            return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
+
+        self._flops = prefix([u.flops_per_token for u in units])
+        self._attn = prefix([u.attention_flops_per_token_per_context for u in units])
+        self._read = prefix([0.0 if u.kind == "embed" else float(u.param_bytes) for u in units])
+        self._kv = prefix([float(u.kv_bytes_per_token) for u in units])
+        self._params = prefix([float(u.param_bytes) for u in units])
+        self._blocks = prefix([1.0 if u.kind == "block" else 0.0 for u in units])
+        self._heads = prefix([1.0 if u.kind == "head" else 0.0 for u in units])
+        self._tied_bytes = float(sum(u.param_bytes for u in units) - model.total_param_bytes)
+
+        idx = np.arange(self.n + 1)
+        a, b = idx[:, None], idx[None, :]
+        self._valid = b > a
+        self._units = (b - a).astype(np.float64)
+        c = float(self.context)
+        self._flops_tok = (self._flops[b] - self._flops[a]) + c * (self._attn[b] - self._attn[a])
+        self._read_mat = self._read[b] - self._read[a]
+        self._kv_mat = self._kv[b] - self._kv[a]
+        self._resident = self._resident_matrix(a, b)
+        n_pf = float(PREFILL_TOKENS)
+        self._prefill_flops = n_pf * (self._flops[b] - self._flops[a]) + (n_pf * (n_pf + 1) / 2) * (
+            self._attn[b] - self._attn[a]
+        )
+        self._prefill_bytes = self._read_mat + n_pf * self._kv_mat
+
+        self._link_index: dict[tuple[str, str], LinkProfile] = {}
+        for link in sorted(links, key=lambda x: (x.src, x.dst, x.measured_at_s)):
+            self._link_index[(link.src, link.dst)] = link
+        self._overheads = [
+            constraints.unit_overhead_for(d.peer_id, d.device, d.backend) for d in self.devices
+        ]
+        self._matrix_cache: dict[tuple[object, ...], FloatArray] = {}
+        self._device_matrix: dict[tuple[int, int], FloatArray] = {}
+        self._link_cache: dict[tuple[int, int], tuple[float, float]] = {}
+
+    # ----- memory -------------------------------------------------------------------
+    def _resident_matrix(self, a: npt.NDArray[np.int_], b: npt.NDArray[np.int_]) -> FloatArray:
+        cons = self.constraints
+        weights = self._params[b] - self._params[a]
+        whole = (a == 0) & (b == self.n)
+        weights = weights - np.where(whole, self._tied_bytes, 0.0)
+        kv = float(cons.max_context_tokens * cons.max_sessions) * (self._kv[b] - self._kv[a])
+        has_block = (self._blocks[b] - self._blocks[a]) > 0
+        has_head = (self._heads[b] - self._heads[a]) > 0
+        work = np.where(
+            has_block, float(cons.prefill_chunk_tokens * _WORKSPACE_FACTOR) * self.hidden_bytes, 0.0
+        ) + np.where(
+            has_head,
+            float(cons.prefill_chunk_tokens * self.model.vocab_size * _LOGIT_BYTES),
+            0.0,
+        )
+        return np.asarray(weights + kv + work, dtype=np.float64)
+
+    def reserve_bytes(self, dev: int) -> int:
+        d = self.devices[dev]
+        cons = self.constraints
+        return max(cons.reserve_bytes, int(cons.reserve_fraction * d.memory_total_bytes))
+
+    def stage_memory_bytes(self, dev: int, start: int, end: int) -> int:
+        """Bytes a stage holding ``[start, end)`` on device ``dev`` needs, reserve included."""
+        return int(self._resident[start, end]) + self.reserve_bytes(dev)
+
+    def holds_any_unit(self, dev: int) -> bool:
+        """Whether ``dev`` computes and has the memory for at least one unit."""
+        diagonal = self.step_matrix(dev, 1)[np.arange(self.n), np.arange(1, self.n + 1)]
+        return bool(np.isfinite(diagonal).any())
+
+    def fits(self, dev: int, start: int, end: int) -> bool:
+        return self.stage_memory_bytes(dev, start, end) <= self.devices[dev].memory_free_bytes
+
+    def model_bytes(self) -> int:
+        """Memory the whole model needs in one stage, without any reserve."""
+        return int(self._resident[0, self.n])
+
+    def usable_bytes(self, dev: int) -> int:
+        return max(0, self.devices[dev].memory_free_bytes - self.reserve_bytes(dev))
+
+    # ----- time ---------------------------------------------------------------------
+    def _signature(self, dev: int) -> tuple[float, float, float, int]:
+        d = self.devices[dev]
+        return (
+            d.matmul_flops,
+            d.memory_bandwidth_bps,
+            self._overheads[dev],
+            self.usable_bytes(dev),
+        )
+
+    def step_matrix(self, dev: int, tokens: int) -> FloatArray:
+        """``M[a, b]``: one step of ``tokens`` tokens over ``[a, b)`` on ``dev``; inf if unfit."""
+        mine = self._device_matrix.get((dev, tokens))
+        if mine is not None:
+            return mine
+        sig = (*self._signature(dev), tokens)
+        cached = self._matrix_cache.get(sig)
+        if cached is not None:
+            self._device_matrix[(dev, tokens)] = cached
+            return cached
+        flops, bandwidth, overhead, usable = sig[0], sig[1], sig[2], sig[3]
+        if flops <= 0 or bandwidth <= 0:
+            out = np.full((self.n + 1, self.n + 1), INF)
+        else:
+            t = float(tokens)
+            compute = t * self._flops_tok / flops
+            memory = (self._read_mat + t * self.context * self._kv_mat) / bandwidth
+            out = (
+                np.maximum(compute, memory)
+                + self._units * overhead
+                + self.constraints.stage_overhead_s
+            )
+            out = np.where(self._valid & (self._resident <= usable), out, INF)
+        self._matrix_cache[sig] = out
+        self._device_matrix[(dev, tokens)] = out
+        return out
+
+    def step_s(self, dev: int, start: int, end: int, tokens: int = 1) -> float:
+        """One decode step of ``tokens`` tokens over ``[start, end)`` (ignores memory)."""
+        d = self.devices[dev]
+        if d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
+            return INF
+        compute = tokens * float(self._flops_tok[start, end]) / d.matmul_flops
+        memory = (
+            float(self._read_mat[start, end])
+            + tokens * self.context * float(self._kv_mat[start, end])
+        ) / d.memory_bandwidth_bps
+        return (
+            max(compute, memory)
+            + (end - start) * self._overheads[dev]
+            + self.constraints.stage_overhead_s
+        )
+
+    def prefill_s(self, dev: int, start: int, end: int) -> float:
+        """A 1,000-token prompt through ``[start, end)`` on ``dev``."""
+        d = self.devices[dev]
+        if d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
+            return INF
+        compute = float(self._prefill_flops[start, end]) / d.matmul_flops
+        memory = float(self._prefill_bytes[start, end]) / d.memory_bandwidth_bps
+        return (
+            max(compute, memory)
+            + (end - start) * self._overheads[dev]
+            + self.constraints.stage_overhead_s
+        )
+
+    def link(self, src: int, dst: int) -> tuple[float, float]:
+        """``(rtt_s, bandwidth_bps)`` from device ``src`` to device ``dst``."""
+        cached = self._link_cache.get((src, dst))
+        if cached is not None:
+            return cached
+        cons = self.constraints
+        s, d = self.devices[src], self.devices[dst]
+        if src == dst:
+            out = (0.0, INF)
+        elif s.peer_id == d.peer_id:
+            out = (cons.same_host_rtt_s, cons.same_host_bandwidth_bps)
+        else:
+            found = self._link_index.get((s.peer_id, d.peer_id)) or self._link_index.get(
+                (d.peer_id, s.peer_id)
+            )
+            if found is not None and found.bandwidth_bps > 0:
+                out = (found.rtt_s, found.bandwidth_bps)
+            else:
+                out = (cons.default_rtt_s, cons.default_bandwidth_bps)
+        self._link_cache[(src, dst)] = out
+        return out
+
+    def link_latency_s(self, src: int, dst: int, nbytes: float | None = None) -> float:
+        """One message of ``nbytes`` (default: one token's activation): bytes/bw + RTT/2."""
+        if src == dst:
+            return 0.0
+        rtt, bandwidth = self.link(src, dst)
+        return (self.hidden_bytes if nbytes is None else nbytes) / bandwidth + rtt / 2
+
+    def link_occupancy_s(self, src: int, dst: int, nbytes: float) -> float:
+        if src == dst:
+            return 0.0
+        return nbytes / self.link(src, dst)[1]
+
+    def return_latency_s(self, last: int, first: int) -> float:
+        return self.link_latency_s(last, first, self.token_bytes)
+
+    # ----- whole pipelines ----------------------------------------------------------
+    def pipeline(self, stages: Sequence[Assignment]) -> Pipeline:
+        """The predictions for an assignment (contiguous, starting at unit 0)."""
+        t = self.constraints.micro_batch_tokens
+        records: list[Stage] = []
+        latency = prefill = bottleneck = 0.0
+        for i, st in enumerate(stages):
+            nxt = stages[i + 1].device if i + 1 < len(stages) else None
+            step = self.step_s(st.device, st.start, st.end, 1)
+            batch = self.step_s(st.device, st.start, st.end, t)
+            pre = self.prefill_s(st.device, st.start, st.end)
+            if nxt is None:
+                link_out = self.return_latency_s(st.device, stages[0].device)
+                occupancy = self.link_occupancy_s(st.device, stages[0].device, t * self.token_bytes)
+                pre_link = 0.0
+            else:
+                link_out = self.link_latency_s(st.device, nxt)
+                occupancy = self.link_occupancy_s(st.device, nxt, t * self.hidden_bytes)
+                pre_link = self.link_latency_s(st.device, nxt, PREFILL_TOKENS * self.hidden_bytes)
+            latency += step + link_out
+            prefill += pre + pre_link
+            bottleneck = max(bottleneck, batch, occupancy)
+            d = self.devices[st.device]
+            records.append(
+                Stage(
+                    peer_id=d.peer_id,
+                    device=d.device,
+                    start=st.start,
+                    end=st.end,
+                    decode_step_s=step,
+                    batch_step_s=batch,
+                    prefill_s_per_1k=pre,
+                    link_out_s=link_out,
+                    memory_bytes=self.stage_memory_bytes(st.device, st.start, st.end),
+                )
+            )
+        return Pipeline(
+            stages=tuple(records),
+            decode_latency_s=latency,
+            prefill_s_per_1k=prefill,
+            bottleneck_s=bottleneck,
+            throughput_tps=(t / bottleneck) if bottleneck > 0 else INF,
+        )
+
+    def feasible(self, stages: Sequence[Assignment]) -> bool:
+        return all(self.fits(s.device, s.start, s.end) for s in stages)
+
+
+def objective_value(pipelines: Sequence[Pipeline], objective: Objective) -> float:
+    """Latency: the best pipeline's seconds per token. Throughput: total tokens/s."""
+    if objective == "latency":
+        return min(p.decode_latency_s for p in pipelines)
+    return sum(p.throughput_tps for p in pipelines)
+
+
+def better(a: float, b: float, objective: Objective) -> bool:
+    """Whether objective value ``a`` beats ``b``."""
+    return a < b if objective == "latency" else a > b
+
+
+__all__ = [
+    "PREFILL_TOKENS",
+    "Assignment",
+    "CostModel",
+    "better",
+    "objective_value",
+    "sort_devices",
+]

@@ -1,0 +1,176 @@
+"""Dynamic programs over contiguous unit ranges.
+
+A :class:`Problem` fixes what "cost" means for one objective:
+
+- ``latency``: stage cost = one-token decode step, edge = activation latency,
+  costs add up (min-sum);
+- ``throughput``: stage cost = micro-batch step, edge = link occupancy, the
+  pipeline is as slow as its slowest part (min-max).
+
+:func:`order_dp` is exact for a fixed device order in which every device gets at
+least one unit. :func:`skip_dp` is exact for a fixed order whose first device is
+mandatory and whose other devices may be dropped (given no units).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetmesh.scheduler.cost import INF, Assignment, CostModel, FloatArray
+from hetmesh.scheduler.records import Objective
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    """A single pipeline found by a search: its objective cost and its stages."""
+
+    cost: float  # latency: seconds per token; throughput: bottleneck seconds per micro-batch
+    stages: tuple[Assignment, ...]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(s.device for s in self.stages)
+
+
+class Problem:
+    """Cost terms of one objective over one :class:`CostModel`."""
+
+    def __init__(self, cost: CostModel, objective: Objective) -> None:
+        self.cost = cost
+        self.objective: Objective = objective
+        self.additive = objective == "latency"
+        self.tokens = 1 if self.additive else cost.constraints.micro_batch_tokens
+        self.n = cost.n
+        self._cols = np.arange(self.n + 1)
+        self._edges: dict[tuple[int, int], float] = {}
+
+    def stage(self, dev: int) -> FloatArray:
+        return self.cost.step_matrix(dev, self.tokens)
+
+    def edge(self, src: int, dst: int) -> float:
+        key = (src, dst)
+        got = self._edges.get(key)
+        if got is None:
+            if self.additive:
+                got = self.cost.link_latency_s(src, dst)
+            else:
+                got = self.cost.link_occupancy_s(src, dst, self.tokens * self.cost.hidden_bytes)
+            self._edges[key] = got
+        return got
+
+    def ret(self, last: int, first: int) -> float:
+        if self.additive:
+            return self.cost.return_latency_s(last, first)
+        return self.cost.link_occupancy_s(last, first, self.tokens * self.cost.token_bytes)
+
+    def join(self, a: float, b: float) -> float:
+        return a + b if self.additive else max(a, b)
+
+    def extend(self, dp: FloatArray, matrix: FloatArray) -> tuple[FloatArray, np.ndarray]:
+        """``new[b] = min_a dp[a] ⊕ matrix[a, b]`` and the minimising ``a`` per ``b``."""
+        rows = np.flatnonzero(np.isfinite(dp[: self.n]))
+        if rows.size == 0:
+            return np.full(self.n + 1, INF), np.zeros(self.n + 1, dtype=np.int64)
+        sub = matrix[rows]
+        total = dp[rows, None] + sub if self.additive else np.maximum(dp[rows, None], sub)
+        best = np.argmin(total, axis=0)
+        return total[best, self._cols], rows[best]
+
+    def shift(self, dp: FloatArray, value: float) -> FloatArray:
+        return dp + value if self.additive else np.maximum(dp, value)
+
+
+def order_dp(problem: Problem, order: Sequence[int]) -> Solution | None:
+    """The best split of all units over ``order``, every device getting ≥ 1 unit."""
+    n = problem.n
+    dp = problem.stage(order[0])[0].copy()
+    back: list[np.ndarray] = []
+    for prev, dev in itertools.pairwise(order):
+        dp, arg = problem.extend(problem.shift(dp, problem.edge(prev, dev)), problem.stage(dev))
+        back.append(arg)
+    if not np.isfinite(dp[n]):
+        return None
+    cost = problem.join(float(dp[n]), problem.ret(order[-1], order[0]))
+    return Solution(cost, unwind(order, back, n))
+
+
+def unwind(order: Sequence[int], back: Sequence[np.ndarray], n: int) -> tuple[Assignment, ...]:
+    """Stages from the argmin arrays of a fixed-order DP (``back[j-1]`` for device ``j``)."""
+    stages: list[Assignment] = []
+    end = n
+    for j in range(len(order) - 1, 0, -1):
+        start = int(back[j - 1][end])
+        stages.append(Assignment(order[j], start, end))
+        end = start
+    stages.append(Assignment(order[0], 0, end))
+    return tuple(reversed(stages))
+
+
+def skip_dp(problem: Problem, order: Sequence[int]) -> Solution | None:
+    """The best pipeline along ``order``: ``order[0]`` first, any others dropped or kept."""
+    n, k = problem.n, len(order)
+    dps: list[FloatArray] = [problem.stage(order[0])[0].copy()]
+    from_a: list[np.ndarray] = [np.zeros(n + 1, dtype=np.int64)]
+    from_i: list[np.ndarray] = [np.zeros(n + 1, dtype=np.int64)]
+    for j in range(1, k):
+        incoming = np.full(n + 1, INF)
+        source = np.zeros(n + 1, dtype=np.int64)
+        for i in range(j):
+            cand = problem.shift(dps[i], problem.edge(order[i], order[j]))
+            improved = cand < incoming
+            incoming = np.where(improved, cand, incoming)
+            source = np.where(improved, i, source)
+        dp, arg = problem.extend(incoming, problem.stage(order[j]))
+        dps.append(dp)
+        from_a.append(arg)
+        from_i.append(source[arg])
+    best_j, best = -1, INF
+    for j in range(k):
+        if np.isfinite(dps[j][n]):
+            value = problem.join(float(dps[j][n]), problem.ret(order[j], order[0]))
+            if value < best:
+                best_j, best = j, value
+    if best_j < 0:
+        return None
+    stages: list[Assignment] = []
+    j, end = best_j, n
+    while j != 0:
+        start = int(from_a[j][end])
+        stages.append(Assignment(order[j], start, end))
+        j, end = int(from_i[j][end]), start
+    stages.append(Assignment(order[0], 0, end))
+    return Solution(best, tuple(reversed(stages)))
+
+
+def refine(problem: Problem, solution: Solution) -> Solution:
+    """Among the splits of ``solution``'s devices with the same bottleneck, the lowest latency.
+
+    Only meaningful for the throughput objective (min-max has many optima); returns
+    ``solution`` unchanged for the latency objective.
+    """
+    if problem.additive:
+        return solution
+    cost = problem.cost
+    limit = solution.cost * (1 + 1e-9) + 1e-15
+    latency = Problem(cost, "latency")
+    order = solution.devices
+    for prev, dev in itertools.pairwise(order):
+        if problem.edge(prev, dev) > limit:
+            return solution
+    n = problem.n
+    masked = [np.where(problem.stage(d) <= limit, latency.stage(d), INF) for d in order]
+    dp = masked[0][0].copy()
+    back: list[np.ndarray] = []
+    for j in range(1, len(order)):
+        dp, arg = latency.extend(dp + latency.edge(order[j - 1], order[j]), masked[j])
+        back.append(arg)
+    if not np.isfinite(dp[n]):
+        return solution
+    return Solution(solution.cost, unwind(order, back, n))
+
+
+__all__ = ["Problem", "Solution", "order_dp", "refine", "skip_dp", "unwind"]

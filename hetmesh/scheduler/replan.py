@@ -1,0 +1,215 @@
+"""The replanning policy: when to plan again, when to adopt, who plans, which plan wins.
+
+Pure decisions for the coordinator service (the async glue lives with the node):
+
+- :func:`should_replan`: membership changed, or a measured profile drifted by more
+  than ``drift`` (20% by default) since the inputs of the current plan;
+- :func:`should_adopt`: a new plan is adopted only if its predicted gain over the
+  current plan, *re-scored under the same fresh measurements*, passes
+  ``min_gain`` (no flapping), or if the current plan no longer fits or names
+  a departed device;
+- :func:`coordinator`: the live peer with the lowest peer id;
+- :func:`newest`: peers adopt the plan of the highest epoch they have seen;
+- :func:`replan`: all of the above in one call for the coordinator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from hetmesh.errors import InsufficientCapacity
+from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId, WireRecord
+from hetmesh.scheduler.heuristic import SearchOptions
+from hetmesh.scheduler.planner import evaluate, placement, plan
+from hetmesh.scheduler.records import Objective, Plan, PlanConstraints, device_key
+
+DEFAULT_DRIFT = 0.2
+DEFAULT_MIN_GAIN = 0.1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshSnapshot(WireRecord):
+    """The planner's inputs at one moment."""
+
+    devices: tuple[DeviceProfile, ...] = ()
+    links: tuple[LinkProfile, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Whether to act, and why (for the log and ``hetmesh status``)."""
+
+    act: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplanOutcome:
+    """What :func:`replan` decided: ``plan`` is the plan to publish, or ``None``."""
+
+    plan: Plan | None
+    reason: str
+    candidate: Plan | None = field(default=None)
+
+
+def _drifted(old: float, new: float, drift: float) -> bool:
+    scale = max(abs(old), abs(new))
+    return scale > 0 and abs(new - old) / scale > drift
+
+
+def should_replan(
+    previous: MeshSnapshot | None, current: MeshSnapshot, *, drift: float = DEFAULT_DRIFT
+) -> Decision:
+    """Whether the mesh changed enough since ``previous`` to plan again."""
+    if previous is None:
+        return Decision(True, "no plan yet")
+    old = {device_key(d.peer_id, d.device): d for d in previous.devices}
+    new = {device_key(d.peer_id, d.device): d for d in current.devices}
+    joined, left = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
+    if joined or left:
+        parts = ([f"joined {', '.join(joined)}"] if joined else []) + (
+            [f"left {', '.join(left)}"] if left else []
+        )
+        return Decision(True, "membership: " + "; ".join(parts))
+    for key in sorted(new):
+        a, b = old[key], new[key]
+        for name in ("matmul_flops", "memory_bandwidth_bps", "memory_free_bytes"):
+            if _drifted(float(getattr(a, name)), float(getattr(b, name)), drift):
+                return Decision(
+                    True, f"drift: {key} {name} {getattr(a, name)} -> {getattr(b, name)}"
+                )
+    old_links = {(x.src, x.dst): x for x in previous.links}
+    for link in sorted(current.links, key=lambda x: (x.src, x.dst)):
+        before = old_links.get((link.src, link.dst))
+        if before is None:
+            return Decision(True, f"new link {link.src} -> {link.dst}")
+        if _drifted(before.bandwidth_bps, link.bandwidth_bps, drift):
+            return Decision(True, f"drift: link {link.src} -> {link.dst} bandwidth")
+        # RTTs of a few microseconds jitter by more than 20%; count 100 µs and up
+        if abs(link.rtt_s - before.rtt_s) > 1e-4 and _drifted(before.rtt_s, link.rtt_s, drift):
+            return Decision(True, f"drift: link {link.src} -> {link.dst} rtt")
+    return Decision(False, "no membership change or drift")
+
+
+def gain(current: Plan, candidate: Plan) -> float:
+    """The candidate's relative improvement over ``current`` (same objective)."""
+    if candidate.objective == "latency":
+        return current.objective_value / candidate.objective_value - 1.0
+    if current.objective_value <= 0:
+        return float("inf")
+    return candidate.objective_value / current.objective_value - 1.0
+
+
+def should_adopt(
+    current: Plan | None, candidate: Plan, *, min_gain: float = DEFAULT_MIN_GAIN
+) -> Decision:
+    """Adopt ``candidate`` over ``current`` (both scored on the same measurements)?"""
+    if current is None:
+        return Decision(True, "the current plan no longer fits or there is none")
+    if current.objective != candidate.objective:
+        return Decision(True, f"objective changed to {candidate.objective}")
+    g = gain(current, candidate)
+    if g > min_gain:
+        return Decision(True, f"predicted gain {g:.1%} > {min_gain:.0%}")
+    return Decision(False, f"predicted gain {g:.1%} ≤ {min_gain:.0%}")
+
+
+def coordinator(live_peers: Iterable[PeerId]) -> PeerId | None:
+    """The live peer that plans: the lowest peer id, or ``None`` for an empty mesh."""
+    return min(live_peers, default=None)
+
+
+def newest(plans: Iterable[Plan]) -> Plan | None:
+    """The plan to follow among those seen: highest epoch (ties: the same choice everywhere)."""
+    best: Plan | None = None
+    for p in plans:
+        if best is None or _rank(p) > _rank(best):
+            best = p
+    return best
+
+
+def _rank(p: Plan) -> tuple[int, tuple[str, ...]]:
+    return (p.epoch, tuple(x.key for x in p.pipelines))
+
+
+def replan(
+    current: Plan | None,
+    previous: MeshSnapshot | None,
+    now: MeshSnapshot,
+    model: ModelProfile,
+    *,
+    objective: Objective = "latency",
+    constraints: PlanConstraints | None = None,
+    options: SearchOptions | None = None,
+    drift: float = DEFAULT_DRIFT,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> ReplanOutcome:
+    """The coordinator's decision: a plan of epoch ``current.epoch + 1`` to publish, or none.
+
+    Raises :class:`~hetmesh.errors.InsufficientCapacity` if the mesh can no longer
+    hold the model at all.
+    """
+    decision = should_replan(previous if current is not None else None, now, drift=drift)
+    if not decision.act:
+        return ReplanOutcome(None, decision.reason)
+    cons = constraints or (current.constraints if current is not None else PlanConstraints())
+    epoch = current.epoch + 1 if current is not None else 0
+    candidate = plan(
+        now.devices,
+        now.links,
+        model,
+        objective=objective,
+        constraints=cons,
+        epoch=epoch,
+        options=options,
+    )
+    rescored = _rescore(current, now, model, objective, cons)
+    adopt = should_adopt(rescored, candidate, min_gain=min_gain)
+    reason = f"{decision.reason}; {adopt.reason}"
+    return ReplanOutcome(candidate if adopt.act else None, reason, candidate)
+
+
+def _rescore(
+    current: Plan | None,
+    now: MeshSnapshot,
+    model: ModelProfile,
+    objective: Objective,
+    constraints: PlanConstraints,
+) -> Plan | None:
+    if current is None:
+        return None
+    try:
+        return evaluate(
+            placement(current),
+            now.devices,
+            now.links,
+            model,
+            objective=objective,
+            constraints=constraints,
+            epoch=current.epoch,
+        )
+    except (InsufficientCapacity, ValueError):
+        return None
+
+
+def alive_pipelines(plan_: Plan, live_peers: Sequence[PeerId]) -> int:
+    """How many of the plan's pipelines have every peer alive."""
+    live = set(live_peers)
+    return sum(1 for p in plan_.pipelines if p.peers <= live)
+
+
+__all__ = [
+    "DEFAULT_DRIFT",
+    "DEFAULT_MIN_GAIN",
+    "Decision",
+    "MeshSnapshot",
+    "ReplanOutcome",
+    "alive_pipelines",
+    "coordinator",
+    "gain",
+    "newest",
+    "replan",
+    "should_adopt",
+    "should_replan",
+]
