@@ -13,6 +13,7 @@ import sys
 
 from hetmesh.cli import model as _model  # noqa: F401  (registers commands)
 from hetmesh.cli import node as _node  # noqa: F401  (registers commands)
+from hetmesh.cli import plan as _plan  # noqa: F401  (registers commands)
 from hetmesh.cli import status as _status  # noqa: F401  (registers commands)
 from hetmesh.cli import version as _version  # noqa: F401  (registers commands)
 from hetmesh.cli._app import app

@@ -1,0 +1,247 @@
+"""``hetmesh plan``: the placement the scheduler would choose, beside the baselines'.
+
+The inputs are either a JSON file of devices (and optional links) or a live mesh
+(any node's address: its status view gives the devices and the measured links).
+Loading, planning and rendering are separate pure functions, tested without a
+mesh.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+
+from hetmesh.cli._app import app
+from hetmesh.errors import InsufficientCapacity, MeshError, ModelNotFound
+from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
+from hetmesh.scheduler import BASELINES, Plan, PlanConstraints, plan
+from hetmesh.scheduler.records import Objective
+
+_LIVE = ("self", "alive", "suspect")
+
+
+def load_model(spec: str, dtype: str) -> ModelProfile:
+    """A known shape's name (``llama-7b``…) or a model folder / ``config.json`` path."""
+    from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
+
+    if spec in KNOWN_SHAPES:
+        return model_profile(KNOWN_SHAPES[spec], dtype=dtype, name=spec)
+    path = Path(spec)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file():
+        known = ", ".join(sorted(KNOWN_SHAPES))
+        raise ModelNotFound(f"{spec}: neither a known shape ({known}) nor a model folder")
+    data = json.loads(config.read_text())
+    return model_profile(data, dtype=dtype, name=path.name if path.is_dir() else spec)
+
+
+def parse_devices(data: Any) -> tuple[list[DeviceProfile], list[LinkProfile]]:
+    """A list of DeviceProfile wire maps, or ``{"devices": [...], "links": [...]}``."""
+    raw_devices: list[Any]
+    raw_links: list[Any]
+    if isinstance(data, list):
+        raw_devices, raw_links = data, []
+    elif isinstance(data, dict) and isinstance(data.get("devices"), list):
+        raw_devices, raw_links = data["devices"], data.get("links") or []
+    else:
+        raise ValueError('expected a list of devices or {"devices": [...], "links": [...]}')
+    devices = [DeviceProfile.from_wire(d) for d in raw_devices]
+    links = [LinkProfile.from_wire(x) for x in raw_links]
+    return devices, links
+
+
+def devices_from_view(view: Mapping[str, Any]) -> tuple[list[DeviceProfile], list[LinkProfile]]:
+    """The live peers' devices and the links of a status view (``hetmesh status --json``)."""
+    devices: list[DeviceProfile] = []
+    live: set[str] = set()
+    for peer in view.get("peers", []):
+        if str(peer.get("health")) not in _LIVE:
+            continue
+        live.add(str(peer.get("peer_id")))
+        for raw in (peer.get("record") or {}).get("devices") or []:
+            devices.append(DeviceProfile.from_wire(raw))
+    links = [LinkProfile.from_wire(x) for x in view.get("links", [])]
+    return devices, [x for x in links if x.src in live and x.dst in live]
+
+
+def default_dtype(devices: Sequence[DeviceProfile]) -> str:
+    return "float32" if all(d.backend == "cpu" for d in devices) else "float16"
+
+
+def plan_with_baselines(
+    devices: Sequence[DeviceProfile],
+    links: Sequence[LinkProfile],
+    model: ModelProfile,
+    objective: Objective,
+    constraints: PlanConstraints,
+) -> tuple[Plan, dict[str, Plan | str]]:
+    """The planner's plan and, per baseline, its plan or why it has none."""
+    chosen = plan(devices, links, model, objective=objective, constraints=constraints)
+    others: dict[str, Plan | str] = {}
+    for name, baseline in BASELINES.items():
+        try:
+            others[name] = baseline(
+                devices, links, model, objective=objective, constraints=constraints
+            )
+        except InsufficientCapacity as exc:
+            others[name] = f"does not fit ({exc.missing_bytes / 2**30:.2f} GiB short)"
+    return chosen, others
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"
+
+
+def _unit_names(model: ModelProfile, start: int, end: int) -> str:
+    def name(i: int) -> str:
+        kind = model.units[i].kind
+        return "embed" if kind == "embed" else ("head" if kind == "head" else f"L{i - 1}")
+
+    return name(start) if end - start == 1 else f"{name(start)}…{name(end - 1)}"
+
+
+def plan_renderable(
+    chosen: Plan, baselines: Mapping[str, Plan | str], model: ModelProfile
+) -> Group:
+    """The stage map of every pipeline, then the comparison table (pure)."""
+    parts: list[Table] = []
+    for i, pipe in enumerate(chosen.pipelines):
+        table = Table(
+            title=(
+                f"pipeline {i}: {_ms(pipe.decode_latency_s)}/token, "
+                f"{pipe.throughput_tps:.1f} tokens/s, prefill {pipe.prefill_s_per_1k:.2f} s/1k"
+            )
+        )
+        for col in ("stage", "peer", "device", "units", "layers", "step", "link out", "memory"):
+            table.add_column(col)
+        for j, st in enumerate(pipe.stages):
+            table.add_row(
+                str(j),
+                st.peer_id,
+                st.device,
+                f"[{st.start}, {st.end})",
+                _unit_names(model, st.start, st.end),
+                _ms(st.decode_step_s),
+                _ms(st.link_out_s),
+                _gib(st.memory_bytes),
+            )
+        parts.append(table)
+    compare = Table(title=f"{model.name}, objective {chosen.objective}: planner vs baselines")
+    for col in ("strategy", "pipelines", "decode/token", "prefill/1k", "tokens/s", "planner gain"):
+        compare.add_column(col)
+    rows: list[tuple[str, Plan | str]] = [(f"planner ({chosen.strategy})", chosen)]
+    rows += list(baselines.items())
+    for name, item in rows:
+        if isinstance(item, str):
+            compare.add_row(name, "-", "-", "-", "-", item)
+            continue
+        # how many times better the planner's plan is (1.00× for the planner itself)
+        if chosen.objective == "latency":
+            ratio = item.decode_latency_s / chosen.decode_latency_s
+        else:
+            ratio = chosen.throughput_tps / item.throughput_tps
+        compare.add_row(
+            name,
+            str(len(item.pipelines)),
+            _ms(item.decode_latency_s),
+            f"{item.prefill_s_per_1k:.2f} s",
+            f"{item.throughput_tps:.1f}",
+            f"{ratio:.2f}×",
+        )
+    return Group(*parts, compare)
+
+
+def render_plan(
+    chosen: Plan, baselines: Mapping[str, Plan | str], model: ModelProfile, *, width: int = 160
+) -> str:
+    """The plan as plain text (pure; used by tests)."""
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(plan_renderable(chosen, baselines, model))
+    return console.export_text()
+
+
+def _fetch_view(mesh: str, secret: str | None, timeout: float) -> dict[str, Any]:
+    import trio
+
+    from hetmesh.cli.node import first_mesh_error
+    from hetmesh.discovery.host import configure_libp2p_logging
+    from hetmesh.discovery.status import fetch_status
+
+    configure_libp2p_logging()
+    try:
+        return trio.run(lambda: fetch_status(mesh, mesh_secret=secret, timeout_s=timeout))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--mesh") from exc
+    except BaseExceptionGroup as group:
+        found = first_mesh_error(group)
+        if found is None:
+            raise
+        raise found from None
+
+
+@app.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option(help="A known shape (llama-7b, …) or a model folder.")],
+    devices: Annotated[
+        Path | None, typer.Option(help="JSON: a list of devices, or {devices, links}.")
+    ] = None,
+    mesh: Annotated[str | None, typer.Option(help="Any node's multiaddr, with /p2p/ID.")] = None,
+    objective: Annotated[str, typer.Option(help="latency or throughput.")] = "latency",
+    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16.")] = None,
+    max_context: Annotated[int, typer.Option(help="KV budget: tokens per session.")] = 2048,
+    sessions: Annotated[int, typer.Option(help="KV budget: sessions per pipeline.")] = 1,
+    micro_batch: Annotated[int, typer.Option(help="Tokens per micro-batch.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    mesh_secret: Annotated[str | None, typer.Option(envvar="HETMESH_MESH_SECRET")] = None,
+    mesh_secret_file: Annotated[Path | None, typer.Option()] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the node.")] = 5.0,
+) -> None:
+    """Print the plan for a model on a mesh, with each baseline's prediction beside it."""
+    if objective not in ("latency", "throughput"):
+        raise typer.BadParameter("use latency or throughput", param_hint="--objective")
+    if (devices is None) == (mesh is None):
+        raise typer.BadParameter("give exactly one of --devices and --mesh")
+    if devices is not None:
+        try:
+            found, links = parse_devices(json.loads(devices.read_text()))
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(f"{devices}: {exc}", param_hint="--devices") from exc
+    elif mesh is not None:
+        from hetmesh.cli.node import resolve_secret
+
+        view = _fetch_view(mesh, resolve_secret(mesh_secret, mesh_secret_file), timeout)
+        try:
+            found, links = devices_from_view(view)
+        except ValueError as exc:
+            raise MeshError(f"{mesh} sent a status view without valid profiles: {exc}") from exc
+    else:  # unreachable: exactly one of the two was checked above
+        raise typer.BadParameter("give exactly one of --devices and --mesh")
+    if not found:
+        raise InsufficientCapacity("no device to plan on", missing_bytes=0)
+    profile = load_model(model, dtype or default_dtype(found))
+    constraints = PlanConstraints(
+        max_context_tokens=max_context, max_sessions=sessions, micro_batch_tokens=micro_batch
+    )
+    goal: Objective = "throughput" if objective == "throughput" else "latency"
+    chosen, others = plan_with_baselines(found, links, profile, goal, constraints)
+    if as_json:
+        out = {
+            "plan": chosen.to_wire(),
+            "baselines": {
+                k: (v.to_wire() if isinstance(v, Plan) else {"error": v}) for k, v in others.items()
+            },
+        }
+        typer.echo(json.dumps(out, indent=1))
+    else:
+        Console().print(plan_renderable(chosen, others, profile))
