@@ -93,6 +93,7 @@ def generate(
     if not prompt.strip():
         raise InvalidRequest("empty prompt")
     from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.store import brief_error
 
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -108,7 +109,7 @@ def generate(
     except MeshError:
         raise
     except (RuntimeError, ValueError, OSError) as exc:  # torch/transformers at the boundary
-        raise ComputeError(f"generation failed: {exc}") from exc
+        raise ComputeError(f"generation failed: {brief_error(exc)}") from exc
 
 
 def _stream(model_dir: Path, prompt: str, params: Any, *, stages: int, chat: bool) -> None:

@@ -36,7 +36,7 @@ from torch import nn
 from hetmesh.errors import ComputeError, CorruptModel, DeviceOutOfMemory, InvalidRequest
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
-from hetmesh.partition.store import check_model_dir, weight_files
+from hetmesh.partition.store import brief_error, check_model_dir, weight_files
 from hetmesh.resources import ModelProfile
 
 # architecture -> (transformers module, class-name prefix)
@@ -206,9 +206,13 @@ class Stage(nn.Module):
             with torch.inference_mode():
                 outputs = self._run(prepared, sessions, last_only)
         except torch.OutOfMemoryError as exc:
-            raise DeviceOutOfMemory(f"stage [{self.start}, {self.end}): {exc}") from exc
+            raise DeviceOutOfMemory(
+                f"stage [{self.start}, {self.end}): {brief_error(exc)}"
+            ) from exc
         except (RuntimeError, ValueError, IndexError) as exc:
-            raise ComputeError(f"stage [{self.start}, {self.end}) failed: {exc}") from exc
+            raise ComputeError(
+                f"stage [{self.start}, {self.end}) failed: {brief_error(exc)}"
+            ) from exc
         for kv, x in zip(sessions, prepared, strict=True):
             kv._commit(x.shape[0])
         return outputs
@@ -399,7 +403,7 @@ def _load_tensors(stage: Stage, folder: Path, config: dict[str, Any]) -> None:
                 for param, tensor in pairs:
                     state[param] = handle.get_tensor(tensor).to(stage.device, stage.dtype)
     except (OSError, RuntimeError, ValueError) as exc:
-        raise CorruptModel(f"{folder}: cannot read tensors ({exc})") from exc
+        raise CorruptModel(f"{folder}: cannot read tensors ({brief_error(exc)})") from exc
     for param, value in state.items():
         expected = stage.get_parameter(param).shape
         if value.shape != expected:

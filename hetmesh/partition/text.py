@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hetmesh.errors import CorruptModel, InvalidRequest
+from hetmesh.partition.store import brief_error
 
 _REPLACEMENT = "\ufffd"
 
@@ -20,7 +21,7 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
     try:
         return transformers.AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError) as exc:
-        raise CorruptModel(f"{model_dir}: no usable tokenizer ({exc})") from exc
+        raise CorruptModel(f"{model_dir}: no usable tokenizer ({brief_error(exc)})") from exc
 
 
 def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = False) -> list[int]:

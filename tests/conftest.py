@@ -1,0 +1,19 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model (SmolLM2-135M-Instruct) as a safetensors folder.
+
+    Pulled once into the user's hetmesh cache ($HETMESH_HOME or the XDG cache),
+    so later runs reuse it; a clean cache costs one offline pull (~30 s).
+    """
+    from hetmesh.partition.store import resolve_model
+
+    return resolve_model()
