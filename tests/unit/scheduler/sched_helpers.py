@@ -1,0 +1,63 @@
+"""Small builders for scheduler tests: devices, links and model shapes by hand."""
+
+from __future__ import annotations
+
+from hetmesh.partition.profile import llama_like_config, model_profile
+from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
+from hetmesh.scheduler import PlanConstraints
+
+GIB = 1024**3
+
+# No reserve, no per-stage overhead surprises: hand-checkable numbers.
+BARE = PlanConstraints(
+    max_context_tokens=256,
+    reserve_bytes=0,
+    reserve_fraction=0.0,
+    stage_overhead_s=0.0,
+    unit_overhead_s={"cpu": 0.0, "cuda": 0.0, "mps": 0.0},
+)
+
+
+def device(
+    peer: str,
+    *,
+    memory: int = 8 * GIB,
+    flops: float = 1e13,
+    bandwidth: float = 1e11,
+    backend: str = "cuda",
+    name: str = "",
+) -> DeviceProfile:
+    return DeviceProfile(
+        peer_id=peer,
+        device="cpu" if backend == "cpu" else "cuda:0",
+        backend="cpu" if backend == "cpu" else "cuda",
+        name=name or peer,
+        memory_total_bytes=memory,
+        memory_free_bytes=memory,
+        matmul_flops=flops,
+        memory_bandwidth_bps=bandwidth,
+    )
+
+
+def full_links(
+    devices: list[DeviceProfile], *, bandwidth: float = 1.25e9, rtt: float = 2e-4
+) -> list[LinkProfile]:
+    return [
+        LinkProfile(src=a.peer_id, dst=b.peer_id, rtt_s=rtt, bandwidth_bps=bandwidth)
+        for a in devices
+        for b in devices
+        if a.peer_id != b.peer_id
+    ]
+
+
+def toy_model(layers: int = 8, hidden: int = 512, vocab: int = 4096) -> ModelProfile:
+    config = llama_like_config(
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+    )
+    return model_profile(config, dtype="float16", name=f"toy-{layers}")
