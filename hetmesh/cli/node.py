@@ -6,7 +6,7 @@ import logging
 import re
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import trio
 import typer
@@ -71,18 +71,29 @@ def setup_logging(verbose: bool) -> None:
 
 
 async def _run_until_signal(config: object) -> None:
-    from hetmesh.node.daemon import NodeConfig, run_node
+    """Run the node; the first SIGINT/SIGTERM stops it gracefully, a second one at once."""
+    from hetmesh.node.daemon import Node, NodeConfig, run_node
 
     assert isinstance(config, NodeConfig)
-    async with trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            nursery.start_soon(run_node, config)
-            async for signum in signals:
-                logging.getLogger("hetmesh.node").info(
-                    "received %s, shutting down", signal.Signals(signum).name
-                )
+    log = logging.getLogger("hetmesh.node")
+    running: list[Node] = []
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def node_main(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                await run_node(config, task_status=task_status)
                 nursery.cancel_scope.cancel()
-                break
+
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    log.info("received %s, shutting down", signal.Signals(signum).name)
+                    if running and not running[0].stop_requested.is_set():
+                        running[0].request_stop()
+                    else:
+                        nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_signals)
+            running.append(await nursery.start(node_main))
 
 
 @node_app.command("start")

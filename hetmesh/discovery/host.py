@@ -48,7 +48,7 @@ def derive_psk(secret: str | None) -> str:
 
 def mesh_fingerprint(secret: str | None) -> str:
     """A short public tag of the mesh (safe to broadcast; not the key)."""
-    return hashlib.sha256(b"hetmesh/mdns/v1\x00" + derive_psk(secret).encode()).hexdigest()[:16]
+    return hashlib.sha256(b"hetmesh/mdns/v1\x00" + derive_psk(secret).encode()).hexdigest()[:10]
 
 
 def configure_libp2p_logging(level: int = logging.WARNING) -> None:
@@ -59,9 +59,15 @@ def configure_libp2p_logging(level: int = logging.WARNING) -> None:
     lg.handlers.clear()
     lg.propagate = True
     lg.setLevel(level)
-    # the mDNS listener and the swarm are chatty at WARNING about routine churn
-    for noisy in ("libp2p.discovery.mdns", "libp2p.network.swarm", "libp2p.transport"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    # these log routine churn (a peer went away, a redial was refused) as errors;
+    # discovery reports membership changes itself
+    for noisy in (
+        "libp2p.discovery.mdns",
+        "libp2p.network.swarm",
+        "libp2p.transport",
+        "libp2p.stream_muxer",
+    ):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
 
 
 def load_or_create_identity(data_dir: Path) -> Any:

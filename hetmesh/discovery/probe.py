@@ -7,7 +7,10 @@ transport's ``tcp`` backend lands, swap :func:`probe_link` and
 Protocol (one connection per probe): the client sends a 32-byte token
 derived from the mesh key (so strangers cannot use the port as a sink), then
 ``b"P"`` pings, each echoed by one byte, then ``b"B"`` + an 8-byte length +
-that many bytes, acknowledged by ``b"K"`` once all of them arrived.
+that many bytes, acknowledged by ``b"K"`` and the receiver's time (float64
+seconds) between the arrival of the first quarter and of the last byte.
+Timing the tail at the receiver keeps TCP slow start, the sender's socket
+buffer and a token bucket's initial burst out of the figure.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 PROBE_BYTES = 4 * 1024 * 1024
 MAX_PROBE_BYTES = 64 * 1024 * 1024
 _LEN = struct.Struct(">Q")
+_SECONDS = struct.Struct(">d")
 _CHUNK = bytes(256 * 1024)
 
 
@@ -71,12 +75,17 @@ async def _handle(stream: trio.SocketStream, token: bytes) -> None:
                     if n > MAX_PROBE_BYTES:
                         return
                     remaining = n
+                    mark = n - n // 4  # start the clock once a quarter has arrived
+                    started = time.perf_counter()
                     while remaining:
                         chunk = await stream.receive_some(min(remaining, 1 << 20))
                         if not chunk:
                             return
+                        before = remaining
                         remaining -= len(chunk)
-                    await stream.send_all(b"K")
+                        if before > mark >= remaining:
+                            started = time.perf_counter()
+                    await stream.send_all(b"K" + _SECONDS.pack(time.perf_counter() - started))
                 else:
                     return
 
@@ -125,10 +134,16 @@ async def probe_link(
                     piece = _CHUNK[: min(remaining, len(_CHUNK))]
                     await stream.send_all(piece)
                     remaining -= len(piece)
-                if await _receive_exact(stream, 1) != b"K":
+                reply = await _receive_exact(stream, 1 + _SECONDS.size)
+                if reply[:1] != b"K":
                     raise RemoteProtocolError("probe server did not acknowledge")
-                elapsed = max(time.perf_counter() - t0 - rtt, 1e-6)
-                return LinkMeasurement(rtt_s=rtt, bandwidth_bps=nbytes / elapsed)
+                (tail_s,) = _SECONDS.unpack(reply[1:])
+                tail_bytes = nbytes - nbytes // 4
+                if tail_s > 0 and tail_bytes > 0:
+                    bandwidth = tail_bytes / tail_s
+                else:  # tiny probe: fall back to the sender's view
+                    bandwidth = nbytes / max(time.perf_counter() - t0 - rtt, 1e-6)
+                return LinkMeasurement(rtt_s=rtt, bandwidth_bps=bandwidth)
     except trio.TooSlowError as exc:
         raise PeerUnreachable(f"link probe to {host}:{port} timed out") from exc
     except (OSError, trio.BrokenResourceError) as exc:

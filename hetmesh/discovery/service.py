@@ -133,6 +133,8 @@ class Discovery:
         ](256)
         self._probe_wanted = trio.Event()
         self._last_dial: dict[PeerId, float] = {}
+        self._inflight: set[PeerId] = set()
+        self._said_goodbye = False
         self._sent = 0
         self._send_failures = 0
         self._probes = 0
@@ -263,8 +265,15 @@ class Discovery:
 
     # -- inbound ----------------------------------------------------------------
 
-    def receive(self, payload: bytes, remote: PeerId) -> Announcement | None:
-        """Apply one announcement payload from an authenticated peer; None if rejected."""
+    def receive(
+        self, payload: bytes, remote: PeerId, now: float | None = None
+    ) -> Announcement | None:
+        """Apply one announcement payload from an authenticated peer; None if rejected.
+
+        Never raises for anything the peer sent: bad records are counted in
+        ``statistics().rejected``.
+        """
+        now = trio.current_time() if now is None else now
         try:
             record = wire.decode_announcement(payload)
             if record.peer_id != remote:
@@ -275,9 +284,9 @@ class Discovery:
             self.table.note_rejected()
             log.debug("rejected an announcement from %s: %s", remote, exc)
             return None
-        self._emit(self.table.note_announcement(record, trio.current_time()))
+        self._emit(self.table.note_announcement(record, now))
         for known in record.known_peers:
-            self._offer_candidate(known.peer_id, known.addrs)
+            self._offer_candidate(known.peer_id, known.addrs, now)
         return record
 
     async def _handle_announce(self, stream: Any) -> None:
@@ -296,10 +305,13 @@ class Discovery:
 
     # -- outbound ---------------------------------------------------------------
 
-    def _offer_candidate(self, peer_id: PeerId, addrs: tuple[str, ...]) -> None:
+    def _offer_candidate(
+        self, peer_id: PeerId, addrs: tuple[str, ...], now: float | None = None
+    ) -> None:
         if peer_id == self.peer_id or not addrs:
             return
-        if self.table.note_candidate(peer_id, addrs, trio.current_time()):
+        now = trio.current_time() if now is None else now
+        if self.table.note_candidate(peer_id, addrs, now):
             with contextlib.suppress(trio.WouldBlock):
                 self._candidates_send.send_nowait((peer_id, addrs))
 
@@ -316,6 +328,7 @@ class Discovery:
         from libp2p.custom_types import TProtocol
 
         info = self._peer_info(peer_id, addrs)
+        self._inflight.add(peer_id)
         try:
             if info.peer_id not in self.host.get_network().connections:
                 await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
@@ -341,6 +354,8 @@ class Discovery:
             log.debug("announcing to %s failed: %r", peer_id, exc)
             if info.peer_id not in self.host.get_network().connections:
                 self._emit(self.table.note_refused(peer_id, trio.current_time()))
+        finally:
+            self._inflight.discard(peer_id)
 
     def _targets(self, now: float) -> list[PeerEntry]:
         out = []
@@ -357,12 +372,17 @@ class Discovery:
             out.append(entry)
         return out
 
-    async def _announce_round(self, *, goodbye: bool = False) -> None:
+    async def _announce_round(self, nursery: trio.Nursery, *, goodbye: bool = False) -> None:
+        """Start one send per target; a peer whose last send is still pending is skipped."""
         payload = wire.encode(self.local_record(goodbye=goodbye))
         now = trio.current_time()
-        targets = self.table.members() if goodbye else self._targets(now)
-        async with trio.open_nursery() as nursery:
-            for entry in targets:
+        if goodbye:
+            live = (Health.ALIVE, Health.SUSPECT, Health.JOINING)
+            targets = [e for e in self.table.dial_targets() if e.health in live and e.record]
+        else:
+            targets = self._targets(now)
+        for entry in targets:
+            if entry.peer_id not in self._inflight:
                 nursery.start_soon(self._send, entry.peer_id, entry.addrs, payload)
 
     def _emit(self, events: list[TableEvent]) -> None:
@@ -382,9 +402,10 @@ class Discovery:
 
     async def _serve_announcements(self) -> None:
         interval = self.config.policy.interval_s
-        while True:
-            await self._announce_round()
-            await trio.sleep(interval)
+        async with trio.open_nursery() as nursery:
+            while True:
+                await self._announce_round(nursery)
+                await trio.sleep(interval)
 
     async def _serve_liveness(self) -> None:
         while True:
@@ -404,6 +425,8 @@ class Discovery:
     async def _serve_candidates(self) -> None:
         async with trio.open_nursery() as nursery:
             async for peer_id, addrs in self._candidates_recv:
+                if peer_id in self._inflight:
+                    continue
                 payload = wire.encode(self.local_record())
                 self._last_dial[peer_id] = trio.current_time()
                 nursery.start_soon(self._send, peer_id, addrs, payload)
@@ -447,6 +470,7 @@ class Discovery:
         if not self.config.bootstrap:
             return
         failures: list[MeshError] = []
+        log.info("joining the mesh through %d bootstrap peer(s)", len(self.config.bootstrap))
         for addr in self.config.bootstrap:
             info = parse_peer_addr(addr)
             try:
@@ -505,10 +529,23 @@ class Discovery:
                 nursery.start_soon(self._serve_links)
                 task_status.started()
         finally:
-            with trio.CancelScope(deadline=trio.current_time() + 1.5, shield=True):
-                await self._announce_round(goodbye=True)
+            if not self._said_goodbye:  # cancelled from outside: best effort, bounded
+                with trio.CancelScope(deadline=trio.current_time() + 1.0, shield=True):
+                    await self.say_goodbye()
             if mdns is not None:
                 self._stop_mdns(mdns)
+
+    async def say_goodbye(self, grace_s: float = 1.5) -> None:
+        """Tell every peer we are leaving (they drop us at once); call before cancelling.
+
+        Must run while the host is still up, so the daemon calls it before it
+        cancels its services.
+        """
+        self._said_goodbye = True
+        self._inflight.clear()
+        with trio.move_on_after(grace_s):
+            async with trio.open_nursery() as nursery:
+                await self._announce_round(nursery, goodbye=True)
 
     @staticmethod
     def _stop_mdns(mdns: Any) -> None:

@@ -73,6 +73,11 @@ class Node:
     host: Any
     discovery: Discovery
     device_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    stop_requested: trio.Event = field(default_factory=trio.Event)
+
+    def request_stop(self) -> None:
+        """Ask :func:`run_node` to say goodbye, cancel its services and return."""
+        self.stop_requested.set()
 
     @property
     def peer_id(self) -> str:
@@ -141,8 +146,12 @@ def _write_node_info(node: Node) -> None:
 async def run_node(
     config: NodeConfig, *, task_status: TaskStatus[Node] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Run a node until cancelled. Raises AuthenticationFailed / PeerUnreachable when
-    no bootstrap peer accepts us (the CLI prints it and exits non-zero)."""
+    """Run a node until ``node.request_stop()`` (graceful: goodbye first) or cancellation.
+
+    Reports the :class:`Node` through ``task_status``. Raises
+    :class:`~hetmesh.errors.AuthenticationFailed` / :class:`~hetmesh.errors.PeerUnreachable`
+    when no bootstrap peer accepts us (the CLI prints it and exits non-zero).
+    """
     key_pair = load_or_create_identity(config.data_dir)
     psk = derive_psk(config.mesh_secret)
     async with open_host(
@@ -170,6 +179,9 @@ async def run_node(
             _write_node_info(node)
             log.info("node ready")
             task_status.started(node)
+            await node.stop_requested.wait()
+            await discovery.say_goodbye()
+            nursery.cancel_scope.cancel()
 
 
 __all__ = [

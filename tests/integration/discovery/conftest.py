@@ -1,0 +1,177 @@
+"""Real node processes for the discovery tests, reaped whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+SECRET = "integration-test-secret"
+
+
+def node_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("HETMESH_MESH_SECRET", None)
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "2")
+    return env
+
+
+def node_argv(data_dir: Path, *args: str, secret: str | None = SECRET) -> list[str]:
+    argv = [sys.executable, "-m", "hetmesh", "node", "start", "--data-dir", str(data_dir), *args]
+    if secret is not None:
+        argv += ["--mesh-secret", secret]
+    return argv
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.1
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class NodeProc:
+    proc: subprocess.Popen[bytes]
+    data_dir: Path
+    log_path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.info["peer_id"])
+
+    @property
+    def addr(self) -> str:
+        return str(self.info["addrs"][0])
+
+    def wait_ready(self, timeout_s: float = 40.0) -> NodeProc:
+        info_file = self.data_dir / "node.json"
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.log()}")
+            return info_file.exists()
+
+        wait_for(ready, timeout_s, f"node in {self.data_dir} to be ready")
+        self.info = json.loads(info_file.read_text())
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
+                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+class NodeFactory:
+    """Starts nodes (optionally through a testbed's ``popen``) and reaps them all."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.nodes: list[NodeProc] = []
+
+    def start(
+        self,
+        *args: str,
+        secret: str | None = SECRET,
+        popen: Callable[..., subprocess.Popen[bytes]] | None = None,
+        name: str | None = None,
+    ) -> NodeProc:
+        name = name or f"node{len(self.nodes)}"
+        data_dir = self.tmp_path / name
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "node.json").unlink(missing_ok=True)
+        log_path = self.tmp_path / f"{name}.log"
+        argv = node_argv(data_dir, *args, secret=secret)
+        log_file = log_path.open("ab")
+        kwargs: dict[str, Any] = {
+            "stdout": log_file,
+            "stderr": subprocess.STDOUT,
+            "env": node_env(),
+            "cwd": str(REPO),
+        }
+        proc = popen(argv, **kwargs) if popen else subprocess.Popen(argv, **kwargs)
+        log_file.close()
+        node = NodeProc(proc, data_dir, log_path)
+        self.nodes.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[NodeFactory]:
+    factory = NodeFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+def fetch_view(addr: str, *, secret: str | None = SECRET, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The status view of the node at ``addr``, fetched in-process (fast enough to poll)."""
+    import trio
+
+    from hetmesh.discovery.status import fetch_status
+
+    async def go() -> dict[str, Any]:
+        return await fetch_status(addr, mesh_secret=secret, timeout_s=timeout_s)
+
+    return trio.run(go)
+
+
+def health_map(view: dict[str, Any]) -> dict[str, str]:
+    return {str(p["peer_id"]): str(p["health"]) for p in view["peers"]}
+
+
+def status_json(addr: str, *, secret: str | None = SECRET, timeout_s: float = 20) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "hetmesh", "status", "--mesh", addr, "--json"]
+    if secret is not None:
+        argv += ["--mesh-secret", secret]
+    out = subprocess.run(
+        argv, capture_output=True, env=node_env(), cwd=str(REPO), timeout=timeout_s, check=True
+    )
+    view: dict[str, Any] = json.loads(out.stdout)
+    return view
+
+
+def run_status(
+    argv_tail: Sequence[str], *, timeout_s: float = 20
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "hetmesh", "status", *argv_tail]
+    return subprocess.run(
+        argv, capture_output=True, text=True, env=node_env(), cwd=str(REPO), timeout=timeout_s
+    )

@@ -1,0 +1,180 @@
+"""A throw-away testbed of network namespaces that look like separate hosts.
+
+``open_testbed(n)`` builds, under a unique name prefix:
+
+- one bridge namespace ``<prefix>br`` holding bridge ``br0`` (no uplink: no
+  traffic can leave the machine), multicast snooping off so mDNS floods;
+- ``n`` host namespaces ``<prefix>h<i>``, each with ``lo`` and ``eth0``
+  (10.<a>.<b>.<i+2>/24, a per-run private subnet) on that bridge and a route
+  for 224.0.0.0/4 so multicast stays on it;
+- optionally, per host: a ``tc tbf`` rate on both ends of its access link, and
+  a cgroup v1 CPU quota (``cpu.cfs_quota_us`` over a 100 ms period) and/or
+  memory limit that processes started with :meth:`Testbed.popen` join before
+  they exec.
+
+Everything is torn down in ``finally``: the processes started through the
+testbed are killed by PID, the cgroups removed, the namespaces deleted.
+:func:`unavailable_reason` says why a machine cannot run it (not root, no
+``ip netns``, no cgroup v1), for ``pytest.skip``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CGROUP_V1 = Path("/sys/fs/cgroup")
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=20)
+
+
+def unavailable_reason(*, need_cgroups: bool = False, need_tc: bool = False) -> str | None:
+    """Why the testbed cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc, cgroups)"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (`ip netns`)"
+    if need_tc and shutil.which("tc") is None:
+        return "needs `tc` (iproute2)"
+    if need_cgroups and not (CGROUP_V1 / "cpu" / "cpu.cfs_quota_us").exists():
+        return "needs the cgroup v1 cpu controller at /sys/fs/cgroup/cpu"
+    probe = f"hmprobe{secrets.token_hex(3)}"
+    try:
+        _run("ip", "netns", "add", probe)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"`ip netns add` does not work here: {exc}"
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            _run("ip", "netns", "del", probe)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class NetnsHost:
+    index: int
+    namespace: str
+    ip: str
+    cgroups: tuple[Path, ...] = ()
+
+
+@dataclass(slots=True)
+class Testbed:
+    prefix: str
+    bridge_namespace: str
+    hosts: list[NetnsHost]
+    processes: list[subprocess.Popen[Any]] = field(default_factory=list)
+
+    def argv(self, host: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside host ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.hosts[host].namespace, *argv]
+
+    def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` in host ``host``: its namespace and cgroups (joined before exec)."""
+        cgroups = self.hosts[host].cgroups
+
+        def join_cgroups() -> None:
+            for cg in cgroups:
+                (cg / "cgroup.procs").write_text(str(os.getpid()))
+
+        proc = subprocess.Popen(self.argv(host, argv), preexec_fn=join_cgroups, **kwargs)
+        self.processes.append(proc)
+        return proc
+
+
+def _kill(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def open_testbed(
+    n: int,
+    *,
+    rates: Mapping[int, str] | None = None,
+    cpu_quota_us: Mapping[int, int] | None = None,
+    memory_limit_bytes: Mapping[int, int] | None = None,
+) -> Iterator[Testbed]:
+    """Build ``n`` hosts on one bridge (see the module doc); tear it all down after."""
+    prefix = f"hm{secrets.token_hex(3)}"
+    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+    bridge_ns = f"{prefix}br"
+    namespaces: list[str] = []
+    cgroup_dirs: list[Path] = []
+    testbed = Testbed(prefix=prefix, bridge_namespace=bridge_ns, hosts=[])
+    try:
+        _run("ip", "netns", "add", bridge_ns)
+        namespaces.append(bridge_ns)
+        in_br = ("ip", "netns", "exec", bridge_ns)
+        _run(*in_br, "ip", "link", "set", "lo", "up")
+        _run(*in_br, "ip", "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+        _run(*in_br, "ip", "link", "set", "br0", "up")
+        for i in range(n):
+            ns = f"{prefix}h{i}"
+            _run("ip", "netns", "add", ns)
+            namespaces.append(ns)
+            outer = f"{prefix}v{i}"
+            ip = f"{subnet}.{i + 2}"
+            in_ns = ("ip", "netns", "exec", ns)
+            _run("ip", "link", "add", outer, "netns", bridge_ns, "type", "veth",
+                 "peer", "name", "eth0", "netns", ns)  # fmt: skip
+            _run(*in_br, "ip", "link", "set", outer, "master", "br0")
+            _run(*in_br, "ip", "link", "set", outer, "up")
+            _run(*in_ns, "ip", "link", "set", "lo", "up")
+            _run(*in_ns, "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run(*in_ns, "ip", "link", "set", "eth0", "up")
+            _run(*in_ns, "ip", "link", "set", "eth0", "multicast", "on")
+            _run(*in_ns, "ip", "route", "add", "224.0.0.0/4", "dev", "eth0")
+            rate = (rates or {}).get(i)
+            if rate:
+                tbf = ("root", "tbf", "rate", rate, "burst", "64kb", "latency", "50ms")
+                _run(*in_ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)
+                _run(*in_br, "tc", "qdisc", "add", "dev", outer, *tbf)
+            cgroups: list[Path] = []
+            quota = (cpu_quota_us or {}).get(i)
+            if quota:
+                cg = CGROUP_V1 / "cpu" / f"{prefix}h{i}"
+                cg.mkdir()
+                cgroup_dirs.append(cg)
+                (cg / "cpu.cfs_period_us").write_text("100000")
+                (cg / "cpu.cfs_quota_us").write_text(str(quota))
+                cgroups.append(cg)
+            mem = (memory_limit_bytes or {}).get(i)
+            if mem:
+                cg = CGROUP_V1 / "memory" / f"{prefix}h{i}"
+                cg.mkdir()
+                cgroup_dirs.append(cg)
+                (cg / "memory.limit_in_bytes").write_text(str(mem))
+                cgroups.append(cg)
+            testbed.hosts.append(NetnsHost(i, ns, ip, tuple(cgroups)))
+        yield testbed
+    finally:
+        for proc in testbed.processes:
+            _kill(proc)
+        for cg in reversed(cgroup_dirs):
+            for _ in range(50):
+                try:
+                    cg.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        for ns in reversed(namespaces):
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                _run("ip", "netns", "del", ns)
+
+
+__all__ = ["NetnsHost", "Testbed", "open_testbed", "unavailable_reason"]
