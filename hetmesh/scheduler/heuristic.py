@@ -45,6 +45,7 @@ class SearchOptions:
     absorb_pipelines: int = 4  # pipelines a leftover device may join (its site's first)
     absorb_evaluations: int = 600
     exchange_evaluations: int = 600
+    regroup_evaluations: int = 400
     site_link_s: float = 2.0e-3  # links faster than this per token join one site
     sites_to_try: int = 3
 
@@ -240,7 +241,61 @@ class Heuristic:
         fill(self.devices)
         self._absorb([d for d in self.devices if d not in taken], out, site_of)
         self._exchange(out, site_of)
+        if self._regroup(out):
+            used = {d for sol in out for d in sol.devices}
+            self._absorb([d for d in self.devices if d not in used], out, site_of)
         return out
+
+    def _regroup(self, out: list[Solution]) -> bool:
+        """Take one device out of a pipeline (or trade it for an unused one) when the
+        devices left over can then form a new replica worth more than the loss.
+
+        Returns whether anything changed (within ``regroup_evaluations``).
+        """
+        tokens = float(self.problem.tokens)
+        budget = self.options.regroup_evaluations
+        changed = False
+
+        def rate(sol: Solution | None) -> float:
+            return tokens / sol.cost if sol is not None and sol.cost > 0 else 0.0
+
+        improved = True
+        while improved and budget > 0:
+            improved = False
+            used = {d for sol in out for d in sol.devices}
+            unused = [d for d in self.devices if d not in used]
+            for i in range(len(out)):
+                order = list(out[i].devices)
+                for x in range(len(order)):
+                    for swap in [None, *unused[: self.options.spare_candidates + 2]]:
+                        if budget <= 0 or improved:
+                            break
+                        kept = order[:x] + ([swap] if swap is not None else []) + order[x + 1 :]
+                        if not kept:
+                            continue
+                        sol = self._score(kept)
+                        freed = sorted(
+                            [d for d in unused if d != swap] + [order[x]],
+                            key=lambda d: (self.layer_s[d], d),
+                        )
+                        budget -= 1
+                        if sol is None or sum(self.capacity[d] for d in freed) < self.problem.n:
+                            continue
+                        extra = self.best_pipeline(
+                            freed, 0, self.options.replica_local_search_evaluations, grow=False
+                        )
+                        budget -= 1 + self.options.replica_local_search_evaluations
+                        if extra is None:
+                            continue
+                        if rate(sol) + rate(extra) > rate(out[i]) * (1 + 1e-9):
+                            out[i] = sol
+                            out.append(extra)
+                            improved = changed = True
+                    if improved or budget <= 0:
+                        break
+                if improved or budget <= 0:
+                    break
+        return changed
 
     def _exchange(self, out: list[Solution], site_of: dict[int, int]) -> None:
         """Move or swap devices between two pipelines of one site while the sum of their

@@ -23,6 +23,7 @@ from hetmesh.scheduler.bruteforce import all_splits, optimum
 from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.dp import Problem, order_dp
 from hetmesh.scheduler.planner import usable_devices
+from hetmesh.scheduler.records import Objective
 
 INSTANCES = 200
 SEED = 20261129
@@ -34,7 +35,7 @@ def log_uniform(rng: random.Random, lo: float, hi: float) -> float:
 
 def random_instance(
     rng: random.Random,
-) -> tuple[list[DeviceProfile], list[LinkProfile], ModelProfile, PlanConstraints, str]:
+) -> tuple[list[DeviceProfile], list[LinkProfile], ModelProfile, PlanConstraints, Objective]:
     model = toy_model(rng.randint(2, 10), vocab=rng.choice((4096, 32000)))
     constraints = PlanConstraints(
         max_context_tokens=rng.choice((256, 1024)),
@@ -68,11 +69,11 @@ def random_instance(
                     bandwidth_bps=log_uniform(rng, 1e6, 1e10),
                 )
             )
-    objective = rng.choice(("latency", "throughput"))
+    objective: Objective = "latency" if rng.random() < 0.5 else "throughput"
     return devices, links, model, constraints, objective
 
 
-def quality(objective: str, found: float, best: float) -> float:
+def quality(objective: Objective, found: float, best: float) -> float:
     """1.0 = optimal; below 1 = worse (latency: seconds, throughput: tokens/s)."""
     return best / found if objective == "latency" else found / best
 
@@ -83,7 +84,7 @@ def test_order_dp_equals_every_contiguous_split() -> None:
     while checked < 30:
         devices, links, model, constraints, objective = random_instance(rng)
         cost = CostModel(model, devices, links, constraints)
-        problem = Problem(cost, objective)  # type: ignore[arg-type]
+        problem = Problem(cost, objective)
         order = list(range(len(cost.devices)))
         rng.shuffle(order)
         order = order[: min(len(order), model.num_units, 4)]
@@ -106,10 +107,10 @@ def test_plan_within_one_percent_of_brute_force_on_200_instances() -> None:
         assert attempts < 4 * INSTANCES, "too many infeasible draws"
         devices, links, model, constraints, objective = random_instance(rng)
         cost = CostModel(model, devices, links, constraints)
-        best = optimum(Problem(cost, objective), usable_devices(cost))  # type: ignore[arg-type]
+        best = optimum(Problem(cost, objective), usable_devices(cost))
         feasible = best != math.inf and best > 0
         try:
-            got = plan(devices, links, model, objective=objective, constraints=constraints)  # type: ignore[arg-type]
+            got = plan(devices, links, model, objective=objective, constraints=constraints)
         except InsufficientCapacity:
             assert not feasible  # the planner never misses a feasible placement
             continue
@@ -124,7 +125,11 @@ def test_plan_within_one_percent_of_brute_force_on_200_instances() -> None:
                 )
                 assert st.memory_bytes <= free
         heur = plan(
-            devices, links, model, objective=objective, constraints=constraints,  # type: ignore[arg-type]
+            devices,
+            links,
+            model,
+            objective=objective,
+            constraints=constraints,
             options=SearchOptions(exact_device_limit=0),
         )
         heuristic_q.append(quality(objective, heur.objective_value, best))

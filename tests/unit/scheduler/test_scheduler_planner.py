@@ -14,6 +14,7 @@ from hetmesh.resources import LinkProfile
 from hetmesh.scheduler import Plan, SearchOptions, plan
 from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.planner import usable_devices
+from hetmesh.scheduler.records import Objective
 from hetmesh.scheduler.synthetic import random_mesh, site_mesh
 
 HEURISTIC = SearchOptions(exact_device_limit=0)
@@ -54,7 +55,11 @@ def test_plan_three_times_faster_device_takes_three_quarters(
     fast = device("fast", memory=memory, flops=FAST_COMPUTE, bandwidth=3e11)
     slow = device("slow", memory=memory, flops=FAST_COMPUTE, bandwidth=1e11)
     out = plan(
-        [slow, fast], full_links([slow, fast]), m, objective="throughput", constraints=BARE,
+        [slow, fast],
+        full_links([slow, fast]),
+        m,
+        objective="throughput",
+        constraints=BARE,
         options=options,
     )
     (pipe,) = out.pipelines
@@ -65,7 +70,7 @@ def test_plan_three_times_faster_device_takes_three_quarters(
 @pytest.mark.parametrize("objective", ["latency", "throughput"])
 @pytest.mark.parametrize("options", [None, HEURISTIC], ids=["exact", "heuristic"])
 def test_plan_excludes_device_behind_very_slow_link(
-    objective: str, options: SearchOptions | None
+    objective: Objective, options: SearchOptions | None
 ) -> None:
     m = toy_model(8)
     memory = int(model_bytes(8) * 0.6)
@@ -76,7 +81,7 @@ def test_plan_excludes_device_behind_very_slow_link(
             LinkProfile(src="c", dst=other, rtt_s=0.2, bandwidth_bps=125e3),
             LinkProfile(src=other, dst="c", rtt_s=0.2, bandwidth_bps=125e3),
         ]
-    out = plan(devs, links, m, objective=objective, constraints=BARE, options=options)  # type: ignore[arg-type]
+    out = plan(devs, links, m, objective=objective, constraints=BARE, options=options)
     used = {s.peer_id for p in out.pipelines for s in p.stages}
     assert used == {"a", "b"}
 
@@ -88,7 +93,7 @@ def test_plan_excludes_device_too_small_for_any_unit() -> None:
     cost = CostModel(m, [big, tiny], [], BARE)
     assert usable_devices(cost) == [0]  # sorted: "big" is index 0
     for objective in ("latency", "throughput"):
-        out = plan([big, tiny], [], m, objective=objective, constraints=BARE)  # type: ignore[arg-type]
+        out = plan([big, tiny], [], m, objective=objective, constraints=BARE)
         assert {s.peer_id for p in out.pipelines for s in p.stages} == {"big"}
 
 
@@ -143,14 +148,14 @@ def test_plan_throughput_uses_replicas_when_each_device_holds_the_model() -> Non
 
 @pytest.mark.parametrize("options", [None, HEURISTIC], ids=["exact", "heuristic"])
 @pytest.mark.parametrize("objective", ["latency", "throughput"])
-def test_plan_same_inputs_same_plan(objective: str, options: SearchOptions | None) -> None:
+def test_plan_same_inputs_same_plan(objective: Objective, options: SearchOptions | None) -> None:
     m = model_profile(KNOWN_SHAPES["llama-13b"], dtype="float16", name="llama-13b")
     rng = random.Random(5)
     devs, links = random_mesh(rng, 6)
-    first = plan(devs, links, m, objective=objective, options=options)  # type: ignore[arg-type]
+    first = plan(devs, links, m, objective=objective, options=options)
     shuffled_devs, shuffled_links = devs[::-1], links.copy()
     random.Random(9).shuffle(shuffled_links)
-    again = plan(shuffled_devs, shuffled_links, m, objective=objective, options=options)  # type: ignore[arg-type]
+    again = plan(shuffled_devs, shuffled_links, m, objective=objective, options=options)
     assert again.to_wire() == first.to_wire()
 
 
@@ -173,11 +178,11 @@ def test_plan_refuses_duplicate_devices_and_unknown_objective() -> None:
 
 
 @pytest.mark.parametrize("objective", ["latency", "throughput"])
-def test_plan_large_mesh_is_valid_and_quick(objective: str) -> None:
+def test_plan_large_mesh_is_valid_and_quick(objective: Objective) -> None:
     m = model_profile(KNOWN_SHAPES["llama-70b"], dtype="float16", name="llama-70b")
     devs, links = site_mesh(random.Random(11), 300)
     t0 = time.perf_counter()
-    out = plan(devs, links, m, objective=objective)  # type: ignore[arg-type]
+    out = plan(devs, links, m, objective=objective)
     elapsed = time.perf_counter() - t0
     assert out.strategy == "heuristic"
     assert elapsed < 5.0  # the bench holds the 1,000-device target; this guards regressions

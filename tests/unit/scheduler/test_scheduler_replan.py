@@ -1,0 +1,122 @@
+"""The replanning policy: triggers, adoption threshold, coordinator, epochs."""
+
+from __future__ import annotations
+
+import random
+
+from sched_helpers import device, full_links
+
+from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
+from hetmesh.resources import DeviceProfile
+from hetmesh.scheduler import (
+    MeshSnapshot,
+    coordinator,
+    evaluate,
+    newest,
+    placement,
+    plan,
+    replan,
+    should_adopt,
+    should_replan,
+)
+from hetmesh.scheduler.synthetic import random_mesh
+
+MODEL = model_profile(KNOWN_SHAPES["llama-7b"], dtype="float16", name="llama-7b")
+
+
+def scaled(d: DeviceProfile, factor: float) -> DeviceProfile:
+    return DeviceProfile.from_wire(
+        {**d.to_wire(), "memory_bandwidth_bps": d.memory_bandwidth_bps * factor}
+    )
+
+
+def snapshot(seed: int = 1, n: int = 5) -> MeshSnapshot:
+    devs, links = random_mesh(random.Random(seed), n)
+    return MeshSnapshot(devices=tuple(devs), links=tuple(links))
+
+
+def test_should_replan_on_membership_and_drift_only() -> None:
+    base = snapshot()
+    assert should_replan(None, base).act
+    assert not should_replan(base, base).act
+    fewer = MeshSnapshot(devices=base.devices[1:], links=base.links)
+    decision = should_replan(base, fewer)
+    assert decision.act
+    assert "left" in decision.reason
+    small = MeshSnapshot(
+        devices=(scaled(base.devices[0], 1.19), *base.devices[1:]), links=base.links
+    )
+    assert not should_replan(base, small).act
+    large = MeshSnapshot(
+        devices=(scaled(base.devices[0], 1.30), *base.devices[1:]), links=base.links
+    )
+    assert "drift" in should_replan(base, large).reason
+
+
+def test_should_adopt_needs_gain_over_threshold() -> None:
+    s = snapshot()
+    current = plan(s.devices, s.links, MODEL)
+    assert should_adopt(None, current).act
+    assert not should_adopt(current, current).act  # zero gain: no flapping
+    faster = [scaled(d, 2.0) for d in s.devices]
+    better = plan(faster, s.links, MODEL)
+    assert should_adopt(current, better, min_gain=0.1).act
+    assert not should_adopt(current, better, min_gain=10.0).act
+
+
+def test_replan_publishes_next_epoch_only_when_worth_it() -> None:
+    s = snapshot()
+    first = replan(None, None, s, MODEL)
+    assert first.plan is not None
+    assert first.plan.epoch == 0
+    same = replan(first.plan, s, s, MODEL)
+    assert same.plan is None
+    assert "no membership change" in same.reason
+
+
+def test_replan_after_a_used_device_leaves() -> None:
+    gib = 2**30
+    devs = [
+        device(p, memory=40 * gib, bandwidth=b) for p, b in (("a", 3e11), ("b", 2e11), ("c", 1e11))
+    ]
+    start = MeshSnapshot(devices=tuple(devs), links=tuple(full_links(devs)))
+    first = replan(None, None, start, MODEL)
+    assert first.plan is not None
+    assert first.plan.pipelines[0].peers == {"a"}
+    left = MeshSnapshot(devices=tuple(devs[1:]), links=start.links)
+    after = replan(first.plan, start, left, MODEL)
+    assert after.plan is not None
+    assert after.plan.epoch == 1
+    assert after.plan.pipelines[0].peers == {"b"}
+    assert "left" in after.reason
+    # a faster newcomer that gains less than the threshold is not adopted
+    joined = MeshSnapshot(
+        devices=(*devs, device("d", memory=40 * gib, bandwidth=3.1e11)), links=start.links
+    )
+    kept = replan(first.plan, start, joined, MODEL)
+    assert kept.plan is None
+    assert kept.candidate is not None
+    assert "joined" in kept.reason
+
+
+def test_evaluate_rescores_or_rejects_a_placement() -> None:
+    s = snapshot()
+    current = plan(s.devices, s.links, MODEL)
+    again = evaluate(placement(current), s.devices, s.links, MODEL)
+    assert again is not None
+    assert again.objective_value == current.objective_value
+    used = current.pipelines[0].stages[0].peer_id
+    rest = [d for d in s.devices if d.peer_id != used]
+    assert evaluate(placement(current), rest, s.links, MODEL) is None
+
+
+def test_coordinator_is_lowest_live_peer_and_newest_plan_wins() -> None:
+    assert coordinator(["peer-c", "peer-a", "peer-b"]) == "peer-a"
+    assert coordinator([]) is None
+    devs = [device("a"), device("b")]
+    m = model_profile(KNOWN_SHAPES["smollm2-135m"], name="smollm2")
+    p0 = plan(devs, full_links(devs), m, epoch=3)
+    p1 = p0.with_epoch(5)
+    assert newest([p1, p0]) is p1
+    assert newest([p0, p1]) is p1
+    assert newest([]) is None
