@@ -126,3 +126,31 @@ def test_parse_devices_accepts_a_bare_list_and_render_is_pure() -> None:
     assert "does not fit" in text
     assert "embed" in text
     assert "head" in text
+
+
+def test_plan_command_from_a_mesh_status_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hetmesh.cli.plan as plan_cli
+
+    devs, links = random_mesh(random.Random(6), 3, classes=("datacenter-gpu",))
+    view = {
+        "peers": [
+            {"peer_id": d.peer_id, "health": "alive", "record": {"devices": [d.to_wire()]}}
+            for d in devs
+        ],
+        "links": [x.to_wire() for x in links],
+    }
+    asked: list[str] = []
+
+    def fake_fetch(mesh: str, secret: str | None, timeout: float) -> dict[str, object]:
+        asked.append(mesh)
+        return view
+
+    monkeypatch.setattr(plan_cli, "_fetch_view", fake_fetch)
+    addr = "/ip4/127.0.0.1/tcp/4001/p2p/QmPeer"
+    result = CliRunner().invoke(app, ["plan", "--model", "llama-7b", "--mesh", addr, "--json"])
+    assert result.exit_code == 0, result.output
+    assert asked == [addr]
+    used = {
+        s["peer_id"] for p in json.loads(result.output)["plan"]["pipelines"] for s in p["stages"]
+    }
+    assert used <= {d.peer_id for d in devs}
