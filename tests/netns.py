@@ -9,7 +9,7 @@
   for 224.0.0.0/4 so multicast stays on it;
 - optionally, per host: a ``tc tbf`` rate on both ends of its access link, and
   a cgroup v1 CPU quota (``cpu.cfs_quota_us`` over a 100 ms period) and/or
-  memory limit that processes started with :meth:`Testbed.popen` join before
+  memory limit that processes started with :meth:`NetnsTestbed.popen` join before
   they exec.
 
 Everything is torn down in ``finally``: the processes started through the
@@ -69,15 +69,23 @@ class NetnsHost:
 
 
 @dataclass(slots=True)
-class Testbed:
+class NetnsTestbed:
     prefix: str
     bridge_namespace: str
     hosts: list[NetnsHost]
     processes: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     def argv(self, host: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside host ``host``'s namespace."""
-        return ["ip", "netns", "exec", self.hosts[host].namespace, *argv]
+        """``argv`` run inside host ``host``'s network namespace.
+
+        ``nsenter --net`` switches the network namespace only; ``ip netns exec``
+        also remounts /sys, which hides /sys/fs/cgroup from the process (so a
+        node could not see its own CPU quota). The latter is the fallback.
+        """
+        namespace = self.hosts[host].namespace
+        if shutil.which("nsenter"):
+            return ["nsenter", f"--net=/var/run/netns/{namespace}", "--", *argv]
+        return ["ip", "netns", "exec", namespace, *argv]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` in host ``host``: its namespace and cgroups (joined before exec)."""
@@ -108,14 +116,14 @@ def open_testbed(
     rates: Mapping[int, str] | None = None,
     cpu_quota_us: Mapping[int, int] | None = None,
     memory_limit_bytes: Mapping[int, int] | None = None,
-) -> Iterator[Testbed]:
+) -> Iterator[NetnsTestbed]:
     """Build ``n`` hosts on one bridge (see the module doc); tear it all down after."""
     prefix = f"hm{secrets.token_hex(3)}"
     subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
     bridge_ns = f"{prefix}br"
     namespaces: list[str] = []
     cgroup_dirs: list[Path] = []
-    testbed = Testbed(prefix=prefix, bridge_namespace=bridge_ns, hosts=[])
+    testbed = NetnsTestbed(prefix=prefix, bridge_namespace=bridge_ns, hosts=[])
     try:
         _run("ip", "netns", "add", bridge_ns)
         namespaces.append(bridge_ns)
@@ -177,4 +185,4 @@ def open_testbed(
                 _run("ip", "netns", "del", ns)
 
 
-__all__ = ["NetnsHost", "Testbed", "open_testbed", "unavailable_reason"]
+__all__ = ["NetnsHost", "NetnsTestbed", "open_testbed", "unavailable_reason"]

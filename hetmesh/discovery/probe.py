@@ -60,7 +60,7 @@ async def _receive_exact(stream: trio.SocketStream, n: int) -> bytes:
     return bytes(buf)
 
 
-async def _handle(stream: trio.SocketStream, token: bytes) -> None:
+async def _handle(stream: trio.SocketStream, token: bytes, bulk_lock: trio.Lock) -> None:
     async with stream:
         with trio.move_on_after(30):
             got = await _receive_exact(stream, len(token))
@@ -74,20 +74,25 @@ async def _handle(stream: trio.SocketStream, token: bytes) -> None:
                     (n,) = _LEN.unpack(await _receive_exact(stream, _LEN.size))
                     if n > MAX_PROBE_BYTES:
                         return
-                    remaining = n
-                    mark = n - n // 4  # start the clock once a quarter has arrived
-                    started = time.perf_counter()
-                    while remaining:
-                        chunk = await stream.receive_some(min(remaining, 1 << 20))
-                        if not chunk:
-                            return
-                        before = remaining
-                        remaining -= len(chunk)
-                        if before > mark >= remaining:
-                            started = time.perf_counter()
-                    await stream.send_all(b"K" + _SECONDS.pack(time.perf_counter() - started))
+                    async with bulk_lock:  # one bulk at a time, or probes share the link
+                        await _receive_bulk(stream, n)
                 else:
                     return
+
+
+async def _receive_bulk(stream: trio.SocketStream, n: int) -> None:
+    remaining = n
+    mark = n - n // 4  # start the clock once a quarter has arrived
+    started = time.perf_counter()
+    while remaining:
+        chunk = await stream.receive_some(min(remaining, 1 << 20))
+        if not chunk:
+            raise RemoteProtocolError("probe connection closed mid-transfer")
+        before = remaining
+        remaining -= len(chunk)
+        if before > mark >= remaining:
+            started = time.perf_counter()
+    await stream.send_all(b"K" + _SECONDS.pack(time.perf_counter() - started))
 
 
 async def serve_probe(
@@ -95,12 +100,13 @@ async def serve_probe(
 ) -> None:
     """Answer link probes on ``host`` (an IP; "0.0.0.0" for all); reports the port."""
     token = probe_token(psk)
+    bulk_lock = trio.Lock()
     listeners = await trio.open_tcp_listeners(0, host=host)
     port = listeners[0].socket.getsockname()[1]
 
     async def handler(stream: trio.SocketStream) -> None:
         try:
-            await _handle(stream, token)
+            await _handle(stream, token, bulk_lock)
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError):
             pass
         except Exception:

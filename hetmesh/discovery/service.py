@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 from hetmesh import __version__
 from hetmesh.discovery import wire
 from hetmesh.discovery.host import dial, guarded_handler, mesh_fingerprint
-from hetmesh.discovery.probe import probe_link, serve_probe
+from hetmesh.discovery.probe import LinkMeasurement, probe_link, serve_probe
 from hetmesh.discovery.table import Health, LivenessPolicy, PeerEntry, PeerTable, TableEvent
 from hetmesh.discovery.wire import Announcement, KnownPeer, Load
 from hetmesh.errors import (
@@ -62,6 +62,8 @@ class DiscoveryConfig:
     send_timeout_s: float = 2.0
     link_probe_interval_s: float = 60.0
     link_probe_bytes: int = 4 * 1024 * 1024
+    link_probe_settle_s: float = 3.0  # the follow-up probe after a membership change
+    link_probe_window: int = 3  # samples per link kept; the best is published
     dead_redial_every_s: float = 5.0
     require_bootstrap: bool = True  # fail start-up if no bootstrap peer answers
 
@@ -135,6 +137,8 @@ class Discovery:
         self._last_dial: dict[PeerId, float] = {}
         self._inflight: set[PeerId] = set()
         self._said_goodbye = False
+        self._probes_enabled = trio.Event()
+        self._link_samples: dict[PeerId, list[LinkMeasurement]] = {}
         self._sent = 0
         self._send_failures = 0
         self._probes = 0
@@ -392,6 +396,7 @@ class Discovery:
                 self._probe_wanted.set()
             if event.new in (Health.DEAD, Health.LEFT):
                 self._links.pop(event.peer_id, None)
+                self._link_samples.pop(event.peer_id, None)
             for send in list(self._subscribers):
                 try:
                     send.send_nowait(event)
@@ -431,12 +436,26 @@ class Discovery:
                 self._last_dial[peer_id] = trio.current_time()
                 nursery.start_soon(self._send, peer_id, addrs, payload)
 
+    def enable_link_probes(self) -> None:
+        """Start measuring links (the daemon calls this once its own benchmark is done,
+        so the benchmark and the probes do not compete for the CPU)."""
+        self._probes_enabled.set()
+
     async def _serve_links(self) -> None:
+        """Probe every alive peer on membership change (twice: once at once, once
+        after things settle) and every ``link_probe_interval_s``."""
+        await self._probes_enabled.wait()
+        follow_up = 0
         while True:
-            with trio.move_on_after(self.config.link_probe_interval_s):
+            wait_s = (
+                self.config.link_probe_settle_s if follow_up else self.config.link_probe_interval_s
+            )
+            with trio.move_on_after(wait_s):
                 await self._probe_wanted.wait()
                 await trio.sleep(0.5)  # let a burst of joins settle
+                follow_up = 2
             self._probe_wanted = trio.Event()
+            follow_up = max(follow_up - 1, 0)
             for entry in self.table.alive():
                 await self._probe_one(entry)
 
@@ -454,11 +473,16 @@ class Discovery:
                 log.debug("link probe to %s at %s failed: %s", entry.peer_id, host_ip, exc)
                 continue
             self._probes += 1
+            samples = self._link_samples.setdefault(entry.peer_id, [])
+            samples.append(m)
+            del samples[: -self.config.link_probe_window]
+            # contention (CPU or other traffic) only ever lowers a sample: publish the
+            # best of the recent ones as the link's capacity, and the lowest RTT
             self._links[entry.peer_id] = LinkProfile(
                 src=self.peer_id,
                 dst=entry.peer_id,
-                rtt_s=m.rtt_s,
-                bandwidth_bps=m.bandwidth_bps,
+                rtt_s=min(x.rtt_s for x in samples),
+                bandwidth_bps=max(x.bandwidth_bps for x in samples),
                 measured_at_s=time.time(),
             )
             return

@@ -176,6 +176,7 @@ async def run_node(
                 log.info("listening on %s", addr)
             log.info("peer id %s", node.peer_id)
             await nursery.start(serve_profiling, node)
+            discovery.enable_link_probes()
             _write_node_info(node)
             log.info("node ready")
             task_status.started(node)
