@@ -113,25 +113,24 @@ def unwind(order: Sequence[int], back: Sequence[np.ndarray], n: int) -> tuple[As
 def skip_dp(problem: Problem, order: Sequence[int]) -> Solution | None:
     """The best pipeline along ``order``: ``order[0]`` first, any others dropped or kept."""
     n, k = problem.n, len(order)
-    dps: list[FloatArray] = [problem.stage(order[0])[0].copy()]
-    from_a: list[np.ndarray] = [np.zeros(n + 1, dtype=np.int64)]
-    from_i: list[np.ndarray] = [np.zeros(n + 1, dtype=np.int64)]
+    dps = np.full((k, n + 1), INF)
+    dps[0] = problem.stage(order[0])[0]
+    from_a = np.zeros((k, n + 1), dtype=np.int64)
+    from_i = np.zeros((k, n + 1), dtype=np.int64)
+    cols = np.arange(n + 1)
     for j in range(1, k):
-        incoming = np.full(n + 1, INF)
-        source = np.zeros(n + 1, dtype=np.int64)
-        for i in range(j):
-            cand = problem.shift(dps[i], problem.edge(order[i], order[j]))
-            improved = cand < incoming
-            incoming = np.where(improved, cand, incoming)
-            source = np.where(improved, i, source)
-        dp, arg = problem.extend(incoming, problem.stage(order[j]))
-        dps.append(dp)
-        from_a.append(arg)
-        from_i.append(source[arg])
+        edges = np.array([problem.edge(order[i], order[j]) for i in range(j)])
+        cand = dps[:j] + edges[:, None] if problem.additive else np.maximum(dps[:j], edges[:, None])
+        source = np.argmin(cand, axis=0)
+        incoming = cand[source, cols]
+        dps[j], arg = problem.extend(incoming, problem.stage(order[j]))
+        from_a[j] = arg
+        from_i[j] = source[arg]
+    finals = dps[:, n]
     best_j, best = -1, INF
     for j in range(k):
-        if np.isfinite(dps[j][n]):
-            value = problem.join(float(dps[j][n]), problem.ret(order[j], order[0]))
+        if np.isfinite(finals[j]):
+            value = problem.join(float(finals[j]), problem.ret(order[j], order[0]))
             if value < best:
                 best_j, best = j, value
     if best_j < 0:

@@ -71,6 +71,8 @@ class Heuristic:
                 self.capacity[dev] = fits
         self.devices = sorted(self.layer_s, key=lambda d: (self.layer_s[d], d))
         self.evaluations = 0
+        self._absorb_left = options.absorb_evaluations  # shared by every absorb pass
+        self._scores: dict[tuple[int, ...], Solution | None] = {}
 
     # ----- structure ----------------------------------------------------------------
     def sites(self) -> list[list[int]]:
@@ -140,8 +142,13 @@ class Heuristic:
 
     # ----- search -------------------------------------------------------------------
     def _score(self, order: Sequence[int]) -> Solution | None:
+        key = tuple(order)
+        if key in self._scores:
+            return self._scores[key]
         self.evaluations += 1
-        return skip_dp(self.problem, order)
+        found = skip_dp(self.problem, order)
+        self._scores[key] = found
+        return found
 
     def _moves(self, order: list[int], outside: Sequence[int]) -> Iterator[list[int]]:
         k = len(order)
@@ -239,11 +246,16 @@ class Heuristic:
         for site in sites:
             fill(site)
         fill(self.devices)
-        self._absorb([d for d in self.devices if d not in taken], out, site_of)
-        self._exchange(out, site_of)
-        if self._regroup(out):
+
+        def unused() -> list[int]:
             used = {d for sol in out for d in sol.devices}
-            self._absorb([d for d in self.devices if d not in used], out, site_of)
+            return [d for d in self.devices if d not in used]
+
+        self._absorb(unused(), out, site_of)
+        self._exchange(out, site_of)
+        self._absorb(unused(), out, site_of)
+        if self._regroup(out):
+            self._absorb(unused(), out, site_of)
         return out
 
     def _regroup(self, out: list[Solution]) -> bool:
@@ -319,19 +331,26 @@ class Heuristic:
                 trials: list[tuple[list[int], list[int]]] = []
                 for x in range(len(a)):
                     rest = a[:x] + a[x + 1 :]
-                    if rest:
-                        trials += [(rest, [*b[:y], a[x], *b[y:]]) for y in range(len(b) + 1)]
+                    trials += [(rest, [*b[:y], a[x], *b[y:]]) for y in range(len(b) + 1)]
                     trials += [
                         ([*a[:x], b[y], *a[x + 1 :]], [*b[:y], a[x], *b[y + 1 :]])
                         for y in range(len(b))
                     ]
                 for new_a, new_b in trials:
-                    sol_a, sol_b = self._score(new_a), self._score(new_b)
+                    # a move may leave ``a`` unable to hold the model: it dissolves and
+                    # its devices go back to the pool (absorbed afterwards)
+                    sol_a = self._score(new_a) if new_a else None
+                    sol_b = self._score(new_b)
                     budget -= 2
-                    if sol_a is None or sol_b is None:
+                    is_move = len(new_a) < len(a)
+                    if sol_b is None or (sol_a is None and not is_move):
                         continue
                     if rate(sol_a) + rate(sol_b) > before * (1 + 1e-9):
-                        out[i], out[j] = sol_a, sol_b
+                        out[j] = sol_b
+                        if sol_a is None:
+                            out.pop(i)
+                        else:
+                            out[i] = sol_a
                         improved = True
                         break
                     if budget <= 0:
@@ -348,9 +367,8 @@ class Heuristic:
         if not out:
             return
         tokens = float(self.problem.tokens)
-        budget = self.options.absorb_evaluations
         for dev in leftover:
-            if budget <= 0:
+            if self._absorb_left <= 0:
                 return
             ranked = sorted(
                 range(len(out)),
@@ -361,7 +379,7 @@ class Heuristic:
                 order = list(out[i].devices)
                 for pos in range(len(order) + 1):
                     sol = self._score([*order[:pos], dev, *order[pos:]])
-                    budget -= 1
+                    self._absorb_left -= 1
                     if sol is None:
                         continue
                     gain = tokens / sol.cost - tokens / out[i].cost
