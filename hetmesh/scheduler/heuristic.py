@@ -45,6 +45,7 @@ class SearchOptions:
     absorb_pipelines: int = 4  # pipelines a leftover device may join (its site's first)
     absorb_evaluations: int = 600
     exchange_evaluations: int = 600
+    exchange_any_site_below: int = 12  # with fewer replicas, exchange across sites too
     regroup_evaluations: int = 400
     site_link_s: float = 2.0e-3  # links faster than this per token join one site
     sites_to_try: int = 3
@@ -325,7 +326,8 @@ class Heuristic:
                 if budget <= 0 or improved:
                     break
                 a, b = list(out[i].devices), list(out[j].devices)
-                if site_of.get(a[0]) != site_of.get(b[0]):
+                few = len(out) <= self.options.exchange_any_site_below
+                if not few and site_of.get(a[0]) != site_of.get(b[0]):
                     continue
                 before = rate(out[i]) + rate(out[j])
                 trials: list[tuple[list[int], list[int]]] = []
@@ -345,6 +347,10 @@ class Heuristic:
                     is_move = len(new_a) < len(a)
                     if sol_b is None or (sol_a is None and not is_move):
                         continue
+                    if sol_a is None:  # a dissolves: its other devices may join b too
+                        for dev in new_a:
+                            sol_b, spent = self._best_insertion(sol_b, dev)
+                            budget -= spent
                     if rate(sol_a) + rate(sol_b) > before * (1 + 1e-9):
                         out[j] = sol_b
                         if sol_a is None:
@@ -355,6 +361,16 @@ class Heuristic:
                         break
                     if budget <= 0:
                         break
+
+    def _best_insertion(self, sol: Solution, dev: int) -> tuple[Solution, int]:
+        """``sol`` with ``dev`` inserted where it helps most (or unchanged), and the cost."""
+        order = list(sol.devices)
+        best = sol
+        for pos in range(len(order) + 1):
+            found = self._score([*order[:pos], dev, *order[pos:]])
+            if found is not None and found.cost < best.cost * (1 - 1e-12):
+                best = found
+        return best, len(order) + 1
 
     def _absorb(
         self, leftover: Sequence[int], out: list[Solution], site_of: dict[int, int]
