@@ -91,3 +91,56 @@ def greedy_reference(model: Any, prompt: torch.Tensor, max_new_tokens: int) -> l
     if tokens and tokens[-1] == model.config.eos_token_id:
         tokens.pop()
     return tokens
+
+
+def write_tiny_gguf(path: Path, *, seed: int = 0) -> None:
+    """A random 2-layer Llama as an fp32 GGUF with a small byte-level BPE tokenizer."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    hidden, inter, layers, heads, kv_heads, head_dim = 64, 96, 2, 4, 2, 16
+    # GPT-2 style byte symbols: printable bytes stand for themselves, others shift past 255
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    shifted = iter(range(256, 512))
+    symbols = [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = [*specials, *symbols, "Ġt", "he", "Ġthe"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def tensor(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    tensor("token_embd.weight", len(tokens), hidden)
+    for i in range(layers):
+        tensor(f"blk.{i}.attn_norm.weight", hidden)
+        tensor(f"blk.{i}.ffn_norm.weight", hidden)
+        tensor(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        tensor(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        tensor(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        tensor(f"blk.{i}.ffn_up.weight", inter, hidden)
+        tensor(f"blk.{i}.ffn_down.weight", hidden, inter)
+    tensor("output_norm.weight", hidden)
+    tensor("output.weight", len(tokens), hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
