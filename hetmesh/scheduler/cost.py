@@ -259,6 +259,10 @@ class CostModel:
         self._link_cache[(src, dst)] = out
         return out
 
+    def measured_links(self) -> list[LinkProfile]:
+        """The measured links, one per direction, in canonical order."""
+        return [self._link_index[k] for k in sorted(self._link_index)]
+
     def link_latency_s(self, src: int, dst: int, nbytes: float | None = None) -> float:
         """One message of ``nbytes`` (default: one token's activation): bytes/bw + RTT/2."""
         if src == dst:

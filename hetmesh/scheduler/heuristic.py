@@ -90,7 +90,8 @@ class Heuristic:
 
         hidden = self.cost.hidden_bytes
         peers = {self.cost.devices[d].peer_id for d in self.devices}
-        for (src, dst), link in sorted(self.cost._link_index.items()):
+        for link in self.cost.measured_links():
+            src, dst = link.src, link.dst
             if src not in peers or dst not in peers or link.bandwidth_bps <= 0:
                 continue
             if hidden / link.bandwidth_bps + link.rtt_s / 2 <= self.options.site_link_s:

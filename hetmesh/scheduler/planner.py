@@ -31,13 +31,28 @@ def usable_devices(cost: CostModel) -> list[int]:
 
 
 def shortfall_bytes(cost: CostModel) -> int:
-    """How much memory the mesh lacks for the model, by a lower bound on what it needs.
+    """How much memory the mesh lacks for the model (a lower bound).
 
-    The model needs, across its stages, every unit's weights and KV budget plus at
-    least one stage's workspace; each device offers its free memory less its reserve.
+    The model needs every unit's weights and KV budget plus a workspace; each device
+    offers its free memory less its reserve. When the total would do but a single
+    unit (say the LM head with its logits workspace) fits no device, the shortfall
+    is what the best device lacks for that unit.
     """
-    available = sum(cost.usable_bytes(dev) for dev in range(len(cost.devices)))
-    return max(1, cost.model_bytes() - available)
+    devices = range(len(cost.devices))
+    available = sum(cost.usable_bytes(dev) for dev in devices)
+    if cost.model_bytes() > available:
+        return cost.model_bytes() - available
+    worst_unit = 0
+    for unit in range(cost.n):
+        gap = min(
+            (
+                cost.stage_memory_bytes(dev, unit, unit + 1) - cost.devices[dev].memory_free_bytes
+                for dev in devices
+            ),
+            default=0,
+        )
+        worst_unit = max(worst_unit, gap)
+    return max(1, worst_unit)
 
 
 def build_plan(
@@ -73,8 +88,10 @@ def _raise_insufficient(cost: CostModel) -> None:
     missing = shortfall_bytes(cost)
     raise InsufficientCapacity(
         f"{cost.model.name} does not fit on these {len(cost.devices)} device(s): "
-        f"about {missing / _GIB:.2f} GiB more free memory is needed "
-        f"(model + KV budget {cost.model_bytes() / _GIB:.2f} GiB)",
+        f"{missing / _GIB:.2f} GiB more free memory is needed "
+        f"(weights + KV budget + workspace {cost.model_bytes() / _GIB:.2f} GiB, "
+        f"offered {sum(cost.usable_bytes(d) for d in range(len(cost.devices))) / _GIB:.2f} GiB "
+        "after reserves)",
         missing_bytes=missing,
     )
 

@@ -194,3 +194,16 @@ def test_plan_large_mesh_is_valid_and_quick(objective: Objective) -> None:
             assert st.key not in seen  # a device serves one stage of one pipeline
             seen.add(st.key)
             assert st.memory_bytes <= free[(st.peer_id, st.device)]
+
+
+def test_plan_shortfall_when_total_suffices_but_a_unit_fits_nowhere() -> None:
+    m = toy_model(8, vocab=32000)  # a head of 32000 × 512 × 2 bytes + its logits workspace
+    cost = CostModel(m, [device("x")], [], BARE)
+    head = m.num_units - 1
+    head_need = cost.stage_memory_bytes(0, head, head + 1)
+    small = head_need - 1000  # every device is 1,000 bytes short for the head
+    devs = [device(p, memory=small) for p in "abcdef"]
+    assert sum(d.memory_free_bytes for d in devs) > cost.model_bytes()
+    with pytest.raises(InsufficientCapacity) as info:
+        plan(devs, full_links(devs), m, constraints=BARE)
+    assert info.value.missing_bytes == 1000
