@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from hetmesh.errors import CorruptModel, ModelNotFound, UnsupportedModel
+from hetmesh.errors import CorruptModel, ModelError, ModelNotFound, UnsupportedModel
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, architecture_of
 
 log = logging.getLogger(__name__)
@@ -327,15 +327,20 @@ def _convert_into(
             f"{gguf_path}: tensors missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     out = work / "converted"
-    plain.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    report("writing", 0.95)
-    marker = {"format_version": _FORMAT_VERSION, "source": source, "gguf_sha256": sha}
-    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():  # a stale, incomplete folder from an old crash
-        shutil.rmtree(target)
-    os.replace(out, target)
+    try:
+        plain.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+        report("writing", 0.95)
+        marker = {"format_version": _FORMAT_VERSION, "source": source, "gguf_sha256": sha}
+        (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():  # a stale, incomplete folder from an old crash
+            shutil.rmtree(target)
+        os.replace(out, target)
+    except OSError as exc:
+        raise ModelError(
+            f"cannot write the converted model to {target}: {brief_error(exc)}"
+        ) from exc
     report("done", 1.0)
 
 
