@@ -138,8 +138,21 @@ def open_testbed(
             outer = f"{prefix}v{i}"
             ip = f"{subnet}.{i + 2}"
             in_ns = ("ip", "netns", "exec", ns)
-            _run("ip", "link", "add", outer, "netns", bridge_ns, "type", "veth",
-                 "peer", "name", "eth0", "netns", ns)  # fmt: skip
+            _run(
+                "ip",
+                "link",
+                "add",
+                outer,
+                "netns",
+                bridge_ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _run(*in_br, "ip", "link", "set", outer, "master", "br0")
             _run(*in_br, "ip", "link", "set", outer, "up")
             _run(*in_ns, "ip", "link", "set", "lo", "up")

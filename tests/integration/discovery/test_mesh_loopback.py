@@ -6,10 +6,11 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import (
+from discovery_nodes import (
     SECRET,
     NodeFactory,
     NodeProc,
@@ -49,7 +50,7 @@ def _all_alive(node: NodeProc, ids: set[str]) -> bool:
 def test_bootstrap_peer_exchange_and_status_lists_all_three(cluster: list[NodeProc]) -> None:
     ids = {n.peer_id for n in cluster}
     for node in cluster:  # b and c learn each other only through peer exchange
-        wait_for(lambda node=node: _all_alive(node, ids), 15, f"{node.peer_id} to see all")
+        wait_for(partial(_all_alive, node, ids), 15, f"{node.peer_id} to see all")
 
     def profiled() -> dict[str, object] | None:
         view = fetch_view(cluster[2].addr)

@@ -6,11 +6,13 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, SECRET, NodeFactory, NodeProc, node_env, wait_for
+from discovery_nodes import REPO, SECRET, NodeFactory, NodeProc, node_env, wait_for
 
 from tests.netns import NetnsTestbed, open_testbed, unavailable_reason
 
@@ -24,6 +26,15 @@ pytestmark = [
 LIMITED_BPS = 12.5e6  # 100 Mbit/s
 
 
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[NodeFactory]:
+    factory = NodeFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
 def _require(**needs: bool) -> None:
     reason = unavailable_reason(**needs)
     if reason:
@@ -34,7 +45,8 @@ def _start(nodes: NodeFactory, testbed: NetnsTestbed, host: int, *args: str) -> 
     ip = testbed.hosts[host].ip
 
     def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        return testbed.popen(host, argv, **kwargs)
+        proc: subprocess.Popen[bytes] = testbed.popen(host, argv, **kwargs)
+        return proc
 
     return nodes.start("--listen", f"/ip4/{ip}/tcp/4001", *args, popen=popen, name=f"h{host}")
 

@@ -1,4 +1,4 @@
-"""Real node processes for the discovery tests, reaped whatever happens."""
+"""Helpers for the discovery tests: real node processes, reaped whatever happens."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
@@ -132,15 +130,6 @@ class NodeFactory:
             node.stop()
 
 
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[NodeFactory]:
-    factory = NodeFactory(tmp_path)
-    try:
-        yield factory
-    finally:
-        factory.close()
-
-
 def fetch_view(addr: str, *, secret: str | None = SECRET, timeout_s: float = 5.0) -> dict[str, Any]:
     """The status view of the node at ``addr``, fetched in-process (fast enough to poll)."""
     import trio
@@ -148,7 +137,8 @@ def fetch_view(addr: str, *, secret: str | None = SECRET, timeout_s: float = 5.0
     from hetmesh.discovery.status import fetch_status
 
     async def go() -> dict[str, Any]:
-        return await fetch_status(addr, mesh_secret=secret, timeout_s=timeout_s)
+        view: dict[str, Any] = await fetch_status(addr, mesh_secret=secret, timeout_s=timeout_s)
+        return view
 
     return trio.run(go)
 
