@@ -86,6 +86,15 @@ def build_plan(
 
 def _raise_insufficient(cost: CostModel) -> None:
     missing = shortfall_bytes(cost)
+    unmeasured = [
+        d.peer_id for d in cost.devices if d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0
+    ]
+    if unmeasured and len(unmeasured) == len(cost.devices):
+        raise InsufficientCapacity(
+            f"no device has measured FLOP/s and memory bandwidth yet "
+            f"({', '.join(sorted(set(unmeasured)))}); nothing can run {cost.model.name}",
+            missing_bytes=missing,
+        )
     raise InsufficientCapacity(
         f"{cost.model.name} does not fit on these {len(cost.devices)} device(s): "
         f"{missing / _GIB:.2f} GiB more free memory is needed "

@@ -207,3 +207,18 @@ def test_plan_shortfall_when_total_suffices_but_a_unit_fits_nowhere() -> None:
     with pytest.raises(InsufficientCapacity) as info:
         plan(devs, full_links(devs), m, constraints=BARE)
     assert info.value.missing_bytes == 1000
+
+
+def test_plan_ignores_unmeasured_devices_and_refuses_an_empty_mesh() -> None:
+    m = toy_model(4)
+    need = model_bytes(4)
+    unmeasured = device("a", memory=4 * need, flops=0.0)
+    measured = device("b", memory=4 * need)
+    out = plan([unmeasured, measured], [], m, constraints=BARE)
+    assert out.pipelines[0].peers == {"b"}
+    with pytest.raises(InsufficientCapacity, match="measured") as info:
+        plan([unmeasured], [], m, constraints=BARE)
+    assert info.value.missing_bytes == 1  # memory would do; no unit can run anywhere
+    with pytest.raises(InsufficientCapacity) as empty:
+        plan([], [], m, constraints=BARE)
+    assert empty.value.missing_bytes == need
