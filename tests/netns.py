@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 CGROUP_V1 = Path("/sys/fs/cgroup")
+NETNS_DIR = Path("/run/netns") if Path("/run/netns").is_dir() else Path("/var/run/netns")
 
 
 def _run(*argv: str) -> None:
@@ -49,6 +50,8 @@ def unavailable_reason(*, need_cgroups: bool = False, need_tc: bool = False) -> 
         return "needs `tc` (iproute2)"
     if need_cgroups and not (CGROUP_V1 / "cpu" / "cpu.cfs_quota_us").exists():
         return "needs the cgroup v1 cpu controller at /sys/fs/cgroup/cpu"
+    if need_cgroups and shutil.which("nsenter") is None:
+        return "needs nsenter (util-linux): `ip netns exec` hides /sys/fs/cgroup"
     probe = f"hmprobe{secrets.token_hex(3)}"
     try:
         _run("ip", "netns", "add", probe)
@@ -84,7 +87,7 @@ class NetnsTestbed:
         """
         namespace = self.hosts[host].namespace
         if shutil.which("nsenter"):
-            return ["nsenter", f"--net=/var/run/netns/{namespace}", "--", *argv]
+            return ["nsenter", f"--net={NETNS_DIR / namespace}", "--", *argv]
         return ["ip", "netns", "exec", namespace, *argv]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from hetmesh.errors import PeerUnreachable, RemoteProtocolError
+
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
-
-from hetmesh.errors import PeerUnreachable, RemoteProtocolError
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,6 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import trio
 
-if TYPE_CHECKING:
-    from trio_typing import TaskStatus
-
 from hetmesh import __version__
 from hetmesh.discovery import wire
 from hetmesh.discovery.host import dial, guarded_handler, mesh_fingerprint
@@ -48,6 +45,9 @@ from hetmesh.errors import (
     RemoteProtocolError,
 )
 from hetmesh.resources import DeviceProfile, LinkProfile, PeerId
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,6 @@ class Discovery:
         self._sent = 0
         self._send_failures = 0
         self._probes = 0
-        self._stopping = False
 
     # -- what the node publishes ----------------------------------------------
 
@@ -189,8 +188,10 @@ class Discovery:
         self._subscribers.append(send)
         return recv
 
-    def local_record(self, *, goodbye: bool = False) -> Announcement:
-        self._seq += 1
+    def local_record(self, *, goodbye: bool = False, advance: bool = True) -> Announcement:
+        """This node's announcement; ``advance`` takes the next sequence number."""
+        if advance:
+            self._seq += 1
         known = tuple(
             KnownPeer(peer_id=e.peer_id, addrs=e.addrs) for e in self.table.alive() if e.addrs
         )
@@ -215,8 +216,7 @@ class Discovery:
     def view(self) -> dict[str, Any]:
         """The node's view of the mesh as a plain (msgpack-able) map."""
         now = trio.current_time()
-        me = self.local_record()
-        self._seq -= 1  # a view is not an announcement
+        me = self.local_record(advance=False)  # a view is not an announcement
         peers = [
             {
                 "peer_id": self.peer_id,
@@ -379,6 +379,14 @@ class Discovery:
     async def _announce_round(self, nursery: trio.Nursery, *, goodbye: bool = False) -> None:
         """Start one send per target; a peer whose last send is still pending is skipped."""
         payload = wire.encode(self.local_record(goodbye=goodbye))
+        if len(payload) > wire.MAX_ANNOUNCEMENT_BYTES:
+            log.error(
+                "our announcement is %d bytes, over the %d every peer accepts: not sent "
+                "(publish less through set_extra/set_stages)",
+                len(payload),
+                wire.MAX_ANNOUNCEMENT_BYTES,
+            )
+            return
         now = trio.current_time()
         if goodbye:
             live = (Health.ALIVE, Health.SUSPECT, Health.JOINING)

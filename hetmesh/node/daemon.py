@@ -10,10 +10,12 @@ run_node(config)
 ```
 
 Each service is ``serve_*(node, task_status=...)``: it reports readiness with
-``task_status.started()`` and then runs until cancelled. Shutdown is the
-cancellation of the root scope; discovery sends its goodbye from a shielded
-``finally``. Later services (stages, sessions, scheduler) take the same
-:class:`Node` and are added to :func:`run_node` with one ``nursery.start``.
+``task_status.started()`` and then runs until cancelled. A graceful stop
+(``node.request_stop()``, which the CLI calls on SIGINT/SIGTERM) sends the
+goodbye while the host is still up and then cancels the root scope; a bare
+cancellation still tries the goodbye from a shielded, bounded ``finally``.
+Later services (stages, sessions, scheduler) take the same :class:`Node` and
+are added to :func:`run_node` with one ``await nursery.start(serve_x, node)``.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-if TYPE_CHECKING:
-    from trio_typing import TaskStatus
-
 from hetmesh.discovery import profiling
 from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_host
 from hetmesh.discovery.service import Discovery, DiscoveryConfig
 from hetmesh.discovery.table import LivenessPolicy
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,64 @@
+"""Two daemons in one trio run: the public API the node issue builds on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from hetmesh.discovery.table import Health
+from hetmesh.discovery.wire import Load
+from hetmesh.node.daemon import Node, NodeConfig, run_node
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _config(tmp_path: Path, name: str, *bootstrap: str) -> NodeConfig:
+    return NodeConfig(
+        listen=("/ip4/127.0.0.1/tcp/0",),
+        bootstrap=bootstrap,
+        mesh_secret="in-process",
+        mdns=False,
+        data_dir=tmp_path / name,
+        benchmark_budget_s=0.2,
+    )
+
+
+async def _until(predicate: object, timeout_s: float) -> None:
+    assert callable(predicate)
+    with trio.fail_after(timeout_s):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+async def test_node_daemons_publish_and_see_each_other_and_leave_cleanly(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        a: Node = await nursery.start(run_node, _config(tmp_path, "a"))
+        b: Node = await nursery.start(run_node, _config(tmp_path, "b", a.discovery.addrs[0]))
+        events = a.discovery.subscribe()
+
+        # what the stage runtime will publish
+        b.discovery.set_stages([{"model": "m", "start": 0, "end": 4, "ready": True}])
+        b.discovery.set_load(Load(queue_depth=2, active_sessions=1))
+        b.discovery.set_extra("plan", {"epoch": 7})
+
+        def b_published() -> bool:
+            entry = a.discovery.table.entries.get(b.peer_id)
+            return bool(entry and entry.record and entry.record.extra.get("plan"))
+
+        await _until(b_published, 10)
+        (member,) = a.discovery.members()
+        assert member.peer_id == b.peer_id
+        assert member.record is not None
+        assert member.record.stages[0]["end"] == 4
+        assert member.record.load.queue_depth == 2
+        assert member.record.devices[0].matmul_flops > 0
+
+        b.request_stop()
+        with trio.fail_after(5):
+            async for event in events:
+                if event.peer_id == b.peer_id and event.new is Health.LEFT:
+                    break
+        assert a.discovery.members() == []
+        a.request_stop()
