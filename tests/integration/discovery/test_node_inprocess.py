@@ -28,7 +28,9 @@ def _config(tmp_path: Path, name: str, *bootstrap: str) -> NodeConfig:
 async def _until(predicate: object, timeout_s: float) -> None:
     assert callable(predicate)
     with trio.fail_after(timeout_s):
-        while not predicate():
+        while True:
+            if predicate():
+                return
             await trio.sleep(0.05)
 
 
