@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import VOCAB, reference_logits, save_tiny
+from tiny_models import VOCAB, reference_logits, save_tiny
 
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams

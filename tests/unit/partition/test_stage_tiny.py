@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import (
+from tiny_models import (
     EOS,
     FAMILIES,
     VOCAB,

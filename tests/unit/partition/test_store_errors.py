@@ -91,9 +91,7 @@ def test_incomplete_gguf_fails_conversion_without_debris(tmp_path: Path) -> None
     assert not list((cache / "tmp").iterdir())
 
 
-def test_cache_dir_follows_hetmesh_home(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cache_dir_follows_hetmesh_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETMESH_HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("HETMESH_HOME")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from tiny import write_tiny_gguf
+from tiny_models import write_tiny_gguf
 
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
