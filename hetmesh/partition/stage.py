@@ -267,8 +267,8 @@ class Stage(nn.Module):
                 hidden[row, : x.shape[0]] = x
 
         if self.layers:
-            for kv in sessions:
-                kv._reserve(max(lengths))
+            for kv, n in zip(sessions, lengths, strict=True):
+                kv._reserve(n)
             past = torch.tensor([kv.length for kv in sessions], device=self.device)
             position_ids = past[:, None] + torch.arange(width, device=self.device)[None, :]
             position_embeddings = self.rotary_emb(hidden, position_ids)  # type: ignore[misc]
