@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -52,6 +53,7 @@ MARKER = "hetmesh-model.json"  # written last into a converted folder
 _FORMAT_VERSION = 1
 _GGUF_ARCHITECTURES = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}
 _CHUNK = 1 << 20
+_STALE_TMP_S = 3600.0  # a conversion takes well under a minute
 
 # A progress callback: (phase description, fraction done in [0, 1]).
 Progress = Callable[[str, float], None]
@@ -193,8 +195,14 @@ def _complete(target: Path) -> bool:
 
 
 def _tmp_root(cache: Path) -> Path:
+    """``<cache>/tmp``, cleared of leftovers of killed pulls (older than an hour)."""
     root = cache / "tmp"
     root.mkdir(parents=True, exist_ok=True)
+    stale = time.time() - _STALE_TMP_S
+    for entry in root.iterdir():
+        with contextlib.suppress(OSError):
+            if entry.stat().st_mtime < stale:
+                shutil.rmtree(entry, ignore_errors=True)
     return root
 
 

@@ -97,3 +97,23 @@ def test_cache_dir_follows_hetmesh_home(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.delenv("HETMESH_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path / "xdg" / "hetmesh"
+
+
+def test_leftovers_of_a_killed_pull_are_cleared(tmp_path: Path) -> None:
+    import os
+
+    cache = tmp_path / "cache"
+    old = cache / "tmp" / "tmp-killed"
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"half")
+    os.utime(old, (0, 0))
+    fresh = cache / "tmp" / "tmp-running"
+    fresh.mkdir()
+    with pytest.raises(ModelNotFound):
+        resolve_model(tmp_path / "missing.gguf", cache_dir=cache)
+    path = tmp_path / "bare.gguf"
+    _write_gguf(path, "llama")
+    with pytest.raises(CorruptModel):
+        resolve_model(path, cache_dir=cache)
+    assert not old.exists()
+    assert fresh.exists()  # a pull still in progress elsewhere is left alone
