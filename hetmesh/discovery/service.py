@@ -421,13 +421,22 @@ class Discovery:
                 await trio.sleep(interval)
 
     async def _serve_liveness(self) -> None:
+        tick_s = 0.2
+        last = trio.current_time()
         while True:
-            events = self.table.tick(trio.current_time())
+            now = trio.current_time()
+            if now - last > max(2.0, self.config.policy.interval_s * 2):
+                log.warning(
+                    "this node stalled for %.1f s; restarting the liveness window", now - last
+                )
+                self.table.excuse_gap(now - last - tick_s)
+            last = now
+            events = self.table.tick(now)
             self._emit(events)
             for event in events:
                 if event.new is Health.DEAD:
                     await self._hang_up(event.peer_id)
-            await trio.sleep(0.2)
+            await trio.sleep(tick_s)
 
     async def _hang_up(self, peer_id: PeerId) -> None:
         from libp2p.peer.id import ID

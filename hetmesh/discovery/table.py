@@ -162,6 +162,17 @@ class PeerTable:
         entry.refusals += 1
         return self.tick(now)
 
+    def excuse_gap(self, gap_s: float) -> None:
+        """We ourselves were not running for ``gap_s`` (SIGSTOP, a suspended VM).
+
+        Silence we could not have heard is not the peers' fault: shift their
+        last-heard times so the window restarts instead of declaring the whole
+        mesh dead at once.
+        """
+        for entry in self.entries.values():
+            if entry.health not in (Health.DEAD, Health.LEFT):
+                entry.last_heard += gap_s
+
     # -- clock ---------------------------------------------------------------
 
     def tick(self, now: float) -> list[TableEvent]:

@@ -102,6 +102,7 @@ def test_sigkill_marks_peer_dead_within_5s(cluster: list[NodeProc], factory: Nod
     killed_at = time.monotonic()
     wait_for(lambda: _health_of(observer, victim.peer_id) in ("dead", None), 8, "death")
     elapsed = time.monotonic() - killed_at
+    print(f"SIGKILL -> dead in {elapsed:.2f} s")
     assert elapsed <= 5.0, f"SIGKILL noticed after {elapsed:.2f} s"
     members = {p for p, h in health_map(fetch_view(observer.addr)).items() if h == "alive"}
     assert victim.peer_id not in members
@@ -124,6 +125,7 @@ def test_sigstop_dead_within_10s_then_readmitted_after_hysteresis_and_sigterm_le
 
     wait_for(dead, 14, "the frozen peer to be declared dead")
     elapsed = time.monotonic() - stopped_at
+    print(f"SIGSTOP -> dead in {elapsed:.2f} s")
     assert elapsed <= 10.0, f"SIGSTOP noticed after {elapsed:.2f} s"
     assert "suspect" in seen  # judged over a window: suspect first
 
@@ -137,13 +139,16 @@ def test_sigstop_dead_within_10s_then_readmitted_after_hysteresis_and_sigterm_le
 
     wait_for(back, 20, "the resumed peer to be re-admitted")
     waited = time.monotonic() - resumed_at
+    print(f"SIGCONT -> alive again in {waited:.2f} s")
     assert "joining" in states  # on probation before re-admission
     assert waited >= 2.5, f"re-admitted after {waited:.2f} s, before the hysteresis window"
 
     victim.signal(signal.SIGTERM)
     termed_at = time.monotonic()
     wait_for(lambda: _health_of(observer, victim.peer_id) in ("left", None), 3, "goodbye")
-    assert time.monotonic() - termed_at <= 2.0
+    gone = time.monotonic() - termed_at
+    print(f"SIGTERM -> left in {gone:.2f} s")
+    assert gone <= 2.0
     assert victim.proc.wait(timeout=10) == 0
 
 
@@ -166,6 +171,7 @@ def test_wrong_or_missing_secret_fails_fast_and_never_joins(
     # time from the join attempt to the error, from the node's own log timestamps
     attempt = _log_time(log, "joining the mesh through")
     failure = Path(stranger.log_path).stat().st_mtime
+    print(f"secret {secret!r}: failed {failure - attempt:.2f} s after the join attempt")
     assert failure - attempt <= 5.0, f"failed {failure - attempt:.2f} s after the attempt"
     assert total < 20
     stranger_id = (stranger.data_dir / "identity.ed25519").exists()

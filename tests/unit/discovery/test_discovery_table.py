@@ -172,3 +172,14 @@ def test_table_statistics_count_every_kind(table: PeerTable) -> None:
     stats = table.statistics()
     assert (stats.accepted, stats.rejected, stats.stale) == (3, 1, 1)
     assert (stats.alive, stats.suspect, stats.dead_or_left) == (1, 1, 0)
+
+
+def test_table_our_own_stall_is_not_blamed_on_the_peers(table: PeerTable) -> None:
+    table.note_announcement(rec("B"), now=0.0)
+    table.note_announcement(rec("C"), now=0.0)
+    table.tick(1.0)
+    table.excuse_gap(20.0)  # we were SIGSTOPped from t=1 to t=21
+    table.tick(21.0)
+    assert table.health_of("B") is Health.ALIVE
+    table.tick(24.0)
+    assert table.health_of("B") is Health.SUSPECT  # the window restarted, it did not vanish
