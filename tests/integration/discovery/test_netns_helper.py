@@ -1,0 +1,66 @@
+"""The namespace testbed itself: hosts can talk over the bridge, nothing is left behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from discovery_nodes import REPO
+
+from tests.netns import CGROUP_V1, open_testbed, unavailable_reason
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(60)]
+
+ECHO_SERVER = (
+    "import socket, sys\n"
+    "s = socket.create_server((sys.argv[1], 7000)); print('up', flush=True)\n"
+    "c, _ = s.accept(); c.sendall(c.recv(100).upper())\n"
+)
+ECHO_CLIENT = (
+    "import socket, sys\n"
+    "c = socket.create_connection((sys.argv[1], 7000), timeout=5); c.sendall(b'ping')\n"
+    "print(c.recv(100).decode())\n"
+)
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+def test_netns_testbed_connects_hosts_and_cleans_up() -> None:
+    reason = unavailable_reason(need_cgroups=True)
+    if reason:
+        pytest.skip(reason)
+    with open_testbed(2, cpu_quota_us={1: 50_000}, memory_limit_bytes={1: 1 << 30}) as bed:
+        names = {bed.bridge_namespace, *(h.namespace for h in bed.hosts)}
+        assert names <= _namespaces()
+        assert all(n.startswith(bed.prefix) for n in names)
+        server = bed.popen(
+            0,
+            [sys.executable, "-c", ECHO_SERVER, bed.hosts[0].ip],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "up"
+        client = bed.popen(
+            1,
+            [sys.executable, "-c", ECHO_CLIENT, bed.hosts[0].ip],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=str(REPO),
+        )
+        out, _ = client.communicate(timeout=20)
+        assert out.strip() == "PING"
+        cgroups = bed.hosts[1].cgroups
+        assert (cgroups[0] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        sleeper = bed.popen(1, [sys.executable, "-c", "import time; time.sleep(60)"])
+        for cg in cgroups:  # joined before exec, so already there
+            assert str(sleeper.pid) in (cg / "cgroup.procs").read_text().split()
+    assert sleeper.poll() is not None  # the testbed reaps what it started
+    assert not names & _namespaces()
+    assert all(not Path(cg).exists() for cg in cgroups)
+    assert (CGROUP_V1 / "cpu").is_dir()
