@@ -43,6 +43,7 @@ from hetmesh.errors import (
     MeshError,
     PeerUnreachable,
     RemoteProtocolError,
+    StreamReset,
 )
 from hetmesh.resources import DeviceProfile, LinkProfile, PeerId
 
@@ -172,6 +173,47 @@ class Discovery:
         from libp2p.custom_types import TProtocol
 
         self.host.set_stream_handler(TProtocol(protocol), guarded_handler(protocol, handler))
+
+    async def request(
+        self,
+        peer_id: PeerId,
+        protocol: str,
+        payload: bytes,
+        *,
+        max_reply_bytes: int = wire.MAX_STATUS_BYTES,
+        timeout_s: float = 5.0,
+    ) -> bytes:
+        """One framed request/reply with a peer over ``protocol`` (dialling if needed).
+
+        The handler on the other side (see :meth:`add_handler`) reads one frame
+        with :func:`wire.read_frame` and answers with :func:`wire.write_frame`.
+        Raises :class:`PeerUnreachable`, :class:`ConnectTimeout`,
+        :class:`AuthenticationFailed`, :class:`StreamReset` or
+        :class:`RemoteProtocolError`; the caller decides what a failure means.
+        """
+        from libp2p.custom_types import TProtocol
+
+        entry = self.table.entries.get(peer_id)
+        info = self._peer_info(peer_id, entry.addrs if entry else ())
+        if info.peer_id not in self.host.get_network().connections:
+            await dial(self.host, info, timeout_s=min(timeout_s, self.config.dial_timeout_s))
+        try:
+            with trio.fail_after(timeout_s):
+                stream = await self.host.new_stream(info.peer_id, [TProtocol(protocol)])
+                try:
+                    await wire.write_frame(stream, payload)
+                    return await wire.read_frame(
+                        stream, max_bytes=max_reply_bytes, timeout_s=timeout_s
+                    )
+                finally:
+                    with contextlib.suppress(Exception):
+                        await stream.close()
+        except trio.TooSlowError as exc:
+            raise ConnectTimeout(f"{peer_id} did not answer {protocol} in {timeout_s} s") from exc
+        except MeshError:
+            raise
+        except Exception as exc:  # libp2p stream errors
+            raise StreamReset(f"{protocol} with {peer_id} failed: {exc!r}") from exc
 
     # -- what the node reads --------------------------------------------------
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
+from hetmesh.discovery import wire
 from hetmesh.discovery.table import Health
 from hetmesh.discovery.wire import Load
+from hetmesh.errors import StreamReset
 from hetmesh.node.daemon import Node, NodeConfig, run_node
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,6 +59,18 @@ async def test_node_daemons_publish_and_see_each_other_and_leave_cleanly(tmp_pat
         assert member.record.stages[0]["end"] == 4
         assert member.record.load.queue_depth == 2
         assert member.record.devices[0].matmul_flops > 0
+
+        # a new RPC: registered on one node, called from the other
+        async def shout(stream: Any) -> None:
+            text = await wire.read_frame(stream, max_bytes=1024, timeout_s=5)
+            await wire.write_frame(stream, text.upper() + str(stream.muxed_conn.peer_id).encode())
+
+        a.discovery.add_handler("/test/shout/1", shout)
+        reply = await b.discovery.request(a.peer_id, "/test/shout/1", b"hi ")
+        assert reply == b"HI " + b.peer_id.encode()
+        with pytest.raises(StreamReset):  # a protocol nobody serves
+            await b.discovery.request(a.peer_id, "/test/nothing/1", b"x", timeout_s=2)
+        assert a.discovery.members()  # a failed RPC does not hurt membership
 
         b.request_stop()
         with trio.fail_after(5):
