@@ -8,7 +8,6 @@ hidden states go over the data plane.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -79,13 +78,3 @@ def parse_request(data: dict[str, Any]) -> OpenSession | CloseSession:
     except ValueError as exc:
         raise RemoteProtocolError(f"malformed session request: {exc}") from exc
     raise RemoteProtocolError(f"unknown session operation {op!r}")
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The generator seed for one decode step of a seeded session.
-
-    Seeding each step from ``(seed, step)`` instead of advancing one generator
-    makes a replayed session draw exactly the tokens it drew before the replay.
-    """
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") & ((1 << 63) - 1)

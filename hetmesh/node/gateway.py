@@ -19,7 +19,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,7 @@ class Hop:
 
 Control = Callable[[PeerId, OpenSession | CloseSession], Awaitable[Reply]]
 Send = Callable[[PeerId, Frame], Awaitable[None]]
-Choose = Callable[[str, frozenset[PeerId]], Sequence[Hop]]
+Choose = Callable[[str, frozenset[PeerId]], Awaitable[Sequence[Hop]]]
 Ping = Callable[[PeerId], Awaitable[bool]]
 
 
@@ -144,7 +144,7 @@ class Gateway:
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[int]:
+    ) -> AsyncGenerator[int, None]:
         """Yield generated token ids until an end-of-sequence id (not yielded) or
         ``max_new_tokens``, exactly as the local reference pipeline does.
 
@@ -169,7 +169,7 @@ class Gateway:
         try:
             for attempt in range(self.timeouts.max_recoveries + 1):
                 session_id = f"{base}.{attempt}"
-                hops = tuple(self._choose(base, frozenset(avoid)))
+                hops = tuple(await self._choose(base, frozenset(avoid)))
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
                 inbox_send, inbox = trio.open_memory_channel[Tokens | Error](math.inf)
@@ -266,7 +266,7 @@ class Gateway:
         history: list[int],
         generated: list[int],
         max_new_tokens: int,
-    ) -> AsyncIterator[int]:
+    ) -> AsyncGenerator[int, None]:
         first = hops[0].peer_id
         feed = list(history)  # the whole history: a first prefill or a replay
         position = 0

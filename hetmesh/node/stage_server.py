@@ -24,7 +24,7 @@ import torch
 import trio
 
 from hetmesh.errors import InvalidRequest, MeshError, Rejected
-from hetmesh.node.control import CloseSession, OpenSession, Reply, step_seed
+from hetmesh.node.control import CloseSession, OpenSession, Reply
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.sampling import Sampler, SamplingParams
@@ -254,9 +254,7 @@ class StageServer:
             if session.sampler is None:
                 outcome.output = result.contiguous()
                 continue
-            seed = session.request.sampling.seed
-            session.sampler.generator.manual_seed(step_seed(seed, outcome.item.step))
-            outcome.output = session.sampler(result[-1])
+            outcome.output = session.sampler(result[-1], outcome.item.step)
 
     async def _deliver(self, outcome: _Outcome) -> None:
         item = outcome.item

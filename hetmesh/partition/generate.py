@@ -147,9 +147,9 @@ class LocalPipeline:
         session = self.new_session(params)
         try:
             inputs = torch.tensor(list(prompt_ids), dtype=torch.int64)
-            for _ in range(params.max_new_tokens):
+            for step in range(params.max_new_tokens):
                 logits = self.forward(inputs, session.kvs, last_only=True)  # (1, vocab)
-                token = session.sampler(logits[-1])
+                token = session.sampler(logits[-1], step)
                 if token in stop_ids:
                     return
                 session.tokens.append(token)

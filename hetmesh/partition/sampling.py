@@ -1,13 +1,17 @@
 """Choosing the next token from logits: greedy, or seeded temperature/top-k/top-p.
 
 Each session owns one :class:`Sampler` with its own ``torch.Generator``, so
-a seeded request draws the same tokens whatever else the process runs.
+a seeded request draws the same tokens whatever else the process runs. The
+generator is re-seeded for every step from ``(seed, step)`` (:func:`step_seed`),
+so a session replayed on other peers after a failure draws exactly the
+tokens it drew before, and a mesh draws what a single process draws.
 Sampling happens in fp32 on the CPU, so the draw does not depend on the
 device that produced the logits.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -48,22 +52,27 @@ class SamplingParams:
         return not self.temperature
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of decode step ``step`` of a session seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << 63) - 1)
+
+
 class Sampler:
     """Picks one token id from a logits vector; owns the session's generator."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.generator = torch.Generator(device="cpu")
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        # an unseeded session still seeds per step, from a seed drawn once
+        self.seed = params.seed if params.seed is not None else self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """``logits``: ``(vocab,)`` for the position to fill."""
+    def __call__(self, logits: torch.Tensor, step: int) -> int:
+        """``logits``: ``(vocab,)`` for the position to fill; ``step``: tokens drawn so far."""
         scores = logits.detach().reshape(-1).to("cpu", torch.float32)
         if self.params.greedy:
             return int(scores.argmax())
+        self.generator.manual_seed(step_seed(self.seed, step))
         scores = scores / float(self.params.temperature or 1.0)  # not greedy: > 0
         if self.params.top_k is not None and self.params.top_k < scores.numel():
             kth = torch.topk(scores, self.params.top_k).values[-1]
@@ -78,4 +87,4 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["Sampler", "SamplingParams", "step_seed"]

@@ -95,7 +95,7 @@ class Mesh:
 
 
 def chooser(pipelines):
-    def choose(session_id, avoid):
+    async def choose(session_id, avoid):
         for hops in pipelines:
             if not {h.peer_id for h in hops} & avoid:
                 return hops

@@ -16,7 +16,7 @@ LOGITS = torch.tensor([1.0, 3.0, 2.0, 0.5, 2.9])
 def test_greedy_picks_argmax() -> None:
     for params in (SamplingParams(), SamplingParams(temperature=0.0, seed=4)):
         assert params.greedy
-        assert Sampler(params)(LOGITS) == 1
+        assert Sampler(params)(LOGITS, 0) == 1
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
@@ -24,7 +24,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
     draws = {}
     for seed in (1, 1, 2):
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
-        draws.setdefault(seed, []).append([sampler(flat) for _ in range(20)])
+        draws.setdefault(seed, []).append([sampler(flat, step) for step in range(20)])
     assert draws[1][0] == draws[1][1]
     assert draws[1][0] != draws[2][0]
 
@@ -35,15 +35,15 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
         SamplingParams(temperature=5.0, top_p=1e-6, seed=0),
     ):
         sampler = Sampler(params)
-        assert {sampler(LOGITS) for _ in range(50)} == {1}
+        assert {sampler(LOGITS, step) for step in range(50)} == {1}
 
 
 def test_top_k_and_top_p_restrict_the_support() -> None:
     top_k = Sampler(SamplingParams(temperature=10.0, top_k=2, seed=0))
-    assert {top_k(LOGITS) for _ in range(200)} == {1, 4}
+    assert {top_k(LOGITS, step) for step in range(200)} == {1, 4}
     # probabilities at T=1: token 1 ~0.37, 4 ~0.34, 2 ~0.14: top_p 0.6 keeps {1, 4}
     top_p = Sampler(SamplingParams(temperature=1.0, top_p=0.6, seed=0))
-    assert {top_p(LOGITS) for _ in range(200)} == {1, 4}
+    assert {top_p(LOGITS, step) for step in range(200)} == {1, 4}
 
 
 @pytest.mark.parametrize(
@@ -61,3 +61,20 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
 def test_bad_sampling_params_are_invalid_requests(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidRequest):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_step_draws_the_same_token_whatever_came_before() -> None:
+    """Per-step seeding: a replayed session (fresh sampler) continues identically."""
+    flat = torch.zeros(1000)
+    params = SamplingParams(temperature=1.0, seed=7)
+    first = Sampler(params)
+    run = [first(flat, step) for step in range(12)]
+    resumed = Sampler(params)
+    assert [resumed(flat, step) for step in range(6, 12)] == run[6:]
+    assert len(set(run)) > 6  # the draws really vary from step to step
+
+
+def test_unseeded_sessions_differ() -> None:
+    flat = torch.zeros(1000)
+    a, b = Sampler(SamplingParams(temperature=1.0)), Sampler(SamplingParams(temperature=1.0))
+    assert [a(flat, s) for s in range(10)] != [b(flat, s) for s in range(10)]

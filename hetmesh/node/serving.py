@@ -1,0 +1,668 @@
+"""Serving a model on the mesh: plans, stages, links, sessions and the generate RPC.
+
+```
+serve_model(node, config)
+├── data plane          listeners for shm / tcp / torchdist, negotiated over libp2p
+├── _plan_loop          coordinator: replan on membership change or drift; everyone:
+│                       adopt the newest plan, load the assigned stage, announce ready
+├── stage servers       one per assigned unit range (continuous batching)
+├── _expiry_loop        idle sessions' KV caches are freed
+└── handlers            /hetmesh/dataplane (links), /hetmesh/session (stage control),
+                        /hetmesh/generate (requests entering at this node: gateway)
+```
+
+Every node runs the same code; the coordinator (lowest live peer id) is the
+only one that plans. A plan travels in the coordinator's announcement
+(``extra["plan"]``); stage readiness travels in each node's ``stages``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import trio
+
+from hetmesh.client.protocol import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
+from hetmesh.discovery import wire
+from hetmesh.discovery.wire import Load
+from hetmesh.errors import (
+    InsufficientCapacity,
+    InvalidRequest,
+    MeshError,
+    NoRoute,
+    RemoteProtocolError,
+)
+from hetmesh.node.control import (
+    MAX_CONTROL_BYTES,
+    SESSION_PROTOCOL,
+    CloseSession,
+    OpenSession,
+    Reply,
+    parse_request,
+)
+from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
+from hetmesh.node.kvcache import KVLimits
+from hetmesh.node.links import DATAPLANE_PROTOCOL, LinkPool, call
+from hetmesh.node.stage_server import StageServer
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
+from hetmesh.scheduler import baselines
+from hetmesh.scheduler.records import MeshLoad, Objective, Plan, PlanConstraints, RouteRequest
+from hetmesh.scheduler.replan import MeshSnapshot, alive_pipelines, coordinator, newest, replan
+from hetmesh.scheduler.router import route
+from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
+from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+    from hetmesh.node.daemon import Node
+
+log = logging.getLogger(__name__)
+
+
+PlanStrategy = Literal["hetmesh", "even", "memory-proportional", "greedy"]
+_BASELINES = {
+    "even": baselines.even_split,
+    "memory-proportional": baselines.memory_proportional,
+    "greedy": baselines.greedy_fill,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingConfig:
+    """What and how this node serves (the model part of ``hetmesh node start``)."""
+
+    model: str | None = None  # None: the default model
+    cache_dir: Path | None = None
+    objective: Objective = "latency"
+    plan_strategy: PlanStrategy = "hetmesh"
+    max_context_tokens: int = 2048
+    max_sessions: int = 8
+    reserve_bytes: int = 64 << 20
+    settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
+    plan_interval_s: float = 1.0
+    idle_session_s: float = 300.0
+    route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
+    backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
+    require_encryption: bool = False
+    tcp_host: str = "127.0.0.1"
+    timeouts: GatewayTimeouts = field(default_factory=GatewayTimeouts)
+
+
+@dataclass(slots=True)
+class _Served:
+    server: StageServer
+    scope: trio.CancelScope
+    retiring: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServingStatistics:
+    plan_epoch: int
+    coordinator: str
+    stages: tuple[tuple[int, int], ...]
+    links: dict[str, str]
+    insufficient: str
+
+
+class Serving:
+    """One node's share of serving a model; see the module docstring."""
+
+    def __init__(self, node: Node, config: ServingConfig, model_dir: Path) -> None:
+        from hetmesh.partition.profile import model_profile
+        from hetmesh.partition.store import check_model_dir
+
+        self.node = node
+        self.config = config
+        self.model_dir = model_dir
+        self.profile: ModelProfile = model_profile(check_model_dir(model_dir))
+        self.model_key = self.profile.name
+        self.constraints = PlanConstraints(
+            max_context_tokens=min(config.max_context_tokens, self.profile.max_context),
+            max_sessions=config.max_sessions,
+            reserve_bytes=config.reserve_bytes,
+        )
+        self.plan: Plan | None = None  # the adopted plan
+        self._published: Plan | None = None  # ours, when we coordinate
+        self._snapshot: MeshSnapshot | None = None
+        self._served: dict[tuple[int, int], _Served] = {}
+        self._loading: set[tuple[int, int]] = set()
+        self._changed = trio.Event()
+        self._started_at = trio.current_time()
+        self._insufficient = ""
+        self.tokenizer: Any = None
+        self.eos: frozenset[int] = frozenset()
+        self.pool: LinkPool | None = None
+        self.plane: DataPlane | None = None
+        self.gateway: Gateway | None = None
+        self._nursery: trio.Nursery | None = None
+
+    # -- wiring -------------------------------------------------------------------
+
+    async def serve(self, *, task_status: TaskStatus[Serving] = trio.TASK_STATUS_IGNORED) -> None:
+        from hetmesh.partition.text import eos_token_ids, load_tokenizer
+        from hetmesh.transport import open_data_plane
+
+        def load_text() -> tuple[Any, frozenset[int]]:
+            tokenizer = load_tokenizer(self.model_dir)
+            return tokenizer, frozenset(eos_token_ids(self.model_dir, tokenizer))
+
+        self.tokenizer, self.eos = await trio.to_thread.run_sync(load_text)
+        discovery = self.node.discovery
+        plane_config = DataPlaneConfig(
+            peer_id=self.node.peer_id,
+            backends=self.config.backends,
+            require_encryption=self.config.require_encryption,
+            tcp_host=self.config.tcp_host,
+            gloo="torchdist" in self.config.backends,
+            device=self.node.config.device,
+        )
+        async with open_data_plane(plane_config) as plane, trio.open_nursery() as nursery:
+            self.plane = plane
+            self._nursery = nursery
+            self.pool = LinkPool(
+                host=self.node.host, plane=plane, dispatch=self._dispatch, nursery=nursery
+            )
+            self.gateway = Gateway(
+                peer_id=self.node.peer_id,
+                control=self._control,
+                send=self.pool.send,
+                choose=self._choose,
+                ping=self._ping,
+                eos_token_ids=self.eos,
+                max_context=self.constraints.max_context_tokens,
+                timeouts=self.config.timeouts,
+            )
+            discovery.set_data_plane({"backends": list(plane.config.backends)})
+            discovery.set_extra("model", self.model_key)
+            discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
+            discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
+            discovery.add_handler(GENERATE_PROTOCOL, self._handle_generate)
+            self._publish()
+            nursery.start_soon(self._plan_loop)
+            nursery.start_soon(self._expiry_loop)
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    # -- the plan -----------------------------------------------------------------
+
+    def _members(self) -> list[Any]:
+        """Live peers serving the same model (records known)."""
+        return [
+            e
+            for e in self.node.discovery.alive()
+            if e.record is not None and e.record.extra.get("model") == self.model_key
+        ]
+
+    def _snapshot_now(self, members: Sequence[Any]) -> MeshSnapshot:
+        def capacity(d: DeviceProfile) -> DeviceProfile:
+            # plan on the device's whole memory: what our own stages hold is ours to use
+            return dataclasses.replace(d, memory_free_bytes=d.memory_total_bytes)
+
+        records = [self.node.discovery.local_record()] + [e.record for e in members]
+        ids = {r.peer_id for r in records}
+        devices = tuple(capacity(d) for r in records for d in r.devices)
+        links: dict[tuple[str, str], LinkProfile] = {}
+        for r in records:
+            for link in r.links:
+                if link.src in ids and link.dst in ids:
+                    links[(link.src, link.dst)] = link
+        return MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links)))
+
+    def _coordinate(self, members: Sequence[Any]) -> None:
+        snapshot = self._snapshot_now(members)
+        if not snapshot.devices:
+            return
+        current = self.plan
+        if current is not None and not alive_pipelines(
+            current, [d.peer_id for d in snapshot.devices]
+        ):
+            current = None  # every pipeline lost a peer: plan afresh
+        epoch = (self.plan.epoch + 1) if self.plan is not None else 0
+        try:
+            if self.config.plan_strategy == "hetmesh":
+                outcome = replan(
+                    current,
+                    self._snapshot,
+                    snapshot,
+                    self.profile,
+                    objective=self.config.objective,
+                    constraints=self.constraints,
+                )
+                candidate = outcome.plan
+                reason = outcome.reason
+            else:
+                changed = self._snapshot is None or {d.peer_id for d in snapshot.devices} != {
+                    d.peer_id for d in self._snapshot.devices
+                }
+                candidate = None
+                reason = f"forced {self.config.plan_strategy} placement"
+                if changed or current is None:
+                    candidate = _BASELINES[self.config.plan_strategy](
+                        snapshot.devices,
+                        snapshot.links,
+                        self.profile,
+                        objective=self.config.objective,
+                        constraints=self.constraints,
+                    )
+        except InsufficientCapacity as exc:
+            if str(exc) != self._insufficient:
+                log.error("cannot place %s on this mesh: %s", self.model_key, exc)
+            self._insufficient = str(exc)
+            self.node.discovery.set_extra("insufficient", self._insufficient)
+            self._snapshot = snapshot
+            return
+        self._insufficient = ""
+        self.node.discovery.set_extra("insufficient", "")
+        self._snapshot = snapshot
+        if candidate is None:
+            return
+        plan = candidate.with_epoch(max(epoch, candidate.epoch))
+        log.info(
+            "plan epoch %d (%s): %s; predicted %.1f ms/token",
+            plan.epoch,
+            reason,
+            " | ".join(
+                " → ".join(f"{s.peer_id[-6:]}[{s.start},{s.end})" for s in p.stages)
+                for p in plan.pipelines
+            ),
+            plan.decode_latency_s * 1e3,
+        )
+        self._published = plan
+        self.node.discovery.set_extra("plan", plan.to_wire())
+
+    def _adopt(self, members: Sequence[Any]) -> None:
+        seen: list[Plan] = [self._published] if self._published is not None else []
+        for entry in members:
+            raw = entry.record.extra.get("plan")
+            if raw:
+                with contextlib.suppress(ValueError, TypeError):
+                    seen.append(Plan.from_wire(raw))
+        best = newest(p for p in seen if p.model_name == self.profile.name)
+        if best is not None and (self.plan is None or best.epoch > self.plan.epoch):
+            self.plan = best
+            self._apply(best)
+
+    def _apply(self, plan: Plan) -> None:
+        mine = {
+            (s.start, s.end)
+            for p in plan.pipelines
+            for s in p.stages
+            if s.peer_id == self.node.peer_id
+        }
+        for key, served in self._served.items():
+            served.retiring = key not in mine
+        assert self._nursery is not None
+        for key in sorted(mine - self._served.keys() - self._loading):
+            self._loading.add(key)
+            self._nursery.start_soon(self._load_stage, *key)
+
+    async def _load_stage(self, start: int, end: int) -> None:
+        from hetmesh.partition.stage import load_stage
+
+        device = self.node.config.device or "cpu"
+        log.info("loading units [%d, %d) of %s on %s", start, end, self.model_key, device)
+        began = time.perf_counter()
+        try:
+            stage = await trio.to_thread.run_sync(
+                lambda: load_stage(self.model_dir, start, end, device=device),
+                limiter=self.node.device_limiter,
+            )
+        except MeshError as exc:
+            log.error("loading units [%d, %d) failed: %s", start, end, exc)
+            self._loading.discard((start, end))
+            return
+        per_token = max(1, stage.kv_bytes_per_token())
+        budget = self.constraints.max_context_tokens * self.constraints.max_sessions * per_token
+        server = StageServer(
+            stage,
+            limits=KVLimits(
+                max_sessions=self.constraints.max_sessions,
+                max_tokens_per_session=self.constraints.max_context_tokens,
+                budget_bytes=budget,
+                idle_timeout_s=self.config.idle_session_s,
+            ),
+            send=self._send,
+            device_limiter=self.node.device_limiter,
+        )
+        scope = trio.CancelScope()
+        assert self._nursery is not None
+
+        async def run() -> None:
+            with scope:
+                await server.serve()
+
+        self._nursery.start_soon(run)
+        self._served[(start, end)] = _Served(server, scope)
+        self._loading.discard((start, end))
+        log.info(
+            "stage [%d, %d) ready: %d parameters in %.1f s",
+            start,
+            end,
+            stage.param_count(),
+            time.perf_counter() - began,
+        )
+        self._publish()
+
+    def _retire_idle(self) -> None:
+        for key, served in list(self._served.items()):
+            if served.retiring and served.server.kv.statistics().sessions == 0:
+                served.scope.cancel()
+                del self._served[key]
+                log.info("stage [%d, %d) retired", *key)
+
+    def _publish(self) -> None:
+        d = self.node.discovery
+        d.set_stages(
+            [
+                {"model": self.model_key, "start": a, "end": b, "ready": not s.retiring}
+                for (a, b), s in sorted(self._served.items())
+            ]
+        )
+        stats = [s.server.statistics() for s in self._served.values()]
+        d.set_load(
+            Load(
+                queue_depth=sum(s.queue_depth for s in stats),
+                active_sessions=sum(s.kv.sessions for s in stats),
+                kv_bytes_used=sum(s.kv.bytes_used for s in stats),
+                kv_bytes_free=sum(max(0, s.kv.budget_bytes - s.kv.bytes_reserved) for s in stats),
+                recent_step_s=tuple(x for s in stats for x in s.recent_step_s[-4:]),
+            )
+        )
+        d.set_extra("gateway", _as_dict(self.gateway.statistics()) if self.gateway else {})
+
+    async def _plan_loop(self) -> None:
+        while True:
+            members = self._members()
+            ids = [self.node.peer_id] + [e.peer_id for e in members]
+            settled = trio.current_time() - self._started_at >= self.config.settle_s
+            if coordinator(ids) == self.node.peer_id and settled:
+                self._coordinate(members)
+            self._adopt(members)
+            self._retire_idle()
+            self._publish()
+            self._changed.set()
+            self._changed = trio.Event()
+            await trio.sleep(self.config.plan_interval_s)
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await trio.sleep(min(30.0, self.config.idle_session_s / 4))
+            for served in self._served.values():
+                for sid in served.server.expire_idle():
+                    log.info(
+                        "session %s expired after %.0f s idle", sid, self.config.idle_session_s
+                    )
+
+    # -- routing ------------------------------------------------------------------
+
+    def ready_stages(self) -> set[tuple[PeerId, int, int]]:
+        ready = {(self.node.peer_id, a, b) for (a, b), s in self._served.items() if not s.retiring}
+        for entry in self._members():
+            for st in entry.record.stages:
+                if st.get("ready") and st.get("model") == self.model_key:
+                    ready.add((entry.peer_id, int(st["start"]), int(st["end"])))
+        return ready
+
+    def _route(self, session_id: str, avoid: frozenset[PeerId]) -> tuple[Hop, ...]:
+        plan = self.plan
+        if plan is None:
+            return ()
+        ready = self.ready_stages()
+        live = {self.node.peer_id} | {e.peer_id for e in self._members()}
+        unhealthy = set(avoid)
+        for p in plan.pipelines:
+            for s in p.stages:
+                if s.peer_id not in live or (s.peer_id, s.start, s.end) not in ready:
+                    unhealthy.add(s.peer_id)
+        try:
+            chosen = route(
+                plan,
+                MeshLoad(unhealthy_peers=tuple(sorted(unhealthy))),
+                RouteRequest(session_id=session_id),
+            )
+        except NoRoute:
+            return ()
+        return tuple(Hop(s.peer_id, s.start, s.end) for s in chosen.stages)
+
+    async def _choose(self, session_id: str, avoid: frozenset[PeerId]) -> Sequence[Hop]:
+        with trio.move_on_after(self.config.route_wait_s):
+            while True:
+                hops = self._route(session_id, avoid)
+                if hops:
+                    return hops
+                await self._changed.wait()
+        why = self._insufficient or "no pipeline of the current plan is fully ready"
+        raise NoRoute(f"no route for {self.model_key}: {why}")
+
+    # -- transport glue -----------------------------------------------------------
+
+    async def _send(self, peer: PeerId, frame: Frame) -> None:
+        if peer == self.node.peer_id:
+            self._dispatch(peer, None, frame)  # a hop to ourselves never leaves the process
+            return
+        assert self.pool is not None
+        await self.pool.send(peer, frame)
+
+    def _dispatch(self, peer: PeerId, link: Link | None, frame: Frame) -> None:
+        def release() -> None:
+            if link is not None:
+                link.release(frame)
+
+        if isinstance(frame, Activations):
+            for served in self._served.values():
+                if frame.session_id in served.server.kv:
+                    served.server.submit(frame, release)
+                    return
+            release()
+            message = f"unknown session {frame.session_id}"
+            assert self._nursery is not None
+            self._nursery.start_soon(
+                self._send_quietly,
+                peer,
+                Error(code=ERROR_PROTOCOL, message=message, session_id=frame.session_id),
+            )
+            return
+        release()
+        if isinstance(frame, Tokens | Error) and self.gateway is not None:
+            self.gateway.on_frame(frame)
+        elif isinstance(frame, Cancel):
+            for served in self._served.values():
+                served.server.close(frame.session_id)
+
+    async def _send_quietly(self, peer: PeerId, frame: Frame) -> None:
+        try:
+            await self._send(peer, frame)
+        except MeshError as exc:
+            log.debug("could not tell %s: %s", peer, exc)
+
+    async def _control(self, peer: PeerId, request: OpenSession | CloseSession) -> Reply:
+        if peer == self.node.peer_id:
+            return self._apply_control(request)
+        raw = await call(
+            self.node.host,
+            peer,
+            SESSION_PROTOCOL,
+            request.to_wire(),
+            timeout_s=self.config.timeouts.ping_s * 2,
+        )
+        try:
+            return Reply.from_wire(raw)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"malformed control reply from {peer}: {exc}") from exc
+
+    async def _ping(self, peer: PeerId) -> bool:
+        if peer == self.node.peer_id:
+            return True
+        raw = await call(
+            self.node.host,
+            peer,
+            SESSION_PROTOCOL,
+            {"op": "ping"},
+            timeout_s=self.config.timeouts.ping_s,
+        )
+        return bool(raw.get("ok"))
+
+    def _apply_control(self, request: OpenSession | CloseSession) -> Reply:
+        if isinstance(request, CloseSession):
+            for served in self._served.values():
+                served.server.close(request.session_id)
+            return Reply(ok=True)
+        target = self._served.get((request.start, request.end))
+        if target is None or target.retiring:
+            return Reply(
+                ok=False,
+                kind="not_serving",
+                message=f"units [{request.start}, {request.end}) are not served here",
+            )
+        return target.server.handle(request)
+
+    async def _handle_session(self, stream: Any) -> None:
+        payload = await wire.read_frame(stream, max_bytes=MAX_CONTROL_BYTES, timeout_s=5.0)
+        data = wire.decode_map(payload, max_bytes=MAX_CONTROL_BYTES)
+        if data.get("op") == "ping":
+            reply = Reply(ok=True)
+        else:
+            reply = self._apply_control(parse_request(data))
+        await wire.write_frame(stream, wire.encode(reply.to_wire()))
+
+    # -- requests -----------------------------------------------------------------
+
+    def encode(self, prompt: str | None, prompt_ids: Sequence[int] | None, chat: bool) -> list[int]:
+        from hetmesh.partition.text import encode_prompt
+
+        if prompt_ids:
+            return [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+        return encode_prompt(self.tokenizer, prompt, chat=chat)
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        """Token ids with their text deltas; stops at EOS, ``max_new_tokens`` or a stop string."""
+        from hetmesh.partition.text import StopMatcher, TextStream
+
+        assert self.gateway is not None
+        text = TextStream(self.tokenizer)
+        stops = StopMatcher(params.stop)
+        async with contextlib.aclosing(self.gateway.generate(prompt_ids, params)) as tokens:
+            async for token in tokens:
+                delta = stops.feed(text.push(token))
+                yield token, delta
+                if stops.stopped:
+                    return
+        tail = stops.feed(text.flush()) + stops.flush()
+        if tail:
+            yield -1, tail
+
+    async def _handle_generate(self, stream: Any) -> None:
+        payload = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=10.0)
+        data = wire.decode_map(payload, max_bytes=MAX_REQUEST_BYTES)
+        count = 0
+        finish = "length"
+        try:
+            params = _sampling_from(data)
+            ids = self.encode(data.get("prompt"), data.get("prompt_ids"), bool(data.get("chat")))
+            async with contextlib.aclosing(self.stream(ids, params)) as events:
+                async for token, delta in events:
+                    if token >= 0:
+                        count += 1
+                    await wire.write_frame(stream, wire.encode({"token": token, "text": delta}))
+            if count < params.max_new_tokens:
+                finish = "stop"
+            done = {
+                "done": True,
+                "finish_reason": finish,
+                "prompt_tokens": len(ids),
+                "completion_tokens": count,
+            }
+            await wire.write_frame(stream, wire.encode(done))
+        except MeshError as exc:
+            await wire.write_frame(
+                stream, wire.encode({"error": type(exc).__name__, "message": str(exc)})
+            )
+
+    def statistics(self) -> ServingStatistics:
+        links = {}
+        if self.pool is not None:
+            links = {p: f"{link.backend}: {link.reason}" for p, link in self.pool.links().items()}
+        return ServingStatistics(
+            plan_epoch=self.plan.epoch if self.plan else -1,
+            coordinator=coordinator([self.node.peer_id] + [e.peer_id for e in self._members()])
+            or "",
+            stages=tuple(sorted(self._served)),
+            links=links,
+            insufficient=self._insufficient,
+        )
+
+
+def _as_dict(record: Any) -> dict[str, Any]:
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+def _sampling_from(data: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from a request map; ``InvalidRequest`` for bad values."""
+
+    def number(key: str) -> float | None:
+        value = data.get(key)
+        if value is None:
+            return None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise InvalidRequest(f"{key} must be a number")
+        return float(value)
+
+    max_new = data.get("max_new_tokens", 128)
+    if isinstance(max_new, bool) or not isinstance(max_new, int):
+        raise InvalidRequest("max_new_tokens must be an integer")
+    top_k = data.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise InvalidRequest("top_k must be an integer")
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidRequest("seed must be an integer")
+    stop = data.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+        raise InvalidRequest("stop must be a string or a list of strings")
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=number("temperature"),
+        top_k=top_k,
+        top_p=number("top_p"),
+        seed=seed,
+        stop=tuple(stop),
+    )
+
+
+async def serve_model(
+    node: Node,
+    config: ServingConfig,
+    *,
+    task_status: TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Resolve the model (pulling it on first use), then serve it; never returns."""
+    from hetmesh.partition.store import resolve_model
+
+    model_dir = await trio.to_thread.run_sync(
+        lambda: resolve_model(config.model, cache_dir=config.cache_dir)
+    )
+    serving = Serving(node, config, model_dir)
+    await serving.serve(task_status=task_status)
+
+
+__all__ = ["GENERATE_PROTOCOL", "Serving", "ServingConfig", "serve_model"]
