@@ -64,3 +64,15 @@ def test_netns_testbed_connects_hosts_and_cleans_up() -> None:
     assert not names & _namespaces()
     assert all(not Path(cg).exists() for cg in cgroups)
     assert (CGROUP_V1 / "cpu").is_dir()
+
+
+def test_netns_testbed_explains_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.netns as netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.unavailable_reason() == "needs root (network namespaces, tc, cgroups)"
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda _name: None)
+    reason = netns.unavailable_reason(need_tc=True)
+    assert reason is not None
+    assert "ip netns" in reason
