@@ -32,13 +32,11 @@ Errors: :class:`~hetmesh.errors.StreamReset` (peer gone, also mid-frame),
 Each is fatal to one link only.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from hetmesh.transport.credentials import Credential, CredentialBook
-from hetmesh.transport.dataplane import (
-    DataPlane,
-    DataPlaneConfig,
-    DataPlaneStatistics,
-    open_data_plane,
-)
 from hetmesh.transport.frames import (
     Activations,
     Cancel,
@@ -52,9 +50,39 @@ from hetmesh.transport.frames import (
     Tokens,
     encode,
 )
-from hetmesh.transport.links import Link, LinkStatistics
 from hetmesh.transport.negotiation import Choice, choose_backend
-from hetmesh.transport.p2p import Libp2pStream
+
+if TYPE_CHECKING:
+    from hetmesh.transport.dataplane import (
+        DataPlane,
+        DataPlaneConfig,
+        DataPlaneStatistics,
+        open_data_plane,
+    )
+    from hetmesh.transport.links import Link, LinkStatistics
+    from hetmesh.transport.p2p import Libp2pStream
+
+# The I/O half (trio, sockets, libp2p) loads on first use, so that importing the
+# pure modules (frames, codec, negotiation, credentials) never pulls trio or libp2p.
+_LAZY = {
+    "DataPlane": "dataplane",
+    "DataPlaneConfig": "dataplane",
+    "DataPlaneStatistics": "dataplane",
+    "open_data_plane": "dataplane",
+    "Link": "links",
+    "LinkStatistics": "links",
+    "Libp2pStream": "p2p",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hetmesh.transport' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"hetmesh.transport.{module}"), name)
+
 
 __all__ = [
     "Activations",

@@ -101,8 +101,11 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable/readable ``memoryview`` of a contiguous CPU tensor's bytes (no copy)."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise LocalProtocolError("byte_view needs a contiguous CPU tensor")
-    flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+    if tensor.dtype == torch.bfloat16 or tensor.dim() != 1:
+        tensor = tensor.reshape(-1)
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.view(torch.uint8)
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def as_tensor(buffer: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
@@ -129,56 +132,58 @@ class PoolStatistics:
 
 
 class BufferPool:
-    """Reusable ``uint8`` receive buffers keyed by exact size (thread-safe).
+    """Reusable receive tensors keyed by dtype and shape (thread-safe).
 
     Fresh 64 MiB allocations pay page faults (3-4x a reused buffer), and
     activations of one pipeline repeat the same sizes, so buffers released
     with :meth:`release` are kept (up to ``max_cached_bytes``) and handed out
-    again. A tensor returned by :func:`as_tensor` shares storage with its
-    buffer; release it only when nobody reads it any more.
+    again. Release a tensor only when nobody reads it any more.
     """
 
     def __init__(self, max_cached_bytes: int = 512 << 20) -> None:
         self._max_cached = max_cached_bytes
         self._lock = threading.Lock()
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._in_use: dict[int, torch.Tensor] = {}
+        self._free: dict[tuple[str, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
+        self._in_use: dict[int, tuple[tuple[str, tuple[int, ...]], torch.Tensor]] = {}
         self._in_use_bytes = 0
         self._cached_bytes = 0
         self._allocations = 0
         self._reuses = 0
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """A ``uint8`` tensor of exactly ``nbytes`` (contents undefined)."""
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
+    def acquire(self, spec: TensorSpec) -> torch.Tensor:
+        """A tensor of ``spec``'s dtype and shape (contents undefined)."""
+        if spec.nbytes == 0:
+            return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+        key = (spec.dtype, spec.shape)
         with self._lock:
-            free = self._free.get(nbytes)
+            free = self._free.get(key)
             if free:
-                buffer = free.pop()
-                self._cached_bytes -= nbytes
+                tensor = free.pop()
+                self._cached_bytes -= spec.nbytes
                 self._reuses += 1
             else:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
                 self._allocations += 1
-            self._in_use[buffer.data_ptr()] = buffer
-            self._in_use_bytes += nbytes
-            return buffer
+            self._in_use[tensor.data_ptr()] = (key, tensor)
+            self._in_use_bytes += spec.nbytes
+            return tensor
 
     def release(self, tensor: torch.Tensor) -> None:
         """Give back the buffer under ``tensor`` (a view from :func:`as_tensor` is fine).
 
         Unknown tensors are ignored, so releasing twice is harmless.
         """
-        key = tensor.data_ptr() if tensor.numel() else None
+        if not tensor.numel():
+            return
         with self._lock:
-            buffer = self._in_use.pop(key, None) if key is not None else None
-            if buffer is None:
+            entry = self._in_use.pop(tensor.data_ptr(), None)
+            if entry is None:
                 return
-            nbytes = buffer.numel()
+            key, buffer = entry
+            nbytes = buffer.nbytes
             self._in_use_bytes -= nbytes
             if self._cached_bytes + nbytes <= self._max_cached:
-                self._free[nbytes].append(buffer)
+                self._free[key].append(buffer)
                 self._cached_bytes += nbytes
 
     def statistics(self) -> PoolStatistics:

@@ -152,7 +152,8 @@ class DataPlane:
             choices=tuple(self._choices[-32:]),
         )
 
-    def _record(self, link: Link, reason: str) -> Link:
+    def _record(self, link: Link, reason: str, blocking: bool) -> Link:
+        link_start(link, blocking)
         link.reason = reason
         self._opened[link.backend] = self._opened.get(link.backend, 0) + 1
         self._choices.append(f"{link.remote_peer_id}: {reason}")
@@ -160,14 +161,19 @@ class DataPlane:
         return link
 
     # --- dialer --------------------------------------------------------------------
-    async def connect(self, control: Any, *, expected_peer_id: str | None = None) -> Link:
+    async def connect(
+        self, control: Any, *, expected_peer_id: str | None = None, blocking: bool = False
+    ) -> Link:
         """Open a link to the peer at the other end of ``control`` (we dial).
 
         ``control`` is an authenticated byte stream (``send_all``,
         ``receive_some``, ``aclose``): a libp2p stream through
         :class:`~hetmesh.transport.p2p.Libp2pStream`, or a trio stream. If
         libp2p is chosen, the control stream becomes the link; otherwise it
-        can be closed once this returns. Raises :class:`AuthenticationFailed`,
+        can be closed once this returns. ``blocking=True`` makes a link whose
+        frames are read with ``receive_blocking()`` from one worker thread
+        (socket backends only; see :class:`~hetmesh.transport.links.ThreadedLink`).
+        Raises :class:`AuthenticationFailed`,
         :class:`PeerUnreachable`, :class:`ConnectTimeout`,
         :class:`RemoteProtocolError`.
         """
@@ -217,7 +223,7 @@ class DataPlane:
             with trio.fail_after(timeout):
                 await handshake.dial_async(framed.send, framed.receive, credential)
             link = StreamLink(framed, theirs.peer_id)
-        return self._record(link, reason)
+        return self._record(link, reason, blocking)
 
     async def _dial(self, choice: Choice, credential: Credential, peer: str) -> Link:
         c = self.config
@@ -243,11 +249,12 @@ class DataPlane:
             link: Link = TcpLink(sock, peer, c.limits)
         else:
             link = await in_thread(_torchdist_dial, sock, credential, c)
-        link_start(link)
         return link
 
     # --- listener ------------------------------------------------------------------
-    async def accept(self, control: Any, *, expected_peer_id: str | None = None) -> Link:
+    async def accept(
+        self, control: Any, *, expected_peer_id: str | None = None, blocking: bool = False
+    ) -> Link:
         """Accept a link from the peer at the other end of ``control`` (they dial).
 
         Same errors as :meth:`connect`. The credential is one-time and is
@@ -282,13 +289,15 @@ class DataPlane:
                     await handshake.listen_async(
                         framed.send, framed.receive, self._verifier(theirs.peer_id)
                     )
-                    return self._record(StreamLink(framed, theirs.peer_id), decision.reason)
+                    return self._record(
+                        StreamLink(framed, theirs.peer_id), decision.reason, blocking
+                    )
                 if decision.backend != choice.backend:
                     raise RemoteProtocolError(
                         f"dialer chose {decision.backend}, we computed {choice.backend}"
                     )
                 link = await receive.receive()
-                return self._record(link, decision.reason)
+                return self._record(link, decision.reason, blocking)
         except trio.TooSlowError:
             raise ConnectTimeout("the dialer did not complete the link in time") from None
         finally:
@@ -358,7 +367,6 @@ class DataPlane:
             log.exception("data connection handler failed")
             sock.close()
             return
-        link_start(link)
         try:
             waiting.deliver.send_nowait(link)
         except (trio.WouldBlock, trio.BrokenResourceError):
@@ -429,10 +437,12 @@ class DataPlane:
         ), waiting
 
 
-def link_start(link: Link) -> None:
+def link_start(link: Link, blocking: bool) -> None:
     start = getattr(link, "start", None)
     if start is not None:
-        start()
+        start(blocking)
+    elif blocking:
+        raise LocalProtocolError(f"{link.backend} links have no blocking mode")
 
 
 def _without(offer: Offer, backend: str) -> Offer:

@@ -33,6 +33,7 @@ import torch
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError
 from hetmesh.transport.codec import (
+    DTYPES,
     TensorSpec,
     as_tensor,
     byte_view,
@@ -407,16 +408,18 @@ class Pending:
     values: dict[str, Any]
     specs: tuple[TensorSpec, ...]
 
-    def build(self, buffers: Sequence[torch.Tensor] = ()) -> Frame:
-        """The frame, with tensors viewing ``buffers`` (uint8, one per spec)."""
+    def build(self, tensors: Sequence[torch.Tensor] = ()) -> Frame:
+        """The frame, holding ``tensors`` (already of the specs' dtypes and shapes)."""
         values = dict(self.values)
         if "tensors" in values:
-            if len(buffers) != len(self.specs):
-                raise LocalProtocolError("one buffer per tensor spec is needed")
-            values["tensors"] = tuple(
-                as_tensor(b, s) for b, s in zip(buffers, self.specs, strict=True)
-            )
+            if len(tensors) != len(self.specs):
+                raise LocalProtocolError("one tensor per spec is needed")
+            values["tensors"] = tuple(tensors)
         return self.cls(**values)
+
+    def build_from_bytes(self, buffers: Sequence[torch.Tensor]) -> Frame:
+        """The frame, with tensors viewing ``uint8`` ``buffers`` (one per spec, no copy)."""
+        return self.build([as_tensor(b, s) for b, s in zip(buffers, self.specs, strict=True)])
 
 
 def parse_header(
@@ -460,6 +463,10 @@ def parse_header(
     return Pending(cls, values, specs)
 
 
+def _empty(spec: TensorSpec) -> torch.Tensor:
+    return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+
+
 class _NeedData:
     __slots__ = ()
 
@@ -473,9 +480,9 @@ NEED_DATA: Final = _NeedData()
 class Decoder:
     """Incremental frame decoder for byte streams (sans-IO).
 
-    ``allocate(nbytes)`` gives the ``uint8`` buffer a tensor is read into
-    (a pool's ``acquire``; default ``torch.empty``); ``release`` gets the
-    buffers of a frame that failed half way. Payload bytes are copied once,
+    ``allocate(spec)`` gives the tensor a payload is read into (a pool's
+    ``acquire``; default ``torch.empty``); ``release`` gets the tensors of a
+    frame that failed half way. Payload bytes are copied once,
     from the chunk handed to :meth:`receive_data` into the tensor.
     """
 
@@ -483,11 +490,11 @@ class Decoder:
         self,
         limits: Limits = DEFAULT_LIMITS,
         *,
-        allocate: Callable[[int], torch.Tensor] | None = None,
+        allocate: Callable[[TensorSpec], torch.Tensor] | None = None,
         release: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self._limits = limits
-        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        self._allocate = allocate or _empty
         self._release = release or (lambda t: None)
         self._buf = bytearray()
         self._prefix: Prefix | None = None
@@ -544,7 +551,7 @@ class Decoder:
             n = self._prefix.header_bytes
             self._pending = parse_header(self._prefix, bytes(self._buf[:n]), self._limits)
             del self._buf[:n]
-            self._buffers = [self._allocate(s.nbytes) for s in self._pending.specs]
+            self._buffers = [self._allocate(s) for s in self._pending.specs]
             self._views = [byte_view(b) for b in self._buffers]
             self._slot, self._filled = 0, 0
         taken = 0

@@ -252,7 +252,7 @@ class BufferedReader:
         buffers: list[torch.Tensor] = []
         try:
             for spec in pending.specs:
-                buffer = self._pool.acquire(spec.nbytes)
+                buffer = self._pool.acquire(spec)
                 buffers.append(buffer)
                 self.read_into(byte_view(buffer))
         except BaseException:
@@ -266,7 +266,16 @@ class BufferedReader:
 
 
 class ThreadedLink(Link):
-    """A link whose receive side is one blocking reader thread (see module doc)."""
+    """A link over a blocking socket, usable from trio or from one worker thread.
+
+    Async mode (``receive``, the default): a dedicated reader thread reads frames and hands each to trio with one ``run_sync_soon``.
+    Blocking mode (``receive_blocking`` / ``send_blocking``): the calling
+    thread does the I/O itself, with no thread hand-off at all — the fastest
+    path for a stage loop that already runs in a worker thread. The mode is
+    fixed when the link is opened (``connect/accept(..., blocking=True)``);
+    the other receive call raises :class:`LocalProtocolError`;
+    sends of both kinds may be mixed and are serialised.
+    """
 
     max_inflight = 8
 
@@ -278,14 +287,25 @@ class ThreadedLink(Link):
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._mode = ""
+        self._write_lock = threading.Lock()
+        self._read_lock = threading.Lock()
 
-    def start(self) -> None:
-        """Start the reader thread (call from the trio thread)."""
+    def start(self, blocking: bool = False) -> None:
+        """Pick the receive mode; async mode starts the reader thread (call from trio)."""
+        self._set_mode("blocking" if blocking else "async")
+        if blocking:
+            return
         self._token = trio.lowlevel.current_trio_token()
         self._reader = threading.Thread(
             target=self._read_loop, name=f"hetmesh-{self.backend}-reader", daemon=True
         )
         self._reader.start()
+
+    def _set_mode(self, mode: str) -> None:
+        if self._mode and self._mode != mode:
+            raise LocalProtocolError(f"this link already receives in {self._mode} mode")
+        self._mode = mode
 
     # subclasses implement these three
     def _read_frame_blocking(self) -> Frame:
@@ -299,7 +319,11 @@ class ThreadedLink(Link):
 
     async def _write(self, frame: Frame) -> int:
         """Default: the whole write in a worker thread."""
-        return await in_thread(self._write_blocking, frame)
+        return await in_thread(self._write_blocking_locked, frame)
+
+    def _write_blocking_locked(self, frame: Frame) -> int:
+        with self._write_lock:
+            return self._write_blocking(frame)
 
     def _read_loop(self) -> None:
         torch.set_num_threads(1)
@@ -308,9 +332,7 @@ class ThreadedLink(Link):
             item: Any
             try:
                 item = self._read_frame_blocking()
-            except TransportError as exc:
-                item = exc
-            except RemoteProtocolError as exc:
+            except (TransportError, RemoteProtocolError) as exc:
                 item = exc
             except Exception as exc:  # boundary: anything else ends this link only
                 log.exception("%s link reader failed", self.backend)
@@ -327,13 +349,7 @@ class ThreadedLink(Link):
             if isinstance(item, BaseException):
                 return
 
-    async def receive(self) -> Frame:
-        if self._failure is not None:
-            raise StreamReset(f"link failed earlier: {self._failure}") from self._failure
-        if self._closed:
-            raise StreamReset("link closed")
-        item = await self._receive_items.receive()
-        self._credit.release()
+    def _account_received(self, item: Any) -> Frame:
         if isinstance(item, BaseException):
             self._failure = item
             self._errors += 1
@@ -341,6 +357,47 @@ class ThreadedLink(Link):
         self._frames_received += 1
         self._bytes_received += sum(t.nbytes for t in item.tensors_())
         return item  # type: ignore[no-any-return]
+
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise StreamReset(f"link failed earlier: {self._failure}") from self._failure
+        if self._closed:
+            raise StreamReset("link closed")
+
+    async def receive(self) -> Frame:
+        self._check_open()
+        self._set_mode("async")
+        if self._reader is None:
+            raise LocalProtocolError("link not started")
+        item = await self._receive_items.receive()
+        self._credit.release()
+        return self._account_received(item)
+
+    def receive_blocking(self) -> Frame:
+        """Like :meth:`receive`, from a worker thread, doing the read in that thread."""
+        self._check_open()
+        self._set_mode("blocking")
+        item: Any
+        with self._read_lock:
+            try:
+                item = self._read_frame_blocking()
+            except (TransportError, RemoteProtocolError) as exc:
+                item = exc
+        return self._account_received(item)
+
+    def send_blocking(self, frame: Frame) -> None:
+        """Like :meth:`send`, from a worker thread."""
+        self._check_open()
+        try:
+            n = self._write_blocking_locked(frame)
+        except OSError as exc:
+            self._errors += 1
+            raise StreamReset(f"send failed: {exc}") from exc
+        except TransportError:
+            self._errors += 1
+            raise
+        self._frames_sent += 1
+        self._bytes_sent += n
 
     async def send(self, frame: Frame) -> None:
         if self._closed:
@@ -401,11 +458,26 @@ class TcpLink(ThreadedLink):
         return total
 
     async def _write(self, frame: Frame) -> int:
-        parts = [memoryview(p) for p in encode(frame, self.limits)]
-        total = sum(len(p) for p in parts)
-        left = try_sendmsg(self.sock, parts)
-        if left:
-            await in_thread(sendmsg_all, self.sock, left)
+        if not self._write_lock.acquire(blocking=False):
+            return await in_thread(self._write_blocking_locked, frame)
+        try:
+            parts = [memoryview(p) for p in encode(frame, self.limits)]
+            total = sum(len(p) for p in parts)
+            left = try_sendmsg(self.sock, parts)
+        except BaseException:
+            self._write_lock.release()
+            raise
+        if not left:
+            self._write_lock.release()
+            return total
+
+        def finish() -> None:
+            try:
+                sendmsg_all(self.sock, left)
+            finally:
+                self._write_lock.release()
+
+        await in_thread(finish)
         return total
 
     def _shutdown(self) -> None:

@@ -62,7 +62,7 @@ def _why_not(backend: str, dialer: Offer, listener: Offer, endpoints: dict[str, 
 def choose_backend(dialer: Offer, listener: Offer) -> Choice:
     """The backend for the link ``dialer -> listener``; deterministic on both sides."""
     endpoints = dict(listener.endpoints)
-    order = [b for b in listener.backends if b in dialer.backends]
+    order = list(dict.fromkeys(listener.backends))
     order += [b for b in BACKENDS if b not in order]
     skipped: list[str] = []
     for backend in order:

@@ -177,9 +177,12 @@ class ShmLink(ThreadedLink):
 
     async def _write(self, frame: Frame) -> int:
         copy = sum(t.nbytes for t in frame.tensors_() if t.data_ptr() not in self._allocated)
-        if copy < (1 << 20):
-            return self._write_blocking(frame)
-        return await in_thread(self._write_blocking, frame)
+        if copy < (1 << 20) and self._write_lock.acquire(blocking=False):
+            try:
+                return self._write_blocking(frame)
+            finally:
+                self._write_lock.release()
+        return await in_thread(self._write_blocking_locked, frame)
 
     def _on_release(self, seg_ids: list[Any]) -> None:
         with self._cond:
@@ -254,7 +257,7 @@ class ShmLink(ThreadedLink):
             if segment is None or spec.nbytes > segment.size:
                 raise RemoteProtocolError("tensor does not fit its segment")
             buffers.append(segment.buffer)
-        frame = pending.build(buffers)
+        frame = pending.build_from_bytes(buffers)
         with self._cond:
             for t, seg_id in zip(frame.tensors_(), seg_ids, strict=True):
                 self._lent[t.data_ptr()] = seg_id

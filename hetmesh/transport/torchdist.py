@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hetmesh.errors import PeerUnreachable, StreamReset
-from hetmesh.transport.codec import byte_view, host_tensor
+from hetmesh.transport.codec import DTYPES, host_tensor
 from hetmesh.transport.frames import Decision, Frame, Limits, encode
 from hetmesh.transport.links import BufferedReader, ThreadedLink, sendmsg_all
 
@@ -164,13 +164,14 @@ class TorchDistLink(ThreadedLink):
         try:
             for spec in pending.specs:
                 if self._device is None:
-                    buffer = self.pool.acquire(spec.nbytes)
+                    buffer = self.pool.acquire(spec)
                 else:
-                    buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=self._device)
+                    buffer = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self._device)
                 buffers.append(buffer)
                 if spec.nbytes:
+                    raw = buffer.reshape(-1).view(torch.uint8)
                     with self._lock:
-                        work = self._pg.recv([buffer], self._peer, _TAG)
+                        work = self._pg.recv([raw], self._peer, _TAG)
                     work.wait()
                     del work
         except RuntimeError as exc:
@@ -193,4 +194,4 @@ class TorchDistLink(ThreadedLink):
         self._store = None
 
 
-__all__ = ["TorchDistLink", "byte_view", "dial_group", "listen_group", "nccl_available"]
+__all__ = ["TorchDistLink", "dial_group", "listen_group", "nccl_available"]

@@ -1,0 +1,173 @@
+"""Data-plane links inside one process: every backend, auth refusals, fallbacks, modes."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from hetmesh.errors import AuthenticationFailed, LocalProtocolError, StreamReset
+from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Link, Tokens, open_data_plane
+from hetmesh.transport.codec import BufferPool
+from hetmesh.transport.credentials import Credential
+from hetmesh.transport.dataplane import dial_shm, dial_tcp
+from hetmesh.transport.frames import DEFAULT_LIMITS
+from hetmesh.transport.links import TcpLink, in_thread
+
+BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
+
+
+@asynccontextmanager
+async def planes(backend: str, **kw: object) -> AsyncIterator[tuple[DataPlane, DataPlane]]:
+    async with (
+        open_data_plane(
+            DataPlaneConfig(peer_id="A", backends=(backend, "libp2p"), gloo=True, **kw)
+        ) as a,  # type: ignore[arg-type]
+        open_data_plane(
+            DataPlaneConfig(peer_id="B", backends=(backend, "libp2p"), gloo=True, **kw)
+        ) as b,  # type: ignore[arg-type]
+    ):
+        yield a, b
+
+
+async def link_pair(
+    a: DataPlane, b: DataPlane, *, blocking_a: bool = False, blocking_b: bool = False
+) -> tuple[Link, Link]:
+    left, right = trio.testing.memory_stream_pair()
+    got: dict[str, Link] = {}
+
+    async def accept() -> None:
+        got["b"] = await b.accept(right, blocking=blocking_b)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        got["a"] = await a.connect(left, blocking=blocking_a)
+    return got["a"], got["b"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_link_round_trip_in_process(backend: str) -> None:
+    async with planes(backend) as (a, b):
+        la, lb = await link_pair(a, b)
+        assert la.backend == lb.backend == backend
+        assert backend in la.reason
+        t = torch.randn(2048).to(torch.bfloat16)
+        await la.send(Activations(session_id="s", step=3, positions=(7,), tensors=(t,)))
+        frame = await lb.receive()
+        assert frame == Activations(session_id="s", step=3, positions=(7,), tensors=(t,))
+        assert lb.statistics().in_use_bytes == t.nbytes
+        lb.release(frame)
+        assert lb.statistics().in_use_bytes == 0
+        await lb.send(Tokens(session_id="s", step=3, token_ids=(42,)))
+        assert await la.receive() == Tokens(session_id="s", step=3, token_ids=(42,))
+        assert a.statistics().links_opened == {backend: 1}
+        await la.aclose()
+        assert (await lb.receive()).__class__.__name__ == "Goodbye"
+        await lb.aclose()
+
+
+async def test_link_falls_back_to_libp2p_and_says_why() -> None:
+    async with planes("tcp") as (a, b):
+        b._endpoints["tcp"] = "127.0.0.1:1"  # nothing listens there
+        la, lb = await link_pair(a, b)
+        assert la.backend == lb.backend == "libp2p"
+        assert "fell back" in la.reason and "tcp" in la.reason
+        assert lb.reason == la.reason
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_link_wrong_and_replayed_credentials_are_refused(backend: str) -> None:
+    async with planes(backend) as (a, b):
+        la, lb = await link_pair(a, b)
+        endpoint = dict(b.offer().endpoints)[backend]
+        wrong = Credential(b"\1" * 16, b"\2" * 32, "A", "B")
+
+        def dial(credential: Credential) -> object:
+            if backend == "tcp":
+                return dial_tcp(endpoint, credential, DEFAULT_LIMITS, 0, 5.0)
+            return dial_shm(endpoint, credential, "B", DEFAULT_LIMITS, 1 << 20, 5.0)
+
+        with pytest.raises(AuthenticationFailed):
+            await in_thread(dial, wrong)
+        # replay: a credential that was already used for la/lb
+        (used,) = [k for k in b.book._used]
+        replay = Credential(used, b"\2" * 32, "A", "B")
+        with pytest.raises(AuthenticationFailed):
+            await in_thread(dial, replay)
+        with trio.fail_after(5):  # the listener counts after its handler thread returns
+            while b.statistics().connections_refused < 2:
+                await trio.sleep(0.001)
+        stats = b.statistics()
+        assert stats.credentials.refused_unknown == 1
+        assert stats.credentials.refused_replay == 1
+        assert stats.connections_refused == 2
+        # the listener still serves the established link and new ones
+        await la.send(Tokens(session_id="s", step=1, token_ids=(1,)))
+        assert await lb.receive() == Tokens(session_id="s", step=1, token_ids=(1,))
+        lc, ld = await link_pair(a, b)
+        assert lc.backend == backend
+        for link in (la, lb, lc, ld):
+            await link.aclose()
+
+
+async def test_link_blocking_api_and_mode_guard() -> None:
+    async with planes("tcp") as (a, b):
+        la, lb = await link_pair(a, b, blocking_b=True)
+        assert isinstance(la, TcpLink) and isinstance(lb, TcpLink)
+        t = torch.arange(100, dtype=torch.int64)
+
+        def echo() -> None:
+            frame = lb.receive_blocking()
+            lb.send_blocking(frame)
+            lb.release(frame)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread, echo)
+            await la.send(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+            back = await la.receive()
+        assert isinstance(back, Activations) and torch.equal(back.tensors[0], t)
+        with pytest.raises(LocalProtocolError):
+            await lb.receive()
+        with pytest.raises(LocalProtocolError):
+            la.receive_blocking()
+
+
+async def test_link_peer_closing_mid_frame_releases_buffer() -> None:
+    async with planes("tcp") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, TcpLink)
+        from hetmesh.transport.frames import encode
+
+        parts = encode(
+            Activations(session_id="s", step=0, positions=(), tensors=(torch.ones(1 << 20),))
+        )
+        la.sock.sendall(parts[0])
+        la.sock.sendall(parts[1][: 1 << 19])
+        with trio.fail_after(5):
+            while lb.statistics().in_use_bytes == 0:
+                await trio.sleep(0.001)
+        la.sock.shutdown(socket.SHUT_RDWR)  # what a dead process does to its socket
+        with pytest.raises(StreamReset):
+            await lb.receive()
+        assert lb.statistics().in_use_bytes == 0
+        await lb.aclose()
+
+
+def test_buffer_pool_reuses_and_caps() -> None:
+    from hetmesh.transport.codec import TensorSpec
+
+    pool = BufferPool(max_cached_bytes=64)
+    spec = TensorSpec("float32", (4,), 16)
+    t = pool.acquire(spec)
+    pool.release(t)
+    pool.release(t)  # twice is harmless
+    assert pool.acquire(spec).data_ptr() == t.data_ptr()
+    big = pool.acquire(TensorSpec("float32", (32,), 128))
+    pool.release(big)
+    stats = pool.statistics()
+    assert stats.cached_bytes == 0 and stats.in_use_bytes == 16 and stats.reuses == 1
