@@ -9,7 +9,7 @@ One :class:`Discovery` per node wraps the node's libp2p host. Its
   we see alive (peer exchange), so one bootstrap address teaches the whole mesh;
 - a liveness clock that re-judges the :class:`~hetmesh.discovery.table.PeerTable`
   and hangs up on dead peers;
-- mDNS (advertising only this mesh's fingerprint) and bootstrap dialling;
+- mDNS (:mod:`hetmesh.discovery.mdns`, this mesh's fingerprint only) and bootstrap dialling;
 - link probes to every alive peer, periodically and on membership change.
 
 Everything the node publishes goes through the ``set_*`` methods; everything
@@ -20,7 +20,6 @@ it reads comes from :meth:`Discovery.members`, :meth:`Discovery.view` and
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import math
 import time
@@ -28,12 +27,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import trio
 
 from hetmesh import __version__
 from hetmesh.discovery import wire
+from hetmesh.discovery.addrs import addr_host, expand_listen_addrs
 from hetmesh.discovery.host import dial, guarded_handler, mesh_fingerprint
+from hetmesh.discovery.mdns import MdnsHandle, start_mdns, stop_mdns
 from hetmesh.discovery.probe import LinkMeasurement, probe_link, serve_probe
 from hetmesh.discovery.table import Health, LivenessPolicy, PeerEntry, PeerTable, TableEvent
 from hetmesh.discovery.wire import Announcement, KnownPeer, Load
@@ -81,34 +81,6 @@ class DiscoveryStatistics:
     joining: int
     dead_or_left: int
     link_probes: int
-
-
-def expand_listen_addrs(addrs: Sequence[Any], peer_id: str) -> tuple[str, ...]:
-    """Dialable multiaddrs (with /p2p/) for our listen addrs; 0.0.0.0 becomes each IPv4."""
-    out: list[str] = []
-    for addr in addrs:
-        text = str(addr).split("/p2p/")[0]
-        parts = text.split("/")
-        # ['', 'ip4', HOST, 'tcp', PORT]
-        if len(parts) >= 5 and parts[1] == "ip4" and parts[2] == "0.0.0.0":
-            ips = []
-            for nics in psutil.net_if_addrs().values():
-                for nic in nics:
-                    if nic.family.name == "AF_INET":
-                        ips.append(nic.address)
-            non_loop = [ip for ip in ips if not ipaddress.ip_address(ip).is_loopback]
-            for ip in non_loop or ips:
-                out.append("/".join(["", "ip4", ip, *parts[3:]]) + f"/p2p/{peer_id}")
-        else:
-            out.append(f"{text}/p2p/{peer_id}")
-    return tuple(dict.fromkeys(out))
-
-
-def _addr_host(addr: str) -> str | None:
-    parts = addr.split("/")
-    if len(parts) >= 3 and parts[1] in ("ip4", "ip6"):
-        return parts[2]
-    return None
 
 
 class Discovery:
@@ -522,7 +494,7 @@ class Discovery:
         record = entry.record
         if record is None or not record.probe_port:
             return
-        hosts = [h for h in map(_addr_host, record.addrs) if h]
+        hosts = [h for h in map(addr_host, record.addrs) if h]
         for host_ip in hosts[:2]:
             try:
                 m = await probe_link(
@@ -567,31 +539,15 @@ class Discovery:
             auth = [f for f in failures if isinstance(f, AuthenticationFailed)]
             raise (auth or failures)[0]
 
-    def _start_mdns(self) -> Any:
-        from libp2p.discovery.events.peerDiscovery import peerDiscovery
-        from libp2p.discovery.mdns.mdns import create_mdns_discovery
-
+    def _start_mdns(self) -> MdnsHandle:
         token = trio.lowlevel.current_trio_token()
-        plain = [a.split("/p2p/")[0] for a in self.addrs]
-        port = int(plain[0].split("/")[4]) if plain else 0
 
-        def on_peer(info: Any) -> None:  # called on a zeroconf thread
-            peer_id = str(info.peer_id)
-            addrs = tuple(f"{a}/p2p/{peer_id}" for a in map(str, info.addrs) if "/tcp/" in a)
-            if peer_id == self.peer_id or not addrs:
-                return
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(self._offer_candidate, peer_id, addrs)
+        def on_peer(peer_id: PeerId, addrs: tuple[str, ...]) -> None:  # a zeroconf thread
+            if peer_id != self.peer_id:
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(self._offer_candidate, peer_id, addrs)
 
-        mdns = create_mdns_discovery(
-            self.host.get_network(),
-            port=port,
-            listen_addrs=plain,
-            private_network_fingerprint=mesh_fingerprint(self.config.mesh_secret),
-        )
-        peerDiscovery.register_peer_discovered_handler(on_peer)
-        mdns.start()
-        return mdns, on_peer
+        return start_mdns(self.host, self.addrs, mesh_fingerprint(self.config.mesh_secret), on_peer)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run discovery until cancelled; a goodbye goes out on the way down."""
@@ -599,7 +555,7 @@ class Discovery:
         self.add_handler(wire.STATUS_PROTOCOL, self._handle_status)
         self.addrs = expand_listen_addrs(self.host.get_transport_addrs(), self.peer_id)
         probe_host = "0.0.0.0"
-        mdns: Any = None
+        mdns: MdnsHandle | None = None
         try:
             async with trio.open_nursery() as nursery:
                 self.probe_port = await nursery.start(serve_probe, probe_host, self.psk)
@@ -616,7 +572,7 @@ class Discovery:
                 with trio.CancelScope(deadline=trio.current_time() + 1.0, shield=True):
                     await self.say_goodbye()
             if mdns is not None:
-                self._stop_mdns(mdns)
+                stop_mdns(mdns)
 
     async def say_goodbye(self, grace_s: float = 1.5) -> None:
         """Tell every peer we are leaving (they drop us at once); call before cancelling.
@@ -630,19 +586,9 @@ class Discovery:
             async with trio.open_nursery() as nursery:
                 await self._announce_round(nursery, goodbye=True)
 
-    @staticmethod
-    def _stop_mdns(mdns: Any) -> None:
-        from libp2p.discovery.events.peerDiscovery import peerDiscovery
-
-        service, handler = mdns
-        peerDiscovery.unregister_peer_discovered_handler(handler)
-        with contextlib.suppress(Exception):
-            service.stop()
-
 
 __all__ = [
     "Discovery",
     "DiscoveryConfig",
     "DiscoveryStatistics",
-    "expand_listen_addrs",
 ]

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from hetmesh.discovery import host as mesh_host
-from hetmesh.discovery.service import expand_listen_addrs
+from hetmesh.discovery.addrs import expand_listen_addrs
 
 
 def test_host_psk_is_a_32_byte_hex_key_that_depends_on_the_secret() -> None:
