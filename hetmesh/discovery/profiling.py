@@ -407,7 +407,10 @@ def device_profiles(
     devices = [cpu_profile(peer_id, bench, max_memory_bytes=max_memory_bytes)]
     devices += gpu_profiles(peer_id, gpu_flops)
     if only is not None:
-        devices = [d for d in devices if d.device == only] or devices[:1]
+        picked = [d for d in devices if d.device == only or d.device.startswith(only + ":")]
+        if not picked:
+            log.warning("no device %r here; offering the CPU", only)
+        devices = picked or devices[:1]
     return tuple(devices)
 
 
