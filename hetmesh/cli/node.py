@@ -110,7 +110,9 @@ def start(
     mesh_secret_file: Annotated[
         Path | None, typer.Option(help="File holding the mesh secret.")
     ] = None,
-    no_mdns: Annotated[bool, typer.Option("--no-mdns", help="Do not use mDNS discovery.")] = False,
+    no_mdns: Annotated[
+        bool | None, typer.Option("--no-mdns", help="Do not use mDNS discovery.")
+    ] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Identity and caches live here.")] = None,
     max_memory: Annotated[
         str | None, typer.Option(help="Cap the memory this node offers, e.g. 8GiB.")
@@ -118,30 +120,104 @@ def start(
     device: Annotated[
         str | None, typer.Option(help="Only offer this torch device (cpu, cuda:0).")
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Model to serve: the default name, a HF folder or a .gguf file."),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(envvar="HETMESH_HOME", help="Model cache directory.")
+    ] = None,
+    serve: Annotated[
+        bool | None,
+        typer.Option("--serve/--no-serve", help="Serve the model (default) or only join."),
+    ] = None,
+    objective: Annotated[
+        str | None, typer.Option(help="Plan for: latency (default) or throughput.")
+    ] = None,
+    plan_strategy: Annotated[
+        str | None,
+        typer.Option(
+            help="hetmesh (default), or force a baseline: even, memory-proportional, "
+            "greedy (benchmarks)."
+        ),
+    ] = None,
+    max_context: Annotated[
+        int | None, typer.Option(help="Longest context (tokens) a session may reach.")
+    ] = None,
+    max_sessions: Annotated[
+        int | None, typer.Option(help="Concurrent sessions each stage budgets KV cache for.")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
+    require_encryption: Annotated[
+        bool | None,
+        typer.Option("--require-encryption", help="Data plane over encrypted libp2p only."),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="TOML file with the same keys as the flags.")
+    ] = None,
+    verbose: Annotated[bool | None, typer.Option("--verbose", "-v")] = None,
 ) -> None:
-    """Run a node: host, discovery, profiling, announcements, liveness."""
-    from hetmesh.node.daemon import NodeConfig, default_data_dir
+    """Run a node: discovery, profiling, and its share of serving the model."""
+    given = {k: v for k, v in locals().items() if v is not None and k != "config"}
+    from hetmesh.node.config import check_settings, load_config_file, merge
 
-    setup_logging(verbose)
-    try:
-        max_bytes = parse_size(max_memory) if max_memory else None
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--max-memory") from exc
-    config = NodeConfig(
-        listen=tuple(listen or ("/ip4/0.0.0.0/tcp/0",)),
-        bootstrap=tuple(bootstrap or ()),
-        mesh_secret=resolve_secret(mesh_secret, mesh_secret_file),
-        mdns=not no_mdns,
-        data_dir=data_dir or default_data_dir(),
-        max_memory_bytes=max_bytes,
-        device=device,
+    flags = check_settings(
+        {k: str(v) if isinstance(v, Path) else v for k, v in given.items()}, source="flags"
     )
+    settings = merge(flags, load_config_file(config) if config is not None else {})
+    setup_logging(bool(settings.get("verbose")))
+    node_config = build_node_config(settings)
     try:
-        trio.run(_run_until_signal, config)
+        trio.run(_run_until_signal, node_config)
     except BaseExceptionGroup as group:
         found = first_mesh_error(group)
         if found is None:
             raise
         raise found from None
     logging.getLogger("hetmesh.node").info("stopped")
+
+
+def build_node_config(settings: dict[str, Any]) -> Any:
+    """A NodeConfig from merged settings (flags, environment, file)."""
+    from hetmesh.errors import InvalidRequest
+    from hetmesh.node.config import ServingConfig
+    from hetmesh.node.daemon import NodeConfig, default_data_dir
+
+    def path(key: str) -> Path | None:
+        value = settings.get(key)
+        return Path(value).expanduser() if value is not None else None
+
+    max_memory = settings.get("max_memory")
+    try:
+        max_bytes = parse_size(str(max_memory)) if max_memory is not None else None
+    except ValueError as exc:
+        raise InvalidRequest(f"--max-memory: {exc}") from exc
+    for key in ("max_context", "max_sessions", "threads"):
+        value = settings.get(key)
+        if value is not None and value < 1:
+            raise InvalidRequest(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    serving = None
+    if settings.get("serve", True):
+        base = ServingConfig()
+        serving = ServingConfig(
+            model=settings.get("model"),
+            cache_dir=path("cache_dir"),
+            objective=settings.get("objective") or base.objective,
+            plan_strategy=settings.get("plan_strategy") or base.plan_strategy,
+            max_context_tokens=settings.get("max_context") or base.max_context_tokens,
+            max_sessions=settings.get("max_sessions") or base.max_sessions,
+            threads=settings.get("threads") or base.threads,
+            require_encryption=bool(settings.get("require_encryption")),
+            backends=tuple(settings.get("backends") or base.backends),
+        )
+    secret_file = path("mesh_secret_file")
+    return NodeConfig(
+        listen=tuple(settings.get("listen") or ("/ip4/0.0.0.0/tcp/0",)),
+        bootstrap=tuple(settings.get("bootstrap") or ()),
+        mesh_secret=resolve_secret(settings.get("mesh_secret"), secret_file),
+        mdns=not settings.get("no_mdns"),
+        data_dir=path("data_dir") or default_data_dir(),
+        max_memory_bytes=max_bytes,
+        device=settings.get("device"),
+        serving=serving,
+    )

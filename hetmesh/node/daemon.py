@@ -6,7 +6,9 @@ run_node(config)
     └── nursery
         ├── serve_discovery        announcements, membership, liveness, link probes,
         │                          status RPC (Discovery.serve)
-        └── serve_profiling        measured DeviceProfiles, refreshed when idle
+        ├── serve_profiling        measured DeviceProfiles, refreshed when idle
+        └── serve_model            plans, stages, data-plane links, sessions
+                                   (hetmesh.node.serving; absent with --no-serve)
 ```
 
 Each service is ``serve_*(node, task_status=...)``: it reports readiness with
@@ -33,6 +35,7 @@ from hetmesh.discovery import profiling
 from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_host
 from hetmesh.discovery.service import Discovery, DiscoveryConfig
 from hetmesh.discovery.table import LivenessPolicy
+from hetmesh.node.config import ServingConfig
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -65,6 +68,7 @@ class NodeConfig:
     benchmark_refresh_s: float = 600.0  # re-measure FLOP/s when idle this often
     benchmark_budget_s: float = 1.5
     dial_timeout_s: float = 3.0
+    serving: ServingConfig | None = field(default_factory=ServingConfig)
 
 
 @dataclass(slots=True)
@@ -76,6 +80,7 @@ class Node:
     discovery: Discovery
     device_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     stop_requested: trio.Event = field(default_factory=trio.Event)
+    serving: Any = None  # hetmesh.node.serving.Serving, once the model is served
 
     def request_stop(self) -> None:
         """Ask :func:`run_node` to say goodbye, cancel its services and return."""
@@ -154,6 +159,10 @@ async def run_node(
     :class:`~hetmesh.errors.AuthenticationFailed` / :class:`~hetmesh.errors.PeerUnreachable`
     when no bootstrap peer accepts us (the CLI prints it and exits non-zero).
     """
+    if config.serving is not None:
+        import torch
+
+        torch.set_num_threads(config.serving.threads)  # before profiling measures with it
     key_pair = load_or_create_identity(config.data_dir)
     psk = derive_psk(config.mesh_secret)
     async with open_host(
@@ -179,6 +188,10 @@ async def run_node(
             log.info("peer id %s", node.peer_id)
             await nursery.start(serve_profiling, node)
             discovery.enable_link_probes()
+            if config.serving is not None:
+                from hetmesh.node.serving import serve_model
+
+                node.serving = await nursery.start(serve_model, node, config.serving)
             _write_node_info(node)
             log.info("node ready")
             task_status.started(node)

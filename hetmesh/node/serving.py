@@ -24,9 +24,9 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -40,6 +40,7 @@ from hetmesh.errors import (
     NoRoute,
     RemoteProtocolError,
 )
+from hetmesh.node.config import ServingConfig
 from hetmesh.node.control import (
     MAX_CONTROL_BYTES,
     SESSION_PROTOCOL,
@@ -48,14 +49,14 @@ from hetmesh.node.control import (
     Reply,
     parse_request,
 )
-from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
+from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.links import DATAPLANE_PROTOCOL, LinkPool, call
 from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler import baselines
-from hetmesh.scheduler.records import MeshLoad, Objective, Plan, PlanConstraints, RouteRequest
+from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest
 from hetmesh.scheduler.replan import MeshSnapshot, alive_pipelines, coordinator, newest, replan
 from hetmesh.scheduler.router import route
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
@@ -69,33 +70,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-PlanStrategy = Literal["hetmesh", "even", "memory-proportional", "greedy"]
 _BASELINES = {
     "even": baselines.even_split,
     "memory-proportional": baselines.memory_proportional,
     "greedy": baselines.greedy_fill,
 }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServingConfig:
-    """What and how this node serves (the model part of ``hetmesh node start``)."""
-
-    model: str | None = None  # None: the default model
-    cache_dir: Path | None = None
-    objective: Objective = "latency"
-    plan_strategy: PlanStrategy = "hetmesh"
-    max_context_tokens: int = 2048
-    max_sessions: int = 8
-    reserve_bytes: int = 64 << 20
-    settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
-    plan_interval_s: float = 1.0
-    idle_session_s: float = 300.0
-    route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
-    backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
-    require_encryption: bool = False
-    tcp_host: str = "127.0.0.1"
-    timeouts: GatewayTimeouts = field(default_factory=GatewayTimeouts)
 
 
 @dataclass(slots=True)
@@ -124,7 +103,7 @@ class Serving:
         self.node = node
         self.config = config
         self.model_dir = model_dir
-        self.profile: ModelProfile = model_profile(check_model_dir(model_dir))
+        self.profile: ModelProfile = model_profile(check_model_dir(model_dir), name=model_dir.name)
         self.model_key = self.profile.name
         self.constraints = PlanConstraints(
             max_context_tokens=min(config.max_context_tokens, self.profile.max_context),
@@ -175,7 +154,7 @@ class Serving:
             self.gateway = Gateway(
                 peer_id=self.node.peer_id,
                 control=self._control,
-                send=self.pool.send,
+                send=self._send,
                 choose=self._choose,
                 ping=self._ping,
                 eos_token_ids=self.eos,
@@ -256,7 +235,7 @@ class Serving:
                     )
         except InsufficientCapacity as exc:
             if str(exc) != self._insufficient:
-                log.error("cannot place %s on this mesh: %s", self.model_key, exc)
+                log.warning("cannot place %s on this mesh yet: %s", self.model_key, exc)
             self._insufficient = str(exc)
             self.node.discovery.set_extra("insufficient", self._insufficient)
             self._snapshot = snapshot
@@ -441,7 +420,10 @@ class Serving:
                 if hops:
                     return hops
                 await self._changed.wait()
-        why = self._insufficient or "no pipeline of the current plan is fully ready"
+        if self.plan is None:
+            why = self._insufficient or "no plan yet (is the coordinator up?)"
+        else:
+            why = "no pipeline of the current plan is fully ready and healthy"
         raise NoRoute(f"no route for {self.model_key}: {why}")
 
     # -- transport glue -----------------------------------------------------------

@@ -30,7 +30,17 @@ def node_env() -> dict[str, str]:
 
 
 def node_argv(data_dir: Path, *args: str, secret: str | None = SECRET) -> list[str]:
-    argv = [sys.executable, "-m", "hetmesh", "node", "start", "--data-dir", str(data_dir), *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "hetmesh",
+        "node",
+        "start",
+        "--no-serve",
+        "--data-dir",
+        str(data_dir),
+        *args,
+    ]
     if secret is not None:
         argv += ["--mesh-secret", secret]
     return argv

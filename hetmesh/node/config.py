@@ -1,0 +1,122 @@
+"""A node's configuration: flags over environment over a TOML file over defaults.
+
+``hetmesh node start --config node.toml`` reads a TOML file whose keys are the
+command's long flags (dashes or underscores), e.g.::
+
+    model = "smollm2-135m-instruct"
+    bootstrap = ["/ip4/10.0.0.2/tcp/4001/p2p/12D3Koo..."]
+    max-memory = "8GiB"
+    plan-strategy = "hetmesh"
+
+Typer already gives a flag precedence over its environment variable; this
+module fills in what neither set from the file, then from the defaults.
+Unknown keys and ill-typed values are refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hetmesh.errors import InvalidRequest
+from hetmesh.node.gateway import GatewayTimeouts
+
+PlanStrategy = Literal["hetmesh", "even", "memory-proportional", "greedy"]
+PLAN_STRATEGIES: tuple[str, ...] = ("hetmesh", "even", "memory-proportional", "greedy")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingConfig:
+    """What and how a node serves (the model part of ``hetmesh node start``)."""
+
+    model: str | None = None  # None: the default model
+    cache_dir: Path | None = None
+    objective: Literal["latency", "throughput"] = "latency"
+    plan_strategy: PlanStrategy = "hetmesh"
+    max_context_tokens: int = 2048
+    max_sessions: int = 8
+    reserve_bytes: int = 64 << 20
+    threads: int = 1  # torch intra-op threads of this node
+    settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
+    plan_interval_s: float = 1.0
+    idle_session_s: float = 300.0
+    route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
+    backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
+    require_encryption: bool = False
+    tcp_host: str = "127.0.0.1"
+    timeouts: GatewayTimeouts = field(default_factory=GatewayTimeouts)
+
+
+# flag name -> (type, allowed values or None)
+_KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
+    "listen": (list, None),
+    "bootstrap": (list, None),
+    "mesh_secret": (str, None),
+    "mesh_secret_file": (str, None),
+    "no_mdns": (bool, None),
+    "data_dir": (str, None),
+    "max_memory": ((str, int), None),
+    "device": (str, None),
+    "model": (str, None),
+    "cache_dir": (str, None),
+    "objective": (str, ("latency", "throughput")),
+    "plan_strategy": (str, PLAN_STRATEGIES),
+    "max_context": (int, None),
+    "max_sessions": (int, None),
+    "threads": (int, None),
+    "serve": (bool, None),
+    "require_encryption": (bool, None),
+    "backends": (list, None),
+    "verbose": (bool, None),
+}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """The settings of a TOML config file, keys normalised to flag names."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidRequest(f"config file {path} is not valid TOML: {exc}") from exc
+    return check_settings(raw, source=str(path))
+
+
+def check_settings(raw: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in _KEYS:
+            known = ", ".join(sorted(k.replace("_", "-") for k in _KEYS))
+            raise InvalidRequest(f"{source}: unknown setting {key!r}; known: {known}")
+        kind, allowed = _KEYS[name]
+        if (isinstance(value, bool) and kind is int) or not isinstance(value, kind):
+            raise InvalidRequest(f"{source}: {key} has the wrong type ({type(value).__name__})")
+        if allowed is not None and value not in allowed:
+            raise InvalidRequest(f"{source}: {key} must be one of {', '.join(allowed)}")
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            raise InvalidRequest(f"{source}: {key} must be a list of strings")
+        out[name] = value
+    return out
+
+
+def merge(flags: Mapping[str, Any], file: Mapping[str, Any]) -> dict[str, Any]:
+    """Flags (already merged with the environment by typer) over the file's settings."""
+    merged = dict(file)
+    for key, value in flags.items():
+        if value is not None:
+            merged[key] = value
+    return merged
+
+
+__all__ = [
+    "PLAN_STRATEGIES",
+    "PlanStrategy",
+    "ServingConfig",
+    "check_settings",
+    "load_config_file",
+    "merge",
+]
