@@ -69,6 +69,7 @@ class NodeConfig:
     benchmark_budget_s: float = 1.5
     dial_timeout_s: float = 3.0
     serving: ServingConfig | None = field(default_factory=ServingConfig)
+    api_port: int | None = None  # the HTTP API on 127.0.0.1 (hetmesh.node.api); None: off
 
 
 @dataclass(slots=True)
@@ -192,6 +193,10 @@ async def run_node(
                 from hetmesh.node.serving import serve_model
 
                 node.serving = await nursery.start(serve_model, node, config.serving)
+            if config.api_port is not None:
+                from hetmesh.node.api import serve_api
+
+                await nursery.start(serve_api, node, config.api_port)
             _write_node_info(node)
             log.info("node ready")
             task_status.started(node)

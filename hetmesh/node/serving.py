@@ -59,6 +59,7 @@ from hetmesh.scheduler import baselines
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest
 from hetmesh.scheduler.replan import MeshSnapshot, alive_pipelines, coordinator, newest, replan
 from hetmesh.scheduler.router import route
+from hetmesh.scheduler.standby import add_standby_replicas
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
 from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
 
@@ -219,6 +220,14 @@ class Serving:
                 )
                 candidate = outcome.plan
                 reason = outcome.reason
+                if candidate is not None and self.config.standby:
+                    candidate = add_standby_replicas(
+                        candidate,
+                        snapshot.devices,
+                        snapshot.links,
+                        self.profile,
+                        constraints=self.constraints,
+                    )
             else:
                 changed = self._snapshot is None or {d.peer_id for d in snapshot.devices} != {
                     d.peer_id for d in self._snapshot.devices

@@ -30,13 +30,15 @@ def node_env() -> dict[str, str]:
 
 
 def node_argv(data_dir: Path, *args: str, secret: str | None = SECRET) -> list[str]:
+    """``hetmesh node start`` argv; discovery-only (``--no-serve``) unless ``--serve`` is given."""
+    serve = [] if "--serve" in args else ["--no-serve"]
     argv = [
         sys.executable,
         "-m",
         "hetmesh",
         "node",
         "start",
-        "--no-serve",
+        *serve,
         "--data-dir",
         str(data_dir),
         *args,

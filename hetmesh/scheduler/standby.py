@@ -1,0 +1,81 @@
+"""Standby replicas: devices a latency plan leaves idle back up one of its stages.
+
+A latency plan uses the fewest, fastest devices; the rest would sit idle. Each
+spare device that can hold one of the primary pipeline's stages becomes a
+replica of it: the plan gains a pipeline equal to the primary one with that
+stage swapped for the spare device (the other stages are shared). The router
+prefers the faster primary while it is healthy; when a stage's peer dies or
+stalls, its sessions are replayed through the replica at once instead of
+waiting for a new plan and a fresh stage load.
+
+Pure: placement in, plan out, scored by :func:`~hetmesh.scheduler.planner.evaluate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
+from hetmesh.scheduler.cost import sort_devices
+from hetmesh.scheduler.planner import evaluate, placement
+from hetmesh.scheduler.records import Plan, PlanConstraints
+
+Placed = tuple[str, str, int, int]  # (peer_id, device, start, end)
+
+
+def add_standby_replicas(
+    plan: Plan,
+    devices: Sequence[DeviceProfile],
+    links: Sequence[LinkProfile],
+    model: ModelProfile,
+    *,
+    constraints: PlanConstraints,
+) -> Plan:
+    """``plan`` plus one replica pipeline per spare device that can hold a stage.
+
+    Each spare device (in the cost model's device order) replicates the stage
+    with the fewest replicas so far, breaking ties by the replica pipeline's
+    predicted latency. Latency plans only: a throughput plan already spends
+    every useful device on replicas of its own. Deterministic.
+    """
+    if plan.objective != "latency" or not plan.pipelines:
+        return plan
+    base = [list(p) for p in placement(plan)]
+    primary = base[0]
+    used = {(peer, dev) for pipeline in base for peer, dev, _, _ in pipeline}
+    spare = [d for d in sort_devices(devices) if (d.peer_id, d.device) not in used]
+    replicas = {(a, b): 0 for _, _, a, b in primary}
+    added: list[list[Placed]] = []
+    for device in spare:
+        best: tuple[tuple[int, float, int], list[Placed]] | None = None
+        for i, (_, _, start, end) in enumerate(primary):
+            candidate = list(primary)
+            candidate[i] = (device.peer_id, device.device, start, end)
+            scored = evaluate(
+                [candidate], devices, links, model, objective="latency", constraints=constraints
+            )
+            if scored is None:
+                continue  # the spare device cannot hold this stage
+            rank = (replicas[(start, end)], scored.decode_latency_s, i)
+            if best is None or rank < best[0]:
+                best = (rank, candidate)
+        if best is not None:
+            added.append(best[1])
+            _, _, start, end = primary[best[0][2]]
+            replicas[(start, end)] += 1
+    if not added:
+        return plan
+    combined = evaluate(
+        base + added,
+        devices,
+        links,
+        model,
+        objective="latency",
+        constraints=constraints,
+        strategy=f"{plan.strategy}+standby",
+        epoch=plan.epoch,
+    )
+    return combined if combined is not None else plan
+
+
+__all__ = ["add_standby_replicas"]

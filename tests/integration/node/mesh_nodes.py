@@ -1,0 +1,142 @@
+"""Real node processes serving the default model, for the node daemon's tests.
+
+Builds on the discovery tests' process helpers (reaped in ``finally``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "discovery"))
+
+from discovery_nodes import SECRET, NodeFactory, NodeProc, fetch_view, wait_for
+
+from hetmesh.partition.sampling import SamplingParams
+
+# Each node may offer this much memory: the model (~0.54 GB of fp32 weights plus
+# KV budget) needs three of them, so the planner must split it.
+NODE_MEMORY = "500MiB"
+SERVE_ARGS = (
+    "--serve",
+    "--no-mdns",
+    "--max-memory",
+    NODE_MEMORY,
+    "--max-sessions",
+    "4",
+    "--listen",
+    "/ip4/127.0.0.1/tcp/0",
+)
+
+
+@contextlib.contextmanager
+def running_mesh(tmp_path: Path, count: int, *extra: str) -> Iterator[list[NodeProc]]:
+    """``count`` serving nodes bootstrapped from the first; all reaped on exit."""
+    factory = NodeFactory(tmp_path)
+    try:
+        first = factory.start(*SERVE_ARGS, *extra).wait_ready(90)
+        others = [
+            factory.start(*SERVE_ARGS, *extra, "--bootstrap", first.addr) for _ in range(count - 1)
+        ]
+        nodes = [first, *(n.wait_ready(90) for n in others)]
+        yield nodes
+    finally:
+        factory.close()
+
+
+def ready_pipelines(view: dict[str, Any]) -> int:
+    """How many pipelines of the newest plan in ``view`` have every stage ready."""
+    from hetmesh.scheduler.records import Plan
+
+    plans = [
+        Plan.from_wire(p["record"]["extra"]["plan"])
+        for p in view["peers"]
+        if p["record"].get("extra", {}).get("plan")
+    ]
+    if not plans:
+        return 0
+    plan = max(plans, key=lambda p: p.epoch)
+    ready = {
+        (p["peer_id"], s["start"], s["end"])
+        for p in view["peers"]
+        if p["health"] in ("self", "alive")
+        for s in p["record"]["stages"]
+        if s.get("ready")
+    }
+    return sum(
+        all((s.peer_id, s.start, s.end) in ready for s in pipeline.stages)
+        for pipeline in plan.pipelines
+    )
+
+
+def wait_serving(node: NodeProc, pipelines: int = 1, timeout_s: float = 90) -> dict[str, Any]:
+    """Block until ``node`` sees ``pipelines`` fully ready pipelines; its view then."""
+
+    def serving() -> dict[str, Any] | None:
+        view = fetch_view(node.addr)
+        return view if ready_pipelines(view) >= pipelines else None
+
+    return wait_for(serving, timeout_s, f"{pipelines} ready pipeline(s)", every_s=0.5)
+
+
+async def view_of(node: NodeProc) -> dict[str, Any]:
+    """The node's status view, from inside a trio test."""
+    from hetmesh.discovery.status import fetch_status
+
+    return await fetch_status(node.addr, mesh_secret=SECRET, timeout_s=10)
+
+
+async def generate_ids(addr: str, prompt_ids: Sequence[int], **sampling: Any) -> list[int]:
+    """Greedy (by default) token ids for ``prompt_ids``, through the node at ``addr``."""
+    from hetmesh.client.mesh import TokenEvent, open_mesh_client
+
+    out: list[int] = []
+    async with open_mesh_client(addr, mesh_secret=SECRET) as mesh:
+        async for event in mesh.stream(prompt_ids=list(prompt_ids), **sampling):
+            if isinstance(event, TokenEvent) and event.token_id >= 0:
+                out.append(event.token_id)
+    return out
+
+
+_REFERENCE: dict[str, Any] = {}
+
+
+def reference_ids(model_dir: Path, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """The single-process greedy reference (Foundation's LocalPipeline)."""
+    from hetmesh.partition.generate import LocalPipeline
+
+    torch.set_num_threads(1)
+    pipeline = _REFERENCE.get(str(model_dir))
+    if pipeline is None:
+        pipeline = _REFERENCE[str(model_dir)] = LocalPipeline.load(model_dir, 1)
+    return list(
+        pipeline.generate_ids(list(prompt_ids), SamplingParams(max_new_tokens=max_new_tokens))
+    )
+
+
+def encode(model_dir: Path, prompt: str, *, chat: bool = False) -> list[int]:
+    from hetmesh.partition.text import encode_prompt, load_tokenizer
+
+    tokenizer = _REFERENCE.get(f"tok:{model_dir}")
+    if tokenizer is None:
+        tokenizer = _REFERENCE[f"tok:{model_dir}"] = load_tokenizer(model_dir)
+    return encode_prompt(tokenizer, prompt, chat=chat)
+
+
+__all__ = [
+    "SECRET",
+    "NodeProc",
+    "encode",
+    "fetch_view",
+    "generate_ids",
+    "reference_ids",
+    "running_mesh",
+    "view_of",
+    "wait_for",
+    "wait_serving",
+]
