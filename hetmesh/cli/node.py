@@ -156,15 +156,20 @@ def start(
         Path | None, typer.Option("--config", help="TOML file with the same keys as the flags.")
     ] = None,
     verbose: Annotated[bool | None, typer.Option("--verbose", "-v")] = None,
+    api_port: Annotated[
+        int | None,
+        typer.Option(help="Serve the OpenAI-compatible HTTP API on 127.0.0.1:PORT (0: any)."),
+    ] = None,
 ) -> None:
     """Run a node: discovery, profiling, and its share of serving the model."""
-    given = {k: v for k, v in locals().items() if v is not None and k != "config"}
+    given = {k: v for k, v in locals().items() if v is not None and k not in ("config", "api_port")}
     from hetmesh.node.config import check_settings, load_config_file, merge
 
     flags = check_settings(
         {k: str(v) if isinstance(v, Path) else v for k, v in given.items()}, source="flags"
     )
     settings = merge(flags, load_config_file(config) if config is not None else {})
+    settings["api_port"] = api_port
     setup_logging(bool(settings.get("verbose")))
     node_config = build_node_config(settings)
     try:
@@ -220,4 +225,13 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         max_memory_bytes=max_bytes,
         device=settings.get("device"),
         serving=serving,
+        api_port=_api_port(settings.get("api_port")),
     )
+
+
+def _api_port(value: Any) -> int | None:
+    from hetmesh.errors import InvalidRequest
+
+    if value is not None and not 0 <= int(value) <= 65535:
+        raise InvalidRequest(f"--api-port must be a port number (0-65535), got {value}")
+    return None if value is None else int(value)

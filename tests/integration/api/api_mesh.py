@@ -1,0 +1,88 @@
+"""A three-node loopback mesh serving the default model, the first node with the HTTP API.
+
+Builds on the discovery tests' process helpers (``NodeFactory``: real
+processes, reaped whatever happens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "discovery"))
+
+from discovery_nodes import SECRET, NodeFactory, NodeProc, wait_for  # noqa: E402
+
+# Each node offers this much memory: the model (~0.54 GB of fp32 weights plus the
+# KV budget) needs all three, so the planner splits it three ways.
+NODE_MEMORY = "500MiB"
+
+
+def serve_args(max_sessions: int = 4, memory: str = NODE_MEMORY) -> tuple[str, ...]:
+    return (
+        "--serve",  # after the helper's --no-serve: the last one wins
+        "--no-mdns",
+        "--max-memory",
+        memory,
+        "--max-sessions",
+        str(max_sessions),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Mesh:
+    nodes: list[NodeProc]
+    api_url: str
+
+    @property
+    def addr(self) -> str:
+        return self.nodes[0].addr
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n.log_path.name}\n{n.log()[-4000:]}" for n in self.nodes)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def running_mesh(
+    tmp_path: Path, *, count: int = 3, max_sessions: int = 4, memory: str = NODE_MEMORY
+) -> Iterator[Mesh]:
+    """``count`` serving nodes; the first serves the API. Yields once /health is ready."""
+    factory = NodeFactory(tmp_path)
+    try:
+        port = free_port()
+        args = serve_args(max_sessions, memory)
+        first = factory.start(*args, "--api-port", str(port)).wait_ready(120)
+        others = [factory.start(*args, "--bootstrap", first.addr) for _ in range(count - 1)]
+        nodes = [first, *(n.wait_ready(120) for n in others)]
+        mesh = Mesh(nodes, f"http://127.0.0.1:{port}")
+        try:
+            wait_for(lambda: _healthy(mesh.api_url), 120, "a ready pipeline", every_s=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{mesh.logs()}") from None
+        yield mesh
+    finally:
+        factory.close()
+
+
+__all__ = ["SECRET", "Mesh", "free_port", "running_mesh", "serve_args", "wait_for"]
