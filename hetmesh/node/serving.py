@@ -163,6 +163,7 @@ class Serving:
                 timeouts=self.config.timeouts,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
+            await self._calibrate()  # announced with (before) the model: planned together
             discovery.set_extra("model", self.model_key)
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
@@ -198,7 +199,35 @@ class Serving:
                     links[(link.src, link.dst)] = link
         return MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links)))
 
+    # -- calibration (hetmesh.node.calibration) --------------------------------------
+
+    async def _calibrate(self) -> None:
+        """Time one real decoder block here and announce it for the coordinator's cost model."""
+        from hetmesh.node.calibration import CALIBRATION_KEY, calibration_extra
+        from hetmesh.node.calibration import measure_block_step_s as measure
+
+        device = self.node.config.device or "cpu"
+        try:
+            step_s = await trio.to_thread.run_sync(
+                lambda: measure(self.model_dir, device=device), limiter=self.node.device_limiter
+            )
+        except MeshError as exc:
+            log.warning("calibration failed (planning on the roofline alone): %s", exc)
+            return
+        key = device if ":" in device or device == "cpu" else f"{device}:0"
+        log.info("calibrated: one block's decode step takes %.2f ms here", step_s * 1e3)
+        extra = calibration_extra(self.model_key, key, step_s)
+        self.node.discovery.set_extra(CALIBRATION_KEY, extra)
+
+    def _plan_constraints(self, members: Sequence[Any]) -> PlanConstraints:
+        from hetmesh.node.calibration import calibrated_constraints
+
+        local = self.node.discovery.local_record()
+        announced = [(local.peer_id, local.extra)] + [(e.peer_id, e.record.extra) for e in members]
+        return calibrated_constraints(self.constraints, self.model_key, announced)
+
     def _coordinate(self, members: Sequence[Any]) -> None:
+        constraints = self._plan_constraints(members)
         snapshot = self._snapshot_now(members)
         if not snapshot.devices:
             return
@@ -216,7 +245,7 @@ class Serving:
                     snapshot,
                     self.profile,
                     objective=self.config.objective,
-                    constraints=self.constraints,
+                    constraints=constraints,
                 )
                 candidate = outcome.plan
                 reason = outcome.reason
@@ -226,7 +255,7 @@ class Serving:
                         snapshot.devices,
                         snapshot.links,
                         self.profile,
-                        constraints=self.constraints,
+                        constraints=constraints,
                     )
             else:
                 changed = self._snapshot is None or {d.peer_id for d in snapshot.devices} != {
@@ -240,7 +269,7 @@ class Serving:
                         snapshot.links,
                         self.profile,
                         objective=self.config.objective,
-                        constraints=self.constraints,
+                        constraints=constraints,
                     )
         except InsufficientCapacity as exc:
             if str(exc) != self._insufficient:

@@ -11,6 +11,12 @@ For units ``[a, b)`` on device ``d``, a step over ``t`` tokens at context ``c``:
   is usually memory-bound — plus ``(b - a) ×`` the device's per-unit dispatch
   overhead (Python and kernel launches; dominant on CPU for small models) plus a
   fixed per-stage overhead.
+- calibration: where the device measured a real decoder block's decode step
+  (``PlanConstraints.block_step_s_by_device``), its decode step times are that
+  roofline (overheads included) scaled by measured ÷ modelled for one block at
+  the calibration context, so one block costs what was measured and other
+  ranges keep the roofline's proportions (the head and the KV term included).
+  Prefill (compute-bound) stays on the roofline.
 
 A boundary activation costs ``bytes ÷ bandwidth + RTT / 2`` on the latency path and
 ``bytes ÷ bandwidth`` of link occupancy on the throughput path (RTT overlaps when
@@ -125,6 +131,7 @@ class CostModel:
         self._overheads = [
             constraints.unit_overhead_for(d.peer_id, d.device, d.backend) for d in self.devices
         ]
+        self._scales = [self._calibration_scale(i) for i in range(len(self.devices))]
         self._matrix_cache: dict[tuple[object, ...], FloatArray] = {}
         self._device_matrix: dict[tuple[int, int], FloatArray] = {}
         self._link_cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -172,13 +179,34 @@ class CostModel:
         return max(0, self.devices[dev].memory_free_bytes - self.reserve_bytes(dev))
 
     # ----- time ---------------------------------------------------------------------
-    def _signature(self, dev: int) -> tuple[float, float, float, int]:
+    def _calibration_scale(self, dev: int) -> float:
+        """Measured ÷ modelled decode step of one block on ``dev`` (1.0 if uncalibrated)."""
+        d = self.devices[dev]
+        measured = self.constraints.block_step_for(d.peer_id, d.device)
+        blocks = [u for u in self.model.units if u.kind == "block"]
+        if measured is None or not blocks or d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
+            return 1.0
+        block = blocks[0]
+        c = float(self.constraints.calibration_context_tokens)
+        compute = (
+            block.flops_per_token + c * block.attention_flops_per_token_per_context
+        ) / d.matmul_flops
+        memory = (float(block.param_bytes) + c * block.kv_bytes_per_token) / d.memory_bandwidth_bps
+        modelled = max(compute, memory) + self._overheads[dev]
+        return measured / modelled if modelled > 0 else 1.0
+
+    def calibration_scale(self, dev: int) -> float:
+        """How much slower (> 1) or faster a measured block ran than the roofline says."""
+        return self._scales[dev]
+
+    def _signature(self, dev: int) -> tuple[float, float, float, int, float]:
         d = self.devices[dev]
         return (
             d.matmul_flops,
             d.memory_bandwidth_bps,
             self._overheads[dev],
             self.usable_bytes(dev),
+            self._scales[dev],
         )
 
     def step_matrix(self, dev: int, tokens: int) -> FloatArray:
@@ -191,7 +219,7 @@ class CostModel:
         if cached is not None:
             self._device_matrix[(dev, tokens)] = cached
             return cached
-        flops, bandwidth, overhead, usable = sig[0], sig[1], sig[2], sig[3]
+        flops, bandwidth, overhead, usable, scale = sig[0], sig[1], sig[2], sig[3], sig[4]
         if flops <= 0 or bandwidth <= 0:
             out = np.full((self.n + 1, self.n + 1), INF)
         else:
@@ -199,8 +227,7 @@ class CostModel:
             compute = t * self._flops_tok / flops
             memory = (self._read_mat + t * self.context * self._kv_mat) / bandwidth
             out = (
-                np.maximum(compute, memory)
-                + self._units * overhead
+                scale * (np.maximum(compute, memory) + self._units * overhead)
                 + self.constraints.stage_overhead_s
             )
             out = np.where(self._valid & (self._resident <= usable), out, INF)
@@ -219,8 +246,7 @@ class CostModel:
             + tokens * self.context * float(self._kv_mat[start, end])
         ) / d.memory_bandwidth_bps
         return (
-            max(compute, memory)
-            + (end - start) * self._overheads[dev]
+            self._scales[dev] * (max(compute, memory) + (end - start) * self._overheads[dev])
             + self.constraints.stage_overhead_s
         )
 

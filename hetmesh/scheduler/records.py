@@ -51,6 +51,11 @@ class PlanConstraints(WireRecord):
     stage_overhead_s: float = 5.0e-4  # per stage per step: frame decode, scheduling, send
     unit_overhead_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_UNIT_OVERHEAD_S))
     unit_overhead_s_by_device: dict[str, float] = field(default_factory=dict)
+    # measured seconds of one decode step of one decoder block, per device key, at
+    # ``calibration_context_tokens`` of context (hetmesh.node.calibration): the cost
+    # model scales that device's predicted step times so one block costs this much
+    block_step_s_by_device: dict[str, float] = field(default_factory=dict)
+    calibration_context_tokens: int = 128
     same_host_bandwidth_bps: float = 10.0e9  # two devices of one peer (shared memory)
     same_host_rtt_s: float = 2.0e-5
     default_bandwidth_bps: float = 12.5e6  # an unmeasured link: assume 100 Mbit/s
@@ -68,6 +73,10 @@ class PlanConstraints(WireRecord):
             raise ValueError("reserve_fraction must be in [0, 1)")
         if self.default_bandwidth_bps <= 0 or self.same_host_bandwidth_bps <= 0:
             raise ValueError("link bandwidths must be positive")
+        if self.calibration_context_tokens < 1:
+            raise ValueError("calibration_context_tokens must be positive")
+        if any(not v > 0 for v in self.block_step_s_by_device.values()):
+            raise ValueError("measured block step times must be positive")
 
     @property
     def context_tokens(self) -> int:
@@ -79,6 +88,10 @@ class PlanConstraints(WireRecord):
         if key in self.unit_overhead_s_by_device:
             return self.unit_overhead_s_by_device[key]
         return self.unit_overhead_s.get(backend, DEFAULT_UNIT_OVERHEAD_S.get(backend, 0.0))
+
+    def block_step_for(self, peer_id: PeerId, device: str) -> float | None:
+        """The measured decode step of one block on this device, if calibrated."""
+        return self.block_step_s_by_device.get(device_key(peer_id, device))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,131 @@
+"""Calibrating the cost model: one real decoder block's decode step, timed on this node.
+
+The planner's roofline (FLOP/s and memory bandwidth from the profiler's
+synthetic benchmarks) misses what a real decode step costs on a CPU: matrix-
+vector products far below the copy benchmark's bandwidth, Python and kernel
+dispatch, attention over the cache. So each serving node times the model's
+first decoder block — loaded with the stage code that serves it, only that
+block's tensors — doing single-token decode steps over
+:data:`CALIBRATION_CONTEXT_TOKENS` tokens of KV cache, for long enough
+(≥ several CFS periods) that a cgroup CPU quota shows in the mean.
+
+The figure travels in the node's announcement (``extra["calibration"]``);
+the coordinator turns every member's figure into
+``PlanConstraints.block_step_s_by_device`` (:func:`calibrated_constraints`),
+and the cost model scales its prediction for that device so that one block
+costs what was measured. Blocking (torch): call through ``trio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hetmesh.scheduler.records import PlanConstraints, device_key
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_CONTEXT_TOKENS = 128
+CALIBRATION_KEY = "calibration"
+
+
+def measure_block_step_s(
+    model_dir: Path,
+    *,
+    device: str = "cpu",
+    context_tokens: int = CALIBRATION_CONTEXT_TOKENS,
+    budget_s: float = 1.0,
+) -> float:
+    """Mean seconds of one decode step of the model's first decoder block on ``device``.
+
+    The mean (not the best) over ``budget_s``: a CPU quota throttles in whole
+    100 ms periods, and only the mean over several of them shows it.
+    """
+    import torch
+
+    from hetmesh.partition.stage import load_stage
+
+    stage = load_stage(model_dir, 1, 2, device=device)  # unit 1: the first block
+    generator = torch.Generator().manual_seed(0)
+    hidden = stage.hidden_size
+
+    def states(seq: int) -> torch.Tensor:
+        return torch.randn(seq, hidden, generator=generator).to(stage.device, stage.dtype)
+
+    def synchronise() -> None:
+        if stage.device.type == "cuda":
+            torch.cuda.synchronize(stage.device)
+
+    kv = stage.new_kv()
+    try:
+        stage.forward(states(context_tokens), kv)  # the cache a decode step reads
+        step = states(1)
+        for _ in range(3):  # warm-up
+            stage.forward(step, kv)
+        synchronise()
+        steps = 0
+        began = time.perf_counter()
+        while True:
+            stage.forward(step, kv)
+            steps += 1
+            if steps % 8 == 0:
+                synchronise()
+                if time.perf_counter() - began >= budget_s:
+                    break
+        return (time.perf_counter() - began) / steps
+    finally:
+        kv.free()
+
+
+def calibration_extra(model_key: str, device: str, block_step_s: float) -> dict[str, Any]:
+    """What a node announces: its device's measured block step for ``model_key``."""
+    return {
+        "model": model_key,
+        "device": device,
+        "block_step_s": float(block_step_s),
+        "context_tokens": CALIBRATION_CONTEXT_TOKENS,
+    }
+
+
+def calibrated_constraints(
+    constraints: PlanConstraints,
+    model_key: str,
+    announced: Iterable[tuple[str, Mapping[str, Any]]],
+) -> PlanConstraints:
+    """``constraints`` with every peer's announced calibration for ``model_key`` filled in.
+
+    ``announced``: (peer id, that peer's announcement ``extra``). Figures for
+    another model, measured at another context, or ill-typed are ignored (the
+    cost model then falls back to its roofline for that device).
+    """
+    measured: dict[str, float] = {}
+    for peer_id, extra in announced:
+        entry = extra.get(CALIBRATION_KEY)
+        if not isinstance(entry, Mapping) or entry.get("model") != model_key:
+            continue
+        step = entry.get("block_step_s")
+        device = entry.get("device")
+        if (
+            isinstance(step, int | float)
+            and not isinstance(step, bool)
+            and step > 0
+            and isinstance(device, str)
+            and entry.get("context_tokens") == constraints.calibration_context_tokens
+        ):
+            measured[device_key(peer_id, device)] = float(step)
+    if measured == constraints.block_step_s_by_device:
+        return constraints
+    return dataclasses.replace(constraints, block_step_s_by_device=measured)
+
+
+__all__ = [
+    "CALIBRATION_CONTEXT_TOKENS",
+    "CALIBRATION_KEY",
+    "calibrated_constraints",
+    "calibration_extra",
+    "measure_block_step_s",
+]

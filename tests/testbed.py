@@ -1,0 +1,329 @@
+"""A mesh of real ``hetmesh node start`` processes on emulated heterogeneous hosts.
+
+Built on :func:`tests.netns.open_testbed` (namespaces on a bridge, ``tc tbf`` per
+link, cgroup v1 CPU quota and memory limit per host). :func:`open_mesh_testbed`
+starts one serving node per host (the first listens first, the others
+bootstrap to it), and gives a :class:`MeshTestbed` to wait for the plan, read
+the status view and run generations from inside a host's namespace (the
+nodes listen on the bridge's private subnet, unreachable from outside).
+
+Used by the pytest fixtures in ``tests/integration/testbed/`` and by
+``bench/testbed.py`` and ``bench/hetero.py``. Everything is torn down on exit,
+also on failure: node processes (killed by PID), cgroups, namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.netns import NetnsTestbed, open_testbed, unavailable_reason
+
+REPO = Path(__file__).resolve().parents[1]
+PORT = 4001
+SECRET = "testbed-secret"
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class HostSpec:
+    """One emulated host: CPU share (1.0 = one core), memory, link rate, node flags."""
+
+    cpu: float | None = None  # cgroup v1 quota as a fraction of one core; None: no quota
+    memory_limit_bytes: int | None = None  # cgroup v1 memory limit; None: no limit
+    rate: str | None = None  # tc tbf rate of its access link, e.g. "50mbit"
+    max_memory: str | None = None  # --max-memory: what the node offers to the planner
+    args: tuple[str, ...] = ()
+
+
+def testbed_unavailable() -> str | None:
+    """Why this machine cannot run the testbed (for ``pytest.skip``), or None."""
+    return unavailable_reason(need_cgroups=True, need_tc=True)
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.25
+) -> Any:
+    """Poll ``predicate`` until truthy; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+
+
+def child_env(threads: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("HETMESH_MESH_SECRET", None)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return env
+
+
+@dataclass
+class MeshNode:
+    host: int
+    proc: subprocess.Popen[bytes]
+    data_dir: Path
+    log_path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.info["peer_id"])
+
+    @property
+    def addr(self) -> str:
+        return str(self.info["addrs"][0])
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_up(self, timeout_s: float) -> MeshNode:
+        """Until ``node.json`` appears (listening, profiled, serving started)."""
+        info_file = self.data_dir / "node.json"
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"node on host {self.host} exited with {self.proc.returncode}:\n"
+                    + self.log()[-4000:]
+                )
+            return info_file.exists()
+
+        wait_for(up, timeout_s, f"the node on host {self.host} to start")
+        self.info = json.loads(info_file.read_text())
+        return self
+
+
+@dataclass
+class MeshTestbed:
+    """Running nodes on a :class:`~tests.netns.NetnsTestbed`; see the module doc."""
+
+    net: NetnsTestbed
+    specs: tuple[HostSpec, ...]
+    workdir: Path
+    secret: str
+    nodes: list[MeshNode] = field(default_factory=list)
+
+    # -- processes ----------------------------------------------------------------
+
+    def start_node(self, host: int, *args: str, bootstrap: str | None = None) -> MeshNode:
+        spec = self.specs[host]
+        data_dir = self.workdir / f"h{host}"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "node.json").unlink(missing_ok=True)
+        config = data_dir / "node.toml"
+        # no direct TCP endpoint is reachable across namespaces at 127.0.0.1:
+        # the data plane rides libp2p (through each host's shaped link)
+        config.write_text('backends = ["libp2p"]\n')
+        argv = [
+            sys.executable,
+            "-m",
+            "hetmesh",
+            "node",
+            "start",
+            "--config",
+            str(config),
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            f"/ip4/{self.net.hosts[host].ip}/tcp/{PORT}",
+            "--mesh-secret",
+            self.secret,
+            "--no-mdns",
+        ]
+        if spec.max_memory:
+            argv += ["--max-memory", spec.max_memory]
+        if bootstrap:
+            argv += ["--bootstrap", bootstrap]
+        argv += [*spec.args, *args]
+        log_path = self.workdir / f"h{host}.log"
+        with log_path.open("ab") as log_file:
+            proc: subprocess.Popen[bytes] = self.net.popen(
+                host,
+                argv,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+                cwd=str(REPO),
+            )
+        node = MeshNode(host, proc, data_dir, log_path)
+        self.nodes.append(node)
+        return node
+
+    def start_all(self, *args: str, timeout_s: float = 120.0) -> list[MeshNode]:
+        """One node per host; host 0 first (the others bootstrap to it)."""
+        first = self.start_node(0, *args).wait_up(timeout_s)
+        rest = [
+            self.start_node(h, *args, bootstrap=f"{first.addr}") for h in range(1, len(self.specs))
+        ]
+        for node in rest:
+            node.wait_up(timeout_s)
+        return [first, *rest]
+
+    def stop_nodes(self) -> None:
+        """Kill every node (by PID) and forget them: the hosts stay for a new mesh."""
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    node.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=10)
+        self.nodes.clear()
+
+    # -- talking to the mesh from inside a host -----------------------------------
+
+    def _in_host(self, host: int, argv: Sequence[str], timeout_s: float) -> str:
+        out = subprocess.run(
+            self.net.argv(host, argv),
+            capture_output=True,
+            env=child_env(),
+            cwd=str(REPO),
+            timeout=timeout_s,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(
+                f"{argv[2:5]} in host {host} failed ({out.returncode}): "
+                + out.stderr.decode(errors="replace")[-3000:]
+            )
+        return out.stdout.decode()
+
+    def status(self, node: int = 0, *, timeout_s: float = 30.0) -> dict[str, Any]:
+        """``hetmesh status --json`` as seen by node ``node``."""
+        target = self.nodes[node]
+        argv = [sys.executable, "-m", "hetmesh", "status", "--mesh", target.addr, "--json"]
+        view: dict[str, Any] = json.loads(
+            self._in_host(target.host, [*argv, "--mesh-secret", self.secret], timeout_s)
+        )
+        return view
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        node: int = 0,
+        repeat: int = 1,
+        timeout_s: float = 300.0,
+    ) -> list[dict[str, Any]]:
+        """Greedy generations entering at node ``node``; see ``tests/testbed_client.py``."""
+        target = self.nodes[node]
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.testbed_client",
+            target.addr,
+            "--secret",
+            self.secret,
+            "--prompt-ids",
+            ",".join(str(t) for t in prompt_ids),
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--repeat",
+            str(repeat),
+        ]
+        lines = self._in_host(target.host, argv, timeout_s).splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def wait_serving(self, timeout_s: float = 240.0) -> dict[str, Any]:
+        """Until a plan is adopted and every stage of it is ready; its status view."""
+        from hetmesh.scheduler.records import Plan
+
+        def ready() -> dict[str, Any] | None:
+            for node in self.nodes:
+                if node.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"node on host {node.host} exited with {node.proc.returncode}:\n"
+                        + node.log()[-4000:]
+                    )
+            try:
+                view = self.status()
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError):
+                return None
+            plan = plan_of(view)
+            if plan is None:
+                return None
+            ready_stages = {
+                (p["peer_id"], int(st["start"]), int(st["end"]))
+                for p in view["peers"]
+                for st in (p.get("record") or {}).get("stages") or ()
+                if st.get("ready")
+            }
+            want = {(s.peer_id, s.start, s.end) for s in plan.pipelines[0].stages}
+            return view if want <= ready_stages else None
+
+        view: dict[str, Any] = wait_for(ready, timeout_s, "the mesh to serve", every_s=1.0)
+        assert isinstance(plan_of(view), Plan)
+        return view
+
+    def peer_host(self) -> dict[str, int]:
+        """peer id -> host index."""
+        return {n.peer_id: n.host for n in self.nodes}
+
+
+def plan_of(view: dict[str, Any]) -> Any:
+    """The newest plan published in a status view (a ``Plan``), or None."""
+    from hetmesh.scheduler.records import Plan
+
+    best = None
+    for peer in view.get("peers", []):
+        raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
+        if raw:
+            with contextlib.suppress(ValueError, TypeError):
+                plan = Plan.from_wire(raw)
+                if best is None or plan.epoch > best.epoch:
+                    best = plan
+    return best
+
+
+def devices_of(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """peer id -> its CPU device record (measured FLOP/s, memory) in a status view."""
+    out = {}
+    for peer in view.get("peers", []):
+        devices = (peer.get("record") or {}).get("devices") or []
+        if devices:
+            out[str(peer["peer_id"])] = devices[0]
+    return out
+
+
+@contextlib.contextmanager
+def open_mesh_testbed(
+    workdir: Path, specs: Sequence[HostSpec], *, secret: str | None = None
+) -> Iterator[MeshTestbed]:
+    """Hosts per ``specs`` (no nodes yet: call ``start_all``); all torn down after."""
+    rates = {i: s.rate for i, s in enumerate(specs) if s.rate}
+    quotas = {i: int(s.cpu * CPU_PERIOD_US) for i, s in enumerate(specs) if s.cpu}
+    mems = {i: s.memory_limit_bytes for i, s in enumerate(specs) if s.memory_limit_bytes}
+    with open_testbed(len(specs), rates=rates, cpu_quota_us=quotas, memory_limit_bytes=mems) as net:
+        bed = MeshTestbed(net, tuple(specs), workdir, secret or f"{SECRET}-{secrets.token_hex(4)}")
+        try:
+            yield bed
+        finally:
+            bed.stop_nodes()
+
+
+__all__ = [
+    "HostSpec",
+    "MeshNode",
+    "MeshTestbed",
+    "child_env",
+    "devices_of",
+    "open_mesh_testbed",
+    "plan_of",
+    "testbed_unavailable",
+    "wait_for",
+]

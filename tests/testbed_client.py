@@ -1,0 +1,53 @@
+"""Greedy generations through a mesh node, timed; run inside a testbed host.
+
+``python -m tests.testbed_client ADDR --secret S --prompt-ids 1,2,3 --max-new-tokens N``
+prints one JSON line per generation: ``tokens`` (ids), ``times_s`` (arrival of
+each token, seconds after the request), ``finish_reason`` — or ``error`` and
+``message`` when the mesh refuses the request (the exit status stays 0: the
+refusal is the answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import trio
+
+
+async def _run(args: argparse.Namespace) -> None:
+    from hetmesh.client.mesh import Finished, TokenEvent, open_mesh_client
+    from hetmesh.errors import MeshError
+
+    ids = [int(t) for t in args.prompt_ids.split(",") if t]
+    async with open_mesh_client(args.addr, mesh_secret=args.secret, timeout_s=120.0) as mesh:
+        for _ in range(args.repeat):
+            began = time.perf_counter()
+            out: dict[str, Any] = {"tokens": [], "times_s": []}
+            try:
+                async for event in mesh.stream(prompt_ids=ids, max_new_tokens=args.max_new_tokens):
+                    if isinstance(event, TokenEvent) and event.token_id >= 0:
+                        out["tokens"].append(event.token_id)
+                        out["times_s"].append(time.perf_counter() - began)
+                    elif isinstance(event, Finished):
+                        out["finish_reason"] = event.finish_reason
+            except MeshError as exc:
+                out = {"error": type(exc).__name__, "message": str(exc)}
+            out["elapsed_s"] = time.perf_counter() - began
+            print(json.dumps(out), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("addr")
+    parser.add_argument("--secret", required=True)
+    parser.add_argument("--prompt-ids", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=1)
+    trio.run(_run, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
