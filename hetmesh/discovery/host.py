@@ -141,12 +141,33 @@ async def open_host(
     listen: Sequence[str],
     dial_timeout_s: float = DEFAULT_DIAL_TIMEOUT_S,
 ) -> AsyncIterator[Any]:
-    """Run a mesh host listening on ``listen`` (multiaddr strings) for the block."""
+    """Run a mesh host listening on ``listen`` (multiaddr strings) for the block.
+
+    libp2p runs the block inside its own nursery, which wraps whatever the
+    block raises in exception groups; a lone exception is unwrapped here so
+    callers see our errors (``InvalidRequest``, ``StreamReset``...) as raised.
+    """
     from multiaddr import Multiaddr
 
     host = new_mesh_host(key_pair, psk=psk, dial_timeout_s=dial_timeout_s)
-    async with host.run(listen_addrs=[Multiaddr(a) for a in listen]):
-        yield host
+    try:
+        async with host.run(listen_addrs=[Multiaddr(a) for a in listen]):
+            yield host
+    except BaseExceptionGroup as group:
+        lone = _lone_exception(group)
+        if lone is None:
+            raise
+        raise lone from None
+
+
+def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The single leaf of nested one-member groups, if that is what ``group`` is."""
+    inner: BaseException = group
+    while isinstance(inner, BaseExceptionGroup):
+        if len(inner.exceptions) != 1:
+            return None
+        inner = inner.exceptions[0]
+    return inner
 
 
 def guarded_handler(name: str, handler: StreamHandler) -> StreamHandler:

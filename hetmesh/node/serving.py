@@ -548,11 +548,14 @@ class Serving:
 
     async def _handle_session(self, stream: Any) -> None:
         payload = await wire.read_frame(stream, max_bytes=MAX_CONTROL_BYTES, timeout_s=5.0)
-        data = wire.decode_map(payload, max_bytes=MAX_CONTROL_BYTES)
-        if data.get("op") == "ping":
-            reply = Reply(ok=True)
-        else:
-            reply = self._apply_control(parse_request(data))
+        try:
+            data = wire.decode_map(payload, max_bytes=MAX_CONTROL_BYTES)
+            if data.get("op") == "ping":
+                reply = Reply(ok=True)
+            else:
+                reply = self._apply_control(parse_request(data))
+        except RemoteProtocolError as exc:  # the peer's mistake: say so, keep serving
+            reply = Reply(ok=False, kind="invalid", message=str(exc))
         await wire.write_frame(stream, wire.encode(reply.to_wire()))
 
     # -- requests -----------------------------------------------------------------

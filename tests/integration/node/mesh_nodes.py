@@ -134,9 +134,65 @@ __all__ = [
     "encode",
     "fetch_view",
     "generate_ids",
+    "open_probe_peer",
     "reference_ids",
     "running_mesh",
     "view_of",
     "wait_for",
     "wait_serving",
 ]
+
+
+class ProbePeer:
+    """A hand-driven mesh member for tests: it talks to stages directly.
+
+    It opens data-plane links and control RPCs the way a gateway does, so a
+    test can send a stage malformed or unexpected frames and read what comes
+    back.
+    """
+
+    def __init__(self, host: Any, pool: Any, inbox: Any) -> None:
+        self.host = host
+        self.pool = pool
+        self.inbox = inbox
+        self.peer_id = str(host.get_id())
+
+    async def dial(self, view_peer: dict[str, Any]) -> None:
+        from hetmesh.discovery.host import dial, parse_peer_addr
+
+        await dial(self.host, parse_peer_addr(view_peer["record"]["addrs"][0]), timeout_s=5)
+
+    async def control(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
+        from hetmesh.node.control import SESSION_PROTOCOL
+        from hetmesh.node.links import call
+
+        return await call(self.host, peer, SESSION_PROTOCOL, request, timeout_s=5)
+
+
+@contextlib.asynccontextmanager
+async def open_probe_peer() -> Any:
+    import trio
+    from libp2p import generate_new_ed25519_identity
+
+    from hetmesh.discovery.host import derive_psk, open_host
+    from hetmesh.node.links import LinkPool
+    from hetmesh.transport import DataPlaneConfig, open_data_plane
+
+    send, receive = trio.open_memory_channel[Any](100)
+    async with (
+        open_host(
+            generate_new_ed25519_identity(),
+            psk=derive_psk(SECRET),
+            listen=["/ip4/127.0.0.1/tcp/0"],
+        ) as host,
+        open_data_plane(DataPlaneConfig(peer_id=str(host.get_id()))) as plane,
+        trio.open_nursery() as nursery,
+    ):
+
+        def dispatch(peer: str, link: Any, frame: Any) -> None:
+            send.send_nowait(frame)
+            link.release(frame)
+
+        pool = LinkPool(host=host, plane=plane, dispatch=dispatch, nursery=nursery)
+        yield ProbePeer(host, pool, receive)
+        nursery.cancel_scope.cancel()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import trio
 from mesh_nodes import (
     encode,
     generate_ids,
+    open_probe_peer,
     reference_ids,
     running_mesh,
     view_of,
@@ -42,3 +44,87 @@ async def test_three_nodes_split_the_model_and_match_the_reference(mesh3, defaul
         gateway = mesh3[i % 3].addr  # requests may enter at any node
         got = await generate_ids(gateway, ids, max_new_tokens=20)
         assert got == reference_ids(default_model_dir, ids, 20), prompt
+
+
+def _stages(view):
+    """(start, end) -> the view's peer entry serving it."""
+    return {
+        (s["start"], s["end"]): p
+        for p in view["peers"]
+        for s in p["record"]["stages"]
+        if s.get("ready")
+    }
+
+
+async def test_bad_input_gets_clear_errors_while_a_generation_carries_on(mesh3, default_model_dir):
+    import torch
+
+    from hetmesh.errors import InvalidRequest
+    from hetmesh.transport import Activations, Error
+
+    ids = encode(default_model_dir, PROMPTS[0])
+    expected = reference_ids(default_model_dir, ids, 40)
+    stages = _stages(await view_of(mesh3[0]))
+    (_, first), (middle_range, middle) = sorted(stages.items())[:2]
+    result: dict[str, list[int]] = {}
+    async with trio.open_nursery() as nursery:
+
+        async def carry_on() -> None:
+            result["ids"] = await generate_ids(mesh3[1].addr, ids, max_new_tokens=40)
+
+        nursery.start_soon(carry_on)
+        with pytest.raises(InvalidRequest, match="context"):
+            await generate_ids(mesh3[0].addr, [42] * 2100, max_new_tokens=4)
+        for bad in (0, -3, 10**9):
+            with pytest.raises(InvalidRequest, match="max_new_tokens"):
+                await generate_ids(mesh3[2].addr, ids, max_new_tokens=bad)
+        with pytest.raises(InvalidRequest, match="vocabulary"):
+            await generate_ids(mesh3[2].addr, [5, 10**6], max_new_tokens=4)
+
+        async with open_probe_peer() as probe:
+            await probe.dial(first)
+            await probe.dial(middle)
+            # an activation for a session nobody opened
+            await probe.pool.send(
+                first["peer_id"],
+                Activations(
+                    session_id="no-such-session",
+                    step=0,
+                    positions=(0,),
+                    tensors=(torch.tensor([1], dtype=torch.int64),),
+                ),
+            )
+            with trio.fail_after(10):
+                reply = await probe.inbox.receive()
+            assert isinstance(reply, Error)
+            assert "unknown session" in reply.message
+            # hidden states of the wrong width and dtype for a session we opened
+            opened = await probe.control(
+                middle["peer_id"],
+                {
+                    "op": "open",
+                    "session_id": "probe",
+                    "start": middle_range[0],
+                    "end": middle_range[1],
+                    "next_peer": probe.peer_id,
+                    "gateway": probe.peer_id,
+                    "max_tokens": 8,
+                    "sampling": {},
+                },
+            )
+            assert opened["ok"], opened
+            for bad_tensor in (torch.zeros(1, 7), torch.zeros(1, 576, dtype=torch.int64)):
+                await probe.pool.send(
+                    middle["peer_id"],
+                    Activations(session_id="probe", step=0, positions=(0,), tensors=(bad_tensor,)),
+                )
+                with trio.fail_after(10):
+                    reply = await probe.inbox.receive()
+                assert isinstance(reply, Error)
+                assert "hidden states" in reply.message
+            closed = await probe.control(middle["peer_id"], {"op": "close", "session_id": "probe"})
+            assert closed["ok"]
+            unknown = await probe.control(middle["peer_id"], {"op": "frobnicate"})
+            assert unknown["ok"] is False
+            assert "unknown session operation" in unknown["message"]
+    assert result["ids"] == expected
