@@ -16,6 +16,14 @@ echo), measured in the same run; every figure comes with its ratio to it.
 ``shm_handoff_us_64MiB`` is the one-way time from ``send`` of a tensor
 already in shared memory to the receiver holding it (monotonic clock shared
 by both processes), median.
+
+Socket backends are measured twice: through the async (trio) API and through
+the blocking API a stage loop uses from its worker thread
+(``receive_blocking`` / ``send_blocking``). ``*_rtt_*`` and ``*_handoff_*``
+keys are the blocking API; ``*_async_rtt_*`` / ``*_async_handoff_*`` the
+trio API; throughput is always the trio API. By default the client and the
+server are pinned to two different CPUs (both for the baseline and for us):
+unpinned runs on a 2-vCPU box are bimodal (DATAPLANE.md).
 """
 
 from __future__ import annotations
@@ -171,6 +179,11 @@ def _serve_blocking(link: Any) -> None:
             link.send_blocking(Tokens(session_id="ack", step=frame.step, token_ids=(0,)))
         elif isinstance(frame, Activations) and frame.step == 1:
             link.send_blocking(frame)
+        elif isinstance(frame, Activations) and frame.step == 2:
+            stamp = time.perf_counter_ns()
+            link.release(frame)
+            link.send_blocking(Tokens(session_id="ack", step=2, token_ids=(stamp,)))
+            continue
         link.release(frame)
 
 
@@ -309,11 +322,18 @@ def _blocking_client(
     """Round trips through the blocking API (a stage loop in its worker thread)."""
     import torch
 
-    from hetmesh.transport import Activations
+    from hetmesh.transport import Activations, Tokens
 
     for name, size in sizes.items():
-        _, trips = counts[name]
+        frames, trips = counts[name]
         tensor = torch.ones(size // 4, dtype=torch.float32)
+        sink = Activations(session_id="b", step=0, positions=(0,), tensors=(tensor,))
+        t0 = time.perf_counter()
+        for _ in range(frames):
+            link.send_blocking(sink)
+        link.send_blocking(Tokens(session_id="ack", step=0, token_ids=(0,)))
+        link.release(link.receive_blocking())
+        out[f"sync_throughput_{name}"] = size * frames / (time.perf_counter() - t0)
         echo = Activations(session_id="b", step=1, positions=(0,), tensors=(tensor,))
         rtts = []
         for _ in range(trips + 1):
@@ -323,9 +343,33 @@ def _blocking_client(
             rtts.append(time.perf_counter() - t0)
             link.release(back)
         out[f"sync_rtt_{name}"] = statistics.median(rtts[1:])
+        if link.backend == "shm":
+            handoffs = []
+            for _ in range(max(5, min(trips, 50))):
+                slab = link.allocate(torch.float32, (size // 4,))
+                start = time.perf_counter_ns()
+                link.send_blocking(
+                    Activations(session_id="b", step=2, positions=(0,), tensors=(slab,))
+                )
+                got = link.receive_blocking()
+                handoffs.append((got.token_ids[0] - start) / 1e3)  # type: ignore[attr-defined]
+            out[f"sync_handoff_us_{name}"] = statistics.median(handoffs)
 
 
-def run(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
+def run(backends: list[str], sizes: dict[str, int], rounds: int = 3) -> dict[str, Any]:
+    """``rounds`` full runs (baseline, then ours, per backend); each figure is the median
+    over rounds of that round's value, each ratio the median of the per-round ratios."""
+    runs = [run_once(backends, sizes) for _ in range(rounds)]
+    result: dict[str, Any] = {"rounds": rounds}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            result[key] = round(statistics.median(r[key] for r in runs), 3)
+        else:
+            result[key] = value
+    return result
+
+
+def run_once(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
     import torch
     import trio
 
@@ -346,6 +390,12 @@ def run(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
             result[f"{backend}_throughput_ratio_{name}"] = round(
                 tput / base[f"throughput_{name}"], 3
             )
+            if f"sync_throughput_{name}" in ours:
+                sync = ours[f"sync_throughput_{name}"]
+                result[f"{backend}_sync_throughput_GBps_{name}"] = round(sync / 1e9, 3)
+                result[f"{backend}_sync_throughput_ratio_{name}"] = round(
+                    sync / base[f"throughput_{name}"], 3
+                )
             result[f"baseline_{backend}_rtt_us_{name}"] = round(base[f"rtt_{name}"] * 1e6, 1)
             result[f"{backend}_async_rtt_us_{name}"] = round(rtt * 1e6, 1)
             result[f"{backend}_async_rtt_ratio_{name}"] = round(rtt / base[f"rtt_{name}"], 3)
@@ -353,7 +403,9 @@ def run(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
             result[f"{backend}_rtt_us_{name}"] = round(rtt * 1e6, 1)
             result[f"{backend}_rtt_ratio_{name}"] = round(rtt / base[f"rtt_{name}"], 3)
             if f"handoff_us_{name}" in ours:
-                result[f"{backend}_handoff_us_{name}"] = round(ours[f"handoff_us_{name}"], 1)
+                result[f"{backend}_async_handoff_us_{name}"] = round(ours[f"handoff_us_{name}"], 1)
+                handoff = ours.get(f"sync_handoff_us_{name}", ours[f"handoff_us_{name}"])
+                result[f"{backend}_handoff_us_{name}"] = round(handoff, 1)
     return result
 
 
@@ -385,6 +437,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES))
+    parser.add_argument("--rounds", type=int, default=3, help="repeat and take medians")
     parser.add_argument(
         "--no-pin", action="store_true", help="do not pin client and server to separate CPUs"
     )
@@ -393,7 +446,7 @@ def main() -> None:
     if not args.no_pin and len(cpus) >= 2:
         PIN[:] = cpus[:2]
     sizes = {name: SIZES[name] for name in args.sizes}
-    result = run(args.backends, sizes)
+    result = run(args.backends, sizes, args.rounds)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

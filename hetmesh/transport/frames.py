@@ -347,7 +347,9 @@ class Prefix:
 
 def parse_prefix(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Prefix:
     """Check the fixed 16-byte prefix. :class:`RemoteProtocolError` on any fault."""
-    magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack(bytes(data[:PREFIX_BYTES]))
+    if len(data) < PREFIX_BYTES:
+        raise RemoteProtocolError("truncated frame prefix")
+    magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise RemoteProtocolError("bad frame magic")
     if version != VERSION:

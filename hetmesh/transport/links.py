@@ -240,11 +240,12 @@ class BufferedReader:
 
     def read_pending(self) -> Pending:
         prefix = parse_prefix(self.read_small(PREFIX_BYTES), self._limits)
+        header: bytes | bytearray
         if prefix.header_bytes > len(self._buf):
             header = bytearray(prefix.header_bytes)
             self.read_into(memoryview(header))
         else:
-            header = bytearray(self.read_small(prefix.header_bytes))
+            header = self.read_small(prefix.header_bytes)
         return parse_header(prefix, header, self._limits)
 
     def read_frame(self) -> Frame:
@@ -268,7 +269,8 @@ class BufferedReader:
 class ThreadedLink(Link):
     """A link over a blocking socket, usable from trio or from one worker thread.
 
-    Async mode (``receive``, the default): a dedicated reader thread reads frames and hands each to trio with one ``run_sync_soon``.
+    Async mode (``receive``, the default): a dedicated reader thread reads
+    frames and hands each to trio with one ``run_sync_soon``.
     Blocking mode (``receive_blocking`` / ``send_blocking``): the calling
     thread does the I/O itself, with no thread hand-off at all — the fastest
     path for a stage loop that already runs in a worker thread. The mode is

@@ -16,11 +16,14 @@ memory is capped (``budget_bytes``); a send waits for releases when full.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import mmap
 import os
 import socket
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +65,18 @@ def _map(fd: int, size: int, seg_id: int) -> _Segment:
     mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
     return _Segment(seg_id, size, fd, mapping, buffer)
+
+
+def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
+    """``recvmsg`` with passed file descriptors (``socket.recv_fds`` ignores ``flags``)."""
+    data, ancillary, out_flags, _ = sock.recvmsg(
+        MAX_PACKET, socket.CMSG_LEN(64 * array.array("i").itemsize), flags
+    )
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    return data, list(fds), out_flags
 
 
 def packet_framer(sock: socket.socket, limits: Limits) -> tuple[Any, Any]:
@@ -108,10 +123,14 @@ class ShmLink(ThreadedLink):
         self._remote: dict[int, _Segment] = {}
         self._lent: dict[int, int] = {}  # data_ptr of a received tensor -> remote seg id
         self._lent_bytes = 0
+        self._early: deque[Frame] = deque()
+        self._pending_release: list[int] = []
 
     # --- sender side -----------------------------------------------------------
     def _take_segment(self, nbytes: int) -> _Segment:
         size = segment_size(nbytes)
+        self._drain_nowait()
+        deadline = time.monotonic() + self._wait_s
         with self._cond:
             while True:
                 free = self._free.get(size)
@@ -119,8 +138,15 @@ class ShmLink(ThreadedLink):
                     return self._own[free.pop()]
                 if self._own_bytes + size <= self._budget:
                     break
-                if not self._cond.wait(self._wait_s):
+                if time.monotonic() > deadline:
                     raise TransportError("shared-memory budget exhausted: peer does not release")
+                # blocking mode has no reader thread: poll the doorbell for releases ourselves
+                self._cond.wait(0.005 if self._mode == "blocking" else self._wait_s)
+                self._cond.release()
+                try:
+                    self._drain_nowait()
+                finally:
+                    self._cond.acquire()
             seg_id = self._next_id
             self._next_id += 1
             self._own_bytes += size
@@ -194,10 +220,37 @@ class ShmLink(ThreadedLink):
             self._cond.notify_all()
 
     # --- receiver side ---------------------------------------------------------
+    def _drain_nowait(self) -> None:
+        """Blocking mode: process the packets already waiting (releases; frames are kept)."""
+        self._flush_releases()
+        if self._mode != "blocking" or not self._read_lock.acquire(blocking=False):
+            return
+        try:
+            while True:
+                frame = self._read_packet(socket.MSG_DONTWAIT)
+                if frame is False:
+                    return
+                if isinstance(frame, Frame):
+                    self._early.append(frame)
+        finally:
+            self._read_lock.release()
+
     def _read_frame_blocking(self) -> Frame:
+        self._flush_releases()
+        if self._early:
+            return self._early.popleft()
+        while True:
+            frame = self._read_packet(0)
+            if isinstance(frame, Frame):
+                return frame
+
+    def _read_packet(self, flags_in: int) -> Frame | bool | None:
+        """One doorbell packet: a frame, None (a release), False (nothing waiting)."""
         while True:
             try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, MAX_PACKET, 64)
+                data, fds, flags = _recv_fds(self.sock, flags_in)
+            except BlockingIOError:
+                return False
             except OSError as exc:
                 raise StreamReset(f"doorbell socket broken: {exc}") from exc
             try:
@@ -205,12 +258,10 @@ class ShmLink(ThreadedLink):
                     raise StreamReset("peer closed the doorbell socket")
                 if flags & socket.MSG_TRUNC or flags & socket.MSG_CTRUNC:
                     raise RemoteProtocolError("truncated doorbell packet")
-                frame = self._on_packet(data, fds)
+                return self._on_packet(data, fds)
             finally:
                 for fd in fds:
                     os.close(fd)
-            if frame is not None:
-                return frame
 
     def _on_packet(self, data: bytes, fds: list[int]) -> Frame | None:
         try:
@@ -274,8 +325,21 @@ class ShmLink(ThreadedLink):
                     self._lent_bytes -= t.nbytes
                     seg_ids.append(seg_id)
         if seg_ids and not self._closed:
-            with contextlib.suppress(OSError):
-                self.sock.send(msgpack.packb([_RELEASE, seg_ids]))
+            with self._cond:
+                self._pending_release.extend(seg_ids)
+            self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        """Send queued releases without blocking (a full socket keeps them for later)."""
+        with self._cond:
+            if not self._pending_release or self._closed:
+                return
+            packet = msgpack.packb([_RELEASE, self._pending_release])
+            try:
+                self.sock.send(packet, socket.MSG_DONTWAIT)
+            except (BlockingIOError, OSError):
+                return
+            self._pending_release = []
 
     def statistics(self) -> Any:
         stats = super().statistics()

@@ -55,8 +55,8 @@ def peers() -> Iterator[Peers]:
             proc.stdout.close()
 
 
-async def wait_exit(proc: subprocess.Popen[str], timeout: float = 90) -> int:
-    return await trio.to_thread.run_sync(proc.wait, timeout)
+async def wait_exit(proc: subprocess.Popen[str]) -> int:
+    return await trio.to_thread.run_sync(proc.wait, 90)
 
 
 @asynccontextmanager
@@ -119,7 +119,7 @@ async def next_link(links: trio.MemoryReceiveChannel[Any]) -> Link:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_two_processes_move_tensors_bit_exactly(backend: str, peers: Peers) -> None:
-    async with serving(backend) as (address, links, plane):
+    async with serving(backend) as (address, links, _):
         child = peers.start("exchange", backend, address)
         link = await next_link(links)
         assert link.backend == backend

@@ -235,9 +235,13 @@ def test_decoder_refuses_before_allocating(data: bytes) -> None:
     decoder = Decoder(allocate=recorder)
     decoder.receive_data(data + b"\0" * 64)
     with pytest.raises(RemoteProtocolError):
-        while decoder.next_frame() is not NEED_DATA:
-            pass
+        _drain(decoder)
     assert recorder.allocated == []
+
+
+def _drain(decoder: Decoder) -> None:
+    while decoder.next_frame() is not NEED_DATA:
+        pass
 
 
 def test_decoder_custom_limits_apply() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -20,6 +20,13 @@ from hetmesh.transport.frames import DEFAULT_LIMITS
 from hetmesh.transport.links import TcpLink, in_thread
 
 BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
+
+
+async def wait_until(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait for state that another thread changes (no trio event exists for it)."""
+    with trio.fail_after(seconds):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(0.001)
 
 
 @asynccontextmanager
@@ -76,7 +83,8 @@ async def test_link_falls_back_to_libp2p_and_says_why() -> None:
         b._endpoints["tcp"] = "127.0.0.1:1"  # nothing listens there
         la, lb = await link_pair(a, b)
         assert la.backend == lb.backend == "libp2p"
-        assert "fell back" in la.reason and "tcp" in la.reason
+        assert "fell back" in la.reason
+        assert "tcp" in la.reason
         assert lb.reason == la.reason
 
 
@@ -99,9 +107,8 @@ async def test_link_wrong_and_replayed_credentials_are_refused(backend: str) -> 
         replay = Credential(used, b"\2" * 32, "A", "B")
         with pytest.raises(AuthenticationFailed):
             await in_thread(dial, replay)
-        with trio.fail_after(5):  # the listener counts after its handler thread returns
-            while b.statistics().connections_refused < 2:
-                await trio.sleep(0.001)
+        # the listener counts after its handler thread returns
+        await wait_until(lambda: b.statistics().connections_refused >= 2)
         stats = b.statistics()
         assert stats.credentials.refused_unknown == 1
         assert stats.credentials.refused_replay == 1
@@ -118,7 +125,8 @@ async def test_link_wrong_and_replayed_credentials_are_refused(backend: str) -> 
 async def test_link_blocking_api_and_mode_guard() -> None:
     async with planes("tcp") as (a, b):
         la, lb = await link_pair(a, b, blocking_b=True)
-        assert isinstance(la, TcpLink) and isinstance(lb, TcpLink)
+        assert isinstance(la, TcpLink)
+        assert isinstance(lb, TcpLink)
         t = torch.arange(100, dtype=torch.int64)
 
         def echo() -> None:
@@ -130,7 +138,8 @@ async def test_link_blocking_api_and_mode_guard() -> None:
             nursery.start_soon(in_thread, echo)
             await la.send(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
             back = await la.receive()
-        assert isinstance(back, Activations) and torch.equal(back.tensors[0], t)
+        assert isinstance(back, Activations)
+        assert torch.equal(back.tensors[0], t)
         with pytest.raises(LocalProtocolError):
             await lb.receive()
         with pytest.raises(LocalProtocolError):
@@ -148,9 +157,7 @@ async def test_link_peer_closing_mid_frame_releases_buffer() -> None:
         )
         la.sock.sendall(parts[0])
         la.sock.sendall(parts[1][: 1 << 19])
-        with trio.fail_after(5):
-            while lb.statistics().in_use_bytes == 0:
-                await trio.sleep(0.001)
+        await wait_until(lambda: lb.statistics().in_use_bytes > 0)
         la.sock.shutdown(socket.SHUT_RDWR)  # what a dead process does to its socket
         with pytest.raises(StreamReset):
             await lb.receive()
@@ -170,4 +177,4 @@ def test_buffer_pool_reuses_and_caps() -> None:
     big = pool.acquire(TensorSpec("float32", (32,), 128))
     pool.release(big)
     stats = pool.statistics()
-    assert stats.cached_bytes == 0 and stats.in_use_bytes == 16 and stats.reuses == 1
+    assert (stats.cached_bytes, stats.in_use_bytes, stats.reuses) == (0, 16, 1)
