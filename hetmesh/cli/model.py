@@ -88,10 +88,31 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="Stop at this text (repeatable).")] = None,
     model: ModelArg = "smollm2-135m-instruct",
     cache_dir: CacheDir = None,
+    mesh: Annotated[
+        str | None,
+        typer.Option(help="Generate on a running mesh: any node's multiaddr with /p2p/ID."),
+    ] = None,
+    mesh_secret: Annotated[str | None, typer.Option(envvar="HETMESH_MESH_SECRET")] = None,
+    mesh_secret_file: Annotated[Path | None, typer.Option()] = None,
 ) -> None:
-    """Generate text in one process, streaming it to stdout."""
+    """Generate text in one process (or on a mesh with --mesh), streaming it to stdout."""
     if not prompt.strip():
         raise InvalidRequest("empty prompt")
+    if mesh is not None:
+        from hetmesh.cli.node import resolve_secret
+
+        request: dict[str, Any] = {
+            "prompt": prompt,
+            "chat": chat or None,
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+            "stop": list(stop) if stop else None,
+        }
+        _stream_mesh(mesh, resolve_secret(mesh_secret, mesh_secret_file), request)
+        return
     from hetmesh.partition.sampling import SamplingParams
     from hetmesh.partition.store import brief_error
 
@@ -110,6 +131,38 @@ def generate(
         raise
     except (RuntimeError, ValueError, OSError) as exc:  # torch/transformers at the boundary
         raise ComputeError(f"generation failed: {brief_error(exc)}") from exc
+
+
+def _stream_mesh(addr: str, secret: str | None, request: dict[str, Any]) -> None:
+    """Stream one generation from the mesh node at ``addr`` to stdout."""
+    import trio
+
+    from hetmesh.cli.node import first_mesh_error
+    from hetmesh.client._base import Finish
+    from hetmesh.client.mesh import open_mesh_client
+    from hetmesh.discovery.host import configure_libp2p_logging
+
+    async def run() -> None:
+        async with (
+            open_mesh_client(addr, mesh_secret=secret) as client,
+            contextlib.aclosing(client.deltas(request)) as events,
+        ):
+            async for event in events:
+                if isinstance(event, Finish):
+                    break
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    configure_libp2p_logging()
+    try:
+        trio.run(run)
+    except BaseExceptionGroup as group:
+        found = first_mesh_error(group)
+        if found is None:
+            raise
+        raise found from None
 
 
 def _stream(model_dir: Path, prompt: str, params: Any, *, stages: int, chat: bool) -> None:

@@ -1,7 +1,14 @@
-"""``hetmesh status --mesh ADDR``: ask any node for its view of the mesh."""
+"""``hetmesh status --mesh ADDR``: ask any node for its view of the mesh.
+
+Peers (devices, memory, FLOP/s, health), the link matrix, the plan (stages,
+predicted against measured step times, the bottleneck highlighted) and the
+load (sessions, queue, tokens/s from two views a moment apart). ``--json``
+prints the raw view plus that summary; ``--watch`` refreshes in place.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -12,6 +19,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from hetmesh.cli._app import app
+from hetmesh.cli.status_view import load_table, plan_table, summarize
 
 
 def _si(value: float, unit: str) -> str:
@@ -43,7 +51,16 @@ def _host_of(record: dict[str, Any]) -> str:
 def status_renderable(view: dict[str, Any]) -> Group:
     """The peers table and the link matrix for a status view (pure)."""
     peers = Table(title=f"mesh seen from {short_id(str(view.get('self', '?')))}")
-    for col in ("peer", "host", "health", "devices", "memory free/total", "FLOP/s", "mem BW"):
+    for col in (
+        "peer",
+        "host",
+        "health",
+        "devices",
+        "memory used",
+        "memory free/total",
+        "FLOP/s",
+        "mem BW",
+    ):
         peers.add_column(col)
     ids: list[str] = []
     for peer in view.get("peers", []):
@@ -56,6 +73,10 @@ def status_renderable(view: dict[str, Any]) -> Group:
             _host_of(record),
             str(peer.get("health", "?")),
             ", ".join(str(d.get("device", "?")) for d in devices) or "(profiling)",
+            ", ".join(
+                _bytes(d.get("memory_total_bytes", 0) - d.get("memory_free_bytes", 0))
+                for d in devices
+            ),
             ", ".join(
                 f"{_bytes(d.get('memory_free_bytes', 0))}/{_bytes(d.get('memory_total_bytes', 0))}"
                 for d in devices
@@ -80,7 +101,10 @@ def status_renderable(view: dict[str, Any]) -> Group:
                 rtt_ms = float(link["rtt_s"]) * 1e3
                 cells.append(f"{rtt_ms:.2f} ms, {_si(float(link['bandwidth_bps']), 'B/s')}")
         matrix.add_row(short_id(src), *cells)
-    return Group(peers, matrix)
+    summary = view.get("summary")
+    if not isinstance(summary, dict):
+        summary = summarize(view)
+    return Group(peers, matrix, plan_table(summary), load_table(summary))
 
 
 def render_status(view: dict[str, Any], *, width: int = 160) -> str:
@@ -90,6 +114,53 @@ def render_status(view: dict[str, Any], *, width: int = 160) -> str:
     return console.export_text()
 
 
+async def sample_view(
+    addr: str, *, mesh_secret: str | None, timeout_s: float, interval_s: float
+) -> dict[str, Any]:
+    """Two views ``interval_s`` apart over one connection; the second with its summary."""
+    import trio
+
+    from hetmesh.client.mesh import open_mesh_client
+    from hetmesh.errors import InvalidRequest
+
+    try:
+        client_cm = open_mesh_client(addr, mesh_secret=mesh_secret, timeout_s=timeout_s)
+        async with client_cm as client:
+            first = await client.status(timeout_s)
+            began = trio.current_time()
+            if interval_s <= 0:
+                return {**first, "summary": summarize(first)}
+            await trio.sleep(interval_s)
+            second = await client.status(timeout_s)
+            elapsed = trio.current_time() - began
+            return {**second, "summary": summarize(second, first, elapsed)}
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from exc
+
+
+async def watch(
+    addr: str, *, mesh_secret: str | None, timeout_s: float, interval_s: float, console: Console
+) -> None:
+    """Redraw the status in place every ``interval_s`` until interrupted."""
+    import trio
+    from rich.live import Live
+
+    from hetmesh.client.mesh import open_mesh_client
+
+    async with open_mesh_client(addr, mesh_secret=mesh_secret, timeout_s=timeout_s) as client:
+        previous = await client.status(timeout_s)
+        last = trio.current_time()
+        view = {**previous, "summary": summarize(previous)}
+        with Live(status_renderable(view), console=console, auto_refresh=False) as live:
+            while True:
+                await trio.sleep(interval_s)
+                current = await client.status(timeout_s)
+                now = trio.current_time()
+                view = {**current, "summary": summarize(current, previous, now - last)}
+                previous, last = current, now
+                live.update(status_renderable(view), refresh=True)
+
+
 @app.command()
 def status(
     mesh: Annotated[str, typer.Option(help="Any node's multiaddr, with /p2p/PEER_ID.")],
@@ -97,18 +168,39 @@ def status(
     mesh_secret: Annotated[str | None, typer.Option(envvar="HETMESH_MESH_SECRET")] = None,
     mesh_secret_file: Annotated[Path | None, typer.Option()] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the node.")] = 5.0,
+    watch_: Annotated[
+        bool, typer.Option("--watch", help="Refresh in place until interrupted.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(help="Seconds between the views that tokens/s is measured over.")
+    ] = 1.0,
+    width: Annotated[int | None, typer.Option(help="Render this many columns wide.")] = None,
 ) -> None:
-    """Print the peers and the link matrix as one node sees them."""
+    """Print the peers, links, plan and load as one node sees them."""
     import trio
 
     from hetmesh.cli.node import first_mesh_error, resolve_secret
     from hetmesh.discovery.host import configure_libp2p_logging
-    from hetmesh.discovery.status import fetch_status
 
     configure_libp2p_logging()
     secret = resolve_secret(mesh_secret, mesh_secret_file)
+    console = Console(width=width) if width else Console()
     try:
-        view = trio.run(lambda: fetch_status(mesh, mesh_secret=secret, timeout_s=timeout))
+        if watch_:
+            with contextlib.suppress(KeyboardInterrupt):
+                trio.run(
+                    lambda: watch(
+                        mesh,
+                        mesh_secret=secret,
+                        timeout_s=timeout,
+                        interval_s=max(interval, 0.2),
+                        console=console,
+                    )
+                )
+            return
+        view = trio.run(
+            lambda: sample_view(mesh, mesh_secret=secret, timeout_s=timeout, interval_s=interval)
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--mesh") from exc
     except BaseExceptionGroup as group:
@@ -119,4 +211,4 @@ def status(
     if as_json:
         typer.echo(json.dumps(view, indent=1, default=str))
     else:
-        Console().print(status_renderable(view))
+        console.print(status_renderable(view))

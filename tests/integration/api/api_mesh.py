@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "discovery"))
 
-from discovery_nodes import SECRET, NodeFactory, NodeProc, wait_for  # noqa: E402
+from discovery_nodes import SECRET, NodeFactory, NodeProc, wait_for
 
 # Each node offers this much memory: the model (~0.54 GB of fp32 weights plus the
 # KV budget) needs all three, so the planner splits it three ways.

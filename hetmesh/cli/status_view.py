@@ -1,0 +1,217 @@
+"""The plan and load parts of ``hetmesh status`` (pure: a view in, records and tables out).
+
+:func:`summarize` reads a node's status view (``Discovery.view()``): the newest
+plan any peer publishes (``extra["plan"]``), stage readiness (``stages``), each
+peer's load (``load``) and gateway counters (``extra["gateway"]``). Given the
+previous view and the seconds between them it also derives tokens/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+
+def _newest_plan(view: Mapping[str, Any]) -> dict[str, Any] | None:
+    best: dict[str, Any] | None = None
+    for peer in view.get("peers") or ():
+        raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
+        if not isinstance(raw, Mapping) or not raw.get("pipelines"):
+            continue
+        if best is None or int(raw.get("epoch", -1)) > int(best.get("epoch", -1)):
+            best = dict(raw)
+    return best
+
+
+def _records(view: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        str(p.get("peer_id")): dict(p.get("record") or {}, health=p.get("health", "?"))
+        for p in view.get("peers") or ()
+    }
+
+
+def _tokens_out(record: Mapping[str, Any]) -> int:
+    gateway = (record.get("extra") or {}).get("gateway") or {}
+    return int(gateway.get("tokens_out", 0) or 0)
+
+
+def summarize(
+    view: Mapping[str, Any],
+    previous: Mapping[str, Any] | None = None,
+    interval_s: float | None = None,
+) -> dict[str, Any]:
+    """``{"plan": ..., "load": ...}`` for a view (plain data, JSON-ready)."""
+    records = _records(view)
+    raw = _newest_plan(view)
+    plan: dict[str, Any] | None = None
+    if raw is not None:
+        pipelines = []
+        for pipe in raw.get("pipelines") or ():
+            stages = []
+            for s in pipe.get("stages") or ():
+                pid = str(s.get("peer_id"))
+                record = records.get(pid, {})
+                recent = [float(x) for x in (record.get("load") or {}).get("recent_step_s") or ()]
+                ready = any(
+                    st.get("ready")
+                    and st.get("start") == s.get("start")
+                    and st.get("end") == s.get("end")
+                    for st in record.get("stages") or ()
+                )
+                stages.append(
+                    {
+                        "peer_id": pid,
+                        "device": s.get("device", "?"),
+                        "start": int(s.get("start", 0)),
+                        "end": int(s.get("end", 0)),
+                        "predicted_step_s": float(s.get("decode_step_s", 0.0)),
+                        "measured_step_s": statistics.median(recent) if recent else None,
+                        "ready": bool(ready),
+                        "health": record.get("health", "unknown"),
+                        "bottleneck": False,
+                    }
+                )
+            if stages:
+                slowest = max(
+                    stages,
+                    key=lambda st: (
+                        st["measured_step_s"]
+                        if st["measured_step_s"] is not None
+                        else st["predicted_step_s"]
+                    ),
+                )
+                slowest["bottleneck"] = True
+            pipelines.append(
+                {
+                    "stages": stages,
+                    "predicted_latency_s": float(pipe.get("decode_latency_s", 0.0)),
+                    "predicted_tokens_per_s": float(pipe.get("throughput_tps", 0.0)),
+                    "ready": bool(stages) and all(st["ready"] for st in stages),
+                }
+            )
+        plan = {
+            "epoch": int(raw.get("epoch", -1)),
+            "model": raw.get("model_name", "?"),
+            "strategy": raw.get("strategy", "?"),
+            "objective": raw.get("objective", "?"),
+            "predicted_latency_s": float(raw.get("decode_latency_s", 0.0)),
+            "predicted_tokens_per_s": float(raw.get("throughput_tps", 0.0)),
+            "pipelines": pipelines,
+        }
+    before = _records(previous) if previous is not None else {}
+    peers = []
+    for pid, record in records.items():
+        load = record.get("load") or {}
+        rate = None
+        if interval_s and pid in before:
+            rate = max(0, _tokens_out(record) - _tokens_out(before[pid])) / interval_s
+        peers.append(
+            {
+                "peer_id": pid,
+                "sessions": int(load.get("active_sessions", 0) or 0),
+                "queue": int(load.get("queue_depth", 0) or 0),
+                "kv_bytes_used": int(load.get("kv_bytes_used", 0) or 0),
+                "tokens_out": _tokens_out(record),
+                "tokens_per_s": rate,
+            }
+        )
+    rates = [p["tokens_per_s"] for p in peers if p["tokens_per_s"] is not None]
+    return {
+        "plan": plan,
+        "load": {
+            "peers": peers,
+            "sessions": sum(p["sessions"] for p in peers),
+            "queue": sum(p["queue"] for p in peers),
+            "tokens_per_s": sum(rates) if rates else None,
+        },
+    }
+
+
+def _short(peer_id: str) -> str:
+    return peer_id if len(peer_id) <= 12 else f"…{peer_id[-8:]}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f} ms"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _mib(value: float) -> str:
+    return f"{value / (1 << 20):.1f} MiB"
+
+
+def plan_table(summary: Mapping[str, Any]) -> Table | Text:
+    """The plan: pipelines and stages, predicted against measured step times."""
+    plan = summary.get("plan")
+    if not plan:
+        return Text("no plan published yet")
+    table = Table(
+        title=(
+            f"plan epoch {plan['epoch']} ({plan['strategy']}, {plan['objective']}) for "
+            f"{plan['model']}: predicted {_ms(plan['predicted_latency_s'])}/token, "
+            f"{plan['predicted_tokens_per_s']:.1f} tokens/s"
+        )
+    )
+    for col in (
+        "pipeline",
+        "stage",
+        "peer",
+        "device",
+        "units",
+        "predicted step",
+        "measured step",
+        "state",
+    ):
+        table.add_column(col)
+    for i, pipe in enumerate(plan["pipelines"]):
+        for j, st in enumerate(pipe["stages"]):
+            state = ("ready" if st["ready"] else "loading") + f", {st['health']}"
+            style = None
+            if st["bottleneck"]:
+                state += "  ◀ bottleneck"
+                style = "bold red"
+            table.add_row(
+                str(i) if j == 0 else "",
+                str(j),
+                _short(st["peer_id"]),
+                str(st["device"]),
+                f"[{st['start']}, {st['end']})",
+                _ms(st["predicted_step_s"]),
+                _ms(st["measured_step_s"]),
+                state,
+                style=style,
+            )
+    return table
+
+
+def load_table(summary: Mapping[str, Any]) -> Table:
+    """Load per peer: sessions, queue, KV in use, tokens out and tokens/s."""
+    load = summary.get("load") or {}
+    table = Table(
+        title=(
+            f"load: {load.get('sessions', 0)} sessions, queue {load.get('queue', 0)}, "
+            f"{_rate(load.get('tokens_per_s'))} tokens/s"
+        )
+    )
+    for col in ("peer", "sessions", "queue", "KV used", "tokens out", "tokens/s"):
+        table.add_column(col)
+    for p in load.get("peers") or ():
+        table.add_row(
+            _short(p["peer_id"]),
+            str(p["sessions"]),
+            str(p["queue"]),
+            _mib(p["kv_bytes_used"]),
+            str(p["tokens_out"]),
+            _rate(p["tokens_per_s"]),
+        )
+    return table
+
+
+__all__ = ["load_table", "plan_table", "summarize"]
