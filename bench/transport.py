@@ -56,7 +56,7 @@ def _pin(index: int) -> None:
 def _count(nbytes: int, backend: str) -> tuple[int, int]:
     """(throughput frames, round trips) so each cell takes well under a second or two."""
     slow = backend == "libp2p"
-    frames = max(4, min(2000, (256 << 20) // nbytes // (8 if slow else 1)))
+    frames = max(8, min(2000, (512 << 20) // nbytes // (8 if slow else 1)))
     trips = max(3, min(300, (64 << 20) // nbytes // (8 if slow else 1)))
     return frames, trips
 
@@ -272,7 +272,8 @@ async def _measure_link(
                 frames, trips = counts[name]
                 tensor = torch.ones(size // 4, dtype=torch.float32)
                 frame = Activations(session_id="b", step=0, positions=(0,), tensors=(tensor,))
-                await link.send(frame)  # warm up pools and segments
+                for _ in range(min(frames, 4)):  # warm up pools and segments
+                    await link.send(frame)
                 await ack(0)
                 t0 = time.perf_counter()
                 for _ in range(frames):
@@ -328,6 +329,10 @@ def _blocking_client(
         frames, trips = counts[name]
         tensor = torch.ones(size // 4, dtype=torch.float32)
         sink = Activations(session_id="b", step=0, positions=(0,), tensors=(tensor,))
+        for _ in range(min(frames, 4)):  # warm up pools and segments
+            link.send_blocking(sink)
+        link.send_blocking(Tokens(session_id="ack", step=0, token_ids=(0,)))
+        link.release(link.receive_blocking())
         t0 = time.perf_counter()
         for _ in range(frames):
             link.send_blocking(sink)

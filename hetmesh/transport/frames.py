@@ -40,7 +40,6 @@ from hetmesh.transport.codec import (
     checked_spec,
     host_tensor,
     same_bits,
-    spec_of,
 )
 
 MAGIC: Final = b"HM"
@@ -257,6 +256,10 @@ _FIELDS: dict[type[Frame], tuple[str, ...]] = {
     cls: tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
     for cls in FRAME_TYPES.values()
 }
+_SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
+    cls: tuple((name, _KIND[name]) for name in names) for cls, names in _FIELDS.items()
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -302,29 +305,38 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> list[bytes | memory
     Raises :class:`LocalProtocolError` for invalid fields or a frame over ``limits``.
     """
     cls = type(frame)
-    if cls not in _FIELDS:
+    schema = _SCHEMA.get(cls)
+    if schema is None:
         raise LocalProtocolError(f"{cls.__name__} is not a frame type")
     header: list[Any] = []
     views: list[memoryview] = []
     payload = 0
-    for name in _FIELDS[cls]:
+    for name, kind in schema:
         value = getattr(frame, name)
-        kind = _KIND[name]
         if kind == _TENSORS:
-            if not isinstance(value, tuple) or len(value) > limits.max_tensors:
+            if type(value) is not tuple or len(value) > limits.max_tensors:
                 raise LocalProtocolError("tensors must be a tuple within max_tensors")
             described = []
             for t in value:
                 if not isinstance(t, torch.Tensor):
                     raise LocalProtocolError("tensors must hold torch.Tensor values")
-                h = host_tensor(t)
-                spec = spec_of(h)
-                if len(spec.shape) > limits.max_dims or h.numel() > limits.max_elements:
-                    raise LocalProtocolError(f"tensor {spec} exceeds limits")
-                described.append([spec.dtype, list(spec.shape), spec.nbytes])
-                views.append(byte_view(h))
-                payload += spec.nbytes
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    t = host_tensor(t)
+                dtype = _DTYPE_NAMES.get(t.dtype)
+                if dtype is None:
+                    raise LocalProtocolError(f"dtype {t.dtype} is not sendable")
+                shape = t.shape
+                if len(shape) > limits.max_dims or t.numel() > limits.max_elements:
+                    raise LocalProtocolError(f"tensor of shape {tuple(shape)} exceeds limits")
+                nbytes = t.nbytes
+                described.append([dtype, list(shape), nbytes])
+                views.append(byte_view(t))
+                payload += nbytes
             header.append(described)
+        elif (
+            kind == _STR and type(value) is str and len(value) * 4 <= limits.max_string_bytes
+        ) or (kind == _UINT and type(value) is int and 0 <= value <= _INT64_MAX):
+            header.append(value)
         else:
             header.append(_check_local(kind, name, value, limits))
     head = msgpack.packb(header, use_bin_type=True)

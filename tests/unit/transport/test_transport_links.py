@@ -178,3 +178,41 @@ def test_buffer_pool_reuses_and_caps() -> None:
     pool.release(big)
     stats = pool.statistics()
     assert (stats.cached_bytes, stats.in_use_bytes, stats.reuses) == (0, 16, 1)
+
+
+@pytest.mark.gpu
+async def test_link_cuda_tensor_is_staged_through_pinned_memory() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    async with planes("tcp") as (a, b):
+        la, lb = await link_pair(a, b)
+        t = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
+        await la.send(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+        frame = await lb.receive()
+        assert isinstance(frame, Activations)
+        assert frame.tensors[0].device.type == "cpu"
+        assert torch.equal(frame.tensors[0].view(torch.int16), t.cpu().view(torch.int16))
+
+
+@pytest.mark.gpu
+async def test_link_torchdist_uses_nccl_between_two_gpus() -> None:
+    from hetmesh.transport.torchdist import nccl_available
+
+    if not nccl_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices and NCCL")
+    async with (
+        open_data_plane(
+            DataPlaneConfig(peer_id="A", backends=("torchdist",), device="cuda:0")
+        ) as a,
+        open_data_plane(
+            DataPlaneConfig(peer_id="B", backends=("torchdist",), device="cuda:1")
+        ) as b,
+    ):
+        la, lb = await link_pair(a, b)
+        assert "NCCL" in la.reason
+        t = torch.randn(1 << 20, device="cuda:0")
+        await la.send(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+        frame = await lb.receive()
+        assert isinstance(frame, Activations)
+        assert frame.tensors[0].device == torch.device("cuda:1")
+        assert torch.equal(frame.tensors[0].cpu(), t.cpu())
