@@ -281,6 +281,17 @@ class Serving:
         self._insufficient = ""
         self.node.discovery.set_extra("insufficient", "")
         self._snapshot = snapshot
+        if candidate is None and current is not None and self.config.standby:
+            # no better placement; but a spare device may have joined to back one up
+            backed = add_standby_replicas(
+                current,
+                snapshot.devices,
+                snapshot.links,
+                self.profile,
+                constraints=self.constraints,
+            )
+            if len(backed.pipelines) > len(current.pipelines):
+                candidate, reason = backed, "a spare device becomes a standby replica"
         if candidate is None:
             return
         plan = candidate.with_epoch(max(epoch, candidate.epoch))

@@ -1,0 +1,79 @@
+"""Four nodes, one stage with a standby replica: a generation survives losing it.
+
+The planner needs three of the four nodes (each offers too little memory for
+more of the model); the fourth becomes a standby replica of one stage. The
+stage peer serving an in-flight greedy generation is killed (or frozen)
+half way; the gateway fails over to the replica, replays the history, and the
+client's tokens equal the fault-free reference.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+from mesh_nodes import SECRET, encode, reference_ids, running_mesh, view_of, wait_serving
+
+from hetmesh.client.mesh import TokenEvent, open_mesh_client
+from hetmesh.scheduler.records import Plan
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.model]
+
+NEW_TOKENS = 48
+
+
+def _plan(view) -> Plan:
+    plans = [
+        Plan.from_wire(p["record"]["extra"]["plan"])
+        for p in view["peers"]
+        if p["record"].get("extra", {}).get("plan")
+    ]
+    return max(plans, key=lambda p: p.epoch)
+
+
+def _load(view, peer_id: str) -> int:
+    for p in view["peers"]:
+        if p["peer_id"] == peer_id:
+            return int(p["record"]["load"]["active_sessions"])
+    return 0
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stall"])
+async def test_generation_survives_losing_the_serving_replica(tmp_path, default_model_dir, fault):
+    ids = encode(default_model_dir, "Tell me a story about a lighthouse keeper.", chat=True)
+    expected = reference_ids(default_model_dir, ids, NEW_TOKENS)
+    with running_mesh(tmp_path, 4) as nodes:
+        await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=120))
+        plan = _plan(await view_of(nodes[0]))
+        primary, replica = plan.pipelines[0], plan.pipelines[1]
+        ((victim, backup),) = [
+            (a.peer_id, b.peer_id)
+            for a, b in zip(primary.stages, replica.stages, strict=True)
+            if a.peer_id != b.peer_id
+        ]
+        by_peer = {n.peer_id: n for n in nodes}
+        gateway = next(n for n in nodes if n.peer_id not in (victim, backup))
+        got: list[int] = []
+        faulted = False
+        try:
+            async with open_mesh_client(gateway.addr, mesh_secret=SECRET) as mesh:
+                async for event in mesh.stream(prompt_ids=ids, max_new_tokens=NEW_TOKENS):
+                    if not isinstance(event, TokenEvent) or event.token_id < 0:
+                        continue
+                    got.append(event.token_id)
+                    if len(got) == NEW_TOKENS // 3 and not faulted:
+                        # the victim really serves this session before it fails
+                        view = await view_of(gateway)
+                        assert _load(view, victim) >= 1 or _load(view, backup) == 0
+                        os.kill(by_peer[victim].proc.pid, fault)
+                        faulted = True
+        finally:
+            if fault == signal.SIGSTOP:
+                os.kill(by_peer[victim].proc.pid, signal.SIGCONT)
+        assert faulted
+        assert got == expected
+        view = await view_of(gateway)
+        me = next(p for p in view["peers"] if p["health"] == "self")
+        assert me["record"]["extra"]["gateway"]["recoveries"] >= 1
