@@ -27,20 +27,12 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -48,6 +40,15 @@ from starlette.routing import Route
 
 from hetmesh import errors
 from hetmesh.errors import InvalidRequest, MeshError
+from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
+from hetmesh.node.api_requests import (
+    MAX_BODY_BYTES,
+    ApiError,
+    ParsedRequest,
+    api_error,
+    bad_request,
+    parse_request,
+)
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -57,224 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 << 20
-MAX_STOP_SEQUENCES = 4
-
-# -- errors ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ApiError(Exception):
-    """An error answered as an OpenAI-style body with ``status``."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    hetmesh_error: str = "InvalidRequest"
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-                "hetmesh_error": self.hetmesh_error,
-            }
-        }
-
-
-# (status, OpenAI error type, code) per hetmesh error class; the first match wins
-_STATUS: tuple[tuple[type[MeshError], int, str, str | None], ...] = (
-    (errors.InvalidRequest, 400, "invalid_request_error", None),
-    (errors.ModelNotFound, 404, "invalid_request_error", "model_not_found"),
-    (errors.Rejected, 429, "rate_limit_error", "busy"),
-    (errors.RequestTimeout, 504, "timeout_error", "timeout"),
-    (errors.SchedulingError, 503, "service_unavailable", "no_route"),
-    (errors.TransportError, 502, "upstream_error", "transport"),
-    (errors.ComputeError, 500, "server_error", "compute"),
-)
-
-
-def api_error(exc: MeshError) -> ApiError:
-    """The HTTP answer for a hetmesh error (pure)."""
-    for cls, status, kind, code in _STATUS:
-        if isinstance(exc, cls):
-            return ApiError(status, str(exc), kind, None, code, type(exc).__name__)
-    return ApiError(500, str(exc), "server_error", None, "internal", type(exc).__name__)
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
-
-
-# -- parsing requests (pure) ----------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ParsedRequest:
-    """A validated completion or chat request."""
-
-    chat: bool
-    model: str
-    prompt: str | None = None
-    prompt_ids: tuple[int, ...] = ()
-    messages: tuple[dict[str, str], ...] = ()
-    max_tokens: int | None = None  # None: as many as the context allows (capped by default_max)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stream: bool = False
-    include_usage: bool = False
-
-
-def _number(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(f"{key} must be a number", key)
-    if not low <= value <= high:
-        raise _bad(f"{key} must be between {low} and {high}, got {value}", key)
-    return float(value)
-
-
-def _integer(body: Mapping[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{key} must be an integer", key)
-    return value
-
-
-def parse_request(body: Any, *, chat: bool, models: Sequence[str]) -> ParsedRequest:
-    """Validate an OpenAI-style request body; :class:`ApiError` (4xx) when it is not one."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model is required (see GET /v1/models)", "model")
-    if model not in models:
-        raise ApiError(
-            404,
-            f"the model {model!r} does not exist here; "
-            f"this mesh serves {', '.join(models) or 'nothing yet'}",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-            "InvalidRequest",
-        )
-    n = body.get("n", 1)
-    if n != 1:
-        raise _bad("only n=1 is supported", "n")
-    max_tokens = _integer(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise _bad(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    top_k = _integer(body, "top_k")
-    if top_k is not None and top_k < 1:
-        raise _bad("top_k must be at least 1", "top_k")
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    if top_p == 0.0:
-        raise _bad("top_p must be greater than 0", "top_p")
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise _bad("stop must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
-        raise _bad(f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("stream must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise _bad("stream_options must be an object", "stream_options")
-    common: dict[str, Any] = {
-        "chat": chat,
-        "model": model,
-        "max_tokens": max_tokens,
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": _integer(body, "seed"),
-        "stop": stops,
-        "stream": stream,
-        "include_usage": bool(options.get("include_usage")),
-    }
-    if chat:
-        return ParsedRequest(messages=_messages(body.get("messages")), **common)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise _bad("prompt is empty", "prompt")
-        return ParsedRequest(prompt=prompt, **common)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    ):
-        return ParsedRequest(prompt_ids=tuple(prompt), **common)
-    raise _bad("prompt must be a non-empty string or a list of token ids", "prompt")
-
-
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
-    if not isinstance(raw, list) or not raw:
-        raise _bad("messages must be a non-empty list", "messages")
-    out = []
-    for m in raw:
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-        ):
-            raise _bad("each message needs a role of system, user or assistant", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(
-                str(p.get("text", ""))
-                for p in content
-                if isinstance(p, dict) and p.get("type") == "text"
-            )
-        if not isinstance(content, str):
-            raise _bad("each message needs a string content", "messages")
-        role = "system" if m["role"] == "developer" else str(m["role"])
-        out.append({"role": role, "content": content})
-    return tuple(out)
-
 
 # -- what the app needs from a node ---------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MeshGauges:
-    """The node-side figures /metrics exports (read at scrape time)."""
-
-    ready: bool = False
-    plan_epoch: int = -1
-    queue_depth: int = 0
-    active_sessions: int = 0
-    gateway_sessions: int = 0
-    kv_bytes_used: int = 0
-    kv_bytes_free: int = 0
-    recoveries: int = 0
-    rejected_busy: int = 0
-    tokens_out: int = 0
-    sessions_failed: int = 0
-    links: tuple[tuple[str, str, float, float], ...] = ()  # src, dst, rtt_s, bandwidth_bps
 
 
 class Backend(Protocol):
@@ -371,89 +156,6 @@ class NodeBackend:
         return self.node.discovery.view()
 
 
-# -- metrics --------------------------------------------------------------------
-
-
-class _MeshCollector:
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-
-    def collect(self) -> list[Metric]:
-        g = self.backend.gauges()
-        out: list[Metric] = []
-
-        def gauge(name: str, doc: str, value: float) -> None:
-            out.append(GaugeMetricFamily(name, doc, value=value))
-
-        def counter(name: str, doc: str, value: float) -> None:
-            out.append(CounterMetricFamily(name, doc, value=value))
-
-        gauge("hetmesh_ready", "1 when a pipeline of the plan is fully ready", float(g.ready))
-        gauge("hetmesh_plan_epoch", "Epoch of the adopted plan (-1: none)", g.plan_epoch)
-        gauge("hetmesh_queue_depth", "Steps waiting at this node's stages", g.queue_depth)
-        gauge("hetmesh_active_sessions", "Sessions holding KV at this node", g.active_sessions)
-        gauge("hetmesh_gateway_sessions", "Sessions this node drives", g.gateway_sessions)
-        gauge("hetmesh_kv_bytes_used", "KV cache bytes in use at this node", g.kv_bytes_used)
-        gauge("hetmesh_kv_bytes_free", "KV cache bytes still free", g.kv_bytes_free)
-        counter("hetmesh_recoveries", "Sessions re-routed after a stage failed", g.recoveries)
-        counter("hetmesh_gateway_rejected_busy", "Admissions refused busy", g.rejected_busy)
-        counter("hetmesh_tokens_out", "Tokens streamed by this gateway", g.tokens_out)
-        counter("hetmesh_sessions_failed", "Sessions that ended in an error", g.sessions_failed)
-        bandwidth = GaugeMetricFamily(
-            "hetmesh_link_bandwidth_bytes_per_second",
-            "Measured bandwidth of a link",
-            labels=["src", "dst"],
-        )
-        rtt = GaugeMetricFamily("hetmesh_link_rtt_seconds", "Measured RTT", labels=["src", "dst"])
-        for src, dst, rtt_s, bps in g.links:
-            bandwidth.add_metric([src, dst], bps)
-            rtt.add_metric([src, dst], rtt_s)
-        out += [bandwidth, rtt]
-        return out
-
-
-@dataclass(slots=True)
-class ApiMetrics:
-    """The API's Prometheus registry: request histograms plus the node's gauges."""
-
-    backend: Backend
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-    ttft: Histogram = field(init=False)
-    tpot: Histogram = field(init=False)
-    requests: Counter = field(init=False)
-    rejected: Counter = field(init=False)
-    inflight: Gauge = field(init=False)
-
-    def __post_init__(self) -> None:
-        r = self.registry
-        self.ttft = Histogram(
-            "hetmesh_ttft_seconds",
-            "Time to first token of API requests",
-            buckets=(0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "hetmesh_tpot_seconds",
-            "Mean time per output token after the first, per API request",
-            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
-            registry=r,
-        )
-        self.requests = Counter(
-            "hetmesh_api_requests",
-            "API requests by route and status",
-            ["route", "status"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            "hetmesh_rejected_requests", "API requests refused, by reason", ["reason"], registry=r
-        )
-        self.inflight = Gauge("hetmesh_api_inflight_requests", "Requests in progress", registry=r)
-        r.register(_MeshCollector(self.backend))  # type: ignore[arg-type]
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
 # -- the app --------------------------------------------------------------------
 
 
@@ -528,19 +230,19 @@ class _Api:
         try:
             body = json.loads(raw)
         except ValueError as exc:
-            raise _bad(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+            raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
         parsed = parse_request(body, chat=chat, models=self.backend.models())
         ids = await self.backend.encode(parsed)
         context = self.backend.max_context()
         if len(ids) >= context:
-            raise _bad(
+            raise bad_request(
                 f"the prompt has {len(ids)} tokens; the context holds {context}",
                 "messages" if chat else "prompt",
                 "context_length_exceeded",
             )
         room = context - len(ids)
         if parsed.max_tokens is not None and parsed.max_tokens > room:
-            raise _bad(
+            raise bad_request(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({parsed.max_tokens}) exceeds "
                 f"the context of {context}",
                 "max_tokens",
@@ -777,24 +479,40 @@ async def serve_http(
     port: int = 0,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL."""
+    """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL.
+
+    The HTTP server is supervised: if hypercorn itself fails (not a request:
+    those are answered with a 500), it is logged and restarted on the same
+    port, so the API never takes the node down with it.
+    """
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    config = Config()
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hetmesh.node.api.http")  # type: ignore[assignment]
-    config.graceful_timeout = 1.0
     metrics = ApiMetrics(backend)
-    async with trio.open_nursery() as nursery:
-        app = build_app(backend, metrics, nursery)
-        binds: list[str] = await nursery.start(
-            functools.partial(serve, app, config, shutdown_trigger=trio.sleep_forever)  # type: ignore[arg-type]
-        )
-        url = binds[0] if binds else f"http://{host}:{port}"
-        log.info("HTTP API on %s", url)
-        task_status.started(url)
+    url: str | None = None
+    async with trio.open_nursery() as streams:  # producers of streamed responses
+        app = build_app(backend, metrics, streams)
+        while True:
+            config = Config()
+            config.bind = [f"{host}:{port}"]
+            config.accesslog = None
+            config.errorlog = logging.getLogger("hetmesh.node.api.http")  # type: ignore[assignment]
+            config.graceful_timeout = 1.0
+            try:
+                async with trio.open_nursery() as nursery:
+                    binds: list[str] = await nursery.start(
+                        functools.partial(serve, app, config, shutdown_trigger=trio.sleep_forever)  # type: ignore[arg-type]
+                    )
+                    if url is None:
+                        url = binds[0] if binds else f"http://{host}:{port}"
+                        port = int(url.rsplit(":", 1)[1])
+                        log.info("HTTP API on %s", url)
+                        task_status.started(url)
+            except Exception as exc:  # never let the HTTP server take the node down
+                if url is None:
+                    raise
+                log.error("the HTTP server failed; restarting it", exc_info=exc)
+            await trio.sleep(1.0)
 
 
 async def serve_api(

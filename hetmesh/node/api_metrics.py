@@ -1,0 +1,119 @@
+"""The HTTP API's Prometheus metrics: request histograms plus the node's gauges.
+
+TTFT and TPOT are observed per API request; queue depth, sessions, KV bytes,
+recoveries, rejections and per-link bandwidth are read from the node's
+statistics at scrape time (:class:`MeshGauges`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshGauges:
+    """The node-side figures /metrics exports (read at scrape time)."""
+
+    ready: bool = False
+    plan_epoch: int = -1
+    queue_depth: int = 0
+    active_sessions: int = 0
+    gateway_sessions: int = 0
+    kv_bytes_used: int = 0
+    kv_bytes_free: int = 0
+    recoveries: int = 0
+    rejected_busy: int = 0
+    tokens_out: int = 0
+    sessions_failed: int = 0
+    links: tuple[tuple[str, str, float, float], ...] = ()  # src, dst, rtt_s, bandwidth_bps
+
+
+class GaugeSource(Protocol):
+    def gauges(self) -> MeshGauges: ...
+
+
+class _MeshCollector:
+    def __init__(self, backend: GaugeSource) -> None:
+        self.backend = backend
+
+    def collect(self) -> list[Metric]:
+        g = self.backend.gauges()
+        out: list[Metric] = []
+
+        def gauge(name: str, doc: str, value: float) -> None:
+            out.append(GaugeMetricFamily(name, doc, value=value))
+
+        def counter(name: str, doc: str, value: float) -> None:
+            out.append(CounterMetricFamily(name, doc, value=value))
+
+        gauge("hetmesh_ready", "1 when a pipeline of the plan is fully ready", float(g.ready))
+        gauge("hetmesh_plan_epoch", "Epoch of the adopted plan (-1: none)", g.plan_epoch)
+        gauge("hetmesh_queue_depth", "Steps waiting at this node's stages", g.queue_depth)
+        gauge("hetmesh_active_sessions", "Sessions holding KV at this node", g.active_sessions)
+        gauge("hetmesh_gateway_sessions", "Sessions this node drives", g.gateway_sessions)
+        gauge("hetmesh_kv_bytes_used", "KV cache bytes in use at this node", g.kv_bytes_used)
+        gauge("hetmesh_kv_bytes_free", "KV cache bytes still free", g.kv_bytes_free)
+        counter("hetmesh_recoveries", "Sessions re-routed after a stage failed", g.recoveries)
+        counter("hetmesh_gateway_rejected_busy", "Admissions refused busy", g.rejected_busy)
+        counter("hetmesh_tokens_out", "Tokens streamed by this gateway", g.tokens_out)
+        counter("hetmesh_sessions_failed", "Sessions that ended in an error", g.sessions_failed)
+        bandwidth = GaugeMetricFamily(
+            "hetmesh_link_bandwidth_bytes_per_second",
+            "Measured bandwidth of a link",
+            labels=["src", "dst"],
+        )
+        rtt = GaugeMetricFamily("hetmesh_link_rtt_seconds", "Measured RTT", labels=["src", "dst"])
+        for src, dst, rtt_s, bps in g.links:
+            bandwidth.add_metric([src, dst], bps)
+            rtt.add_metric([src, dst], rtt_s)
+        out += [bandwidth, rtt]
+        return out
+
+
+@dataclass(slots=True)
+class ApiMetrics:
+    """The API's Prometheus registry: request histograms plus the node's gauges."""
+
+    backend: GaugeSource
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    ttft: Histogram = field(init=False)
+    tpot: Histogram = field(init=False)
+    requests: Counter = field(init=False)
+    rejected: Counter = field(init=False)
+    inflight: Gauge = field(init=False)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.ttft = Histogram(
+            "hetmesh_ttft_seconds",
+            "Time to first token of API requests",
+            buckets=(0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "hetmesh_tpot_seconds",
+            "Mean time per output token after the first, per API request",
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+            registry=r,
+        )
+        self.requests = Counter(
+            "hetmesh_api_requests",
+            "API requests by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "hetmesh_rejected_requests", "API requests refused, by reason", ["reason"], registry=r
+        )
+        self.inflight = Gauge("hetmesh_api_inflight_requests", "Requests in progress", registry=r)
+        r.register(_MeshCollector(self.backend))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["ApiMetrics", "GaugeSource", "MeshGauges"]

@@ -1,0 +1,289 @@
+"""The HTTP API on its real ASGI stack (Starlette + Hypercorn on trio) with a fake mesh.
+
+The fake backend stands in for the node: it tokenizes by words and "generates"
+ids 100, 101, ... so the app's parsing, errors, streaming and metrics can be
+tested in-process and fast; the real mesh is tested in tests/integration/api.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.lowlevel
+
+from hetmesh.errors import NoRoute, Rejected
+from hetmesh.node.api import serve_http
+from hetmesh.node.api_metrics import MeshGauges
+from hetmesh.node.api_requests import ParsedRequest
+from hetmesh.partition.sampling import SamplingParams
+
+MODEL = "fake-model"
+
+
+class FakeBackend:
+    def __init__(self) -> None:
+        self.is_ready = True
+        self.step = trio.Event()  # set: tokens flow freely
+        self.step.set()
+
+    def models(self) -> list[str]:
+        return [MODEL]
+
+    def max_context(self) -> int:
+        return 64
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    async def encode(self, request: ParsedRequest) -> list[int]:
+        if request.prompt_ids:
+            return list(request.prompt_ids)
+        text = request.prompt or " ".join(m["content"] for m in request.messages)
+        return [len(w) for w in text.split()] or [0]
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        if prompt_ids[0] == len("busy"):
+            raise Rejected("busy: every pipeline is full")
+        for i in range(params.max_new_tokens):
+            await self.step.wait()
+            await trio.lowlevel.checkpoint()
+            if i == 3 and prompt_ids[0] == len("failing"):
+                raise NoRoute("a stage vanished")
+            yield 100 + i, f" t{i}"
+        yield -1, "."
+
+    def gauges(self) -> MeshGauges:
+        return MeshGauges(
+            ready=self.is_ready,
+            queue_depth=2,
+            active_sessions=1,
+            kv_bytes_used=4096,
+            links=(("A", "B", 0.001, 1e9),),
+        )
+
+    def view(self) -> dict[str, Any]:
+        return {"self": "A", "peers": [{"peer_id": "A", "health": "self", "record": {}}]}
+
+
+@pytest.fixture
+async def api(nursery: trio.Nursery) -> AsyncIterator[tuple[httpx.AsyncClient, FakeBackend]]:
+    backend = FakeBackend()
+    url = await nursery.start(lambda task_status: serve_http(backend, task_status=task_status))
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        yield http, backend
+
+
+async def test_models_health_and_status(api: tuple[httpx.AsyncClient, FakeBackend]) -> None:
+    http, backend = api
+    models = (await http.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert (await http.get("/health")).json() == {"status": "ok", "alive": True, "ready": True}
+    backend.is_ready = False
+    reply = await http.get("/health")
+    assert reply.status_code == 503
+    assert reply.json()["alive"] is True
+    assert (await http.get("/v1/hetmesh/status")).json()["self"] == "A"
+
+
+async def test_completion_and_chat_with_usage(api: tuple[httpx.AsyncClient, FakeBackend]) -> None:
+    http, _ = api
+    body = {"model": MODEL, "prompt": "one two three", "max_tokens": 3}
+    reply = (await http.post("/v1/completions", json=body)).json()
+    assert reply["object"] == "text_completion"
+    assert reply["choices"][0]["text"] == " t0 t1 t2."
+    assert reply["choices"][0]["token_ids"] == [100, 101, 102]
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = (await http.post("/v1/chat/completions", json=chat)).json()
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": " t0 t1."}
+
+
+async def _events(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    async with http.stream("POST", path, json=body) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        async for line in reply.aiter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_streamed_chat_is_well_formed(api: tuple[httpx.AsyncClient, FakeBackend]) -> None:
+    http, _ = api
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = await _events(http, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert ids == [100, 101, 102, 103]
+    text = "".join(
+        ch["delta"].get("content", "") for c in chunks for ch in c["choices"] if "delta" in ch
+    )
+    assert text == " t0 t1 t2 t3."
+    reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert reasons == ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+async def test_an_error_mid_stream_is_an_error_event(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, _ = api
+    body = {"model": MODEL, "prompt": "failing", "max_tokens": 8, "stream": True}
+    events = await _events(http, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "no_route"
+    assert sum(len(c.get("choices", [{}])[0].get("token_ids", [])) for c in events[:-2]) == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "code"),
+    [
+        (b"{nope", 400, None, "invalid_json"),
+        ({"model": "other", "prompt": "x"}, 404, "model", "model_not_found"),
+        ({"prompt": "x"}, 400, "model", None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens", None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 1.5}, 400, "max_tokens", None),
+        ({"model": MODEL, "prompt": "w " * 80}, 400, "prompt", "context_length_exceeded"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 64}, 400, "max_tokens", None),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", None),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", None),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", None),
+        ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", None),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
+        ({"model": MODEL, "prompt": "busy"}, 429, None, "busy"),
+        ([1, 2], 400, None, None),
+    ],
+)
+async def test_bad_completion_requests_get_openai_errors(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+    body: Any,
+    status: int,
+    param: str | None,
+    code: str | None,
+) -> None:
+    http, _ = api
+    if isinstance(body, bytes):
+        reply = await http.post("/v1/completions", content=body)
+    else:
+        reply = await http.post("/v1/completions", json=body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+async def test_a_busy_mesh_answers_429_before_streaming(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, _ = api
+    body = {"model": MODEL, "prompt": "busy", "stream": True}
+    reply = await http.post("/v1/completions", json=body)
+    assert reply.status_code == 429
+    assert reply.json()["error"]["hetmesh_error"] == "Rejected"
+
+
+async def test_unknown_routes_and_methods_are_openai_errors(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, _ = api
+    missing = await http.get("/v1/engines")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
+    wrong = await http.get("/v1/completions")
+    assert wrong.status_code == 405
+
+
+async def test_bad_requests_do_not_disturb_a_running_stream(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, backend = api
+    backend.step = trio.Event()  # hold the stream after its first token
+    body = {"model": MODEL, "prompt": "a b", "max_tokens": 5, "stream": True}
+    got: list[Any] = []
+
+    async def stream() -> None:
+        got.extend(await _events(http, "/v1/completions", body))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream)
+        await trio.sleep(0.2)
+        bad = await http.post("/v1/completions", content=b"]")
+        assert bad.status_code == 400
+        assert not got  # still streaming
+        backend.step.set()
+    assert got[-1] == "[DONE]"
+    assert [t for c in got[:-1] for ch in c["choices"] for t in ch["token_ids"]] == [
+        100,
+        101,
+        102,
+        103,
+        104,
+    ]
+
+
+async def test_metrics_export_histograms_and_node_gauges(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, _ = api
+    await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3})
+    await http.post("/v1/completions", json={"model": "nope", "prompt": "a"})
+    text = (await http.get("/metrics")).text
+    assert "hetmesh_ttft_seconds_count 1.0" in text
+    assert "hetmesh_tpot_seconds_count 1.0" in text
+    assert "hetmesh_queue_depth 2.0" in text
+    assert "hetmesh_kv_bytes_used 4096.0" in text
+    assert 'hetmesh_link_bandwidth_bytes_per_second{dst="B",src="A"} 1e+09' in text
+    assert 'hetmesh_rejected_requests_total{reason="model_not_found"} 1.0' in text
+
+
+async def test_sdk_clients_over_http(api: tuple[httpx.AsyncClient, FakeBackend]) -> None:
+    from hetmesh import AsyncClient, Client, InvalidRequest, Rejected
+
+    http, _ = api
+    url = str(http.base_url)
+    async with AsyncClient(url=url) as client:
+        deltas = [d async for d in client.stream("one two", max_new_tokens=3)]
+        chat = await client.chat(
+            [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}],
+            max_new_tokens=2,
+        )
+        with pytest.raises(Rejected):
+            await client.generate("busy", max_new_tokens=4)
+        with pytest.raises(InvalidRequest):
+            await client.generate("x", max_new_tokens=64)
+    assert [d.token_id for d in deltas] == [100, 101, 102, None]
+    assert chat.token_ids == (100, 101)
+    assert (chat.prompt_tokens, chat.completion_tokens) == (2, 2)
+    assert chat.finish_reason == "length"
+
+    def blocking() -> tuple[list[int | None], str]:
+        with Client(url=url) as client:
+            ids = [d.token_id for d in client.stream("a", max_new_tokens=2)]
+            return ids, client.generate("a b", max_new_tokens=1).text
+
+    ids, text = await trio.to_thread.run_sync(blocking)
+    assert ids == [100, 101, None]
+    assert text == " t0."
