@@ -357,7 +357,7 @@ def _blocking_client(
                     Activations(session_id="b", step=2, positions=(0,), tensors=(slab,))
                 )
                 got = link.receive_blocking()
-                handoffs.append((got.token_ids[0] - start) / 1e3)  # type: ignore[attr-defined]
+                handoffs.append((got.token_ids[0] - start) / 1e3)
             out[f"sync_handoff_us_{name}"] = statistics.median(handoffs)
 
 

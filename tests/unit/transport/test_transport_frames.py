@@ -168,7 +168,7 @@ def test_frames_non_contiguous_tensor_is_sent_by_value() -> None:
     "frame",
     [
         Tokens(session_id="s", step=-1, token_ids=()),
-        Tokens(session_id="s", step=True, token_ids=()),  # type: ignore[arg-type]
+        Tokens(session_id="s", step=True, token_ids=()),
         Tokens(session_id="s", step=0, token_ids=(2**64,)),
         Activations(
             session_id="s", step=0, positions=(), tensors=(torch.zeros(2, dtype=torch.complex64),)
@@ -190,7 +190,7 @@ def _raw(
     version: int = VERSION,
     magic: bytes = MAGIC,
 ) -> bytes:
-    head = msgpack.packb(header, use_bin_type=True)
+    head: bytes = msgpack.packb(header, use_bin_type=True)
     n = len(payload) if payload_len is None else payload_len
     return PREFIX.pack(magic, version, tag, len(head), n) + head + payload
 

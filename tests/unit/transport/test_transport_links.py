@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.credentials import Credential
 from hetmesh.transport.dataplane import dial_shm, dial_tcp
 from hetmesh.transport.frames import DEFAULT_LIMITS
-from hetmesh.transport.links import TcpLink, in_thread
+from hetmesh.transport.links import TcpLink, ThreadedLink, in_thread
 
 BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
 
@@ -30,14 +31,14 @@ async def wait_until(predicate: Callable[[], bool], seconds: float = 5.0) -> Non
 
 
 @asynccontextmanager
-async def planes(backend: str, **kw: object) -> AsyncIterator[tuple[DataPlane, DataPlane]]:
+async def planes(backend: str, **kw: Any) -> AsyncIterator[tuple[DataPlane, DataPlane]]:
     async with (
         open_data_plane(
             DataPlaneConfig(peer_id="A", backends=(backend, "libp2p"), gloo=True, **kw)
-        ) as a,  # type: ignore[arg-type]
+        ) as a,
         open_data_plane(
             DataPlaneConfig(peer_id="B", backends=(backend, "libp2p"), gloo=True, **kw)
-        ) as b,  # type: ignore[arg-type]
+        ) as b,
     ):
         yield a, b
 
@@ -163,6 +164,42 @@ async def test_link_peer_closing_mid_frame_releases_buffer() -> None:
             await lb.receive()
         assert lb.statistics().in_use_bytes == 0
         await lb.aclose()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_link_blocking_mode_streams_without_deadlock(backend: str) -> None:
+    """Blocking mode has no reader thread: shm must still see the peer's releases."""
+    async with planes(backend, shm_budget_bytes=1 << 20) as (a, b):
+        la, lb = await link_pair(a, b, blocking_a=True, blocking_b=True)
+        assert isinstance(la, ThreadedLink)
+        assert isinstance(lb, ThreadedLink)
+        t = torch.ones(16 << 10)  # 64 KiB: 16 segments fill the 1 MiB shm budget
+        count = 400
+
+        def sender() -> None:
+            for i in range(count):
+                la.send_blocking(Activations(session_id="s", step=i, positions=(), tensors=(t,)))
+
+        def receiver() -> list[int]:
+            steps = []
+            for _ in range(count):
+                frame = lb.receive_blocking()
+                assert isinstance(frame, Activations)
+                steps.append(frame.step)
+                lb.release(frame)
+            return steps
+
+        got: list[list[int]] = []
+
+        async def receive() -> None:
+            got.append(await in_thread(receiver))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive)
+                await in_thread(sender)
+        assert got == [list(range(count))]
+        assert lb.statistics().in_use_bytes == 0
 
 
 def test_buffer_pool_reuses_and_caps() -> None:

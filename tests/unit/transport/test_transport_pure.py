@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -17,9 +18,9 @@ EP = (("shm", "sock"), ("tcp", "10.0.0.1:5"), ("torchdist", "10.0.0.1:5"))
 
 
 def _offer(**kw: object) -> Offer:
-    base = {"peer_id": "p", "host_id": "h1", "backends": ALL, "endpoints": EP}
+    base: dict[str, Any] = {"peer_id": "p", "host_id": "h1", "backends": ALL, "endpoints": EP}
     base.update(kw)
-    return Offer(**base)  # type: ignore[arg-type]
+    return Offer(**base)
 
 
 @pytest.mark.parametrize(
