@@ -222,7 +222,7 @@ class Serving:
     def _plan_constraints(self, members: Sequence[Any]) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints
 
-        local = self.node.discovery.local_record()
+        local = self.node.discovery.local_record(advance=False)
         announced = [(local.peer_id, local.extra)] + [(e.peer_id, e.record.extra) for e in members]
         return calibrated_constraints(self.constraints, self.model_key, announced)
 
@@ -288,7 +288,7 @@ class Serving:
                 snapshot.devices,
                 snapshot.links,
                 self.profile,
-                constraints=self.constraints,
+                constraints=constraints,
             )
             if len(backed.pipelines) > len(current.pipelines):
                 candidate, reason = backed, "a spare device becomes a standby replica"
