@@ -468,6 +468,16 @@ class Serving:
                 hops = self._route(session_id, avoid)
                 if hops:
                     return hops
+                verdict = self._insufficient or next(
+                    (
+                        e.record.extra["insufficient"]
+                        for e in self._members()
+                        if e.record.extra.get("insufficient")
+                    ),
+                    "",
+                )
+                if self.plan is None and verdict:  # the coordinator cannot place it: say so now
+                    raise InsufficientCapacity(f"cannot serve {self.model_key}: {verdict}")
                 await self._changed.wait()
         if self.plan is None:
             why = self._insufficient or "no plan yet (is the coordinator up?)"
