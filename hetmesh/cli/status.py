@@ -151,14 +151,25 @@ async def watch(
         previous = await client.status(timeout_s)
         last = trio.current_time()
         view = {**previous, "summary": summarize(previous)}
-        with Live(status_renderable(view), console=console, auto_refresh=False) as live:
+        if not console.is_terminal:  # piped: append each view instead of redrawing
+            console.print(status_renderable(view))
+        with contextlib.ExitStack() as stack:
+            live = None
+            if console.is_terminal:
+                live = stack.enter_context(
+                    Live(status_renderable(view), console=console, auto_refresh=False)
+                )
             while True:
                 await trio.sleep(interval_s)
                 current = await client.status(timeout_s)
                 now = trio.current_time()
                 view = {**current, "summary": summarize(current, previous, now - last)}
                 previous, last = current, now
-                live.update(status_renderable(view), refresh=True)
+                if live is not None:
+                    live.update(status_renderable(view), refresh=True)
+                else:
+                    console.print(status_renderable(view))
+                    console.file.flush()
 
 
 @app.command()

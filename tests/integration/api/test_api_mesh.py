@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import trio
 from api_mesh import SECRET, Mesh, running_mesh
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -270,8 +270,35 @@ def test_status_cli_against_the_live_mesh(mesh: Mesh) -> None:
     )
     view = json.loads(raw.stdout)
     assert len(view["peers"]) == 3
-    assert view["summary"]["plan"]["pipelines"][0]["stages"]
-    assert trio  # the module runs trio tests too
+    assert len(view["summary"]["plan"]["pipelines"][0]["stages"]) == 3
+    assert sum(s["bottleneck"] for s in view["summary"]["plan"]["pipelines"][0]["stages"]) == 1
+
+    import signal
+
+    watching = subprocess.Popen(
+        [*base, "--watch", "--interval", "0.5", "--width", "200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=node_env(),
+        cwd=str(REPO),
+    )
+    try:
+        seen = ""
+        assert watching.stdout is not None
+        end = time.monotonic() + 60
+        while time.monotonic() < end and seen.count("plan epoch") < 2:
+            line = watching.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert seen.count("plan epoch") >= 2, seen  # drawn, then redrawn (piped: appended)
+        watching.send_signal(signal.SIGINT)
+        assert watching.wait(timeout=20) == 0
+    finally:
+        if watching.poll() is None:
+            watching.kill()
+            watching.wait()
 
 
 def test_generate_cli_streams_from_the_mesh(
