@@ -61,8 +61,8 @@ class GatewayTimeouts:
     """Step timeouts: ``factor`` × the recent step time, never below the floors."""
 
     factor: float = 4.0
-    step_floor_s: float = 2.0
-    prefill_floor_s: float = 10.0
+    step_floor_s: float = 4.0
+    prefill_floor_s: float = 30.0
     prefill_per_token_s: float = 0.01
     admission_s: float = 30.0  # how long a request waits for a busy mesh
     ping_s: float = 1.5

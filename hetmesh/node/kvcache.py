@@ -121,14 +121,21 @@ class KVManager(Generic[KV]):
         """Free a session's cache at once; False if it was not open."""
         return self._entries.pop(session_id, None) is not None
 
+    def idle_sessions(self) -> list[str]:
+        """Sessions idle longer than the limit (the caller closes them)."""
+        cutoff = self._clock() - self._limits.idle_timeout_s
+        return [sid for sid, e in self._entries.items() if e.last_used_s < cutoff]
+
     def expire_idle(self) -> list[str]:
         """Close sessions idle longer than the limit; return their ids."""
-        cutoff = self._clock() - self._limits.idle_timeout_s
-        stale = [sid for sid, e in self._entries.items() if e.last_used_s < cutoff]
+        stale = self.idle_sessions()
         for sid in stale:
             del self._entries[sid]
-        self._expired += len(stale)
+        self.note_expired(len(stale))
         return stale
+
+    def note_expired(self, count: int) -> None:
+        self._expired += count
 
     @property
     def bytes_reserved(self) -> int:

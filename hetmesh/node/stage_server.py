@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from hetmesh.errors import InvalidRequest, MeshError, Rejected
+from hetmesh.errors import ComputeError, InvalidRequest, MeshError, Rejected
 from hetmesh.node.control import CloseSession, OpenSession, Reply
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
 from hetmesh.partition.kv import SessionKV
@@ -66,6 +66,7 @@ class _Item:
 @dataclass(slots=True)
 class _Outcome:
     item: _Item
+    session: _Session | None = None
     output: torch.Tensor | int | None = None
     error: MeshError | None = None
 
@@ -114,6 +115,8 @@ class StageServer:
         self._sessions: dict[str, _Session] = {}
         self._inbox_send, self._inbox = trio.open_memory_channel[_Item](math.inf)
         self._pending: deque[_Item] = deque()
+        self._inflight: set[str] = set()  # sessions in the batch on the device thread
+        self._closing: set[str] = set()  # closed while in flight: freed after the batch
         self._counters = _Counters()
 
     # -- control ----------------------------------------------------------------
@@ -151,18 +154,21 @@ class StageServer:
         return Reply(ok=True)
 
     def close(self, session_id: str) -> None:
-        """Free a session's KV cache at once (unknown ids are ignored)."""
+        """Free a session's KV cache at once, or right after the batch computing it
+        (unknown ids are ignored)."""
+        if session_id in self._inflight:
+            self._closing.add(session_id)
+            return
         session = self._sessions.pop(session_id, None)
         if session is not None:
             session.kv.free()
         self.kv.close(session_id)
 
     def expire_idle(self) -> list[str]:
-        expired = self.kv.expire_idle()
+        expired = [sid for sid in self.kv.idle_sessions() if sid not in self._inflight]
         for sid in expired:
-            session = self._sessions.pop(sid, None)
-            if session is not None:
-                session.kv.free()
+            self.close(sid)
+        self.kv.note_expired(len(expired))
         return expired
 
     # -- data -------------------------------------------------------------------
@@ -179,18 +185,29 @@ class StageServer:
         self._inbox_send.send_nowait(item)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The batching loop; never returns."""
+        """The batching loop; never returns, whatever one batch does."""
         task_status.started()
         while True:
             batch = await self._next_batch()
+            outcomes = [_Outcome(item, self._sessions.get(item.session_id)) for item in batch]
+            self._inflight = {item.session_id for item in batch}
             started = time.perf_counter()
-            outcomes = await trio.to_thread.run_sync(self._compute, batch, limiter=self._limiter)
-            elapsed = time.perf_counter() - started
+            try:
+                await trio.to_thread.run_sync(self._compute, outcomes, limiter=self._limiter)
+            except Exception as exc:  # a bug must not take the stage down: fail this batch
+                log.exception("stage [%d, %d) batch failed", self.stage.start, self.stage.end)
+                for outcome in outcomes:
+                    outcome.error = outcome.error or ComputeError(f"stage failed: {exc!r}")
+            finally:
+                self._inflight = set()
+                for sid in sorted(self._closing):
+                    self.close(sid)
+                self._closing.clear()
             c = self._counters
             c.rounds += 1
             c.items += len(batch)
             c.tokens += sum(item.inputs.shape[0] for item in batch)
-            c.recent.append(elapsed)
+            c.recent.append(time.perf_counter() - started)
             for outcome in outcomes:
                 await self._deliver(outcome)
 
@@ -215,18 +232,21 @@ class StageServer:
         self._pending.extendleft(reversed(deferred))
         return batch
 
-    def _compute(self, batch: list[_Item]) -> list[_Outcome]:
-        """Runs on the device thread: one forward for the whole batch if it can."""
-        outcomes = [_Outcome(item) for item in batch]
+    def _compute(self, outcomes: list[_Outcome]) -> None:
+        """Runs on the device thread: one forward for the whole batch if it can.
+
+        Sessions were resolved on the trio thread and cannot be freed while
+        the batch is in flight (see :meth:`close`).
+        """
         ready: list[_Outcome] = []
         for outcome in outcomes:
-            session = self._sessions.get(outcome.item.session_id)
+            session, item = outcome.session, outcome.item
             if session is None:
-                outcome.error = InvalidRequest(f"session {outcome.item.session_id} was closed")
-            elif outcome.item.positions[:1] != (session.kv.length,):
+                outcome.error = InvalidRequest(f"session {item.session_id} was closed")
+            elif item.positions[:1] != (session.kv.length,):
                 outcome.error = InvalidRequest(
-                    f"session {outcome.item.session_id}: activation starts at position "
-                    f"{outcome.item.positions[:1]}, the cache holds {session.kv.length}"
+                    f"session {item.session_id}: activation starts at position "
+                    f"{item.positions[:1]}, the cache holds {session.kv.length}"
                 )
             else:
                 ready.append(outcome)
@@ -238,14 +258,14 @@ class StageServer:
                     self._forward([outcome])
                 except MeshError as exc:
                     outcome.error = exc
-        for outcome in outcomes:
-            outcome.item.release()
-        return outcomes
+        finally:
+            for outcome in outcomes:
+                outcome.item.release()
 
     def _forward(self, outcomes: list[_Outcome]) -> None:
         if not outcomes:
             return
-        sessions = [self._sessions[o.item.session_id] for o in outcomes]
+        sessions = [o.session for o in outcomes if o.session is not None]
         results = self.stage.forward_batch(
             [(o.item.inputs, s.kv) for o, s in zip(outcomes, sessions, strict=True)],
             last_only=self.stage.has_head,
@@ -257,10 +277,9 @@ class StageServer:
             outcome.output = session.sampler(result[-1], outcome.item.step)
 
     async def _deliver(self, outcome: _Outcome) -> None:
-        item = outcome.item
-        session = self._sessions.get(item.session_id)
-        if session is None:
-            return
+        item, session = outcome.item, outcome.session
+        if session is None or item.session_id not in self._sessions:
+            return  # closed meanwhile: nobody waits for it
         request = session.request
         try:
             if outcome.error is not None:

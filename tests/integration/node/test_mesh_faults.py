@@ -48,31 +48,33 @@ async def test_generation_survives_losing_the_serving_replica(tmp_path, default_
         await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=120))
         plan = _plan(await view_of(nodes[0]))
         primary, replica = plan.pipelines[0], plan.pipelines[1]
-        ((victim, backup),) = [
+        ((first, second),) = [
             (a.peer_id, b.peer_id)
             for a, b in zip(primary.stages, replica.stages, strict=True)
             if a.peer_id != b.peer_id
         ]
         by_peer = {n.peer_id: n for n in nodes}
-        gateway = next(n for n in nodes if n.peer_id not in (victim, backup))
+        gateway = next(n for n in nodes if n.peer_id not in (first, second))
         got: list[int] = []
-        faulted = False
+        victim = ""
         try:
             async with open_mesh_client(gateway.addr, mesh_secret=SECRET) as mesh:
                 async for event in mesh.stream(prompt_ids=ids, max_new_tokens=NEW_TOKENS):
                     if not isinstance(event, TokenEvent) or event.token_id < 0:
                         continue
                     got.append(event.token_id)
-                    if len(got) == NEW_TOKENS // 3 and not faulted:
-                        # the victim really serves this session before it fails
+                    if len(got) >= NEW_TOKENS // 3 and not victim:
+                        # fail the replica that really serves this session (the router's
+                        # choice shows in the stages' announced load, about once a second)
                         view = await view_of(gateway)
-                        assert _load(view, victim) >= 1 or _load(view, backup) == 0
-                        os.kill(by_peer[victim].proc.pid, fault)
-                        faulted = True
+                        serving = [p for p in (first, second) if _load(view, p) >= 1]
+                        if len(serving) == 1:
+                            victim = serving[0]
+                            os.kill(by_peer[victim].proc.pid, fault)
         finally:
-            if fault == signal.SIGSTOP:
+            if victim and fault == signal.SIGSTOP:
                 os.kill(by_peer[victim].proc.pid, signal.SIGCONT)
-        assert faulted
+        assert victim, "the generation ended before the serving replica could be failed"
         assert got == expected
         view = await view_of(gateway)
         me = next(p for p in view["peers"] if p["health"] == "self")

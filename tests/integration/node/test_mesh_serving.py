@@ -128,3 +128,44 @@ async def test_bad_input_gets_clear_errors_while_a_generation_carries_on(mesh3, 
             assert unknown["ok"] is False
             assert "unknown session operation" in unknown["message"]
     assert result["ids"] == expected
+
+
+async def test_no_leak_after_a_hundred_sessions(mesh3, default_model_dir):
+    import random
+
+    import psutil
+
+    rng = random.Random(7)
+    base = encode(default_model_dir, "Write a short poem about rivers and the sea. " * 8)
+    jobs = [(base[: rng.randint(3, len(base))], rng.randint(1, 12)) for _ in range(100)]
+    procs = [psutil.Process(n.proc.pid) for n in mesh3]
+
+    async def run(batch):
+        async with trio.open_nursery() as nursery:
+            for prompt, n in batch:
+                nursery.start_soon(
+                    lambda p=prompt, k=n: generate_ids(mesh3[len(p) % 3].addr, p, max_new_tokens=k)
+                )
+
+    def rss() -> list[int]:
+        return [p.memory_info().rss for p in procs]
+
+    for i in range(0, 10, 5):
+        await run(jobs[i : i + 5])
+    after_ten = rss()
+    for i in range(10, 100, 5):
+        await run(jobs[i : i + 5])
+    after_hundred = rss()
+
+    async def kv_in_use() -> int:
+        view = await view_of(mesh3[0])
+        return sum(p["record"]["load"]["kv_bytes_used"] for p in view["peers"])
+
+    for _ in range(30):  # announcements carry the figure about once a second
+        if await kv_in_use() == 0:
+            break
+        await trio.sleep(0.5)
+    else:
+        raise AssertionError(f"KV bytes still in use: {await kv_in_use()}")
+    for before, after in zip(after_ten, after_hundred, strict=True):
+        assert after <= before * 1.10, (before, after)
