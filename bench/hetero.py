@@ -48,7 +48,7 @@ from tests.testbed import (  # noqa: E402
     devices_of,
     open_mesh_testbed,
     plan_of,
-    testbed_unavailable,
+    why_no_testbed,
 )
 
 GIB = 1 << 30
@@ -133,7 +133,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    why = testbed_unavailable()
+    why = why_no_testbed()
     if why:
         print(f"cannot build the testbed here: {why}", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ from tests.testbed import (  # noqa: E402
     devices_of,
     open_mesh_testbed,
     plan_of,
-    testbed_unavailable,
+    why_no_testbed,
 )
 
 PROMPT = "The three laws of robotics are"
@@ -110,7 +110,7 @@ def main() -> int:
     parser.add_argument("--hold", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    why = testbed_unavailable()
+    why = why_no_testbed()
     if why:
         print(f"cannot build the testbed here: {why}", file=sys.stderr)
         return 2

@@ -45,7 +45,7 @@ class HostSpec:
     args: tuple[str, ...] = ()
 
 
-def testbed_unavailable() -> str | None:
+def why_no_testbed() -> str | None:
     """Why this machine cannot run the testbed (for ``pytest.skip``), or None."""
     return unavailable_reason(need_cgroups=True, need_tc=True)
 
@@ -324,6 +324,6 @@ __all__ = [
     "devices_of",
     "open_mesh_testbed",
     "plan_of",
-    "testbed_unavailable",
     "wait_for",
+    "why_no_testbed",
 ]
