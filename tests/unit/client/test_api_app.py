@@ -53,7 +53,7 @@ class FakeBackend:
             raise Rejected("busy: every pipeline is full")
         for i in range(params.max_new_tokens):
             await self.step.wait()
-            await trio.lowlevel.checkpoint()
+            await trio.sleep(0.2 if prompt_ids[0] == len("sluggish") else 0)
             if i == 3 and prompt_ids[0] == len("failing"):
                 raise NoRoute("a stage vanished")
             yield 100 + i, f" t{i}"
@@ -287,3 +287,19 @@ async def test_sdk_clients_over_http(api: tuple[httpx.AsyncClient, FakeBackend])
     ids, text = await trio.to_thread.run_sync(blocking)
     assert ids == [100, 101, None]
     assert text == " t0."
+
+
+async def test_sdk_timeouts_over_http(api: tuple[httpx.AsyncClient, FakeBackend]) -> None:
+    from hetmesh import AsyncClient, RequestTimeout, Timeout
+
+    http, backend = api
+    url = str(http.base_url)
+    async with AsyncClient(url=url, timeout=Timeout(first_token=0.5, total=0.5)) as client:
+        with pytest.raises(RequestTimeout):  # tokens arrive, but the whole takes too long
+            await client.generate("sluggish", max_new_tokens=10)
+        backend.step = trio.Event()  # no first token at all
+        with pytest.raises(RequestTimeout):
+            await client.generate("quick", max_new_tokens=2)
+        backend.step.set()
+        done = await client.generate("quick", max_new_tokens=2)
+    assert done.token_ids == (100, 101)
