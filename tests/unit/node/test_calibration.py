@@ -1,0 +1,25 @@
+"""The calibration measurement runs the real stage code on one block."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partition"))
+from tiny_models import save_tiny
+
+from hetmesh.errors import MeshError
+from hetmesh.node.calibration import measure_block_step_s
+
+
+def test_block_step_is_measured_on_a_tiny_model(tmp_path: Path) -> None:
+    save_tiny("llama-tied", tmp_path)
+    step = measure_block_step_s(tmp_path, budget_s=0.1, window_s=0.03)
+    assert 0 < step < 0.05  # one 64-wide block: well under 50 ms a step
+
+
+def test_a_missing_model_is_a_mesh_error(tmp_path: Path) -> None:
+    with pytest.raises(MeshError):
+        measure_block_step_s(tmp_path / "absent", budget_s=0.05)
