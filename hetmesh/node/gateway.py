@@ -66,6 +66,8 @@ class GatewayTimeouts:
     prefill_per_token_s: float = 0.01
     admission_s: float = 30.0  # how long a request waits for a busy mesh
     ping_s: float = 1.5
+    close_s: float = 5.0
+    max_extensions: int = 3  # a slow step whose stages all answer pings may wait this often
     max_recoveries: int = 8
 
 
@@ -79,6 +81,7 @@ class GatewayStatistics:
     tokens_out: int
     stale_frames: int
     rejected_busy: int
+    slow_steps: int
 
 
 class _StepFailed(Exception):
@@ -116,6 +119,7 @@ class Gateway:
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
+        self._slow_steps = 0
 
     # -- inbound ------------------------------------------------------------------
 
@@ -286,7 +290,7 @@ class Gateway:
                 raise _StepFailed(
                     f"cannot reach the first stage: {exc}", frozenset({first})
                 ) from exc
-            token = await self._await_token(inbox, step, len(feed))
+            token = await self._await_token(inbox, step, len(feed), hops)
             self._note_step(time.perf_counter() - started, len(feed))
             position += len(feed)
             if token in self._eos:
@@ -298,24 +302,39 @@ class Gateway:
             feed = [token]
 
     async def _await_token(
-        self, inbox: trio.MemoryReceiveChannel[Tokens | Error], step: int, fed: int
+        self,
+        inbox: trio.MemoryReceiveChannel[Tokens | Error],
+        step: int,
+        fed: int,
+        hops: Sequence[Hop],
     ) -> int:
+        """The token of ``step``; ``_StepFailed`` when a stage is gone or stuck.
+
+        A step slower than its timeout is not failed at once: if every stage
+        still answers a ping, the mesh is merely busy and the wait goes on (up
+        to ``max_extensions`` times); a silent stage fails the step at once.
+        """
         t = self.timeouts
         if fed > 1:
             timeout = max(t.prefill_floor_s, fed * t.prefill_per_token_s, t.factor * self._step_s)
         else:
             timeout = max(t.step_floor_s, t.factor * self._step_s)
-        with trio.move_on_after(timeout):
-            while True:
-                frame = await inbox.receive()
-                if isinstance(frame, Error):
-                    if frame.code == ERROR_PROTOCOL:
-                        raise InvalidRequest(frame.message)
-                    raise _StepFailed(f"a stage failed: {frame.message}")
-                if frame.step == step and frame.token_ids:
-                    return int(frame.token_ids[0])
-                self._stale += 1
-        raise _StepFailed(f"no token for step {step} within {timeout:.1f} s")
+        for _ in range(t.max_extensions + 1):
+            with trio.move_on_after(timeout):
+                while True:
+                    frame = await inbox.receive()
+                    if isinstance(frame, Error):
+                        if frame.code == ERROR_PROTOCOL:
+                            raise InvalidRequest(frame.message)
+                        raise _StepFailed(f"a stage failed: {frame.message}")
+                    if frame.step == step and frame.token_ids:
+                        return int(frame.token_ids[0])
+                    self._stale += 1
+            silent = await self._find_silent(hops)
+            if silent:
+                raise _StepFailed(f"no token for step {step} within {timeout:.1f} s", silent)
+            self._slow_steps += 1
+        raise _StepFailed(f"step {step} stalled although every stage answers pings")
 
     def _note_step(self, elapsed: float, fed: int) -> None:
         if fed == 1:
@@ -342,7 +361,7 @@ class Gateway:
 
     async def _close(self, session_id: str, hops: Sequence[Hop]) -> None:
         async def close_one(peer: PeerId) -> None:
-            with trio.move_on_after(self.timeouts.ping_s):
+            with trio.move_on_after(self.timeouts.close_s):
                 try:
                     await self._control(peer, CloseSession(session_id=session_id))
                 except MeshError as exc:
@@ -362,4 +381,5 @@ class Gateway:
             tokens_out=self._tokens,
             stale_frames=self._stale,
             rejected_busy=self._busy,
+            slow_steps=self._slow_steps,
         )
