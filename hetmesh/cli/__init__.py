@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from hetmesh.cli import demo as _demo  # noqa: F401  (registers commands)
 from hetmesh.cli import model as _model  # noqa: F401  (registers commands)
 from hetmesh.cli import node as _node  # noqa: F401  (registers commands)
 from hetmesh.cli import plan as _plan  # noqa: F401  (registers commands)

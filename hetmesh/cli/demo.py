@@ -1,0 +1,68 @@
+"""``hetmesh demo``: a three-node mesh on this machine serving the default model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from hetmesh.cli._app import app
+
+# Each node offers this much memory, so no single node can hold the model and
+# its KV budget: the planner has to cut it across the three of them.
+DEMO_NODE_MEMORY = "500MiB"
+
+
+@app.command()
+def demo(
+    prompt: Annotated[str, typer.Argument(help="What to ask.")] = (
+        "Write one sentence about the sea."
+    ),
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
+    nodes: Annotated[int, typer.Option(min=1, max=8, help="Node processes to start.")] = 3,
+    cache_dir: Annotated[Path | None, typer.Option(envvar="HETMESH_HOME")] = None,
+) -> None:
+    """Start a local mesh, stream one chat generation through it, show its status, stop it."""
+    from hetmesh.cli.model import _resolve, _stream_mesh
+    from hetmesh.cli.status import render_status
+    from hetmesh.node.local import local_mesh, wait_serving
+
+    model_dir = _resolve("smollm2-135m-instruct", cache_dir)  # pull once, before the nodes
+    args = ["--max-memory", DEMO_NODE_MEMORY, "--max-sessions", "4"]
+    if cache_dir is not None:
+        args += ["--cache-dir", str(cache_dir)]
+    err = sys.stderr
+    print(f"starting {nodes} nodes on loopback serving {model_dir.name} ...", file=err)
+    with local_mesh(nodes, node_args=args) as mesh:
+        wait_serving(mesh)
+        print(f"mesh up; asking {mesh.nodes[-1].addr}\n", file=err)
+        print(f"> {prompt}")
+        request = {"prompt": prompt, "chat": True, "max_new_tokens": max_new_tokens}
+        _stream_mesh(mesh.nodes[-1].addr, mesh.secret, request)
+        view = _settled_view(mesh.addr, mesh.secret)
+        print()
+        print(render_status(view, width=120))
+        print("stopping the mesh ...", file=err)
+    print("done", file=err)
+
+
+def _settled_view(addr: str, secret: str) -> dict[str, Any]:
+    """The mesh's status once the finished session has left every announcement."""
+    import trio
+
+    from hetmesh.discovery.status import fetch_status
+
+    async def fetch() -> dict[str, Any]:
+        view: dict[str, Any] = {}
+        with trio.move_on_after(5):  # announcements go out about once a second
+            while True:
+                view = await fetch_status(addr, mesh_secret=secret)
+                loads = [p["record"]["load"]["active_sessions"] for p in view["peers"]]
+                if not any(loads):
+                    break
+                await trio.sleep(0.5)
+        return view
+
+    return trio.run(fetch)

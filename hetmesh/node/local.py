@@ -1,0 +1,190 @@
+"""A mesh of node processes on this machine's loopback: ``hetmesh demo`` and the benches.
+
+Each node is a real ``hetmesh node start`` process with its own data
+directory and logs; the first is the bootstrap peer of the others. Every
+process is stopped (SIGTERM, then SIGKILL) when the block exits, whatever
+happened inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetmesh.errors import MeshError, RequestTimeout
+
+
+@dataclass
+class LocalNode:
+    proc: subprocess.Popen[bytes]
+    data_dir: Path
+    log_path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def addr(self) -> str:
+        return str(self.info["addrs"][0])
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.info["peer_id"])
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class LocalMesh:
+    nodes: list[LocalNode]
+    secret: str
+    root: Path
+
+    @property
+    def addr(self) -> str:
+        return self.nodes[0].addr
+
+
+def _wait_info(node: LocalNode, timeout_s: float) -> None:
+    info_file = node.data_dir / "node.json"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.proc.poll() is not None:
+            raise MeshError(
+                f"node in {node.data_dir} exited with {node.proc.returncode}:\n{node.log_tail()}"
+            )
+        if info_file.exists():
+            node.info = json.loads(info_file.read_text())
+            return
+        time.sleep(0.1)
+    raise RequestTimeout(f"node in {node.data_dir} did not start in {timeout_s:.0f} s")
+
+
+def _start(root: Path, name: str, args: Sequence[str], secret: str) -> LocalNode:
+    data_dir = root / name
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = root / f"{name}.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "hetmesh",
+        "node",
+        "start",
+        "--serve",
+        "--no-mdns",
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--data-dir",
+        str(data_dir),
+        *args,
+    ]
+    env = dict(os.environ, HETMESH_MESH_SECRET=secret)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return LocalNode(proc, data_dir, log_path)
+
+
+def _stop(nodes: Sequence[LocalNode], grace_s: float = 10.0) -> None:
+    for node in nodes:
+        if node.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                node.proc.send_signal(signal.SIGCONT)
+                node.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for node in nodes:
+        try:
+            node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait()
+
+
+def ready_pipelines(view: dict[str, Any]) -> int:
+    """Pipelines of the newest plan in a status view whose every stage is ready."""
+    from hetmesh.scheduler.records import Plan
+
+    plans = [
+        Plan.from_wire(p["record"]["extra"]["plan"])
+        for p in view["peers"]
+        if p["record"].get("extra", {}).get("plan")
+    ]
+    if not plans:
+        return 0
+    plan = max(plans, key=lambda p: p.epoch)
+    ready = {
+        (p["peer_id"], s["start"], s["end"])
+        for p in view["peers"]
+        if p["health"] in ("self", "alive")
+        for s in p["record"]["stages"]
+        if s.get("ready")
+    }
+    return sum(
+        all((s.peer_id, s.start, s.end) in ready for s in pipeline.stages)
+        for pipeline in plan.pipelines
+    )
+
+
+def wait_serving(
+    mesh: LocalMesh, *, pipelines: int = 1, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Block until the first node sees ``pipelines`` ready pipelines; its view then."""
+    import trio
+
+    from hetmesh.discovery.status import fetch_status
+
+    deadline = time.monotonic() + timeout_s
+    view: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        for node in mesh.nodes:
+            if node.proc.poll() is not None:
+                raise MeshError(f"a node exited with {node.proc.returncode}:\n{node.log_tail()}")
+        with contextlib.suppress(MeshError, OSError):
+            view = trio.run(lambda: fetch_status(mesh.addr, mesh_secret=mesh.secret))
+            if ready_pipelines(view) >= pipelines:
+                return view
+        time.sleep(0.5)
+    raise RequestTimeout(f"the local mesh did not serve within {timeout_s:.0f} s")
+
+
+@contextlib.contextmanager
+def local_mesh(
+    count: int = 3,
+    *,
+    node_args: Sequence[str] = (),
+    per_node_args: Sequence[Sequence[str]] = (),
+    root: Path | None = None,
+    start_timeout_s: float = 120.0,
+) -> Iterator[LocalMesh]:
+    """``count`` serving nodes on loopback, bootstrapped from the first one."""
+    secret = secrets.token_hex(16)
+    with contextlib.ExitStack() as stack:
+        if root is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hetmesh-")))
+        nodes: list[LocalNode] = []
+        try:
+            extra = list(per_node_args) + [()] * count
+            first = _start(root, "node1", [*node_args, *extra[0]], secret)
+            nodes.append(first)
+            _wait_info(first, start_timeout_s)
+            for i in range(1, count):
+                args = [*node_args, *extra[i], "--bootstrap", first.addr]
+                nodes.append(_start(root, f"node{i + 1}", args, secret))
+            for node in nodes[1:]:
+                _wait_info(node, start_timeout_s)
+            yield LocalMesh(nodes, secret, root)
+        finally:
+            _stop(nodes)
+
+
+__all__ = ["LocalMesh", "LocalNode", "local_mesh", "ready_pipelines", "wait_serving"]
