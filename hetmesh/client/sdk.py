@@ -45,6 +45,7 @@ from hetmesh.errors import (
     InvalidRequest,
     LocalProtocolError,
     MeshError,
+    NoRoute,
     PeerUnreachable,
     RemoteProtocolError,
     RequestTimeout,
@@ -61,6 +62,7 @@ class _HttpTransport:
 
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._model: str | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(
@@ -87,11 +89,14 @@ class _HttpTransport:
             raise PeerUnreachable(f"{self.url}/health answered {reply.status_code}")
 
     async def model(self) -> str:
-        reply = await self._get("/v1/models")
-        data = reply.get("data") or []
-        if not data:
-            raise RemoteProtocolError(f"{self.url} serves no model")
-        return str(data[0]["id"])
+        """The id of the model the node serves (asked once)."""
+        if self._model is None:
+            reply = await self._get("/v1/models")
+            data = reply.get("data") or []
+            if not data:
+                raise NoRoute(f"{self.url} serves no model yet")
+            self._model = str(data[0]["id"])
+        return self._model
 
     async def _get(self, path: str) -> dict[str, Any]:
         import httpx
