@@ -472,6 +472,17 @@ def build_app(backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery) -> S
     )
 
 
+def _first_os_error(exc: BaseException) -> OSError | None:
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_os_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 async def serve_http(
     backend: Backend,
     *,
@@ -510,6 +521,11 @@ async def serve_http(
                         task_status.started(url)
             except Exception as exc:  # never let the HTTP server take the node down
                 if url is None:
+                    bind = _first_os_error(exc)
+                    if bind is not None:  # could not listen at start: say so in one line
+                        raise errors.TransportError(
+                            f"the HTTP API cannot listen on {host}:{port}: {bind.strerror or bind}"
+                        ) from exc
                     raise
                 log.error("the HTTP server failed; restarting it", exc_info=exc)
             await trio.sleep(1.0)

@@ -303,3 +303,17 @@ async def test_sdk_timeouts_over_http(api: tuple[httpx.AsyncClient, FakeBackend]
         backend.step.set()
         done = await client.generate("quick", max_new_tokens=2)
     assert done.token_ids == (100, 101)
+
+
+async def test_a_taken_port_is_one_clear_error(api: tuple[httpx.AsyncClient, FakeBackend]) -> None:
+    from hetmesh.cli.node import first_mesh_error
+    from hetmesh.errors import TransportError
+
+    http, backend = api
+    port = http.base_url.port
+    assert port is not None
+    with pytest.raises(BaseException) as caught:  # noqa: PT011 - unwrapped below
+        await serve_http(backend, port=port)
+    found = first_mesh_error(caught.value)
+    assert isinstance(found, TransportError)
+    assert f"cannot listen on 127.0.0.1:{port}" in str(found)
