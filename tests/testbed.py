@@ -275,6 +275,9 @@ class MeshTestbed:
         return {n.peer_id: n.host for n in self.nodes}
 
 
+MakeTestbed = Callable[[Sequence[HostSpec]], MeshTestbed]  # the ``mesh_testbed`` fixture
+
+
 def plan_of(view: dict[str, Any]) -> Any:
     """The newest plan published in a status view (a ``Plan``), or None."""
     from hetmesh.scheduler.records import Plan
@@ -318,6 +321,7 @@ def open_mesh_testbed(
 
 __all__ = [
     "HostSpec",
+    "MakeTestbed",
     "MeshNode",
     "MeshTestbed",
     "child_env",

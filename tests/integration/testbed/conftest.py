@@ -1,10 +1,64 @@
-"""The testbed tests import ``tests.testbed`` (the repository root on the path)."""
+"""The ``mesh_testbed`` fixture: emulated hosts for real nodes, torn down whatever happens.
+
+``mesh_testbed(specs)`` builds one host per :class:`~tests.testbed.HostSpec`
+(namespaces, tbf, cgroups) and returns its :class:`~tests.testbed.MeshTestbed`;
+start nodes with ``start_all``/``start_node``. Skips with the reason where the
+machine cannot (no root, ``tc``, cgroup v1 or nsenter). On failure the nodes'
+log tails are printed.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from tests.testbed import (  # noqa: E402
+    HostSpec,
+    MakeTestbed,
+    MeshTestbed,
+    open_mesh_testbed,
+    why_no_testbed,
+)
+
+
+@pytest.fixture
+def mesh_testbed(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MakeTestbed]:
+    reason = why_no_testbed()
+    if reason:
+        pytest.skip(reason)
+    with contextlib.ExitStack() as stack:
+        beds: list[MeshTestbed] = []
+
+        def make(specs: Sequence[HostSpec]) -> MeshTestbed:
+            workdir = tmp_path / f"bed{len(beds)}"
+            workdir.mkdir()
+            bed = stack.enter_context(open_mesh_testbed(workdir, specs))
+            beds.append(bed)
+            return bed
+
+        try:
+            yield make
+        finally:
+            failed = getattr(request.node, "rep_call", None)
+            if failed is not None and failed.failed:
+                for bed in beds:
+                    for node in bed.nodes:
+                        print(f"--- host {node.host} ---\n{node.log()[-3000:]}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.rep_call = report  # type: ignore[attr-defined]
+    return report

@@ -13,22 +13,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hetmesh.partition.profile import model_profile
+from hetmesh.partition.store import check_model_dir
 from tests.testbed import (
     REPO,
     HostSpec,
+    MakeTestbed,
     MeshTestbed,
     child_env,
     devices_of,
-    open_mesh_testbed,
     plan_of,
     wait_for,
-    why_no_testbed,
 )
 
 pytestmark = [
@@ -77,19 +77,6 @@ def reference(default_model_dir: Path) -> dict[str, Any]:
     return data
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    reason = why_no_testbed()
-    if reason:
-        pytest.skip(reason)
-    return tmp_path
-
-
-def _dump_logs(bed: MeshTestbed) -> None:
-    for node in bed.nodes:
-        print(f"--- host {node.host} ---\n{node.log()[-3000:]}")
-
-
 def _assert_same_as_reference(bed: MeshTestbed, reference: dict[str, Any]) -> None:
     for ids, want in zip(reference["prompts"], reference["tokens"], strict=True):
         (got,) = bed.generate(ids, NEW_TOKENS)
@@ -97,37 +84,33 @@ def _assert_same_as_reference(bed: MeshTestbed, reference: dict[str, Any]) -> No
         assert got["tokens"] == want
 
 
-@pytest.fixture
-def hetero_bed(workdir: Path) -> Iterator[MeshTestbed]:
-    specs = [
-        HostSpec(cpu=1.0, max_memory="350MiB"),
-        HostSpec(cpu=0.5, max_memory="350MiB"),
-        HostSpec(cpu=0.25, max_memory="350MiB", rate="50mbit"),
-    ]
-    with open_mesh_testbed(workdir, specs) as bed:
-        try:
-            yield bed
-        except BaseException:
-            _dump_logs(bed)
-            raise
-
-
 def test_heterogeneous_mesh_gives_the_slow_host_less_work(
-    hetero_bed: MeshTestbed, reference: dict[str, Any]
+    mesh_testbed: MakeTestbed, reference: dict[str, Any], default_model_dir: Path
 ) -> None:
-    bed = hetero_bed
+    bed = mesh_testbed(
+        [
+            HostSpec(cpu=1.0, max_memory="350MiB"),
+            HostSpec(cpu=0.5, max_memory="350MiB"),
+            HostSpec(cpu=0.25, max_memory="350MiB", rate="50mbit"),
+        ]
+    )
     bed.start_all(*NODE_ARGS)
     view = bed.wait_serving()
     plan = plan_of(view)
     hosts = bed.peer_host()
     flops = {hosts[p]: float(d["matmul_flops"]) for p, d in devices_of(view).items()}
+    profile = model_profile(check_model_dir(default_model_dir))
     units = {h: 0 for h in hosts.values()}
+    work = {h: 0.0 for h in hosts.values()}  # FLOPs per decoded token: the head weighs most
     for stage in plan.pipelines[0].stages:
         units[hosts[stage.peer_id]] += stage.end - stage.start
+        work[hosts[stage.peer_id]] += sum(
+            u.flops_per_token for u in profile.units[stage.start : stage.end]
+        )
     calibrated = {
         hosts[k.split("/")[0]]: v for k, v in plan.constraints.block_step_s_by_device.items()
     }
-    print(f"FLOP/s {flops}, block step {calibrated}, units {units}")
+    print(f"FLOP/s {flops}, block step {calibrated}, units {units}, work {work}")
     slowest, fastest = min(flops, key=flops.__getitem__), max(flops, key=flops.__getitem__)
     assert slowest == 2  # the 25% quota measured as the slowest
     assert set(calibrated) == {0, 1, 2}  # every node's measured block step reached the plan
@@ -136,7 +119,8 @@ def test_heterogeneous_mesh_gives_the_slow_host_less_work(
     # 350 MiB each: no two hosts hold the model, so all three serve, the slow one least
     assert all(units[h] > 0 for h in (0, 1, 2))
     assert units[slowest] < units[fastest]
-    assert units[slowest] == min(units.values())
+    assert work[slowest] == min(work.values())
+    assert work[slowest] < work[fastest]
 
     # the shaped link is measured as such (probes ride each host's access link)
     limited = 6.25e6  # 50 Mbit/s in bytes/s
@@ -160,26 +144,15 @@ LIMIT = 800 * MIB  # per host: below the whole model at run time, above a third 
 OFFER = "450MiB"  # what each node offers the planner: the limit less the node's own runtime
 
 
-@pytest.fixture
-def small_bed(workdir: Path) -> Iterator[MeshTestbed]:
-    specs = [HostSpec(memory_limit_bytes=LIMIT, max_memory=OFFER) for _ in range(3)]
-    with open_mesh_testbed(workdir, specs) as bed:
-        try:
-            yield bed
-        except BaseException:
-            _dump_logs(bed)
-            raise
-
-
 def _cgroup_peak(bed: MeshTestbed, host: int) -> int:
     (mem,) = [cg for cg in bed.net.hosts[host].cgroups if "memory" in cg.parts]
     return int((mem / "memory.max_usage_in_bytes").read_text())
 
 
 def test_model_that_fits_no_single_host_is_refused_alone_and_served_by_three(
-    small_bed: MeshTestbed, reference: dict[str, Any]
+    mesh_testbed: MakeTestbed, reference: dict[str, Any]
 ) -> None:
-    bed = small_bed
+    bed = mesh_testbed([HostSpec(memory_limit_bytes=LIMIT, max_memory=OFFER) for _ in range(3)])
     assert reference["max_rss_bytes"] > LIMIT, "the whole model must not fit one host"
 
     alone = bed.start_node(0, *NODE_ARGS).wait_up(120)
