@@ -36,6 +36,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,10 @@ ALL_BACKENDS = ("tcp", "shm", "torchdist", "libp2p")
 
 
 PIN: list[int] = []  # [client cpu, server cpu] when pinned
+SPIN_US: list[float] = []  # [DataPlaneConfig.spin_us] when --spin-us is given
+# handoffs per size: no byte is copied, so the count does not shrink with the size
+# (it did: 5 samples at 64 MiB gave a median that swung by 10x under load)
+HANDOFFS, WARMUP = 60, 10
 
 
 def _pin(index: int) -> None:
@@ -145,7 +150,8 @@ def baseline(sizes: dict[str, int], counts: dict[str, tuple[int, int]]) -> dict[
 def _config(peer_id: str, backend: str) -> Any:
     from hetmesh.transport import DataPlaneConfig
 
-    return DataPlaneConfig(peer_id=peer_id, backends=(backend,), gloo=True)
+    config = DataPlaneConfig(peer_id=peer_id, backends=(backend,), gloo=True)
+    return replace(config, spin_us=SPIN_US[0]) if SPIN_US else config
 
 
 async def _serve_link(link: Any) -> None:
@@ -187,13 +193,14 @@ def _serve_blocking(link: Any) -> None:
         link.release(frame)
 
 
-def _link_server(backend: str, pipe: Any, pin: list[int]) -> None:
+def _link_server(backend: str, pipe: Any, pin: list[int], spin: list[float]) -> None:
     import torch
     import trio
 
     from hetmesh.transport.links import in_thread
 
     PIN[:] = pin
+    SPIN_US[:] = spin
     _pin(1)
 
     from hetmesh.transport import Libp2pStream, open_data_plane
@@ -242,7 +249,7 @@ async def _measure_link(
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_link_server, args=(backend, child, PIN), daemon=True)
+    proc = ctx.Process(target=_link_server, args=(backend, child, PIN, SPIN_US), daemon=True)
     proc.start()
     out: dict[str, Any] = {}
     try:
@@ -291,7 +298,7 @@ async def _measure_link(
                 out[f"rtt_{name}"] = statistics.median(rtts[1:])
                 if backend == "shm":
                     handoffs = []
-                    for _ in range(max(5, min(trips, 50))):
+                    for _ in range(HANDOFFS):
                         slab = link.allocate(torch.float32, (size // 4,))  # type: ignore[attr-defined]
                         start = now_ns()
                         await link.send(
@@ -300,7 +307,7 @@ async def _measure_link(
                         got = await link.receive()
                         assert isinstance(got, Tokens)
                         handoffs.append((got.token_ids[0] - start) / 1e3)
-                    out[f"handoff_us_{name}"] = statistics.median(handoffs)
+                    out[f"handoff_us_{name}"] = statistics.median(handoffs[WARMUP:])
             await link.aclose()
             if backend != "libp2p":
                 control = await trio.open_tcp_stream("127.0.0.1", address)
@@ -350,7 +357,7 @@ def _blocking_client(
         out[f"sync_rtt_{name}"] = statistics.median(rtts[1:])
         if link.backend == "shm":
             handoffs = []
-            for _ in range(max(5, min(trips, 50))):
+            for _ in range(HANDOFFS):
                 slab = link.allocate(torch.float32, (size // 4,))
                 start = time.perf_counter_ns()
                 link.send_blocking(
@@ -358,7 +365,7 @@ def _blocking_client(
                 )
                 got = link.receive_blocking()
                 handoffs.append((got.token_ids[0] - start) / 1e3)
-            out[f"sync_handoff_us_{name}"] = statistics.median(handoffs)
+            out[f"sync_handoff_us_{name}"] = statistics.median(handoffs[WARMUP:])
 
 
 def run(backends: list[str], sizes: dict[str, int], rounds: int = 3) -> dict[str, Any]:
@@ -380,7 +387,10 @@ def run_once(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     _pin(0)
-    result: dict[str, Any] = {"pinned_cpus": list(PIN)}
+    from hetmesh.transport import DataPlaneConfig
+
+    spin = SPIN_US[0] if SPIN_US else DataPlaneConfig(peer_id="x").spin_us
+    result: dict[str, Any] = {"pinned_cpus": list(PIN), "spin_us": spin}
     for backend in backends:
         counts = {name: _count(size, backend) for name, size in sizes.items()}
         base = baseline(sizes, counts)
@@ -446,7 +456,15 @@ def main() -> None:
     parser.add_argument(
         "--no-pin", action="store_true", help="do not pin client and server to separate CPUs"
     )
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="DataPlaneConfig.spin_us for both ends (default: the config's default; 0: never poll)",
+    )
     args = parser.parse_args()
+    if args.spin_us is not None:
+        SPIN_US[:] = [args.spin_us]
     cpus = sorted(os.sched_getaffinity(0))
     if not args.no_pin and len(cpus) >= 2:
         PIN[:] = cpus[:2]

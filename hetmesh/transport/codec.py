@@ -12,7 +12,6 @@ Pure: imports torch (host tensors only), never trio or libp2p.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -68,22 +67,22 @@ def checked_spec(
     Raises :class:`RemoteProtocolError` for unknown dtypes, too many or
     negative dims, too many elements, or an ``nbytes`` that does not match.
     """
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    item = ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+    if item is None or not isinstance(dtype, str):
         raise RemoteProtocolError(f"unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or len(shape) > max_dims:
+    if type(shape) is not list or len(shape) > max_dims:
         raise RemoteProtocolError("tensor shape missing or has too many dims")
-    dims: list[int] = []
+    elements = 1
     for d in shape:
         if type(d) is not int or d < 0:
             raise RemoteProtocolError(f"bad tensor dim {d!r}")
-        dims.append(d)
-    elements = math.prod(dims)
+        elements *= d
     if elements > max_elements:
         raise RemoteProtocolError(f"tensor of {elements} elements exceeds {max_elements}")
-    expected = elements * ITEMSIZE[dtype]
+    expected = elements * item
     if type(nbytes) is not int or nbytes != expected:
         raise RemoteProtocolError(f"tensor nbytes {nbytes!r} != {expected}")
-    return TensorSpec(dtype, tuple(dims), expected)
+    return TensorSpec(dtype, tuple(shape), expected)
 
 
 def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -131,6 +130,10 @@ class PoolStatistics:
     reuses: int
 
 
+_Key = tuple[str, tuple[int, ...]]
+_Entry = tuple[_Key, torch.Tensor, memoryview]  # key, tensor, its byte view
+
+
 class BufferPool:
     """Reusable receive tensors keyed by dtype and shape (thread-safe).
 
@@ -143,8 +146,8 @@ class BufferPool:
     def __init__(self, max_cached_bytes: int = 512 << 20) -> None:
         self._max_cached = max_cached_bytes
         self._lock = threading.Lock()
-        self._free: dict[tuple[str, tuple[int, ...]], list[torch.Tensor]] = defaultdict(list)
-        self._in_use: dict[int, tuple[tuple[str, tuple[int, ...]], torch.Tensor]] = {}
+        self._free: dict[_Key, list[_Entry]] = defaultdict(list)
+        self._in_use: dict[int, _Entry] = {}
         self._in_use_bytes = 0
         self._cached_bytes = 0
         self._allocations = 0
@@ -152,21 +155,29 @@ class BufferPool:
 
     def acquire(self, spec: TensorSpec) -> torch.Tensor:
         """A tensor of ``spec``'s dtype and shape (contents undefined)."""
+        return self.acquire_view(spec)[0]
+
+    def acquire_view(self, spec: TensorSpec) -> tuple[torch.Tensor, memoryview]:
+        """Like :meth:`acquire`, plus a writable byte view of the tensor (cached with it)."""
         if spec.nbytes == 0:
-            return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+            return torch.empty(spec.shape, dtype=DTYPES[spec.dtype]), memoryview(b"")
         key = (spec.dtype, spec.shape)
         with self._lock:
             free = self._free.get(key)
             if free:
-                tensor = free.pop()
+                entry = free.pop()
                 self._cached_bytes -= spec.nbytes
                 self._reuses += 1
-            else:
-                tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
-                self._allocations += 1
-            self._in_use[tensor.data_ptr()] = (key, tensor)
+                self._in_use[entry[1].data_ptr()] = entry
+                self._in_use_bytes += spec.nbytes
+                return entry[1], entry[2]
+        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])  # outside the lock
+        entry = (key, tensor, byte_view(tensor))
+        with self._lock:
+            self._allocations += 1
+            self._in_use[tensor.data_ptr()] = entry
             self._in_use_bytes += spec.nbytes
-            return tensor
+        return entry[1], entry[2]
 
     def release(self, tensor: torch.Tensor) -> None:
         """Give back the buffer under ``tensor`` (a view from :func:`as_tensor` is fine).
@@ -179,11 +190,10 @@ class BufferPool:
             entry = self._in_use.pop(tensor.data_ptr(), None)
             if entry is None:
                 return
-            key, buffer = entry
-            nbytes = buffer.nbytes
+            nbytes = entry[1].nbytes
             self._in_use_bytes -= nbytes
             if self._cached_bytes + nbytes <= self._max_cached:
-                self._free[key].append(buffer)
+                self._free[entry[0]].append(entry)
                 self._cached_bytes += nbytes
 
     def statistics(self) -> PoolStatistics:

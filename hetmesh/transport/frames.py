@@ -24,6 +24,7 @@ Imports neither trio nor libp2p.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Final, Literal
@@ -260,6 +261,17 @@ _SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
     cls: tuple((name, _KIND[name]) for name in names) for cls, names in _FIELDS.items()
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_TENSOR_FRAMES: Final = frozenset(cls for cls, names in _FIELDS.items() if "tensors" in names)
+_new = object.__new__
+# slot setters per frame class, in field order, without ``tensors`` (see Pending.build)
+_SETTERS: dict[type[Frame], tuple[Callable[[Any, Any], None], ...]] = {
+    cls: tuple(getattr(cls, name).__set__ for name in names if name != "tensors")
+    for cls, names in _FIELDS.items()
+}
+_TENSOR_SETTER: dict[type[Frame], Callable[[Any, Any], None]] = {
+    cls: cls.tensors.__set__  # type: ignore[attr-defined]
+    for cls in _TENSOR_FRAMES
+}
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -297,41 +309,131 @@ def _check_local(kind: int, name: str, value: Any, limits: Limits) -> Any:
     return value
 
 
-def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> list[bytes | memoryview]:
-    """Serialise ``frame``: prefix+header bytes, then one memoryview per tensor (no copies).
+_packers = threading.local()
 
-    CUDA tensors are staged through pinned host memory. The memoryviews borrow
-    the tensors' memory: write them out before mutating the tensors.
-    Raises :class:`LocalProtocolError` for invalid fields or a frame over ``limits``.
+
+def pack(header: list[Any]) -> bytes:
+    """msgpack of ``header`` with a per-thread reused packer (``packb`` builds one per call)."""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    data: bytes = packer.pack(header)
+    return data
+
+
+def raw_buffer(t: torch.Tensor) -> Any:
+    """A buffer-protocol object over the bytes of a contiguous CPU tensor (no copy).
+
+    A numpy array (bfloat16 reinterpreted as int16), for ``sendmsg`` / ``recv_into``;
+    :func:`flat_bytes` turns one into a flat byte ``memoryview``.
     """
+    if t.dtype is torch.bfloat16:
+        t = t.view(torch.int16)
+    if t.requires_grad:
+        t = t.detach()
+    return t.numpy()
+
+
+def flat_bytes(buffer: Any) -> memoryview:
+    view = memoryview(buffer)
+    if view.ndim != 1 or view.format != "B":
+        view = memoryview(buffer.reshape(-1)).cast("B")
+    return view
+
+
+def _describe(value: Any, limits: Limits, out: list[Any]) -> tuple[list[list[Any]], int]:
+    """Header descriptions of a tensors field; appends each tensor's raw buffer to ``out``."""
+    if type(value) is not tuple or len(value) > limits.max_tensors:
+        raise LocalProtocolError("tensors must be a tuple within max_tensors")
+    described = []
+    payload = 0
+    for t in value:
+        if not isinstance(t, torch.Tensor):
+            raise LocalProtocolError("tensors must hold torch.Tensor values")
+        if not t.is_cpu or not t.is_contiguous():
+            t = host_tensor(t)
+        dtype = _DTYPE_NAMES.get(t.dtype)
+        if dtype is None:
+            raise LocalProtocolError(f"dtype {t.dtype} is not sendable")
+        shape = t.shape
+        if len(shape) > limits.max_dims or t.numel() > limits.max_elements:
+            raise LocalProtocolError(f"tensor of shape {tuple(shape)} exceeds limits")
+        nbytes = t.nbytes
+        described.append([dtype, list(shape), nbytes])
+        out.append(raw_buffer(t))
+        payload += nbytes
+    return described, payload
+
+
+_INT_TYPES: Final = frozenset((int,))
+
+
+def _local_ints(value: Any, limits: Limits) -> list[int] | None:
+    """``value`` as a list if it is a tuple of int64s within ``max_items``; else None."""
+    if (
+        type(value) is tuple
+        and len(value) <= limits.max_items
+        and set(map(type, value)) <= _INT_TYPES
+        and (not value or (min(value) >= _INT64_MIN and max(value) <= _INT64_MAX))
+    ):
+        return list(value)
+    return None
+
+
+def _fast_header(frame: Frame, limits: Limits, out: list[Any]) -> tuple[list[Any], int] | None:
+    """Header of an Activations or Tokens frame (the hot path), or None to go generic."""
+    session_id, step = frame.session_id, frame.step  # type: ignore[attr-defined]
+    if not (
+        type(session_id) is str
+        and len(session_id) * 4 <= limits.max_string_bytes
+        and type(step) is int
+        and 0 <= step <= _INT64_MAX
+    ):
+        return None
+    if type(frame) is Tokens:
+        ids = _local_ints(frame.token_ids, limits)
+        return None if ids is None else ([session_id, step, ids], 0)
+    assert isinstance(frame, Activations)
+    positions = _local_ints(frame.positions, limits)
+    if positions is None:
+        return None
+    described, payload = _describe(frame.tensors, limits, out)
+    return [session_id, step, positions, described], payload
+
+
+def encode_parts(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, list[Any], int]:
+    """``(prefix+header, raw tensor buffers, total bytes)``: :func:`encode` for gathering writes.
+
+    The buffers are numpy arrays aliasing the tensors' memory, one per tensor
+    (pass them to ``sendmsg``). Same checks and errors as :func:`encode`.
+    """
+    cls = type(frame)
+    buffers: list[Any] = []
+    fast = _fast_header(frame, limits, buffers) if cls is Activations or cls is Tokens else None
+    if fast is None:
+        buffers.clear()
+        header, payload = _generic_header(frame, limits, buffers)
+    else:
+        header, payload = fast
+    head = pack(header)
+    if len(head) > limits.max_header_bytes or payload > limits.max_payload_bytes:
+        raise LocalProtocolError(f"{cls.__name__} exceeds frame limits")
+    head = PREFIX.pack(MAGIC, VERSION, cls.TAG, len(head), payload) + head
+    return head, buffers, len(head) + payload
+
+
+def _generic_header(frame: Frame, limits: Limits, out: list[Any]) -> tuple[list[Any], int]:
     cls = type(frame)
     schema = _SCHEMA.get(cls)
     if schema is None:
         raise LocalProtocolError(f"{cls.__name__} is not a frame type")
     header: list[Any] = []
-    views: list[memoryview] = []
     payload = 0
     for name, kind in schema:
         value = getattr(frame, name)
         if kind == _TENSORS:
-            if type(value) is not tuple or len(value) > limits.max_tensors:
-                raise LocalProtocolError("tensors must be a tuple within max_tensors")
-            described = []
-            for t in value:
-                if not isinstance(t, torch.Tensor):
-                    raise LocalProtocolError("tensors must hold torch.Tensor values")
-                if t.device.type != "cpu" or not t.is_contiguous():
-                    t = host_tensor(t)
-                dtype = _DTYPE_NAMES.get(t.dtype)
-                if dtype is None:
-                    raise LocalProtocolError(f"dtype {t.dtype} is not sendable")
-                shape = t.shape
-                if len(shape) > limits.max_dims or t.numel() > limits.max_elements:
-                    raise LocalProtocolError(f"tensor of shape {tuple(shape)} exceeds limits")
-                nbytes = t.nbytes
-                described.append([dtype, list(shape), nbytes])
-                views.append(byte_view(t))
-                payload += nbytes
+            described, payload = _describe(value, limits, out)
             header.append(described)
         elif (
             kind == _STR and type(value) is str and len(value) * 4 <= limits.max_string_bytes
@@ -339,10 +441,18 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> list[bytes | memory
             header.append(value)
         else:
             header.append(_check_local(kind, name, value, limits))
-    head = msgpack.packb(header, use_bin_type=True)
-    if len(head) > limits.max_header_bytes or payload > limits.max_payload_bytes:
-        raise LocalProtocolError(f"{cls.__name__} exceeds frame limits")
-    return [PREFIX.pack(MAGIC, VERSION, cls.TAG, len(head), payload) + head, *views]
+    return header, payload
+
+
+def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> list[bytes | memoryview]:
+    """Serialise ``frame``: prefix+header bytes, then one memoryview per tensor (no copies).
+
+    CUDA tensors are staged through pinned host memory. The memoryviews borrow
+    the tensors' memory: write them out before mutating the tensors.
+    Raises :class:`LocalProtocolError` for invalid fields or a frame over ``limits``.
+    """
+    head, buffers, _ = encode_parts(frame, limits)
+    return [head, *(flat_bytes(b) for b in buffers)]
 
 
 def encode_bytes(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -357,11 +467,10 @@ class Prefix:
     payload_bytes: int
 
 
-def parse_prefix(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Prefix:
-    """Check the fixed 16-byte prefix. :class:`RemoteProtocolError` on any fault."""
-    if len(data) < PREFIX_BYTES:
-        raise RemoteProtocolError("truncated frame prefix")
-    magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(data)
+def check_prefix(
+    magic: bytes, version: int, tag: int, header_bytes: int, payload_bytes: int, limits: Limits
+) -> type[Frame]:
+    """Check the unpacked prefix fields; the frame class. :class:`RemoteProtocolError` on faults."""
     if magic != MAGIC:
         raise RemoteProtocolError("bad frame magic")
     if version != VERSION:
@@ -373,8 +482,17 @@ def parse_prefix(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_
         raise RemoteProtocolError(f"header of {header_bytes} bytes exceeds the cap")
     if payload_bytes > limits.max_payload_bytes:
         raise RemoteProtocolError(f"payload of {payload_bytes} bytes exceeds the cap")
-    if payload_bytes and "tensors" not in _FIELDS[cls]:
+    if payload_bytes and cls not in _TENSOR_FRAMES:
         raise RemoteProtocolError(f"{cls.__name__} cannot carry a payload")
+    return cls
+
+
+def parse_prefix(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Prefix:
+    """Check the fixed 16-byte prefix. :class:`RemoteProtocolError` on any fault."""
+    if len(data) < PREFIX_BYTES:
+        raise RemoteProtocolError("truncated frame prefix")
+    magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(data)
+    check_prefix(magic, version, tag, header_bytes, payload_bytes, limits)
     return Prefix(tag, header_bytes, payload_bytes)
 
 
@@ -410,12 +528,13 @@ def _check_remote(kind: int, value: Any, limits: Limits) -> Any:
     raise RemoteProtocolError(f"malformed header field {value!r:.80}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pending:
     """A parsed header whose tensor payload has yet to be read.
 
     ``specs`` says what to allocate; read ``sum(nbytes)`` payload bytes into
-    the buffers, in order, then call :meth:`build`.
+    the buffers, in order, then call :meth:`build`. ``values`` holds every
+    field but ``tensors``, in declaration order.
     """
 
     cls: type[Frame]
@@ -424,57 +543,95 @@ class Pending:
 
     def build(self, tensors: Sequence[torch.Tensor] = ()) -> Frame:
         """The frame, holding ``tensors`` (already of the specs' dtypes and shapes)."""
-        values = dict(self.values)
-        if "tensors" in values:
+        cls = self.cls
+        # the values were validated field by field already: fill the slots directly
+        # (a frozen dataclass's __init__ costs ~3x more, and this runs once per frame)
+        frame = _new(cls)
+        for setter, value in zip(_SETTERS[cls], self.values.values(), strict=True):
+            setter(frame, value)
+        if cls in _TENSOR_FRAMES:
             if len(tensors) != len(self.specs):
                 raise LocalProtocolError("one tensor per spec is needed")
-            values["tensors"] = tuple(tensors)
-        return self.cls(**values)
+            _TENSOR_SETTER[cls](frame, tuple(tensors))
+        return frame
 
     def build_from_bytes(self, buffers: Sequence[torch.Tensor]) -> Frame:
         """The frame, with tensors viewing ``uint8`` ``buffers`` (one per spec, no copy)."""
         return self.build([as_tensor(b, s) for b, s in zip(buffers, self.specs, strict=True)])
 
 
+def _remote_ints(value: Any, limits: Limits) -> tuple[int, ...]:
+    if (
+        type(value) is list
+        and len(value) <= limits.max_items
+        and set(map(type, value)) <= _INT_TYPES
+    ):
+        return tuple(value)
+    raise RemoteProtocolError(f"malformed header field {value!r:.80}")
+
+
+def _remote_specs(value: Any, limits: Limits) -> tuple[TensorSpec, ...]:
+    if type(value) is not list or len(value) > limits.max_tensors:
+        raise RemoteProtocolError("tensor list missing or too long")
+    specs = []
+    for d in value:
+        if type(d) is not list or len(d) != 3:
+            raise RemoteProtocolError("malformed tensor description")
+        specs.append(
+            checked_spec(
+                d[0], d[1], d[2], max_dims=limits.max_dims, max_elements=limits.max_elements
+            )
+        )
+    return tuple(specs)
+
+
+def parse_items(
+    cls: type[Frame], items: Any, payload_bytes: int, limits: Limits = DEFAULT_LIMITS
+) -> Pending:
+    """Validate an unpacked msgpack header of a ``cls`` frame (see :func:`parse_header`)."""
+    names = _FIELDS[cls]
+    if type(items) is not list or len(items) != len(names):
+        raise RemoteProtocolError(f"{cls.__name__} header has the wrong shape")
+    specs: tuple[TensorSpec, ...] = ()
+    values: dict[str, Any]
+    if cls is Activations or cls is Tokens:  # the hot path: fixed layout, no per-field dispatch
+        session_id, step = items[0], items[1]
+        if type(session_id) is not str or len(session_id) > limits.max_string_bytes:
+            raise RemoteProtocolError(f"malformed header field {session_id!r:.80}")
+        if type(step) is not int or step < 0:
+            raise RemoteProtocolError(f"malformed header field {step!r:.80}")
+        ints = _remote_ints(items[2], limits)
+        if cls is Tokens:
+            values = {"session_id": session_id, "step": step, "token_ids": ints}
+        else:
+            specs = _remote_specs(items[3], limits)
+            values = {"session_id": session_id, "step": step, "positions": ints}
+    else:
+        values = {}
+        for name, value in zip(names, items, strict=True):
+            kind = _KIND[name]
+            if kind == _TENSORS:
+                specs = _remote_specs(value, limits)
+            else:
+                values[name] = _check_remote(kind, value, limits)
+    if sum(s.nbytes for s in specs) != payload_bytes:
+        raise RemoteProtocolError("payload length does not match the tensor descriptions")
+    return Pending(cls, values, specs)
+
+
+def unpack_header(header: bytes | bytearray | memoryview) -> Any:
+    """msgpack-decode a peer's header; :class:`RemoteProtocolError` for garbage."""
+    try:
+        return msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many types for garbage
+        raise RemoteProtocolError(f"undecodable frame header: {exc}") from None
+
+
 def parse_header(
     prefix: Prefix, header: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
 ) -> Pending:
     """Decode and validate the msgpack header. :class:`RemoteProtocolError` on any fault."""
-    cls = FRAME_TYPES[prefix.tag]
-    try:
-        items = msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:  # msgpack raises many types for garbage
-        raise RemoteProtocolError(f"undecodable frame header: {exc}") from None
-    names = _FIELDS[cls]
-    if not isinstance(items, list) or len(items) != len(names):
-        raise RemoteProtocolError(f"{cls.__name__} header has the wrong shape")
-    values: dict[str, Any] = {}
-    specs: tuple[TensorSpec, ...] = ()
-    for name, value in zip(names, items, strict=True):
-        kind = _KIND[name]
-        if kind == _TENSORS:
-            if not isinstance(value, list) or len(value) > limits.max_tensors:
-                raise RemoteProtocolError("tensor list missing or too long")
-            parsed = []
-            for d in value:
-                if not isinstance(d, list) or len(d) != 3:
-                    raise RemoteProtocolError("malformed tensor description")
-                parsed.append(
-                    checked_spec(
-                        d[0],
-                        d[1],
-                        d[2],
-                        max_dims=limits.max_dims,
-                        max_elements=limits.max_elements,
-                    )
-                )
-            specs = tuple(parsed)
-            values[name] = ()
-        else:
-            values[name] = _check_remote(kind, value, limits)
-    if sum(s.nbytes for s in specs) != prefix.payload_bytes:
-        raise RemoteProtocolError("payload length does not match the tensor descriptions")
-    return Pending(cls, values, specs)
+    return parse_items(FRAME_TYPES[prefix.tag], unpack_header(header), prefix.payload_bytes, limits)
 
 
 def _empty(spec: TensorSpec) -> torch.Tensor:

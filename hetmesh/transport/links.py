@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -34,19 +35,23 @@ from hetmesh.errors import (
     StreamReset,
     TransportError,
 )
-from hetmesh.transport.codec import BufferPool, byte_view
+from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.frames import (
     DEFAULT_LIMITS,
     NEED_DATA,
+    PREFIX,
     PREFIX_BYTES,
     Decoder,
     Frame,
     Goodbye,
     Limits,
     Pending,
+    check_prefix,
     encode,
-    parse_header,
-    parse_prefix,
+    encode_parts,
+    flat_bytes,
+    parse_items,
+    unpack_header,
 )
 
 log = logging.getLogger(__name__)
@@ -174,6 +179,24 @@ def try_sendmsg(sock: socket.socket, parts: list[memoryview]) -> list[memoryview
     return parts
 
 
+def spin_recv_into(sock: socket.socket, target: memoryview, spin_ns: int) -> int:
+    """Poll ``sock`` (non-blocking ``recv_into``) for up to ``spin_ns``; -1 if nothing came.
+
+    Waking a thread blocked in ``recv`` costs tens of µs on a shared VM (the
+    wake-up, then cache-cold Python): a receiver that expects a reply soon
+    polls first. Only the blocking API does this, from a thread that would
+    otherwise sleep; it burns at most ``spin_ns`` of CPU per receive.
+    """
+    deadline = time.perf_counter_ns() + spin_ns
+    while True:
+        try:
+            return sock.recv_into(target, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if time.perf_counter_ns() > deadline:
+                return -1
+            os.sched_yield()  # a peer on this same CPU runs now instead of waiting for us
+
+
 class BufferedReader:
     """Blocking reads of whole frames from a stream socket into pooled tensors.
 
@@ -190,6 +213,7 @@ class BufferedReader:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self.bytes_read = 0
+        self.spin_ns = 0  # poll this long before a blocking recv (see ThreadedLink.start)
 
     def _fill(self) -> None:
         if self._start == self._end:
@@ -198,8 +222,11 @@ class BufferedReader:
             n = self._end - self._start
             self._view[:n] = self._view[self._start : self._end]
             self._start, self._end = 0, n
+        target = self._view[self._end :]
         try:
-            got = self._sock.recv_into(self._view[self._end :])
+            got = spin_recv_into(self._sock, target, self.spin_ns) if self.spin_ns else -1
+            if got < 0:
+                got = self._sock.recv_into(target)
         except OSError as exc:
             raise StreamReset(f"connection broken: {exc}") from exc
         if got == 0:
@@ -239,28 +266,50 @@ class BufferedReader:
             self.bytes_read += n
 
     def read_pending(self) -> Pending:
-        prefix = parse_prefix(self.read_small(PREFIX_BYTES), self._limits)
-        header: bytes | bytearray
-        if prefix.header_bytes > len(self._buf):
-            header = bytearray(prefix.header_bytes)
+        """Read and check one frame's prefix and header (the payload stays unread)."""
+        while self._end - self._start < PREFIX_BYTES:
+            self._fill()
+        magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(
+            self._buf, self._start
+        )
+        cls = check_prefix(magic, version, tag, header_bytes, payload_bytes, self._limits)
+        self._start += PREFIX_BYTES
+        if header_bytes > len(self._buf):
+            header = bytearray(header_bytes)
             self.read_into(memoryview(header))
+            items = unpack_header(header)
         else:
-            header = self.read_small(prefix.header_bytes)
-        return parse_header(prefix, header, self._limits)
+            while self._end - self._start < header_bytes:
+                self._fill()
+            start = self._start
+            self._start += header_bytes
+            items = unpack_header(self._view[start : self._start])
+        return parse_items(cls, items, payload_bytes, self._limits)
 
     def read_frame(self) -> Frame:
         pending = self.read_pending()
+        if not pending.specs:
+            return pending.build()
         buffers: list[torch.Tensor] = []
         try:
             for spec in pending.specs:
-                buffer = self._pool.acquire(spec)
+                buffer, view = self._pool.acquire_view(spec)
                 buffers.append(buffer)
-                self.read_into(byte_view(buffer))
+                self.read_into(view)
         except BaseException:
             for b in buffers:
                 self._pool.release(b)
             raise
         return pending.build(buffers)
+
+
+def write_frame(sock: socket.socket, frame: Frame, limits: Limits) -> int:
+    """Blocking write of one frame with one ``sendmsg`` (more on partial writes); bytes sent."""
+    head, buffers, total = encode_parts(frame, limits)
+    sent = sock.sendmsg([head, *buffers]) if buffers else sock.send(head)
+    if sent < total:
+        sendmsg_all(sock, _advance([memoryview(head), *map(flat_bytes, buffers)], sent))
+    return total
 
 
 # --- threaded links ----------------------------------------------------------------
@@ -293,10 +342,15 @@ class ThreadedLink(Link):
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
 
-    def start(self, blocking: bool = False) -> None:
-        """Pick the receive mode; async mode starts the reader thread (call from trio)."""
+    def start(self, blocking: bool = False, spin_us: float = 0.0) -> None:
+        """Pick the receive mode; async mode starts the reader thread (call from trio).
+
+        ``spin_us`` (blocking mode only): each ``receive_blocking`` polls the
+        socket this long before it sleeps in the kernel.
+        """
         self._set_mode("blocking" if blocking else "async")
         if blocking:
+            self._set_spin(int(spin_us * 1000))
             return
         self._token = trio.lowlevel.current_trio_token()
         self._reader = threading.Thread(
@@ -308,6 +362,9 @@ class ThreadedLink(Link):
         if self._mode and self._mode != mode:
             raise LocalProtocolError(f"this link already receives in {self._mode} mode")
         self._mode = mode
+
+    def _set_spin(self, spin_ns: int) -> None:
+        """Subclasses with a pollable receive path take the spin budget."""
 
     # subclasses implement these three
     def _read_frame_blocking(self) -> Frame:
@@ -377,21 +434,29 @@ class ThreadedLink(Link):
 
     def receive_blocking(self) -> Frame:
         """Like :meth:`receive`, from a worker thread, doing the read in that thread."""
-        self._check_open()
-        self._set_mode("blocking")
-        item: Any
+        if self._mode != "blocking":
+            self._set_mode("blocking")
+        if self._failure is not None or self._closed:
+            self._check_open()
         with self._read_lock:
             try:
-                item = self._read_frame_blocking()
+                frame = self._read_frame_blocking()
             except (TransportError, RemoteProtocolError) as exc:
-                item = exc
-        return self._account_received(item)
+                self._failure = exc
+                self._errors += 1
+                raise
+        self._frames_received += 1
+        for t in frame.tensors_():
+            self._bytes_received += t.nbytes
+        return frame
 
     def send_blocking(self, frame: Frame) -> None:
         """Like :meth:`send`, from a worker thread."""
-        self._check_open()
+        if self._failure is not None or self._closed:
+            self._check_open()
         try:
-            n = self._write_blocking_locked(frame)
+            with self._write_lock:
+                n = self._write_blocking(frame)
         except OSError as exc:
             self._errors += 1
             raise StreamReset(f"send failed: {exc}") from exc
@@ -450,22 +515,28 @@ class TcpLink(ThreadedLink):
         self.sock = sock
         self._reader_io = BufferedReader(sock, limits, self.pool)
 
+    def _set_spin(self, spin_ns: int) -> None:
+        self._reader_io.spin_ns = spin_ns
+
     def _read_frame_blocking(self) -> Frame:
         return self._reader_io.read_frame()
 
     def _write_blocking(self, frame: Frame) -> int:
-        parts = [memoryview(p) for p in encode(frame, self.limits)]
-        total = sum(len(p) for p in parts)
-        sendmsg_all(self.sock, parts)
-        return total
+        return write_frame(self.sock, frame, self.limits)
 
     async def _write(self, frame: Frame) -> int:
         if not self._write_lock.acquire(blocking=False):
             return await in_thread(self._write_blocking_locked, frame)
         try:
-            parts = [memoryview(p) for p in encode(frame, self.limits)]
-            total = sum(len(p) for p in parts)
-            left = try_sendmsg(self.sock, parts)
+            head, buffers, total = encode_parts(frame, self.limits)
+            try:
+                sent = self.sock.sendmsg([head, *buffers], [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            left = []
+            if sent < total:
+                parts = [memoryview(head), *map(flat_bytes, buffers)]
+                left = try_sendmsg(self.sock, _advance(parts, sent))
         except BaseException:
             self._write_lock.release()
             raise

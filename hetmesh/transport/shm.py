@@ -24,22 +24,27 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset, TransportError
-from hetmesh.transport.codec import DTYPES, ITEMSIZE
+from hetmesh.transport.codec import DTYPES, ITEMSIZE, as_tensor
 from hetmesh.transport.frames import (
+    PREFIX,
     PREFIX_BYTES,
     Frame,
     Limits,
+    check_prefix,
     decode_all,
     encode,
-    parse_header,
-    parse_prefix,
+    encode_parts,
+    flat_bytes,
+    pack,
+    parse_items,
+    unpack_header,
 )
 from hetmesh.transport.links import ThreadedLink, in_thread
 
@@ -59,12 +64,19 @@ class _Segment:
     fd: int
     map: mmap.mmap
     buffer: torch.Tensor  # uint8 view of the whole mapping
+    view: memoryview  # byte view of the whole mapping
+    # receiver side: tensor views of this segment by (dtype, shape), reused for the next
+    # frame of the same layout (three torch view ops per tensor otherwise)
+    tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
 
 
 def _map(fd: int, size: int, seg_id: int) -> _Segment:
     mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
-    return _Segment(seg_id, size, fd, mapping, buffer)
+    return _Segment(seg_id, size, fd, mapping, buffer, memoryview(mapping))
+
+
+_MAX_VIEWS = 8  # cached tensor layouts per received segment
 
 
 def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
@@ -125,6 +137,7 @@ class ShmLink(ThreadedLink):
         self._lent_bytes = 0
         self._early: deque[Frame] = deque()
         self._pending_release: list[int] = []
+        self._spin_ns = 0
 
     # --- sender side -----------------------------------------------------------
     def _take_segment(self, nbytes: int) -> _Segment:
@@ -170,29 +183,26 @@ class ShmLink(ThreadedLink):
         return tensor
 
     def _write_blocking(self, frame: Frame) -> int:
-        parts = encode(frame, self.limits)
-        head = bytes(parts[0])
+        head, buffers, total = encode_parts(frame, self.limits)
         seg_ids: list[int] = []
         new: list[list[int]] = []
         fds: list[int] = []
-        total = len(head)
-        for tensor, view in zip(frame.tensors_(), parts[1:], strict=True):
-            mv = memoryview(view)
-            n = len(mv)
-            total += n
-            seg_id = self._allocated.pop(tensor.data_ptr(), None) if n else None
-            if seg_id is None:
-                segment = self._take_segment(n)
-                if n:
-                    segment.buffer[:n].numpy()[:] = memoryview(mv).cast("B")
-                seg_id = segment.seg_id
-            seg_ids.append(seg_id)
-            if seg_id not in self._announced:
-                self._announced.add(seg_id)
-                segment = self._own[seg_id]
-                new.append([seg_id, segment.size])
-                fds.append(segment.fd)
-        packet = msgpack.packb([_FRAME, head, seg_ids, new], use_bin_type=True)
+        if buffers:
+            allocated = self._allocated
+            for tensor, buffer in zip(frame.tensors_(), buffers, strict=True):
+                seg_id = allocated.pop(tensor.data_ptr(), None) if tensor.nbytes else None
+                if seg_id is None:  # not from allocate(): one copy into a segment
+                    data = flat_bytes(buffer)
+                    segment = self._take_segment(len(data))
+                    segment.view[: len(data)] = data
+                    seg_id = segment.seg_id
+                seg_ids.append(seg_id)
+                if seg_id not in self._announced:
+                    self._announced.add(seg_id)
+                    segment = self._own[seg_id]
+                    new.append([seg_id, segment.size])
+                    fds.append(segment.fd)
+        packet = pack([_FRAME, head, seg_ids, new])
         if len(packet) > MAX_PACKET:
             raise LocalProtocolError("frame header too large for the shm doorbell")
         if fds:
@@ -202,7 +212,10 @@ class ShmLink(ThreadedLink):
         return total
 
     async def _write(self, frame: Frame) -> int:
-        copy = sum(t.nbytes for t in frame.tensors_() if t.data_ptr() not in self._allocated)
+        copy = 0
+        for t in frame.tensors_():
+            if t.data_ptr() not in self._allocated:
+                copy += t.nbytes
         if copy < (1 << 20) and self._write_lock.acquire(blocking=False):
             try:
                 return self._write_blocking(frame)
@@ -235,12 +248,24 @@ class ShmLink(ThreadedLink):
         finally:
             self._read_lock.release()
 
+    def _set_spin(self, spin_ns: int) -> None:
+        self._spin_ns = spin_ns
+
     def _read_frame_blocking(self) -> Frame:
-        self._flush_releases()
+        if self._pending_release:
+            self._flush_releases()
         if self._early:
             return self._early.popleft()
         while True:
-            frame = self._read_packet(0)
+            frame: Frame | bool | None = False
+            if self._spin_ns:  # poll the doorbell before sleeping on it
+                deadline = time.perf_counter_ns() + self._spin_ns
+                while frame is False and time.perf_counter_ns() < deadline:
+                    frame = self._read_packet(socket.MSG_DONTWAIT)
+                    if frame is False:
+                        os.sched_yield()  # let a peer on this same CPU run
+            if frame is False:
+                frame = self._read_packet(0)
             if isinstance(frame, Frame):
                 return frame
 
@@ -296,23 +321,35 @@ class ShmLink(ThreadedLink):
             ):
                 raise RemoteProtocolError("bad shared-memory segment")
             self._remote[item[0]] = _map(fd, item[1], item[0])
-        prefix = parse_prefix(head[:PREFIX_BYTES], self.limits)
-        if len(head) != PREFIX_BYTES + prefix.header_bytes:
+        if len(head) < PREFIX_BYTES:
+            raise RemoteProtocolError("truncated frame prefix")
+        magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(head)
+        cls = check_prefix(magic, version, tag, header_bytes, payload_bytes, self.limits)
+        if len(head) != PREFIX_BYTES + header_bytes:
             raise RemoteProtocolError("doorbell header length mismatch")
-        pending = parse_header(prefix, head[PREFIX_BYTES:], self.limits)
+        pending = parse_items(
+            cls, unpack_header(memoryview(head)[PREFIX_BYTES:]), payload_bytes, self.limits
+        )
         if len(seg_ids) != len(pending.specs):
             raise RemoteProtocolError("one segment per tensor expected")
-        buffers = []
+        tensors = []
         for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
             segment = self._remote.get(seg_id) if type(seg_id) is int else None
             if segment is None or spec.nbytes > segment.size:
                 raise RemoteProtocolError("tensor does not fit its segment")
-            buffers.append(segment.buffer)
-        frame = pending.build_from_bytes(buffers)
-        with self._cond:
-            for t, seg_id in zip(frame.tensors_(), seg_ids, strict=True):
-                self._lent[t.data_ptr()] = seg_id
-                self._lent_bytes += t.nbytes
+            key = (spec.dtype, spec.shape)
+            tensor = segment.tensors.get(key)
+            if tensor is None:
+                if len(segment.tensors) >= _MAX_VIEWS:
+                    segment.tensors.clear()
+                tensor = segment.tensors[key] = as_tensor(segment.buffer, spec)
+            tensors.append(tensor)
+        frame = pending.build(tensors)
+        if tensors:
+            with self._cond:
+                for t, seg_id in zip(tensors, seg_ids, strict=True):
+                    self._lent[t.data_ptr()] = seg_id
+                    self._lent_bytes += t.nbytes
         return frame
 
     def release(self, frame: Frame) -> None:

@@ -36,6 +36,7 @@ from hetmesh.transport.frames import (
     decode_all,
     encode,
     encode_bytes,
+    encode_parts,
 )
 
 # CI runs every fuzz test with >= 10,000 examples; set HETMESH_FUZZ_EXAMPLES to shorten locally.
@@ -122,6 +123,26 @@ def test_frames_strategy_covers_every_frame_type() -> None:
 @given(frames)
 def test_frames_round_trip_whole(frame: Frame) -> None:
     assert decode_all(encode_bytes(frame)) == [frame]
+
+
+@ROUND_TRIP
+@given(frames)
+def test_frames_encode_parts_is_encode_for_gathering_writes(frame: Frame) -> None:
+    head, buffers, total = encode_parts(frame)
+    data = head + b"".join(memoryview(b).tobytes() for b in buffers)
+    assert data == encode_bytes(frame)
+    assert total == len(data)
+    assert len(buffers) == len(frame.tensors_())
+
+
+def test_frames_decoded_frames_are_still_frozen() -> None:
+    import dataclasses
+
+    (frame,) = decode_all(encode_bytes(Tokens(session_id="s", step=1, token_ids=(1, 2))))
+    assert isinstance(frame, Tokens)
+    assert frame == Tokens(session_id="s", step=1, token_ids=(1, 2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        frame.step = 2  # type: ignore[misc]
 
 
 @ROUND_TRIP
@@ -223,6 +244,13 @@ REFUSED = {
     "payload length lies": _raw(ACT, ["s", 0, [], [["float32", [4], 16]]], payload_len=8),
     "bool as int": _raw(Tokens.TAG, ["s", True, []]),
     "negative step": _raw(Tokens.TAG, ["s", -3, []]),
+    "bool token id": _raw(Tokens.TAG, ["s", 1, [1, True]]),
+    "float position": _raw(Activations.TAG, ["s", 1, [1.0], []]),
+    "bytes session id": _raw(Activations.TAG, [b"s", 1, [], []]),
+    "activations step not int": _raw(Activations.TAG, ["s", "1", [], []]),
+    "activations tensors not a list": _raw(Activations.TAG, ["s", 1, [], {}]),
+    "bool dim": _raw(Activations.TAG, ["s", 1, [], [["float32", [True], 4]]], b"\0" * 4),
+    "nbytes mismatch": _raw(Activations.TAG, ["s", 1, [], [["float32", [2], 4]]], b"\0" * 4),
     "wrong field count": _raw(Tokens.TAG, ["s", 1]),
     "header not a list": _raw(Tokens.TAG, {"a": 1}),
     "garbage header": PREFIX.pack(MAGIC, VERSION, Tokens.TAG, 3, 0) + b"\xc1\xc1\xc1",

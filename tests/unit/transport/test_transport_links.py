@@ -166,10 +166,14 @@ async def test_link_peer_closing_mid_frame_releases_buffer() -> None:
         await lb.aclose()
 
 
+@pytest.mark.parametrize("spin_us", [0.0, 50.0])
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
-async def test_link_blocking_mode_streams_without_deadlock(backend: str) -> None:
-    """Blocking mode has no reader thread: shm must still see the peer's releases."""
-    async with planes(backend, shm_budget_bytes=1 << 20) as (a, b):
+async def test_link_blocking_mode_streams_without_deadlock(backend: str, spin_us: float) -> None:
+    """Blocking mode has no reader thread: shm must still see the peer's releases.
+
+    Both with and without polling before a blocking receive (``spin_us``).
+    """
+    async with planes(backend, shm_budget_bytes=1 << 20, spin_us=spin_us) as (a, b):
         la, lb = await link_pair(a, b, blocking_a=True, blocking_b=True)
         assert isinstance(la, ThreadedLink)
         assert isinstance(lb, ThreadedLink)
@@ -215,6 +219,33 @@ def test_buffer_pool_reuses_and_caps() -> None:
     pool.release(big)
     stats = pool.statistics()
     assert (stats.cached_bytes, stats.in_use_bytes, stats.reuses) == (0, 16, 1)
+
+
+def test_buffer_pool_view_aliases_the_tensor_and_is_reused() -> None:
+    from hetmesh.transport.codec import TensorSpec
+
+    pool = BufferPool()
+    spec = TensorSpec("bfloat16", (2, 3), 12)
+    t, view = pool.acquire_view(spec)
+    assert (t.dtype, t.shape, len(view)) == (torch.bfloat16, (2, 3), 12)
+    view[:] = bytes(range(12))
+    assert t.reshape(-1).view(torch.uint8).tolist() == list(range(12))
+    pool.release(t)
+    again, view2 = pool.acquire_view(spec)
+    assert again.data_ptr() == t.data_ptr()
+    assert view2 is view
+
+
+def test_spin_recv_into_polls_then_gives_up() -> None:
+    from hetmesh.transport.links import spin_recv_into
+
+    a, b = socket.socketpair()
+    with a, b:
+        target = memoryview(bytearray(16))
+        assert spin_recv_into(b, target, 200_000) == -1  # nothing within 0.2 ms
+        a.send(b"hello")
+        assert spin_recv_into(b, target, 200_000) == 5
+        assert bytes(target[:5]) == b"hello"
 
 
 @pytest.mark.gpu
