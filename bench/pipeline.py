@@ -1,0 +1,164 @@
+"""Pipeline benchmark: a three-node loopback mesh against the single-process reference.
+
+Measured in one run, on the same machine and with the same torch thread count:
+
+- single-stream decode tokens/s (mesh ÷ reference) -> ``decode_ratio_single_stream``
+- time to first token for a 512-token prompt (mesh ÷ reference) -> ``ttft_ratio_512``
+- aggregate tokens/s of 8 concurrent streams ÷ 1 stream on the mesh -> ``concurrency_gain_8``
+
+Usage: ``python bench/pipeline.py [--json] [--tokens 64] [--repeats 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+NODE_ARGS = ["--max-memory", "500MiB", "--max-sessions", "8", "--max-context", "1024"]
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def reference(
+    model_dir: Path, prompt_ids: list[int], long_ids: list[int], tokens: int, repeats: int
+) -> dict[str, float]:
+    import torch
+
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+
+    torch.set_num_threads(1)  # the nodes' default
+    pipeline = LocalPipeline.load(model_dir, 1)
+    params = SamplingParams(max_new_tokens=tokens)
+    list(pipeline.generate_ids(prompt_ids, SamplingParams(max_new_tokens=4), eos_ids=set()))
+    tpots, ttfts = [], []
+    for _ in range(repeats):
+        stamps = []
+        for _token in pipeline.generate_ids(prompt_ids, params, eos_ids=set()):
+            stamps.append(time.perf_counter())
+        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        began = time.perf_counter()
+        for _token in pipeline.generate_ids(
+            long_ids, SamplingParams(max_new_tokens=1), eos_ids=set()
+        ):
+            ttfts.append(time.perf_counter() - began)
+    return {"tpot_s": statistics.median(tpots), "ttft_512_s": statistics.median(ttfts)}
+
+
+async def _stream(mesh: Any, prompt_ids: list[int], tokens: int) -> list[float]:
+    """Start time, then the arrival time of each token, of one greedy stream."""
+    from hetmesh.client.mesh import TokenEvent
+
+    began = time.perf_counter()
+    stamps = [began]
+    async for event in mesh.stream(prompt_ids=prompt_ids, max_new_tokens=tokens):
+        if isinstance(event, TokenEvent) and event.token_id >= 0:
+            stamps.append(time.perf_counter())
+    return stamps
+
+
+def mesh_figures(
+    mesh: Any, prompt_ids: list[int], long_ids: list[int], tokens: int, repeats: int
+) -> dict[str, float]:
+    import trio
+
+    from hetmesh.client.mesh import open_mesh_client
+
+    async def measure() -> dict[str, float]:
+        async with open_mesh_client(mesh.nodes[-1].addr, mesh_secret=mesh.secret) as client:
+            await _stream(client, prompt_ids, 4)  # warm up: links, first forwards
+            tpots, ttfts = [], []
+            for _ in range(repeats):
+                stamps = await _stream(client, prompt_ids, tokens)
+                tpots.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+                stamps = await _stream(client, long_ids, 1)
+                ttfts.append(stamps[1] - stamps[0])
+
+            async def concurrent(streams: int) -> float:
+                spans: list[list[float]] = []
+
+                async def one() -> None:
+                    spans.append(await _stream(client, prompt_ids, tokens))
+
+                began = time.perf_counter()
+                async with trio.open_nursery() as nursery:
+                    for _ in range(streams):
+                        nursery.start_soon(one)
+                return sum(len(s) - 1 for s in spans) / (time.perf_counter() - began)
+
+            singles = [await concurrent(1) for _ in range(repeats)]
+            eights = [await concurrent(8) for _ in range(repeats)]
+        return {
+            "tpot_s": statistics.median(tpots),
+            "ttft_512_s": statistics.median(ttfts),
+            "tokens_per_s_1": statistics.median(singles),
+            "tokens_per_s_8": statistics.median(eights),
+        }
+
+    return trio.run(measure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.text import encode_prompt, load_tokenizer
+
+    model_dir = resolve_model()
+    tokenizer = load_tokenizer(model_dir)
+    prompt_ids = encode_prompt(tokenizer, PROMPT, chat=True)
+    filler = encode_prompt(tokenizer, "The sea is wide and the night is long. " * 80)
+    long_ids = filler[:512]
+    with local_mesh(3, node_args=NODE_ARGS) as mesh:
+        wait_serving(mesh)
+        ours = mesh_figures(mesh, prompt_ids, long_ids, args.tokens, args.repeats)
+        # the reference runs while the idle nodes wait, on the same cores
+        base = reference(model_dir, prompt_ids, long_ids, args.tokens, args.repeats)
+    result = {
+        "decode_tokens_per_s_mesh": 1.0 / ours["tpot_s"],
+        "decode_tokens_per_s_reference": 1.0 / base["tpot_s"],
+        "decode_ratio_single_stream": base["tpot_s"] / ours["tpot_s"],
+        "ttft_512_s_mesh": ours["ttft_512_s"],
+        "ttft_512_s_reference": base["ttft_512_s"],
+        "ttft_ratio_512": ours["ttft_512_s"] / base["ttft_512_s"],
+        "tokens_per_s_1_stream": ours["tokens_per_s_1"],
+        "tokens_per_s_8_streams": ours["tokens_per_s_8"],
+        "concurrency_gain_8": ours["tokens_per_s_8"] / ours["tokens_per_s_1"],
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(
+        f"decode, one stream     mesh {result['decode_tokens_per_s_mesh']:.1f} tok/s, "
+        f"reference {result['decode_tokens_per_s_reference']:.1f} tok/s, "
+        f"ratio {result['decode_ratio_single_stream']:.2f} (target >= 0.85)"
+    )
+    print(
+        f"TTFT, 512-token prompt mesh {result['ttft_512_s_mesh'] * 1e3:.0f} ms, "
+        f"reference {result['ttft_512_s_reference'] * 1e3:.0f} ms, "
+        f"ratio {result['ttft_ratio_512']:.2f} (target <= 1.3)"
+    )
+    print(
+        f"8 streams vs 1         {result['tokens_per_s_8_streams']:.1f} vs "
+        f"{result['tokens_per_s_1_stream']:.1f} tok/s, "
+        f"gain {result['concurrency_gain_8']:.2f} (target >= 2.5)"
+    )
+
+
+if __name__ == "__main__":
+    main()
