@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "discovery"))
 
 from discovery_nodes import SECRET, NodeFactory, NodeProc, fetch_view, wait_for
 
+from hetmesh.node.local import ready_pipelines
 from hetmesh.partition.sampling import SamplingParams
 
 # Each node may offer this much memory: the model (~0.54 GB of fp32 weights plus
@@ -47,31 +48,6 @@ def running_mesh(tmp_path: Path, count: int, *extra: str) -> Iterator[list[NodeP
         yield nodes
     finally:
         factory.close()
-
-
-def ready_pipelines(view: dict[str, Any]) -> int:
-    """How many pipelines of the newest plan in ``view`` have every stage ready."""
-    from hetmesh.scheduler.records import Plan
-
-    plans = [
-        Plan.from_wire(p["record"]["extra"]["plan"])
-        for p in view["peers"]
-        if p["record"].get("extra", {}).get("plan")
-    ]
-    if not plans:
-        return 0
-    plan = max(plans, key=lambda p: p.epoch)
-    ready = {
-        (p["peer_id"], s["start"], s["end"])
-        for p in view["peers"]
-        if p["health"] in ("self", "alive")
-        for s in p["record"]["stages"]
-        if s.get("ready")
-    }
-    return sum(
-        all((s.peer_id, s.start, s.end) in ready for s in pipeline.stages)
-        for pipeline in plan.pipelines
-    )
 
 
 def wait_serving(node: NodeProc, pipelines: int = 1, timeout_s: float = 90) -> dict[str, Any]:
