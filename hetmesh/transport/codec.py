@@ -131,7 +131,8 @@ class PoolStatistics:
 
 
 _Key = tuple[str, tuple[int, ...]]
-_Entry = tuple[_Key, torch.Tensor, memoryview]  # key, tensor, its byte view
+# key, tensor, its byte view, its data_ptr, its nbytes (torch calls cost on the hot path)
+_Entry = tuple[_Key, torch.Tensor, memoryview, int, int]
 
 
 class BufferPool:
@@ -168,14 +169,14 @@ class BufferPool:
                 entry = free.pop()
                 self._cached_bytes -= spec.nbytes
                 self._reuses += 1
-                self._in_use[entry[1].data_ptr()] = entry
+                self._in_use[entry[3]] = entry
                 self._in_use_bytes += spec.nbytes
                 return entry[1], entry[2]
         tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype])  # outside the lock
-        entry = (key, tensor, byte_view(tensor))
+        entry = (key, tensor, byte_view(tensor), tensor.data_ptr(), spec.nbytes)
         with self._lock:
             self._allocations += 1
-            self._in_use[tensor.data_ptr()] = entry
+            self._in_use[entry[3]] = entry
             self._in_use_bytes += spec.nbytes
         return entry[1], entry[2]
 
@@ -184,13 +185,14 @@ class BufferPool:
 
         Unknown tensors are ignored, so releasing twice is harmless.
         """
-        if not tensor.numel():
-            return
+        ptr = tensor.data_ptr()
         with self._lock:
-            entry = self._in_use.pop(tensor.data_ptr(), None)
-            if entry is None:
+            entry = self._in_use.get(ptr)
+            # an empty view may share its data pointer with a buffer: never release by it
+            if entry is None or (entry[4] and not tensor.numel()):
                 return
-            nbytes = entry[1].nbytes
+            del self._in_use[ptr]
+            nbytes = entry[4]
             self._in_use_bytes -= nbytes
             if self._cached_bytes + nbytes <= self._max_cached:
                 self._free[entry[0]].append(entry)

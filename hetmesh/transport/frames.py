@@ -330,9 +330,10 @@ def raw_buffer(t: torch.Tensor) -> Any:
     """
     if t.dtype is torch.bfloat16:
         t = t.view(torch.int16)
-    if t.requires_grad:
-        t = t.detach()
-    return t.numpy()
+    try:
+        return t.numpy()
+    except RuntimeError:  # requires grad (or another view numpy refuses)
+        return t.detach().resolve_conj().resolve_neg().numpy()
 
 
 def flat_bytes(buffer: Any) -> memoryview:
@@ -357,9 +358,11 @@ def _describe(value: Any, limits: Limits, out: list[Any]) -> tuple[list[list[Any
         if dtype is None:
             raise LocalProtocolError(f"dtype {t.dtype} is not sendable")
         shape = t.shape
-        if len(shape) > limits.max_dims or t.numel() > limits.max_elements:
+        nbytes = t.nbytes  # >= numel: numel() only when the cap could be crossed
+        if len(shape) > limits.max_dims or (
+            nbytes > limits.max_elements and t.numel() > limits.max_elements
+        ):
             raise LocalProtocolError(f"tensor of shape {tuple(shape)} exceeds limits")
-        nbytes = t.nbytes
         described.append([dtype, list(shape), nbytes])
         out.append(raw_buffer(t))
         payload += nbytes
