@@ -6,9 +6,10 @@ vector products far below the copy benchmark's bandwidth, Python and kernel
 dispatch, attention over the cache. So each serving node times the model's
 first decoder block — loaded with the stage code that serves it, only that
 block's tensors — doing single-token decode steps over
-:data:`CALIBRATION_CONTEXT_TOKENS` tokens of KV cache, in windows long
-enough (several CFS periods) that a cgroup CPU quota shows in each; the best
-window counts, as other processes only ever slow one down.
+:data:`CALIBRATION_CONTEXT_TOKENS` tokens of KV cache. On a CPU it counts
+the CPU time a step takes and divides by the cores it may use (a cgroup
+quota of a quarter core makes a sustained step four times longer), so a busy
+neighbour at start-up does not make a fast node look slow.
 
 The figure travels in the node's announcement (``extra["calibration"]``);
 the coordinator turns every member's figure into
@@ -44,9 +45,12 @@ def measure_block_step_s(
 ) -> float:
     """Seconds of one decode step of the model's first decoder block on ``device``.
 
-    The mean step within a window of ``window_s`` (three CFS periods, so a CPU
-    quota's throttling is in it), best of the windows in ``budget_s``: other
-    processes only ever slow a window down, as in the profiler's benchmarks.
+    On a CPU: the process CPU time per step (which other processes sharing
+    the cores do not inflate) ÷ the cores this node's torch threads may use
+    (its threads, capped by the cgroup quota and affinity): the sustained
+    step time of a node that keeps its cores busy. On a GPU: wall time. The
+    mean over a window of ``window_s``, best of the windows in ``budget_s``
+    (neighbours only ever slow a window down, as in the profiler).
     """
     import torch
 
@@ -70,6 +74,8 @@ def measure_block_step_s(
         stage.forward(states(context), kv)  # the cache a decode step reads
         return kv
 
+    on_cpu = stage.device.type == "cpu"
+    share = cpu_share(torch.get_num_threads()) if on_cpu else 1.0
     step = states(1)
     kv = fresh_cache()
     try:
@@ -83,7 +89,7 @@ def measure_block_step_s(
             kv = fresh_cache()  # every window decodes at about the same context
             synchronise()
             steps = 0
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
             while True:
                 stage.forward(step, kv)
                 steps += 1
@@ -92,11 +98,24 @@ def measure_block_step_s(
                     now = time.perf_counter()
                     if now - began >= window_s or kv.length + 4 >= stage.max_context:
                         break
-            best = min(best, (now - began) / steps)
+            if on_cpu:
+                best = min(best, (time.process_time() - cpu_began) / steps / share)
+            else:
+                best = min(best, (now - began) / steps)
             if now >= deadline:
                 return best
     finally:
         kv.free()
+
+
+def cpu_share(threads: int) -> float:
+    """Cores ``threads`` torch threads can keep busy here: CPU quota and affinity included."""
+    import psutil
+
+    from hetmesh.discovery.profiling import effective_cores, read_cgroup_limits
+
+    cores = effective_cores(psutil.cpu_count() or 1, read_cgroup_limits())
+    return max(1e-3, min(float(max(1, threads)), cores))
 
 
 def calibration_extra(model_key: str, device: str, block_step_s: float) -> dict[str, Any]:
@@ -145,5 +164,6 @@ __all__ = [
     "CALIBRATION_KEY",
     "calibrated_constraints",
     "calibration_extra",
+    "cpu_share",
     "measure_block_step_s",
 ]
