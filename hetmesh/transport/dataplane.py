@@ -73,7 +73,10 @@ class DataPlaneConfig:
     ``backends`` is the preference order (the listener's order decides);
     ``deny`` removes backends whatever the peer says; ``require_encryption``
     leaves only libp2p; ``gloo`` lets torchdist run on CPU (tests; NCCL is
-    used automatically when both ends have it).
+    used automatically when both ends have it). ``spin_us``: links opened
+    with ``blocking=True`` poll their socket this long in ``receive_blocking``
+    before sleeping (at most that much CPU per receive, yielding to any peer
+    on the same CPU); 0 sleeps at once. Async-mode links never poll.
     """
 
     peer_id: str
@@ -88,9 +91,7 @@ class DataPlaneConfig:
     socket_buffer_bytes: int = 0  # 0: let the kernel autotune
     shm_budget_bytes: int = 2 << 30
     torchdist_timeout_s: float = 60.0
-    # blocking-mode links (receive_blocking) poll their socket this long before sleeping:
-    # a wake-up from recv costs tens of µs here; 0 always sleeps at once
-    spin_us: float = 50.0
+    spin_us: float = 50.0  # a wake-up from recv costs tens of µs on a shared VM
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,6 +11,13 @@ trio with one ``run_sync_soon``; sends try a non-blocking ``sendmsg`` from the
 trio thread first and only fall back to a worker thread when the socket
 buffer is full. Measured (docs/benchmarks.md): trio's own socket loop adds
 ~100 µs per message, the reader thread a few µs.
+
+The blocking API (``send_blocking`` / ``receive_blocking``, for a stage loop
+in its own worker thread) is the latency path: one ``sendmsg`` per frame
+(header + tensor memory), one ``recv_into`` per small frame, and a receive
+that polls the socket for ``spin_us`` before sleeping in the kernel, because
+on this kind of VM a wake-up from a blocking ``recv`` plus the cache-cold
+Python after it costs more than the frame codec itself.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ Zero-copy send: write the payload straight into :meth:`ShmLink.allocate`'s
 tensor, then send it; any other tensor is copied into a segment once. The
 sender must not touch a tensor's segment after sending it. Total segment
 memory is capped (``budget_bytes``); a send waits for releases when full.
+
+Per handoff: one doorbell packet each way (the frame; later a release),
+no fd once a segment is known, the receiver's tensor views of a segment
+cached by layout, and in blocking mode a receive that polls the doorbell
+for ``spin_us`` before sleeping on it.
 """
 
 from __future__ import annotations
@@ -339,7 +344,8 @@ class ShmLink(ThreadedLink):
                 raise RemoteProtocolError("tensor does not fit its segment")
             key = (spec.dtype, spec.shape)
             tensor = segment.tensors.get(key)
-            if tensor is None:
+            # a receiver may have changed a view in place (squeeze_, requires_grad_): check
+            if tensor is None or tensor.shape != spec.shape or tensor.requires_grad:
                 if len(segment.tensors) >= _MAX_VIEWS:
                     segment.tensors.clear()
                 tensor = segment.tensors[key] = as_tensor(segment.buffer, spec)

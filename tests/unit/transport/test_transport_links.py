@@ -19,6 +19,7 @@ from hetmesh.transport.credentials import Credential
 from hetmesh.transport.dataplane import dial_shm, dial_tcp
 from hetmesh.transport.frames import DEFAULT_LIMITS
 from hetmesh.transport.links import TcpLink, ThreadedLink, in_thread
+from hetmesh.transport.shm import MIN_SEGMENT, ShmLink
 
 BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
 
@@ -284,3 +285,23 @@ async def test_link_torchdist_uses_nccl_between_two_gpus() -> None:
         assert isinstance(frame, Activations)
         assert frame.tensors[0].device == torch.device("cuda:1")
         assert torch.equal(frame.tensors[0].cpu(), t.cpu())
+
+
+async def test_shm_reused_views_survive_in_place_changes() -> None:
+    """The receiver caches its tensor views of a segment; an in-place reshape must not leak."""
+    async with planes("shm") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ShmLink)
+        for step in range(3):
+            t = torch.full((4, 8), float(step))
+            await la.send(Activations(session_id="s", step=step, positions=(), tensors=(t,)))
+            frame = await lb.receive()
+            assert isinstance(frame, Activations)
+            assert frame.tensors[0].shape == (4, 8)
+            assert torch.equal(frame.tensors[0], t)
+            frame.tensors[0].unsqueeze_(0)  # the receiver's business, until release
+            lb.release(frame)
+            await wait_until(lambda: any(la._free.values()))  # the next send reuses it
+        assert la.statistics().cached_bytes == MIN_SEGMENT  # one segment, reused
+        for link in (la, lb):
+            await link.aclose()
