@@ -407,6 +407,13 @@ class Serving:
             )
         )
         d.set_extra("gateway", _as_dict(self.gateway.statistics()) if self.gateway else {})
+        d.set_extra(
+            "stage_servers",
+            [
+                {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
+                for s in stats
+            ],
+        )
 
     async def _plan_loop(self) -> None:
         while True:
