@@ -162,14 +162,13 @@ def start(
     ] = None,
 ) -> None:
     """Run a node: discovery, profiling, and its share of serving the model."""
-    given = {k: v for k, v in locals().items() if v is not None and k not in ("config", "api_port")}
+    given = {k: v for k, v in locals().items() if v is not None and k != "config"}
     from hetmesh.node.config import check_settings, load_config_file, merge
 
     flags = check_settings(
         {k: str(v) if isinstance(v, Path) else v for k, v in given.items()}, source="flags"
     )
     settings = merge(flags, load_config_file(config) if config is not None else {})
-    settings["api_port"] = api_port
     setup_logging(bool(settings.get("verbose")))
     node_config = build_node_config(settings)
     try:

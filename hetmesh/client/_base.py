@@ -169,31 +169,30 @@ def collect(deltas: Sequence[Delta], finish: Finish | None) -> Completion:
     )
 
 
-def chat_prompt(messages: Sequence[Message]) -> str:
-    """The prompt of a chat the generate RPC can carry: one user message.
-
-    The libp2p generate RPC wraps one prompt in the model's chat template; a
-    conversation of several turns goes through a node's HTTP API instead.
-    """
+def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """A conversation as the generate RPC carries it (checked before it is sent)."""
     if not messages:
         raise InvalidRequest("messages is empty")
+    out = []
     for m in messages:
         if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
             raise InvalidRequest("each message needs a string 'content'")
         if m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
             raise InvalidRequest(f"unknown message role {m.get('role')!r}")
-    if len(messages) != 1 or messages[0].get("role") != "user":
-        raise InvalidRequest(
-            "over libp2p a chat is one user message; connect with url= (a node's HTTP API) "
-            "for conversations of several turns"
-        )
-    return str(messages[0]["content"])
+        out.append({"role": str(m["role"]), "content": str(m["content"])})
+    return out
 
 
 def generate_request(
-    prompt: str | None, options: SamplingOptions, *, chat: bool = False
+    prompt: str | Sequence[Message] | None, options: SamplingOptions, *, chat: bool = False
 ) -> dict[str, Any]:
-    """The generate RPC request map (see :mod:`hetmesh.client.protocol`)."""
+    """The generate RPC request map (see :mod:`hetmesh.client.protocol`).
+
+    With ``chat``, ``prompt`` is a conversation (a list of messages) or one user
+    message's text; otherwise it is the prompt text.
+    """
+    if chat and not isinstance(prompt, str):
+        return {"messages": chat_messages(prompt or ()), **options.to_wire()}
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidRequest("the prompt is empty")
     request: dict[str, Any] = {"prompt": prompt, **options.to_wire()}
@@ -299,7 +298,7 @@ __all__ = [
     "Message",
     "SamplingOptions",
     "Timeout",
-    "chat_prompt",
+    "chat_messages",
     "collect",
     "decode_reply",
     "decode_sse_chunk",

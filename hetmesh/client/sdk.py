@@ -33,7 +33,6 @@ from hetmesh.client._base import (
     Message,
     SamplingOptions,
     Timeout,
-    chat_prompt,
     collect,
     decode_sse_chunk,
     generate_request,
@@ -260,11 +259,10 @@ class AsyncClient:
                 async for event in events:
                     yield event
             return
-        text = chat_prompt(prompt) if chat else prompt  # type: ignore[arg-type]
-        if not isinstance(text, str):
+        if not chat and not isinstance(prompt, str):
             raise InvalidRequest("the prompt must be a string")
         async with contextlib.aclosing(
-            self._mesh.deltas(generate_request(text, options, chat=chat), timeout)
+            self._mesh.deltas(generate_request(prompt, options, chat=chat), timeout)
         ) as events:
             async for event in events:
                 yield event

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hetmesh import errors
-from hetmesh.errors import InvalidRequest, MeshError
+from hetmesh.errors import MeshError
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.api_requests import (
     MAX_BODY_BYTES,
@@ -111,17 +111,10 @@ class NodeBackend:
             return list(request.prompt_ids)
         if not request.chat:
             return await trio.to_thread.run_sync(serving.encode, request.prompt, None, False)
-        tokenizer = serving.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest("the model has no chat template: use /v1/completions")
+        from hetmesh.partition.text import encode_messages
 
-        def render() -> list[int]:
-            text = tokenizer.apply_chat_template(
-                list(request.messages), tokenize=False, add_generation_prompt=True
-            )
-            return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-
-        return await trio.to_thread.run_sync(render)
+        messages = [dict(m) for m in request.messages]
+        return await trio.to_thread.run_sync(encode_messages, serving.tokenizer, messages)
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams

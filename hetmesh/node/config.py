@@ -72,6 +72,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "require_encryption": (bool, None),
     "backends": (list, None),
     "verbose": (bool, None),
+    "api_port": (int, None),
 }
 
 

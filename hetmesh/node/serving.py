@@ -588,11 +588,24 @@ class Serving:
 
     # -- requests -----------------------------------------------------------------
 
-    def encode(self, prompt: str | None, prompt_ids: Sequence[int] | None, chat: bool) -> list[int]:
-        from hetmesh.partition.text import encode_prompt
+    def encode(
+        self,
+        prompt: str | None,
+        prompt_ids: Sequence[int] | None,
+        chat: bool,
+        messages: Any = None,
+    ) -> list[int]:
+        """Token ids of a request: given ids, a conversation, or a prompt (``chat``: templated)."""
+        from hetmesh.partition.text import encode_messages, encode_prompt
 
         if prompt_ids:
+            if not isinstance(prompt_ids, list | tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
+            ):
+                raise InvalidRequest("prompt_ids must be a list of integers")
             return [int(t) for t in prompt_ids]
+        if messages is not None:
+            return encode_messages(self.tokenizer, messages)
         if not prompt:
             raise InvalidRequest("the prompt is empty")
         return encode_prompt(self.tokenizer, prompt, chat=chat)
@@ -623,7 +636,12 @@ class Serving:
         finish = "length"
         try:
             params = _sampling_from(data)
-            ids = self.encode(data.get("prompt"), data.get("prompt_ids"), bool(data.get("chat")))
+            ids = self.encode(
+                data.get("prompt"),
+                data.get("prompt_ids"),
+                bool(data.get("chat")),
+                data.get("messages"),
+            )
             async with contextlib.aclosing(self.stream(ids, params)) as events:
                 async for token, delta in events:
                     if token >= 0:

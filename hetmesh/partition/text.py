@@ -24,20 +24,33 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
         raise CorruptModel(f"{model_dir}: no usable tokenizer ({brief_error(exc)})") from exc
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = False) -> list[int]:
     """Token ids for ``prompt``; with ``chat``, wrapped in the model's chat template."""
     if not prompt.strip():
         raise InvalidRequest("empty prompt")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest("the model has no chat template; drop --chat")
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        ids = tokenizer.encode(prompt)
-    return [int(i) for i in ids]
+        return encode_messages(tokenizer, [{"role": "user", "content": prompt}])
+    return [int(i) for i in tokenizer.encode(prompt)]
+
+
+def encode_messages(tokenizer: Any, messages: Any) -> list[int]:
+    """Token ids of a conversation (``[{"role", "content"}, ...]``) through the chat
+    template, ending with the assistant's turn to speak; ``InvalidRequest`` if malformed."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise InvalidRequest("messages must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise InvalidRequest("each message needs a string 'content'")
+        if m.get("role") not in CHAT_ROLES:
+            raise InvalidRequest(f"unknown message role {m.get('role')!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("the model has no chat template")
+    conversation = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
 
 
 def eos_token_ids(model_dir: str | os.PathLike[str], tokenizer: Any) -> set[int]:
@@ -132,4 +145,12 @@ class StopMatcher:
         return out
 
 
-__all__ = ["StopMatcher", "TextStream", "encode_prompt", "eos_token_ids", "load_tokenizer"]
+__all__ = [
+    "CHAT_ROLES",
+    "StopMatcher",
+    "TextStream",
+    "encode_messages",
+    "encode_prompt",
+    "eos_token_ids",
+    "load_tokenizer",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 from mesh_nodes import (
+    SECRET,
     encode,
     generate_ids,
     open_probe_peer,
@@ -44,6 +45,25 @@ async def test_three_nodes_split_the_model_and_match_the_reference(mesh3, defaul
         gateway = mesh3[i % 3].addr  # requests may enter at any node
         got = await generate_ids(gateway, ids, max_new_tokens=20)
         assert got == reference_ids(default_model_dir, ids, 20), prompt
+
+
+async def test_a_conversation_of_several_turns_over_libp2p(mesh3, default_model_dir):
+    from hetmesh.client.mesh import TokenEvent, open_mesh_client
+    from hetmesh.partition.text import encode_messages, load_tokenizer
+
+    turns = [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    ids = encode_messages(load_tokenizer(default_model_dir), turns)
+    got = []
+    async with open_mesh_client(mesh3[2].addr, mesh_secret=SECRET) as mesh:
+        async for event in mesh.stream(messages=turns, max_new_tokens=12):
+            if isinstance(event, TokenEvent) and event.token_id >= 0:
+                got.append(event.token_id)
+    assert got == reference_ids(default_model_dir, ids, 12)
 
 
 def _stages(view):

@@ -13,7 +13,7 @@ from hetmesh.client._base import (
     Finish,
     SamplingOptions,
     Timeout,
-    chat_prompt,
+    chat_messages,
     collect,
     decode_reply,
     decode_sse_chunk,
@@ -106,7 +106,7 @@ def test_sampling_options_to_wire_and_openai() -> None:
     assert options.to_openai() == {"max_tokens": 5, "temperature": 0.7, "seed": 3, "stop": ["\n"]}
 
 
-def test_generate_request_and_chat_prompt() -> None:
+def test_generate_request_carries_prompts_and_conversations() -> None:
     options = SamplingOptions(max_new_tokens=4)
     assert generate_request("Hi", options, chat=True) == {
         "prompt": "Hi",
@@ -115,15 +115,15 @@ def test_generate_request_and_chat_prompt() -> None:
     }
     with pytest.raises(InvalidRequest):
         generate_request("   ", options)
-    assert chat_prompt([{"role": "user", "content": "Hello"}]) == "Hello"
-    with pytest.raises(InvalidRequest, match="url="):
-        chat_prompt(
-            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-        )
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    assert generate_request(turns, options, chat=True) == {"messages": turns, "max_new_tokens": 4}
+    assert chat_messages(turns) == turns
     with pytest.raises(InvalidRequest):
-        chat_prompt([])
-    with pytest.raises(InvalidRequest):
-        chat_prompt([{"role": "wizard", "content": "x"}])
+        chat_messages([])
+    with pytest.raises(InvalidRequest, match="role"):
+        chat_messages([{"role": "wizard", "content": "x"}])
+    with pytest.raises(InvalidRequest, match="content"):
+        chat_messages([{"role": "user", "content": 3}])
 
 
 def test_decode_reply_tokens_flush_finish_and_errors() -> None:
