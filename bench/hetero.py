@@ -129,7 +129,7 @@ def measure_strategy(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=40)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
