@@ -40,6 +40,7 @@ class ServingConfig:
     max_sessions: int = 8
     reserve_bytes: int = 64 << 20
     threads: int = 1  # torch intra-op threads of this node
+    gil_switch_interval_s: float = 0.0005
     standby: bool = True  # spare devices become standby replicas of a stage
     settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
     plan_interval_s: float = 1.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,6 +165,9 @@ async def run_node(
         import torch
 
         torch.set_num_threads(config.serving.threads)  # before profiling measures with it
+        # The device thread holds the GIL between small kernels; frames arriving on
+        # link reader threads must not wait the default 5 ms for it at every hop.
+        sys.setswitchinterval(config.serving.gil_switch_interval_s)
     key_pair = load_or_create_identity(config.data_dir)
     psk = derive_psk(config.mesh_secret)
     async with open_host(
