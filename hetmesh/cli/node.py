@@ -171,6 +171,8 @@ def start(
     settings = merge(flags, load_config_file(config) if config is not None else {})
     setup_logging(bool(settings.get("verbose")))
     node_config = build_node_config(settings)
+    if node_config.serving is not None:
+        limit_cpu_threads(node_config.serving.threads)
     try:
         trio.run(_run_until_signal, node_config)
     except BaseExceptionGroup as group:
@@ -179,6 +181,22 @@ def start(
             raise
         raise found from None
     logging.getLogger("hetmesh.node").info("stopped")
+
+
+def limit_cpu_threads(threads: int) -> None:
+    """Cap OpenMP/MKL at ``threads`` before torch loads.
+
+    ``torch.set_num_threads`` binds only the calling thread's OpenMP team: the
+    device worker thread would otherwise run a team as wide as the machine, and
+    several nodes on one host then fight over the cores (and spin-wait).
+    """
+    import os
+    import sys
+
+    if "torch" in sys.modules:
+        return  # too late for the environment; the device thread sets its own count
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, str(threads))
 
 
 def build_node_config(settings: dict[str, Any]) -> Any:

@@ -48,7 +48,7 @@ class ServingConfig:
     route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False
-    tcp_host: str = "127.0.0.1"
+    tcp_host: str | None = None  # None: the address the node's libp2p host is reached at
     timeouts: GatewayTimeouts = field(default_factory=GatewayTimeouts)
 
 

@@ -142,7 +142,7 @@ class Serving:
             peer_id=self.node.peer_id,
             backends=self.config.backends,
             require_encryption=self.config.require_encryption,
-            tcp_host=self.config.tcp_host,
+            tcp_host=self.config.tcp_host or data_plane_host(self.node.discovery.addrs),
             gloo="torchdist" in self.config.backends,
             device=self.node.config.device,
         )
@@ -361,6 +361,7 @@ class Serving:
             ),
             send=self._send,
             device_limiter=self.node.device_limiter,
+            threads=self.config.threads,
         )
         scope = trio.CancelScope()
         assert self._nursery is not None
@@ -673,6 +674,16 @@ class Serving:
             links=links,
             insufficient=self._insufficient,
         )
+
+
+def data_plane_host(addrs: Sequence[str]) -> str:
+    """The IPv4 address the data plane should listen on: the node's first announced
+    non-loopback address (peers on other hosts can reach it), else loopback."""
+    hosts = [a.split("/")[2] for a in addrs if a.startswith("/ip4/")]
+    for host in hosts:
+        if not host.startswith("127.") and host != "0.0.0.0":
+            return host
+    return "127.0.0.1"
 
 
 def _as_dict(record: Any) -> dict[str, Any]:

@@ -104,8 +104,10 @@ class StageServer:
         send: Send,
         max_batch: int = 32,
         device_limiter: trio.CapacityLimiter | None = None,
+        threads: int | None = None,
     ) -> None:
         self.stage = stage
+        self._threads = threads or torch.get_num_threads()
         self.kv = KVManager(
             limits, bytes_per_token=stage.kv_bytes_per_token(), factory=stage.new_kv
         )
@@ -238,6 +240,8 @@ class StageServer:
         Sessions were resolved on the trio thread and cannot be freed while
         the batch is in flight (see :meth:`close`).
         """
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # binds this thread's OpenMP team
         ready: list[_Outcome] = []
         for outcome in outcomes:
             session, item = outcome.session, outcome.item

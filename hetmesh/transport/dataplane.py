@@ -206,7 +206,8 @@ class DataPlane:
             except (TransportError, OSError, trio.TooSlowError) as exc:
                 if isinstance(exc, AuthenticationFailed):
                     raise
-                skip = choose_backend(self.offer(), _without(theirs, choice.backend))
+                # the direct path failed: the encrypted control stream is the one left
+                skip = choose_backend(self.offer(), _only_libp2p(theirs))
                 log.warning(
                     "%s link to %s failed (%r); trying %s",
                     choice.backend,
@@ -449,10 +450,12 @@ def link_start(link: Link, blocking: bool, spin_us: float = 0.0) -> None:
         raise LocalProtocolError(f"{link.backend} links have no blocking mode")
 
 
-def _without(offer: Offer, backend: str) -> Offer:
+def _only_libp2p(offer: Offer) -> Offer:
+    """``offer`` with every backend but libp2p denied (the fallback after a failed dial)."""
     from dataclasses import replace
 
-    return replace(offer, deny=(*offer.deny, backend))
+    others = tuple(b for b in BACKENDS if b != "libp2p")
+    return replace(offer, deny=(*offer.deny, *others))
 
 
 def dial_tcp(

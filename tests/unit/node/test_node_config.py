@@ -82,3 +82,12 @@ def test_bad_toml_and_missing_file(tmp_path: Path):
 def test_non_positive_sizes_are_refused(key):
     with pytest.raises(InvalidRequest, match="at least 1"):
         build_node_config({key: 0})
+
+
+def test_data_plane_listens_where_peers_reach_the_node():
+    from hetmesh.node.serving import data_plane_host
+
+    assert data_plane_host(["/ip4/127.0.0.1/tcp/4001/p2p/Qm"]) == "127.0.0.1"
+    lan = ["/ip4/127.0.0.1/tcp/4001/p2p/Qm", "/ip4/10.20.0.2/tcp/4001/p2p/Qm"]
+    assert data_plane_host(lan) == "10.20.0.2"
+    assert data_plane_host(["/ip6/::1/tcp/1/p2p/Qm"]) == "127.0.0.1"

@@ -90,6 +90,19 @@ async def test_link_falls_back_to_libp2p_and_says_why() -> None:
         assert lb.reason == la.reason
 
 
+async def test_link_falls_back_to_libp2p_past_every_failed_direct_backend() -> None:
+    """tcp preferred over torchdist, tcp unreachable: straight to libp2p, not to torchdist."""
+    config = {"backends": ("tcp", "torchdist", "libp2p"), "gloo": True}
+    async with (
+        open_data_plane(DataPlaneConfig(peer_id="A", **config)) as a,  # type: ignore[arg-type]
+        open_data_plane(DataPlaneConfig(peer_id="B", **config)) as b,  # type: ignore[arg-type]
+    ):
+        b._endpoints["tcp"] = "127.0.0.1:1"  # nothing listens there
+        la, lb = await link_pair(a, b)
+        assert la.backend == lb.backend == "libp2p"
+        assert "fell back" in la.reason
+
+
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 async def test_link_wrong_and_replayed_credentials_are_refused(backend: str) -> None:
     async with planes(backend) as (a, b):
