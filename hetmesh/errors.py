@@ -32,6 +32,26 @@ foreign exceptions into them with ``raise X(...) from exc``. The CLI prints
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def find_in_group(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The first ``kind`` exception in ``exc`` or, depth first, in its exception groups.
+
+    Structured concurrency wraps errors in groups; boundaries (the CLI, the HTTP
+    server) use this to report the error that matters in one line.
+    """
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = find_in_group(inner, kind)
+            if found is not None:
+                return found
+    return None
+
 
 class MeshError(Exception):
     """Root of every error hetmesh raises on purpose."""
@@ -148,4 +168,5 @@ __all__ = [
     "StreamReset",
     "TransportError",
     "UnsupportedModel",
+    "find_in_group",
 ]

@@ -12,7 +12,7 @@ import trio
 import typer
 
 from hetmesh.cli._app import app
-from hetmesh.errors import MeshError
+from hetmesh.errors import MeshError, find_in_group
 
 node_app = typer.Typer(help="Run a mesh node.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
@@ -47,14 +47,7 @@ def resolve_secret(secret: str | None, secret_file: Path | None) -> str | None:
 
 def first_mesh_error(exc: BaseException) -> MeshError | None:
     """The first MeshError inside a (possibly nested) exception group."""
-    if isinstance(exc, MeshError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = first_mesh_error(inner)
-            if found is not None:
-                return found
-    return None
+    return find_in_group(exc, MeshError)
 
 
 def setup_logging(verbose: bool) -> None:

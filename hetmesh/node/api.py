@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hetmesh import errors
-from hetmesh.errors import MeshError
+from hetmesh.errors import MeshError, find_in_group
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.api_requests import (
     MAX_BODY_BYTES,
@@ -465,17 +465,6 @@ def build_app(backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery) -> S
     )
 
 
-def _first_os_error(exc: BaseException) -> OSError | None:
-    if isinstance(exc, OSError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _first_os_error(inner)
-            if found is not None:
-                return found
-    return None
-
-
 async def serve_http(
     backend: Backend,
     *,
@@ -514,7 +503,7 @@ async def serve_http(
                         task_status.started(url)
             except Exception as exc:  # never let the HTTP server take the node down
                 if url is None:
-                    bind = _first_os_error(exc)
+                    bind = find_in_group(exc, OSError)
                     if bind is not None:  # could not listen at start: say so in one line
                         raise errors.TransportError(
                             f"the HTTP API cannot listen on {host}:{port}: {bind.strerror or bind}"
