@@ -67,6 +67,7 @@ class GatewayTimeouts:
     admission_s: float = 30.0  # how long a request waits for a busy mesh
     ping_s: float = 1.5
     close_s: float = 5.0
+    replan_pause_s: float = 0.5
     max_extensions: int = 3  # a slow step whose stages all answer pings may wait this often
     max_recoveries: int = 8
 
@@ -190,6 +191,8 @@ class Gateway:
                     return
                 except _StepFailed as exc:
                     suspects = exc.suspects or await self._find_silent(hops)
+                    if not exc.suspects and not suspects:
+                        await trio.sleep(self.timeouts.replan_pause_s)  # let the plan settle
                     avoid |= suspects
                     self._recoveries += 1
                     log.warning(
@@ -237,9 +240,14 @@ class Gateway:
             for _, reply in failed:
                 if reply.kind == "invalid":
                     reply.raise_for_error()
-            unreachable = frozenset(hop.peer_id for hop, r in failed if r.kind != "busy")
+            unreachable = frozenset(
+                hop.peer_id for hop, r in failed if r.kind not in ("busy", "not_serving")
+            )
             if unreachable:
                 raise _StepFailed("a stage refused or did not answer the session", unreachable)
+            if any(r.kind == "not_serving" for _, r in failed):
+                # a new plan moved a stage: route again once it is ready, avoid nobody for it
+                raise _StepFailed("the plan changed under the session")
             self._busy += 1
             if trio.current_time() + delay > deadline:
                 raise Rejected("busy: every pipeline is full; try again later")

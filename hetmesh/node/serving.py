@@ -56,8 +56,9 @@ from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler import baselines
+from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest
-from hetmesh.scheduler.replan import MeshSnapshot, alive_pipelines, coordinator, newest, replan
+from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan
 from hetmesh.scheduler.router import route
 from hetmesh.scheduler.standby import add_standby_replicas
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
@@ -231,11 +232,7 @@ class Serving:
         snapshot = self._snapshot_now(members)
         if not snapshot.devices:
             return
-        current = self.plan
-        if current is not None and not alive_pipelines(
-            current, [d.peer_id for d in snapshot.devices]
-        ):
-            current = None  # every pipeline lost a peer: plan afresh
+        current = self._surviving(self.plan, snapshot, constraints)
         epoch = (self.plan.epoch + 1) if self.plan is not None else 0
         try:
             if self.config.plan_strategy == "hetmesh":
@@ -281,6 +278,8 @@ class Serving:
         self._insufficient = ""
         self.node.discovery.set_extra("insufficient", "")
         self._snapshot = snapshot
+        if candidate is None and current is not None and current != self.plan:
+            candidate, reason = current, "pipelines with a lost peer dropped; the rest serve on"
         if candidate is None and current is not None and self.config.standby:
             # no better placement; but a spare device may have joined to back one up
             backed = add_standby_replicas(
@@ -307,6 +306,35 @@ class Serving:
         )
         self._published = plan
         self.node.discovery.set_extra("plan", plan.to_wire())
+
+    def _surviving(
+        self, plan: Plan | None, snapshot: MeshSnapshot, constraints: PlanConstraints
+    ) -> Plan | None:
+        """``plan`` without the pipelines that lost a peer, re-scored; None if none is left.
+
+        A standby replica that survives keeps serving: the coordinator then only
+        replans if a new placement beats it by the adoption threshold, instead of
+        reshuffling every stage after each loss.
+        """
+        if plan is None:
+            return None
+        alive = {d.peer_id for d in snapshot.devices}
+        survivors = [p for p in plan.pipelines if p.peers <= alive]
+        if not survivors:
+            return None  # every pipeline lost a peer: plan afresh
+        if len(survivors) == len(plan.pipelines):
+            return plan
+        placed = [[(s.peer_id, s.device, s.start, s.end) for s in p.stages] for p in survivors]
+        return evaluate(
+            placed,
+            snapshot.devices,
+            snapshot.links,
+            self.profile,
+            objective=plan.objective,
+            constraints=constraints,
+            strategy=plan.strategy,
+            epoch=plan.epoch,
+        )
 
     def _adopt(self, members: Sequence[Any]) -> None:
         seen: list[Plan] = [self._published] if self._published is not None else []
