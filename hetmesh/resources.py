@@ -194,8 +194,7 @@ class UnitProfile(WireRecord):
         # token t attends to start + t + 1 positions; sum over the chunk
         attended = n_tokens * start + n_tokens * (n_tokens + 1) / 2
         return (
-            n_tokens * self.flops_per_token
-            + attended * self.attention_flops_per_token_per_context
+            n_tokens * self.flops_per_token + attended * self.attention_flops_per_token_per_context
         )
 
 
