@@ -279,18 +279,10 @@ MakeTestbed = Callable[[Sequence[HostSpec]], MeshTestbed]  # the ``mesh_testbed`
 
 
 def plan_of(view: dict[str, Any]) -> Any:
-    """The newest plan published in a status view (a ``Plan``), or None."""
-    from hetmesh.scheduler.records import Plan
+    """The newest plan followed in a status view (a ``Plan``), or None."""
+    from hetmesh.scheduler.replan import newest_in_view
 
-    best = None
-    for peer in view.get("peers", []):
-        raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
-        if raw:
-            with contextlib.suppress(ValueError, TypeError):
-                plan = Plan.from_wire(raw)
-                if best is None or plan.epoch > best.epoch:
-                    best = plan
-    return best
+    return newest_in_view(view)
 
 
 def devices_of(view: dict[str, Any]) -> dict[str, dict[str, Any]]:

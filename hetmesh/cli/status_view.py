@@ -1,7 +1,7 @@
 """The plan and load parts of ``hetmesh status`` (pure: a view in, records and tables out).
 
 :func:`summarize` reads a node's status view (``Discovery.view()``): the newest
-plan any peer publishes (``extra["plan"]``), stage readiness (``stages``), each
+plan any peer follows (``extra["plan"]``), stage readiness (``stages``), each
 peer's load (``load``) and gateway counters (``extra["gateway"]``). Given the
 previous view and the seconds between them it also derives tokens/s.
 """
@@ -15,16 +15,12 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from hetmesh.scheduler.replan import newest_in_view
+
 
 def _newest_plan(view: Mapping[str, Any]) -> dict[str, Any] | None:
-    best: dict[str, Any] | None = None
-    for peer in view.get("peers") or ():
-        raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
-        if not isinstance(raw, Mapping) or not raw.get("pipelines"):
-            continue
-        if best is None or int(raw.get("epoch", -1)) > int(best.get("epoch", -1)):
-            best = dict(raw)
-    return best
+    plan = newest_in_view(view)
+    return None if plan is None else plan.to_wire()
 
 
 def _records(view: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

@@ -112,16 +112,11 @@ def _stop(nodes: Sequence[LocalNode], grace_s: float = 10.0) -> None:
 
 def ready_pipelines(view: dict[str, Any]) -> int:
     """Pipelines of the newest plan in a status view whose every stage is ready."""
-    from hetmesh.scheduler.records import Plan
+    from hetmesh.scheduler.replan import newest_in_view
 
-    plans = [
-        Plan.from_wire(p["record"]["extra"]["plan"])
-        for p in view["peers"]
-        if p["record"].get("extra", {}).get("plan")
-    ]
-    if not plans:
+    plan = newest_in_view(view)
+    if plan is None:
         return 0
-    plan = max(plans, key=lambda p: p.epoch)
     ready = {
         (p["peer_id"], s["start"], s["end"])
         for p in view["peers"]

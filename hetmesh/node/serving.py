@@ -12,8 +12,11 @@ serve_model(node, config)
 ```
 
 Every node runs the same code; the coordinator (lowest live peer id) is the
-only one that plans. A plan travels in the coordinator's announcement
-(``extra["plan"]``); stage readiness travels in each node's ``stages``.
+only one that plans. Every node announces the plan it follows
+(``extra["plan"]``) and switches to any plan that supersedes it
+(:func:`~hetmesh.scheduler.replan.supersedes`), so two nodes that both
+believed they coordinated (views differ while peers join) still end on one
+plan. Stage readiness travels in each node's ``stages``.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler import baselines
 from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest
-from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan
+from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
 from hetmesh.scheduler.router import route
 from hetmesh.scheduler.standby import add_standby_replicas
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
@@ -305,7 +308,6 @@ class Serving:
             plan.decode_latency_s * 1e3,
         )
         self._published = plan
-        self.node.discovery.set_extra("plan", plan.to_wire())
 
     def _surviving(
         self, plan: Plan | None, snapshot: MeshSnapshot, constraints: PlanConstraints
@@ -344,9 +346,13 @@ class Serving:
                 with contextlib.suppress(ValueError, TypeError):
                     seen.append(Plan.from_wire(raw))
         best = newest(p for p in seen if p.model_name == self.profile.name)
-        if best is not None and (self.plan is None or best.epoch > self.plan.epoch):
-            self.plan = best
-            self._apply(best)
+        if best is None or not supersedes(best, self.plan):
+            return
+        if best is not self._published:
+            self._snapshot = None  # a plan made elsewhere: judge it afresh when coordinating
+        self.plan = best
+        self._apply(best)
+        self.node.discovery.set_extra("plan", best.to_wire())
 
     def _apply(self, plan: Plan) -> None:
         mine = {
@@ -449,9 +455,10 @@ class Serving:
             members = self._members()
             ids = [self.node.peer_id] + [e.peer_id for e in members]
             settled = trio.current_time() - self._started_at >= self.config.settle_s
+            self._adopt(members)  # plan on top of the newest plan seen
             if coordinator(ids) == self.node.peer_id and settled:
                 self._coordinate(members)
-            self._adopt(members)
+                self._adopt(members)
             self._retire_idle()
             self._publish()
             self._changed.set()

@@ -5,7 +5,7 @@ What the node daemon calls:
 - :func:`plan` (coordinator) → a :class:`Plan` of one or more :class:`Pipeline`;
 - :func:`route` (gateway) → the :class:`Pipeline` that serves a request;
 - :func:`replan`, :func:`should_replan`, :func:`should_adopt`, :func:`coordinator`,
-  :func:`newest` (coordinator service and every peer);
+  :func:`newest`, :func:`supersedes` (coordinator service and every peer);
 - :data:`BASELINES` (benchmarks and ``hetmesh plan``).
 
 This package imports no trio, libp2p or torch (a test enforces it).
@@ -32,9 +32,11 @@ from hetmesh.scheduler.replan import (
     ReplanOutcome,
     coordinator,
     newest,
+    newest_in_view,
     replan,
     should_adopt,
     should_replan,
+    supersedes,
 )
 from hetmesh.scheduler.router import expected_completion_s, route
 
@@ -61,10 +63,12 @@ __all__ = [
     "greedy_fill",
     "memory_proportional",
     "newest",
+    "newest_in_view",
     "placement",
     "plan",
     "replan",
     "route",
     "should_adopt",
     "should_replan",
+    "supersedes",
 ]

@@ -9,14 +9,18 @@ Pure decisions for the coordinator service (the async glue lives with the node):
   ``min_gain`` (no flapping), or if the current plan no longer fits or names
   a departed device;
 - :func:`coordinator`: the live peer with the lowest peer id;
-- :func:`newest`: peers adopt the plan of the highest epoch they have seen;
+- :func:`newest`: peers follow the plan of the highest rank they have seen
+  (epoch first; equal epochs, which two nodes that both believed they
+  coordinated can publish, are ordered the same way everywhere);
+  :func:`supersedes` and :func:`newest_in_view` apply that order;
 - :func:`replan`: all of the above in one call for the coordinator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId, WireRecord
@@ -63,7 +67,7 @@ def should_replan(
 ) -> Decision:
     """Whether the mesh changed enough since ``previous`` to plan again."""
     if previous is None:
-        return Decision(True, "no plan yet")
+        return Decision(True, "no plan yet, or one made without our inputs")
     old = {device_key(d.peer_id, d.device): d for d in previous.devices}
     new = {device_key(d.peer_id, d.device): d for d in current.devices}
     joined, left = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
@@ -127,6 +131,33 @@ def newest(plans: Iterable[Plan]) -> Plan | None:
         if best is None or _rank(p) > _rank(best):
             best = p
     return best
+
+
+def supersedes(candidate: Plan, current: Plan | None) -> bool:
+    """Whether a node following ``current`` switches to ``candidate``.
+
+    The same order as :func:`newest`, so every node ends on the same plan even
+    when two plans share an epoch: comparing epochs alone would leave each
+    node on whichever of them it saw first.
+    """
+    return current is None or _rank(candidate) > _rank(current)
+
+
+def newest_in_view(view: Mapping[str, Any]) -> Plan | None:
+    """The newest plan the peers of a status view follow (``extra["plan"]``); None if none.
+
+    Malformed plans are skipped: a view is what other nodes announced.
+    """
+    plans: list[Plan] = []
+    for peer in view.get("peers") or ():
+        raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
+        if not raw:
+            continue
+        try:
+            plans.append(Plan.from_wire(raw))
+        except (ValueError, TypeError):
+            continue
+    return newest(plans)
 
 
 def _rank(p: Plan) -> tuple[int, tuple[str, ...]]:
@@ -209,7 +240,9 @@ __all__ = [
     "coordinator",
     "gain",
     "newest",
+    "newest_in_view",
     "replan",
     "should_adopt",
     "should_replan",
+    "supersedes",
 ]

@@ -17,20 +17,11 @@ import trio
 from mesh_nodes import SECRET, encode, reference_ids, running_mesh, view_of, wait_serving
 
 from hetmesh.client.mesh import TokenEvent, open_mesh_client
-from hetmesh.scheduler.records import Plan
+from hetmesh.scheduler.replan import newest_in_view
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.model]
 
 NEW_TOKENS = 48
-
-
-def _plan(view) -> Plan:
-    plans = [
-        Plan.from_wire(p["record"]["extra"]["plan"])
-        for p in view["peers"]
-        if p["record"].get("extra", {}).get("plan")
-    ]
-    return max(plans, key=lambda p: p.epoch)
 
 
 def _load(view, peer_id: str) -> int:
@@ -46,7 +37,8 @@ async def test_generation_survives_losing_the_serving_replica(tmp_path, default_
     expected = reference_ids(default_model_dir, ids, NEW_TOKENS)
     with running_mesh(tmp_path, 4) as nodes:
         await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=120))
-        plan = _plan(await view_of(nodes[0]))
+        plan = newest_in_view(await view_of(nodes[0]))
+        assert plan is not None
         primary, replica = plan.pipelines[0], plan.pipelines[1]
         ((first, second),) = [
             (a.peer_id, b.peer_id)

@@ -13,11 +13,13 @@ from hetmesh.scheduler import (
     coordinator,
     evaluate,
     newest,
+    newest_in_view,
     placement,
     plan,
     replan,
     should_adopt,
     should_replan,
+    supersedes,
 )
 from hetmesh.scheduler.synthetic import random_mesh
 
@@ -120,3 +122,44 @@ def test_coordinator_is_lowest_live_peer_and_newest_plan_wins() -> None:
     assert newest([p1, p0]) is p1
     assert newest([p0, p1]) is p1
     assert newest([]) is None
+
+
+def test_plans_of_one_epoch_are_ordered_the_same_everywhere() -> None:
+    # Two nodes that each believed they coordinated can publish different plans
+    # of the same epoch: every node must end on the same one, whichever it saw first.
+    m = model_profile(KNOWN_SHAPES["smollm2-135m"], name="smollm2")
+    one = plan([device("a"), device("b")], full_links([device("a"), device("b")]), m, epoch=0)
+    other = plan([device("c"), device("d")], full_links([device("c"), device("d")]), m, epoch=0)
+    assert one.pipelines != other.pipelines
+    winner, loser = (one, other) if newest([one, other]) is one else (other, one)
+    assert newest([loser, winner]) is winner
+    assert supersedes(winner, loser)
+    assert not supersedes(loser, winner)
+    assert not supersedes(winner, winner)
+    assert supersedes(one, None)
+    assert supersedes(winner.with_epoch(1).with_epoch(0), loser)  # by content, not identity
+    assert supersedes(loser.with_epoch(1), winner)  # a later epoch always wins
+
+
+def test_newest_in_view_reads_followed_plans_and_skips_malformed_ones() -> None:
+    m = model_profile(KNOWN_SHAPES["smollm2-135m"], name="smollm2")
+    devs = [device("a"), device("b")]
+    p3 = plan(devs, full_links(devs), m, epoch=3)
+
+    def peer(raw: object) -> dict[str, object]:
+        return {"peer_id": "x", "health": "alive", "record": {"extra": {"plan": raw}}}
+
+    view = {
+        "peers": [
+            peer(p3.to_wire()),
+            peer({"epoch": 99}),  # malformed: ignored, not fatal
+            peer(p3.with_epoch(4).to_wire()),
+            {"peer_id": "y", "health": "alive", "record": {"extra": {}}},
+        ]
+    }
+    found = newest_in_view(view)
+    assert found is not None
+    assert found.epoch == 4
+    assert found.pipelines == p3.pipelines
+    assert newest_in_view({"peers": []}) is None
+    assert newest_in_view({"peers": [peer("not a plan")]}) is None
