@@ -66,7 +66,7 @@ def segment_size(nbytes: int) -> int:
 class _Segment:
     seg_id: int
     size: int
-    fd: int
+    fd: int  # ours (sender side) to close; -1 for a peer's segment, closed once mapped
     map: mmap.mmap
     buffer: torch.Tensor  # uint8 view of the whole mapping
     view: memoryview  # byte view of the whole mapping
@@ -75,10 +75,16 @@ class _Segment:
     tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
 
 
-def _map(fd: int, size: int, seg_id: int) -> _Segment:
+def _map(fd: int, size: int, seg_id: int, *, owned: bool) -> _Segment:
+    """Map a memfd; an ``owned`` one keeps its descriptor (to pass on), a peer's does not.
+
+    A peer's descriptor is closed by the receive path right after mapping (the
+    mapping stays valid): keeping its number would close whatever file reuses
+    it later.
+    """
     mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=size)
-    return _Segment(seg_id, size, fd, mapping, buffer, memoryview(mapping))
+    return _Segment(seg_id, size, fd if owned else -1, mapping, buffer, memoryview(mapping))
 
 
 _MAX_VIEWS = 8  # cached tensor layouts per received segment
@@ -170,7 +176,7 @@ class ShmLink(ThreadedLink):
             self._own_bytes += size
         fd = os.memfd_create(f"hetmesh-{seg_id}", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
-        segment = _map(fd, size, seg_id)
+        segment = _map(fd, size, seg_id, owned=True)
         with self._cond:
             self._own[seg_id] = segment
         return segment
@@ -325,7 +331,7 @@ class ShmLink(ThreadedLink):
                 or os.fstat(fd).st_size < item[1]
             ):
                 raise RemoteProtocolError("bad shared-memory segment")
-            self._remote[item[0]] = _map(fd, item[1], item[0])
+            self._remote[item[0]] = _map(fd, item[1], item[0], owned=False)
         if len(head) < PREFIX_BYTES:
             raise RemoteProtocolError("truncated frame prefix")
         magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(head)
@@ -399,6 +405,8 @@ class ShmLink(ThreadedLink):
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        for segment in [*self._own.values(), *self._remote.values()]:
-            with contextlib.suppress(OSError):
-                os.close(segment.fd)
+        for segment in self._own.values():  # a peer's descriptors were closed on receipt
+            fd, segment.fd = segment.fd, -1  # close each number once: it may be reused
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)

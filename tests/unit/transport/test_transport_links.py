@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -318,3 +319,26 @@ async def test_shm_reused_views_survive_in_place_changes() -> None:
         assert la.statistics().cached_bytes == MIN_SEGMENT  # one segment, reused
         for link in (la, lb):
             await link.aclose()
+
+
+async def test_shm_close_leaves_files_that_reuse_a_received_segment_descriptor() -> None:
+    """The receiver closes a peer's segment descriptor once mapped; its number is then
+    free for any file. Closing the link must not close it a second time (that once cut
+    the surviving links of a node whose neighbour died)."""
+    async with planes("shm") as (a, b):
+        la, lb = await link_pair(a, b)
+        t = torch.arange(4096, dtype=torch.float32)
+        await la.send(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+        frame = await lb.receive()
+        assert torch.equal(frame.tensors[0], t)
+        lb.release(frame)
+        # the lowest free numbers go first, so one of these takes the segment's old number
+        others = [os.open(os.devnull, os.O_RDONLY) for _ in range(32)]
+        try:
+            await la.aclose()
+            await lb.aclose()
+            for fd in others:
+                os.fstat(fd)  # raises EBADF if the link closed it
+        finally:
+            for fd in others:
+                os.close(fd)
