@@ -141,6 +141,14 @@ def start(
         int | None, typer.Option(help="Concurrent sessions each stage budgets KV cache for.")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
+    block_step_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="Skip the startup calibration and announce this decode step time of one "
+            "decoder block, in ms (like Petals' --throughput): for equal machines, or a "
+            "figure measured at a quiet moment."
+        ),
+    ] = None,
     require_encryption: Annotated[
         bool | None,
         typer.Option("--require-encryption", help="Data plane over encrypted libp2p only."),
@@ -211,6 +219,9 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         value = settings.get(key)
         if value is not None and value < 1:
             raise InvalidRequest(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    block_step_ms = settings.get("block_step_ms")
+    if block_step_ms is not None and not 0 < block_step_ms < 1e6:
+        raise InvalidRequest(f"--block-step-ms must be a positive time, got {block_step_ms}")
     serving = None
     if settings.get("serve", True):
         base = ServingConfig()
@@ -222,6 +233,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             max_context_tokens=settings.get("max_context") or base.max_context_tokens,
             max_sessions=settings.get("max_sessions") or base.max_sessions,
             threads=settings.get("threads") or base.threads,
+            block_step_s=None if block_step_ms is None else block_step_ms / 1e3,
             require_encryption=bool(settings.get("require_encryption")),
             backends=tuple(settings.get("backends") or base.backends),
         )

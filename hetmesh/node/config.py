@@ -40,6 +40,7 @@ class ServingConfig:
     max_sessions: int = 8
     reserve_bytes: int = 64 << 20
     threads: int = 1  # torch intra-op threads of this node
+    block_step_s: float | None = None  # announce this instead of calibrating (None: measure)
     gil_switch_interval_s: float = 0.0005
     standby: bool = True  # spare devices become standby replicas of a stage
     settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
@@ -69,6 +70,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "max_context": (int, None),
     "max_sessions": (int, None),
     "threads": (int, None),
+    "block_step_ms": ((int, float), None),
     "serve": (bool, None),
     "require_encryption": (bool, None),
     "backends": (list, None),

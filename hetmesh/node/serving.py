@@ -206,22 +206,31 @@ class Serving:
     # -- calibration (hetmesh.node.calibration) --------------------------------------
 
     async def _calibrate(self) -> None:
-        """Time one real decoder block here and announce it for the coordinator's cost model."""
+        """Time one real decoder block here (or take the configured figure) and announce it.
+
+        The coordinator's cost model scales this node's predicted step times to it.
+        """
         from hetmesh.node.calibration import CALIBRATION_KEY, calibration_extra
         from hetmesh.node.calibration import measure_block_step_s as measure
 
         device = self.node.config.device or "cpu"
-        try:
-            step_s = await trio.to_thread.run_sync(
-                lambda: measure(self.model_dir, device=device), limiter=self.node.device_limiter
-            )
-        except MeshError as exc:
-            log.warning("calibration failed (planning on the roofline alone): %s", exc)
-            return
         key = device if ":" in device or device == "cpu" else f"{device}:0"
-        log.info("calibrated: one block's decode step takes %.2f ms here", step_s * 1e3)
-        extra = calibration_extra(self.model_key, key, step_s)
-        self.node.discovery.set_extra(CALIBRATION_KEY, extra)
+        if self.config.block_step_s is not None:
+            step_s = self.config.block_step_s
+            log.info("calibration skipped: announcing %.2f ms per block as given", step_s * 1e3)
+        else:
+            try:
+                step_s = await trio.to_thread.run_sync(
+                    lambda: measure(self.model_dir, device=device),
+                    limiter=self.node.device_limiter,
+                )
+            except MeshError as exc:
+                log.warning("calibration failed (planning on the roofline alone): %s", exc)
+                return
+            log.info("calibrated: one block's decode step takes %.2f ms here", step_s * 1e3)
+        self.node.discovery.set_extra(
+            CALIBRATION_KEY, calibration_extra(self.model_key, key, step_s)
+        )
 
     def _plan_constraints(self, members: Sequence[Any]) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints

@@ -91,3 +91,13 @@ def test_data_plane_listens_where_peers_reach_the_node():
     lan = ["/ip4/127.0.0.1/tcp/4001/p2p/Qm", "/ip4/10.20.0.2/tcp/4001/p2p/Qm"]
     assert data_plane_host(lan) == "10.20.0.2"
     assert data_plane_host(["/ip6/::1/tcp/1/p2p/Qm"]) == "127.0.0.1"
+
+
+def test_block_step_override_is_in_seconds_and_must_be_positive():
+    config = build_node_config(check_settings({"block-step-ms": 2.5}, source="t.toml"))
+    assert config.serving is not None
+    assert config.serving.block_step_s == pytest.approx(2.5e-3)
+    assert build_node_config({}).serving.block_step_s is None  # measured by default
+    for bad in (0, -1.0):
+        with pytest.raises(InvalidRequest, match="block-step-ms"):
+            build_node_config({"block_step_ms": bad})
