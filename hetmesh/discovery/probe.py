@@ -10,7 +10,10 @@ derived from the mesh key (so strangers cannot use the port as a sink), then
 that many bytes, acknowledged by ``b"K"`` and the receiver's time (float64
 seconds) between the arrival of the first quarter and of the last byte.
 Timing the tail at the receiver keeps TCP slow start, the sender's socket
-buffer and a token bucket's initial burst out of the figure.
+buffer and a token bucket's initial burst out of the figure. Arrival times
+are the kernel's receive timestamps (``SO_TIMESTAMPNS``) where it gives them:
+a receiver starved of CPU (a cgroup quota) reads late and then drains a
+backlog at once, which a clock read in user space would count as a fast link.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import socket
 import statistics
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -60,7 +65,32 @@ async def _receive_exact(stream: trio.SocketStream, n: int) -> bytes:
     return bytes(buf)
 
 
+_SO_TIMESTAMPNS = 35  # Linux (asm-generic); Python does not name it
+_TIMESPEC = struct.Struct("@qq")
+
+
+def _enable_timestamps(stream: trio.SocketStream) -> bool:
+    """Ask the kernel to timestamp what arrives on ``stream``; False where it cannot."""
+    if sys.platform != "linux":
+        return False
+    try:
+        stream.socket.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+    except OSError:
+        return False
+    return True
+
+
+def _arrival_s(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    """The kernel's arrival time of the last bytes of one ``recvmsg`` (seconds), if given."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(data)
+            return float(seconds) + float(nanoseconds) * 1e-9
+    return None
+
+
 async def _handle(stream: trio.SocketStream, token: bytes, bulk_lock: trio.Lock) -> None:
+    stamped = _enable_timestamps(stream)
     async with stream:
         with trio.move_on_after(30):
             got = await _receive_exact(stream, len(token))
@@ -75,24 +105,39 @@ async def _handle(stream: trio.SocketStream, token: bytes, bulk_lock: trio.Lock)
                     if n > MAX_PROBE_BYTES:
                         return
                     async with bulk_lock:  # one bulk at a time, or probes share the link
-                        await _receive_bulk(stream, n)
+                        await _receive_bulk(stream, n, stamped=stamped)
                 else:
                     return
 
 
-async def _receive_bulk(stream: trio.SocketStream, n: int) -> None:
+async def _receive_bulk(stream: trio.SocketStream, n: int, *, stamped: bool) -> None:
+    """Receive ``n`` bytes; answer with the time the last three quarters took to arrive."""
     remaining = n
     mark = n - n // 4  # start the clock once a quarter has arrived
     started = time.perf_counter()
+    kernel_start: tuple[float, int] | None = None  # (arrival time, bytes still to come)
+    kernel_end: float | None = None
     while remaining:
-        chunk = await stream.receive_some(min(remaining, 1 << 20))
+        size = min(remaining, 1 << 20)
+        if stamped:
+            chunk, ancillary, _, _ = await stream.socket.recvmsg(size, socket.CMSG_SPACE(16))
+        else:
+            chunk, ancillary = await stream.receive_some(size), []
         if not chunk:
             raise RemoteProtocolError("probe connection closed mid-transfer")
         before = remaining
         remaining -= len(chunk)
+        arrived = _arrival_s(ancillary)
         if before > mark >= remaining:
             started = time.perf_counter()
-    await stream.send_all(b"K" + _SECONDS.pack(time.perf_counter() - started))
+            if arrived is not None and remaining:
+                kernel_start = (arrived, remaining)
+        kernel_end = arrived
+    elapsed = time.perf_counter() - started
+    if kernel_start is not None and kernel_end is not None and kernel_end > kernel_start[0]:
+        # scale to the bytes the client divides by (three quarters of n)
+        elapsed = (kernel_end - kernel_start[0]) * (n - n // 4) / kernel_start[1]
+    await stream.send_all(b"K" + _SECONDS.pack(elapsed))
 
 
 async def serve_probe(

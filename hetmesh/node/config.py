@@ -42,7 +42,7 @@ class ServingConfig:
     threads: int = 1  # torch intra-op threads of this node
     block_step_s: float | None = None  # announce this instead of calibrating (None: measure)
     gil_switch_interval_s: float = 0.0005
-    standby: bool = True  # spare devices become standby replicas of a stage
+    standby: bool = True  # spare devices (or one freed at ≤10% latency) back a stage up
     settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
     plan_interval_s: float = 1.0
     idle_session_s: float = 300.0

@@ -63,7 +63,7 @@ from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
 from hetmesh.scheduler.router import route
-from hetmesh.scheduler.standby import add_standby_replicas
+from hetmesh.scheduler.standby import add_standby_replicas, with_standby
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
 from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
 
@@ -259,7 +259,7 @@ class Serving:
                 candidate = outcome.plan
                 reason = outcome.reason
                 if candidate is not None and self.config.standby:
-                    candidate = add_standby_replicas(
+                    candidate = with_standby(
                         candidate,
                         snapshot.devices,
                         snapshot.links,

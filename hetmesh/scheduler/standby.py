@@ -8,6 +8,13 @@ prefers the faster primary while it is healthy; when a stage's peer dies or
 stalls, its sessions are replayed through the replica at once instead of
 waiting for a new plan and a fresh stage load.
 
+A plan that needs every device leaves none spare. :func:`with_standby` then
+looks for a placement that frees one device at a small latency cost (at most
+``STANDBY_MAX_COST``, 10%): a failure then costs a replay instead of a new
+plan and a stage load, and measurements that differ by noise (devices that
+share a machine, a calibration taken while others start) no longer decide
+between a slightly faster plan and a fault-tolerant one.
+
 Pure: placement in, plan out, scored by :func:`~hetmesh.scheduler.planner.evaluate`.
 """
 
@@ -15,12 +22,66 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
 from hetmesh.scheduler.cost import sort_devices
-from hetmesh.scheduler.planner import evaluate, placement
+from hetmesh.scheduler.planner import evaluate, placement, plan
 from hetmesh.scheduler.records import Plan, PlanConstraints
 
 Placed = tuple[str, str, int, int]  # (peer_id, device, start, end)
+
+STANDBY_MAX_COST = 0.1  # latency a standby replica is worth: 10% of the best plan's
+_MAX_TRIED = 16  # devices tried as the spare (slowest first) when every one is used
+
+
+def with_standby(
+    best: Plan,
+    devices: Sequence[DeviceProfile],
+    links: Sequence[LinkProfile],
+    model: ModelProfile,
+    *,
+    constraints: PlanConstraints,
+    max_cost: float = STANDBY_MAX_COST,
+) -> Plan:
+    """``best`` with standby replicas; if it uses every device, maybe a plan that frees one.
+
+    The alternative leaves one device out, is planned afresh on the rest and
+    must predict at most ``max_cost`` more latency than ``best``; the freed
+    device then backs one of its stages up. Without such a plan, ``best``
+    plus whatever replicas fit (none, if no device is spare).
+    """
+    backed = add_standby_replicas(best, devices, links, model, constraints=constraints)
+    if backed is not best or best.objective != "latency" or len(best.pipelines) != 1:
+        return backed
+    used = {(s.peer_id, s.device) for s in best.pipelines[0].stages}
+    if any((d.peer_id, d.device) not in used for d in devices):
+        return backed  # a spare exists but backs nothing up (too small for any stage)
+    limit = best.decode_latency_s * (1.0 + max_cost)
+    found: Plan | None = None
+    slowest_first = sorted(sort_devices(devices), key=lambda d: d.matmul_flops)
+    for spare in slowest_first[:_MAX_TRIED]:
+        rest = [d for d in devices if d is not spare]
+        try:
+            alternative = plan(
+                rest,
+                links,
+                model,
+                objective="latency",
+                constraints=constraints,
+                epoch=best.epoch,
+            )
+        except InsufficientCapacity:
+            continue
+        if alternative.decode_latency_s > limit:
+            continue
+        replicated = add_standby_replicas(
+            alternative, devices, links, model, constraints=constraints
+        )
+        if len(replicated.pipelines) > 1 and (
+            found is None or replicated.decode_latency_s < found.decode_latency_s
+        ):
+            found = replicated
+    return found if found is not None else best
 
 
 def add_standby_replicas(
@@ -78,4 +139,4 @@ def add_standby_replicas(
     return combined if combined is not None else plan
 
 
-__all__ = ["add_standby_replicas"]
+__all__ = ["STANDBY_MAX_COST", "add_standby_replicas", "with_standby"]

@@ -61,3 +61,45 @@ def test_standby_is_deterministic():
     one = add_standby_replicas(primary, devices, [], MODEL, constraints=CONS)
     two = add_standby_replicas(primary, list(reversed(devices)), [], MODEL, constraints=CONS)
     assert one == two
+
+
+def test_a_plan_using_every_device_frees_one_for_a_standby_if_that_costs_little():
+    from hetmesh.scheduler.planner import evaluate
+    from hetmesh.scheduler.standby import with_standby
+
+    devices = [cpu(p, 500) for p in ("a", "b", "c", "d")]
+    # every device busy: the embedding alone on "a" (what a skewed calibration once chose)
+    placed = [("a", "cpu", 0, 1), ("b", "cpu", 1, 12), ("c", "cpu", 12, 23), ("d", "cpu", 23, 32)]
+    busy = evaluate([placed], devices, [], MODEL, objective="latency", constraints=CONS)
+    assert busy is not None
+    alone = add_standby_replicas(busy, devices, [], MODEL, constraints=CONS)
+    assert len(alone.pipelines) == 1  # no spare device: nothing to back up
+
+    backed = with_standby(busy, devices, [], MODEL, constraints=CONS)
+    assert len(backed.pipelines) == 2
+    primary, replica = backed.pipelines
+    assert len({s.peer_id for s in primary.stages}) == 3  # one device freed ...
+    swapped = [(x, y) for x, y in zip(primary.stages, replica.stages, strict=True) if x != y]
+    assert len(swapped) == 1  # ... backs one stage up
+    assert swapped[0][1].peer_id not in {s.peer_id for s in primary.stages}
+    assert primary.decode_latency_s <= busy.decode_latency_s * 1.1
+
+    # the bound is on predicted latency: just under the freed plan's cost, keep the busy one
+    extra = primary.decode_latency_s / busy.decode_latency_s - 1.0
+    kept = with_standby(busy, devices, [], MODEL, constraints=CONS, max_cost=extra - 1e-6)
+    assert kept == busy
+    again = with_standby(busy, devices, [], MODEL, constraints=CONS, max_cost=extra + 1e-6)
+    assert again == backed
+
+
+def test_with_standby_keeps_a_plan_that_needs_every_device():
+    from hetmesh.scheduler.standby import with_standby
+
+    devices = [cpu(p, 500) for p in ("a", "b", "c")]  # the model needs all three
+    primary = plan(devices, [], MODEL, constraints=CONS)
+    assert with_standby(primary, devices, [], MODEL, constraints=CONS) == primary
+    spare = [*devices, cpu("d", 500)]  # a spare device: the plain replica rule applies
+    primary = plan(spare, [], MODEL, constraints=CONS)
+    assert with_standby(primary, spare, [], MODEL, constraints=CONS) == add_standby_replicas(
+        primary, spare, [], MODEL, constraints=CONS
+    )
