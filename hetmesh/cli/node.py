@@ -159,7 +159,22 @@ def start(
     verbose: Annotated[bool | None, typer.Option("--verbose", "-v")] = None,
     api_port: Annotated[
         int | None,
-        typer.Option(help="Serve the OpenAI-compatible HTTP API on 127.0.0.1:PORT (0: any)."),
+        typer.Option(help="Serve the OpenAI-compatible HTTP API on PORT (0: any free port)."),
+    ] = None,
+    api_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address the HTTP API listens on (default 127.0.0.1); beyond loopback "
+            "it needs --api-key."
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="HETMESH_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on the HTTP API (what the openai "
+            "package sends as its api_key).",
+        ),
     ] = None,
 ) -> None:
     """Run a node: discovery, profiling, and its share of serving the model."""
@@ -238,6 +253,12 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             backends=tuple(settings.get("backends") or base.backends),
         )
     secret_file = path("mesh_secret_file")
+    api_host = str(settings.get("api_host") or "127.0.0.1")
+    api_key = settings.get("api_key") or None
+    if settings.get("api_port") is not None:
+        from hetmesh.node.api import check_api_bind
+
+        check_api_bind(api_host, api_key)
     return NodeConfig(
         listen=tuple(settings.get("listen") or ("/ip4/0.0.0.0/tcp/0",)),
         bootstrap=tuple(settings.get("bootstrap") or ()),
@@ -248,6 +269,8 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         device=settings.get("device"),
         serving=serving,
         api_port=_api_port(settings.get("api_port")),
+        api_host=api_host,
+        api_key=api_key,
     )
 
 

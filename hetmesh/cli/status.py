@@ -141,18 +141,56 @@ async def sample_view(
 async def watch(
     addr: str, *, mesh_secret: str | None, timeout_s: float, interval_s: float, console: Console
 ) -> None:
-    """Redraw the status in place every ``interval_s`` until interrupted."""
+    """Redraw the status in place every ``interval_s`` until SIGINT or SIGTERM.
+
+    The first signal cancels the loop (a clean exit through every ``finally``)
+    instead of raising KeyboardInterrupt wherever the process happens to be,
+    which can land inside the libp2p host's own tasks; a second one exits at
+    once. Piped output is written from a worker thread, so a reader that
+    stopped reading (a full pipe) cannot keep the signal from being handled.
+    """
+    import os
+    import signal
+
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            work = trio.CancelScope()
+
+            async def on_signals() -> None:
+                async for _ in signals:
+                    if work.cancel_called:
+                        os._exit(130)  # asked twice: do not wait for a clean exit
+                    work.cancel()
+
+            nursery.start_soon(on_signals)
+            with work:
+                await _redraw(addr, mesh_secret, timeout_s, interval_s, console)
+            nursery.cancel_scope.cancel()
+
+
+async def _redraw(
+    addr: str, mesh_secret: str | None, timeout_s: float, interval_s: float, console: Console
+) -> None:
     import trio
     from rich.live import Live
 
     from hetmesh.client.mesh import open_mesh_client
+
+    async def append(view: dict[str, Any]) -> None:
+        def write() -> None:
+            console.print(status_renderable(view))
+            console.file.flush()
+
+        await trio.to_thread.run_sync(write, abandon_on_cancel=True)  # type: ignore[call-arg]
 
     async with open_mesh_client(addr, mesh_secret=mesh_secret, timeout_s=timeout_s) as client:
         previous = await client.status(timeout_s)
         last = trio.current_time()
         view = {**previous, "summary": summarize(previous)}
         if not console.is_terminal:  # piped: append each view instead of redrawing
-            console.print(status_renderable(view))
+            await append(view)
         with contextlib.ExitStack() as stack:
             live = None
             if console.is_terminal:
@@ -168,8 +206,7 @@ async def watch(
                 if live is not None:
                     live.update(status_renderable(view), refresh=True)
                 else:
-                    console.print(status_renderable(view))
-                    console.file.flush()
+                    await append(view)
 
 
 @app.command()

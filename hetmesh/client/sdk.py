@@ -56,7 +56,7 @@ T = TypeVar("T")
 class _HttpTransport:
     """Requests through a node's HTTP API (OpenAI-style, with hetmesh's token ids)."""
 
-    def __init__(self, url: str, timeout: Timeout) -> None:
+    def __init__(self, url: str, timeout: Timeout, api_key: str | None = None) -> None:
         import httpx
 
         self.url = url.rstrip("/")
@@ -64,6 +64,7 @@ class _HttpTransport:
         self._model: str | None = None
         self._http = httpx.AsyncClient(
             base_url=self.url,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             timeout=httpx.Timeout(
                 connect=timeout.connect,
                 read=timeout.first_token,
@@ -180,11 +181,17 @@ class AsyncClient:
         mdns: bool = False,
         mesh_secret: str | None = None,
         timeout: Timeout | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._bootstrap = [bootstrap] if isinstance(bootstrap, str) else list(bootstrap)
+        self._api_key = api_key
         ways = bool(self._bootstrap) + (url is not None) + bool(mdns)
         if ways != 1:
             raise InvalidRequest("give exactly one of bootstrap=, url= or mdns=True")
+        if api_key and url is None:
+            raise InvalidRequest(
+                "api_key= is for a node's HTTP API (url=); the mesh uses mesh_secret="
+            )
         self._url = url
         self._mdns = mdns
         self._secret = mesh_secret
@@ -200,7 +207,7 @@ class AsyncClient:
         await stack.__aenter__()
         try:
             if self._url is not None:
-                self._http = _HttpTransport(self._url, self.timeout)
+                self._http = _HttpTransport(self._url, self.timeout, self._api_key)
                 stack.push_async_callback(self._http.aclose)
                 with trio.fail_after(seconds(self.timeout.connect)):
                     await self._http.check()
@@ -336,9 +343,15 @@ class Client:
         mdns: bool = False,
         mesh_secret: str | None = None,
         timeout: Timeout | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._async = AsyncClient(
-            bootstrap, url=url, mdns=mdns, mesh_secret=mesh_secret, timeout=timeout
+            bootstrap,
+            url=url,
+            mdns=mdns,
+            mesh_secret=mesh_secret,
+            timeout=timeout,
+            api_key=api_key,
         )
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None

@@ -9,7 +9,10 @@ serve_api(node, port)                  started by run_node when --api-port is gi
     └── one producer task per stream   drives Serving.stream into a memory channel
 ```
 
-Requests enter the mesh at this node (it is their gateway). Errors are
+Requests enter the mesh at this node (it is their gateway). With an API key
+(``--api-key``), every route but ``/health`` wants ``Authorization: Bearer
+KEY`` (what the ``openai`` package sends) and answers 401 without it; a node
+refuses to serve the API beyond loopback without a key. Errors are
 OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
 status for the client's mistakes and 429/503/504 for a busy or broken mesh; the
 error's hetmesh class travels as ``error.hetmesh_error`` so the SDK raises the
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -433,9 +439,56 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     }
 
 
-def build_app(backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery) -> Starlette:
+_OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers)
+
+
+class _RequireKey:
+    """ASGI middleware: HTTP requests must present ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: Any, *, key: str, reject: Any) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+        self.reject = reject
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = self.reject(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def check_api_bind(host: str, api_key: str | None) -> None:
+    """Refuse to expose the API beyond loopback without a key (a clear error, not a warning)."""
+    if api_key:
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise errors.InvalidRequest(
+            f"the HTTP API on {host} would be open to anyone who reaches it: "
+            "give --api-key (or HETMESH_API_KEY), or keep --api-host 127.0.0.1"
+        )
+
+
+def build_app(
+    backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery, *, api_key: str | None = None
+) -> Starlette:
     """The ASGI app; streams are produced by tasks of ``nursery``."""
     api = _Api(backend, metrics, nursery)
+
+    def unauthorized(request: Request) -> Response:
+        err = ApiError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            hetmesh_error="AuthenticationFailed",
+        )
+        return api._error(request, err)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = int(getattr(exc, "status_code", 404))
@@ -460,8 +513,11 @@ def build_app(backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery) -> S
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
     ]
+    middleware = [Middleware(_RequireKey, key=api_key, reject=unauthorized)] if api_key else []
     return Starlette(
-        routes=routes, exception_handlers={404: not_found, 405: not_found, Exception: crashed}
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={404: not_found, 405: not_found, Exception: crashed},
     )
 
 
@@ -470,6 +526,7 @@ async def serve_http(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    api_key: str | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL.
@@ -481,10 +538,11 @@ async def serve_http(
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
+    check_api_bind(host, api_key)
     metrics = ApiMetrics(backend)
     url: str | None = None
     async with trio.open_nursery() as streams:  # producers of streamed responses
-        app = build_app(backend, metrics, streams)
+        app = build_app(backend, metrics, streams, api_key=api_key)
         while True:
             config = Config()
             config.bind = [f"{host}:{port}"]
@@ -518,10 +576,13 @@ async def serve_api(
     port: int,
     *,
     host: str = "127.0.0.1",
+    api_key: str | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The node's OpenAI-compatible API on ``host:port``; never returns."""
-    await serve_http(NodeBackend(node), host=host, port=port, task_status=task_status)
+    await serve_http(
+        NodeBackend(node), host=host, port=port, api_key=api_key, task_status=task_status
+    )
 
 
 __all__ = [
@@ -533,6 +594,7 @@ __all__ = [
     "ParsedRequest",
     "api_error",
     "build_app",
+    "check_api_bind",
     "parse_request",
     "serve_api",
     "serve_http",

@@ -76,6 +76,8 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "backends": (list, None),
     "verbose": (bool, None),
     "api_port": (int, None),
+    "api_host": (str, None),
+    "api_key": (str, None),
 }
 
 

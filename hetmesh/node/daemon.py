@@ -22,6 +22,7 @@ are added to :func:`run_node` with one ``await nursery.start(serve_x, node)``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -70,7 +71,9 @@ class NodeConfig:
     benchmark_budget_s: float = 1.5
     dial_timeout_s: float = 3.0
     serving: ServingConfig | None = field(default_factory=ServingConfig)
-    api_port: int | None = None  # the HTTP API on 127.0.0.1 (hetmesh.node.api); None: off
+    api_port: int | None = None  # the HTTP API (hetmesh.node.api); None: off
+    api_host: str = "127.0.0.1"  # beyond loopback only with an api_key
+    api_key: str | None = None  # Bearer token the HTTP API requires (None: none)
 
 
 @dataclass(slots=True)
@@ -200,7 +203,15 @@ async def run_node(
             if config.api_port is not None:
                 from hetmesh.node.api import serve_api
 
-                await nursery.start(serve_api, node, config.api_port)
+                await nursery.start(
+                    functools.partial(
+                        serve_api,
+                        node,
+                        config.api_port,
+                        host=config.api_host,
+                        api_key=config.api_key,
+                    )
+                )
             _write_node_info(node)
             log.info("node ready")
             task_status.started(node)

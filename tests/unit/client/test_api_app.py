@@ -317,3 +317,53 @@ async def test_a_taken_port_is_one_clear_error(api: tuple[httpx.AsyncClient, Fak
     found = first_mesh_error(caught.value)
     assert isinstance(found, TransportError)
     assert f"cannot listen on 127.0.0.1:{port}" in str(found)
+
+
+async def test_an_api_key_guards_every_route_but_health(nursery: trio.Nursery) -> None:
+    from hetmesh import AsyncClient
+    from hetmesh.errors import AuthenticationFailed
+
+    backend = FakeBackend()
+    url = await nursery.start(
+        lambda task_status: serve_http(backend, api_key="s3cret", task_status=task_status)
+    )
+    body = {"model": MODEL, "prompt": "one two", "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        assert (await http.get("/health")).status_code == 200  # load balancers need no key
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            reply = await http.post("/v1/completions", json=body, headers=headers)
+            assert reply.status_code == 401
+            assert reply.json()["error"]["code"] == "invalid_api_key"
+            assert (await http.get("/v1/models", headers=headers)).status_code == 401
+        good = {"Authorization": "Bearer s3cret"}
+        reply = await http.post("/v1/completions", json=body, headers=good)
+        assert reply.json()["choices"][0]["token_ids"] == [100, 101]
+    async with AsyncClient(url=url, api_key="s3cret") as client:
+        assert (await client.generate("one", max_new_tokens=1)).token_ids == (100,)
+    with pytest.raises(AuthenticationFailed, match="API key"):
+        async with AsyncClient(url=url, api_key="wrong") as client:
+            await client.generate("one", max_new_tokens=1)
+
+
+async def test_the_api_is_not_exposed_beyond_loopback_without_a_key() -> None:
+    from hetmesh.cli.node import build_node_config
+    from hetmesh.errors import InvalidRequest
+    from hetmesh.node.api import check_api_bind
+
+    with pytest.raises(InvalidRequest, match="api-key"):
+        await serve_http(FakeBackend(), host="0.0.0.0", port=0)
+    with pytest.raises(InvalidRequest, match="api-key"):
+        build_node_config({"api_port": 8000, "api_host": "0.0.0.0"})
+    for host in ("127.0.0.1", "::1", "localhost"):
+        check_api_bind(host, None)
+    check_api_bind("0.0.0.0", "a-key")
+    config = build_node_config({"api_port": 8000, "api_host": "0.0.0.0", "api_key": "k"})
+    assert (config.api_host, config.api_key) == ("0.0.0.0", "k")
+
+
+def test_an_api_key_without_a_url_is_refused() -> None:
+    from hetmesh import AsyncClient
+    from hetmesh.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="mesh_secret"):
+        AsyncClient("/ip4/127.0.0.1/tcp/1/p2p/QmPeer", api_key="k")
