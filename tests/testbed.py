@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetmesh.node.local import LocalNode
 from tests.netns import NetnsTestbed, open_testbed, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,23 +75,8 @@ def child_env(threads: int = 1) -> dict[str, str]:
 
 
 @dataclass
-class MeshNode:
-    host: int
-    proc: subprocess.Popen[bytes]
-    data_dir: Path
-    log_path: Path
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def peer_id(self) -> str:
-        return str(self.info["peer_id"])
-
-    @property
-    def addr(self) -> str:
-        return str(self.info["addrs"][0])
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+class MeshNode(LocalNode):
+    host: int = -1  # the testbed host (namespace) it runs in
 
     def wait_up(self, timeout_s: float) -> MeshNode:
         """Until ``node.json`` appears (listening, profiled, serving started)."""
@@ -161,7 +147,7 @@ class MeshTestbed:
                 env=child_env(),
                 cwd=str(REPO),
             )
-        node = MeshNode(host, proc, data_dir, log_path)
+        node = MeshNode(proc, data_dir, log_path, host=host)
         self.nodes.append(node)
         return node
 

@@ -27,6 +27,8 @@ from hetmesh.errors import MeshError, RequestTimeout
 
 @dataclass
 class LocalNode:
+    """A ``hetmesh node start`` process; ``info`` is its ``node.json`` once it is up."""
+
     proc: subprocess.Popen[bytes]
     data_dir: Path
     log_path: Path
@@ -40,9 +42,11 @@ class LocalNode:
     def peer_id(self) -> str:
         return str(self.info["peer_id"])
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
     def log_tail(self, lines: int = 20) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(self.log().splitlines()[-lines:])
 
 
 @dataclass

@@ -10,13 +10,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from hetmesh.node.local import LocalNode  # noqa: E402
 
 SECRET = "integration-test-secret"
 
@@ -62,20 +63,8 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
 
 
-@dataclass
-class NodeProc:
-    proc: subprocess.Popen[bytes]
-    data_dir: Path
-    log_path: Path
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def peer_id(self) -> str:
-        return str(self.info["peer_id"])
-
-    @property
-    def addr(self) -> str:
-        return str(self.info["addrs"][0])
+class NodeProc(LocalNode):
+    """A node process under test: waited for, signalled, stopped."""
 
     def wait_ready(self, timeout_s: float = 40.0) -> NodeProc:
         info_file = self.data_dir / "node.json"
@@ -88,9 +77,6 @@ class NodeProc:
         wait_for(ready, timeout_s, f"node in {self.data_dir} to be ready")
         self.info = json.loads(info_file.read_text())
         return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
