@@ -5,14 +5,16 @@ serve_api(node, port)                  started by run_node when --api-port is gi
 └── serve_http(NodeBackend(node))
     ├── hypercorn (trio worker)        Starlette app: /v1/models, /v1/completions,
     │                                  /v1/chat/completions, /health, /metrics,
-    │                                  /v1/hetmesh/status
+    │                                  /v1/hetmesh/status, the dashboard (/, /dashboard/*,
+    │                                  /v1/hetmesh/events: hetmesh.node.dashboard)
+    ├── Feed.run                       the dashboard's live feed (hetmesh.node.events)
     └── one producer task per stream   drives Serving.stream into a memory channel
 ```
 
 Requests enter the mesh at this node (it is their gateway). With an API key
-(``--api-key``), every route but ``/health`` wants ``Authorization: Bearer
-KEY`` (what the ``openai`` package sends) and answers 401 without it; a node
-refuses to serve the API beyond loopback without a key. Errors are
+(``--api-key``), every route but ``/health`` and the dashboard's static files
+wants ``Authorization: Bearer KEY`` (what the ``openai`` package sends) and
+answers 401 without it; a node refuses to serve the API beyond loopback without a key. Errors are
 OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
 status for the client's mistakes and 429/503/504 for a busy or broken mesh; the
 error's hetmesh class travels as ``error.hetmesh_error`` so the SDK raises the
@@ -55,6 +57,8 @@ from hetmesh.node.api_requests import (
     bad_request,
     parse_request,
 )
+from hetmesh.node.dashboard import dashboard_routes, is_open_path
+from hetmesh.node.events import Feed
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -174,10 +178,13 @@ class _Timing:
 
 
 class _Api:
-    def __init__(self, backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery, feed: Feed
+    ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.nursery = nursery
+        self.feed = feed
 
     # routes
 
@@ -300,10 +307,14 @@ class _Api:
         return self._json(request, body)
 
     def _observe(self, timing: _Timing) -> None:
+        ttft = tpot = None
         if timing.first is not None:
-            self.metrics.ttft.observe(timing.first - timing.began)
+            ttft = timing.first - timing.began
+            self.metrics.ttft.observe(ttft)
         if timing.first is not None and timing.last is not None and timing.tokens > 1:
-            self.metrics.tpot.observe((timing.last - timing.first) / (timing.tokens - 1))
+            tpot = (timing.last - timing.first) / (timing.tokens - 1)
+            self.metrics.tpot.observe(tpot)
+        self.feed.observe(ttft, tpot)
 
     async def _stream(
         self,
@@ -451,7 +462,8 @@ class _RequireKey:
         self.reject = reject
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in _OPEN_PATHS and not is_open_path(path):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = self.reject(Request(scope, receive))
@@ -476,10 +488,21 @@ def check_api_bind(host: str, api_key: str | None) -> None:
 
 
 def build_app(
-    backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery, *, api_key: str | None = None
+    backend: Backend,
+    metrics: ApiMetrics,
+    nursery: trio.Nursery,
+    *,
+    api_key: str | None = None,
+    feed: Feed | None = None,
 ) -> Starlette:
-    """The ASGI app; streams are produced by tasks of ``nursery``."""
-    api = _Api(backend, metrics, nursery)
+    """The ASGI app; streams are produced by tasks of ``nursery``.
+
+    Without a ``feed`` the app makes one and ticks it in ``nursery``.
+    """
+    if feed is None:
+        feed = Feed(backend.view)
+        nursery.start_soon(feed.run)
+    api = _Api(backend, metrics, nursery, feed)
 
     def unauthorized(request: Request) -> Response:
         err = ApiError(
@@ -512,6 +535,7 @@ def build_app(
         Route("/v1/hetmesh/status", api.status, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
+        *dashboard_routes(feed, api._error),
     ]
     middleware = [Middleware(_RequireKey, key=api_key, reject=unauthorized)] if api_key else []
     return Starlette(

@@ -367,3 +367,94 @@ def test_an_api_key_without_a_url_is_refused() -> None:
 
     with pytest.raises(InvalidRequest, match="mesh_secret"):
         AsyncClient("/ip4/127.0.0.1/tcp/1/p2p/QmPeer", api_key="k")
+
+
+# -- the dashboard: static page, live feed -------------------------------------
+
+
+async def _sse(reply: httpx.Response, count: int) -> list[tuple[str, Any]]:
+    """The first ``count`` server-sent events of a streaming reply, as (event, data)."""
+    out: list[tuple[str, Any]] = []
+    kind = "message"
+    async for line in reply.aiter_lines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            out.append((kind, json.loads(line[6:])))
+            if len(out) == count:
+                break
+    return out
+
+
+async def test_the_dashboard_page_and_its_files_are_served_from_the_package(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, _ = api
+    page = await http.get("/")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    scripts = [
+        "/dashboard/main.js",
+        "/dashboard/api.js",
+        "/dashboard/render.js",
+        "/dashboard/charts.js",
+        "/dashboard/chat.js",
+    ]
+    for path in ["/dashboard/dashboard.css", *scripts]:
+        reply = await http.get(path)
+        assert reply.status_code == 200, path
+
+        assert "http://" not in reply.text.replace("http://www.w3.org/2000/svg", ""), path
+        assert "https://" not in reply.text, path
+    assert (
+        (await http.get("/dashboard/main.js")).headers["content-type"].startswith("text/javascript")
+    )
+    missing = await http.get("/dashboard/../api.py")
+    assert missing.status_code == 404
+    assert (await http.get("/dashboard/nope.js")).json()["error"]["code"] == "not_found"
+
+
+async def test_the_event_stream_says_hello_then_a_snapshot_every_tick(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, _ = api
+    body = {"model": MODEL, "prompt": "one two", "max_tokens": 3}
+    assert (await http.post("/v1/completions", json=body)).status_code == 200
+    async with http.stream("GET", "/v1/hetmesh/events") as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        events = await _sse(reply, 3)
+    kinds = [k for k, _ in events]
+    assert kinds == ["hello", "snapshot", "snapshot"]
+    hello = events[0][1]
+    assert hello["interval_s"] == 1.0
+    snapshots = [data for kind, data in events[1:]]
+    assert all(s["view"]["self"] == "A" for s in snapshots)
+    assert snapshots[1]["sample"]["at_s"] > snapshots[0]["sample"]["at_s"]
+    # the finished request's TTFT and TPOT reach the series once (in the first tick after it)
+    ttfts = [p["ttft_s"] for p in [*hello["series"], *(s["sample"] for s in snapshots)]]
+    assert sum(t is not None for t in ttfts) == 1
+
+
+async def test_with_an_api_key_the_page_is_open_but_its_data_is_not(
+    nursery: trio.Nursery,
+) -> None:
+    backend = FakeBackend()
+    url = await nursery.start(
+        lambda task_status: serve_http(backend, api_key="s3cret", task_status=task_status)
+    )
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        page = await http.get("/")
+        assert page.status_code == 200
+        assert 'id="login"' in page.text
+        assert "s3cret" not in page.text
+        assert (await http.get("/dashboard/main.js")).status_code == 200
+        for path in ("/v1/hetmesh/events", "/v1/hetmesh/status", "/v1/models"):
+            reply = await http.get(path)
+            assert reply.status_code == 401, path
+            assert reply.json()["error"]["code"] == "invalid_api_key"
+        good = {"Authorization": "Bearer s3cret"}
+        async with http.stream("GET", "/v1/hetmesh/events", headers=good) as reply:
+            assert reply.status_code == 200
+            assert [k for k, _ in await _sse(reply, 1)] == ["hello"]
