@@ -1,8 +1,16 @@
-"""``hetmesh demo``: a three-node mesh on this machine serving the default model."""
+"""``hetmesh demo``: a three-node mesh on this machine serving the default model.
+
+The first node serves the HTTP API and the web dashboard on loopback; the demo
+prints its URL. With ``--keep`` the mesh stays up after the demo's generation
+until Ctrl-C (SIGINT) or SIGTERM, which stop every node.
+"""
 
 from __future__ import annotations
 
+import signal
+import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,6 +31,12 @@ def demo(
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 48,
     nodes: Annotated[int, typer.Option(min=1, max=8, help="Node processes to start.")] = 3,
     cache_dir: Annotated[Path | None, typer.Option(envvar="HETMESH_HOME")] = None,
+    keep: Annotated[
+        bool, typer.Option(help="Keep the mesh (and its dashboard) up until Ctrl-C.")
+    ] = False,
+    api_port: Annotated[
+        int, typer.Option(min=0, max=65535, help="The dashboard's port (0: any free one).")
+    ] = 0,
 ) -> None:
     """Start a local mesh, stream one chat generation through it, show its status, stop it."""
     from hetmesh.cli.model import _resolve, _stream_mesh
@@ -34,9 +48,12 @@ def demo(
     if cache_dir is not None:
         args += ["--cache-dir", str(cache_dir)]
     err = sys.stderr
+    port = api_port or _free_port()
+    url = f"http://127.0.0.1:{port}/"
     print(f"starting {nodes} nodes on loopback serving {model_dir.name} ...", file=err)
-    with local_mesh(nodes, node_args=args) as mesh:
+    with local_mesh(nodes, node_args=args, per_node_args=[["--api-port", str(port)]]) as mesh:
         wait_serving(mesh)
+        print(f"dashboard: {url}", file=err)
         print(f"mesh up; asking {mesh.nodes[-1].addr}\n", file=err)
         print(f"> {prompt}")
         request = {"prompt": prompt, "chat": True, "max_new_tokens": max_new_tokens}
@@ -44,8 +61,30 @@ def demo(
         view = _settled_view(mesh.addr, mesh.secret)
         print()
         print(render_status(view, width=120))
+        if keep:
+            print(f"the mesh stays up: open {url} (Ctrl-C stops it)", file=err, flush=True)
+            _wait_for_stop()
         print("stopping the mesh ...", file=err)
     print("done", file=err)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_stop() -> None:
+    """Block until SIGINT or SIGTERM; the caller's ``with`` then stops the nodes."""
+    stop = threading.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in signals}
+    try:
+        while not stop.wait(0.5):  # a short wait keeps the main thread responsive
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _settled_view(addr: str, secret: str) -> dict[str, Any]:

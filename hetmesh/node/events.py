@@ -107,14 +107,14 @@ def view_events(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> l
             _event(
                 "plan",
                 "info",
-                f"plan epoch {plan_after.get('epoch')} adopted ({plan_after.get('strategy')}, "
+                f"epoch {plan_after.get('epoch')} adopted ({plan_after.get('strategy')}, "
                 f"{stages} stage(s), {len(pipes)} pipeline(s))",
                 epoch=plan_after.get("epoch"),
                 strategy=plan_after.get("strategy"),
             )
         )
     for pid, start, end in sorted(_ready_stages(after) - _ready_stages(before)):
-        msg = f"stage units [{start}, {end}) loaded on {_short(pid)}"
+        msg = f"units [{start}, {end}) loaded on {_short(pid)}"
         out.append(_event("stage", "info", msg, peer_id=pid, start=start, end=end))
     recovered_before = _gateway_sum(before, "recoveries")
     for pid, count in sorted(_gateway_sum(after, "recoveries").items()):

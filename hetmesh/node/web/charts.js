@@ -33,7 +33,12 @@ export function lineChart(svg, points, { window_s = 300, format = (v) => v.toFix
   // A gap (no requests in a tick) breaks the line instead of drawing a zero.
   let run = [];
   const flush = () => {
-    if (run.length) svg.append(el("polyline", { points: run.join(" ") }));
+    if (run.length > 1) svg.append(el("polyline", { points: run.join(" ") }));
+    else if (run.length === 1) {
+      // a lone sample (one request in a quiet minute) is a dot, not an invisible line
+      const [cx, cy] = run[0].split(",");
+      svg.append(el("circle", { cx, cy, r: 3 }));
+    }
     run = [];
   };
   for (const p of points) {

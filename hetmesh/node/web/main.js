@@ -40,7 +40,7 @@ function drawCharts() {
 function drawSnapshot(snap) {
   if (!snap) return;
   const { view, plan } = snap;
-  renderPeers(view);
+  renderPeers(view, plan);
   renderPlan(plan, view);
   renderLinks(view);
   const peers = view.peers || [];

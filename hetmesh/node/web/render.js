@@ -35,22 +35,30 @@ export function healthWord(health) {
   return health === "self" ? "alive (this node)" : health;
 }
 
-function peerCard(peer) {
+function bar(pct, label) {
+  const node = h("div", { className: "bar", role: "img", "aria-label": label }, h("span"));
+  node.firstChild.style.width = `${Math.min(100, Math.max(0, pct))}%`;
+  return node;
+}
+
+function peerCard(peer, reserved) {
   const r = peer.record || {};
   const load = r.load || {};
   const devices = (r.devices || []).map((d) => {
     const total = d.memory_total_bytes || 0;
     const used = Math.max(0, total - (d.memory_free_bytes || 0));
     const pct = total ? Math.round((100 * used) / total) : 0;
-    const bar = h("div", { className: "bar", role: "img", "aria-label": `memory ${pct}% used` }, h("span"));
-    bar.firstChild.style.width = `${pct}%`;
+    const planned = reserved[`${peer.peer_id} ${d.device}`] || 0;
+    const plannedPct = total ? Math.round((100 * planned) / total) : 0;
     return h(
       "div",
       { className: "device" },
       h("p", {}, `${d.device} · ${d.name || d.backend}`),
       h("p", { className: "muted" }, `${(d.matmul_flops / 1e9).toFixed(1)} GFLOP/s · memory ${rate(d.memory_bandwidth_bps)}`),
       h("p", {}, `memory ${mib(used)} used · ${mib(d.memory_free_bytes || 0)} free`),
-      bar,
+      bar(pct, `memory ${pct}% used`),
+      planned ? h("p", { className: "muted" }, `the plan reserves ${mib(planned)} here (${plannedPct}%)`) : null,
+      planned ? bar(plannedPct, `the plan reserves ${plannedPct}%`) : null,
     );
   });
   const stages = (r.stages || []).map((s) => `units [${s.start}, ${s.end}) ${s.ready ? "ready" : "loading"}`);
@@ -66,11 +74,27 @@ function peerCard(peer) {
   );
 }
 
-export function renderPeers(view) {
+// memory the plan's stages reserve per "peer device" (weights, KV budget, workspace)
+function reservations(plan) {
+  const out = {};
+  const seen = new Set();
+  for (const pipe of (plan && plan.pipelines) || []) {
+    for (const s of pipe.stages) {
+      const key = `${s.peer_id} ${s.device}`;
+      if (seen.has(`${key} ${s.start}`)) continue; // a stage shared by two pipelines
+      seen.add(`${key} ${s.start}`);
+      out[key] = (out[key] || 0) + (s.memory_bytes || 0);
+    }
+  }
+  return out;
+}
+
+export function renderPeers(view, plan) {
   const peers = view.peers || [];
+  const reserved = reservations(plan);
   const alive = peers.filter((p) => p.health === "alive" || p.health === "self").length;
   document.getElementById("peer-count").textContent = `(${peers.length}, ${alive} alive)`;
-  document.getElementById("peers").replaceChildren(...peers.map(peerCard));
+  document.getElementById("peers").replaceChildren(...peers.map((p) => peerCard(p, reserved)));
 }
 
 function records(view) {

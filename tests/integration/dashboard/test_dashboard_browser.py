@@ -1,0 +1,311 @@
+"""The dashboard in a real browser: headless Chromium (Debian's, driven by selenium) against
+a three-node loopback mesh of the default model whose API node wants a key.
+
+One mesh and one browser for the module; the tests run in order: locked page,
+login and the populated page, a streamed chat, then a node killed (last: the
+mesh is not the same afterwards). With ``HETMESH_DASHBOARD_SCREENSHOT=path``
+the populated page's screenshot is also written there (how docs/dashboard.png
+is made); it always goes to the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
+
+from api_mesh import Mesh, free_port, serve_args, wait_for
+from discovery_nodes import NodeFactory
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    pytest.mark.model,
+    pytest.mark.timeout(600),
+]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+KEY = "dashboard-test-key"
+CHAT = "Name a large animal."
+TOKENS = 12
+
+
+def _missing() -> str | None:
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        return "needs Debian's chromium and chromium-driver (scripts/bootstrap installs them)"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "needs selenium (the dev extra)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)  # never a downloaded browser
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,1000",
+    ):
+        options.add_argument(flag)
+    service = Service(executable_path=str(CHROMEDRIVER))  # never a downloaded driver
+    driver = webdriver.Chrome(service=service, options=options)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    if _missing():
+        pytest.skip(str(_missing()))
+    factory = NodeFactory(tmp_path_factory.mktemp("dashboard-mesh"))
+    try:
+        port = free_port()
+        args = serve_args()
+        first = factory.start(*args, "--api-port", str(port), "--api-key", KEY).wait_ready(120)
+        others = [factory.start(*args, "--bootstrap", first.addr) for _ in range(2)]
+        running = Mesh([first, *(n.wait_ready(120) for n in others)], f"http://127.0.0.1:{port}")
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{running.api_url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_for(ready, 180, "a ready pipeline", every_s=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{running.logs()}") from None
+        yield running
+    finally:
+        factory.close()
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir: Path) -> tuple[list[int], str]:
+    """Single-process greedy ids (and their text) for CHAT under the chat template."""
+    import torch
+
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.text import encode_prompt
+
+    torch.set_num_threads(1)
+    pipeline = LocalPipeline.load(default_model_dir, 1)
+    ids = encode_prompt(pipeline.tokenizer, CHAT, chat=True)
+    out = list(pipeline.generate_ids(ids, SamplingParams(max_new_tokens=TOKENS)))
+    return out, str(pipeline.tokenizer.decode(out, skip_special_tokens=True))
+
+
+def _status(mesh: Mesh) -> dict[str, Any]:
+    reply = httpx.get(
+        f"{mesh.api_url}/v1/hetmesh/status", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    reply.raise_for_status()
+    view: dict[str, Any] = reply.json()
+    return view
+
+
+def _until(driver: Any, predicate: Any, timeout_s: float, what: str) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(
+        driver, timeout_s, poll_frequency=0.2, ignored_exceptions=[StaleElementReferenceException]
+    )
+    try:
+        return wait.until(lambda d: predicate())
+    except TimeoutException:
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}") from None
+
+
+def _css(driver: Any, selector: str) -> list[Any]:
+    from selenium.webdriver.common.by import By
+
+    return list(driver.find_elements(By.CSS_SELECTOR, selector))
+
+
+def test_without_the_key_the_page_shows_only_the_login(browser: Any, mesh: Mesh) -> None:
+    browser.get(f"{mesh.api_url}/")
+    login = _until(
+        browser,
+        lambda: [e for e in _css(browser, "#login") if e.is_displayed()],
+        60,
+        "the login form",
+    )[0]
+    assert login.find_element("id", "api-key").get_attribute("type") == "password"
+    assert not _css(browser, "#dash")[0].is_displayed()
+    assert _css(browser, ".card") == []
+    source = browser.page_source
+    assert all(node.peer_id not in source for node in mesh.nodes)
+    assert browser.find_element("id", "connection").text == "locked"
+
+
+def test_the_page_lists_the_peers_and_the_plans_stages(
+    browser: Any, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    browser.find_element("id", "api-key").send_keys(KEY + Keys.ENTER)  # the keyboard is enough
+    peers = {n.peer_id for n in mesh.nodes}
+
+    def cards() -> dict[str, str]:
+        return {
+            c.get_attribute("data-peer-id"): c.get_attribute("data-health")
+            for c in _css(browser, ".card")
+        }
+
+    _until(browser, lambda: set(cards()) == peers, 60, "three peer cards")
+    _until(
+        browser,
+        lambda: sorted(cards().values()) == ["alive", "alive", "self"],
+        60,
+        "three healthy cards",
+    )
+    assert "alive (this node)" in browser.find_element("id", "peers").text
+    assert browser.find_element("id", "connection").text == "live"
+    assert browser.execute_script("return sessionStorage.getItem('hetmesh.apiKey')") == KEY
+    assert KEY not in browser.current_url
+
+    from hetmesh.scheduler.replan import newest_in_view
+
+    plan = newest_in_view(_status(mesh))
+    assert plan is not None
+    expected = [(s.peer_id, f"units [{s.start}, {s.end})") for s in plan.pipelines[0].stages]
+
+    def stages() -> list[tuple[str, str]]:
+        boxes = _css(browser, "#plan .pipeline")[0].find_elements("css selector", ".stage")
+        return [
+            (b.get_attribute("data-peer-id"), b.text.split("\n")[1].split(" ·")[0]) for b in boxes
+        ]
+
+    _until(browser, lambda: stages() == expected, 30, f"the plan's stages {expected}")
+    assert f"epoch {plan.epoch}" in browser.find_element("id", "plan-summary").text
+    bottlenecks = _css(browser, '#plan .stage[data-bottleneck="true"]')
+    assert len(bottlenecks) == 1
+    assert "bottleneck" in bottlenecks[0].text
+    assert len(_css(browser, "#load tbody tr")) >= len(expected)
+    # the link matrix: three rows, measured cells carry their RTT for hover and focus
+    _until(browser, lambda: len(_css(browser, "#links tbody tr")) == 3, 30, "the link matrix")
+    _until(
+        browser,
+        lambda: any("RTT" in (c.get_attribute("title") or "") for c in _css(browser, "#links td")),
+        60,
+        "a measured link",
+    )
+
+
+def test_a_chat_streams_the_reference_reply(
+    browser: Any,
+    mesh: Mesh,
+    reference: tuple[list[int], str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    ids, text = reference
+    for field, value in (("chat-max", str(TOKENS)), ("chat-temp", "0")):
+        box = browser.find_element("id", field)
+        box.clear()
+        box.send_keys(value)
+    browser.find_element("id", "chat-input").send_keys(CHAT + Keys.ENTER)
+    done = _until(
+        browser,
+        lambda: _css(browser, '.msg.assistant:is([data-state="done"], [data-state="error"])'),
+        180,
+        "the streamed reply",
+    )[0]
+    assert done.get_attribute("data-state") == "done", done.text
+    assert [int(x) for x in done.get_attribute("data-token-ids").split(",")] == ids
+    assert " ".join(done.text.split()) == " ".join(text.split())
+    # the request's TTFT reaches the chart within a tick or two
+    chart = browser.find_element("id", "chart-ttft")
+    _until(browser, lambda: "latest" in (chart.get_attribute("aria-label") or ""), 30, "a TTFT")
+    folder = tmp_path_factory.mktemp("screenshot")
+    _screenshot(browser, folder / "dashboard.png")
+    # at a phone's width the page is one column, with nothing wider than the screen
+    browser.set_window_size(390, 900)
+    try:
+        _until(
+            browser,
+            lambda: browser.execute_script(
+                "return document.documentElement.scrollWidth <= window.innerWidth"
+            ),
+            10,
+            "the page to fit a phone's width",
+        )
+        browser.save_screenshot(str(folder / "dashboard-phone.png"))
+    finally:
+        browser.set_window_size(1280, 1000)
+
+
+def _screenshot(browser: Any, path: Path) -> None:
+    """The whole page at 1280 px, beyond the window's height (Chromium's DevTools capture)."""
+    height = int(browser.execute_script("return document.documentElement.scrollHeight"))
+    shot = browser.execute_cdp_cmd(
+        "Page.captureScreenshot",
+        {
+            "format": "png",
+            "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": 1280, "height": height, "scale": 1},
+        },
+    )
+    path.write_bytes(base64.b64decode(shot["data"]))
+    assert path.stat().st_size > 10_000
+    target = os.environ.get("HETMESH_DASHBOARD_SCREENSHOT")
+    if target:
+        shutil.copyfile(path, target)
+
+
+def test_killing_a_node_turns_its_card_dead_and_logs_an_event(browser: Any, mesh: Mesh) -> None:
+    victim = mesh.nodes[2]
+    victim.stop()  # SIGKILL: no goodbye, so liveness has to notice
+    killed_at = time.monotonic()
+
+    def event() -> list[Any]:
+        return [
+            e
+            for e in _css(browser, f'#events li[data-peer-id="{victim.peer_id}"]')
+            if e.get_attribute("data-kind") in ("suspect", "dead")
+        ]
+
+    def dead_card() -> list[Any]:
+        return _css(browser, f'.card[data-peer-id="{victim.peer_id}"][data-health="dead"]')
+
+    _until(browser, event, 10, "a suspect or dead event for the killed node")
+    remaining = 10 - (time.monotonic() - killed_at)
+    card = _until(browser, dead_card, max(remaining, 0.5), "the killed node's card to turn dead")[0]
+    assert "dead" in card.text  # a word, not only a colour
+    kinds = [e.get_attribute("data-kind") for e in event()]
+    assert "dead" in kinds or "suspect" in kinds
