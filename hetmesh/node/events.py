@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -63,20 +64,54 @@ def _gateway_sum(view: Mapping[str, Any], name: str) -> dict[str, int]:
 
 def newest_plan(view: Mapping[str, Any]) -> dict[str, Any] | None:
     """The newest plan the view's peers follow, as its wire map; None if none."""
-    from hetmesh.scheduler.replan import newest_in_view
+    return PlanCache().newest(view)
 
-    plan = newest_in_view(view)
-    return None if plan is None else plan.to_wire()
+
+class PlanCache:
+    """:func:`newest_plan` that parses each distinct plan once (a parse costs milliseconds,
+    and the feed meets the same plan in every peer's record, every tick)."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._parsed: dict[str, Any] = {}  # plan's canonical JSON -> (Plan, wire map) | None
+
+    def newest(self, view: Mapping[str, Any]) -> dict[str, Any] | None:
+        from hetmesh.scheduler.records import Plan
+        from hetmesh.scheduler.replan import newest
+
+        found = []
+        for peer in view.get("peers") or ():
+            raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
+            if not raw:
+                continue
+            key = json.dumps(raw, sort_keys=True, default=str)
+            if key not in self._parsed:
+                if len(self._parsed) >= self.size:
+                    self._parsed.clear()
+                try:
+                    plan = Plan.from_wire(raw)
+                    self._parsed[key] = (plan, plan.to_wire())
+                except (ValueError, TypeError):  # what other nodes announced: skip bad ones
+                    self._parsed[key] = None
+            if self._parsed[key] is not None:
+                found.append(self._parsed[key])
+        best = newest(plan for plan, _ in found)
+        return next((wire for plan, wire in found if plan is best), None)
 
 
 def _event(kind: str, level: str, message: str, **fields: Any) -> dict[str, Any]:
     return {"kind": kind, "level": level, "message": message, **fields}
 
 
-def view_events(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> list[dict[str, Any]]:
+def view_events(
+    before: Mapping[str, Any] | None,
+    after: Mapping[str, Any],
+    plan_of: Callable[[Mapping[str, Any]], dict[str, Any] | None] = newest_plan,
+) -> list[dict[str, Any]]:
     """What changed between two status views of one node, as event records (pure).
 
     The first view (``before`` None) yields no events: the page shows it as state.
+    ``plan_of`` picks a view's newest plan (a :class:`PlanCache`'s ``newest`` is faster).
     """
     if before is None:
         return []
@@ -97,7 +132,7 @@ def view_events(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> l
             out.append(_event(health, level, msg, peer_id=pid))
     for pid in sorted(set(old) - set(new)):
         out.append(_event("left", "info", f"peer {_short(pid)} was forgotten", peer_id=pid))
-    plan_before, plan_after = newest_plan(before), newest_plan(after)
+    plan_before, plan_after = plan_of(before), plan_of(after)
     if plan_after is not None and (
         plan_before is None or plan_before.get("epoch") != plan_after.get("epoch")
     ):
@@ -200,8 +235,10 @@ class Feed:
         self.max_clients = max_clients
         self.dropped_clients = 0
         self._ids = itertools.count(1)
+        self.feed_id = secrets.token_hex(8)  # event ids restart with the node: tells the page
         self._clients: set[trio.MemorySendChannel[str]] = set()
         self._last_view: dict[str, Any] | None = None
+        self._plans = PlanCache()
         self._snapshot: dict[str, Any] | None = None
 
     def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
@@ -212,7 +249,7 @@ class Feed:
         """Read the view, derive events and a sample, and push them to every client."""
         now_s = time.time() if now_s is None else now_s
         view = json.loads(json.dumps(self._view(), default=str))  # plain JSON data
-        events = view_events(self._last_view, view)
+        events = view_events(self._last_view, view, self._plans.newest)
         self._last_view = view
         for event in events:
             event |= {"id": next(self._ids), "at_s": round(now_s, 3)}
@@ -220,7 +257,7 @@ class Feed:
             self._broadcast(sse("mesh-event", event))
         self._snapshot = {
             "view": view,
-            "plan": newest_plan(view),
+            "plan": self._plans.newest(view),
             "sample": self.series.sample(view, now_s),
         }
         self._broadcast(sse("snapshot", self._snapshot))
@@ -232,6 +269,7 @@ class Feed:
             "series": list(self.series.samples),
             "snapshot": self._snapshot,
             "interval_s": self.interval_s,
+            "feed_id": self.feed_id,
         }
         return sse("hello", body)
 
@@ -290,4 +328,4 @@ class _Subscription:
         self.receive.close()
 
 
-__all__ = ["Feed", "Series", "newest_plan", "sse", "view_events"]
+__all__ = ["Feed", "PlanCache", "Series", "newest_plan", "sse", "view_events"]

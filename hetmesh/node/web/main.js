@@ -68,6 +68,9 @@ async function follow() {
       kick();
       const body = JSON.parse(data);
       if (event === "hello") {
+        // a restarted node numbers its events from 1 again: forget the old ones
+        if (state.feedId && state.feedId !== body.feed_id) $("events").replaceChildren();
+        state.feedId = body.feed_id;
         state.interval_s = body.interval_s || 1;
         state.series = body.series || [];
         (body.events || []).forEach(addEvent);

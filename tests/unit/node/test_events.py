@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from hetmesh.errors import Rejected
-from hetmesh.node.events import Feed, Series, view_events
+from hetmesh.node.events import Feed, PlanCache, Series, newest_plan, view_events
 
 A, B, C = "12D3KooWAAAAAAAAAAAA", "12D3KooWBBBBBBBBBBBB", "12D3KooWCCCCCCCCCCCC"
 
@@ -165,3 +165,22 @@ async def test_a_slow_client_is_dropped_not_buffered() -> None:
     assert feed.clients == 0
     assert len(feed.events) == 2  # the backlog is bounded too
     assert '"kind": "alive"' in feed.hello() or '"kind": "suspect"' in feed.hello()
+
+
+def test_the_plan_cache_picks_the_newest_valid_plan_as_the_scheduler_does() -> None:
+    from hetmesh.scheduler.replan import newest_in_view
+
+    newer = dict(PLAN, epoch=4)
+    broken = dict(PLAN, epoch=9, pipelines="not a list")
+    current = view(
+        peer(A, "self", plan=PLAN), peer(B, "alive", plan=newer), peer(C, "alive", plan=broken)
+    )
+    cache = PlanCache(size=2)
+    for _ in range(3):  # cached answers stay right
+        chosen = cache.newest(current)
+        assert chosen is not None
+        assert chosen["epoch"] == 4
+    expected = newest_in_view(current)
+    assert expected is not None
+    assert chosen == expected.to_wire() == newest_plan(current)
+    assert cache.newest(view(peer(A, "self"))) is None
