@@ -25,6 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
 
 from api_mesh import Mesh, free_port, serve_args, wait_for
+from dashboard_browser import css, missing, open_chromium, until
 from discovery_nodes import NodeFactory
 
 pytestmark = [
@@ -34,51 +35,17 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 KEY = "dashboard-test-key"
 CHAT = "Name a large animal."
 TOKENS = 12
 
 
-def _missing() -> str | None:
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        return "needs Debian's chromium and chromium-driver (scripts/bootstrap installs them)"
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "needs selenium (the dev extra)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    reason = _missing()
+    reason = missing()
     if reason:
         pytest.skip(reason)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)  # never a downloaded browser
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-        "--window-size=1280,1000",
-    ):
-        options.add_argument(flag)
-    service = Service(executable_path=str(CHROMEDRIVER))  # never a downloaded driver
-    driver = webdriver.Chrome(service=service, options=options)
-    driver.set_page_load_timeout(60)
+    driver = open_chromium(tmp_path_factory.mktemp("chromium-profile"))
     try:
         yield driver
     finally:
@@ -87,8 +54,9 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    if _missing():
-        pytest.skip(str(_missing()))
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
     factory = NodeFactory(tmp_path_factory.mktemp("dashboard-mesh"))
     try:
         port = free_port()
@@ -137,36 +105,17 @@ def _status(mesh: Mesh) -> dict[str, Any]:
     return view
 
 
-def _until(driver: Any, predicate: Any, timeout_s: float, what: str) -> Any:
-    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    wait = WebDriverWait(
-        driver, timeout_s, poll_frequency=0.2, ignored_exceptions=[StaleElementReferenceException]
-    )
-    try:
-        return wait.until(lambda d: predicate())
-    except TimeoutException:
-        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}") from None
-
-
-def _css(driver: Any, selector: str) -> list[Any]:
-    from selenium.webdriver.common.by import By
-
-    return list(driver.find_elements(By.CSS_SELECTOR, selector))
-
-
 def test_without_the_key_the_page_shows_only_the_login(browser: Any, mesh: Mesh) -> None:
     browser.get(f"{mesh.api_url}/")
-    login = _until(
+    login = until(
         browser,
-        lambda: [e for e in _css(browser, "#login") if e.is_displayed()],
+        lambda: [e for e in css(browser, "#login") if e.is_displayed()],
         60,
         "the login form",
     )[0]
     assert login.find_element("id", "api-key").get_attribute("type") == "password"
-    assert not _css(browser, "#dash")[0].is_displayed()
-    assert _css(browser, ".card") == []
+    assert not css(browser, "#dash")[0].is_displayed()
+    assert css(browser, ".card") == []
     source = browser.page_source
     assert all(node.peer_id not in source for node in mesh.nodes)
     assert browser.find_element("id", "connection").text == "locked"
@@ -183,11 +132,11 @@ def test_the_page_lists_the_peers_and_the_plans_stages(
     def cards() -> dict[str, str]:
         return {
             c.get_attribute("data-peer-id"): c.get_attribute("data-health")
-            for c in _css(browser, ".card")
+            for c in css(browser, ".card")
         }
 
-    _until(browser, lambda: set(cards()) == peers, 60, "three peer cards")
-    _until(
+    until(browser, lambda: set(cards()) == peers, 60, "three peer cards")
+    until(
         browser,
         lambda: sorted(cards().values()) == ["alive", "alive", "self"],
         60,
@@ -205,22 +154,22 @@ def test_the_page_lists_the_peers_and_the_plans_stages(
     expected = [(s.peer_id, f"units [{s.start}, {s.end})") for s in plan.pipelines[0].stages]
 
     def stages() -> list[tuple[str, str]]:
-        boxes = _css(browser, "#plan .pipeline")[0].find_elements("css selector", ".stage")
+        boxes = css(browser, "#plan .pipeline")[0].find_elements("css selector", ".stage")
         return [
             (b.get_attribute("data-peer-id"), b.text.split("\n")[1].split(" ·")[0]) for b in boxes
         ]
 
-    _until(browser, lambda: stages() == expected, 30, f"the plan's stages {expected}")
+    until(browser, lambda: stages() == expected, 30, f"the plan's stages {expected}")
     assert f"epoch {plan.epoch}" in browser.find_element("id", "plan-summary").text
-    bottlenecks = _css(browser, '#plan .stage[data-bottleneck="true"]')
+    bottlenecks = css(browser, '#plan .stage[data-bottleneck="true"]')
     assert len(bottlenecks) == 1
     assert "bottleneck" in bottlenecks[0].text
-    assert len(_css(browser, "#load tbody tr")) >= len(expected)
+    assert len(css(browser, "#load tbody tr")) >= len(expected)
     # the link matrix: three rows, measured cells carry their RTT for hover and focus
-    _until(browser, lambda: len(_css(browser, "#links tbody tr")) == 3, 30, "the link matrix")
-    _until(
+    until(browser, lambda: len(css(browser, "#links tbody tr")) == 3, 30, "the link matrix")
+    until(
         browser,
-        lambda: any("RTT" in (c.get_attribute("title") or "") for c in _css(browser, "#links td")),
+        lambda: any("RTT" in (c.get_attribute("title") or "") for c in css(browser, "#links td")),
         60,
         "a measured link",
     )
@@ -240,9 +189,9 @@ def test_a_chat_streams_the_reference_reply(
         box.clear()
         box.send_keys(value)
     browser.find_element("id", "chat-input").send_keys(CHAT + Keys.ENTER)
-    done = _until(
+    done = until(
         browser,
-        lambda: _css(browser, '.msg.assistant:is([data-state="done"], [data-state="error"])'),
+        lambda: css(browser, '.msg.assistant:is([data-state="done"], [data-state="error"])'),
         180,
         "the streamed reply",
     )[0]
@@ -251,13 +200,13 @@ def test_a_chat_streams_the_reference_reply(
     assert " ".join(done.text.split()) == " ".join(text.split())
     # the request's TTFT reaches the chart within a tick or two
     chart = browser.find_element("id", "chart-ttft")
-    _until(browser, lambda: "latest" in (chart.get_attribute("aria-label") or ""), 30, "a TTFT")
+    until(browser, lambda: "latest" in (chart.get_attribute("aria-label") or ""), 30, "a TTFT")
     folder = tmp_path_factory.mktemp("screenshot")
     _screenshot(browser, folder / "dashboard.png")
     # at a phone's width the page is one column, with nothing wider than the screen
     browser.set_window_size(390, 900)
     try:
-        _until(
+        until(
             browser,
             lambda: browser.execute_script(
                 "return document.documentElement.scrollWidth <= window.innerWidth"
@@ -296,16 +245,16 @@ def test_killing_a_node_turns_its_card_dead_and_logs_an_event(browser: Any, mesh
     def event() -> list[Any]:
         return [
             e
-            for e in _css(browser, f'#events li[data-peer-id="{victim.peer_id}"]')
+            for e in css(browser, f'#events li[data-peer-id="{victim.peer_id}"]')
             if e.get_attribute("data-kind") in ("suspect", "dead")
         ]
 
     def dead_card() -> list[Any]:
-        return _css(browser, f'.card[data-peer-id="{victim.peer_id}"][data-health="dead"]')
+        return css(browser, f'.card[data-peer-id="{victim.peer_id}"][data-health="dead"]')
 
-    _until(browser, event, 10, "a suspect or dead event for the killed node")
+    until(browser, event, 10, "a suspect or dead event for the killed node")
     remaining = 10 - (time.monotonic() - killed_at)
-    card = _until(browser, dead_card, max(remaining, 0.5), "the killed node's card to turn dead")[0]
+    card = until(browser, dead_card, max(remaining, 0.5), "the killed node's card to turn dead")[0]
     assert "dead" in card.text  # a word, not only a colour
     kinds = [e.get_attribute("data-kind") for e in event()]
     assert "dead" in kinds or "suspect" in kinds

@@ -1,0 +1,119 @@
+"""The dashboard page follows its node again by itself after the node's API went away.
+
+No mesh: the real API app (Starlette + Hypercorn on trio) serves a one-peer
+view from a thread of this process, is stopped and started again on the same
+port, while headless Chromium watches.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from typing import Any
+
+import pytest
+import trio
+from dashboard_browser import css, missing, open_chromium, until
+
+from hetmesh.node.api import serve_http
+from hetmesh.node.api_metrics import MeshGauges
+from hetmesh.node.api_requests import ParsedRequest
+from hetmesh.partition.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+PEER = "12D3KooWReconnectTestPeer"
+
+
+class OnePeer:
+    """Just enough of a node for the page: one peer, no plan, no generation."""
+
+    def models(self) -> list[str]:
+        return ["fake-model"]
+
+    def max_context(self) -> int:
+        return 16
+
+    def ready(self) -> bool:
+        return True
+
+    async def encode(self, request: ParsedRequest) -> list[int]:
+        return [1]
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        yield -1, ""
+
+    def gauges(self) -> MeshGauges:
+        return MeshGauges(ready=True)
+
+    def view(self) -> dict[str, Any]:
+        record = {"addrs": ["/ip4/127.0.0.1/tcp/1"], "devices": [], "stages": [], "load": {}}
+        return {"self": PEER, "peers": [{"peer_id": PEER, "health": "self", "record": record}]}
+
+
+class Server:
+    """``serve_http`` in a thread with its own trio loop, stoppable and restartable."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stop = threading.Event()
+        self.up = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.stop.clear()
+        self.up.clear()
+        self.thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+        self.thread.start()
+        assert self.up.wait(30), "the API did not start"
+
+    async def _main(self) -> None:
+        async with trio.open_nursery() as nursery:
+            serve = functools.partial(serve_http, OnePeer(), port=self.port)
+            await nursery.start(serve)
+            self.up.set()
+            await trio.to_thread.run_sync(self.stop.wait)
+            nursery.cancel_scope.cancel()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(30)
+            assert not self.thread.is_alive(), "the API did not stop"
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    running = Server(port)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def test_the_page_reconnects_by_itself(server: Server, tmp_path: Any) -> None:
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    driver = open_chromium(tmp_path / "profile")
+    try:
+        driver.get(f"http://127.0.0.1:{server.port}/")
+        state = driver.find_element("id", "connection")
+        until(driver, lambda: state.text == "live", 30, "the page to go live")
+        until(driver, lambda: len(css(driver, ".card")) == 1, 30, "the one peer's card")
+        assert "alive (this node)" in css(driver, ".card")[0].text
+        server.close()
+        until(driver, lambda: state.text == "reconnecting", 30, "the page to notice")
+        server.start()
+        until(driver, lambda: state.text == "live", 30, "the page to follow the node again")
+        until(driver, lambda: len(css(driver, ".card")) == 1, 30, "the card again")
+    finally:
+        driver.quit()
