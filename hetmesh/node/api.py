@@ -14,11 +14,12 @@ serve_api(node, port)                  started by run_node when --api-port is gi
 Requests enter the mesh at this node (it is their gateway). With an API key
 (``--api-key``), every route but ``/health`` and the dashboard's static files
 wants ``Authorization: Bearer KEY`` (what the ``openai`` package sends) and
-answers 401 without it; a node refuses to serve the API beyond loopback without a key. Errors are
-OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, with a 4xx
-status for the client's mistakes and 429/503/504 for a busy or broken mesh; the
-error's hetmesh class travels as ``error.hetmesh_error`` so the SDK raises the
-same exception a libp2p client would. Streams (``"stream": true``) are
+answers 401 without it; a node refuses to serve the API beyond loopback
+without a key. Errors are OpenAI-shaped, ``{"error": {"message", "type",
+"param", "code"}}``, with a 4xx status for the client's mistakes and
+429/503/504 for a busy or broken mesh; the error's hetmesh class travels as
+``error.hetmesh_error`` so the SDK raises the same exception a libp2p client
+would. Streams (``"stream": true``) are
 server-sent events ending with ``data: [DONE]``; every chunk's choice carries
 the hetmesh extension ``token_ids``.
 """
