@@ -1,9 +1,11 @@
 """The dashboard in a real browser: headless Chromium (Debian's, driven by selenium) against
-a three-node loopback mesh of the default model whose API node wants a key.
+the three-node loopback mesh of ``hetmesh demo --keep`` (the default model), whose
+API node wants a key (``$HETMESH_API_KEY``, which the demo's nodes inherit).
 
 One mesh and one browser for the module; the tests run in order: locked page,
-login and the populated page, a streamed chat, then a node killed (last: the
-mesh is not the same afterwards). With ``HETMESH_DASHBOARD_SCREENSHOT=path``
+login and the populated page, a streamed chat, a node killed, then the demo
+stopped with SIGTERM (the mesh is not the same after each of the last two).
+With ``HETMESH_DASHBOARD_SCREENSHOT=path``
 the populated page's screenshot is also written there (how docs/dashboard.png
 is made); it always goes to the test's temporary folder.
 """
@@ -11,22 +13,27 @@ is made); it always goes to the test's temporary folder.
 from __future__ import annotations
 
 import base64
+import contextlib
+import json
 import os
+import queue
 import shutil
+import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))
-
-from api_mesh import Mesh, free_port, serve_args, wait_for
 from dashboard_browser import css, missing, open_chromium, until
-from discovery_nodes import NodeFactory
+
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -52,32 +59,81 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         driver.quit()
 
 
+@dataclass
+class Node:
+    pid: int
+    peer_id: str
+    name: str  # node1 serves the API
+
+
+@dataclass
+class Demo:
+    proc: subprocess.Popen[str]
+    api_url: str
+    nodes: list[Node]
+    stderr: list[str]
+
+
+def _demo_nodes(demo: subprocess.Popen[str]) -> list[Node]:
+    """The demo's node processes, from their command lines and node.json files."""
+    out = []
+    for child in psutil.Process(demo.pid).children():
+        argv = child.cmdline()
+        if "--data-dir" not in argv:
+            continue
+        data_dir = Path(argv[argv.index("--data-dir") + 1])
+        info = json.loads((data_dir / "node.json").read_text())
+        out.append(Node(child.pid, str(info["peer_id"]), data_dir.name))
+    return sorted(out, key=lambda n: n.name)
+
+
+def _read(stream: Any, lines: queue.Queue[str]) -> None:
+    for line in stream:
+        lines.put(line)
+
+
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh() -> Iterator[Demo]:
     reason = missing()
     if reason:
         pytest.skip(reason)
-    factory = NodeFactory(tmp_path_factory.mktemp("dashboard-mesh"))
+    env = dict(os.environ, HETMESH_API_KEY=KEY, OMP_NUM_THREADS="2")
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    argv = [sys.executable, "-m", "hetmesh", "demo", "--keep", "--max-new-tokens", "4", "Hi"]
+    proc = subprocess.Popen(  # its own process group: the nodes are reaped with it
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+    threading.Thread(target=_read, args=(proc.stderr, lines), daemon=True).start()
+    threading.Thread(target=_read, args=(proc.stdout, queue.Queue()), daemon=True).start()
     try:
-        port = free_port()
-        args = serve_args()
-        first = factory.start(*args, "--api-port", str(port), "--api-key", KEY).wait_ready(120)
-        others = [factory.start(*args, "--bootstrap", first.addr) for _ in range(2)]
-        running = Mesh([first, *(n.wait_ready(120) for n in others)], f"http://127.0.0.1:{port}")
-
-        def ready() -> bool:
+        url = None
+        deadline = time.monotonic() + 300
+        while "Ctrl-C stops it" not in "".join(seen[-1:]):
+            assert time.monotonic() < deadline, f"the demo never kept its mesh:\n{''.join(seen)}"
             try:
-                return httpx.get(f"{running.api_url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        try:
-            wait_for(ready, 180, "a ready pipeline", every_s=0.5)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{running.logs()}") from None
-        yield running
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                assert proc.poll() is None, f"the demo exited early:\n{''.join(seen)}"
+                continue
+            if seen[-1].startswith("dashboard: "):
+                url = seen[-1].split(" ", 1)[1].strip().rstrip("/")
+        assert url is not None
+        assert url.startswith("http://127.0.0.1:")
+        nodes = _demo_nodes(proc)
+        assert [n.name for n in nodes] == ["node1", "node2", "node3"]
+        yield Demo(proc, url, nodes, seen)
     finally:
-        factory.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left: the demo and its nodes
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +152,8 @@ def reference(default_model_dir: Path) -> tuple[list[int], str]:
     return out, str(pipeline.tokenizer.decode(out, skip_special_tokens=True))
 
 
-def _status(mesh: Mesh) -> dict[str, Any]:
+def _status(mesh: Demo) -> dict[str, Any]:
+    """The API node's view (the key is required: the page has nothing else)."""
     reply = httpx.get(
         f"{mesh.api_url}/v1/hetmesh/status", headers={"Authorization": f"Bearer {KEY}"}
     )
@@ -105,7 +162,7 @@ def _status(mesh: Mesh) -> dict[str, Any]:
     return view
 
 
-def test_without_the_key_the_page_shows_only_the_login(browser: Any, mesh: Mesh) -> None:
+def test_without_the_key_the_page_shows_only_the_login(browser: Any, mesh: Demo) -> None:
     browser.get(f"{mesh.api_url}/")
     login = until(
         browser,
@@ -122,7 +179,7 @@ def test_without_the_key_the_page_shows_only_the_login(browser: Any, mesh: Mesh)
 
 
 def test_the_page_lists_the_peers_and_the_plans_stages(
-    browser: Any, mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+    browser: Any, mesh: Demo, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     from selenium.webdriver.common.keys import Keys
 
@@ -177,7 +234,7 @@ def test_the_page_lists_the_peers_and_the_plans_stages(
 
 def test_a_chat_streams_the_reference_reply(
     browser: Any,
-    mesh: Mesh,
+    mesh: Demo,
     reference: tuple[list[int], str],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -237,9 +294,9 @@ def _screenshot(browser: Any, path: Path) -> None:
         shutil.copyfile(path, target)
 
 
-def test_killing_a_node_turns_its_card_dead_and_logs_an_event(browser: Any, mesh: Mesh) -> None:
+def test_killing_a_node_turns_its_card_dead_and_logs_an_event(browser: Any, mesh: Demo) -> None:
     victim = mesh.nodes[2]
-    victim.stop()  # SIGKILL: no goodbye, so liveness has to notice
+    os.kill(victim.pid, signal.SIGKILL)  # no goodbye: liveness has to notice
     killed_at = time.monotonic()
 
     def event() -> list[Any]:
@@ -258,3 +315,14 @@ def test_killing_a_node_turns_its_card_dead_and_logs_an_event(browser: Any, mesh
     assert "dead" in card.text  # a word, not only a colour
     kinds = [e.get_attribute("data-kind") for e in event()]
     assert "dead" in kinds or "suspect" in kinds
+
+
+def test_the_demo_stops_its_mesh_on_sigterm(mesh: Demo) -> None:
+    # still up (503 while the mesh replans around the killed node, but alive)
+    assert httpx.get(f"{mesh.api_url}/health", timeout=10).json()["alive"] is True
+    mesh.proc.send_signal(signal.SIGTERM)
+    assert mesh.proc.wait(timeout=60) == 0
+    for node in mesh.nodes:
+        assert not psutil.pid_exists(node.pid) or psutil.Process(node.pid).status() == "zombie"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{mesh.api_url}/health", timeout=5)
