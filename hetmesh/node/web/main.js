@@ -118,7 +118,9 @@ async function open() {
     state.model = ((body.data || [])[0] || {}).id || "";
   } catch (err) {
     if (err instanceof Unauthorized) {
-      showLogin(sessionStorage.length ? "The API key was refused." : "");
+      const tried = sessionStorage.length > 0;
+      setApiKey(""); // a refused key is not kept
+      showLogin(tried ? "The API key was refused." : "");
       return;
     }
     setConnection("reconnecting");

@@ -1,8 +1,9 @@
-"""The dashboard page follows its node again by itself after the node's API went away.
+"""The dashboard's login (a wrong key, then the right one) and its reconnecting by itself
+after the node's API went away and came back.
 
-No mesh: the real API app (Starlette + Hypercorn on trio) serves a one-peer
-view from a thread of this process, is stopped and started again on the same
-port, while headless Chromium watches.
+No mesh: the real API app (Starlette + Hypercorn on trio, with an API key)
+serves a one-peer view from a thread of this process, is stopped and started
+again on the same port, while headless Chromium watches.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hetmesh.partition.sampling import SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 PEER = "12D3KooWReconnectTestPeer"
+KEY = "reconnect-test-key"
 
 
 class OnePeer:
@@ -73,7 +75,7 @@ class Server:
 
     async def _main(self) -> None:
         async with trio.open_nursery() as nursery:
-            serve = functools.partial(serve_http, OnePeer(), port=self.port)
+            serve = functools.partial(serve_http, OnePeer(), port=self.port, api_key=KEY)
             await nursery.start(serve)
             self.up.set()
             await trio.to_thread.run_sync(self.stop.wait)
@@ -99,7 +101,9 @@ def server() -> Iterator[Server]:
         running.close()
 
 
-def test_the_page_reconnects_by_itself(server: Server, tmp_path: Any) -> None:
+def test_the_page_logs_in_and_reconnects_by_itself(server: Server, tmp_path: Any) -> None:
+    from selenium.webdriver.common.keys import Keys
+
     reason = missing()
     if reason:
         pytest.skip(reason)
@@ -107,6 +111,14 @@ def test_the_page_reconnects_by_itself(server: Server, tmp_path: Any) -> None:
     try:
         driver.get(f"http://127.0.0.1:{server.port}/")
         state = driver.find_element("id", "connection")
+        until(driver, lambda: state.text == "locked", 30, "the login form")
+        key = driver.find_element("id", "api-key")
+        key.send_keys("wrong" + Keys.ENTER)
+        error = driver.find_element("id", "login-error")
+        until(driver, lambda: "refused" in error.text, 30, "the wrong key to be refused")
+        assert css(driver, ".card") == []
+        assert not driver.find_element("id", "dash").is_displayed()
+        key.send_keys(KEY + Keys.ENTER)
         until(driver, lambda: state.text == "live", 30, "the page to go live")
         until(driver, lambda: len(css(driver, ".card")) == 1, 30, "the one peer's card")
         assert "alive (this node)" in css(driver, ".card")[0].text
