@@ -110,6 +110,7 @@ def test_wire_rejects_oversized_and_non_map_payloads() -> None:
         wire.decode_announcement(b"\xc1")  # never-used msgpack byte
 
 
+@pytest.mark.slow  # 10,000 examples: seconds, a minute on a loaded machine
 @FUZZ
 @given(st.binary(max_size=512))
 def test_wire_random_bytes_parse_or_raise_protocol_error(payload: bytes) -> None:
@@ -120,6 +121,7 @@ def test_wire_random_bytes_parse_or_raise_protocol_error(payload: bytes) -> None
 _ENCODED = wire.encode(full_record())
 
 
+@pytest.mark.slow  # 10,000 examples: seconds, a minute on a loaded machine
 @FUZZ
 @given(st.integers(0, 2**64 - 1))
 def test_wire_mutated_records_parse_or_raise_protocol_error(seed: int) -> None:
@@ -220,6 +222,7 @@ def hostile_record(seed: int) -> bytes:
     return packed
 
 
+@pytest.mark.slow  # 10,000 examples: seconds, a minute on a loaded machine
 @FUZZ
 @given(st.one_of(st.integers(0, 2**64 - 1).map(hostile_record), st.binary(max_size=300)))
 def test_discovery_receive_never_raises_and_counts_rejections(payload: bytes) -> None:
