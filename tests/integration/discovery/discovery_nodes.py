@@ -68,7 +68,7 @@ def wait_for(
 class NodeProc(LocalNode):
     """A node process under test: waited for, signalled, stopped."""
 
-    def wait_ready(self, timeout_s: float = 40.0) -> NodeProc:
+    def wait_ready(self, timeout_s: float = 90.0) -> NodeProc:
         info_file = self.data_dir / "node.json"
 
         def ready() -> bool:
