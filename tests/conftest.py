@@ -76,9 +76,7 @@ def run_with_deadline(limit_s: float, fn: Callable[[], Awaitable[Any]], **run_kw
 
 
 def _is_trio(item: pytest.Item) -> bool:
-    return item.get_closest_marker("trio") is not None and not hasattr(
-        getattr(item, "obj", None), "hypothesis"
-    )
+    return item.get_closest_marker("trio") is not None
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests
@@ -86,7 +84,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     default_s = float(config.getini("timeout") or 0) or SLOW_TIMEOUT_S
     for item in items:
         limit_s = time_limit_s(item, default_s)
-        if _is_trio(item):
+        if _is_trio(item) and hasattr(getattr(item, "obj", None), "hypothesis"):
+            # pytest-trio runs each example with plain trio.run: no deadline inside
+            item.add_marker(pytest.mark.timeout(limit_s, method="thread"), False)
+        elif _is_trio(item):
             # prepended: the closest trio/timeout markers are these
             item.add_marker(pytest.mark.trio(run=partial(run_with_deadline, limit_s)), False)
             item.add_marker(pytest.mark.timeout(limit_s + GRACE_S, method="thread"), False)
