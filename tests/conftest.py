@@ -3,6 +3,7 @@
 Time limits (pytest-timeout; a hung test fails with a stack dump, CI never stalls):
 
 - a test's own ``@pytest.mark.timeout(s)`` (or its module's) wins;
+- ``--timeout=S`` replaces the unit tests' limit, ``--timeout=0`` lifts every limit;
 - otherwise ``multiprocess``, ``netns`` and ``model`` tests get
   :data:`PROCESS_TIMEOUT_S` (node processes, a real model, a loaded 2-core
   machine), other ``slow`` tests :data:`SLOW_TIMEOUT_S`, and everything else
@@ -81,7 +82,11 @@ def _is_trio(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)  # after pytest-trio has marked the async tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    default_s = float(config.getini("timeout") or 0) or SLOW_TIMEOUT_S
+    given = config.getoption("timeout", None)  # --timeout on the command line
+    if given is not None and float(given) == 0:
+        _skip_gpu_tests(items)  # --timeout=0: no limits at all (a debugging session)
+        return
+    default_s = float(given or config.getini("timeout") or 0) or SLOW_TIMEOUT_S
     for item in items:
         limit_s = time_limit_s(item, default_s)
         if _is_trio(item) and hasattr(getattr(item, "obj", None), "hypothesis"):
