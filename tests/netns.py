@@ -8,14 +8,14 @@
   (10.<a>.<b>.<i+2>/24, a per-run private subnet) on that bridge and a route
   for 224.0.0.0/4 so multicast stays on it;
 - optionally, per host: a ``tc tbf`` rate on both ends of its access link, and
-  a cgroup v1 CPU quota (``cpu.cfs_quota_us`` over a 100 ms period) and/or
-  memory limit that processes started with :meth:`NetnsTestbed.popen` join before
-  they exec.
+  a CPU quota (over a 100 ms period) and/or memory limit, in cgroup v1 or v2
+  (tests/cgroups.py), that processes started with :meth:`NetnsTestbed.popen`
+  join before they exec.
 
 Everything is torn down in ``finally``: the processes started through the
 testbed are killed by PID, the cgroups removed, the namespaces deleted.
 :func:`unavailable_reason` says why a machine cannot run it (not root, no
-``ip netns``, no cgroup v1), for ``pytest.skip``.
+``ip netns``, a cgroup controller it needs missing), for ``pytest.skip``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CGROUP_V1 = Path("/sys/fs/cgroup")
+from tests.cgroups import CGROUP_ROOT, CPU, detect
+
 NETNS_DIR = Path("/run/netns") if Path("/run/netns").is_dir() else Path("/var/run/netns")
 
 
@@ -40,18 +41,37 @@ def _run(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True, timeout=20)
 
 
-def unavailable_reason(*, need_cgroups: bool = False, need_tc: bool = False) -> str | None:
-    """Why the testbed cannot run here, or None."""
+def unavailable_reason(
+    *,
+    need_cgroups: bool = False,
+    need_tc: bool = False,
+    cgroup_needs: Sequence[str] = (CPU,),
+    cgroup_root: Path = CGROUP_ROOT,
+) -> str | None:
+    """Why the testbed cannot run here, or None.
+
+    ``need_cgroups``: the controllers in ``cgroup_needs`` (tests/cgroups.py:
+    CPU, MEMORY, MEMORY_PEAK), in cgroup v1 or v2, each checked.
+    """
     if os.geteuid() != 0:
         return "needs root (network namespaces, tc, cgroups)"
     if shutil.which("ip") is None:
         return "needs iproute2 (`ip netns`)"
     if need_tc and shutil.which("tc") is None:
         return "needs `tc` (iproute2)"
-    if need_cgroups and not (CGROUP_V1 / "cpu" / "cpu.cfs_quota_us").exists():
-        return "needs the cgroup v1 cpu controller at /sys/fs/cgroup/cpu"
-    if need_cgroups and shutil.which("nsenter") is None:
-        return "needs nsenter (util-linux): `ip netns exec` hides /sys/fs/cgroup"
+    if need_cgroups:
+        hierarchy = detect(cgroup_root)
+        if hierarchy is None:
+            return f"needs cgroups (v1 or v2) mounted at {cgroup_root}"
+        missing = hierarchy.missing(cgroup_needs)
+        if missing:
+            return missing
+        try:
+            hierarchy.enable(cgroup_needs)
+        except OSError as exc:
+            return f"cannot enable cgroup v2 controllers {list(cgroup_needs)}: {exc}"
+        if shutil.which("nsenter") is None:
+            return "needs nsenter (util-linux): `ip netns exec` hides /sys/fs/cgroup"
     probe = f"hmprobe{secrets.token_hex(3)}"
     try:
         _run("ip", "netns", "add", probe)
@@ -121,6 +141,7 @@ def open_testbed(
     memory_limit_bytes: Mapping[int, int] | None = None,
 ) -> Iterator[NetnsTestbed]:
     """Build ``n`` hosts on one bridge (see the module doc); tear it all down after."""
+    hierarchy = detect(CGROUP_ROOT) if cpu_quota_us or memory_limit_bytes else None
     prefix = f"hm{secrets.token_hex(3)}"
     subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
     bridge_ns = f"{prefix}br"
@@ -168,23 +189,21 @@ def open_testbed(
                 tbf = ("root", "tbf", "rate", rate, "burst", "64kb", "latency", "50ms")
                 _run(*in_ns, "tc", "qdisc", "add", "dev", "eth0", *tbf)
                 _run(*in_br, "tc", "qdisc", "add", "dev", outer, *tbf)
-            cgroups: list[Path] = []
+            cgroups: tuple[Path, ...] = ()
             quota = (cpu_quota_us or {}).get(i)
-            if quota:
-                cg = CGROUP_V1 / "cpu" / f"{prefix}h{i}"
-                cg.mkdir()
-                cgroup_dirs.append(cg)
-                (cg / "cpu.cfs_period_us").write_text("100000")
-                (cg / "cpu.cfs_quota_us").write_text(str(quota))
-                cgroups.append(cg)
             mem = (memory_limit_bytes or {}).get(i)
-            if mem:
-                cg = CGROUP_V1 / "memory" / f"{prefix}h{i}"
-                cg.mkdir()
-                cgroup_dirs.append(cg)
-                (cg / "memory.limit_in_bytes").write_text(str(mem))
-                cgroups.append(cg)
-            testbed.hosts.append(NetnsHost(i, ns, ip, tuple(cgroups)))
+            if quota or mem:
+                if hierarchy is None:
+                    raise RuntimeError(
+                        f"no cgroup hierarchy at {CGROUP_ROOT} for host {i}'s limits"
+                    )
+                cgroups = hierarchy.create(
+                    f"{prefix}h{i}",
+                    cgroup_dirs,
+                    cpu_quota_us=quota or None,
+                    memory_limit_bytes=mem or None,
+                )
+            testbed.hosts.append(NetnsHost(i, ns, ip, cgroups))
         yield testbed
     finally:
         for proc in testbed.processes:

@@ -1,7 +1,7 @@
 """A mesh of real ``hetmesh node start`` processes on emulated heterogeneous hosts.
 
 Built on :func:`tests.netns.open_testbed` (namespaces on a bridge, ``tc tbf`` per
-link, cgroup v1 CPU quota and memory limit per host). :func:`open_mesh_testbed`
+link, a CPU quota and memory limit per host in cgroup v1 or v2). :func:`open_mesh_testbed`
 starts one serving node per host (the first listens first, the others
 bootstrap to it), and gives a :class:`MeshTestbed` to wait for the plan, read
 the status view and run generations from inside a host's namespace (the
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hetmesh.node.local import LocalNode
+from tests.cgroups import CPU, MEMORY
 from tests.netns import NetnsTestbed, open_testbed, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,8 +40,8 @@ CPU_PERIOD_US = 100_000
 class HostSpec:
     """One emulated host: CPU share (1.0 = one core), memory, link rate, node flags."""
 
-    cpu: float | None = None  # cgroup v1 quota as a fraction of one core; None: no quota
-    memory_limit_bytes: int | None = None  # cgroup v1 memory limit; None: no limit
+    cpu: float | None = None  # cgroup quota as a fraction of one core; None: no quota
+    memory_limit_bytes: int | None = None  # cgroup memory limit; None: no limit
     rate: str | None = None  # tc tbf rate of its access link, e.g. "50mbit"
     max_memory: str | None = None  # --max-memory: what the node offers to the planner
     args: tuple[str, ...] = ()
@@ -48,7 +49,7 @@ class HostSpec:
 
 def why_no_testbed() -> str | None:
     """Why this machine cannot run the testbed (for ``pytest.skip``), or None."""
-    return unavailable_reason(need_cgroups=True, need_tc=True)
+    return unavailable_reason(need_cgroups=True, need_tc=True, cgroup_needs=(CPU, MEMORY))
 
 
 def wait_for(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +68,7 @@ def wait_for(
 class NodeProc(LocalNode):
     """A node process under test: waited for, signalled, stopped."""
 
-    def wait_ready(self, timeout_s: float = 40.0) -> NodeProc:
+    def wait_ready(self, timeout_s: float = 90.0) -> NodeProc:
         info_file = self.data_dir / "node.json"
 
         def ready() -> bool:
@@ -126,6 +128,54 @@ class NodeFactory:
     def close(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_HEALTH = re.compile(r"INFO hetmesh\.discovery\.service: peer (\S+): (\S+) -> (\S+)$")
+
+
+def log_stamp(line: str) -> float | None:
+    """The wall time a node's log line was written (its ``asctime``), or None."""
+    m = _STAMP.match(line)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
+
+
+def log_time(node: LocalNode, needle: str, *, after: float = 0.0) -> float | None:
+    """When ``node`` first logged a line containing ``needle`` at or after ``after``."""
+    for line in node.log().splitlines():
+        stamp = log_stamp(line)
+        # stamps are truncated to the millisecond
+        if stamp is not None and stamp >= after - 0.001 and needle in line:
+            return stamp
+    return None
+
+
+def health_changes(node: LocalNode, peer_id: str, *, after: float = 0.0) -> list[tuple[float, str]]:
+    """(wall time, new state) of every change ``node`` logged for ``peer_id`` since ``after``.
+
+    The node's own record of when it judged the peer: no polling delay in it.
+    """
+    out = []
+    for line in node.log().splitlines():
+        m = _HEALTH.search(line)
+        stamp = log_stamp(line)
+        if m and stamp is not None and m.group(1) == peer_id and stamp >= after - 0.001:
+            out.append((stamp, m.group(3)))
+    return out
+
+
+def wait_health(
+    node: LocalNode, peer_id: str, states: set[str], *, after: float, timeout_s: float
+) -> float:
+    """Wait until ``node`` logs ``peer_id`` moving into one of ``states``; the log's time of it."""
+
+    def changed() -> float | None:
+        return next(
+            (t for t, new in health_changes(node, peer_id, after=after) if new in states), None
+        )
+
+    stamp: float = wait_for(changed, timeout_s, f"{peer_id[-8:]} -> {states} in {node.log_path}")
+    return stamp
 
 
 def fetch_view(addr: str, *, secret: str | None = SECRET, timeout_s: float = 5.0) -> dict[str, Any]:

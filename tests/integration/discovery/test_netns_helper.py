@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from discovery_nodes import REPO
 
-from tests.netns import CGROUP_V1, open_testbed, unavailable_reason
+from tests.cgroups import CGROUP_ROOT, CPU, MEMORY, detect
+from tests.netns import open_testbed, unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(60)]
 
@@ -31,9 +32,11 @@ def _namespaces() -> set[str]:
 
 
 def test_netns_testbed_connects_hosts_and_cleans_up() -> None:
-    reason = unavailable_reason(need_cgroups=True)
+    reason = unavailable_reason(need_cgroups=True, cgroup_needs=(CPU, MEMORY))
     if reason:
         pytest.skip(reason)
+    hierarchy = detect()
+    assert hierarchy is not None
     with open_testbed(2, cpu_quota_us={1: 50_000}, memory_limit_bytes={1: 1 << 30}) as bed:
         names = {bed.bridge_namespace, *(h.namespace for h in bed.hosts)}
         assert names <= _namespaces()
@@ -56,14 +59,17 @@ def test_netns_testbed_connects_hosts_and_cleans_up() -> None:
         out, _ = client.communicate(timeout=20)
         assert out.strip() == "PING"
         cgroups = bed.hosts[1].cgroups
-        assert (cgroups[0] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        if hierarchy.version == 1:
+            assert (cgroups[0] / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        else:
+            assert (cgroups[0] / "cpu.max").read_text().split() == ["50000", "100000"]
         sleeper = bed.popen(1, [sys.executable, "-c", "import time; time.sleep(60)"])
         for cg in cgroups:  # joined before exec, so already there
             assert str(sleeper.pid) in (cg / "cgroup.procs").read_text().split()
     assert sleeper.poll() is not None  # the testbed reaps what it started
     assert not names & _namespaces()
     assert all(not Path(cg).exists() for cg in cgroups)
-    assert (CGROUP_V1 / "cpu").is_dir()
+    assert CGROUP_ROOT.is_dir()
 
 
 def test_netns_testbed_explains_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from hetmesh.discovery.wire import Load
 from hetmesh.errors import StreamReset
 from hetmesh.node.daemon import Node, NodeConfig, run_node
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # ~30 s, 45 s on a loaded machine
 
 
 def _config(tmp_path: Path, name: str, *bootstrap: str) -> NodeConfig:
@@ -52,7 +52,7 @@ async def test_node_daemons_publish_and_see_each_other_and_leave_cleanly(tmp_pat
             entry = a.discovery.table.entries.get(b.peer_id)
             return bool(entry and entry.record and entry.record.extra.get("plan"))
 
-        await _until(b_published, 10)
+        await _until(b_published, 60)  # a deadline: generous for a loaded machine
         (member,) = a.discovery.members()
         assert member.peer_id == b.peer_id
         assert member.record is not None
@@ -73,7 +73,7 @@ async def test_node_daemons_publish_and_see_each_other_and_leave_cleanly(tmp_pat
         assert a.discovery.members()  # a failed RPC does not hurt membership
 
         b.request_stop()
-        with trio.fail_after(5):
+        with trio.fail_after(30):
             async for event in events:
                 if event.peer_id == b.peer_id and event.new is Health.LEFT:
                     break

@@ -1,14 +1,15 @@
 """Four nodes, one stage with a standby replica: a generation survives losing it.
 
 The planner needs three of the four nodes (each offers too little memory for
-more of the model); the fourth becomes a standby replica of one stage. The
-nodes announce one given block step time instead of calibrating: they share
-this machine's cores, and a calibration skewed by the others starting can
-make a four-stage plan (a node holding only the embedding) predict faster,
-leaving no spare device to back a stage up. The
-stage peer serving an in-flight greedy generation is killed (or frozen)
-half way; the gateway fails over to the replica, replays the history, and the
-client's tokens equal the fault-free reference.
+more of the model); the fourth becomes a standby replica of one stage. Two
+ways to get there: the nodes announce one given block step time
+(``--block-step-ms``), or they calibrate as in production, where a
+calibration skewed by the others starting on the shared cores can make a
+four-stage plan predict faster and the scheduler's ``with_standby`` must free
+a device to back a stage up. The stage peer serving an in-flight greedy
+generation is killed (or frozen) half way; the gateway fails over to the
+replica, replays the history, and the client's tokens equal the fault-free
+reference.
 """
 
 from __future__ import annotations
@@ -35,12 +36,25 @@ def _load(view, peer_id: str) -> int:
     return 0
 
 
-@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stall"])
-async def test_generation_survives_losing_the_serving_replica(tmp_path, default_model_dir, fault):
+GIVEN_STEP = ("--block-step-ms", "3")
+
+
+@pytest.mark.parametrize(
+    ("fault", "step_args"),
+    [
+        pytest.param(signal.SIGKILL, GIVEN_STEP, id="kill"),
+        pytest.param(signal.SIGSTOP, GIVEN_STEP, id="stall"),
+        pytest.param(signal.SIGKILL, (), id="kill-calibrated"),  # the production path
+    ],
+)
+async def test_generation_survives_losing_the_serving_replica(
+    tmp_path, default_model_dir, fault, step_args
+):
     ids = encode(default_model_dir, "Tell me a story about a lighthouse keeper.", chat=True)
     expected = reference_ids(default_model_dir, ids, NEW_TOKENS)
-    with running_mesh(tmp_path, 4, "--block-step-ms", "3") as nodes:
-        await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=120))
+    with running_mesh(tmp_path, 4, *step_args) as nodes:
+        # calibrating nodes replan as their measurements arrive: allow for that
+        await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=240))
         plan = newest_in_view(await view_of(nodes[0]))
         assert plan is not None
         primary, replica = plan.pipelines[0], plan.pipelines[1]

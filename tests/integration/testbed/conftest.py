@@ -3,7 +3,7 @@
 ``mesh_testbed(specs)`` builds one host per :class:`~tests.testbed.HostSpec`
 (namespaces, tbf, cgroups) and returns its :class:`~tests.testbed.MeshTestbed`;
 start nodes with ``start_all``/``start_node``. Skips with the reason where the
-machine cannot (no root, ``tc``, cgroup v1 or nsenter). On failure the nodes'
+machine cannot (no root, ``tc``, a cgroup v1/v2 controller, or nsenter). On failure the nodes'
 log tails are printed.
 """
 

@@ -20,6 +20,7 @@ import pytest
 
 from hetmesh.partition.profile import model_profile
 from hetmesh.partition.store import check_model_dir
+from tests.cgroups import MEMORY_PEAK, detect
 from tests.testbed import (
     REPO,
     HostSpec,
@@ -111,10 +112,13 @@ def test_heterogeneous_mesh_gives_the_slow_host_less_work(
         hosts[k.split("/")[0]]: v for k, v in plan.constraints.block_step_s_by_device.items()
     }
     print(f"FLOP/s {flops}, block step {calibrated}, units {units}, work {work}")
-    slowest, fastest = min(flops, key=flops.__getitem__), max(flops, key=flops.__getitem__)
+    slowest = min(flops, key=flops.__getitem__)
     assert slowest == 2  # the 25% quota measured as the slowest
     assert set(calibrated) == {0, 1, 2}  # every node's measured block step reached the plan
     assert calibrated[2] > calibrated[0]
+    # the fastest as the planner sees it: the shortest calibrated block step (the
+    # 100% and 50% hosts' FLOP/s can swap places when the machine is busy)
+    fastest = min(calibrated, key=calibrated.__getitem__)
     assert sum(units.values()) == plan.pipelines[0].num_units
     # 350 MiB each: no two hosts hold the model, so all three serve, the slow one least
     assert all(units[h] > 0 for h in (0, 1, 2))
@@ -124,16 +128,27 @@ def test_heterogeneous_mesh_gives_the_slow_host_less_work(
 
     # the shaped link is measured as such (probes ride each host's access link)
     limited = 6.25e6  # 50 Mbit/s in bytes/s
+    measured: dict[tuple[int, int], float] = {}
 
-    def links_measured() -> dict[tuple[int, int], float] | None:
-        seen = {
-            (hosts[lk["src"]], hosts[lk["dst"]]): float(lk["bandwidth_bps"])
-            for lk in bed.status()["links"]
-            if lk["src"] in hosts and lk["dst"] in hosts
-        }
-        return seen if len(seen) == 6 else None
+    def links_settled() -> bool:
+        # each node publishes the best of its recent probes: the first ones, taken
+        # while the nodes were still loading and calibrating, may be off
+        measured.clear()
+        measured.update(
+            {
+                (hosts[lk["src"]], hosts[lk["dst"]]): float(lk["bandwidth_bps"])
+                for lk in bed.status()["links"]
+                if lk["src"] in hosts and lk["dst"] in hosts
+            }
+        )
+        return len(measured) == 6 and all(
+            bw <= 1.3 * limited if 2 in key else bw >= 2 * limited for key, bw in measured.items()
+        )
 
-    measured = wait_for(links_measured, 90, "all six links to be measured", every_s=2.0)
+    try:
+        wait_for(links_settled, 150, "all six links to be measured within bounds", every_s=2.0)
+    finally:
+        print({f"{s}->{d}": round(bw / 1e6, 1) for (s, d), bw in measured.items()})
     assert all(bw <= 1.3 * limited for (s, d), bw in measured.items() if 2 in (s, d))
     assert all(bw >= 2 * limited for (s, d), bw in measured.items() if 2 not in (s, d))
 
@@ -145,13 +160,18 @@ OFFER = "450MiB"  # what each node offers the planner: the limit less the node's
 
 
 def _cgroup_peak(bed: MeshTestbed, host: int) -> int:
-    (mem,) = [cg for cg in bed.net.hosts[host].cgroups if "memory" in cg.parts]
-    return int((mem / "memory.max_usage_in_bytes").read_text())
+    hierarchy = detect()
+    assert hierarchy is not None
+    return hierarchy.memory_peak_bytes(bed.net.hosts[host].cgroups)
 
 
 def test_model_that_fits_no_single_host_is_refused_alone_and_served_by_three(
     mesh_testbed: MakeTestbed, reference: dict[str, Any]
 ) -> None:
+    hierarchy = detect()
+    reason = hierarchy.missing([MEMORY_PEAK]) if hierarchy else "needs cgroups"
+    if reason:
+        pytest.skip(reason)
     bed = mesh_testbed([HostSpec(memory_limit_bytes=LIMIT, max_memory=OFFER) for _ in range(3)])
     assert reference["max_rss_bytes"] > LIMIT, "the whole model must not fit one host"
 

@@ -30,6 +30,7 @@ class FakeBackend:
         self.is_ready = True
         self.step = trio.Event()  # set: tokens flow freely
         self.step.set()
+        self.first_token_free = False  # True: only the tokens after the first wait on step
 
     def models(self) -> list[str]:
         return [MODEL]
@@ -52,7 +53,8 @@ class FakeBackend:
         if prompt_ids[0] == len("busy"):
             raise Rejected("busy: every pipeline is full")
         for i in range(params.max_new_tokens):
-            await self.step.wait()
+            if i > 0 or not self.first_token_free:
+                await self.step.wait()
             await trio.sleep(0.2 if prompt_ids[0] == len("sluggish") else 0)
             if i == 3 and prompt_ids[0] == len("failing"):
                 raise NoRoute("a stage vanished")
@@ -221,18 +223,27 @@ async def test_bad_requests_do_not_disturb_a_running_stream(
 ) -> None:
     http, backend = api
     backend.step = trio.Event()  # hold the stream after its first token
+    backend.first_token_free = True
     body = {"model": MODEL, "prompt": "a b", "max_tokens": 5, "stream": True}
     got: list[Any] = []
+    first = trio.Event()
 
     async def stream() -> None:
-        got.extend(await _events(http, "/v1/completions", body))
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if line.startswith("data: "):
+                    data = line[6:]
+                    got.append(data if data == "[DONE]" else json.loads(data))
+                    first.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream)
-        await trio.sleep(0.2)
+        with trio.fail_after(30):
+            await first.wait()  # the stream is open and held after its first chunk
         bad = await http.post("/v1/completions", content=b"]")
         assert bad.status_code == 400
-        assert not got  # still streaming
+        assert len(got) == 1  # still streaming: nothing after the first chunk yet
         backend.step.set()
     assert got[-1] == "[DONE]"
     assert [t for c in got[:-1] for ch in c["choices"] for t in ch["token_ids"]] == [

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partition"))
 from tiny_models import save_tiny
 
-from hetmesh.errors import MeshError
+from hetmesh.errors import ModelNotFound
 from hetmesh.node.calibration import measure_block_step_s
 
 
@@ -20,6 +20,6 @@ def test_block_step_is_measured_on_a_tiny_model(tmp_path: Path) -> None:
     assert 0 < step < 0.05  # one 64-wide block: well under 50 ms a step
 
 
-def test_a_missing_model_is_a_mesh_error(tmp_path: Path) -> None:
-    with pytest.raises(MeshError):
+def test_a_missing_model_is_model_not_found(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFound):
         measure_block_step_s(tmp_path / "absent", budget_s=0.05)

@@ -97,6 +97,7 @@ def test_order_dp_equals_every_contiguous_split() -> None:
             checked += 1
 
 
+@pytest.mark.slow  # 200 brute-force searches: ~10 s, over 30 s on a loaded machine
 def test_plan_within_one_percent_of_brute_force_on_200_instances() -> None:
     rng = random.Random(SEED)
     exact_q: list[float] = []

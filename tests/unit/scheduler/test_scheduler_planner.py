@@ -178,14 +178,16 @@ def test_plan_refuses_duplicate_devices_and_unknown_objective() -> None:
 
 
 @pytest.mark.parametrize("objective", ["latency", "throughput"])
-def test_plan_large_mesh_is_valid_and_quick(objective: Objective) -> None:
+def test_plan_large_mesh_is_valid_and_bounded(objective: Objective) -> None:
     m = model_profile(KNOWN_SHAPES["llama-70b"], dtype="float16", name="llama-70b")
     devs, links = site_mesh(random.Random(11), 300)
-    t0 = time.perf_counter()
+    cpu_began = time.process_time()  # CPU time: other processes on the machine do not count
     out = plan(devs, links, m, objective=objective)
-    elapsed = time.perf_counter() - t0
+    cpu_s = time.process_time() - cpu_began
     assert out.strategy == "heuristic"
-    assert elapsed < 5.0  # the bench holds the 1,000-device target; this guards regressions
+    # a loose guard against a blow-up (e.g. falling into the exhaustive search);
+    # planning speed itself is measured by bench/scheduler.py (1,000 devices)
+    assert cpu_s < 30.0, f"planning 300 devices took {cpu_s:.1f} s of CPU"
     seen: set[str] = set()
     free = {(d.peer_id, d.device): d.memory_free_bytes for d in devs}
     for pipe in out.pipelines:

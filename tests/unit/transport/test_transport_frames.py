@@ -302,6 +302,7 @@ def _feed(data: bytes, chunk: int) -> None:
         pass
 
 
+@pytest.mark.slow  # 10,000 examples: seconds, a minute on a loaded machine
 @FUZZ
 @given(st.binary(max_size=200))
 def test_decoder_fuzz_random_bytes(data: bytes) -> None:
@@ -324,6 +325,7 @@ def mutated(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
+@pytest.mark.slow  # 10,000 examples: seconds, a minute on a loaded machine
 @FUZZ
 @given(mutated())
 def test_decoder_fuzz_mutated_frames(data: bytes) -> None:
