@@ -9,7 +9,6 @@ mesh secret only ever travels in a file.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -329,7 +328,6 @@ def test_status_watch_redraws_in_place_on_a_terminal(mesh: SecuredMesh, tmp_path
 
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed (scripts/bootstrap installs it)")
-    socket_name = f"hetmesh-test-{os.getpid()}"
     env = node_env()
     exit_file = tmp_path / "exit-code"
     # the shell survives Ctrl-C (a no-op trap; the watch gets the default disposition
@@ -340,7 +338,7 @@ def test_status_watch_redraws_in_place_on_a_terminal(mesh: SecuredMesh, tmp_path
         + [shlex.quote(a) for a in _status_argv(mesh, "--watch", "--interval", "0.5")]
         + ["; echo $? >", shlex.quote(str(exit_file))]
     )
-    tmux = ("-L", socket_name, "-f", "/dev/null")
+    tmux = ("-S", str(tmp_path / "tmux.sock"), "-f", "/dev/null")  # a server of our own
     _tmux(*tmux, "new-session", "-d", "-s", "watch", "-x", "160", "-y", "50", "-c", str(REPO))
     try:
         _tmux(*tmux, "respawn-pane", "-k", "-t", "watch", command)
