@@ -108,6 +108,7 @@ class KVManager(Generic[KV]):
         return entry.cache
 
     def get(self, session_id: str) -> KV:
+        """The session's cache, marked as used now: idle time counts from the last call."""
         entry = self._entries.get(session_id)
         if entry is None:
             raise InvalidRequest(f"unknown session {session_id}")

@@ -184,6 +184,7 @@ class StageServer:
             release()
             raise InvalidRequest(f"expected one tensor per activation, got {len(frame.tensors)}")
         item = _Item(frame.session_id, frame.step, frame.positions, frame.tensors[0], release)
+        self.kv.get(frame.session_id)  # marks it in use: a generating session is never idle
         self._inbox_send.send_nowait(item)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -201,6 +202,9 @@ class StageServer:
                 for outcome in outcomes:
                     outcome.error = outcome.error or ComputeError(f"stage failed: {exc!r}")
             finally:
+                for sid in self._inflight:  # idle time counts from the end of its last step
+                    if sid in self.kv:
+                        self.kv.get(sid)
                 self._inflight = set()
                 for sid in sorted(self._closing):
                     self.close(sid)

@@ -1,0 +1,103 @@
+"""``hetmesh demo``, the README's first command, and the ``local_mesh`` helpers behind it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hetmesh.errors import MeshError, RequestTimeout
+from hetmesh.node.local import local_mesh, wait_serving
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+PROMPT = "Name a large animal."
+TOKENS = 12
+
+
+def _hetmesh() -> list[str]:
+    """The installed ``hetmesh`` script beside this interpreter, as the README runs it."""
+    script = Path(sys.executable).with_name("hetmesh")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "hetmesh"]
+
+
+def _processes_under(root: Path) -> list[psutil.Process]:
+    """Live processes whose command line mentions ``root`` (node data dirs live there)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            mentioned = any(str(root) in part for part in proc.info["cmdline"] or ())
+            if mentioned and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.model
+@pytest.mark.timeout(420)
+def test_demo_streams_the_reference_answer_shows_the_mesh_and_stops_it(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    import torch
+
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.text import encode_prompt
+
+    torch.set_num_threads(1)
+    pipeline = LocalPipeline.load(default_model_dir, 1)
+    ids = encode_prompt(pipeline.tokenizer, PROMPT, chat=True)
+    reference = list(pipeline.generate_ids(ids, SamplingParams(max_new_tokens=TOKENS)))
+    expected = pipeline.tokenizer.decode(reference, skip_special_tokens=True)
+
+    repo = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # the demo's node directories land here
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("HETMESH_MESH_SECRET", None)
+    done = subprocess.run(
+        [*_hetmesh(), "demo", PROMPT, "--max-new-tokens", str(TOKENS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(repo),
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.startswith(f"> {PROMPT}\n{expected}\n"), done.stdout
+    table = done.stdout.split(expected, 1)[1]
+    assert "plan epoch" in table
+    assert table.count("alive") + table.count("self") >= 3  # the three nodes
+    assert "starting 3 nodes" in done.stderr
+    assert done.stderr.rstrip().endswith("done")
+    # every node process is gone and so is the temporary mesh directory
+    assert _processes_under(tmp_path) == []
+    assert not any(tmp_path.glob("hetmesh-*")), list(tmp_path.iterdir())
+
+
+def test_local_mesh_reports_a_node_that_cannot_start_and_reaps_it(tmp_path: Path) -> None:
+    with (
+        pytest.raises(MeshError, match="max-sessions must be at least 1"),
+        local_mesh(2, node_args=["--no-serve", "--max-sessions", "0"], root=tmp_path),
+    ):
+        pass
+    assert _processes_under(tmp_path) == []
+
+
+def test_wait_serving_times_out_on_a_node_without_a_model_and_sees_it_die(
+    tmp_path: Path,
+) -> None:
+    with local_mesh(1, node_args=["--no-serve"], root=tmp_path) as mesh:
+        assert mesh.addr == mesh.nodes[0].addr
+        assert mesh.addr.endswith(f"/p2p/{mesh.nodes[0].peer_id}")
+        with pytest.raises(RequestTimeout, match="did not serve within 3 s"):
+            wait_serving(mesh, timeout_s=3)
+        mesh.nodes[0].proc.kill()
+        with pytest.raises(MeshError, match="a node exited"):
+            wait_serving(mesh, timeout_s=60)
+    assert _processes_under(tmp_path) == []
+    assert all(node.proc.returncode is not None for node in mesh.nodes)

@@ -1,0 +1,151 @@
+"""Serving daemons run inside a test's own trio run (``run_node``), for the node tests.
+
+Real libp2p hosts, the real data plane and the real default model, but no
+process per node: settings the CLI does not expose (the gateway's admission
+wait, the idle-session limit) can be set short, and the test reads each
+node's statistics directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from hetmesh.errors import MeshError
+from hetmesh.node.config import ServingConfig
+from hetmesh.node.control import OpenSession, SamplingWire
+from hetmesh.node.daemon import Node, NodeConfig, run_node
+from hetmesh.node.local import ready_pipelines
+
+SECRET = "in-process-mesh"
+# Neither node alone can hold the weights (~0.54 GB) with its reserve and KV budget:
+# two of them must split the model.
+NODE_MEMORY_BYTES = 500 << 20
+PROMPT_IDS = [1, 504, 3458, 282, 1029, 314, 253]  # arbitrary in-vocabulary ids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_config(tmp_path: Path, name: str, serving: ServingConfig, **extra: Any) -> NodeConfig:
+    return NodeConfig(
+        listen=("/ip4/127.0.0.1/tcp/0",),
+        mesh_secret=SECRET,
+        mdns=False,
+        data_dir=tmp_path / name,
+        max_memory_bytes=NODE_MEMORY_BYTES,
+        benchmark_budget_s=0.2,
+        serving=serving,
+        **extra,
+    )
+
+
+async def until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s``."""
+    with trio.move_on_after(timeout_s):
+        while True:
+            value = predicate()
+            if value:
+                return value
+            await trio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+async def wait_ready(node: Node, pipelines: int = 1, timeout_s: float = 180) -> dict[str, Any]:
+    """The status view of ``node`` once it sees ``pipelines`` fully ready pipelines."""
+    from hetmesh.discovery.status import fetch_status
+
+    view: dict[str, Any] = {}
+    with trio.move_on_after(timeout_s):
+        while True:
+            with contextlib.suppress(MeshError):  # a handshake can time out under load
+                view = await fetch_status(node.discovery.addrs[0], mesh_secret=SECRET)
+                if ready_pipelines(view) >= pipelines:
+                    return view
+            await trio.sleep(0.5)
+    raise AssertionError(f"no {pipelines} ready pipeline(s) in {timeout_s} s: {view}")
+
+
+class InProcessMesh:
+    """Serving daemons of one nursery; more can join with :meth:`join`."""
+
+    def __init__(self, tmp_path: Path, serving: ServingConfig, nursery: trio.Nursery) -> None:
+        self.tmp_path = tmp_path
+        self.serving = serving
+        self.nursery = nursery
+        self.nodes: list[Node] = []
+
+    async def join(self, **extra: Any) -> Node:
+        bootstrap = (self.nodes[0].discovery.addrs[0],) if self.nodes else ()
+        name = f"n{len(self.nodes)}"
+        config = node_config(self.tmp_path, name, self.serving, bootstrap=bootstrap, **extra)
+        node: Node = await self.nursery.start(run_node, config)
+        self.nodes.append(node)
+        return node
+
+    @property
+    def addr(self) -> str:
+        return str(self.nodes[0].discovery.addrs[0])
+
+
+@contextlib.asynccontextmanager
+async def open_mesh(
+    tmp_path: Path, serving: ServingConfig, count: int, *, first: dict[str, Any] | None = None
+) -> AsyncIterator[InProcessMesh]:
+    """``count`` serving daemons bootstrapped from the first, serving; stopped on exit."""
+    async with trio.open_nursery() as nursery:
+        mesh = InProcessMesh(tmp_path, serving, nursery)
+        try:
+            await mesh.join(**(first or {}))
+            for _ in range(count - 1):
+                await mesh.join()
+            await wait_ready(mesh.nodes[0])
+            yield mesh
+        finally:
+            for node in mesh.nodes:
+                node.request_stop()
+
+
+def stage_servers(nodes: Sequence[Node]) -> list[Any]:
+    """Every StageServer of ``nodes``, the first stage first."""
+    found = [s.server for n in nodes for s in n.serving._served.values()]
+    return sorted(found, key=lambda s: s.stage.start)
+
+
+async def generate(
+    addr: str, max_new_tokens: int, prompt_ids: Sequence[int] = PROMPT_IDS
+) -> list[int]:
+    """Greedy token ids through the node at ``addr``, over the SDK's libp2p protocol."""
+    from hetmesh.client.mesh import TokenEvent, open_mesh_client
+
+    out: list[int] = []
+    async with open_mesh_client(addr, mesh_secret=SECRET) as client:
+        request = {"prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens}
+        async for event in client.stream(**request):
+            if isinstance(event, TokenEvent) and event.token_id >= 0:
+                out.append(event.token_id)
+    return out
+
+
+def hold_a_slot(server: Any, session_id: str) -> None:
+    """Open a session by hand on ``server`` (as a gateway would) and leave it unused."""
+    reply = server.handle(
+        OpenSession(
+            session_id=session_id,
+            start=server.stage.start,
+            end=server.stage.end,
+            next_peer="nobody",
+            gateway="nobody",
+            max_tokens=16,
+            sampling=SamplingWire(),
+        )
+    )
+    assert reply.ok, reply

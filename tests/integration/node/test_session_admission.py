@@ -1,0 +1,120 @@
+"""KV admission and idle expiry through a real two-node mesh serving the default model.
+
+Both daemons run in this test's trio run (:mod:`inprocess_mesh`), so the
+gateway's admission wait and the idle-session limit, which the CLI does not
+expose, can be short.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from inprocess_mesh import PROMPT_IDS, free_port, generate, hold_a_slot, open_mesh, stage_servers
+from inprocess_mesh import until as until_
+from mesh_nodes import reference_ids
+
+from hetmesh.errors import Rejected
+from hetmesh.node.config import ServingConfig
+from hetmesh.node.gateway import GatewayTimeouts
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(300)]
+
+
+async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    expected = reference_ids(default_model_dir, PROMPT_IDS, 8)
+    port = free_port()
+    serving = ServingConfig(
+        max_sessions=1,
+        max_context_tokens=512,
+        block_step_s=0.002,
+        timeouts=GatewayTimeouts(admission_s=10.0),
+    )
+    async with open_mesh(tmp_path, serving, 2, first={"api_port": port}) as mesh:
+        gateway = mesh.nodes[0].serving.gateway
+        first = stage_servers(mesh.nodes)[0]
+
+        # two requests at once on stages that admit one session: both finish
+        results: list[list[int]] = []
+
+        async def one() -> None:
+            results.append(await generate(mesh.addr, 4))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(one)
+        assert results == [expected[:4]] * 2
+
+        # a request that finds the mesh full waits, and goes through once a slot frees
+        busy_before = gateway.statistics().rejected_busy
+        hold_a_slot(first, "holder-1")
+        got: list[list[int]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def waiting() -> None:
+                got.append(await generate(mesh.addr, 8))
+
+            nursery.start_soon(waiting)
+            await until_(
+                lambda: gateway.statistics().rejected_busy > busy_before, 60, "a busy reply"
+            )
+            first.close("holder-1")
+        assert got == [expected]
+
+        # a mesh that stays full past the admission wait: Rejected (SDK) and 429 (HTTP)
+        hold_a_slot(first, "holder-2")
+        outcome: dict[str, Any] = {}
+
+        async def sdk() -> None:
+            with pytest.raises(Rejected, match="busy"):
+                await generate(mesh.addr, 8)
+            outcome["sdk"] = "rejected"
+
+        async def http() -> None:
+            async with httpx.AsyncClient(timeout=120) as client:
+                outcome["http"] = await client.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 4},
+                )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sdk)
+            nursery.start_soon(http)
+        assert outcome["sdk"] == "rejected"
+        reply = outcome["http"]
+        assert reply.status_code == 429, reply.text
+        assert reply.json()["error"]["type"] == "rate_limit_error"
+        first.close("holder-2")
+        assert await generate(mesh.addr, 8) == expected  # and it serves again
+
+
+async def test_idle_sessions_expire_but_a_generating_one_never_does(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    idle_s = 2.0  # above the stalls a loaded machine shows, short enough to wait for
+    tokens = 120
+    expected = reference_ids(default_model_dir, PROMPT_IDS, tokens)
+    serving = ServingConfig(
+        max_sessions=2, max_context_tokens=512, block_step_s=0.002, idle_session_s=idle_s
+    )
+    async with open_mesh(tmp_path, serving, 2) as mesh:
+        first, *rest = stage_servers(mesh.nodes)
+        hold_a_slot(first, "forgotten")  # opened, then never used
+        await until_(lambda: "forgotten" not in first.kv, 30, "the idle session to expire")
+        assert first.statistics().kv.expired == 1
+
+        started = trio.current_time()
+        got = await generate(mesh.addr, tokens)
+        took = trio.current_time() - started
+        assert got == expected
+        # the generation outlived the idle limit: it must have been seen as in use,
+        # never expired (and never recovered from an expiry)
+        assert took > 2 * idle_s, f"generation took {took:.1f} s: too short to test expiry"
+        assert [s.statistics().kv.expired for s in rest] == [0]
+        assert first.statistics().kv.expired == 1
+        assert mesh.nodes[0].serving.gateway.statistics().recoveries == 0
