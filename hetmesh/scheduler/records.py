@@ -50,11 +50,12 @@ class WeightBytes(WireRecord):
             raise ValueError("tied_bytes must be between 0 and the model's bytes")
 
     @classmethod
-    def of(cls, model: ModelProfile) -> WeightBytes:
-        """The bytes of ``model`` as profiled in its format (``model.dtype``)."""
+    def of(cls, model: ModelProfile, weights: str | None = None) -> WeightBytes:
+        """The bytes of ``model`` as profiled, named ``weights`` (default: ``model.dtype``;
+        an int8 profile's dtype is its activations', so name its format here)."""
         units = model.units
         return cls(
-            weights=model.dtype,
+            weights=weights or model.dtype,
             param_bytes=tuple(u.param_bytes for u in units),
             kv_bytes_per_token=tuple(u.kv_bytes_per_token for u in units),
             tied_bytes=sum(u.param_bytes for u in units) - model.total_param_bytes if units else 0,
