@@ -22,7 +22,8 @@ How each format holds a model (what ``unit_param_bytes`` counts):
   cache stay **fp32** (the int8 products rescale into fp32).
 - ``int4``: the decoder's linear weights as 4-bit integers packed two per
   byte with a scale and a minimum per group of 32 inputs (GGUF's Q4_1
-  layout, ``w = d * q + m``; d and m kept as fp16); the embedding and head as
+  layout, ``w = d * q + m``), in torch's CPU int4 packing (rows padded to
+  a multiple of 64) with an fp32 scale and zero point per group; the embedding and head as
   in ``int8``; norms and biases fp32; activations and KV cache **fp32**.
 """
 
@@ -51,7 +52,8 @@ QUANTIZED_FORMATS = frozenset({WeightFormat.INT8, WeightFormat.INT4})
 SLOWER_THAN_FP32_ON_CPU = frozenset({WeightFormat.INT8, WeightFormat.INT4})
 
 INT4_GROUP = 32  # inputs per (scale, minimum) pair, as in GGUF's Q4_0/Q4_1
-_INT4_GROUP_META_BYTES = 4  # fp16 scale + fp16 minimum
+_INT4_GROUP_META_BYTES = 8  # fp32 scale + fp32 zero point (what torch's int4 kernel reads)
+_INT4_ROW_BLOCK = 64  # torch's CPU int4 packing pads the rows to a multiple of 64
 _ROW_SCALE_BYTES = 4  # one fp32 scale per output row (int8)
 _FLOAT_WIDTH = {WeightFormat.FLOAT32: 4, WeightFormat.BFLOAT16: 2, WeightFormat.FLOAT16: 2}
 
@@ -104,8 +106,9 @@ def linear_weight_bytes(out_features: int, in_features: int, fmt: WeightFormat) 
         return n * _FLOAT_WIDTH[fmt]
     if fmt is WeightFormat.INT8:
         return n + out_features * _ROW_SCALE_BYTES
-    groups = out_features * -(-in_features // INT4_GROUP)
-    return out_features * -(-in_features // 2) + groups * _INT4_GROUP_META_BYTES
+    rows = -(-out_features // _INT4_ROW_BLOCK) * _INT4_ROW_BLOCK
+    groups = rows * -(-in_features // INT4_GROUP)
+    return rows * -(-in_features // 2) + groups * _INT4_GROUP_META_BYTES
 
 
 def table_bytes(rows: int, width: int, fmt: WeightFormat) -> int:

@@ -66,7 +66,7 @@ def test_integer_formats_count_their_compact_bytes() -> None:
     assert block32 == (linear + 1152) * 4
     scales8 = (576 + 192 + 192 + 576 + 1536 + 1536 + 576) * 4
     assert block8 == linear + scales8 + 1152 * 4
-    assert block4 == linear // 2 + (linear // 32) * 4 + 1152 * 4
+    assert block4 == linear // 2 + (linear // 32) * 8 + 1152 * 4
     ratio8 = int8.total_param_bytes / fp32.total_param_bytes
     ratio4 = int4.total_param_bytes / fp32.total_param_bytes
     assert 0.25 < ratio8 < 0.27
