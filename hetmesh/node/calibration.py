@@ -42,6 +42,7 @@ def measure_block_step_s(
     context_tokens: int = CALIBRATION_CONTEXT_TOKENS,
     budget_s: float = 1.2,
     window_s: float = 0.3,
+    weights: str | None = None,
 ) -> float:
     """Seconds of one decode step of the model's first decoder block on ``device``.
 
@@ -50,13 +51,18 @@ def measure_block_step_s(
     (its threads, capped by the cgroup quota and affinity): the sustained
     step time of a node that keeps its cores busy. On a GPU: wall time. The
     mean over a window of ``window_s``, best of the windows in ``budget_s``
-    (neighbours only ever slow a window down, as in the profiler).
+    (neighbours only ever slow a window down, as in the profiler). ``weights``:
+    the weight format to time the block in (None: the stage loader's default).
     """
     import torch
 
     from hetmesh.partition.stage import load_stage
 
-    stage = load_stage(model_dir, 1, 2, device=device)  # unit 1: the first block
+    # unit 1: the first block, held as the node would hold it
+    if weights is None:
+        stage = load_stage(model_dir, 1, 2, device=device)
+    else:
+        stage = load_stage(model_dir, 1, 2, device=device, weights=weights)
     generator = torch.Generator().manual_seed(0)
     hidden = stage.hidden_size
 
@@ -118,13 +124,17 @@ def cpu_share(threads: int) -> float:
     return max(1e-3, min(float(max(1, threads)), cores))
 
 
-def calibration_extra(model_key: str, device: str, block_step_s: float) -> dict[str, Any]:
-    """What a node announces: its device's measured block step for ``model_key``."""
+def calibration_extra(
+    model_key: str, device: str, block_step_s: float, weights: str = ""
+) -> dict[str, Any]:
+    """What a node announces: its device's measured block step for ``model_key``,
+    in the weight format ``weights`` it serves in."""
     return {
         "model": model_key,
         "device": device,
         "block_step_s": float(block_step_s),
         "context_tokens": CALIBRATION_CONTEXT_TOKENS,
+        "weights": weights,
     }
 
 
