@@ -66,6 +66,12 @@ def meshes(tmp_path_factory, default_model_dir) -> Iterator[dict[str, list[NodeP
 
         # each mesh's second node bootstraps only to its first: the meshes never meet
         firsts = {w: factory.start(*args(w), name=f"{w}-0") for w in CAPS}
+        # and a lone node choosing its format, too small to be given any stage
+        auto = factory.start(
+            *SERVE_ARGS,
+            *("--weights", "auto", "--max-memory", "120MiB", "--max-context", "512"),
+            name="auto",
+        )
         for node in firsts.values():
             node.wait_ready(120)
         seconds = {
@@ -74,6 +80,7 @@ def meshes(tmp_path_factory, default_model_dir) -> Iterator[dict[str, list[NodeP
         out = {w: [firsts[w], seconds[w].wait_ready(120)] for w in CAPS}
         for nodes in out.values():
             wait_serving(nodes[0], timeout_s=240)
+        out["auto"] = [auto.wait_ready(120)]
         yield out
     finally:
         factory.close()
@@ -108,3 +115,21 @@ async def test_the_plan_says_every_stage_holds_the_mesh_format(mesh):
     assert len(stages) >= 2
     assert {s["weights"] for s in stages} == {weights}
     assert {p["weights"] for p in summary["load"]["peers"]} == {weights}
+
+
+def test_auto_announces_the_format_its_calibration_timed(meshes):
+    from mesh_nodes import fetch_view, wait_for
+
+    (node,) = meshes["auto"]
+
+    def announced() -> dict[str, Any] | None:
+        (me,) = [p for p in fetch_view(node.addr)["peers"] if p["health"] == "self"]
+        extra = me["record"]["extra"]
+        return extra if extra.get("weights") and extra.get("calibration") else None
+
+    extra = wait_for(announced, 120, "the auto node to announce its format", every_s=0.5)
+    # the block step announced is the chosen format's, measured (not the given 2 ms)
+    assert extra["calibration"]["weights"] == extra["weights"]
+    assert extra["calibration"]["block_step_s"] != pytest.approx(2e-3)
+    assert extra["weights"] in ("float32", "bfloat16", "int8")
+    assert "weights auto:" in node.log()
