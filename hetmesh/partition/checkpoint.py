@@ -18,9 +18,11 @@ any format one tensor (or one slice of rows) at a time.
 
 from __future__ import annotations
 
+import json
+import struct
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import torch
 
@@ -30,6 +32,48 @@ from hetmesh.partition.store import brief_error, weight_files
 Kind = Literal["float", "q4_1", "q8_0"]
 BLOCK = 32
 ROW_CHUNK = 4096  # rows dequantised at once when reading a large table
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+class _Entry:
+    """Where one tensor's bytes lie in its safetensors file."""
+
+    __slots__ = ("begin", "dtype", "end", "handle", "shape")
+
+    def __init__(self, handle: BinaryIO, base: int, info: dict[str, Any]) -> None:
+        self.handle = handle
+        self.dtype: torch.dtype = _DTYPES[info["dtype"]]
+        self.shape = tuple(int(n) for n in info["shape"])
+        begin, end = (int(v) for v in info["data_offsets"])
+        self.begin, self.end = base + begin, base + end
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        """Rows ``[start, stop)`` (all of a 1-D tensor), read with one ``readinto``.
+
+        Plain reads instead of a memory map: the file's pages do not join
+        this process's resident set while a stage loads.
+        """
+        total = self.shape[0] if self.shape else 1
+        start, stop, _ = rows.indices(total)
+        row_bytes = (self.end - self.begin) // max(total, 1)
+        count = max(stop - start, 0) * row_bytes
+        out = torch.empty(count, dtype=torch.uint8)
+        self.handle.seek(self.begin + start * row_bytes)
+        if self.handle.readinto(out.numpy().data) != count:  # type: ignore[attr-defined]
+            raise ValueError("file shorter than its header says")
+        shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        return out.view(self.dtype).reshape(shape)
 
 
 class CheckpointReader:
@@ -39,7 +83,7 @@ class CheckpointReader:
         self.folder = folder
         self.files = weight_files(folder)
         self._stack = ExitStack()
-        self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[BinaryIO, int, dict[str, Any]]] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -118,20 +162,31 @@ class CheckpointReader:
             raise CorruptModel(f"{self.folder}: tensor {name} missing from the checkpoint")
         return kind
 
-    def _slice(self, name: str) -> Any:
-        from safetensors import safe_open
-
+    def _slice(self, name: str) -> _Entry:
         if name not in self.files:
             raise CorruptModel(f"{self.folder}: tensor {name} missing from the checkpoint")
         file = self.files[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            try:
-                handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
-            except Exception as exc:
-                raise CorruptModel(f"{file}: unreadable safetensors ({brief_error(exc)})") from exc
-            self._handles[file] = handle
-        return handle.get_slice(name)
+        if file not in self._headers:
+            self._headers[file] = self._open(file)
+        handle, base, header = self._headers[file]
+        try:
+            return _Entry(handle, base, header[name])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptModel(f"{file}: bad header entry for {name} ({exc!r})") from exc
+
+    def _open(self, file: Path) -> tuple[BinaryIO, int, dict[str, Any]]:
+        """The open file, where its data starts, and its parsed JSON header."""
+        try:
+            handle = self._stack.enter_context(open(file, "rb"))  # noqa: SIM115
+            (size,) = struct.unpack("<Q", handle.read(8))
+            if size > _MAX_HEADER_BYTES:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(handle.read(size))
+        except (OSError, ValueError, struct.error) as exc:
+            raise CorruptModel(f"{file}: unreadable safetensors ({brief_error(exc)})") from exc
+        if not isinstance(header, dict):
+            raise CorruptModel(f"{file}: unreadable safetensors (header is not an object)")
+        return handle, 8 + size, header
 
 
 __all__ = ["BLOCK", "ROW_CHUNK", "CheckpointReader", "Kind"]

@@ -10,6 +10,7 @@ Committed API (the node, scheduler and CLI build on these)::
     activation_dtype(fmt: WeightFormat) -> str                  # "float32" | "bfloat16" | ...
     unit_param_bytes(config: Mapping[str, Any], fmt: WeightFormat) -> UnitBytes
     check_supported(fmt: WeightFormat, device: str) -> None
+    auto_weights(device: str) -> WeightFormat                   # one process's "auto"
     SLOWER_THAN_FP32_ON_CPU: frozenset[WeightFormat]
 
 How each format holds a model (what ``unit_param_bytes`` counts):
@@ -187,6 +188,34 @@ def check_supported(fmt: WeightFormat, device: str) -> None:
             raise InvalidRequest(f"this torch build has no int8 matmul for {fmt} on cpu")
 
 
+def auto_weights(device: str) -> WeightFormat:
+    """``auto`` for one process (``hetmesh generate``): bf16 where it has native kernels.
+
+    bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX (measured equal or
+    faster than fp32 there, QUANT.md), fp32 elsewhere. A node decides by
+    calibration instead (:mod:`hetmesh.node.weights`).
+    """
+    kind = str(device).split(":", 1)[0]
+    if kind == "cuda":
+        return WeightFormat.BFLOAT16
+    if kind == "cpu" and cpu_has_bf16():
+        return WeightFormat.BFLOAT16
+    return WeightFormat.FLOAT32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX), per /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def _mps_bf16() -> bool:
     import torch
 
@@ -206,6 +235,7 @@ __all__ = [
     "UnitBytes",
     "WeightFormat",
     "activation_dtype",
+    "auto_weights",
     "check_supported",
     "format_of_dtype",
     "parse_weights",

@@ -179,7 +179,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], file: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for name, array in tensors.items():
         if name.endswith(BF16_SUFFIX):
-            bits = torch.from_numpy(np.ascontiguousarray(array).view(np.int16))
+            bits = torch.from_numpy(np.array(array, dtype=np.uint16).view(np.int16))
             state[name.removesuffix(BF16_SUFFIX)] = bits.view(torch.bfloat16)
         else:
             array = np.ascontiguousarray(array)
