@@ -259,7 +259,9 @@ class Serving:
         def timing(weights: str) -> float | None:
             if weights not in timed:
                 try:
-                    timed[weights] = measure(self.model_dir, device=device, weights=weights)
+                    timed[weights] = measure(
+                        self.model_dir, device=device, weights=weights, threads=self.config.threads
+                    )
                 except MeshError as exc:
                     log.warning("calibration in %s failed: %s", weights, exc)
                     timed[weights] = None
