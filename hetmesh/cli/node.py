@@ -45,8 +45,9 @@ def _weights_help() -> str:
         "one decoder block in each format this device runs and serves the fastest float "
         "format that fits; int8/int4 only if they measure faster or no float format fits. "
         "Exactness: a mesh whose nodes all serve format F gives the tokens of "
-        "'hetmesh generate --weights F'; a mesh mixing formats gives output that need not "
-        "equal any single-process run."
+        "'hetmesh generate --weights F'; a mesh mixing formats gives those of one process "
+        "holding each stage in its node's format (the plan says which), which need not "
+        "equal any single-format run."
     )
 
 
