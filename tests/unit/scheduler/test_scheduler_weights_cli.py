@@ -141,3 +141,33 @@ def test_status_shows_the_format_of_every_peer_and_stage() -> None:
     text = render_status(view, width=220)
     assert "weights" in text
     assert "int8" in text
+
+
+def test_plan_from_a_live_mesh_takes_each_peers_announced_format(monkeypatch) -> None:
+    import hetmesh.cli.plan as plan_cli
+
+    devices = [_cpu("a", 8 * GIB), _cpu("b", 3 * GIB)]
+    announced = {"a": "bfloat16", "b": "int4"}
+    view = {
+        "peers": [
+            {
+                "peer_id": d.peer_id,
+                "health": "alive",
+                "record": {"devices": [d.to_wire()], "extra": {"weights": announced[d.peer_id]}},
+            }
+            for d in devices
+        ],
+        "links": [],
+    }
+    monkeypatch.setattr(plan_cli, "_fetch_view", lambda *_args: view)
+    result = CliRunner().invoke(
+        app,
+        [
+            *("plan", "--model", "llama-7b", "--mesh", "/ip4/127.0.0.1/tcp/1/p2p/Qm"),
+            *("--json", "--max-context", "512"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    by_peer = {s["peer_id"]: s["weights"] for p in out["plan"]["pipelines"] for s in p["stages"]}
+    assert by_peer == announced
