@@ -89,6 +89,7 @@ def describe(bed: MeshTestbed, view: dict[str, Any]) -> dict[str, Any]:
                 {
                     "host": hosts.get(s.peer_id),
                     "units": [s.start, s.end],
+                    "weights": s.weights,
                     "predicted_step_ms": round(s.decode_step_s * 1e3, 2),
                 }
                 for s in plan.pipelines[0].stages
