@@ -91,6 +91,17 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
+    def names(self) -> list[str]:
+        """Every logical tensor name (block-stored tensors once, without suffixes)."""
+        found = set()
+        for name in self.files:
+            for suffix in (".q4_1.qs", ".q4_1.d", ".q4_1.m", ".q8_0.qs", ".q8_0.d"):
+                if name.endswith(suffix):
+                    name = name.removesuffix(suffix)
+                    break
+            found.add(name)
+        return sorted(found)
+
     def kind(self, name: str) -> Kind | None:
         if name in self.files:
             return "float"
@@ -189,4 +200,10 @@ class CheckpointReader:
         return handle, 8 + size, header
 
 
-__all__ = ["BLOCK", "ROW_CHUNK", "CheckpointReader", "Kind"]
+def float_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder as fp32 (for references and exports, not serving)."""
+    with CheckpointReader(folder) as reader:
+        return {name: reader.tensor(name) for name in reader.names()}
+
+
+__all__ = ["BLOCK", "ROW_CHUNK", "CheckpointReader", "Kind", "float_state_dict"]
