@@ -24,7 +24,7 @@ How each format holds a model (what ``unit_param_bytes`` counts):
 - ``int4``: the decoder's linear weights as 4-bit integers packed two per
   byte with a scale and a minimum per group of 32 inputs (GGUF's Q4_1
   layout, ``w = d * q + m``), in torch's CPU int4 packing (rows padded to
-  a multiple of 64) with an fp32 scale and zero point per group; the embedding and head as
+  a multiple of 64) with a bf16 scale and zero point per group; the embedding and head as
   in ``int8``; norms and biases fp32; activations and KV cache **fp32**.
 """
 
@@ -53,7 +53,7 @@ QUANTIZED_FORMATS = frozenset({WeightFormat.INT8, WeightFormat.INT4})
 SLOWER_THAN_FP32_ON_CPU = frozenset({WeightFormat.INT8, WeightFormat.INT4})
 
 INT4_GROUP = 32  # inputs per (scale, minimum) pair, as in GGUF's Q4_0/Q4_1
-_INT4_GROUP_META_BYTES = 8  # fp32 scale + fp32 zero point (what torch's int4 kernel reads)
+_INT4_GROUP_META_BYTES = 4  # bf16 scale + bf16 zero point (what torch's int4 kernel reads)
 _INT4_ROW_BLOCK = 64  # torch's CPU int4 packing pads the rows to a multiple of 64
 _ROW_SCALE_BYTES = 4  # one fp32 scale per output row (int8)
 _FLOAT_WIDTH = {WeightFormat.FLOAT32: 4, WeightFormat.BFLOAT16: 2, WeightFormat.FLOAT16: 2}

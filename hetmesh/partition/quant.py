@@ -13,12 +13,12 @@ Why these kernels (measured on the project's CPU; docs/weights.md):
   rows. Of the int8 kernels tried it is the fastest here; weight-only
   ``_weight_int8pack_mm`` was 3-4x slower.
 - **int4** (:class:`Int4Linear`): GGUF's Q4_1 layout (``w = d * q + m`` per
-  32 inputs, q in 0..15) in torch's CPU int4 packing, run by
+  32 inputs, q in 0..15, kept exactly) in torch's CPU int4 packing, run by
   ``aten._weight_int4pack_mm_for_cpu`` (which computes ``(q - 8) * s + z``,
-  so ``s = d`` and ``z = m + 8 d``) for a few rows; for longer inputs
-  (prefill) the matrix is dequantised once per call and multiplied in fp32,
-  because that kernel's cost grows steeply with the number of rows. On
-  other devices (no such CPU kernel) the dequantising path is always used.
+  so ``s = d`` and ``z = m + 8 d``) with bf16 activations, scales and zero
+  points: its bf16 path is ~30x faster than its fp32 one on this CPU and
+  about as fast as an fp32 ``linear`` (relative error ~0.3 %). On other
+  devices (no such kernel) the matrix is dequantised per call instead.
 - Embedding tables (and the LM head, which may share them) are int8 with one
   scale per vocabulary row (:class:`Int8Embedding`).
 
@@ -33,7 +33,6 @@ from torch import nn
 
 INT4_GROUP = 32
 _INT_MM_MIN_ROWS = 17  # torch._int_mm rejects 16 rows or fewer
-_INT4_KERNEL_MAX_ROWS = 4  # above this, dequantise and use a float matmul
 _INT4_BLOCK_N = 64  # torch's CPU int4 packing pairs rows n and n + 32 of each 64
 
 
@@ -150,10 +149,11 @@ class Int4Linear(nn.Module):
             "weight_packed",
             torch.empty(self.padded_out, in_features // 2, dtype=torch.uint8, device=device),
         )
-        # (groups, n, 2): scale, and zero point z = m + 8 * d as the kernel wants
+        # (groups, n, 2): scale, and zero point z = m + 8 * d as the kernel wants,
+        # in bf16: the kernel's bf16 path is ~30x faster here than its fp32 one
         self.register_buffer(
             "scales_zeros",
-            torch.empty(groups, self.padded_out, 2, dtype=torch.float32, device=device),
+            torch.empty(groups, self.padded_out, 2, dtype=torch.bfloat16, device=device),
         )
         self.bias = (
             nn.Parameter(torch.empty(out_features, device=device), requires_grad=False)
@@ -173,25 +173,26 @@ class Int4Linear(nn.Module):
             q = F.pad(q, (0, 0, 0, pad))
             d, m = F.pad(d, (0, 0, 0, pad)), F.pad(m, (0, 0, 0, pad))
         zeros = m + 8.0 * d
-        scales_zeros = torch.stack([d.t(), zeros.t()], dim=-1).contiguous()
+        scales_zeros = torch.stack([d.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
         return pack_int4(q), scales_zeros
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight ``(out, in)`` this layer multiplies by."""
         q = unpack_int4(self.weight_packed).float()  # (n, k)
         n, k = q.shape
-        scale = self.scales_zeros[..., 0].t()[..., None]  # (n, g, 1)
-        zero = self.scales_zeros[..., 1].t()[..., None]
+        scale = self.scales_zeros[..., 0].t().float()[..., None]  # (n, g, 1)
+        zero = self.scales_zeros[..., 1].t().float()[..., None]
         w = (q.reshape(n, k // INT4_GROUP, INT4_GROUP) - 8.0) * scale + zero
         return w.reshape(n, k)[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float()  # (m, k)
-        if rows.shape[0] <= _INT4_KERNEL_MAX_ROWS and rows.device.type == "cpu":
+        if rows.device.type == "cpu":
+            # bf16 in, fp32 out; each row's result is independent of the others
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, self.weight_packed, INT4_GROUP, self.scales_zeros
-            )[:, : self.out_features]
+                rows.to(torch.bfloat16), self.weight_packed, INT4_GROUP, self.scales_zeros
+            )[:, : self.out_features].float()
         else:
             out = F.linear(rows, self.dequantized())
         if self.bias is not None:

@@ -35,10 +35,14 @@ def test_int4_linear_multiplies_by_its_q4_1_weights(n: int, k: int) -> None:
     layer.scales_zeros.copy_(scales_zeros)
     assert layer.bias is not None
     layer.bias.data.normal_(generator=gen)
-    for rows in (1, 3, 9):  # the packed kernel, then the dequantising path
-        x = torch.randn(rows, k, generator=gen)
-        expected = x @ exact.t() + layer.bias
-        assert torch.allclose(layer(x), expected, atol=1e-4, rtol=1e-4), rows
+    x = torch.randn(9, k, generator=gen)
+    expected = x @ exact.t() + layer.bias
+    got = layer(x)
+    # bf16 activations, scales and zero points inside the kernel
+    assert float((got - expected).abs().max() / expected.abs().max()) < 0.01
+    assert torch.equal(layer(x[4:5]), got[4:5])  # rows do not depend on each other
+    # the 4-bit levels are the Q4_1 ones; only the bf16 scales and zeros round
+    assert float((layer.dequantized() - exact).abs().max() / exact.abs().max()) < 0.01
 
 
 def test_int8_linear_rows_do_not_depend_on_the_batch() -> None:
