@@ -49,8 +49,10 @@ class WeightFormat(StrEnum):
 WEIGHT_CHOICES: tuple[str, ...] = ("auto", *(f.value for f in WeightFormat))
 FLOAT_FORMATS = frozenset({WeightFormat.FLOAT32, WeightFormat.BFLOAT16, WeightFormat.FLOAT16})
 QUANTIZED_FORMATS = frozenset({WeightFormat.INT8, WeightFormat.INT4})
-# Measured on this project's CPU (docs/weights.md): decode is slower than fp32.
-SLOWER_THAN_FP32_ON_CPU = frozenset({WeightFormat.INT8, WeightFormat.INT4})
+# Measured on this project's CPU (docs/weights.md, bench/weights.py): int8
+# decodes at ~0.95x fp32, float16 prefills ~4x slower (emulated fp16 matmuls);
+# bf16 and int4 (torch's bf16 int4 kernel) are faster than fp32.
+SLOWER_THAN_FP32_ON_CPU = frozenset({WeightFormat.INT8, WeightFormat.FLOAT16})
 
 INT4_GROUP = 32  # inputs per (scale, minimum) pair, as in GGUF's Q4_0/Q4_1
 _INT4_GROUP_META_BYTES = 4  # bf16 scale + bf16 zero point (what torch's int4 kernel reads)
