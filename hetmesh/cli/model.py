@@ -99,7 +99,7 @@ def generate(
         typer.Option(
             help="Weight format: auto, float32, bfloat16, float16, int8 or int4. auto is "
             "bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32. Slower than "
-            "float32 on this project's CPU (docs/weights.md): int8 decodes at ~0.95x, "
+            "float32 on this project's CPU (docs/weights.md): int8 decodes at 0.95-1.1x, "
             "float16 prefills ~4x slower; bfloat16 and int4 are faster. Output is "
             "token-identical for any --stages in one format; formats differ slightly.",
         ),
