@@ -13,6 +13,19 @@ Committed API (the node, scheduler and CLI build on these)::
     auto_weights(device: str) -> WeightFormat                   # one process's "auto"
     SLOWER_THAN_FP32_ON_CPU: frozenset[WeightFormat]
 
+and, elsewhere in :mod:`hetmesh.partition`::
+
+    model_profile(config, *, dtype: str | None = None, name: str = "",
+                  weights: WeightFormat | str | None = None) -> ModelProfile
+    load_stage(model_dir, start, end, *, device="cpu",
+               weights: WeightFormat | str = WeightFormat.FLOAT32,
+               dtype: torch.dtype | None = None,        # deprecated alias of float formats
+               attn_implementation="sdpa") -> Stage
+    LocalPipeline.load(model_dir, num_stages=1, *, device="cpu",
+                       weights=WeightFormat.FLOAT32, dtype=None) -> LocalPipeline
+    Stage.weights: WeightFormat; Stage.dtype: torch.dtype (activations/KV)
+    Stage.resident_bytes() -> int; LocalPipeline.resident_bytes() -> int
+
 How each format holds a model (what ``unit_param_bytes`` counts):
 
 - ``float32`` / ``bfloat16`` / ``float16``: every tensor in that dtype;
