@@ -64,10 +64,15 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 def measure_strategy(
-    bed: MeshTestbed, strategy: str, prompt_ids: list[int], tokens: int, runs: int
+    bed: MeshTestbed,
+    strategy: str,
+    prompt_ids: list[int],
+    tokens: int,
+    runs: int,
+    weights: str = "float32",
 ) -> dict[str, Any]:
     began = time.monotonic()
-    bed.start_all(*NODE_ARGS, "--plan-strategy", strategy)
+    bed.start_all(*NODE_ARGS, "--plan-strategy", strategy, "--weights", weights)
     try:
         view = bed.wait_serving()
         up_s = time.monotonic() - began
@@ -132,6 +137,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--weights", default="float32", help="every node's weight format")
     args = parser.parse_args()
     why = why_no_testbed()
     if why:
@@ -146,7 +152,9 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     with open_mesh_testbed(workdir, HOSTS) as bed:
         for strategy in STRATEGIES:
-            results[strategy] = measure_strategy(bed, strategy, prompt_ids, args.tokens, args.runs)
+            results[strategy] = measure_strategy(
+                bed, strategy, prompt_ids, args.tokens, args.runs, args.weights
+            )
             if not args.json:
                 r = results[strategy]
                 print(

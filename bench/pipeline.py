@@ -28,7 +28,12 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
 def reference(
-    model_dir: Path, prompt_ids: list[int], long_ids: list[int], tokens: int, repeats: int
+    model_dir: Path,
+    prompt_ids: list[int],
+    long_ids: list[int],
+    tokens: int,
+    repeats: int,
+    weights: str = "float32",
 ) -> dict[str, float]:
     import torch
 
@@ -36,7 +41,7 @@ def reference(
     from hetmesh.partition.sampling import SamplingParams
 
     torch.set_num_threads(1)  # the nodes' default
-    pipeline = LocalPipeline.load(model_dir, 1)
+    pipeline = LocalPipeline.load(model_dir, 1, weights=weights)
     params = SamplingParams(max_new_tokens=tokens)
     list(pipeline.generate_ids(prompt_ids, SamplingParams(max_new_tokens=4), eos_ids=set()))
     tpots, ttfts = [], []
@@ -111,6 +116,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--weights", default="float32", help="weight format of every node and the reference"
+    )
     args = parser.parse_args()
 
     from hetmesh.node.local import local_mesh, wait_serving
@@ -122,11 +130,11 @@ def main() -> None:
     prompt_ids = encode_prompt(tokenizer, PROMPT, chat=True)
     filler = encode_prompt(tokenizer, "The sea is wide and the night is long. " * 80)
     long_ids = filler[:512]
-    with local_mesh(3, node_args=NODE_ARGS) as mesh:
+    with local_mesh(3, node_args=[*NODE_ARGS, "--weights", args.weights]) as mesh:
         wait_serving(mesh)
         ours = mesh_figures(mesh, prompt_ids, long_ids, args.tokens, args.repeats)
         # the reference runs while the idle nodes wait, on the same cores
-        base = reference(model_dir, prompt_ids, long_ids, args.tokens, args.repeats)
+        base = reference(model_dir, prompt_ids, long_ids, args.tokens, args.repeats, args.weights)
     result = {
         "decode_tokens_per_s_mesh": 1.0 / ours["tpot_s"],
         "decode_tokens_per_s_reference": 1.0 / base["tpot_s"],

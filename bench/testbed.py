@@ -89,6 +89,7 @@ def describe(bed: MeshTestbed, view: dict[str, Any]) -> dict[str, Any]:
                 {
                     "host": hosts.get(s.peer_id),
                     "units": [s.start, s.end],
+                    "weights": s.weights,
                     "predicted_step_ms": round(s.decode_step_s * 1e3, 2),
                 }
                 for s in plan.pipelines[0].stages
@@ -105,6 +106,7 @@ def main() -> int:
     parser.add_argument("--max-memory", default="500MiB")
     parser.add_argument("--max-sessions", type=int, default=4)
     parser.add_argument("--plan-strategy", default="hetmesh")
+    parser.add_argument("--weights", default="float32", help="every node's weight format")
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--hold", action="store_true")
@@ -120,7 +122,12 @@ def main() -> int:
     began = time.monotonic()
     with open_mesh_testbed(workdir, specs) as bed:
         bed.start_all(
-            "--max-sessions", str(args.max_sessions), "--plan-strategy", args.plan_strategy
+            "--max-sessions",
+            str(args.max_sessions),
+            "--plan-strategy",
+            args.plan_strategy,
+            "--weights",
+            args.weights,
         )
         view = bed.wait_serving()
         up_s = time.monotonic() - began

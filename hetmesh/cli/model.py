@@ -94,10 +94,24 @@ def generate(
     ] = None,
     mesh_secret: Annotated[str | None, typer.Option(envvar="HETMESH_MESH_SECRET")] = None,
     mesh_secret_file: Annotated[Path | None, typer.Option()] = None,
+    weights: Annotated[
+        str,
+        typer.Option(
+            help="Weight format: auto, float32, bfloat16, float16, int8 or int4. auto is "
+            "bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32. Slower than "
+            "float32 on this project's CPU (docs/weights.md): int8 decodes at 0.95-1.1x, "
+            "float16 prefills ~4x slower; bfloat16 and int4 are faster. Output is "
+            "token-identical for any --stages in one format; formats differ slightly.",
+        ),
+    ] = "auto",
 ) -> None:
     """Generate text in one process (or on a mesh with --mesh), streaming it to stdout."""
     if not prompt.strip():
         raise InvalidRequest("empty prompt")
+    from hetmesh.partition.formats import auto_weights, check_supported, parse_weights
+
+    fmt = parse_weights(weights) or auto_weights("cpu")
+    check_supported(fmt, "cpu")
     if mesh is not None:
         from hetmesh.cli.node import resolve_secret
 
@@ -126,7 +140,7 @@ def generate(
     )
     model_dir = _resolve(model, cache_dir)
     try:
-        _stream(model_dir, prompt, params, stages=stages, chat=chat)
+        _stream(model_dir, prompt, params, stages=stages, chat=chat, weights=fmt)
     except MeshError:
         raise
     except (RuntimeError, ValueError, OSError) as exc:  # torch/transformers at the boundary
@@ -165,11 +179,13 @@ def _stream_mesh(addr: str, secret: str | None, request: dict[str, Any]) -> None
         raise found from None
 
 
-def _stream(model_dir: Path, prompt: str, params: Any, *, stages: int, chat: bool) -> None:
+def _stream(
+    model_dir: Path, prompt: str, params: Any, *, stages: int, chat: bool, weights: Any
+) -> None:
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.text import encode_prompt
 
-    pipeline = LocalPipeline.load(model_dir, stages)
+    pipeline = LocalPipeline.load(model_dir, stages, weights=weights)
     prompt_ids = encode_prompt(pipeline.tokenizer, prompt, chat=chat)
     for delta in pipeline.generate_text(prompt_ids, params):
         sys.stdout.write(delta)

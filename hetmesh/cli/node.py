@@ -31,6 +31,29 @@ _UNITS = {
 }
 
 
+def _weights_help() -> str:
+    from hetmesh.partition.formats import SLOWER_THAN_FP32_ON_CPU, WeightFormat
+
+    order = [f for f in WeightFormat if f in SLOWER_THAN_FP32_ON_CPU]
+    slower = " and ".join(f.value for f in order) or "no format"
+    return (
+        "Weight format of this node's stages: float32 (default), bfloat16, float16, int8, "
+        "int4 or auto. Compact formats hold about 1/2 (bfloat16, float16), 1/4 (int8) or "
+        "1/7 (int4) of float32's weight bytes, and the planner counts each node's real "
+        f"bytes. Slower than float32 on a CPU (measured, docs/weights.md): {slower}; "
+        "float16 is emulated there; bfloat16 runs about as fast as float32. auto times "
+        "one decoder block in each format this device runs and serves the fastest float "
+        "format that fits; int8/int4 only if they measure faster or no float format fits. "
+        "Exactness: a mesh whose nodes all serve format F gives the tokens of "
+        "'hetmesh generate --weights F'; a mesh mixing formats gives those of one process "
+        "holding each stage in its node's format (the plan says which), which need not "
+        "equal any single-format run."
+    )
+
+
+WEIGHTS_HELP = _weights_help()
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``"8GiB"``, ``"512M"``, ``"1000000"``; ``ValueError`` otherwise."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
@@ -119,6 +142,10 @@ def start(
     ] = None,
     cache_dir: Annotated[
         Path | None, typer.Option(envvar="HETMESH_HOME", help="Model cache directory.")
+    ] = None,
+    weights: Annotated[
+        str | None,
+        typer.Option(envvar="HETMESH_WEIGHTS", help=WEIGHTS_HELP),
     ] = None,
     serve: Annotated[
         bool | None,
@@ -242,6 +269,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         base = ServingConfig()
         serving = ServingConfig(
             model=settings.get("model"),
+            weights=_weights(settings.get("weights"), settings.get("device")),
             cache_dir=path("cache_dir"),
             objective=settings.get("objective") or base.objective,
             plan_strategy=settings.get("plan_strategy") or base.plan_strategy,
@@ -272,6 +300,15 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         api_host=api_host,
         api_key=api_key,
     )
+
+
+def _weights(value: Any, device: Any) -> str:
+    """The --weights setting, checked against the device before the node joins."""
+    from hetmesh.node.weights import check_weights
+
+    if value is None:
+        return "float32"
+    return check_weights(str(value), str(device or "cpu")) or "auto"
 
 
 def _api_port(value: Any) -> int | None:

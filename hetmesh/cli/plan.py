@@ -27,19 +27,63 @@ from hetmesh.scheduler.records import Objective
 _LIVE = ("self", "alive", "suspect")
 
 
-def load_model(spec: str, dtype: str) -> ModelProfile:
-    """A known shape's name (``llama-7b``…) or a model folder / ``config.json`` path."""
-    from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
+def load_config(spec: str) -> tuple[dict[str, Any], str]:
+    """The config mapping and name of a known shape or a model folder / ``config.json``."""
+    from hetmesh.partition.profile import KNOWN_SHAPES
 
     if spec in KNOWN_SHAPES:
-        return model_profile(KNOWN_SHAPES[spec], dtype=dtype, name=spec)
+        return dict(KNOWN_SHAPES[spec]), spec
     path = Path(spec)
     config = path / "config.json" if path.is_dir() else path
     if not config.is_file():
         known = ", ".join(sorted(KNOWN_SHAPES))
         raise ModelNotFound(f"{spec}: neither a known shape ({known}) nor a model folder")
-    data = json.loads(config.read_text())
-    return model_profile(data, dtype=dtype, name=path.name if path.is_dir() else spec)
+    return json.loads(config.read_text()), path.name if path.is_dir() else spec
+
+
+def load_model(spec: str, dtype: str) -> ModelProfile:
+    """A known shape's name (``llama-7b``…) or a model folder / ``config.json`` path."""
+    from hetmesh.partition.profile import model_profile
+
+    config, name = load_config(spec)
+    return model_profile(config, weights=dtype, name=name)
+
+
+def with_weights(
+    constraints: PlanConstraints,
+    config: Mapping[str, Any],
+    name: str,
+    devices: Sequence[DeviceProfile],
+    weights: Mapping[str, str],
+) -> PlanConstraints:
+    """``constraints`` charging each device the bytes of its peer's format (``weights``:
+    peer id → format; peers not named are planned in the model profile's format)."""
+    from hetmesh.node.weights import weight_bytes, weights_constraints
+    from hetmesh.partition.formats import parse_weights
+
+    def bytes_of(fmt: str) -> Any:
+        parsed = parse_weights(fmt)
+        return None if parsed is None else weight_bytes(config, parsed.value, name=name)
+
+    announced = [(peer, {"weights": fmt}) for peer, fmt in sorted(weights.items())]
+    return weights_constraints(constraints, announced, devices, bytes_of)
+
+
+def weights_in(data: Any) -> dict[str, str]:
+    """Peer id → weight format, from a devices file's entries (``"weights"`` key) or a
+    status view's peers (their announced ``extra["weights"]``)."""
+    out: dict[str, str] = {}
+    if isinstance(data, dict) and isinstance(data.get("peers"), list):
+        for peer in data["peers"]:
+            extra = (peer.get("record") or {}).get("extra") or {}
+            if isinstance(extra.get("weights"), str) and extra["weights"]:
+                out[str(peer.get("peer_id"))] = extra["weights"]
+        return out
+    entries = data if isinstance(data, list) else (data or {}).get("devices") or []
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("weights"), str):
+            out[str(entry.get("peer_id"))] = entry["weights"]
+    return out
 
 
 def parse_devices(data: Any) -> tuple[list[DeviceProfile], list[LinkProfile]]:
@@ -123,13 +167,24 @@ def plan_renderable(
                 f"{pipe.throughput_tps:.1f} tokens/s, prefill {pipe.prefill_s_per_1k:.2f} s/1k"
             )
         )
-        for col in ("stage", "peer", "device", "units", "layers", "step", "link out", "memory"):
+        for col in (
+            "stage",
+            "peer",
+            "device",
+            "weights",
+            "units",
+            "layers",
+            "step",
+            "link out",
+            "memory",
+        ):
             table.add_column(col)
         for j, st in enumerate(pipe.stages):
             table.add_row(
                 str(j),
                 st.peer_id,
                 st.device,
+                st.weights or model.dtype,
                 f"[{st.start}, {st.end})",
                 _unit_names(model, st.start, st.end),
                 _ms(st.decode_step_s),
@@ -198,7 +253,16 @@ def plan_command(
     ] = None,
     mesh: Annotated[str | None, typer.Option(help="Any node's multiaddr, with /p2p/ID.")] = None,
     objective: Annotated[str, typer.Option(help="latency or throughput.")] = "latency",
-    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16.")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--weights",
+            "--dtype",
+            help="Weight format of devices that name none: float32, bfloat16, float16, "
+            'int8 or int4 (a devices file\'s entries may carry their own "weights"; '
+            "a live mesh's peers announce theirs).",
+        ),
+    ] = None,
     max_context: Annotated[int, typer.Option(help="KV budget: tokens per session.")] = 2048,
     sessions: Annotated[int, typer.Option(help="KV budget: sessions per pipeline.")] = 1,
     micro_batch: Annotated[int, typer.Option(help="Tokens per micro-batch.")] = 1,
@@ -214,13 +278,16 @@ def plan_command(
         raise typer.BadParameter("give exactly one of --devices and --mesh")
     if devices is not None:
         try:
-            found, links = parse_devices(json.loads(devices.read_text()))
+            raw = json.loads(devices.read_text())
+            found, links = parse_devices(raw)
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(f"{devices}: {exc}", param_hint="--devices") from exc
+        formats = weights_in(raw)
     elif mesh is not None:
         from hetmesh.cli.node import resolve_secret
 
         view = _fetch_view(mesh, resolve_secret(mesh_secret, mesh_secret_file), timeout)
+        formats = weights_in(view)
         try:
             found, links = devices_from_view(view)
         except ValueError as exc:
@@ -229,9 +296,22 @@ def plan_command(
         raise typer.BadParameter("give exactly one of --devices and --mesh")
     if not found:
         raise InsufficientCapacity("no device to plan on", missing_bytes=0)
-    profile = load_model(model, dtype or default_dtype(found))
-    constraints = PlanConstraints(
-        max_context_tokens=max_context, max_sessions=sessions, micro_batch_tokens=micro_batch
+    from hetmesh.partition.formats import parse_weights
+
+    fmt = parse_weights(dtype) if dtype is not None else None
+    base = fmt.value if fmt is not None else default_dtype(found)
+    config, name = load_config(model)
+    profile = load_model(model, base)
+    for d in found:  # devices naming no format of their own serve in --weights
+        formats.setdefault(d.peer_id, base)
+    constraints = with_weights(
+        PlanConstraints(
+            max_context_tokens=max_context, max_sessions=sessions, micro_batch_tokens=micro_batch
+        ),
+        config,
+        name,
+        found,
+        formats,
     )
     goal: Objective = "throughput" if objective == "throughput" else "latency"
     chosen, others = plan_with_baselines(found, links, profile, goal, constraints)

@@ -56,6 +56,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
         "host",
         "health",
         "devices",
+        "weights",
         "memory used",
         "memory free/total",
         "FLOP/s",
@@ -73,6 +74,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
             _host_of(record),
             str(peer.get("health", "?")),
             ", ".join(str(d.get("device", "?")) for d in devices) or "(profiling)",
+            str((record.get("extra") or {}).get("weights") or "-"),
             ", ".join(
                 _bytes(d.get("memory_total_bytes", 0) - d.get("memory_free_bytes", 0))
                 for d in devices

@@ -2,8 +2,9 @@
 
 :func:`summarize` reads a node's status view (``Discovery.view()``): the newest
 plan any peer follows (``extra["plan"]``), stage readiness (``stages``), each
-peer's load (``load``) and gateway counters (``extra["gateway"]``). Given the
-previous view and the seconds between them it also derives tokens/s.
+peer's load (``load``), its weight format (``extra["weights"]``) and gateway
+counters (``extra["gateway"]``). Given the previous view and the seconds
+between them it also derives tokens/s.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def _records(view: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         str(p.get("peer_id")): dict(p.get("record") or {}, health=p.get("health", "?"))
         for p in view.get("peers") or ()
     }
+
+
+def _weights(record: Mapping[str, Any]) -> str:
+    """The weight format a peer announced it serves in ("" if none)."""
+    value = (record.get("extra") or {}).get("weights")
+    return value if isinstance(value, str) else ""
 
 
 def _tokens_out(record: Mapping[str, Any]) -> int:
@@ -62,6 +69,7 @@ def summarize(
                     {
                         "peer_id": pid,
                         "device": s.get("device", "?"),
+                        "weights": str(s.get("weights") or _weights(record) or "?"),
                         "start": int(s.get("start", 0)),
                         "end": int(s.get("end", 0)),
                         "predicted_step_s": float(s.get("decode_step_s", 0.0)),
@@ -108,6 +116,7 @@ def summarize(
         peers.append(
             {
                 "peer_id": pid,
+                "weights": _weights(record) or "-",
                 "sessions": int(load.get("active_sessions", 0) or 0),
                 "queue": int(load.get("queue_depth", 0) or 0),
                 "kv_bytes_used": int(load.get("kv_bytes_used", 0) or 0),
@@ -160,6 +169,7 @@ def plan_table(summary: Mapping[str, Any]) -> Table | Text:
         "stage",
         "peer",
         "device",
+        "weights",
         "units",
         "predicted step",
         "measured step",
@@ -178,6 +188,7 @@ def plan_table(summary: Mapping[str, Any]) -> Table | Text:
                 str(j),
                 _short(st["peer_id"]),
                 str(st["device"]),
+                str(st["weights"]),
                 f"[{st['start']}, {st['end']})",
                 _ms(st["predicted_step_s"]),
                 _ms(st["measured_step_s"]),
@@ -196,11 +207,12 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             f"{_rate(load.get('tokens_per_s'))} tokens/s"
         )
     )
-    for col in ("peer", "sessions", "queue", "KV used", "tokens out", "tokens/s"):
+    for col in ("peer", "weights", "sessions", "queue", "KV used", "tokens out", "tokens/s"):
         table.add_column(col)
     for p in load.get("peers") or ():
         table.add_row(
             _short(p["peer_id"]),
+            str(p.get("weights", "-")),
             str(p["sessions"]),
             str(p["queue"]),
             _mib(p["kv_bytes_used"]),

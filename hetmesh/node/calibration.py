@@ -42,21 +42,33 @@ def measure_block_step_s(
     context_tokens: int = CALIBRATION_CONTEXT_TOKENS,
     budget_s: float = 1.2,
     window_s: float = 0.3,
+    weights: str | None = None,
+    threads: int | None = None,
 ) -> float:
     """Seconds of one decode step of the model's first decoder block on ``device``.
 
-    On a CPU: the process CPU time per step (which other processes sharing
-    the cores do not inflate) ÷ the cores this node's torch threads may use
-    (its threads, capped by the cgroup quota and affinity): the sustained
+    On a CPU: the CPU time per step (which other processes sharing the cores
+    do not inflate; with one torch thread, that thread's alone) ÷ the cores
+    this node's torch threads may use (its threads, capped by the cgroup quota
+    and affinity): the sustained
     step time of a node that keeps its cores busy. On a GPU: wall time. The
     mean over a window of ``window_s``, best of the windows in ``budget_s``
-    (neighbours only ever slow a window down, as in the profiler).
+    (neighbours only ever slow a window down, as in the profiler). ``weights``:
+    the weight format to time the block in (None: the stage loader's default).
+    ``threads``: the torch threads the node's stages run with (bound to this
+    thread's OpenMP team, as the stage server does; None: leave it).
     """
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     from hetmesh.partition.stage import load_stage
 
-    stage = load_stage(model_dir, 1, 2, device=device)  # unit 1: the first block
+    # unit 1: the first block, held as the node would hold it
+    if weights is None:
+        stage = load_stage(model_dir, 1, 2, device=device)
+    else:
+        stage = load_stage(model_dir, 1, 2, device=device, weights=weights)
     generator = torch.Generator().manual_seed(0)
     hidden = stage.hidden_size
 
@@ -75,7 +87,11 @@ def measure_block_step_s(
         return kv
 
     on_cpu = stage.device.type == "cpu"
-    share = cpu_share(torch.get_num_threads()) if on_cpu else 1.0
+    threads = torch.get_num_threads()
+    share = cpu_share(threads) if on_cpu else 1.0
+    # one torch thread computes on this thread: count its CPU time alone, so the
+    # node's other threads (link probes, discovery) do not inflate the step
+    cpu_clock = time.thread_time if threads == 1 else time.process_time
     step = states(1)
     kv = fresh_cache()
     try:
@@ -89,7 +105,7 @@ def measure_block_step_s(
             kv = fresh_cache()  # every window decodes at about the same context
             synchronise()
             steps = 0
-            began, cpu_began = time.perf_counter(), time.process_time()
+            began, cpu_began = time.perf_counter(), cpu_clock()
             while True:
                 stage.forward(step, kv)
                 steps += 1
@@ -99,7 +115,7 @@ def measure_block_step_s(
                     if now - began >= window_s or kv.length + 4 >= stage.max_context:
                         break
             if on_cpu:
-                best = min(best, (time.process_time() - cpu_began) / steps / share)
+                best = min(best, (cpu_clock() - cpu_began) / steps / share)
             else:
                 best = min(best, (now - began) / steps)
             if now >= deadline:
@@ -118,13 +134,17 @@ def cpu_share(threads: int) -> float:
     return max(1e-3, min(float(max(1, threads)), cores))
 
 
-def calibration_extra(model_key: str, device: str, block_step_s: float) -> dict[str, Any]:
-    """What a node announces: its device's measured block step for ``model_key``."""
+def calibration_extra(
+    model_key: str, device: str, block_step_s: float, weights: str = ""
+) -> dict[str, Any]:
+    """What a node announces: its device's measured block step for ``model_key``,
+    in the weight format ``weights`` it serves in."""
     return {
         "model": model_key,
         "device": device,
         "block_step_s": float(block_step_s),
         "context_tokens": CALIBRATION_CONTEXT_TOKENS,
+        "weights": weights,
     }
 
 

@@ -7,6 +7,7 @@ command's long flags (dashes or underscores), e.g.::
     bootstrap = ["/ip4/10.0.0.2/tcp/4001/p2p/12D3Koo..."]
     max-memory = "8GiB"
     plan-strategy = "hetmesh"
+    weights = "int8"
 
 Typer already gives a flag precedence over its environment variable; this
 module fills in what neither set from the file, then from the defaults.
@@ -33,6 +34,7 @@ class ServingConfig:
     """What and how a node serves (the model part of ``hetmesh node start``)."""
 
     model: str | None = None  # None: the default model
+    weights: str = "float32"  # a weight format, or "auto": the fastest that fits, measured
     cache_dir: Path | None = None
     objective: Literal["latency", "throughput"] = "latency"
     plan_strategy: PlanStrategy = "hetmesh"
@@ -64,6 +66,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "max_memory": ((str, int), None),
     "device": (str, None),
     "model": (str, None),
+    "weights": (str, None),  # checked against the device by hetmesh.node.weights
     "cache_dir": (str, None),
     "objective": (str, ("latency", "throughput")),
     "plan_strategy": (str, PLAN_STRATEGIES),

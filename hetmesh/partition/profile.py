@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetmesh.errors import UnsupportedModel
+from hetmesh.partition.formats import WeightFormat, activation_dtype, unit_param_bytes
 from hetmesh.resources import ModelProfile, UnitProfile
 
 SUPPORTED_ARCHITECTURES = {
@@ -48,11 +49,32 @@ def _require_int(config: Mapping[str, Any], key: str) -> int:
 
 
 def model_profile(
-    config: Mapping[str, Any], *, dtype: str = "float32", name: str = ""
+    config: Mapping[str, Any],
+    *,
+    dtype: str | None = None,
+    name: str = "",
+    weights: WeightFormat | str | None = None,
 ) -> ModelProfile:
-    """Units, parameter bytes, FLOPs, KV and boundary bytes for ``config``."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+    """Units, parameter bytes, FLOPs, KV and boundary bytes for ``config``.
+
+    ``weights`` is the format the units are held in (a :class:`WeightFormat`
+    or its name); parameter bytes are those resident in that format, and the
+    profile's ``dtype`` is the format's activation/KV dtype (fp32 for int8 and
+    int4, see :mod:`hetmesh.partition.formats`). ``dtype`` is the older
+    spelling for the float formats and is kept for callers not yet migrated;
+    without either the model is profiled in float32.
+    """
+    if weights is not None and dtype is not None:
+        raise ValueError("pass weights= or dtype=, not both")
+    if weights is None:
+        weights = dtype or "float32"
+        if weights not in DTYPE_BYTES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+    try:
+        fmt = WeightFormat(weights)
+    except ValueError:
+        raise ValueError(f"unsupported weight format {weights!r}") from None
+    dtype = activation_dtype(fmt)
     arch = architecture_of(config)
     kind = SUPPORTED_ARCHITECTURES[arch]
     hidden = _require_int(config, "hidden_size")
@@ -67,6 +89,7 @@ def model_profile(
     attention_bias = bool(config.get("attention_bias", False))
     mlp_bias = bool(config.get("mlp_bias", False))
     width = DTYPE_BYTES[dtype]
+    held = unit_param_bytes(config, fmt)
 
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     attn_weights = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
@@ -89,7 +112,7 @@ def model_profile(
             kind="embed",
             index=0,
             param_count=embed_params,
-            param_bytes=embed_params * width,
+            param_bytes=held.embed,
             flops_per_token=0.0,
             attention_flops_per_token_per_context=0.0,
             kv_bytes_per_token=0,
@@ -103,7 +126,7 @@ def model_profile(
                 kind="block",
                 index=i + 1,
                 param_count=layer_params,
-                param_bytes=layer_params * width,
+                param_bytes=held.block,
                 flops_per_token=2.0 * layer_matmul_params,
                 # q·k and attention·v, each 2 FLOPs per multiply-add, every head
                 attention_flops_per_token_per_context=4.0 * heads * head_dim,
@@ -120,7 +143,7 @@ def model_profile(
             kind="head",
             index=layers + 1,
             param_count=head_params,
-            param_bytes=head_params * width,
+            param_bytes=held.head,
             flops_per_token=2.0 * vocab * hidden,
             attention_flops_per_token_per_context=0.0,
             kv_bytes_per_token=0,

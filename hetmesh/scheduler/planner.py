@@ -95,8 +95,10 @@ def _raise_insufficient(cost: CostModel) -> None:
             f"({', '.join(sorted(set(unmeasured)))}); nothing can run {cost.model.name}",
             missing_bytes=missing,
         )
+    formats = sorted({cost.weights(d) for d in range(len(cost.devices))})
     raise InsufficientCapacity(
-        f"{cost.model.name} does not fit on these {len(cost.devices)} device(s): "
+        f"{cost.model.name} ({'/'.join(formats)} weights) does not fit on these "
+        f"{len(cost.devices)} device(s): "
         f"{missing / _GIB:.2f} GiB more free memory is needed "
         f"(weights + KV budget + workspace {cost.model_bytes() / _GIB:.2f} GiB, "
         f"offered {sum(cost.usable_bytes(d) for d in range(len(cost.devices))) / _GIB:.2f} GiB "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from hetmesh.resources import PeerId, WireRecord
+from hetmesh.resources import ModelProfile, PeerId, WireRecord
 
 Objective = Literal["latency", "throughput"]
 
@@ -23,6 +23,43 @@ DEFAULT_UNIT_OVERHEAD_S: dict[str, float] = {"cpu": 1.5e-4, "cuda": 4.0e-5, "mps
 def device_key(peer_id: PeerId, device: str) -> str:
     """The stable name of one device of one peer: ``"<peer_id>/<device>"``."""
     return f"{peer_id}/{device}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightBytes(WireRecord):
+    """What one weight format costs in memory, per unit of the model.
+
+    A device serving in ``weights`` (``"bfloat16"``, ``"int8"``…) holds
+    ``param_bytes[i]`` bytes for unit ``i`` and ``kv_bytes_per_token[i]`` bytes of
+    KV per cached token (the KV dtype of that format); a stage holding every unit
+    loads a tied embedding/head matrix once, saving ``tied_bytes``. The node
+    computes these from the format; the planner only adds bytes.
+    """
+
+    weights: str
+    param_bytes: tuple[int, ...]
+    kv_bytes_per_token: tuple[int, ...]
+    tied_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.param_bytes) != len(self.kv_bytes_per_token):
+            raise ValueError("param_bytes and kv_bytes_per_token must cover the same units")
+        if any(b < 0 for b in self.param_bytes) or any(b < 0 for b in self.kv_bytes_per_token):
+            raise ValueError("byte counts must be non-negative")
+        if not 0 <= self.tied_bytes <= sum(self.param_bytes):
+            raise ValueError("tied_bytes must be between 0 and the model's bytes")
+
+    @classmethod
+    def of(cls, model: ModelProfile, weights: str | None = None) -> WeightBytes:
+        """The bytes of ``model`` as profiled, named ``weights`` (default: ``model.dtype``;
+        an int8 profile's dtype is its activations', so name its format here)."""
+        units = model.units
+        return cls(
+            weights=weights or model.dtype,
+            param_bytes=tuple(u.param_bytes for u in units),
+            kv_bytes_per_token=tuple(u.kv_bytes_per_token for u in units),
+            tied_bytes=sum(u.param_bytes for u in units) - model.total_param_bytes if units else 0,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +93,9 @@ class PlanConstraints(WireRecord):
     # model scales that device's predicted step times so one block costs this much
     block_step_s_by_device: dict[str, float] = field(default_factory=dict)
     calibration_context_tokens: int = 128
+    # the weight format each device serves in, by device key, as bytes per unit: its
+    # memory fit, KV budget and weight reads use these (absent: the model's own profile)
+    weights_by_device: dict[str, WeightBytes] = field(default_factory=dict)
     same_host_bandwidth_bps: float = 10.0e9  # two devices of one peer (shared memory)
     same_host_rtt_s: float = 2.0e-5
     default_bandwidth_bps: float = 12.5e6  # an unmeasured link: assume 100 Mbit/s
@@ -93,6 +133,10 @@ class PlanConstraints(WireRecord):
         """The measured decode step of one block on this device, if calibrated."""
         return self.block_step_s_by_device.get(device_key(peer_id, device))
 
+    def weights_for(self, peer_id: PeerId, device: str) -> WeightBytes | None:
+        """The bytes per unit of the format this device serves in, if announced."""
+        return self.weights_by_device.get(device_key(peer_id, device))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stage(WireRecord):
@@ -107,6 +151,7 @@ class Stage(WireRecord):
     prefill_s_per_1k: float  # a 1,000-token prompt through this stage
     link_out_s: float  # sending one token's boundary activation to the next stage
     memory_bytes: int  # weights + KV budget + workspace + reserve
+    weights: str = ""  # the weight format the device holds these units in
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
@@ -227,5 +272,6 @@ __all__ = [
     "PlanConstraints",
     "RouteRequest",
     "Stage",
+    "WeightBytes",
     "device_key",
 ]

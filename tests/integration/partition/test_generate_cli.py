@@ -35,6 +35,18 @@ def test_generate_three_stages_prints_what_one_stage_prints(default_model_dir: P
 
 @pytest.mark.model
 @pytest.mark.slow
+def test_generate_int4_two_stages_print_what_one_stage_prints(default_model_dir: Path) -> None:
+    base = ["generate", "--max-new-tokens", "16", "--weights", "int4", "The capital of France is"]
+    two = _hetmesh(*base, "--stages", "2")
+    one = _hetmesh(*base, "--stages", "1")
+    assert two.returncode == 0, two.stderr
+    assert one.returncode == 0, one.stderr
+    assert len(two.stdout.split()) >= 5
+    assert two.stdout == one.stdout
+
+
+@pytest.mark.model
+@pytest.mark.slow
 def test_generate_chat_prints_english(default_model_dir: Path) -> None:
     prompt = "Write one sentence about the sea."
     done = _hetmesh("generate", "--chat", "--max-new-tokens", "48", prompt)
@@ -82,6 +94,7 @@ def test_generate_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
         (["generate", ""], "empty prompt"),
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
         (["generate", "hi", "--stages", "0"], "stages"),
+        (["generate", "hi", "--weights", "int3"], "unknown weight format"),
     ]
     for args, needle in cases:
         needs_model = needle in ("max_new_tokens", "stages")

@@ -52,9 +52,18 @@ def reference(default_model_dir: Path, prompt_ids: torch.Tensor) -> dict[str, An
     """The full model's prefill logits, greedy tokens and per-step logits (with cache)."""
     import transformers
 
-    full = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_model_dir), dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    from hetmesh.partition.checkpoint import float_state_dict
+
+    # transformers' own model holding the folder's weights dequantised to fp32
+    # (the compact folder keeps GGUF blocks, which transformers cannot read)
+    config = transformers.AutoConfig.from_pretrained(str(default_model_dir))
+    config._attn_implementation = "sdpa"
+    full = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = full.load_state_dict(float_state_dict(default_model_dir), strict=False)
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    full.tie_weights()
+    full.eval()
     with torch.no_grad():
         generated = full.generate(
             prompt_ids[None],

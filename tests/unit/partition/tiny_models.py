@@ -93,8 +93,12 @@ def greedy_reference(model: Any, prompt: torch.Tensor, max_new_tokens: int) -> l
     return tokens
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0) -> None:
-    """A random 2-layer Llama as an fp32 GGUF with a small byte-level BPE tokenizer."""
+def write_tiny_gguf(path: Path, *, seed: int = 0, qtype: str = "F32") -> None:
+    """A random 2-layer Llama GGUF with a small byte-level BPE tokenizer.
+
+    ``qtype`` (a GGUF type the ``gguf`` package can quantize to, e.g. Q4_1 or
+    Q8_0) is applied to the layers' matrices; norms and the tables stay F32.
+    """
     import gguf
     import numpy as np
 
@@ -125,7 +129,12 @@ def write_tiny_gguf(path: Path, *, seed: int = 0) -> None:
     writer.add_eos_token_id(2)
 
     def tensor(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+        values = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if qtype == "F32" or len(shape) == 1 or not name.startswith("blk."):
+            writer.add_tensor(name, values)
+            return
+        kind = gguf.GGMLQuantizationType[qtype]
+        writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
 
     tensor("token_embd.weight", len(tokens), hidden)
     for i in range(layers):

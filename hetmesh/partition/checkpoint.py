@@ -1,0 +1,209 @@
+"""Reading one tensor of a model folder, whatever compact form it is stored in.
+
+A model folder's safetensors hold each tensor ``name`` in one of three forms:
+
+- ``name``: a float tensor (fp32, bf16 or fp16), as in any Hugging Face folder;
+- ``name.q4_1.qs`` (uint8 ``(n, k/2)``), ``name.q4_1.d`` and ``name.q4_1.m``
+  (fp16 ``(n, k/32)``): GGUF Q4_1 blocks, ``w = d * q + m`` per 32 inputs; a
+  block's 16 bytes hold inputs 0..15 in their low nibbles and 16..31 in their
+  high nibbles (GGUF's own order, copied without repacking). Q4_0 is stored
+  the same way with ``m = -8 d``;
+- ``name.q8_0.qs`` (int8 ``(n, k)``) and ``name.q8_0.d`` (fp16 ``(n, k/32)``):
+  GGUF Q8_0 blocks, ``w = d * q``.
+
+:class:`CheckpointReader` hands out rows of any of them as fp32 (dequantising
+only the rows asked for) and Q4_1 blocks as they are, so a stage loads into
+any format one tensor (or one slice of rows) at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import torch
+
+from hetmesh.errors import CorruptModel
+from hetmesh.partition.store import brief_error, weight_files
+
+Kind = Literal["float", "q4_1", "q8_0"]
+BLOCK = 32
+ROW_CHUNK = 4096  # rows dequantised at once when reading a large table
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+}
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+class _Entry:
+    """Where one tensor's bytes lie in its safetensors file."""
+
+    __slots__ = ("begin", "dtype", "end", "handle", "shape")
+
+    def __init__(self, handle: BinaryIO, base: int, info: dict[str, Any]) -> None:
+        self.handle = handle
+        self.dtype: torch.dtype = _DTYPES[info["dtype"]]
+        self.shape = tuple(int(n) for n in info["shape"])
+        begin, end = (int(v) for v in info["data_offsets"])
+        self.begin, self.end = base + begin, base + end
+
+    def get_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        """Rows ``[start, stop)`` (all of a 1-D tensor), read with one ``readinto``.
+
+        Plain reads instead of a memory map: the file's pages do not join
+        this process's resident set while a stage loads.
+        """
+        total = self.shape[0] if self.shape else 1
+        start, stop, _ = rows.indices(total)
+        row_bytes = (self.end - self.begin) // max(total, 1)
+        count = max(stop - start, 0) * row_bytes
+        out = torch.empty(count, dtype=torch.uint8)
+        self.handle.seek(self.begin + start * row_bytes)
+        if self.handle.readinto(out.numpy().data) != count:  # type: ignore[attr-defined]
+            raise ValueError("file shorter than its header says")
+        shape = (stop - start, *self.shape[1:]) if self.shape else ()
+        return out.view(self.dtype).reshape(shape)
+
+
+class CheckpointReader:
+    """Tensors of one model folder; use as a context manager (files stay open inside)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.files = weight_files(folder)
+        self._stack = ExitStack()
+        self._headers: dict[Path, tuple[BinaryIO, int, dict[str, Any]]] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        """Every logical tensor name (block-stored tensors once, without suffixes)."""
+        found = set()
+        for name in self.files:
+            for suffix in (".q4_1.qs", ".q4_1.d", ".q4_1.m", ".q8_0.qs", ".q8_0.d"):
+                if name.endswith(suffix):
+                    name = name.removesuffix(suffix)
+                    break
+            found.add(name)
+        return sorted(found)
+
+    def kind(self, name: str) -> Kind | None:
+        if name in self.files:
+            return "float"
+        if f"{name}.q4_1.qs" in self.files:
+            return "q4_1"
+        if f"{name}.q8_0.qs" in self.files:
+            return "q8_0"
+        return None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical (dequantised) shape of ``name``."""
+        kind = self._require(name)
+        if kind == "float":
+            return tuple(self._slice(name).get_shape())
+        rows, width = self._slice(f"{name}.{kind}.qs").get_shape()
+        return (rows, width * 2) if kind == "q4_1" else (rows, width)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``name`` (the whole of a 1-D tensor) as fp32."""
+        kind = self._require(name)
+        try:
+            if kind == "float":
+                part = self._slice(name)
+                if len(part.get_shape()) == 1:
+                    return part[:].float()  # type: ignore[no-any-return]
+                return part[start:stop].float()  # type: ignore[no-any-return]
+            if kind == "q4_1":
+                q, d, m = self._q4_rows(name, start, stop)
+                n, k = q.shape
+                w = q.float().reshape(n, k // BLOCK, BLOCK) * d[..., None] + m[..., None]
+                return w.reshape(n, k)
+            qs: torch.Tensor = self._slice(f"{name}.q8_0.qs")[start:stop]
+            d = self._slice(f"{name}.q8_0.d")[start:stop].float()
+            n, k = qs.shape
+            w8: torch.Tensor = qs.float().reshape(n, k // BLOCK, BLOCK) * d[..., None]
+            return w8.reshape(n, k)
+        except CorruptModel:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """All of ``name`` as fp32."""
+        shape = self.shape(name)
+        return self.rows(name, 0, shape[0])
+
+    def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A Q4_1 tensor's own blocks: ``(q uint8 (n, k) in 0..15, d fp32, m fp32)``."""
+        rows = self.shape(name)[0]
+        try:
+            return self._q4_rows(name, 0, rows)
+        except Exception as exc:
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
+
+    def _q4_rows(
+        self, name: str, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qs = self._slice(f"{name}.q4_1.qs")[start:stop]  # (n, k/2) uint8
+        d = self._slice(f"{name}.q4_1.d")[start:stop].float()
+        m = self._slice(f"{name}.q4_1.m")[start:stop].float()
+        n, half = qs.shape
+        blocks = qs.reshape(n, half // (BLOCK // 2), BLOCK // 2)
+        q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
+        return q, d, m
+
+    def _require(self, name: str) -> Kind:
+        kind = self.kind(name)
+        if kind is None:
+            raise CorruptModel(f"{self.folder}: tensor {name} missing from the checkpoint")
+        return kind
+
+    def _slice(self, name: str) -> _Entry:
+        if name not in self.files:
+            raise CorruptModel(f"{self.folder}: tensor {name} missing from the checkpoint")
+        file = self.files[name]
+        if file not in self._headers:
+            self._headers[file] = self._open(file)
+        handle, base, header = self._headers[file]
+        try:
+            return _Entry(handle, base, header[name])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptModel(f"{file}: bad header entry for {name} ({exc!r})") from exc
+
+    def _open(self, file: Path) -> tuple[BinaryIO, int, dict[str, Any]]:
+        """The open file, where its data starts, and its parsed JSON header."""
+        try:
+            handle = self._stack.enter_context(open(file, "rb"))  # noqa: SIM115
+            (size,) = struct.unpack("<Q", handle.read(8))
+            if size > _MAX_HEADER_BYTES:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(handle.read(size))
+        except (OSError, ValueError, struct.error) as exc:
+            raise CorruptModel(f"{file}: unreadable safetensors ({brief_error(exc)})") from exc
+        if not isinstance(header, dict):
+            raise CorruptModel(f"{file}: unreadable safetensors (header is not an object)")
+        return handle, 8 + size, header
+
+
+def float_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder as fp32 (for references and exports, not serving)."""
+    with CheckpointReader(folder) as reader:
+        return {name: reader.tensor(name) for name in reader.names()}
+
+
+__all__ = ["BLOCK", "ROW_CHUNK", "CheckpointReader", "Kind", "float_state_dict"]

@@ -1,0 +1,202 @@
+"""A GGUF file rewritten as a compact safetensors folder (no float inflation).
+
+Quantized blocks are copied as they are (see :mod:`hetmesh.partition.checkpoint`
+for the tensor names): Q4_1 and Q4_0 as Q4_1 blocks (Q4_0's ``w = d (q - 8)``
+is Q4_1 with ``m = -8 d``, exactly), Q8_0 as Q8_0 blocks; F32, F16 and BF16
+tensors keep their dtype. Other supported block types (the K-quants, Q5_0,
+Q5_1) are dequantised one tensor at a time with the ``gguf`` package's own
+numpy routines and stored as fp16 (more mantissa than bf16; fp32 for a
+tensor whose values do not fit fp16).
+
+Every tensor's type is checked before anything is written: an unsupported
+type is one ``UnsupportedModel`` line naming it and the supported ones.
+
+Llama GGUF files hold q and k projections with their rows permuted for
+llama.cpp's rotary layout; the rows are put back in Hugging Face order (a row
+permutation, applied to the blocks and their scales alike).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetmesh.errors import CorruptModel, UnsupportedModel
+
+# GGUF types kept as blocks, kept as floats, and dequantised per tensor
+_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_DEQUANT_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (*_FLOAT_TYPES, *_BLOCK_TYPES, *_DEQUANT_TYPES)
+_FP16_MAX = 65504.0
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SKIPPED = {"rope_freqs.weight"}  # recomputed by the rotary module
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face tensor name of a GGUF tensor (None for tensors we skip)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    found = _LAYER.match(gguf_name)
+    if found and found.group(2) in _LAYER_NAMES:
+        index, part, kind = found.groups()
+        return f"model.layers.{index}.{_LAYER_NAMES[part]}.{kind}"
+    return None
+
+
+def check_tensor_types(reader: Any, path: Path) -> None:
+    """Raise ``UnsupportedModel`` (one line) if any tensor has a type we cannot load."""
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_TYPES and tensor.name not in _SKIPPED:
+            raise UnsupportedModel(
+                f"{path}: tensor {tensor.name} has GGUF type {kind}; supported: "
+                f"{', '.join(SUPPORTED_TYPES)}"
+            )
+
+
+def compact_tensors(
+    reader: Any,
+    path: Path,
+    *,
+    heads: int,
+    kv_heads: int,
+    permute_qk: bool,
+    progress: Callable[[float], None],
+) -> dict[str, np.ndarray]:
+    """The folder's tensors (name -> numpy array) for every mapped GGUF tensor."""
+    check_tensor_types(reader, path)
+    out: dict[str, np.ndarray] = {}
+    tensors = list(reader.tensors)
+    for done, tensor in enumerate(tensors):
+        progress(done / max(len(tensors), 1))
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        rows_perm: Callable[[np.ndarray], np.ndarray] = _identity
+        if permute_qk and tensor.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            n_head = heads if ".attn_q." in tensor.name else kv_heads
+            rows_perm = _row_unpermuter(n_head)
+        try:
+            out.update(_convert(tensor, name, rows_perm))
+        except (ValueError, TypeError, IndexError) as exc:
+            raise CorruptModel(f"{path}: tensor {tensor.name} is malformed ({exc})") from exc
+    return out
+
+
+def _identity(array: np.ndarray) -> np.ndarray:
+    return array
+
+
+def _row_unpermuter(n_head: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Undo llama.cpp's q/k row interleaving on any per-row array ``(n, ...)``."""
+
+    def unpermute(array: np.ndarray) -> np.ndarray:
+        rows = array.shape[0]
+        half = rows // n_head // 2
+        grouped = array.reshape(n_head, half, 2, *array.shape[1:])
+        return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(array.shape))
+
+    return unpermute
+
+
+def _logical_shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest axis first
+
+
+def _convert(
+    tensor: Any, name: str, rows_perm: Callable[[np.ndarray], np.ndarray]
+) -> dict[str, np.ndarray]:
+    import gguf
+
+    kind = tensor.tensor_type.name
+    shape = _logical_shape(tensor)
+    data = np.asarray(tensor.data)
+    if kind in _BLOCK_TYPES:
+        rows, width = shape
+        groups = width // 32
+        block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+        blocks = data.reshape(rows, groups, block_bytes)
+        d = blocks[..., 0:2].copy().view(np.float16).reshape(rows, groups)
+        if kind == "Q8_0":
+            qs = blocks[..., 2:34].copy().view(np.int8).reshape(rows, width)
+            return {f"{name}.q8_0.qs": rows_perm(qs), f"{name}.q8_0.d": rows_perm(d)}
+        if kind == "Q4_1":
+            m = blocks[..., 2:4].copy().view(np.float16).reshape(rows, groups)
+            nibbles = blocks[..., 4:20].reshape(rows, width // 2)
+        else:
+            m = (d.astype(np.float32) * -8.0).astype(np.float16)  # exact: a power of two
+            nibbles = blocks[..., 2:18].reshape(rows, width // 2)
+        return {
+            f"{name}.q4_1.qs": rows_perm(np.ascontiguousarray(nibbles)),
+            f"{name}.q4_1.d": rows_perm(d),
+            f"{name}.q4_1.m": rows_perm(m),
+        }
+    if kind == "F32":
+        return {name: rows_perm(data.astype(np.float32, copy=False).reshape(shape))}
+    if kind == "F16":
+        return {name: rows_perm(data.astype(np.float16, copy=False).reshape(shape))}
+    if kind == "BF16":
+        # numpy has no bfloat16: keep the raw bits, marked for the writer
+        bits = data.view(np.uint16).reshape(shape)
+        return {f"{name}{BF16_SUFFIX}": rows_perm(bits)}
+    values = gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
+    if np.abs(values).max(initial=0.0) < _FP16_MAX:
+        return {name: rows_perm(values.astype(np.float16))}
+    return {name: rows_perm(values.astype(np.float32))}
+
+
+BF16_SUFFIX = "\x00bf16"  # an internal marker, never written as a name
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], file: Path) -> None:
+    """Write the arrays (bf16 bit patterns restored to bfloat16) as one safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    state: dict[str, torch.Tensor] = {}
+    for name, array in tensors.items():
+        if name.endswith(BF16_SUFFIX):
+            bits = torch.from_numpy(np.array(array, dtype=np.uint16).view(np.int16))
+            state[name.removesuffix(BF16_SUFFIX)] = bits.view(torch.bfloat16)
+        else:
+            array = np.ascontiguousarray(array)
+            if not array.flags.writeable:  # a view of the memory-mapped GGUF
+                array = array.copy()
+            state[name] = torch.from_numpy(array)
+    save_file(state, str(file), metadata={"format": "pt", "hetmesh_layout": "compact"})
+
+
+def write_config(config: dict[str, Any], folder: Path) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "check_tensor_types",
+    "compact_tensors",
+    "hf_name",
+    "write_safetensors",
+]

@@ -1,0 +1,178 @@
+"""Fill a stage's meta skeleton with its own tensors, each already in the stage's format.
+
+Tensors are read one at a time (large tables a slice of rows at a time) from
+the folder's checkpoint, converted to the stage's format and placed with
+``accelerate.utils.set_module_tensor_to_device``; nothing holds a float copy
+of more than one tensor (or slice), so loading a stage peaks close to the
+stage's own resident bytes.
+
+Raises :class:`~hetmesh.errors.CorruptModel` for a missing or misshapen tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetmesh.errors import CorruptModel
+from hetmesh.partition.checkpoint import ROW_CHUNK, CheckpointReader
+from hetmesh.partition.quant import (
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    quantize_groups_int4,
+    quantize_rows_int8,
+)
+
+
+def materialise(stage: Any, folder: Path, config: dict[str, Any]) -> None:
+    """Load ``stage``'s tensors from ``folder`` (see the module docstring)."""
+    tied = bool(config.get("tie_word_embeddings", False))
+    with CheckpointReader(folder) as reader:
+        loader = _Loader(stage, reader, folder)
+        if stage.embed_tokens is not None:
+            loader.table("embed_tokens", stage.embed_tokens, "model.embed_tokens.weight")
+        for local, global_index in enumerate(stage.layer_range):
+            layer = stage.layers[local]
+            for sub, module in layer.named_modules():
+                path = f"layers.{local}.{sub}" if sub else f"layers.{local}"
+                source = f"model.layers.{global_index}.{sub}" if sub else ""
+                loader.module(path, module, source)
+        if stage.norm is not None:
+            loader.module("norm", stage.norm, "model.norm")
+        if stage.lm_head is not None:
+            head_source = "lm_head.weight"
+            if reader.kind(head_source) is None:
+                if not tied:
+                    raise CorruptModel(f"{folder}: no lm_head.weight and embeddings are not tied")
+                head_source = "model.embed_tokens.weight"  # tied: the head reads the embedding
+            if stage.embed_tokens is not None and head_source == "model.embed_tokens.weight":
+                _share_table(stage)
+            else:
+                loader.table("lm_head", stage.lm_head, head_source)
+    left = [name for name, t in _tensors(stage) if t.is_meta]
+    if left:
+        raise CorruptModel(f"{folder}: no tensors for {left[:3]}")
+
+
+def _tensors(stage: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*stage.named_parameters(), *stage.named_buffers()]
+
+
+def _share_table(stage: Any) -> None:
+    """A stage holding both ends of a tied model keeps one matrix for both."""
+    if isinstance(stage.embed_tokens, Int8Embedding):
+        stage.lm_head.weight_q = stage.embed_tokens.weight_q
+        stage.lm_head.weight_scale = stage.embed_tokens.weight_scale
+    else:
+        stage.lm_head.weight = stage.embed_tokens.weight
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them after large frees).
+
+    Without it the float temporaries of each converted tensor pile up in the
+    allocator and loading a compact stage peaks at 3x its resident bytes.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _load_libc()
+
+
+class _Loader:
+    def __init__(self, stage: Any, reader: CheckpointReader, folder: Path) -> None:
+        self.stage, self.reader, self.folder = stage, reader, folder
+        self.device: torch.device = stage.device
+        self.dtype: torch.dtype = stage.dtype
+
+    def put(self, path: str, value: torch.Tensor) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        _release_freed_memory()
+        try:
+            set_module_tensor_to_device(
+                self.stage, path, self.device, value=value, dtype=value.dtype
+            )
+        except ValueError as exc:  # accelerate's shape check
+            raise CorruptModel(f"{self.folder}: tensor for {path}: {exc}") from exc
+
+    def expect(self, source: str, shape: tuple[int, ...]) -> None:
+        found = self.reader.shape(source)
+        if found != shape:
+            raise CorruptModel(
+                f"{self.folder}: tensor {source} has shape {found}, config says {shape}"
+            )
+
+    def module(self, path: str, module: nn.Module, source: str) -> None:
+        """Own parameters of ``module`` (not its children), from ``source.<name>``."""
+        if isinstance(module, Int8Linear):
+            self.expect(f"{source}.weight", (module.out_features, module.in_features))
+            q, scale = quantize_rows_int8(self.reader.tensor(f"{source}.weight"))
+            self.put(f"{path}.weight_q", q)
+            self.put(f"{path}.weight_scale", scale)
+        elif isinstance(module, Int4Linear):
+            self.int4(path, module, f"{source}.weight")
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                self.float_param(f"{path}.{name}", f"{source}.{name}", tuple(param.shape))
+
+    def float_param(self, path: str, source: str, shape: tuple[int, ...]) -> None:
+        self.expect(source, shape)
+        if len(shape) == 1:
+            self.put(path, self.reader.tensor(source).to(self.dtype))
+            return
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for start in range(0, shape[0], ROW_CHUNK):
+            stop = min(start + ROW_CHUNK, shape[0])
+            out[start:stop] = self.reader.rows(source, start, stop)
+        self.put(path, out)
+
+    def int4(self, path: str, module: Int4Linear, source: str) -> None:
+        self.expect(source, (module.out_features, module.in_features))
+        if self.reader.kind(source) == "q4_1":
+            q, d, m = self.reader.q4_blocks(source)  # the shipped weights, kept exactly
+        else:
+            q, d, m = quantize_groups_int4(self.reader.tensor(source))
+        packed, scales_zeros = Int4Linear.pack(q, d, m)
+        self.put(f"{path}.weight_packed", packed.to(self.device))
+        self.put(f"{path}.scales_zeros", scales_zeros.to(self.device))
+
+    def table(self, path: str, module: nn.Module, source: str) -> None:
+        """The embedding or head matrix, a slice of rows at a time."""
+        if isinstance(module, (Int8Embedding, Int8Linear)):
+            rows_n = module.weight_q.shape[0]
+            self.expect(source, tuple(module.weight_q.shape))
+            q = torch.empty(module.weight_q.shape, dtype=torch.int8, device=self.device)
+            scale = torch.empty(rows_n, dtype=torch.float32, device=self.device)
+            for start in range(0, rows_n, ROW_CHUNK):
+                stop = min(start + ROW_CHUNK, rows_n)
+                q[start:stop], scale[start:stop] = quantize_rows_int8(
+                    self.reader.rows(source, start, stop)
+                )
+            self.put(f"{path}.weight_q", q)
+            self.put(f"{path}.weight_scale", scale)
+            return
+        weight = module.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{path} has no weight tensor")
+        self.float_param(f"{path}.weight", source, tuple(weight.shape))
+
+
+__all__ = ["materialise"]

@@ -1,0 +1,73 @@
+"""int8/int4 layers: packing round trips, kernels against their own dequantised weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetmesh.partition.quant import (
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    pack_int4,
+    quantize_groups_int4,
+    quantize_rows_int8,
+    unpack_int4,
+)
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (128, 96), (192, 576)])
+def test_int4_pack_round_trips(n: int, k: int) -> None:
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+
+
+@pytest.mark.parametrize(("n", "k"), [(32, 64), (96, 64), (576, 192)])
+def test_int4_linear_multiplies_by_its_q4_1_weights(n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q, d, m = quantize_groups_int4(w)
+    exact = (q.float().reshape(n, -1, 32) * d[..., None] + m[..., None]).reshape(n, k)
+    assert (exact - w).abs().max() <= d.max() / 2 + 1e-6  # rounding to the nearest level
+    layer = Int4Linear(k, n, bias=True, device="cpu")
+    packed, scales_zeros = Int4Linear.pack(q, d, m)
+    layer.weight_packed.copy_(packed)
+    layer.scales_zeros.copy_(scales_zeros)
+    assert layer.bias is not None
+    layer.bias.data.normal_(generator=gen)
+    x = torch.randn(9, k, generator=gen)
+    expected = x @ exact.t() + layer.bias
+    got = layer(x)
+    # bf16 activations, scales and zero points inside the kernel
+    assert float((got - expected).abs().max() / expected.abs().max()) < 0.01
+    assert torch.equal(layer(x[4:5]), got[4:5])  # rows do not depend on each other
+    # the 4-bit levels are the Q4_1 ones; only the bf16 scales and zeros round
+    assert float((layer.dequantized() - exact).abs().max() / exact.abs().max()) < 0.01
+
+
+def test_int8_linear_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen)
+    layer = Int8Linear(64, 96, bias=False, device="cpu")
+    q, scale = quantize_rows_int8(w)
+    layer.weight_q.copy_(q)
+    layer.weight_scale.copy_(scale)
+    x = torch.randn(2, 20, 64, generator=gen)
+    batched = layer(x)
+    assert batched.shape == (2, 20, 96)
+    assert torch.equal(layer(x[1, 7:8]), batched[1, 7:8])  # padded to 17 rows inside
+    reference = x @ w.t()
+    assert float((batched - reference).abs().max() / reference.abs().max()) < 0.03
+
+
+def test_int8_embedding_rows() -> None:
+    w = torch.randn(50, 16, generator=torch.Generator().manual_seed(2))
+    table = Int8Embedding(50, 16, device="cpu")
+    q, scale = quantize_rows_int8(w)
+    table.weight_q.copy_(q)
+    table.weight_scale.copy_(scale)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    out = table(ids)
+    assert out.shape == (2, 2, 16)
+    assert torch.equal(out[0, 0], out[1, 1])
+    assert torch.allclose(out, w[ids], atol=float(scale.max()) / 2 + 1e-6)
