@@ -62,6 +62,11 @@ class PeerEntry:
     refusals: int = 0
     state_since: float = 0.0
     ever_alive: bool = False
+    # the membership protocol's view (hetmesh.discovery.membership): the peer's
+    # incarnation (boot_id, incarnation) and the newest record version heard of
+    boot_id: int = 0
+    incarnation: int = 0
+    record_seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)

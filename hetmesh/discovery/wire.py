@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgpack
-import trio
 
 from hetmesh.errors import RemoteProtocolError, StreamReset
 from hetmesh.resources import DeviceProfile, LinkProfile, PeerId, WireRecord
@@ -73,6 +72,7 @@ class Announcement(WireRecord):
     sent_at_s: float = 0.0  # sender's wall clock
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = 1
+    incarnation: int = 0  # the membership protocol's liveness version within one boot
 
     @property
     def order(self) -> tuple[int, int]:
@@ -143,6 +143,8 @@ async def read_frame(stream: ByteStream, *, max_bytes: int, timeout_s: float) ->
     reading the body), :class:`StreamReset` if the stream ends early and
     ``trio.TooSlowError`` on timeout.
     """
+    import trio  # here, so the pure modules that use the records stay free of trio
+
     with trio.fail_after(timeout_s):
         (size,) = _HEADER.unpack(await _read_exact(stream, _HEADER.size))
         if size > max_bytes:

@@ -1,0 +1,326 @@
+"""Control-plane scale: the membership protocol simulated, and real idle meshes.
+
+    python bench/scale.py --json                       # both parts
+    python bench/scale.py --json --part sim --sim-sizes 100 1000
+    python bench/scale.py --json --part real --real-sizes 4 8 16 --baseline-src /work/main
+
+**Simulation** (``--part sim``): the node's own membership code
+(:class:`hetmesh.discovery.membership.Membership`) on a virtual network
+(:class:`hetmesh.discovery.simnet.SimNet`): virtual time, 1-5 ms latency,
+``--loss`` of every message lost (1 % by default). Each size starts from a
+converged mesh, then measures, in this order:
+
+* steady state over ``--window-s``: messages and bytes (the real msgpack
+  encoding) sent per node per second;
+* a join through one bootstrap peer: protocol periods until every node holds
+  the newcomer as alive, and until every node holds its record;
+* two crashed (they refuse connections) and two frozen (silent) nodes:
+  seconds until the first and until the last live node declares each dead;
+* false verdicts over the whole run: suspicions and deaths of healthy nodes.
+
+**Real processes** (``--part real``): N ``hetmesh node start --no-serve``
+processes on loopback, bootstrapped from the first: seconds from launch (and
+from the last node being ready) until every node sees all others alive, then
+idle CPU per node (``/proc``, over ``--idle-s``) and bytes sent per node per
+second (the node's own counter; absent in a baseline without it). With
+``--baseline-src DIR`` the same sizes run again with ``DIR`` first on
+``PYTHONPATH`` (e.g. the main checkout: the full-record-every-second path).
+This machine is shared: real-process figures are as measured, not ideal.
+
+On main the node does not run the membership core yet (it still sends its
+whole record to every peer every second); the real part measures whatever
+the checkout's node runs, so today it is the baseline path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hetmesh.discovery.simnet import SimNet  # noqa: E402
+from hetmesh.discovery.table import Health  # noqa: E402
+
+SECRET = "bench-scale-secret"
+
+
+# -- simulation ------------------------------------------------------------------------
+
+
+def simulate(n: int, *, loss: float, window_s: float, seed: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    net = SimNet(seed=seed, loss=loss)
+    ids = [f"p{i:05d}" for i in range(n)]
+    for peer in ids:
+        net.add_node(peer)
+    net.prefill(ids)
+    period = net.policy.interval_s
+    net.run_until(5.0)  # let the probe rounds settle into their rhythm
+    healthy = set(ids)
+
+    # steady state
+    m0, b0 = net.stats.messages, net.stats.bytes
+    t0 = net.now
+    net.run_until(t0 + window_s)
+    per_node_msgs = (net.stats.messages - m0) / n / window_s
+    per_node_bytes = (net.stats.bytes - b0) / n / window_s
+
+    # a join through one bootstrap peer
+    joiner = "joiner"
+    t_join = net.now
+    net.add_node(joiner, introduce_to=ids[0])
+    alive_at = records_at = None
+    while net.now - t_join < 120 and records_at is None:
+        net.run_until(net.now + period / 2)
+        if alive_at is None and all(net.health(p, joiner) == "alive" for p in ids):
+            alive_at = net.now - t_join
+        if alive_at is not None and all(
+            (e := net.nodes[p].entries.get(joiner)) is not None and e.record is not None
+            for p in ids
+        ):
+            records_at = net.now - t_join
+    healthy.add(joiner)
+
+    # faults
+    crashed, frozen = ids[1:3], ids[3:5]
+    t_fault = net.now
+    for p in crashed:
+        net.crash(p)
+    for p in frozen:
+        net.freeze(p)
+    faulty = set(crashed) | set(frozen)
+    healthy -= faulty
+    # who has each faulty node as a live member (the newcomer may not know them all yet)
+    observers = {
+        f: {p for p in healthy if net.health(p, f) in ("alive", "suspect", "joining")}
+        for f in faulty
+    }
+    first: dict[str, float] = {}
+    every: dict[str, set[str]] = {p: set() for p in faulty}
+    last: dict[str, float] = {}
+
+    def on_verdict(v: Any) -> None:
+        peer = v.event.peer_id
+        if peer in faulty and v.event.new is Health.DEAD and v.observer in observers[peer]:
+            first.setdefault(peer, v.at_s - t_fault)
+            every[peer].add(v.observer)
+            if len(every[peer]) == len(observers[peer]):
+                last.setdefault(peer, v.at_s - t_fault)
+
+    net.on_verdict = on_verdict
+    net.run_until(t_fault + 20.0)
+    false_suspect = sum(
+        1 for v in net.verdicts if v.event.peer_id in healthy and v.event.new is Health.SUSPECT
+    )
+    false_dead = sum(
+        1 for v in net.verdicts if v.event.peer_id in healthy and v.event.new is Health.DEAD
+    )
+
+    def worst(d: dict[str, float], peers: list[str]) -> float | None:
+        vals = [d.get(p) for p in peers]
+        return None if any(v is None for v in vals) else round(max(v for v in vals if v), 2)
+
+    return {
+        "nodes": n,
+        "loss": loss,
+        "fanout": net.policy.fanout(n - 1),
+        "msgs_per_node_s": round(per_node_msgs, 2),
+        "bytes_per_node_s": round(per_node_bytes, 1),
+        "join_rounds_all_alive": None if alive_at is None else round(alive_at / period, 1),
+        "join_rounds_all_records": None if records_at is None else round(records_at / period, 1),
+        "crash_first_dead_s": worst(first, crashed),
+        "crash_all_dead_s": worst(last, crashed),
+        "freeze_first_dead_s": worst(first, frozen),
+        "freeze_all_dead_s": worst(last, frozen),
+        "false_suspicions": false_suspect,
+        "false_dead": false_dead,
+        "virtual_s": round(net.now, 1),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+# -- real processes ------------------------------------------------------------------------
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _views(addrs: list[str]) -> list[dict[str, Any] | None]:
+    import trio
+
+    from hetmesh.discovery.status import fetch_status
+
+    async def one(addr: str, out: list[dict[str, Any] | None], i: int) -> None:
+        with contextlib.suppress(Exception):
+            out[i] = await fetch_status(addr, mesh_secret=SECRET, timeout_s=5.0)
+
+    async def all_of() -> list[dict[str, Any] | None]:
+        out: list[dict[str, Any] | None] = [None] * len(addrs)
+        async with trio.open_nursery() as nursery:
+            for i, addr in enumerate(addrs):
+                nursery.start_soon(one, addr, out, i)
+        return out
+
+    return trio.run(all_of)
+
+
+def _sees_all(view: dict[str, Any] | None, ids: set[str]) -> bool:
+    if view is None:
+        return False
+    health = {p["peer_id"]: p["health"] for p in view["peers"]}
+    return all(health.get(i) == "alive" for i in ids - {view["self"]})
+
+
+def real_mesh(n: int, *, src: Path, idle_s: float, timeout_s: float) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"hetmesh-scale-{n}-"))
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+    env.pop("HETMESH_MESH_SECRET", None)
+    procs: list[subprocess.Popen[bytes]] = []
+    infos: list[dict[str, Any]] = []
+
+    def start(i: int, bootstrap: str | None) -> None:
+        data = root / f"n{i}"
+        data.mkdir()
+        argv = [sys.executable, "-m", "hetmesh", "node", "start", "--no-serve"]
+        argv += ["--data-dir", str(data), "--no-mdns", "--listen", "/ip4/127.0.0.1/tcp/0"]
+        argv += ["--mesh-secret", SECRET]
+        if bootstrap:
+            argv += ["--bootstrap", bootstrap]
+        with (root / f"n{i}.log").open("ab") as log:
+            procs.append(
+                subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=src)
+            )
+
+    def wait_info(i: int) -> dict[str, Any]:
+        path = root / f"n{i}" / "node.json"
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if procs[i].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node {i} did not start: {(root / f'n{i}.log').read_text()}")
+            time.sleep(0.2)
+        info: dict[str, Any] = json.loads(path.read_text())
+        return info
+
+    try:
+        launched = time.monotonic()
+        start(0, None)
+        infos.append(wait_info(0))
+        first = infos[0]["addrs"][0]
+        for i in range(1, n):
+            start(i, first)
+        infos += [wait_info(i) for i in range(1, n)]
+        ready = time.monotonic()
+        ids = {str(info["peer_id"]) for info in infos}
+        addrs = [str(info["addrs"][0]) for info in infos]
+        converged = None
+        while time.monotonic() - launched < timeout_s:
+            views = _views(addrs)
+            if all(_sees_all(v, ids) for v in views):
+                converged = time.monotonic()
+                break
+            time.sleep(0.5)
+        time.sleep(5.0)  # let the link probes that follow a join finish
+        before = [_views([a])[0] for a in addrs]
+        cpu0 = [_cpu_s(p.pid) for p in procs]
+        t0 = time.monotonic()
+        time.sleep(idle_s)
+        cpu1 = [_cpu_s(p.pid) for p in procs]
+        elapsed = time.monotonic() - t0
+        after = [_views([a])[0] for a in addrs]
+        sent = []
+        for b, a in zip(before, after, strict=True):
+            if b and a and "bytes_sent" in a["statistics"]:
+                sent.append(a["statistics"]["bytes_sent"] - b["statistics"]["bytes_sent"])
+        cores = [(c1 - c0) / elapsed for c0, c1 in zip(cpu0, cpu1, strict=True)]
+        return {
+            "nodes": n,
+            "src": str(src),
+            "converged_s_from_launch": None
+            if converged is None
+            else round(converged - launched, 1),
+            "converged_s_from_ready": None if converged is None else round(converged - ready, 1),
+            "idle_cores_per_node": round(sum(cores) / n, 4),
+            "idle_cores_mesh": round(sum(cores), 3),
+            "bytes_sent_per_node_s": round(sum(sent) / len(sent) / elapsed) if sent else None,
+            "idle_window_s": round(elapsed, 1),
+        }
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--part", choices=["sim", "real", "both"], default="both")
+    ap.add_argument("--sim-sizes", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--loss", type=float, default=0.01)
+    ap.add_argument("--window-s", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--real-sizes", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--idle-s", type=float, default=20.0)
+    ap.add_argument("--timeout-s", type=float, default=180.0)
+    ap.add_argument("--baseline-src", type=Path, default=None)
+    args = ap.parse_args()
+
+    out: dict[str, Any] = {}
+    if args.part in ("sim", "both"):
+        sims = [
+            simulate(n, loss=args.loss, window_s=args.window_s, seed=args.seed)
+            for n in args.sim_sizes
+        ]
+        out["simulation"] = sims
+        by_n = {s["nodes"]: s for s in sims}
+        if 100 in by_n and 1000 in by_n:
+            out["per_node_bytes_growth_1000_vs_100"] = round(
+                by_n[1000]["bytes_per_node_s"] / by_n[100]["bytes_per_node_s"], 3
+            )
+        out["sim_crash_all_dead_s_max"] = max((s["crash_all_dead_s"] or 1e9) for s in sims)
+        out["sim_false_dead"] = sum(s["false_dead"] for s in sims)
+    if args.part in ("real", "both"):
+        real = [
+            real_mesh(n, src=REPO, idle_s=args.idle_s, timeout_s=args.timeout_s)
+            for n in args.real_sizes
+        ]
+        out["real"] = real
+        for r in real:
+            out[f"converged_s_{r['nodes']}"] = r["converged_s_from_launch"]
+            out[f"idle_cores_per_node_{r['nodes']}"] = r["idle_cores_per_node"]
+        if args.baseline_src is not None:
+            out["baseline"] = [
+                real_mesh(n, src=args.baseline_src, idle_s=args.idle_s, timeout_s=args.timeout_s)
+                for n in args.real_sizes
+            ]
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for key, value in out.items():
+            print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
