@@ -102,10 +102,11 @@ def choose_weights(
             timed[f] = step
     if floats:
         best = min(timed, key=lambda f: (timed[f], FLOAT_ORDER.index(f)), default=floats[0])
-        if "int8" in compact and best in timed:
-            step = measure("int8")
-            if step is not None and step < timed[best]:
-                return "int8", step
+        if best in timed:
+            quick = {f: step for f in compact if (step := measure(f)) is not None}
+            fastest = min(quick, key=lambda f: (quick[f], QUANTIZED_ORDER.index(f)), default=None)
+            if fastest is not None and quick[fastest] < timed[best]:
+                return fastest, quick[fastest]
         return best, timed.get(best)
     if compact:
         return compact[0], measure(compact[0])

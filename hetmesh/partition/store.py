@@ -55,8 +55,10 @@ DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728
 DEFAULT_GGUF_BYTES = 98_362_432
 MARKER = "hetmesh-model.json"  # written last into a converted folder
 _FORMAT_VERSION = 2  # 2: the compact layout (quantized blocks kept); 1 was fp32
-# Suffix of converted folders' cache keys: the compact layout never shares a
-# folder with the fp32 one that older hetmesh versions wrote for the same model.
+# Converted folders live under ``<cache>/models/compact2/``: the compact layout
+# never shares a folder with the fp32 one that older hetmesh versions wrote for
+# the same model (``<cache>/models/<name>``), and a folder's name stays the
+# model's name (what the API and the planner call it).
 _LAYOUT_KEY = "compact2"
 _GGUF_ARCHITECTURES = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}
 _CHUNK = 1 << 20
@@ -160,7 +162,7 @@ def weight_files(path: Path) -> dict[str, Path]:
 def pull_default(cache: Path, *, progress: Progress | None = None) -> Path:
     """Fetch, verify and convert the default model into ``cache`` (idempotent)."""
     report = progress or _no_progress
-    target = cache / "models" / f"{DEFAULT_MODEL}-{_LAYOUT_KEY}"
+    target = _models_root(cache) / DEFAULT_MODEL
     if _complete(target):
         return target
     with _locked(cache, DEFAULT_MODEL):
@@ -187,8 +189,8 @@ def convert_local_gguf(path: Path, cache: Path, *, progress: Progress | None = N
     report = progress or _no_progress
     report(f"hashing {path.name}", 0.0)
     digest = _sha256(path)
-    key = f"gguf-{digest[:16]}-{_LAYOUT_KEY}"
-    target = cache / "models" / key
+    key = f"gguf-{digest[:16]}"
+    target = _models_root(cache) / key
     if _complete(target):
         return target
     with _locked(cache, key), tempfile.TemporaryDirectory(dir=_tmp_root(cache)) as tmp:
@@ -222,6 +224,11 @@ def _complete(target: Path) -> bool:
     return True
 
 
+def _models_root(cache: Path) -> Path:
+    """Where converted folders of the current layout live (made when the first lands)."""
+    return cache / "models" / _LAYOUT_KEY
+
+
 def _tmp_root(cache: Path) -> Path:
     """``<cache>/tmp``, cleared of leftovers of killed pulls (older than an hour)."""
     root = cache / "tmp"
@@ -237,7 +244,7 @@ def _tmp_root(cache: Path) -> Path:
 @contextlib.contextmanager
 def _locked(cache: Path, key: str) -> Iterator[None]:
     (cache / "models").mkdir(parents=True, exist_ok=True)
-    with open(cache / "models" / f".{key}.lock", "w") as handle:
+    with open(cache / "models" / f".{_LAYOUT_KEY}-{key}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

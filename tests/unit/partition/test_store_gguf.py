@@ -21,7 +21,7 @@ def test_local_gguf_converts_once_and_matches_transformers(tmp_path: Path) -> No
     cache = tmp_path / "cache"
     phases: list[str] = []
     model_dir = resolve_model(gguf_path, cache_dir=cache, progress=lambda p, f: phases.append(p))
-    assert model_dir.parent == cache / "models"
+    assert model_dir.parent == cache / "models" / "compact2"
     assert model_dir.name.startswith("gguf-")
     assert phases[-1] == "done"
     config = json.loads((model_dir / "config.json").read_text())

