@@ -156,5 +156,6 @@ def test_auto_announces_the_format_its_calibration_timed(meshes):
     # the block step announced is the chosen format's, measured (not the given 2 ms)
     assert extra["calibration"]["weights"] == extra["weights"]
     assert extra["calibration"]["block_step_s"] != pytest.approx(2e-3)
-    assert extra["weights"] in ("float32", "bfloat16", "int8")
+    # float16 is emulated on a CPU, so auto never times it there
+    assert extra["weights"] in ("float32", "bfloat16", "int8", "int4")
     assert "weights auto:" in node.log()
