@@ -390,6 +390,25 @@ class ShmLink(ThreadedLink):
                 return
             self._pending_release = []
 
+    def _discard_unread(self) -> None:
+        """Read away the packets queued for us before the socket closes.
+
+        Closing a seqpacket socket with unread packets makes the kernel reset
+        the peer, which then gets ``ECONNRESET`` *before* the packets we sent
+        last, our Goodbye among them. Our reader stops reading while the
+        application holds frames (credit), so a peer's late releases sit here.
+        """
+        for _ in range(1024):  # bounded: a peer cannot keep us here
+            try:
+                data, fds, _flags = _recv_fds(self.sock, socket.MSG_DONTWAIT)
+            except OSError:  # nothing waiting (BlockingIOError), or already broken
+                return
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if not data and not fds:  # the peer closed
+                return
+
     def statistics(self) -> Any:
         stats = super().statistics()
         with self._cond:
@@ -402,6 +421,7 @@ class ShmLink(ThreadedLink):
             )
 
     def _shutdown(self) -> None:
+        self._discard_unread()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()

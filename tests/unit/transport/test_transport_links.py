@@ -342,3 +342,40 @@ async def test_shm_close_leaves_files_that_reuse_a_received_segment_descriptor()
         finally:
             for fd in others:
                 os.close(fd)
+
+
+async def test_shm_close_with_unread_packets_still_delivers_the_goodbye() -> None:
+    """A seqpacket socket closed with packets still queued for it resets its peer, whose
+    next read then fails with ECONNRESET before the packets it was sent last. Closing a
+    link whose reader holds back (no credit left) must still leave the peer a Goodbye."""
+
+    def queued(link: Link) -> int:  # frames its reader took that the application has not
+        return int(link._receive_items.statistics().current_buffer_used)  # type: ignore[attr-defined]
+
+    async with planes("shm") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ShmLink)
+        assert isinstance(lb, ShmLink)
+        t = torch.ones(16)
+        inflight = la.max_inflight
+        # both readers take max_inflight frames, then wait for credit: lb cannot read
+        # la's Goodbye before la closes, and lb's last frame stays unread on la's socket
+        for step in range(inflight):
+            await la.send(Activations(session_id="a", step=step, positions=(), tensors=(t,)))
+        await wait_until(lambda: queued(lb) >= inflight)
+        for step in range(inflight + 1):
+            await lb.send(Activations(session_id="b", step=step, positions=(), tensors=(t,)))
+        await wait_until(lambda: queued(la) >= inflight)
+        await la.aclose()
+        held = []
+        with trio.fail_after(10):
+            for step in range(inflight):
+                frame = await lb.receive()  # held, not released: lb sends nothing to la
+                assert isinstance(frame, Activations)
+                assert frame.step == step
+                held.append(frame)
+            last = await lb.receive()
+        assert last.__class__.__name__ == "Goodbye"
+        for frame in held:
+            lb.release(frame)
+        await lb.aclose()
