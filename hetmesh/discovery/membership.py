@@ -50,6 +50,7 @@ from hetmesh.discovery.table import (
     PeerEntry,
     TableEvent,
     TableStatistics,
+    live_members,
 )
 from hetmesh.discovery.wire import Announcement
 from hetmesh.resources import PeerId
@@ -410,11 +411,7 @@ class Membership:
 
     def members(self) -> list[PeerEntry]:
         """Alive and suspect peers whose record we hold, sorted by peer id."""
-        live = (Health.ALIVE, Health.SUSPECT)
-        return sorted(
-            (e for e in self.entries.values() if e.health in live and e.record is not None),
-            key=lambda e: e.peer_id,
-        )
+        return live_members(self.entries.values())
 
     def alive(self) -> list[PeerEntry]:
         return [e for e in self.members() if e.health is Health.ALIVE]

@@ -23,6 +23,7 @@ a return, and a restarted process (new ``boot_id``) comes back through
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hetmesh.discovery.wire import Announcement
@@ -67,6 +68,14 @@ class PeerEntry:
     boot_id: int = 0
     incarnation: int = 0
     record_seq: int = 0
+
+
+def live_members(entries: Iterable[PeerEntry]) -> list[PeerEntry]:
+    """Alive and suspect peers whose record we hold, sorted by peer id."""
+    live = (Health.ALIVE, Health.SUSPECT)
+    return sorted(
+        (e for e in entries if e.health in live and e.record is not None), key=lambda e: e.peer_id
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,11 +229,7 @@ class PeerTable:
 
     def members(self) -> list[PeerEntry]:
         """Peers in the live table (alive or suspect), sorted by peer id."""
-        live = (Health.ALIVE, Health.SUSPECT)
-        return sorted(
-            (e for e in self.entries.values() if e.health in live and e.record is not None),
-            key=lambda e: e.peer_id,
-        )
+        return live_members(self.entries.values())
 
     def alive(self) -> list[PeerEntry]:
         return [e for e in self.members() if e.health is Health.ALIVE]
