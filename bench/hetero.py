@@ -1,7 +1,7 @@
 """Does placing by measured speed beat the baselines on real runs? (root, Linux)
 
 ``python bench/hetero.py [--json]`` builds three emulated hosts on this machine
-(``tests/testbed.py``: network namespaces, ``tc tbf``, cgroup v1) that differ
+(``hetmesh/testbed/mesh.py``: network namespaces, ``tc tbf``, cgroup v1) that differ
 the way a home cluster does:
 
 ====  =========  ==============  ==========
@@ -38,11 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tests.testbed import (  # noqa: E402
+from hetmesh.testbed.mesh import (
     HostSpec,
     MeshTestbed,
     devices_of,

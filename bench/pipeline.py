@@ -14,14 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 NODE_ARGS = ["--max-memory", "500MiB", "--max-sessions", "8", "--max-context", "1024"]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."

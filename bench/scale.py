@@ -46,12 +46,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from hetmesh.discovery.simnet import SimNet
+from hetmesh.discovery.table import Health
 
-from hetmesh.discovery.simnet import SimNet  # noqa: E402
-from hetmesh.discovery.table import Health  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SECRET = "bench-scale-secret"
 

@@ -23,11 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tests.testbed import (  # noqa: E402
+from hetmesh.testbed.mesh import (
     HostSpec,
     MeshTestbed,
     devices_of,

@@ -34,13 +34,9 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {"8KiB": 8 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 ALL_BACKENDS = ("tcp", "shm", "torchdist", "libp2p")

@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 TEXT = REPO / "tests" / "data" / "english_prose.txt"
 FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "discovery"))
-
-from discovery_nodes import SECRET, NodeFactory, NodeProc, wait_for
+from tests.integration.discovery.discovery_nodes import SECRET, NodeFactory, NodeProc, wait_for
 
 # Each node offers this much memory: the model (~0.54 GB of fp32 weights plus the
 # KV budget) needs all three, so the planner splits it three ways.

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from api_mesh import SECRET, Mesh, running_mesh
+
+from tests.integration.api.api_mesh import SECRET, Mesh, running_mesh
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -242,7 +243,7 @@ def test_status_cli_against_the_live_mesh(mesh: Mesh) -> None:
     import subprocess
     import sys
 
-    from discovery_nodes import REPO, node_env
+    from tests.integration.discovery.discovery_nodes import REPO, node_env
 
     base = [sys.executable, "-m", "hetmesh", "status", "--mesh", mesh.addr, "--mesh-secret", SECRET]
     plain = subprocess.run(
@@ -307,9 +308,8 @@ def test_generate_cli_streams_from_the_mesh(
     import subprocess
     import sys
 
-    from discovery_nodes import REPO, node_env
-
     from hetmesh.partition.text import load_tokenizer
+    from tests.integration.discovery.discovery_nodes import REPO, node_env
 
     argv = [
         sys.executable,

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from api_mesh import SECRET
-from discovery_nodes import REPO, NodeFactory, node_env
 
-from tests.netns import open_testbed, unavailable_reason
+from hetmesh.testbed.netns import open_testbed, unavailable_reason
+from tests.integration.api.api_mesh import SECRET
+from tests.integration.discovery.discovery_nodes import REPO, NodeFactory, node_env
 
 pytestmark = [
     pytest.mark.netns,

@@ -22,9 +22,13 @@ from typing import Any
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "discovery"))
-
-from discovery_nodes import REPO, NodeFactory, NodeProc, node_env, wait_for
+from tests.integration.discovery.discovery_nodes import (
+    REPO,
+    NodeFactory,
+    NodeProc,
+    node_env,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.multiprocess,

@@ -31,7 +31,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from dashboard_browser import css, missing, open_chromium, until
+
+from tests.integration.dashboard.dashboard_browser import css, missing, open_chromium, until
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import trio
-from dashboard_browser import css, missing, open_chromium, until
 
 from hetmesh.node.api import serve_http
 from hetmesh.node.api_metrics import MeshGauges
 from hetmesh.node.api_requests import ParsedRequest
 from hetmesh.partition.sampling import SamplingParams
+from tests.integration.dashboard.dashboard_browser import css, missing, open_chromium, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -15,11 +15,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[3]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from hetmesh.node.local import LocalNode
 
-from hetmesh.node.local import LocalNode  # noqa: E402
+REPO = Path(__file__).resolve().parents[3]
 
 SECRET = "integration-test-secret"
 

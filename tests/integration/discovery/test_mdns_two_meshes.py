@@ -15,9 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from discovery_nodes import REPO, NodeFactory, NodeProc, node_env, wait_for
 
-from tests.netns import NetnsTestbed, open_testbed, unavailable_reason
+from hetmesh.testbed.netns import NetnsTestbed, open_testbed, unavailable_reason
+from tests.integration.discovery.discovery_nodes import (
+    REPO,
+    NodeFactory,
+    NodeProc,
+    node_env,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.netns,

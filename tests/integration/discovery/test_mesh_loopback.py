@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from functools import partial
 
 import pytest
-from discovery_nodes import (
+
+from hetmesh.errors import AuthenticationFailed
+from tests.integration.discovery.discovery_nodes import (
     SECRET,
     NodeFactory,
     NodeProc,
@@ -28,8 +30,6 @@ from discovery_nodes import (
     wait_for,
     wait_health,
 )
-
-from hetmesh.errors import AuthenticationFailed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240)]
 

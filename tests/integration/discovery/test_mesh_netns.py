@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from discovery_nodes import (
+
+from hetmesh.testbed.netns import NetnsTestbed, open_testbed, unavailable_reason
+from tests.integration.discovery.discovery_nodes import (
     REPO,
     SECRET,
     NodeFactory,
@@ -20,8 +22,6 @@ from discovery_nodes import (
     node_env,
     wait_for,
 )
-
-from tests.netns import NetnsTestbed, open_testbed, unavailable_reason
 
 pytestmark = [
     pytest.mark.netns,

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from discovery_nodes import REPO
 
-from tests.cgroups import CGROUP_ROOT, CPU, MEMORY, detect
-from tests.netns import open_testbed, unavailable_reason
+from hetmesh.testbed.cgroups import CGROUP_ROOT, CPU, MEMORY, detect
+from hetmesh.testbed.netns import open_testbed, unavailable_reason
+from tests.integration.discovery.discovery_nodes import REPO
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(60)]
 
@@ -73,7 +73,7 @@ def test_netns_testbed_connects_hosts_and_cleans_up() -> None:
 
 
 def test_netns_testbed_explains_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tests.netns as netns
+    import hetmesh.testbed.netns as netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert netns.unavailable_reason() == "needs root (network namespaces, tc, cgroups)"

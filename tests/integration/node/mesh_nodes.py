@@ -6,19 +6,21 @@ Builds on the discovery tests' process helpers (reaped in ``finally``).
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "discovery"))
-
-from discovery_nodes import SECRET, NodeFactory, NodeProc, fetch_view, wait_for
-
 from hetmesh.node.local import ready_pipelines
 from hetmesh.partition.sampling import SamplingParams
+from tests.integration.discovery.discovery_nodes import (
+    SECRET,
+    NodeFactory,
+    NodeProc,
+    fetch_view,
+    wait_for,
+)
 
 # Each node may offer this much memory: the model (~0.54 GB of fp32 weights plus
 # KV budget) needs three of them, so the planner must split it.

@@ -19,10 +19,17 @@ import signal
 
 import pytest
 import trio
-from mesh_nodes import SECRET, encode, reference_ids, running_mesh, view_of, wait_serving
 
 from hetmesh.client.mesh import TokenEvent, open_mesh_client
 from hetmesh.scheduler.replan import newest_in_view
+from tests.integration.node.mesh_nodes import (
+    SECRET,
+    encode,
+    reference_ids,
+    running_mesh,
+    view_of,
+    wait_serving,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.model]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import trio
-from mesh_nodes import (
+
+from tests.integration.node.mesh_nodes import (
     SECRET,
     encode,
     generate_ids,

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from mesh_nodes import (  # NodeFactory: the discovery tests' process helper
+
+from hetmesh.partition.sampling import SamplingParams
+from tests.integration.node.mesh_nodes import (  # NodeFactory: the discovery tests' process helper
     SERVE_ARGS,
     NodeFactory,
     NodeProc,
@@ -25,8 +27,6 @@ from mesh_nodes import (  # NodeFactory: the discovery tests' process helper
     view_of,
     wait_serving,
 )
-
-from hetmesh.partition.sampling import SamplingParams
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.model]
 
@@ -143,7 +143,7 @@ async def test_status_shows_each_peers_format(mesh):
 
 
 def test_auto_announces_the_format_its_calibration_timed(meshes):
-    from mesh_nodes import fetch_view, wait_for
+    from tests.integration.node.mesh_nodes import fetch_view, wait_for
 
     (node,) = meshes["auto"]
 

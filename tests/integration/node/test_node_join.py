@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import trio
-from inprocess_mesh import PROMPT_IDS, generate, open_mesh, until, wait_ready
-from mesh_nodes import reference_ids
 
 from hetmesh.node.config import ServingConfig
 from hetmesh.scheduler.replan import coordinator
+from tests.integration.node.inprocess_mesh import PROMPT_IDS, generate, open_mesh, until, wait_ready
+from tests.integration.node.mesh_nodes import reference_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(300)]
 

@@ -13,13 +13,20 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from inprocess_mesh import PROMPT_IDS, free_port, generate, hold_a_slot, open_mesh, stage_servers
-from inprocess_mesh import until as until_
-from mesh_nodes import reference_ids
 
 from hetmesh.errors import Rejected
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.gateway import GatewayTimeouts
+from tests.integration.node.inprocess_mesh import (
+    PROMPT_IDS,
+    free_port,
+    generate,
+    hold_a_slot,
+    open_mesh,
+    stage_servers,
+)
+from tests.integration.node.inprocess_mesh import until as until_
+from tests.integration.node.mesh_nodes import reference_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(300)]
 

@@ -1,7 +1,7 @@
 """The ``mesh_testbed`` fixture: emulated hosts for real nodes, torn down whatever happens.
 
-``mesh_testbed(specs)`` builds one host per :class:`~tests.testbed.HostSpec`
-(namespaces, tbf, cgroups) and returns its :class:`~tests.testbed.MeshTestbed`;
+``mesh_testbed(specs)`` builds one host per :class:`~hetmesh.testbed.mesh.HostSpec`
+(namespaces, tbf, cgroups) and returns its :class:`~hetmesh.testbed.mesh.MeshTestbed`;
 start nodes with ``start_all``/``start_node``. Skips with the reason where the
 machine cannot (no root, ``tc``, a cgroup v1/v2 controller, or nsenter). On failure the nodes'
 log tails are printed.
@@ -10,17 +10,12 @@ log tails are printed.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tests.testbed import (  # noqa: E402
+from hetmesh.testbed.mesh import (
     HostSpec,
     MakeTestbed,
     MeshTestbed,

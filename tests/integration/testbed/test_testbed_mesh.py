@@ -1,4 +1,4 @@
-"""Real node processes on emulated heterogeneous hosts (tests/testbed.py).
+"""Real node processes on emulated heterogeneous hosts (hetmesh/testbed/mesh.py).
 
 - a heterogeneous mesh: CPU quotas of 100%, 50% and 25%, one link at 50 Mbit;
   the nodes measure themselves, the planner gives the slow host less work,
@@ -20,8 +20,8 @@ import pytest
 
 from hetmesh.partition.profile import model_profile
 from hetmesh.partition.store import check_model_dir
-from tests.cgroups import MEMORY_PEAK, detect
-from tests.testbed import (
+from hetmesh.testbed.cgroups import MEMORY_PEAK, detect
+from hetmesh.testbed.mesh import (
     REPO,
     HostSpec,
     MakeTestbed,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cgroups import detect
-from tests.netns import NETNS_DIR
-from tests.testbed import HostSpec, MeshNode, open_mesh_testbed, why_no_testbed
+from hetmesh.testbed.cgroups import detect
+from hetmesh.testbed.mesh import HostSpec, MeshNode, open_mesh_testbed, why_no_testbed
+from hetmesh.testbed.netns import NETNS_DIR
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

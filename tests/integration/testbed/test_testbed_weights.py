@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.testbed import REPO, HostSpec, MakeTestbed, MeshTestbed, child_env, plan_of
+from hetmesh.testbed.mesh import REPO, HostSpec, MakeTestbed, MeshTestbed, child_env, plan_of
 
 pytestmark = [
     pytest.mark.netns,

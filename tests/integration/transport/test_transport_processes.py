@@ -18,11 +18,10 @@ import trio.testing
 
 from hetmesh.errors import MeshError, TransportError
 from hetmesh.transport import Activations, DataPlane, Goodbye, Link, open_data_plane
+from tests.integration.transport.transport_peer import config, payloads, reply
 
-sys.path.insert(0, str(Path(__file__).parent))
-from transport_peer import config, payloads, reply
-
-PEER = Path(__file__).parent / "transport_peer.py"
+REPO = Path(__file__).resolve().parents[3]
+PEER = "tests.integration.transport.transport_peer"  # run with -m from the repository root
 BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -35,7 +34,8 @@ class Peers:
 
     def start(self, mode: str, backend: str, address: str) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            [sys.executable, str(PEER), mode, backend, address],
+            [sys.executable, "-m", PEER, mode, backend, address],
+            cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -1,6 +1,6 @@
 """The other OS process in the transport integration tests (run as a script).
 
-    python transport_peer.py MODE BACKEND ADDRESS
+    python -m tests.integration.transport.transport_peer MODE BACKEND ADDRESS
 
 It dials the test process (ADDRESS: a TCP port for the control stream, or a
 libp2p multiaddr) and negotiates a link restricted to BACKEND. Modes:
@@ -17,13 +17,10 @@ libp2p multiaddr) and negotiates a link restricted to BACKEND. Modes:
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 SIZES = (8 << 10, 4 << 20, 64 << 20)
 DTYPES = (torch.float32, torch.bfloat16)

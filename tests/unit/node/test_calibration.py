@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "partition"))
-from tiny_models import save_tiny
-
 from hetmesh.errors import ModelNotFound
 from hetmesh.node.calibration import measure_block_step_s
+from tests.unit.partition.tiny_models import save_tiny
 
 
 def test_block_step_is_measured_on_a_tiny_model(tmp_path: Path) -> None:

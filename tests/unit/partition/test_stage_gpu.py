@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import VOCAB, reference_logits, save_tiny
 
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
+from tests.unit.partition.tiny_models import VOCAB, reference_logits, save_tiny
 
 pytestmark = pytest.mark.gpu
 

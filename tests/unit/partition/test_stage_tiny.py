@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import (
+
+from hetmesh.errors import InvalidRequest
+from hetmesh.partition.generate import LocalPipeline, balanced_ranges
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.partition.stage import Stage, load_stage
+from tests.unit.partition.tiny_models import (
     EOS,
     FAMILIES,
     VOCAB,
@@ -15,11 +20,6 @@ from tiny_models import (
     reference_logits,
     save_tiny,
 )
-
-from hetmesh.errors import InvalidRequest
-from hetmesh.partition.generate import LocalPipeline, balanced_ranges
-from hetmesh.partition.sampling import SamplingParams
-from hetmesh.partition.stage import Stage, load_stage
 
 ATOL = 1e-4
 # units of a 4-layer model: 0 embed, 1..4 layers, 5 head

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import torch
-from tiny_models import write_tiny_gguf
 
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.store import MARKER, resolve_model
+from tests.unit.partition.tiny_models import write_tiny_gguf
 
 
 def test_local_gguf_converts_once_and_matches_transformers(tmp_path: Path) -> None:

@@ -14,12 +14,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from tiny_models import write_tiny_gguf
 
 from hetmesh.errors import CorruptModel, ModelNotFound
 from hetmesh.partition import gguf_compact, store
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
+from tests.unit.partition.tiny_models import write_tiny_gguf
 
 pytestmark = pytest.mark.multiprocess  # pip runs as a subprocess
 

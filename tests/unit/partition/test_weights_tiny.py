@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import save_tiny
 
 from hetmesh.errors import InvalidRequest
 from hetmesh.partition.formats import WeightFormat
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
+from tests.unit.partition.tiny_models import save_tiny
 
 PROMPT = [5, 17, 42, 8, 61, 23, 9, 30, 77, 12]
 STEPS = 12

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sched_helpers import BARE, device, toy_model
 
 from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
 from hetmesh.resources import LinkProfile
 from hetmesh.scheduler import PlanConstraints
 from hetmesh.scheduler.cost import Assignment, CostModel
+from tests.unit.scheduler.sched_helpers import BARE, device, toy_model
 
 
 def test_block_step_is_max_of_compute_and_memory_plus_overheads() -> None:

@@ -14,7 +14,6 @@ import random
 import statistics
 
 import pytest
-from sched_helpers import device, toy_model
 
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
@@ -24,6 +23,7 @@ from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.dp import Problem, order_dp
 from hetmesh.scheduler.planner import usable_devices
 from hetmesh.scheduler.records import Objective
+from tests.unit.scheduler.sched_helpers import device, toy_model
 
 INSTANCES = 200
 SEED = 20261129

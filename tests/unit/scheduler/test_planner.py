@@ -6,7 +6,6 @@ import random
 import time
 
 import pytest
-from sched_helpers import BARE, GIB, device, full_links, toy_model
 
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
@@ -16,6 +15,7 @@ from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.planner import usable_devices
 from hetmesh.scheduler.records import Objective
 from hetmesh.scheduler.synthetic import random_mesh, site_mesh
+from tests.unit.scheduler.sched_helpers import BARE, GIB, device, full_links, toy_model
 
 HEURISTIC = SearchOptions(exact_device_limit=0)
 FAST_COMPUTE = 1e16  # memory-bound everywhere: step time ∝ bytes read

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from sched_helpers import BARE, device, full_links, toy_model
 
 from hetmesh.errors import NoRoute
 from hetmesh.scheduler import MeshLoad, PipelineLoad, Plan, RouteRequest, plan, route
 from hetmesh.scheduler.router import expected_completion_s
+from tests.unit.scheduler.sched_helpers import BARE, device, full_links, toy_model
 
 
 @pytest.fixture

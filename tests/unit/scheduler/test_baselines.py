@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_helpers import BARE, GIB, device, full_links, toy_model
 
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
@@ -13,6 +12,7 @@ from hetmesh.scheduler import BASELINES, even_split, greedy_fill, memory_proport
 from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.records import Objective
 from hetmesh.scheduler.synthetic import random_mesh
+from tests.unit.scheduler.sched_helpers import BARE, GIB, device, full_links, toy_model
 
 
 def sizes(p) -> dict[str, int]:  # type: ignore[no-untyped-def]

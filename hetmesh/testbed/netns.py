@@ -9,7 +9,7 @@
   for 224.0.0.0/4 so multicast stays on it;
 - optionally, per host: a ``tc tbf`` rate on both ends of its access link, and
   a CPU quota (over a 100 ms period) and/or memory limit, in cgroup v1 or v2
-  (tests/cgroups.py), that processes started with :meth:`NetnsTestbed.popen`
+  (hetmesh/testbed/cgroups.py), that processes started with :meth:`NetnsTestbed.popen`
   join before they exec.
 
 Everything is torn down in ``finally``: the processes started through the
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.cgroups import CGROUP_ROOT, CPU, detect
+from hetmesh.testbed.cgroups import CGROUP_ROOT, CPU, detect
 
 NETNS_DIR = Path("/run/netns") if Path("/run/netns").is_dir() else Path("/var/run/netns")
 
@@ -50,7 +50,7 @@ def unavailable_reason(
 ) -> str | None:
     """Why the testbed cannot run here, or None.
 
-    ``need_cgroups``: the controllers in ``cgroup_needs`` (tests/cgroups.py:
+    ``need_cgroups``: the controllers in ``cgroup_needs`` (hetmesh/testbed/cgroups.py:
     CPU, MEMORY, MEMORY_PEAK), in cgroup v1 or v2, each checked.
     """
     if os.geteuid() != 0:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 
-from sched_helpers import device, full_links
-
 from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
 from hetmesh.resources import DeviceProfile
 from hetmesh.scheduler import (
@@ -22,6 +20,7 @@ from hetmesh.scheduler import (
     supersedes,
 )
 from hetmesh.scheduler.synthetic import random_mesh
+from tests.unit.scheduler.sched_helpers import device, full_links
 
 MODEL = model_profile(KNOWN_SHAPES["llama-7b"], dtype="float16", name="llama-7b")
 

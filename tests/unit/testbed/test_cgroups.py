@@ -1,4 +1,4 @@
-"""The testbed's cgroup logic (tests/cgroups.py) on temporary directories laid out like a
+"""The testbed's cgroup logic (hetmesh/testbed/cgroups.py) on temporary directories laid out like a
 cgroup v1 or v2 hierarchy: what it writes, what it checks, what it reads back."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cgroups import CPU, MEMORY, MEMORY_PEAK, Hierarchy, detect
-from tests.netns import unavailable_reason
+from hetmesh.testbed.cgroups import CPU, MEMORY, MEMORY_PEAK, Hierarchy, detect
+from hetmesh.testbed.netns import unavailable_reason
 
 
 def _v2(root: Path, controllers: str = "cpuset cpu io memory pids") -> Path:
@@ -131,7 +131,7 @@ def test_memory_peak_is_read_from_the_version_s_file(tmp_path: Path) -> None:
 def test_the_testbed_skips_with_the_missing_controller_as_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tests.netns as netns
+    import hetmesh.testbed.netns as netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
     monkeypatch.setattr(netns.shutil, "which", lambda name: f"/usr/bin/{name}")

@@ -1,6 +1,6 @@
 """A mesh of real ``hetmesh node start`` processes on emulated heterogeneous hosts.
 
-Built on :func:`tests.netns.open_testbed` (namespaces on a bridge, ``tc tbf`` per
+Built on :func:`hetmesh.testbed.netns.open_testbed` (namespaces on a bridge, ``tc tbf`` per
 link, a CPU quota and memory limit per host in cgroup v1 or v2). :func:`open_mesh_testbed`
 starts one serving node per host (the first listens first, the others
 bootstrap to it), and gives a :class:`MeshTestbed` to wait for the plan, read
@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from hetmesh.node.local import LocalNode
-from tests.cgroups import CPU, MEMORY
-from tests.netns import NetnsTestbed, open_testbed, unavailable_reason
+from hetmesh.testbed.cgroups import CPU, MEMORY
+from hetmesh.testbed.netns import NetnsTestbed, open_testbed, unavailable_reason
 
-REPO = Path(__file__).resolve().parents[1]
+# the folder holding this hetmesh package: node processes get it first on PYTHONPATH, so
+# they run the very code that started them (a checkout's, not an installed copy's)
+REPO = Path(__file__).resolve().parents[2]
 PORT = 4001
 SECRET = "testbed-secret"
 CPU_PERIOD_US = 100_000
@@ -98,7 +100,7 @@ class MeshNode(LocalNode):
 
 @dataclass
 class MeshTestbed:
-    """Running nodes on a :class:`~tests.netns.NetnsTestbed`; see the module doc."""
+    """Running nodes on a :class:`~hetmesh.testbed.netns.NetnsTestbed`; see the module doc."""
 
     net: NetnsTestbed
     specs: tuple[HostSpec, ...]
@@ -207,12 +209,12 @@ class MeshTestbed:
         repeat: int = 1,
         timeout_s: float = 300.0,
     ) -> list[dict[str, Any]]:
-        """Greedy generations entering at node ``node``; see ``tests/testbed_client.py``."""
+        """Greedy generations entering at node ``node``; see ``hetmesh/testbed/client.py``."""
         target = self.nodes[node]
         argv = [
             sys.executable,
             "-m",
-            "tests.testbed_client",
+            "hetmesh.testbed.client",
             target.addr,
             "--secret",
             self.secret,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from sched_helpers import BARE, device, full_links, toy_model
 
 from hetmesh.node.calibration import calibrated_constraints, calibration_extra
 from hetmesh.scheduler import plan
 from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.records import PlanConstraints
+from tests.unit.scheduler.sched_helpers import BARE, device, full_links, toy_model
 
 
 def _one_block(cost: CostModel, dev: int) -> float:

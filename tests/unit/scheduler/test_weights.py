@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from sched_helpers import BARE, GIB, device, full_links, toy_model
 
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import ModelProfile
 from hetmesh.scheduler import Plan, PlanConstraints, evaluate, plan
 from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.records import WeightBytes
+from tests.unit.scheduler.sched_helpers import BARE, GIB, device, full_links, toy_model
 
 
 def _compact(model: ModelProfile, name: str, divisor: int) -> WeightBytes:

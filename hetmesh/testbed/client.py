@@ -1,6 +1,6 @@
 """Greedy generations through a mesh node, timed; run inside a testbed host.
 
-``python -m tests.testbed_client ADDR --secret S --prompt-ids 1,2,3 --max-new-tokens N``
+``python -m hetmesh.testbed.client ADDR --secret S --prompt-ids 1,2,3 --max-new-tokens N``
 prints one JSON line per generation: ``tokens`` (ids), ``times_s`` (arrival of
 each token, seconds after the request), ``finish_reason`` — or ``error`` and
 ``message`` when the mesh refuses the request (the exit status stays 0: the
