@@ -1,4 +1,4 @@
-"""A stage server: one loaded :class:`~hetmesh.partition.stage.Stage`, its sessions' KV
+"""A stage server: one loaded :class:`~hetmesh.partition.stage.StageModule`, its sessions' KV
 caches, and a continuous-batching loop.
 
 Activations arrive from the data plane (token ids on the first stage, hidden
@@ -28,7 +28,7 @@ from hetmesh.node.control import CloseSession, OpenSession, Reply
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.sampling import Sampler, SamplingParams
-from hetmesh.partition.stage import Stage
+from hetmesh.partition.stage import StageModule
 from hetmesh.resources import PeerId
 from hetmesh.transport.frames import (
     ERROR_INTERNAL,
@@ -98,7 +98,7 @@ class StageServer:
 
     def __init__(
         self,
-        stage: Stage,
+        stage: StageModule,
         *,
         limits: KVLimits,
         send: Send,

@@ -11,8 +11,8 @@ torch and transformers load only with the modules that need them.
 - :mod:`~hetmesh.partition.formats` — ``WeightFormat``, ``parse_weights``,
   ``check_supported``, bytes per unit in each format (pure).
 - :mod:`~hetmesh.partition.stage` — ``load_stage(model_dir, start, end, *, device,
-  weights) -> Stage``; ``Stage.new_kv()``, ``Stage.forward(inputs, kv)``,
-  ``Stage.forward_batch([(inputs, kv), ...])``, ``Stage.resident_bytes()``.
+  weights) -> StageModule``; ``StageModule.new_kv()``, ``StageModule.forward(inputs, kv)``,
+  ``StageModule.forward_batch([(inputs, kv), ...])``, ``StageModule.resident_bytes()``.
 - :mod:`~hetmesh.partition.quant` — int8/int4 linear layers and int8 tables.
 - :mod:`~hetmesh.partition.checkpoint`, :mod:`~hetmesh.partition.materialise` —
   reading float or GGUF-block tensors and placing them into a stage's skeleton.

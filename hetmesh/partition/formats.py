@@ -20,11 +20,11 @@ and, elsewhere in :mod:`hetmesh.partition`::
     load_stage(model_dir, start, end, *, device="cpu",
                weights: WeightFormat | str = WeightFormat.FLOAT32,
                dtype: torch.dtype | None = None,        # deprecated alias of float formats
-               attn_implementation="sdpa") -> Stage
+               attn_implementation="sdpa") -> StageModule
     LocalPipeline.load(model_dir, num_stages=1, *, device="cpu",
                        weights=WeightFormat.FLOAT32, dtype=None) -> LocalPipeline
-    Stage.weights: WeightFormat; Stage.dtype: torch.dtype (activations/KV)
-    Stage.resident_bytes() -> int; LocalPipeline.resident_bytes() -> int
+    StageModule.weights: WeightFormat; StageModule.dtype: torch.dtype (activations/KV)
+    StageModule.resident_bytes() -> int; LocalPipeline.resident_bytes() -> int
 
 How each format holds a model (what ``unit_param_bytes`` counts):
 

@@ -20,7 +20,7 @@ from hetmesh.partition.formats import WeightFormat
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.profile import model_profile
 from hetmesh.partition.sampling import Sampler, SamplingParams
-from hetmesh.partition.stage import Stage, load_stage
+from hetmesh.partition.stage import StageModule, load_stage
 from hetmesh.partition.store import check_model_dir
 from hetmesh.partition.text import StopMatcher, TextStream, eos_token_ids, load_tokenizer
 from hetmesh.resources import ModelProfile
@@ -75,7 +75,7 @@ class Session:
 class LocalPipeline:
     """Stages covering a whole model, chained in this process."""
 
-    def __init__(self, stages: Sequence[Stage], *, model_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, stages: Sequence[StageModule], *, model_dir: str | os.PathLike[str]) -> None:
         if not stages:
             raise InvalidRequest("a pipeline needs at least one stage")
         expected = 0

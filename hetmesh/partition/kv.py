@@ -35,7 +35,7 @@ class SessionKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        self._owner = owner  # id of the Stage that made it
+        self._owner = owner  # id of the StageModule that made it
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -89,7 +89,7 @@ class SessionKV:
             f"nbytes={self.nbytes}, freed={self._freed})"
         )
 
-    # -- used by Stage during a forward -------------------------------------------------
+    # -- used by StageModule during a forward -------------------------------------------------
 
     def _check_usable(self, owner: int) -> None:
         if self._freed:

@@ -114,7 +114,7 @@ class _BatchCache:
         return keys, values
 
 
-class Stage(nn.Module):
+class StageModule(nn.Module):
     """Units ``[start, end)`` of a decoder-only model, with per-session KV caches."""
 
     def __init__(
@@ -386,7 +386,7 @@ def load_stage(
     weights: WeightFormat | str = WeightFormat.FLOAT32,
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
-) -> Stage:
+) -> StageModule:
     """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
     ``dtype`` is the older spelling of the float formats (``torch.bfloat16``
@@ -427,7 +427,7 @@ def load_stage(
                 f"int4 needs layer widths that are multiples of {INT4_GROUP}; this model has "
                 f"{sorted(w for w in widths if w)}"
             )
-    stage = Stage(config, profile, start, end, device=torch_device, weights=fmt)
+    stage = StageModule(config, profile, start, end, device=torch_device, weights=fmt)
     materialise(stage, folder, config_dict)
     stage.eval()
     return stage
@@ -456,4 +456,4 @@ def _quantize_linears(layer: nn.Module, fmt: WeightFormat) -> None:
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "SUPPORTED_ARCHITECTURES", "Stage", "load_stage"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "SUPPORTED_ARCHITECTURES", "StageModule", "load_stage"]

@@ -14,7 +14,7 @@ import torch
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.profile import model_profile
 from hetmesh.partition.sampling import SamplingParams
-from hetmesh.partition.stage import Stage, load_stage
+from hetmesh.partition.stage import StageModule, load_stage
 from hetmesh.partition.text import TextStream, encode_prompt, load_tokenizer
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -82,7 +82,7 @@ def reference(default_model_dir: Path, prompt_ids: torch.Tensor) -> dict[str, An
     return {"prefill": prefill, "tokens": generated, "steps": steps}
 
 
-def _chain(stages: list[Stage], kvs: list[Any], x: torch.Tensor) -> torch.Tensor:
+def _chain(stages: list[StageModule], kvs: list[Any], x: torch.Tensor) -> torch.Tensor:
     for stage, kv in zip(stages, kvs, strict=True):
         x = stage.forward(x, kv)
     return x

@@ -11,7 +11,7 @@ import torch
 from hetmesh.errors import InvalidRequest
 from hetmesh.partition.generate import LocalPipeline, balanced_ranges
 from hetmesh.partition.sampling import SamplingParams
-from hetmesh.partition.stage import Stage, load_stage
+from hetmesh.partition.stage import StageModule, load_stage
 from tests.unit.partition.tiny_models import (
     EOS,
     FAMILIES,
@@ -45,7 +45,7 @@ def prompt() -> torch.Tensor:
     return torch.randint(4, VOCAB, (33,), generator=gen)
 
 
-def _chain(stages: list[Stage], kvs: list[Any], x: torch.Tensor) -> torch.Tensor:
+def _chain(stages: list[StageModule], kvs: list[Any], x: torch.Tensor) -> torch.Tensor:
     for stage, kv in zip(stages, kvs, strict=True):
         x = stage.forward(x, kv)
     return x
