@@ -24,11 +24,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hetmesh.node.local import LocalNode
 from hetmesh.testbed.cgroups import CPU, MEMORY
 from hetmesh.testbed.netns import NetnsTestbed, open_testbed, unavailable_reason
+
+if TYPE_CHECKING:
+    from hetmesh.scheduler.records import Plan
+
+T = TypeVar("T")
 
 # the folder holding this hetmesh package: node processes get it first on PYTHONPATH, so
 # they run the very code that started them (a checkout's, not an installed copy's)
@@ -55,11 +60,11 @@ def why_no_testbed() -> str | None:
 
 
 def wait_for(
-    predicate: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.25
-) -> Any:
+    predicate: Callable[[], T | None], timeout_s: float, what: str, every_s: float = 0.25
+) -> T:
     """Poll ``predicate`` until truthy; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    last: Any = None
+    last: T | None = None
     while time.monotonic() < deadline:
         last = predicate()
         if last:
@@ -267,7 +272,7 @@ class MeshTestbed:
 MakeTestbed = Callable[[Sequence[HostSpec]], MeshTestbed]  # the ``mesh_testbed`` fixture
 
 
-def plan_of(view: dict[str, Any]) -> Any:
+def plan_of(view: dict[str, Any]) -> Plan | None:
     """The newest plan followed in a status view (a ``Plan``), or None."""
     from hetmesh.scheduler.replan import newest_in_view
 
