@@ -151,14 +151,28 @@ async def test_bad_input_gets_clear_errors_while_a_generation_carries_on(mesh3, 
     assert result["ids"] == expected
 
 
-async def test_no_leak_after_a_hundred_sessions(mesh3, default_model_dir):
+# A node's RSS grows for its first ~50 sessions (allocator and runtime warm-up: +4 to
+# +9 % of ~700 MB, in steps), then by tens of KB a session (measured on this mesh
+# over 100 sessions). So the bound applies once warm: MEASURED more sessions may add
+# GROWTH_BOUND (2 %, ~14 MB) to a node, ~0.47 MB a session. One session's leaked KV
+# on a stage is more (buffers of at least 64 tokens x ~10 layers x 1.5 KB, ~1 MB);
+# the bound used to be 10 % over the 90 sessions after the first 10 (0.78 MB a
+# session), most of which the warm-up used up.
+WARM_UP = 50
+MEASURED = 30
+GROWTH_BOUND = 0.02
+
+
+async def test_no_leak_after_eighty_sessions(mesh3, default_model_dir):
     import random
 
     import psutil
 
     rng = random.Random(7)
     base = encode(default_model_dir, "Write a short poem about rivers and the sea. " * 8)
-    jobs = [(base[: rng.randint(3, len(base))], rng.randint(1, 12)) for _ in range(100)]
+    jobs = [
+        (base[: rng.randint(3, len(base))], rng.randint(1, 12)) for _ in range(WARM_UP + MEASURED)
+    ]
     procs = [psutil.Process(n.proc.pid) for n in mesh3]
 
     async def run(batch):
@@ -172,12 +186,12 @@ async def test_no_leak_after_a_hundred_sessions(mesh3, default_model_dir):
         return [p.memory_info().rss for p in procs]
 
     # four at a time: the stages budget KV cache for four concurrent sessions
-    for i in range(0, 10, 4):
-        await run(jobs[i : min(i + 4, 10)])
-    after_ten = rss()
-    for i in range(10, 100, 4):
-        await run(jobs[i : i + 4])
-    after_hundred = rss()
+    for i in range(0, WARM_UP, 4):
+        await run(jobs[i : min(i + 4, WARM_UP)])
+    warm = rss()
+    for i in range(WARM_UP, WARM_UP + MEASURED, 4):
+        await run(jobs[i : min(i + 4, WARM_UP + MEASURED)])
+    after = rss()
 
     async def kv_in_use() -> int:
         view = await view_of(mesh3[0])
@@ -189,5 +203,5 @@ async def test_no_leak_after_a_hundred_sessions(mesh3, default_model_dir):
         await trio.sleep(0.5)
     else:
         raise AssertionError(f"KV bytes still in use: {await kv_in_use()}")
-    for before, after in zip(after_ten, after_hundred, strict=True):
-        assert after <= before * 1.10, (before, after)
+    for before, now in zip(warm, after, strict=True):
+        assert now <= before * (1 + GROWTH_BOUND), (before, now)
