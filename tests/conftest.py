@@ -20,12 +20,20 @@ every thread's stack and ends the run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# One OpenMP (torch) thread in the test process and in every process it starts, as a
+# node has by default (``--threads 1``), unless the caller set it. On the shared
+# 2-core machines the suite runs on, a team as wide as the machine spin-waits against
+# the other load: one `hetmesh generate` of 24 tokens took 40-52 s under load with
+# the default two threads and 10-14 s with one. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 PROCESS_TIMEOUT_S = 600.0
 SLOW_TIMEOUT_S = 300.0
