@@ -35,6 +35,7 @@ import trio
 
 from hetmesh.client.protocol import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 from hetmesh.discovery import wire
+from hetmesh.discovery.rpc import call
 from hetmesh.discovery.wire import Load
 from hetmesh.errors import (
     InsufficientCapacity,
@@ -54,7 +55,7 @@ from hetmesh.node.control import (
 )
 from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import KVLimits
-from hetmesh.node.links import DATAPLANE_PROTOCOL, LinkPool, call
+from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId

@@ -27,9 +27,9 @@ from hetmesh.scheduler.records import (
     device_key,
 )
 from hetmesh.scheduler.replan import (
-    Decision,
     MeshSnapshot,
     ReplanOutcome,
+    Verdict,
     coordinator,
     newest,
     newest_in_view,
@@ -43,7 +43,6 @@ from hetmesh.scheduler.router import expected_completion_s, route
 __all__ = [
     "BASELINES",
     "CostModel",
-    "Decision",
     "MeshLoad",
     "MeshSnapshot",
     "Objective",
@@ -55,6 +54,7 @@ __all__ = [
     "RouteRequest",
     "SearchOptions",
     "Stage",
+    "Verdict",
     "coordinator",
     "device_key",
     "evaluate",
