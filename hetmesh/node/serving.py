@@ -57,14 +57,20 @@ from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.stage_server import StageServer
+from hetmesh.node.weights import QUANTIZED_ORDER
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
-from hetmesh.scheduler import baselines
-from hetmesh.scheduler.planner import evaluate
+from hetmesh.scheduler.coordination import (
+    Adopt,
+    CoordinatorConfig,
+    CoordinatorState,
+    MeshView,
+    Publish,
+    decide,
+)
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest, WeightBytes
-from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
+from hetmesh.scheduler.replan import MeshSnapshot, announced_plans, coordinator
 from hetmesh.scheduler.router import route
-from hetmesh.scheduler.standby import add_standby_replicas, with_standby
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
 from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
 
@@ -74,13 +80,6 @@ if TYPE_CHECKING:
     from hetmesh.node.daemon import Node
 
 log = logging.getLogger(__name__)
-
-
-_BASELINES = {
-    "even": baselines.even_split,
-    "memory-proportional": baselines.memory_proportional,
-    "greedy": baselines.greedy_fill,
-}
 
 
 @dataclass(slots=True)
@@ -122,14 +121,19 @@ class Serving:
             max_sessions=config.max_sessions,
             reserve_bytes=config.reserve_bytes,
         )
-        self.plan: Plan | None = None  # the adopted plan
-        self._published: Plan | None = None  # ours, when we coordinate
-        self._snapshot: MeshSnapshot | None = None
+        self._coordinator_config = CoordinatorConfig(
+            model=self.profile,
+            strategy=config.plan_strategy,
+            objective=config.objective,
+            standby=config.standby,
+            compact_formats=frozenset(QUANTIZED_ORDER),
+            compact_hint=COMPACT_HINT,
+        )
+        self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
         self._changed = trio.Event()
         self._started_at = trio.current_time()
-        self._insufficient = ""
         self.tokenizer: Any = None
         self.eos: frozenset[int] = frozenset()
         self.pool: LinkPool | None = None
@@ -314,130 +318,57 @@ class Serving:
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
         return weights_constraints(constraints, announced, devices, self.bytes_of)
 
-    def _coordinate(self, members: Sequence[Any]) -> None:
+    def _view(self, members: Sequence[Any]) -> MeshView:
+        """What the coordinator decides on: the mesh now, gathered from the announcements."""
         snapshot = self._snapshot_now(members)
-        constraints = self._plan_constraints(members, snapshot.devices)
-        if not snapshot.devices:
-            return
-        current = self._surviving(self.plan, snapshot, constraints)
-        epoch = (self.plan.epoch + 1) if self.plan is not None else 0
-        try:
-            if self.config.plan_strategy == "hetmesh":
-                outcome = replan(
-                    current,
-                    self._snapshot,
-                    snapshot,
-                    self.profile,
-                    objective=self.config.objective,
-                    constraints=constraints,
-                )
-                candidate = outcome.plan
-                reason = outcome.reason
-                if candidate is not None and self.config.standby:
-                    candidate = with_standby(
-                        candidate,
-                        snapshot.devices,
-                        snapshot.links,
-                        self.profile,
-                        constraints=constraints,
-                    )
-            else:
-                changed = self._snapshot is None or {d.peer_id for d in snapshot.devices} != {
-                    d.peer_id for d in self._snapshot.devices
-                }
-                candidate = None
-                reason = f"forced {self.config.plan_strategy} placement"
-                if changed or current is None:
-                    candidate = _BASELINES[self.config.plan_strategy](
-                        snapshot.devices,
-                        snapshot.links,
-                        self.profile,
-                        objective=self.config.objective,
-                        constraints=constraints,
-                    )
-        except InsufficientCapacity as exc:
-            verdict = str(exc) + _compact_hint(constraints, snapshot.devices)
-            if verdict != self._insufficient:
+        return MeshView(
+            me=self.node.peer_id,
+            peers=tuple(e.peer_id for e in members),
+            snapshot=snapshot,
+            constraints=self._plan_constraints(members, snapshot.devices),
+            plans=tuple(announced_plans(e.record.extra for e in members)),
+            settled=trio.current_time() - self._started_at >= self.config.settle_s,
+        )
+
+    def _step(self, members: Sequence[Any]) -> None:
+        """Gather a view, let :func:`~hetmesh.scheduler.coordination.decide` choose, act on it."""
+        step = decide(self._view(members), self._coordination, self._coordinator_config)
+        before, self._coordination = self._coordination, step.state
+        verdict = step.state.insufficient
+        if verdict != before.insufficient:  # announced: gateways refuse requests at once
+            if verdict:
                 log.warning("cannot place %s on this mesh yet: %s", self.model_key, verdict)
-            self._insufficient = verdict
-            self.node.discovery.set_extra("insufficient", self._insufficient)
-            self._snapshot = snapshot
-            return
-        self._insufficient = ""
-        self.node.discovery.set_extra("insufficient", "")
-        self._snapshot = snapshot
-        if candidate is None and current is not None and current != self.plan:
-            candidate, reason = current, "pipelines with a lost peer dropped; the rest serve on"
-        if candidate is None and current is not None and self.config.standby:
-            # no better placement; but a spare device may have joined to back one up
-            backed = add_standby_replicas(
-                current,
-                snapshot.devices,
-                snapshot.links,
-                self.profile,
-                constraints=constraints,
-            )
-            if len(backed.pipelines) > len(current.pipelines):
-                candidate, reason = backed, "a spare device becomes a standby replica"
-        if candidate is None:
-            return
-        plan = candidate.with_epoch(max(epoch, candidate.epoch))
-        log.info(
-            "plan epoch %d (%s): %s; predicted %.1f ms/token",
-            plan.epoch,
-            reason,
-            " | ".join(
-                " → ".join(f"{s.peer_id[-6:]}[{s.start},{s.end})" for s in p.stages)
-                for p in plan.pipelines
-            ),
-            plan.decode_latency_s * 1e3,
-        )
-        self._published = plan
+            self.node.discovery.set_extra("insufficient", verdict)
+        for action in step.actions:
+            if isinstance(action, Publish):
+                log.info(
+                    "plan epoch %d (%s): %s; predicted %.1f ms/token",
+                    action.plan.epoch,
+                    action.reason,
+                    " | ".join(
+                        " → ".join(f"{s.peer_id[-6:]}[{s.start},{s.end})" for s in p.stages)
+                        for p in action.plan.pipelines
+                    ),
+                    action.plan.decode_latency_s * 1e3,
+                )
+            elif isinstance(action, Adopt):
+                self._apply(action.plan)
+                self.node.discovery.set_extra("plan", action.plan.to_wire())
 
-    def _surviving(
-        self, plan: Plan | None, snapshot: MeshSnapshot, constraints: PlanConstraints
-    ) -> Plan | None:
-        """``plan`` without the pipelines that lost a peer, re-scored; None if none is left.
+    @property
+    def plan(self) -> Plan | None:
+        """The plan this node follows."""
+        return self._coordination.plan
 
-        A standby replica that survives keeps serving: the coordinator then only
-        replans if a new placement beats it by the adoption threshold, instead of
-        reshuffling every stage after each loss.
-        """
-        if plan is None:
-            return None
-        alive = {d.peer_id for d in snapshot.devices}
-        survivors = [p for p in plan.pipelines if p.peers <= alive]
-        if not survivors:
-            return None  # every pipeline lost a peer: plan afresh
-        if len(survivors) == len(plan.pipelines):
-            return plan
-        placed = [[(s.peer_id, s.device, s.start, s.end) for s in p.stages] for p in survivors]
-        return evaluate(
-            placed,
-            snapshot.devices,
-            snapshot.links,
-            self.profile,
-            objective=plan.objective,
-            constraints=constraints,
-            strategy=plan.strategy,
-            epoch=plan.epoch,
-        )
+    @property
+    def _insufficient(self) -> str:
+        """Why the coordinator cannot place the model ("" when it can, or we do not plan)."""
+        return self._coordination.insufficient
 
-    def _adopt(self, members: Sequence[Any]) -> None:
-        seen: list[Plan] = [self._published] if self._published is not None else []
-        for entry in members:
-            raw = entry.record.extra.get("plan")
-            if raw:
-                with contextlib.suppress(ValueError, TypeError):
-                    seen.append(Plan.from_wire(raw))
-        best = newest(p for p in seen if p.model_name == self.profile.name)
-        if best is None or not supersedes(best, self.plan):
-            return
-        if best is not self._published:
-            self._snapshot = None  # a plan made elsewhere: judge it afresh when coordinating
-        self.plan = best
-        self._apply(best)
-        self.node.discovery.set_extra("plan", best.to_wire())
+    @property
+    def _snapshot(self) -> MeshSnapshot | None:
+        """The mesh the followed plan was last judged on (None: judge it afresh)."""
+        return self._coordination.planned_on
 
     def _apply(self, plan: Plan) -> None:
         mine = {
@@ -544,13 +475,7 @@ class Serving:
 
     async def _plan_loop(self) -> None:
         while True:
-            members = self._members()
-            ids = [self.node.peer_id] + [e.peer_id for e in members]
-            settled = trio.current_time() - self._started_at >= self.config.settle_s
-            self._adopt(members)  # plan on top of the newest plan seen
-            if coordinator(ids) == self.node.peer_id and settled:
-                self._coordinate(members)
-                self._adopt(members)
+            self._step(self._members())
             self._retire_idle()
             self._publish()
             self._changed.set()
@@ -803,20 +728,10 @@ class Serving:
         )
 
 
-def _compact_hint(constraints: PlanConstraints, devices: Sequence[DeviceProfile]) -> str:
-    """What to try when the model does not fit: compact weights, if some node has none."""
-    from hetmesh.node.weights import QUANTIZED_ORDER
-
-    formats = {
-        held.weights if (held := constraints.weights_for(d.peer_id, d.device)) else "float32"
-        for d in devices
-    }
-    if formats <= set(QUANTIZED_ORDER):
-        return ""
-    return (
-        "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
-        "of float32's weight bytes"
-    )
+COMPACT_HINT = (
+    "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
+    "of float32's weight bytes"
+)
 
 
 def data_plane_host(addrs: Sequence[str]) -> str:

@@ -143,21 +143,28 @@ def supersedes(candidate: Plan, current: Plan | None) -> bool:
     return current is None or _rank(candidate) > _rank(current)
 
 
-def newest_in_view(view: Mapping[str, Any]) -> Plan | None:
-    """The newest plan the peers of a status view follow (``extra["plan"]``); None if none.
+def announced_plans(extras: Iterable[Mapping[str, Any] | None]) -> list[Plan]:
+    """The plans in announcements' ``extra["plan"]``, in order; malformed ones skipped.
 
-    Malformed plans are skipped: a view is what other nodes announced.
+    The one parser of announced plans: the plan loop and every status reader use it
+    (what other nodes announced may be anything).
     """
     plans: list[Plan] = []
-    for peer in view.get("peers") or ():
-        raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
+    for extra in extras:
+        raw = (extra or {}).get("plan")
         if not raw:
             continue
         try:
             plans.append(Plan.from_wire(raw))
         except (ValueError, TypeError):
             continue
-    return newest(plans)
+    return plans
+
+
+def newest_in_view(view: Mapping[str, Any]) -> Plan | None:
+    """The newest plan the peers of a status view follow (``extra["plan"]``); None if none."""
+    peers = view.get("peers") or ()
+    return newest(announced_plans((p.get("record") or {}).get("extra") for p in peers))
 
 
 def _rank(p: Plan) -> tuple[int, tuple[str, ...]]:
@@ -237,6 +244,7 @@ __all__ = [
     "ReplanOutcome",
     "Verdict",
     "alive_pipelines",
+    "announced_plans",
     "coordinator",
     "gain",
     "newest",
