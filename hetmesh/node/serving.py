@@ -12,11 +12,15 @@ serve_model(node, config)
 ```
 
 Every node runs the same code; the coordinator (lowest live peer id) is the
-only one that plans. Every node announces the plan it follows
-(``extra["plan"]``) and switches to any plan that supersedes it
+only one that plans. The plan loop gathers a view of the mesh, lets the pure
+:func:`~hetmesh.scheduler.coordination.decide` choose (adopt a peer's plan,
+publish a new one, or keep), and carries the step out. Every node announces
+the plan it follows and switches to any plan that supersedes it
 (:func:`~hetmesh.scheduler.replan.supersedes`), so two nodes that both
 believed they coordinated (views differ while peers join) still end on one
-plan. Stage readiness travels in each node's ``stages``.
+plan. The plan, stage readiness, calibration and weight format travel in one
+:class:`~hetmesh.scheduler.announcement.ServingAnnouncement`, written by
+``_announce`` and read with :func:`~hetmesh.scheduler.announcement.read_serving`.
 """
 
 from __future__ import annotations
@@ -60,6 +64,14 @@ from hetmesh.node.stage_server import StageServer
 from hetmesh.node.weights import QUANTIZED_ORDER
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
+from hetmesh.scheduler.announcement import (
+    Calibration,
+    ServedStage,
+    ServingAnnouncement,
+    read_serving,
+    serving_extra,
+    serving_stages,
+)
 from hetmesh.scheduler.coordination import (
     Adopt,
     CoordinatorConfig,
@@ -129,6 +141,7 @@ class Serving:
             compact_formats=frozenset(QUANTIZED_ORDER),
             compact_hint=COMPACT_HINT,
         )
+        self._announced = ServingAnnouncement()  # what the discovery record says of us
         self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
@@ -179,7 +192,7 @@ class Serving:
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             await self._calibrate()  # announced with (before) the model: planned together
-            discovery.set_extra("model", self.model_key)
+            self._announce(dataclasses.replace(self._announced, model=self.model_key))
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
             discovery.add_handler(GENERATE_PROTOCOL, self._handle_generate)
@@ -196,7 +209,8 @@ class Serving:
         return [
             e
             for e in self.node.discovery.alive()
-            if e.record is not None and e.record.extra.get("model") == self.model_key
+            if e.record is not None
+            and read_serving(e.record.extra, plan_of=None).model == self.model_key
         ]
 
     def _snapshot_now(self, members: Sequence[Any]) -> MeshSnapshot:
@@ -252,9 +266,9 @@ class Serving:
         The coordinator's cost model scales this node's predicted step times to the
         figure and charges this node the format's bytes.
         """
-        from hetmesh.node.calibration import CALIBRATION_KEY, calibration_extra
+        from hetmesh.node.calibration import CALIBRATION_CONTEXT_TOKENS
         from hetmesh.node.calibration import measure_block_step_s as measure
-        from hetmesh.node.weights import WEIGHTS_KEY, choose_weights, supported_formats
+        from hetmesh.node.weights import choose_weights, supported_formats
 
         device = self.node.config.device or "cpu"
         key = device if ":" in device or device == "cpu" else f"{device}:0"
@@ -290,7 +304,7 @@ class Serving:
             )
         else:
             step = None
-        self.node.discovery.set_extra(WEIGHTS_KEY, self.weights)
+        self._announce(dataclasses.replace(self._announced, weights=self.weights))
         if given is not None:
             step = given
             log.info("calibration skipped: announcing %.2f ms per block as given", step * 1e3)
@@ -303,9 +317,14 @@ class Serving:
                 step * 1e3,
                 self.weights,
             )
-        self.node.discovery.set_extra(
-            CALIBRATION_KEY, calibration_extra(self.model_key, key, step, self.weights)
+        calibration = Calibration(
+            model=self.model_key,
+            device=key,
+            block_step_s=step,
+            context_tokens=CALIBRATION_CONTEXT_TOKENS,
+            weights=self.weights,
         )
+        self._announce(dataclasses.replace(self._announced, calibration=calibration))
 
     def _plan_constraints(
         self, members: Sequence[Any], devices: Sequence[DeviceProfile]
@@ -338,7 +357,7 @@ class Serving:
         if verdict != before.insufficient:  # announced: gateways refuse requests at once
             if verdict:
                 log.warning("cannot place %s on this mesh yet: %s", self.model_key, verdict)
-            self.node.discovery.set_extra("insufficient", verdict)
+            self._announce(dataclasses.replace(self._announced, insufficient=verdict))
         for action in step.actions:
             if isinstance(action, Publish):
                 log.info(
@@ -353,7 +372,7 @@ class Serving:
                 )
             elif isinstance(action, Adopt):
                 self._apply(action.plan)
-                self.node.discovery.set_extra("plan", action.plan.to_wire())
+                self._announce(dataclasses.replace(self._announced, plan=action.plan))
 
     @property
     def plan(self) -> Plan | None:
@@ -447,15 +466,22 @@ class Serving:
                 log.info("stage [%d, %d) retired", *key)
 
     def _publish(self) -> None:
-        d = self.node.discovery
-        d.set_stages(
-            [
-                {"model": self.model_key, "start": a, "end": b, "ready": not s.retiring}
-                for (a, b), s in sorted(self._served.items())
-            ]
-        )
         stats = [s.server.statistics() for s in self._served.values()]
-        d.set_load(
+        self._announce(
+            dataclasses.replace(
+                self._announced,
+                stages=tuple(
+                    ServedStage(model=self.model_key, start=a, end=b, ready=not s.retiring)
+                    for (a, b), s in sorted(self._served.items())
+                ),
+                gateway=_as_dict(self.gateway.statistics()) if self.gateway else {},
+                stage_servers=tuple(
+                    {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
+                    for s in stats
+                ),
+            )
+        )
+        self.node.discovery.set_load(
             Load(
                 queue_depth=sum(s.queue_depth for s in stats),
                 active_sessions=sum(s.kv.sessions for s in stats),
@@ -464,14 +490,13 @@ class Serving:
                 recent_step_s=tuple(x for s in stats for x in s.recent_step_s[-4:]),
             )
         )
-        d.set_extra("gateway", _as_dict(self.gateway.statistics()) if self.gateway else {})
-        d.set_extra(
-            "stage_servers",
-            [
-                {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
-                for s in stats
-            ],
-        )
+
+    def _announce(self, state: ServingAnnouncement) -> None:
+        """Announce ``state`` (the one writer of this node's serving entries)."""
+        self._announced = state
+        for key, value in serving_extra(state).items():
+            self.node.discovery.set_extra(key, value)
+        self.node.discovery.set_stages(serving_stages(state))
 
     async def _plan_loop(self) -> None:
         while True:

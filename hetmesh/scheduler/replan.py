@@ -146,19 +146,13 @@ def supersedes(candidate: Plan, current: Plan | None) -> bool:
 def announced_plans(extras: Iterable[Mapping[str, Any] | None]) -> list[Plan]:
     """The plans in announcements' ``extra["plan"]``, in order; malformed ones skipped.
 
-    The one parser of announced plans: the plan loop and every status reader use it
-    (what other nodes announced may be anything).
+    Through :func:`~hetmesh.scheduler.announcement.read_serving`, like every reader
+    of what peers announce (which may be anything).
     """
-    plans: list[Plan] = []
-    for extra in extras:
-        raw = (extra or {}).get("plan")
-        if not raw:
-            continue
-        try:
-            plans.append(Plan.from_wire(raw))
-        except (ValueError, TypeError):
-            continue
-    return plans
+    from hetmesh.scheduler.announcement import read_serving
+
+    plans = (read_serving(extra).plan for extra in extras)
+    return [p for p in plans if p is not None]
 
 
 def newest_in_view(view: Mapping[str, Any]) -> Plan | None:
