@@ -20,7 +20,7 @@ Callers decide what a failure means (the gateway fails over, a test asserts).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -28,15 +28,18 @@ from hetmesh.discovery import wire
 from hetmesh.errors import ConnectTimeout, MeshError, PeerUnreachable, StreamReset
 from hetmesh.resources import PeerId
 
+if TYPE_CHECKING:
+    from libp2p.abc import IHost, INetStream
 
-def connected(host: Any, peer: PeerId) -> bool:
+
+def connected(host: IHost, peer: PeerId) -> bool:
     """Whether ``host`` holds a connection to ``peer`` now."""
     from libp2p.peer.id import ID
 
     return ID.from_base58(peer) in host.get_network().connections
 
 
-async def open_stream(host: Any, peer: PeerId, protocol: str, *, timeout_s: float) -> Any:
+async def open_stream(host: IHost, peer: PeerId, protocol: str, *, timeout_s: float) -> INetStream:
     """A new stream to ``peer`` speaking ``protocol`` (libp2p dials if not connected).
 
     Raises ``ConnectTimeout``, ``PeerUnreachable`` or ``StreamReset`` (see the module).
@@ -59,7 +62,7 @@ async def open_stream(host: Any, peer: PeerId, protocol: str, *, timeout_s: floa
 
 
 async def request(
-    host: Any,
+    host: IHost,
     peer: PeerId,
     protocol: str,
     payload: bytes,
@@ -87,7 +90,7 @@ async def request(
 
 
 async def call(
-    host: Any,
+    host: IHost,
     peer: PeerId,
     protocol: str,
     message: dict[str, Any],

@@ -97,7 +97,7 @@ class PlanCache:
                 return entry[1]
         return best.to_wire()
 
-    def _parse(self, raw: Mapping[str, Any]) -> Plan | None:
+    def _parse(self, raw: Mapping[str, object]) -> Plan | None:
         key = json.dumps(raw, sort_keys=True, default=str)
         if key not in self._parsed:
             if len(self._parsed) >= self.size:

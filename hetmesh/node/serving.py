@@ -33,14 +33,14 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import trio
 
 from hetmesh.client.protocol import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 from hetmesh.discovery import wire
 from hetmesh.discovery.rpc import call
-from hetmesh.discovery.wire import Load
+from hetmesh.discovery.wire import Announcement, Load
 from hetmesh.errors import (
     InsufficientCapacity,
     InvalidRequest,
@@ -87,11 +87,22 @@ from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Fr
 from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
 
 if TYPE_CHECKING:
+    from libp2p.abc import INetStream
     from trio_typing import TaskStatus
 
     from hetmesh.node.daemon import Node
 
 log = logging.getLogger(__name__)
+
+
+class _Member(Protocol):
+    """A live peer serving our model, whose record we hold."""
+
+    @property
+    def peer_id(self) -> PeerId: ...
+
+    @property
+    def record(self) -> Announcement: ...
 
 
 @dataclass(slots=True)
@@ -204,16 +215,17 @@ class Serving:
 
     # -- the plan -----------------------------------------------------------------
 
-    def _members(self) -> list[Any]:
+    def _members(self) -> list[_Member]:
         """Live peers serving the same model (records known)."""
-        return [
+        found = [
             e
             for e in self.node.discovery.alive()
             if e.record is not None
             and read_serving(e.record.extra, plan_of=None).model == self.model_key
         ]
+        return cast("list[_Member]", found)  # each one's record is known: checked above
 
-    def _snapshot_now(self, members: Sequence[Any]) -> MeshSnapshot:
+    def _snapshot_now(self, members: Sequence[_Member]) -> MeshSnapshot:
         def capacity(d: DeviceProfile) -> DeviceProfile:
             # plan on the device's whole memory: what our own stages hold is ours to use
             return dataclasses.replace(d, memory_free_bytes=d.memory_total_bytes)
@@ -327,7 +339,7 @@ class Serving:
         self._announce(dataclasses.replace(self._announced, calibration=calibration))
 
     def _plan_constraints(
-        self, members: Sequence[Any], devices: Sequence[DeviceProfile]
+        self, members: Sequence[_Member], devices: Sequence[DeviceProfile]
     ) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints
         from hetmesh.node.weights import weights_constraints
@@ -337,7 +349,7 @@ class Serving:
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
         return weights_constraints(constraints, announced, devices, self.bytes_of)
 
-    def _view(self, members: Sequence[Any]) -> MeshView:
+    def _view(self, members: Sequence[_Member]) -> MeshView:
         """What the coordinator decides on: the mesh now, gathered from the announcements."""
         snapshot = self._snapshot_now(members)
         return MeshView(
@@ -349,7 +361,7 @@ class Serving:
             settled=trio.current_time() - self._started_at >= self.config.settle_s,
         )
 
-    def _step(self, members: Sequence[Any]) -> None:
+    def _step(self, members: Sequence[_Member]) -> None:
         """Gather a view, let :func:`~hetmesh.scheduler.coordination.decide` choose, act on it."""
         step = decide(self._view(members), self._coordination, self._coordinator_config)
         before, self._coordination = self._coordination, step.state
@@ -652,7 +664,7 @@ class Serving:
             )
         return target.server.handle(request)
 
-    async def _handle_session(self, stream: Any) -> None:
+    async def _handle_session(self, stream: INetStream) -> None:
         payload = await wire.read_frame(stream, max_bytes=MAX_CONTROL_BYTES, timeout_s=5.0)
         try:
             data = wire.decode_map(payload, max_bytes=MAX_CONTROL_BYTES)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeGuard, TypeVar
 
 from hetmesh.resources import WireRecord
 from hetmesh.scheduler.records import Plan
@@ -41,7 +41,7 @@ MAX_STAGES = 256
 MAX_COUNTERS = 64
 
 R = TypeVar("R", bound=WireRecord)
-PlanParser = Callable[[Mapping[str, Any]], Plan | None]
+PlanParser = Callable[[Mapping[str, object]], Plan | None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,10 +88,10 @@ class ServingAnnouncement:
     insufficient: str = ""
     stages: tuple[ServedStage, ...] = ()
     gateway: Mapping[str, float] = field(default_factory=dict)
-    stage_servers: tuple[Mapping[str, Any], ...] = ()
+    stage_servers: tuple[Mapping[str, object], ...] = ()
 
 
-def parse_plan(raw: Mapping[str, Any]) -> Plan | None:
+def parse_plan(raw: Mapping[str, object]) -> Plan | None:
     """A plan from its wire map; None if it is malformed."""
     try:
         return Plan.from_wire(dict(raw))
@@ -100,8 +100,8 @@ def parse_plan(raw: Mapping[str, Any]) -> Plan | None:
 
 
 def read_serving(
-    extra: Mapping[str, Any] | None,
-    stages: Sequence[Any] = (),
+    extra: object,
+    stages: object = (),
     *,
     plan_of: PlanParser | None = parse_plan,
 ) -> ServingAnnouncement:
@@ -134,7 +134,7 @@ def read_serving(
     )
 
 
-def serving_extra(state: ServingAnnouncement) -> dict[str, Any]:
+def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
     """The ``extra`` entries announcing ``state`` (every key, empty ones included, so that
     a cleared entry replaces the old value)."""
     return {
@@ -149,28 +149,28 @@ def serving_extra(state: ServingAnnouncement) -> dict[str, Any]:
     }
 
 
-def serving_stages(state: ServingAnnouncement) -> list[dict[str, Any]]:
+def serving_stages(state: ServingAnnouncement) -> list[dict[str, object]]:
     """The record's ``stages`` list announcing ``state``."""
     return [s.to_wire() for s in state.stages]
 
 
-def _name(value: Any) -> str:
+def _name(value: object) -> str:
     return _text(value, MAX_NAME_CHARS)
 
 
-def _text(value: Any, limit: int) -> str:
+def _text(value: object, limit: int) -> str:
     return value if isinstance(value, str) and len(value) <= limit else ""
 
 
-def _is_map(value: Any) -> bool:
+def _is_map(value: object) -> TypeGuard[Mapping[str, object]]:
     return isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
 
 
-def _items(value: Any, limit: int) -> Sequence[Any]:
+def _items(value: object, limit: int) -> Sequence[object]:
     return value[:limit] if isinstance(value, list | tuple) else ()
 
 
-def _record(kind: type[R], value: Any) -> R | None:
+def _record(kind: type[R], value: object) -> R | None:
     if not isinstance(value, dict):
         return None
     try:
@@ -179,7 +179,7 @@ def _record(kind: type[R], value: Any) -> R | None:
         return None
 
 
-def _counters(value: Any) -> dict[str, float]:
+def _counters(value: object) -> dict[str, float]:
     if not _is_map(value) or len(value) > MAX_COUNTERS:
         return {}
     return {
