@@ -153,6 +153,7 @@ class Serving:
             compact_hint=COMPACT_HINT,
         )
         self._announced = ServingAnnouncement()  # what the discovery record says of us
+        self._models: dict[PeerId, tuple[Announcement, str]] = {}  # peer -> (record, its model)
         self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
@@ -217,12 +218,19 @@ class Serving:
 
     def _members(self) -> list[_Member]:
         """Live peers serving the same model (records known)."""
-        found = [
-            e
-            for e in self.node.discovery.alive()
-            if e.record is not None
-            and read_serving(e.record.extra, plan_of=None).model == self.model_key
-        ]
+        found = []
+        models: dict[PeerId, tuple[Announcement, str]] = {}
+        for e in self.node.discovery.alive():
+            if e.record is None:
+                continue
+            # routing asks this per request: parse each record once (a new one per announcement)
+            seen = self._models.get(e.peer_id)
+            if seen is None or seen[0] is not e.record:
+                seen = (e.record, read_serving(e.record.extra, plan_of=None).model)
+            models[e.peer_id] = seen
+            if seen[1] == self.model_key:
+                found.append(e)
+        self._models = models  # the live peers' only
         return cast("list[_Member]", found)  # each one's record is known: checked above
 
     def _snapshot_now(self, members: Sequence[_Member]) -> MeshSnapshot:
