@@ -12,11 +12,15 @@ serve_model(node, config)
 ```
 
 Every node runs the same code; the coordinator (lowest live peer id) is the
-only one that plans. Every node announces the plan it follows
-(``extra["plan"]``) and switches to any plan that supersedes it
+only one that plans. The plan loop gathers a view of the mesh, lets the pure
+:func:`~hetmesh.scheduler.coordination.decide` choose (adopt a peer's plan,
+publish a new one, or keep), and carries the step out. Every node announces
+the plan it follows and switches to any plan that supersedes it
 (:func:`~hetmesh.scheduler.replan.supersedes`), so two nodes that both
 believed they coordinated (views differ while peers join) still end on one
-plan. Stage readiness travels in each node's ``stages``.
+plan. The plan, stage readiness, calibration and weight format travel in one
+:class:`~hetmesh.scheduler.announcement.ServingAnnouncement`, written by
+``_announce`` and read with :func:`~hetmesh.scheduler.announcement.read_serving`.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import trio
 
 from hetmesh.client.protocol import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 from hetmesh.discovery import wire
-from hetmesh.discovery.wire import Load
+from hetmesh.discovery.rpc import call
+from hetmesh.discovery.wire import Announcement, Load
 from hetmesh.errors import (
     InsufficientCapacity,
     InvalidRequest,
@@ -54,20 +59,35 @@ from hetmesh.node.control import (
 )
 from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import KVLimits
-from hetmesh.node.links import DATAPLANE_PROTOCOL, LinkPool, call
+from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.stage_server import StageServer
+from hetmesh.node.weights import QUANTIZED_ORDER
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
-from hetmesh.scheduler import baselines
-from hetmesh.scheduler.planner import evaluate
+from hetmesh.scheduler.announcement import (
+    Calibration,
+    ServedStage,
+    ServingAnnouncement,
+    read_serving,
+    serving_extra,
+    serving_stages,
+)
+from hetmesh.scheduler.coordination import (
+    Adopt,
+    CoordinatorConfig,
+    CoordinatorState,
+    MeshView,
+    Publish,
+    decide,
+)
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest, WeightBytes
-from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
+from hetmesh.scheduler.replan import MeshSnapshot, announced_plans, coordinator
 from hetmesh.scheduler.router import route
-from hetmesh.scheduler.standby import add_standby_replicas, with_standby
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
 from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
 
 if TYPE_CHECKING:
+    from libp2p.abc import INetStream
     from trio_typing import TaskStatus
 
     from hetmesh.node.daemon import Node
@@ -75,11 +95,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-_BASELINES = {
-    "even": baselines.even_split,
-    "memory-proportional": baselines.memory_proportional,
-    "greedy": baselines.greedy_fill,
-}
+class _Member(Protocol):
+    """A live peer serving our model, whose record we hold."""
+
+    @property
+    def peer_id(self) -> PeerId: ...
+
+    @property
+    def record(self) -> Announcement: ...
 
 
 @dataclass(slots=True)
@@ -121,14 +144,21 @@ class Serving:
             max_sessions=config.max_sessions,
             reserve_bytes=config.reserve_bytes,
         )
-        self.plan: Plan | None = None  # the adopted plan
-        self._published: Plan | None = None  # ours, when we coordinate
-        self._snapshot: MeshSnapshot | None = None
+        self._coordinator_config = CoordinatorConfig(
+            model=self.profile,
+            strategy=config.plan_strategy,
+            objective=config.objective,
+            standby=config.standby,
+            compact_formats=frozenset(QUANTIZED_ORDER),
+            compact_hint=COMPACT_HINT,
+        )
+        self._announced = ServingAnnouncement()  # what the discovery record says of us
+        self._models: dict[PeerId, tuple[Announcement, str]] = {}  # peer -> (record, its model)
+        self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
         self._changed = trio.Event()
         self._started_at = trio.current_time()
-        self._insufficient = ""
         self.tokenizer: Any = None
         self.eos: frozenset[int] = frozenset()
         self.pool: LinkPool | None = None
@@ -174,7 +204,7 @@ class Serving:
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             await self._calibrate()  # announced with (before) the model: planned together
-            discovery.set_extra("model", self.model_key)
+            self._announce(dataclasses.replace(self._announced, model=self.model_key))
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
             discovery.add_handler(GENERATE_PROTOCOL, self._handle_generate)
@@ -186,15 +216,24 @@ class Serving:
 
     # -- the plan -----------------------------------------------------------------
 
-    def _members(self) -> list[Any]:
+    def _members(self) -> list[_Member]:
         """Live peers serving the same model (records known)."""
-        return [
-            e
-            for e in self.node.discovery.alive()
-            if e.record is not None and e.record.extra.get("model") == self.model_key
-        ]
+        found = []
+        models: dict[PeerId, tuple[Announcement, str]] = {}
+        for e in self.node.discovery.alive():
+            if e.record is None:
+                continue
+            # routing asks this per request: parse each record once (a new one per announcement)
+            seen = self._models.get(e.peer_id)
+            if seen is None or seen[0] is not e.record:
+                seen = (e.record, read_serving(e.record.extra, plan_of=None).model)
+            models[e.peer_id] = seen
+            if seen[1] == self.model_key:
+                found.append(e)
+        self._models = models  # the live peers' only
+        return cast("list[_Member]", found)  # each one's record is known: checked above
 
-    def _snapshot_now(self, members: Sequence[Any]) -> MeshSnapshot:
+    def _snapshot_now(self, members: Sequence[_Member]) -> MeshSnapshot:
         def capacity(d: DeviceProfile) -> DeviceProfile:
             # plan on the device's whole memory: what our own stages hold is ours to use
             return dataclasses.replace(d, memory_free_bytes=d.memory_total_bytes)
@@ -247,9 +286,9 @@ class Serving:
         The coordinator's cost model scales this node's predicted step times to the
         figure and charges this node the format's bytes.
         """
-        from hetmesh.node.calibration import CALIBRATION_KEY, calibration_extra
+        from hetmesh.node.calibration import CALIBRATION_CONTEXT_TOKENS
         from hetmesh.node.calibration import measure_block_step_s as measure
-        from hetmesh.node.weights import WEIGHTS_KEY, choose_weights, supported_formats
+        from hetmesh.node.weights import choose_weights, supported_formats
 
         device = self.node.config.device or "cpu"
         key = device if ":" in device or device == "cpu" else f"{device}:0"
@@ -285,7 +324,7 @@ class Serving:
             )
         else:
             step = None
-        self.node.discovery.set_extra(WEIGHTS_KEY, self.weights)
+        self._announce(dataclasses.replace(self._announced, weights=self.weights))
         if given is not None:
             step = given
             log.info("calibration skipped: announcing %.2f ms per block as given", step * 1e3)
@@ -298,12 +337,17 @@ class Serving:
                 step * 1e3,
                 self.weights,
             )
-        self.node.discovery.set_extra(
-            CALIBRATION_KEY, calibration_extra(self.model_key, key, step, self.weights)
+        calibration = Calibration(
+            model=self.model_key,
+            device=key,
+            block_step_s=step,
+            context_tokens=CALIBRATION_CONTEXT_TOKENS,
+            weights=self.weights,
         )
+        self._announce(dataclasses.replace(self._announced, calibration=calibration))
 
     def _plan_constraints(
-        self, members: Sequence[Any], devices: Sequence[DeviceProfile]
+        self, members: Sequence[_Member], devices: Sequence[DeviceProfile]
     ) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints
         from hetmesh.node.weights import weights_constraints
@@ -313,130 +357,57 @@ class Serving:
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
         return weights_constraints(constraints, announced, devices, self.bytes_of)
 
-    def _coordinate(self, members: Sequence[Any]) -> None:
+    def _view(self, members: Sequence[_Member]) -> MeshView:
+        """What the coordinator decides on: the mesh now, gathered from the announcements."""
         snapshot = self._snapshot_now(members)
-        constraints = self._plan_constraints(members, snapshot.devices)
-        if not snapshot.devices:
-            return
-        current = self._surviving(self.plan, snapshot, constraints)
-        epoch = (self.plan.epoch + 1) if self.plan is not None else 0
-        try:
-            if self.config.plan_strategy == "hetmesh":
-                outcome = replan(
-                    current,
-                    self._snapshot,
-                    snapshot,
-                    self.profile,
-                    objective=self.config.objective,
-                    constraints=constraints,
-                )
-                candidate = outcome.plan
-                reason = outcome.reason
-                if candidate is not None and self.config.standby:
-                    candidate = with_standby(
-                        candidate,
-                        snapshot.devices,
-                        snapshot.links,
-                        self.profile,
-                        constraints=constraints,
-                    )
-            else:
-                changed = self._snapshot is None or {d.peer_id for d in snapshot.devices} != {
-                    d.peer_id for d in self._snapshot.devices
-                }
-                candidate = None
-                reason = f"forced {self.config.plan_strategy} placement"
-                if changed or current is None:
-                    candidate = _BASELINES[self.config.plan_strategy](
-                        snapshot.devices,
-                        snapshot.links,
-                        self.profile,
-                        objective=self.config.objective,
-                        constraints=constraints,
-                    )
-        except InsufficientCapacity as exc:
-            verdict = str(exc) + _compact_hint(constraints, snapshot.devices)
-            if verdict != self._insufficient:
+        return MeshView(
+            me=self.node.peer_id,
+            peers=tuple(e.peer_id for e in members),
+            snapshot=snapshot,
+            constraints=self._plan_constraints(members, snapshot.devices),
+            plans=tuple(announced_plans(e.record.extra for e in members)),
+            settled=trio.current_time() - self._started_at >= self.config.settle_s,
+        )
+
+    def _step(self, members: Sequence[_Member]) -> None:
+        """Gather a view, let :func:`~hetmesh.scheduler.coordination.decide` choose, act on it."""
+        step = decide(self._view(members), self._coordination, self._coordinator_config)
+        before, self._coordination = self._coordination, step.state
+        verdict = step.state.insufficient
+        if verdict != before.insufficient:  # announced: gateways refuse requests at once
+            if verdict:
                 log.warning("cannot place %s on this mesh yet: %s", self.model_key, verdict)
-            self._insufficient = verdict
-            self.node.discovery.set_extra("insufficient", self._insufficient)
-            self._snapshot = snapshot
-            return
-        self._insufficient = ""
-        self.node.discovery.set_extra("insufficient", "")
-        self._snapshot = snapshot
-        if candidate is None and current is not None and current != self.plan:
-            candidate, reason = current, "pipelines with a lost peer dropped; the rest serve on"
-        if candidate is None and current is not None and self.config.standby:
-            # no better placement; but a spare device may have joined to back one up
-            backed = add_standby_replicas(
-                current,
-                snapshot.devices,
-                snapshot.links,
-                self.profile,
-                constraints=constraints,
-            )
-            if len(backed.pipelines) > len(current.pipelines):
-                candidate, reason = backed, "a spare device becomes a standby replica"
-        if candidate is None:
-            return
-        plan = candidate.with_epoch(max(epoch, candidate.epoch))
-        log.info(
-            "plan epoch %d (%s): %s; predicted %.1f ms/token",
-            plan.epoch,
-            reason,
-            " | ".join(
-                " → ".join(f"{s.peer_id[-6:]}[{s.start},{s.end})" for s in p.stages)
-                for p in plan.pipelines
-            ),
-            plan.decode_latency_s * 1e3,
-        )
-        self._published = plan
+            self._announce(dataclasses.replace(self._announced, insufficient=verdict))
+        for action in step.actions:
+            if isinstance(action, Publish):
+                log.info(
+                    "plan epoch %d (%s): %s; predicted %.1f ms/token",
+                    action.plan.epoch,
+                    action.reason,
+                    " | ".join(
+                        " → ".join(f"{s.peer_id[-6:]}[{s.start},{s.end})" for s in p.stages)
+                        for p in action.plan.pipelines
+                    ),
+                    action.plan.decode_latency_s * 1e3,
+                )
+            elif isinstance(action, Adopt):
+                self._apply(action.plan)
+                self._announce(dataclasses.replace(self._announced, plan=action.plan))
 
-    def _surviving(
-        self, plan: Plan | None, snapshot: MeshSnapshot, constraints: PlanConstraints
-    ) -> Plan | None:
-        """``plan`` without the pipelines that lost a peer, re-scored; None if none is left.
+    @property
+    def plan(self) -> Plan | None:
+        """The plan this node follows."""
+        return self._coordination.plan
 
-        A standby replica that survives keeps serving: the coordinator then only
-        replans if a new placement beats it by the adoption threshold, instead of
-        reshuffling every stage after each loss.
-        """
-        if plan is None:
-            return None
-        alive = {d.peer_id for d in snapshot.devices}
-        survivors = [p for p in plan.pipelines if p.peers <= alive]
-        if not survivors:
-            return None  # every pipeline lost a peer: plan afresh
-        if len(survivors) == len(plan.pipelines):
-            return plan
-        placed = [[(s.peer_id, s.device, s.start, s.end) for s in p.stages] for p in survivors]
-        return evaluate(
-            placed,
-            snapshot.devices,
-            snapshot.links,
-            self.profile,
-            objective=plan.objective,
-            constraints=constraints,
-            strategy=plan.strategy,
-            epoch=plan.epoch,
-        )
+    @property
+    def _insufficient(self) -> str:
+        """Why the coordinator cannot place the model ("" when it can, or we do not plan)."""
+        return self._coordination.insufficient
 
-    def _adopt(self, members: Sequence[Any]) -> None:
-        seen: list[Plan] = [self._published] if self._published is not None else []
-        for entry in members:
-            raw = entry.record.extra.get("plan")
-            if raw:
-                with contextlib.suppress(ValueError, TypeError):
-                    seen.append(Plan.from_wire(raw))
-        best = newest(p for p in seen if p.model_name == self.profile.name)
-        if best is None or not supersedes(best, self.plan):
-            return
-        if best is not self._published:
-            self._snapshot = None  # a plan made elsewhere: judge it afresh when coordinating
-        self.plan = best
-        self._apply(best)
-        self.node.discovery.set_extra("plan", best.to_wire())
+    @property
+    def _snapshot(self) -> MeshSnapshot | None:
+        """The mesh the followed plan was last judged on (None: judge it afresh)."""
+        return self._coordination.planned_on
 
     def _apply(self, plan: Plan) -> None:
         mine = {
@@ -515,15 +486,22 @@ class Serving:
                 log.info("stage [%d, %d) retired", *key)
 
     def _publish(self) -> None:
-        d = self.node.discovery
-        d.set_stages(
-            [
-                {"model": self.model_key, "start": a, "end": b, "ready": not s.retiring}
-                for (a, b), s in sorted(self._served.items())
-            ]
-        )
         stats = [s.server.statistics() for s in self._served.values()]
-        d.set_load(
+        self._announce(
+            dataclasses.replace(
+                self._announced,
+                stages=tuple(
+                    ServedStage(model=self.model_key, start=a, end=b, ready=not s.retiring)
+                    for (a, b), s in sorted(self._served.items())
+                ),
+                gateway=_as_dict(self.gateway.statistics()) if self.gateway else {},
+                stage_servers=tuple(
+                    {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
+                    for s in stats
+                ),
+            )
+        )
+        self.node.discovery.set_load(
             Load(
                 queue_depth=sum(s.queue_depth for s in stats),
                 active_sessions=sum(s.kv.sessions for s in stats),
@@ -532,24 +510,17 @@ class Serving:
                 recent_step_s=tuple(x for s in stats for x in s.recent_step_s[-4:]),
             )
         )
-        d.set_extra("gateway", _as_dict(self.gateway.statistics()) if self.gateway else {})
-        d.set_extra(
-            "stage_servers",
-            [
-                {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
-                for s in stats
-            ],
-        )
+
+    def _announce(self, state: ServingAnnouncement) -> None:
+        """Announce ``state`` (the one writer of this node's serving entries)."""
+        self._announced = state
+        for key, value in serving_extra(state).items():
+            self.node.discovery.set_extra(key, value)
+        self.node.discovery.set_stages(serving_stages(state))
 
     async def _plan_loop(self) -> None:
         while True:
-            members = self._members()
-            ids = [self.node.peer_id] + [e.peer_id for e in members]
-            settled = trio.current_time() - self._started_at >= self.config.settle_s
-            self._adopt(members)  # plan on top of the newest plan seen
-            if coordinator(ids) == self.node.peer_id and settled:
-                self._coordinate(members)
-                self._adopt(members)
+            self._step(self._members())
             self._retire_idle()
             self._publish()
             self._changed.set()
@@ -701,7 +672,7 @@ class Serving:
             )
         return target.server.handle(request)
 
-    async def _handle_session(self, stream: Any) -> None:
+    async def _handle_session(self, stream: INetStream) -> None:
         payload = await wire.read_frame(stream, max_bytes=MAX_CONTROL_BYTES, timeout_s=5.0)
         try:
             data = wire.decode_map(payload, max_bytes=MAX_CONTROL_BYTES)
@@ -802,20 +773,10 @@ class Serving:
         )
 
 
-def _compact_hint(constraints: PlanConstraints, devices: Sequence[DeviceProfile]) -> str:
-    """What to try when the model does not fit: compact weights, if some node has none."""
-    from hetmesh.node.weights import QUANTIZED_ORDER
-
-    formats = {
-        held.weights if (held := constraints.weights_for(d.peer_id, d.device)) else "float32"
-        for d in devices
-    }
-    if formats <= set(QUANTIZED_ORDER):
-        return ""
-    return (
-        "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
-        "of float32's weight bytes"
-    )
+COMPACT_HINT = (
+    "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
+    "of float32's weight bytes"
+)
 
 
 def data_plane_host(addrs: Sequence[str]) -> str:
