@@ -261,6 +261,6 @@ async def test_bad_input_fails_alone(tiny_model):
 
 
 def gateway_sampling():
-    from hetmesh.node.control import SamplingWire
+    from hetmesh.protocol.generate import SamplingParams
 
-    return SamplingWire()
+    return SamplingParams()
