@@ -19,6 +19,7 @@ from hetmesh.protocol.generate import (
     Finish,
     GenerateRequest,
     SamplingParams,
+    check_messages,
     reply_from_wire,
 )
 
@@ -87,16 +88,7 @@ def collect(deltas: Sequence[Delta], finish: Finish | None) -> Completion:
 
 def chat_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
     """A conversation as the generate RPC carries it (checked before it is sent)."""
-    if not messages:
-        raise InvalidRequest("messages is empty")
-    out = []
-    for m in messages:
-        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
-            raise InvalidRequest("each message needs a string 'content'")
-        if m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise InvalidRequest(f"unknown message role {m.get('role')!r}")
-        out.append({"role": str(m["role"]), "content": str(m["content"])})
-    return out
+    return list(check_messages(messages))
 
 
 def generate_request(
@@ -108,7 +100,7 @@ def generate_request(
     message's text; otherwise it is the prompt text.
     """
     if chat and not isinstance(prompt, str):
-        messages = tuple(chat_messages(prompt or ()))
+        messages = check_messages(prompt or ())
         return GenerateRequest(messages=messages, sampling=options).to_wire()
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidRequest("the prompt is empty")

@@ -733,7 +733,7 @@ class Serving:
         if request.prompt_ids:
             return list(request.prompt_ids)
         if request.messages is not None:
-            return encode_messages(self.tokenizer, [dict(m) for m in request.messages])
+            return encode_messages(self.tokenizer, list(request.messages))
         return encode_prompt(self.tokenizer, request.prompt or "", chat=request.chat)
 
     async def stream(

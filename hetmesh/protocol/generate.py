@@ -49,6 +49,7 @@ HTTP_DEFAULT_MAX_TOKENS = 16
 HTTP_DEFAULT_MAX_TOKENS_CHAT = 512
 
 FinishReason = Literal["stop", "length"]
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def _integer(value: object) -> bool:
@@ -149,6 +150,20 @@ class SamplingParams(WireRecord):
         return out
 
 
+def check_messages(messages: object) -> tuple[dict[str, str], ...]:
+    """A conversation (``[{"role", "content"}, ...]``) checked and copied; ``InvalidRequest``."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
+            raise InvalidRequest("each message needs a string 'content'", param="messages")
+        if m.get("role") not in CHAT_ROLES:
+            raise InvalidRequest(f"unknown message role {m.get('role')!r}", param="messages")
+        out.append({"role": str(m["role"]), "content": str(m["content"])})
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenerateRequest:
     """What to generate from: token ids, a conversation, or a prompt (``chat``: templated).
@@ -159,7 +174,7 @@ class GenerateRequest:
 
     prompt: str | None = None
     prompt_ids: tuple[int, ...] = ()
-    messages: tuple[Mapping[str, object], ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None  # as check_messages returns them
     chat: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
@@ -177,11 +192,8 @@ class GenerateRequest:
         ids = data.get("prompt_ids") or ()
         if not isinstance(ids, list | tuple):
             raise InvalidRequest("prompt_ids must be a list of integers", param="prompt_ids")
-        messages = data.get("messages")
-        if messages is not None:
-            if not isinstance(messages, list | tuple) or not messages:
-                raise InvalidRequest("messages must be a non-empty list", param="messages")
-            messages = tuple(messages)  # each checked where the chat template applies
+        raw = data.get("messages")
+        messages = check_messages(raw) if raw is not None else None
         prompt = data.get("prompt")
         return cls(
             prompt=prompt if isinstance(prompt, str) else None,
@@ -272,6 +284,7 @@ def reply_from_wire(reply: Mapping[str, Any]) -> Delta | Finish:
 
 
 __all__ = [
+    "CHAT_ROLES",
     "DEFAULT_MAX_NEW_TOKENS",
     "GENERATE_PROTOCOL",
     "HTTP_DEFAULT_MAX_TOKENS",
@@ -282,6 +295,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "SamplingParams",
+    "check_messages",
     "error_reply",
     "finish_reason",
     "reply_from_wire",

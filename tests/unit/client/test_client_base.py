@@ -140,7 +140,7 @@ def test_decode_reply_tokens_flush_finish_and_errors() -> None:
         decode_reply({"token": 1, "text": 7})
 
 
-def test_remote_error_falls_back_to_mesh_error_for_unknown_names() -> None:
+def test_error_from_wire_falls_back_to_mesh_error_for_unknown_names() -> None:
     err = error_from_wire("NotAnError", "boom")
     assert type(err) is MeshError
     assert "NotAnError" in str(err)

@@ -16,6 +16,7 @@ from hetmesh.protocol.generate import (
     Finish,
     GenerateRequest,
     SamplingParams,
+    check_messages,
     error_reply,
     finish_reason,
     reply_from_wire,
@@ -133,3 +134,18 @@ def test_the_shared_records_and_codecs_are_pure() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_conversation_is_checked_once_for_every_surface() -> None:
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert check_messages(turns) == tuple(turns)
+    request = GenerateRequest.from_wire({"messages": turns, "chat": True})
+    assert request.messages == tuple(turns)
+    for bad, what in (
+        ([{"role": "wizard", "content": "x"}], "role"),
+        ([{"role": "user", "content": 3}], "content"),
+        (["hello"], "content"),
+        ([], "non-empty"),
+    ):
+        with pytest.raises(InvalidRequest, match=what):
+            GenerateRequest.from_wire({"messages": bad})
