@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -37,10 +36,10 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import trio
 
-from hetmesh.client.protocol import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 from hetmesh.discovery import wire
 from hetmesh.discovery.rpc import call
 from hetmesh.discovery.wire import Announcement, Load
+from hetmesh.error_codec import error_code
 from hetmesh.errors import (
     InsufficientCapacity,
     InvalidRequest,
@@ -60,9 +59,19 @@ from hetmesh.node.control import (
 from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
+from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
 from hetmesh.node.stage_server import StageServer
 from hetmesh.node.weights import QUANTIZED_ORDER
-from hetmesh.partition.sampling import SamplingParams
+from hetmesh.protocol.generate import (
+    GENERATE_PROTOCOL,
+    MAX_REQUEST_BYTES,
+    Delta,
+    Finish,
+    GenerateRequest,
+    SamplingParams,
+    error_reply,
+    finish_reason,
+)
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler.announcement import (
     Calibration,
@@ -84,13 +93,13 @@ from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequ
 from hetmesh.scheduler.replan import MeshSnapshot, announced_plans, coordinator
 from hetmesh.scheduler.router import route
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
-from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
+from hetmesh.transport.frames import Cancel
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
     from trio_typing import TaskStatus
 
-    from hetmesh.node.daemon import Node
+    from hetmesh.node.runtime import Node
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +162,8 @@ class Serving:
             compact_hint=COMPACT_HINT,
         )
         self._announced = ServingAnnouncement()  # what the discovery record says of us
-        self._models: dict[PeerId, tuple[Announcement, str]] = {}  # peer -> (record, its model)
+        # peer -> (its record, the serving state read from it): read once per announcement
+        self._served_by: dict[PeerId, tuple[Announcement, ServingAnnouncement]] = {}
         self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
@@ -219,18 +229,18 @@ class Serving:
     def _members(self) -> list[_Member]:
         """Live peers serving the same model (records known)."""
         found = []
-        models: dict[PeerId, tuple[Announcement, str]] = {}
+        served_by: dict[PeerId, tuple[Announcement, ServingAnnouncement]] = {}
         for e in self.node.discovery.alive():
             if e.record is None:
                 continue
             # routing asks this per request: parse each record once (a new one per announcement)
-            seen = self._models.get(e.peer_id)
+            seen = self._served_by.get(e.peer_id)
             if seen is None or seen[0] is not e.record:
-                seen = (e.record, read_serving(e.record.extra, plan_of=None).model)
-            models[e.peer_id] = seen
-            if seen[1] == self.model_key:
+                seen = (e.record, read_serving(e.record.extra, e.record.stages, plan_of=None))
+            served_by[e.peer_id] = seen
+            if seen[1].model == self.model_key:
                 found.append(e)
-        self._models = models  # the live peers' only
+        self._served_by = served_by  # the live peers' only
         return cast("list[_Member]", found)  # each one's record is known: checked above
 
     def _snapshot_now(self, members: Sequence[_Member]) -> MeshSnapshot:
@@ -538,25 +548,20 @@ class Serving:
 
     # -- routing ------------------------------------------------------------------
 
-    def ready_stages(self) -> set[tuple[PeerId, int, int]]:
+    def ready_stages(self) -> set[StageKey]:
         ready = {(self.node.peer_id, a, b) for (a, b), s in self._served.items() if not s.retiring}
         for entry in self._members():
-            for st in entry.record.stages:
-                if st.get("ready") and st.get("model") == self.model_key:
-                    ready.add((entry.peer_id, int(st["start"]), int(st["end"])))
+            for st in self._served_by[entry.peer_id][1].stages:
+                if st.ready and st.model == self.model_key:
+                    ready.add((entry.peer_id, st.start, st.end))
         return ready
 
     def _route(self, session_id: str, avoid: frozenset[PeerId]) -> tuple[Hop, ...]:
         plan = self.plan
         if plan is None:
             return ()
-        ready = self.ready_stages()
-        live = {self.node.peer_id} | {e.peer_id for e in self._members()}
-        unhealthy = set(avoid)
-        for p in plan.pipelines:
-            for s in p.stages:
-                if s.peer_id not in live or (s.peer_id, s.start, s.end) not in ready:
-                    unhealthy.add(s.peer_id)
+        # ready_stages holds live peers' stages only: a dead peer's stages are unready
+        unhealthy = set(avoid) | unready_peers(plan, self.ready_stages())
         try:
             chosen = route(
                 plan,
@@ -567,6 +572,10 @@ class Serving:
             return ()
         return tuple(Hop(s.peer_id, s.start, s.end) for s in chosen.stages)
 
+    def ready(self) -> bool:
+        """Whether a pipeline of the adopted plan is fully ready (requests can enter)."""
+        return bool(ready_pipelines(self.plan, self.ready_stages()))
+
     async def _choose(self, session_id: str, avoid: frozenset[PeerId]) -> Sequence[Hop]:
         with trio.move_on_after(self.config.route_wait_s):
             while True:
@@ -575,9 +584,9 @@ class Serving:
                     return hops
                 verdict = self._insufficient or next(
                     (
-                        e.record.extra["insufficient"]
+                        served.insufficient
                         for e in self._members()
-                        if e.record.extra.get("insufficient")
+                        if (served := self._served_by[e.peer_id][1]).insufficient
                     ),
                     "",
                 )
@@ -615,7 +624,9 @@ class Serving:
             self._nursery.start_soon(
                 self._send_quietly,
                 peer,
-                Error(code=ERROR_PROTOCOL, message=message, session_id=frame.session_id),
+                Error(
+                    code=error_code(InvalidRequest), message=message, session_id=frame.session_id
+                ),
             )
             return
         release()
@@ -665,10 +676,8 @@ class Serving:
             return Reply(ok=True)
         target = self._served.get((request.start, request.end))
         if target is None or target.retiring:
-            return Reply(
-                ok=False,
-                kind="not_serving",
-                message=f"units [{request.start}, {request.end}) are not served here",
+            return Reply.failed(
+                NoRoute(f"units [{request.start}, {request.end}) are not served here")
             )
         return target.server.handle(request)
 
@@ -681,32 +690,23 @@ class Serving:
             else:
                 reply = self._apply_control(parse_request(data))
         except RemoteProtocolError as exc:  # the peer's mistake: say so, keep serving
-            reply = Reply(ok=False, kind="invalid", message=str(exc))
+            reply = Reply.failed(InvalidRequest(str(exc)))
         await wire.write_frame(stream, wire.encode(reply.to_wire()))
 
     # -- requests -----------------------------------------------------------------
 
-    def encode(
-        self,
-        prompt: str | None,
-        prompt_ids: Sequence[int] | None,
-        chat: bool,
-        messages: Any = None,
-    ) -> list[int]:
-        """Token ids of a request: given ids, a conversation, or a prompt (``chat``: templated)."""
+    def encode(self, request: GenerateRequest) -> list[int]:
+        """Token ids of a request: given ids, a conversation, or a prompt (``chat``: templated).
+
+        Blocking (it runs the tokenizer). ``InvalidRequest`` for a malformed conversation.
+        """
         from hetmesh.partition.text import encode_messages, encode_prompt
 
-        if prompt_ids:
-            if not isinstance(prompt_ids, list | tuple) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
-            ):
-                raise InvalidRequest("prompt_ids must be a list of integers")
-            return [int(t) for t in prompt_ids]
-        if messages is not None:
-            return encode_messages(self.tokenizer, messages)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty")
-        return encode_prompt(self.tokenizer, prompt, chat=chat)
+        if request.prompt_ids:
+            return list(request.prompt_ids)
+        if request.messages is not None:
+            return encode_messages(self.tokenizer, list(request.messages))
+        return encode_prompt(self.tokenizer, request.prompt or "", chat=request.chat)
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams
@@ -731,33 +731,20 @@ class Serving:
         payload = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=10.0)
         data = wire.decode_map(payload, max_bytes=MAX_REQUEST_BYTES)
         count = 0
-        finish = "length"
         try:
-            params = _sampling_from(data)
-            ids = self.encode(
-                data.get("prompt"),
-                data.get("prompt_ids"),
-                bool(data.get("chat")),
-                data.get("messages"),
-            )
+            request = GenerateRequest.from_wire(data)
+            ids = self.encode(request)
+            params = request.sampling
             async with contextlib.aclosing(self.stream(ids, params)) as events:
-                async for token, delta in events:
+                async for token, text in events:
                     if token >= 0:
                         count += 1
-                    await wire.write_frame(stream, wire.encode({"token": token, "text": delta}))
-            if count < params.max_new_tokens:
-                finish = "stop"
-            done = {
-                "done": True,
-                "finish_reason": finish,
-                "prompt_tokens": len(ids),
-                "completion_tokens": count,
-            }
-            await wire.write_frame(stream, wire.encode(done))
+                    delta = Delta(text, token if token >= 0 else None)
+                    await wire.write_frame(stream, wire.encode(delta.to_wire()))
+            done = Finish(finish_reason(count, params.max_new_tokens), len(ids), count)
+            await wire.write_frame(stream, wire.encode(done.to_wire()))
         except MeshError as exc:
-            await wire.write_frame(
-                stream, wire.encode({"error": type(exc).__name__, "message": str(exc)})
-            )
+            await wire.write_frame(stream, wire.encode(error_reply(exc)))
 
     def statistics(self) -> ServingStatistics:
         links = {}
@@ -791,45 +778,6 @@ def data_plane_host(addrs: Sequence[str]) -> str:
 
 def _as_dict(record: Any) -> dict[str, Any]:
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-
-
-def _sampling_from(data: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from a request map; ``InvalidRequest`` for bad values."""
-
-    def number(key: str) -> float | None:
-        value = data.get(key)
-        if value is None:
-            return None
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise InvalidRequest(f"{key} must be a number")
-        return float(value)
-
-    max_new = data.get("max_new_tokens", 128)
-    if isinstance(max_new, bool) or not isinstance(max_new, int):
-        raise InvalidRequest("max_new_tokens must be an integer")
-    top_k = data.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise InvalidRequest("top_k must be an integer")
-    seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidRequest("seed must be an integer")
-    stop = data.get("stop") or ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
-        raise InvalidRequest("stop must be a string or a list of strings")
-    return SamplingParams(
-        max_new_tokens=max_new,
-        temperature=number("temperature"),
-        top_k=top_k,
-        top_p=number("top_p"),
-        seed=seed,
-        stop=tuple(stop),
-    )
 
 
 async def serve_model(

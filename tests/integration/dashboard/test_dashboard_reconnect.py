@@ -20,8 +20,8 @@ from dashboard_browser import css, missing, open_chromium, until
 
 from hetmesh.node.api import serve_http
 from hetmesh.node.api_metrics import MeshGauges
-from hetmesh.node.api_requests import ParsedRequest
 from hetmesh.partition.sampling import SamplingParams
+from hetmesh.protocol.generate import GenerateRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -41,7 +41,7 @@ class OnePeer:
     def ready(self) -> bool:
         return True
 
-    async def encode(self, request: ParsedRequest) -> list[int]:
+    async def encode(self, request: GenerateRequest) -> list[int]:
         return [1]
 
     async def stream(
