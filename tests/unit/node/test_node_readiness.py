@@ -75,7 +75,9 @@ def test_no_plan_has_no_ready_pipeline() -> None:
 
 def test_a_views_ready_stages_are_its_live_peers_ready_ones() -> None:
     def peer(pid: str, health: str, *stages: tuple[int, int, bool]) -> dict[str, object]:
-        record = {"stages": [{"start": a, "end": b, "ready": r} for a, b, r in stages]}
+        record = {
+            "stages": [{"model": "m", "start": a, "end": b, "ready": r} for a, b, r in stages]
+        }
         return {"peer_id": pid, "health": health, "record": record}
 
     view = {
