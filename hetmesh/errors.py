@@ -28,6 +28,8 @@ MeshError
 Library code raises these; boundaries (libp2p, sockets, torch, HTTP) translate
 foreign exceptions into them with ``raise X(...) from exc``. The CLI prints
 ``str(exc)`` of any ``MeshError`` as one line and exits non-zero.
+
+Errors cross the wire one way, through :mod:`hetmesh.error_codec`.
 """
 
 from __future__ import annotations
@@ -142,7 +144,15 @@ class Rejected(ClientError):
 
 
 class InvalidRequest(ClientError):
-    """The request is malformed or impossible (bad sampling values, too long)."""
+    """The request is malformed or impossible (bad sampling values, too long).
+
+    ``param`` names the request field at fault, when one is (the HTTP API
+    reports it as OpenAI's ``error.param``).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 __all__ = [

@@ -19,8 +19,13 @@ import typer
 from hetmesh.cli._app import app
 
 # Each node offers this much memory, so no single node can hold the model and
-# its KV budget: the planner has to cut it across the three of them.
+# its KV budget in any format: the planner has to cut it across the nodes.
 DEMO_NODE_MEMORY = "500MiB"
+# The default model ships as a 4-bit (Q4_1) GGUF: served as int4 it is never
+# inflated, and int4 decodes fastest of the formats on this project's CPUs
+# (docs/weights.md).
+DEMO_WEIGHTS = "int4"
+WEIGHT_CHOICES = ("float32", "bfloat16", "float16", "int8", "int4")
 
 
 @app.command()
@@ -37,20 +42,28 @@ def demo(
     api_port: Annotated[
         int, typer.Option(min=0, max=65535, help="The dashboard's port (0: any free one).")
     ] = 0,
+    weights: Annotated[
+        str,
+        typer.Option(help="The weight format every node serves: " + "|".join(WEIGHT_CHOICES) + "."),
+    ] = DEMO_WEIGHTS,
 ) -> None:
     """Start a local mesh, stream one chat generation through it, show its status, stop it."""
     from hetmesh.cli.model import _resolve, _stream_mesh
     from hetmesh.cli.status import render_status
     from hetmesh.node.local import local_mesh, wait_serving
 
+    if weights not in WEIGHT_CHOICES:
+        raise typer.BadParameter(
+            f"{weights!r} is not one of {', '.join(WEIGHT_CHOICES)}", param_hint="--weights"
+        )
     model_dir = _resolve("smollm2-135m-instruct", cache_dir)  # pull once, before the nodes
-    args = ["--max-memory", DEMO_NODE_MEMORY, "--max-sessions", "4"]
+    args = ["--weights", weights, "--max-memory", DEMO_NODE_MEMORY, "--max-sessions", "4"]
     if cache_dir is not None:
         args += ["--cache-dir", str(cache_dir)]
     err = sys.stderr
     port = api_port or _free_port()
     url = f"http://127.0.0.1:{port}/"
-    print(f"starting {nodes} nodes on loopback serving {model_dir.name} ...", file=err)
+    print(f"starting {nodes} nodes on loopback serving {model_dir.name} in {weights} ...", file=err)
     with local_mesh(nodes, node_args=args, per_node_args=[["--api-port", str(port)]]) as mesh:
         wait_serving(mesh)
         print(f"dashboard: {url}", file=err)

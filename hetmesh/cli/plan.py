@@ -22,6 +22,7 @@ from hetmesh.cli._app import app
 from hetmesh.errors import InsufficientCapacity, MeshError, ModelNotFound
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
 from hetmesh.scheduler import BASELINES, Plan, PlanConstraints, plan
+from hetmesh.scheduler.announcement import read_serving
 from hetmesh.scheduler.records import Objective
 
 _LIVE = ("self", "alive", "suspect")
@@ -75,9 +76,9 @@ def weights_in(data: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     if isinstance(data, dict) and isinstance(data.get("peers"), list):
         for peer in data["peers"]:
-            extra = (peer.get("record") or {}).get("extra") or {}
-            if isinstance(extra.get("weights"), str) and extra["weights"]:
-                out[str(peer.get("peer_id"))] = extra["weights"]
+            announced = read_serving((peer.get("record") or {}).get("extra"), plan_of=None)
+            if announced.weights:
+                out[str(peer.get("peer_id"))] = announced.weights
         return out
     entries = data if isinstance(data, list) else (data or {}).get("devices") or []
     for entry in entries:

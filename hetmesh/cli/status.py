@@ -20,6 +20,7 @@ from rich.table import Table
 
 from hetmesh.cli._app import app
 from hetmesh.cli.status_view import load_table, plan_table, summarize
+from hetmesh.scheduler.announcement import read_serving
 
 
 def _si(value: float, unit: str) -> str:
@@ -74,7 +75,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
             _host_of(record),
             str(peer.get("health", "?")),
             ", ".join(str(d.get("device", "?")) for d in devices) or "(profiling)",
-            str((record.get("extra") or {}).get("weights") or "-"),
+            read_serving(record.get("extra"), plan_of=None).weights or "-",
             ", ".join(
                 _bytes(d.get("memory_total_bytes", 0) - d.get("memory_free_bytes", 0))
                 for d in devices

@@ -16,6 +16,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from hetmesh.scheduler.announcement import ServingAnnouncement, read_serving
 from hetmesh.scheduler.replan import newest_in_view
 
 
@@ -31,15 +32,18 @@ def _records(view: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _serving(record: Mapping[str, Any]) -> ServingAnnouncement:
+    """What a peer's record announces of its serving state (plan not parsed)."""
+    return read_serving(record.get("extra"), record.get("stages") or (), plan_of=None)
+
+
 def _weights(record: Mapping[str, Any]) -> str:
     """The weight format a peer announced it serves in ("" if none)."""
-    value = (record.get("extra") or {}).get("weights")
-    return value if isinstance(value, str) else ""
+    return _serving(record).weights
 
 
 def _tokens_out(record: Mapping[str, Any]) -> int:
-    gateway = (record.get("extra") or {}).get("gateway") or {}
-    return int(gateway.get("tokens_out", 0) or 0)
+    return int(_serving(record).gateway.get("tokens_out", 0))
 
 
 def summarize(
@@ -60,10 +64,8 @@ def summarize(
                 record = records.get(pid, {})
                 recent = [float(x) for x in (record.get("load") or {}).get("recent_step_s") or ()]
                 ready = any(
-                    st.get("ready")
-                    and st.get("start") == s.get("start")
-                    and st.get("end") == s.get("end")
-                    for st in record.get("stages") or ()
+                    st.ready and st.start == s.get("start") and st.end == s.get("end")
+                    for st in _serving(record).stages
                 )
                 stages.append(
                     {

@@ -23,7 +23,6 @@ import trio
 
 from hetmesh import errors
 from hetmesh.client._base import Delta, Finish, Timeout, decode_reply, seconds
-from hetmesh.client.protocol import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 from hetmesh.discovery import wire
 from hetmesh.discovery.host import derive_psk, dial, mesh_fingerprint, open_host, parse_peer_addr
 from hetmesh.errors import (
@@ -32,6 +31,7 @@ from hetmesh.errors import (
     PeerUnreachable,
     RequestTimeout,
 )
+from hetmesh.protocol.generate import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from hetmesh import __version__
-from hetmesh.discovery import wire
+from hetmesh.discovery import rpc, wire
 from hetmesh.discovery.addrs import addr_host, expand_listen_addrs
 from hetmesh.discovery.host import dial, guarded_handler, mesh_fingerprint
 from hetmesh.discovery.mdns import MdnsHandle, start_mdns, stop_mdns
@@ -43,7 +43,6 @@ from hetmesh.errors import (
     MeshError,
     PeerUnreachable,
     RemoteProtocolError,
-    StreamReset,
 )
 from hetmesh.resources import DeviceProfile, LinkProfile, PeerId
 
@@ -159,33 +158,22 @@ class Discovery:
 
         The handler on the other side (see :meth:`add_handler`) reads one frame
         with :func:`wire.read_frame` and answers with :func:`wire.write_frame`.
-        Raises :class:`PeerUnreachable`, :class:`ConnectTimeout`,
-        :class:`AuthenticationFailed`, :class:`StreamReset` or
-        :class:`RemoteProtocolError`; the caller decides what a failure means.
+        The peer is dialled at its announced addresses first (``PeerUnreachable``,
+        ``ConnectTimeout``, ``AuthenticationFailed``); the call itself is
+        :func:`hetmesh.discovery.rpc.request`, whose module lists what it raises.
         """
-        from libp2p.custom_types import TProtocol
-
         entry = self.table.entries.get(peer_id)
         info = self._peer_info(peer_id, entry.addrs if entry else ())
         if info.peer_id not in self.host.get_network().connections:
             await dial(self.host, info, timeout_s=min(timeout_s, self.config.dial_timeout_s))
-        try:
-            with trio.fail_after(timeout_s):
-                stream = await self.host.new_stream(info.peer_id, [TProtocol(protocol)])
-                try:
-                    await wire.write_frame(stream, payload)
-                    return await wire.read_frame(
-                        stream, max_bytes=max_reply_bytes, timeout_s=timeout_s
-                    )
-                finally:
-                    with contextlib.suppress(Exception):
-                        await stream.close()
-        except trio.TooSlowError as exc:
-            raise ConnectTimeout(f"{peer_id} did not answer {protocol} in {timeout_s} s") from exc
-        except MeshError:
-            raise
-        except Exception as exc:  # libp2p stream errors
-            raise StreamReset(f"{protocol} with {peer_id} failed: {exc!r}") from exc
+        return await rpc.request(
+            self.host,
+            peer_id,
+            protocol,
+            payload,
+            timeout_s=timeout_s,
+            max_reply_bytes=max_reply_bytes,
+        )
 
     # -- what the node reads --------------------------------------------------
 

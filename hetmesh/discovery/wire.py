@@ -53,7 +53,9 @@ class Announcement(WireRecord):
     ``(boot_id, seq)`` orders records from one peer: ``boot_id`` changes when
     the process restarts (so a restarted node is not mistaken for a stale
     one), ``seq`` grows by one per record. ``stages``, ``data_plane`` and
-    ``extra`` are opaque here: the node daemon and the transport define them.
+    ``extra`` are opaque here: the transport defines ``data_plane``, and a
+    serving node's ``stages`` and ``extra`` entries are written and read only
+    through :mod:`hetmesh.scheduler.announcement` (``read_serving``).
     """
 
     version: str

@@ -1,8 +1,8 @@
 """The node's HTTP API: OpenAI-compatible completions, health, Prometheus metrics.
 
 ```
-serve_api(node, port)                  started by run_node when --api-port is given
-└── serve_http(NodeBackend(node))
+serve_api(NodeBackend(discovery, serving), port)   started by run_node (--api-port)
+└── serve_http(backend)
     ├── hypercorn (trio worker)        Starlette app: /v1/models, /v1/completions,
     │                                  /v1/chat/completions, /health, /metrics,
     │                                  /v1/hetmesh/status, the dashboard (/, /dashboard/*,
@@ -27,6 +27,7 @@ the hetmesh extension ``token_ids``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -35,7 +36,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,26 +47,27 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hetmesh import errors
+from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.api_requests import (
     MAX_BODY_BYTES,
     ApiError,
-    ParsedRequest,
+    ApiRequest,
     api_error,
     bad_request,
-    parse_request,
+    default_max_tokens,
+    parse_api_request,
 )
 from hetmesh.node.dashboard import dashboard_routes, is_open_path
 from hetmesh.node.events import Feed
+from hetmesh.protocol.generate import GenerateRequest, SamplingParams, finish_reason
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
-
-    from hetmesh.node.daemon import Node
-    from hetmesh.partition.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -74,90 +76,26 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """The node as the app sees it (a fake stands in for it in unit tests)."""
+    """The node as the app sees it; :class:`hetmesh.node.backend.NodeBackend` implements
+    it over a running node, a fake stands in for it in unit tests.
+
+    ``models``: the model names served; ``max_context``: tokens a request may hold
+    (prompt and completion); ``ready``: whether a request could enter the mesh now;
+    ``encode``: a request's prompt token ids (``InvalidRequest`` for a malformed
+    conversation, ``NoRoute`` when nothing is served); ``stream``: ``(token id, text)``
+    pairs (id -1 for a final text-only flush), raising from the error tree;
+    ``gauges``/``view``: what ``/metrics`` and ``/v1/hetmesh/status`` show.
+    """
 
     def models(self) -> list[str]: ...
     def max_context(self) -> int: ...
     def ready(self) -> bool: ...
-    async def encode(self, request: ParsedRequest) -> list[int]: ...
+    async def encode(self, request: GenerateRequest) -> list[int]: ...
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncGenerator[tuple[int, str], None]: ...
     def gauges(self) -> MeshGauges: ...
     def view(self) -> dict[str, Any]: ...
-
-
-class NodeBackend:
-    """A running node's :class:`~hetmesh.node.serving.Serving` behind the API."""
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-    def _serving(self) -> Any:
-        serving = self.node.serving
-        if serving is None or serving.gateway is None:
-            raise errors.NoRoute("this node does not serve a model (started with --no-serve?)")
-        return serving
-
-    def models(self) -> list[str]:
-        serving = self.node.serving
-        return [serving.model_key] if serving is not None else []
-
-    def max_context(self) -> int:
-        return int(self._serving().constraints.max_context_tokens)
-
-    def ready(self) -> bool:
-        serving = self.node.serving
-        if serving is None or serving.plan is None:
-            return False
-        ready = serving.ready_stages()
-        return any(
-            all((s.peer_id, s.start, s.end) in ready for s in p.stages)
-            for p in serving.plan.pipelines
-        )
-
-    async def encode(self, request: ParsedRequest) -> list[int]:
-        serving = self._serving()
-        if request.prompt_ids:
-            return list(request.prompt_ids)
-        if not request.chat:
-            return await trio.to_thread.run_sync(serving.encode, request.prompt, None, False)
-        from hetmesh.partition.text import encode_messages
-
-        messages = [dict(m) for m in request.messages]
-        return await trio.to_thread.run_sync(encode_messages, serving.tokenizer, messages)
-
-    def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncGenerator[tuple[int, str], None]:
-        stream: AsyncGenerator[tuple[int, str], None] = self._serving().stream(prompt_ids, params)
-        return stream
-
-    def gauges(self) -> MeshGauges:
-        serving = self.node.serving
-        load = self.node.discovery.load
-        links = tuple(
-            (str(link.src), str(link.dst), float(link.rtt_s), float(link.bandwidth_bps))
-            for link in self.node.discovery.local_record(advance=False).links
-        )
-        gateway = serving.gateway.statistics() if serving and serving.gateway else None
-        return MeshGauges(
-            ready=self.ready(),
-            plan_epoch=serving.plan.epoch if serving and serving.plan else -1,
-            queue_depth=load.queue_depth,
-            active_sessions=load.active_sessions,
-            gateway_sessions=gateway.active_sessions if gateway else 0,
-            kv_bytes_used=load.kv_bytes_used,
-            kv_bytes_free=load.kv_bytes_free,
-            recoveries=gateway.recoveries if gateway else 0,
-            rejected_busy=gateway.rejected_busy if gateway else 0,
-            tokens_out=gateway.tokens_out if gateway else 0,
-            sessions_failed=gateway.sessions_failed if gateway else 0,
-            links=links,
-        )
-
-    def view(self) -> dict[str, Any]:
-        return self.node.discovery.view()
 
 
 # -- the app --------------------------------------------------------------------
@@ -217,7 +155,7 @@ class _Api:
 
     # helpers
 
-    def _json(self, request: Request, body: Any, status: int = 200) -> Response:
+    def _json(self, request: Request, body: object, status: int = 200) -> Response:
         self.metrics.requests.labels(request.url.path, str(status)).inc()
         return JSONResponse(body, status_code=status)
 
@@ -228,9 +166,9 @@ class _Api:
         log.info("%s %s -> %d %s", request.method, request.url.path, err.status, err.message)
         return self._json(request, err.body(), err.status)
 
-    async def _parse(self, request: Request, chat: bool) -> tuple[ParsedRequest, list[int], Any]:
-        from hetmesh.partition.sampling import SamplingParams
-
+    async def _parse(
+        self, request: Request, chat: bool
+    ) -> tuple[ApiRequest, list[int], SamplingParams]:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
@@ -238,8 +176,8 @@ class _Api:
             body = json.loads(raw)
         except ValueError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-        parsed = parse_request(body, chat=chat, models=self.backend.models())
-        ids = await self.backend.encode(parsed)
+        parsed = parse_api_request(body, chat=chat, models=self.backend.models())
+        ids = await self.backend.encode(parsed.request)
         context = self.backend.max_context()
         if len(ids) >= context:
             raise bad_request(
@@ -255,15 +193,9 @@ class _Api:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        default = 16 if not chat else 512
-        params = SamplingParams(
-            max_new_tokens=parsed.max_tokens or min(default, room),
-            temperature=parsed.temperature,
-            top_k=parsed.top_k,
-            top_p=parsed.top_p,
-            seed=parsed.seed,
-            stop=parsed.stop,
-        )
+        params = parsed.request.sampling
+        if parsed.max_tokens is None:
+            params = dataclasses.replace(params, max_new_tokens=default_max_tokens(chat, room))
         return parsed, ids, params
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
@@ -291,7 +223,7 @@ class _Api:
         finally:
             self.metrics.inflight.dec()
         self._observe(timing)
-        reason = "length" if len(tokens) >= params.max_new_tokens else "stop"
+        reason = finish_reason(len(tokens), params.max_new_tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "token_ids": tokens}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
@@ -320,7 +252,7 @@ class _Api:
     async def _stream(
         self,
         request: Request,
-        parsed: ParsedRequest,
+        parsed: ApiRequest,
         ids: list[int],
         params: SamplingParams,
         timing: _Timing,
@@ -365,7 +297,7 @@ class _Api:
 
     async def _events(
         self,
-        parsed: ParsedRequest,
+        parsed: ApiRequest,
         ids: list[int],
         params: SamplingParams,
         first: tuple[str, int, str, MeshError | None],
@@ -420,7 +352,7 @@ class _Api:
                             timing.token()
                         yield chunk([piece(delta, [token] if token >= 0 else [])])
                     elif what == "done":
-                        reason = "length" if count >= params.max_new_tokens else "stop"
+                        reason = finish_reason(count, params.max_new_tokens)
                         yield chunk([piece("", [], reason)])
                         if parsed.include_usage:
                             yield chunk([], _usage(len(ids), count))
@@ -457,12 +389,12 @@ _OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balan
 class _RequireKey:
     """ASGI middleware: HTTP requests must present ``Authorization: Bearer <key>``."""
 
-    def __init__(self, app: Any, *, key: str, reject: Any) -> None:
+    def __init__(self, app: ASGIApp, *, key: str, reject: Callable[[Request], Response]) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
         self.reject = reject
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and path not in _OPEN_PATHS and not is_open_path(path):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
@@ -510,7 +442,7 @@ def build_app(
             401,
             "missing or wrong API key: send 'Authorization: Bearer <key>'",
             code="invalid_api_key",
-            hetmesh_error="AuthenticationFailed",
+            hetmesh_error=error_name(errors.AuthenticationFailed),
         )
         return api._error(request, err)
 
@@ -597,30 +529,30 @@ async def serve_http(
 
 
 async def serve_api(
-    node: Node,
+    backend: Backend,
     port: int,
     *,
     host: str = "127.0.0.1",
     api_key: str | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The node's OpenAI-compatible API on ``host:port``; never returns."""
-    await serve_http(
-        NodeBackend(node), host=host, port=port, api_key=api_key, task_status=task_status
-    )
+    """The node's OpenAI-compatible API on ``host:port`` for ``backend``; never returns.
+
+    The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`.
+    """
+    await serve_http(backend, host=host, port=port, api_key=api_key, task_status=task_status)
 
 
 __all__ = [
     "ApiError",
     "ApiMetrics",
+    "ApiRequest",
     "Backend",
     "MeshGauges",
-    "NodeBackend",
-    "ParsedRequest",
     "api_error",
     "build_app",
     "check_api_bind",
-    "parse_request",
+    "parse_api_request",
     "serve_api",
     "serve_http",
 ]

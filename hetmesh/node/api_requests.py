@@ -1,22 +1,31 @@
 """OpenAI-style requests and errors for the HTTP API (pure: no I/O, no trio, no torch).
 
-:func:`parse_request` validates a completion or chat body into a
-:class:`ParsedRequest`; :func:`api_error` maps the hetmesh error tree onto HTTP
-statuses and OpenAI error types.
+:func:`parse_api_request` validates a completion or chat body into an
+:class:`ApiRequest` (a :class:`~hetmesh.protocol.generate.GenerateRequest` and
+what only HTTP has); :func:`api_error` maps the hetmesh error tree onto HTTP
+statuses and OpenAI error types, naming the error's class with
+:func:`~hetmesh.errors.error_name` (``error.hetmesh_error``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hetmesh import errors
-from hetmesh.errors import MeshError
+from hetmesh.error_codec import error_name
+from hetmesh.errors import InvalidRequest, MeshError
+from hetmesh.protocol.generate import (
+    HTTP_DEFAULT_MAX_TOKENS,
+    HTTP_DEFAULT_MAX_TOKENS_CHAT,
+    GenerateRequest,
+    SamplingParams,
+)
 
 MAX_BODY_BYTES = 4 << 20
-MAX_STOP_SEQUENCES = 4
+MAX_STOP_SEQUENCES = 4  # OpenAI's limits, on top of the sampling record's own bounds
+OPENAI_MAX_TEMPERATURE = 2.0
 
 # -- errors ---------------------------------------------------------------------
 
@@ -30,7 +39,7 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
-    hetmesh_error: str = "InvalidRequest"
+    hetmesh_error: str = error_name(errors.InvalidRequest)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -60,8 +69,8 @@ def api_error(exc: MeshError) -> ApiError:
     """The HTTP answer for a hetmesh error (pure)."""
     for cls, status, kind, code in _STATUS:
         if isinstance(exc, cls):
-            return ApiError(status, str(exc), kind, None, code, type(exc).__name__)
-    return ApiError(500, str(exc), "server_error", None, "internal", type(exc).__name__)
+            return ApiError(status, str(exc), kind, None, code, error_name(exc))
+    return ApiError(500, str(exc), "server_error", None, "internal", error_name(exc))
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -72,45 +81,49 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ParsedRequest:
-    """A validated completion or chat request."""
+class ApiRequest:
+    """A validated completion or chat body: the :class:`GenerateRequest` it asks for,
+    and what only the HTTP surface has (the model name, streaming, usage)."""
 
-    chat: bool
     model: str
-    prompt: str | None = None
-    prompt_ids: tuple[int, ...] = ()
-    messages: tuple[dict[str, str], ...] = ()
-    max_tokens: int | None = None  # None: as many as the context allows (capped by default_max)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    request: GenerateRequest
+    max_tokens: int | None = None  # as given; None: the surface's default, capped by the context
     stream: bool = False
     include_usage: bool = False
 
-
-def _number(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad_request(f"{key} must be a number", key)
-    if not low <= value <= high:
-        raise bad_request(f"{key} must be between {low} and {high}, got {value}", key)
-    return float(value)
+    @property
+    def chat(self) -> bool:
+        return self.request.chat
 
 
-def _integer(body: Mapping[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{key} must be an integer", key)
-    return value
+def default_max_tokens(chat: bool, room: int) -> int:
+    """``max_tokens`` of a body without one: OpenAI's default, never past the context."""
+    return min(HTTP_DEFAULT_MAX_TOKENS_CHAT if chat else HTTP_DEFAULT_MAX_TOKENS, room)
 
 
-def parse_request(body: Any, *, chat: bool, models: Sequence[str]) -> ParsedRequest:
+def _sampling(body: Mapping[str, Any], max_tokens: Any, stop: tuple[str, ...]) -> SamplingParams:
+    """The sampling fields, through the one validator (OpenAI's names in its errors)."""
+    temperature = body.get("temperature")
+    if isinstance(temperature, int | float) and temperature > OPENAI_MAX_TEMPERATURE:
+        raise bad_request(
+            f"temperature must be between 0 and {OPENAI_MAX_TEMPERATURE}, got {temperature}",
+            "temperature",
+        )
+    try:
+        return SamplingParams.of(
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_k=body.get("top_k"),
+            top_p=body.get("top_p"),
+            seed=body.get("seed"),
+            stop=stop,
+        )
+    except InvalidRequest as exc:
+        param = "max_tokens" if exc.param == "max_new_tokens" else exc.param
+        raise bad_request(str(exc).replace("max_new_tokens", "max_tokens"), param) from exc
+
+
+def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiRequest:
     """Validate an OpenAI-style request body; :class:`ApiError` (4xx) when it is not one."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -125,22 +138,14 @@ def parse_request(body: Any, *, chat: bool, models: Sequence[str]) -> ParsedRequ
             "invalid_request_error",
             "model",
             "model_not_found",
-            "InvalidRequest",
+            error_name(errors.InvalidRequest),
         )
     n = body.get("n", 1)
     if n != 1:
         raise bad_request("only n=1 is supported", "n")
-    max_tokens = _integer(body, "max_completion_tokens")
+    max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    top_k = _integer(body, "top_k")
-    if top_k is not None and top_k < 1:
-        raise bad_request("top_k must be at least 1", "top_k")
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    if top_p == 0.0:
-        raise bad_request("top_p must be greater than 0", "top_p")
+        max_tokens = body.get("max_tokens")
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -152,6 +157,9 @@ def parse_request(body: Any, *, chat: bool, models: Sequence[str]) -> ParsedRequ
         raise bad_request("stop must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         raise bad_request(f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", "stop")
+    # a placeholder length when none is given: the real default needs the prompt's length
+    placeholder = max_tokens if max_tokens is not None else 1
+    sampling = _sampling(body, placeholder, stops)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream must be a boolean", "stream")
@@ -159,32 +167,29 @@ def parse_request(body: Any, *, chat: bool, models: Sequence[str]) -> ParsedRequ
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     common: dict[str, Any] = {
-        "chat": chat,
         "model": model,
         "max_tokens": max_tokens,
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": _integer(body, "seed"),
-        "stop": stops,
         "stream": stream,
         "include_usage": bool(options.get("include_usage")),
     }
     if chat:
-        return ParsedRequest(messages=_messages(body.get("messages")), **common)
+        messages = _messages(body.get("messages"))
+        request = GenerateRequest(messages=messages, chat=True, sampling=sampling)
+        return ApiRequest(request=request, **common)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt.strip():
             raise bad_request("prompt is empty", "prompt")
-        return ParsedRequest(prompt=prompt, **common)
+        return ApiRequest(request=GenerateRequest(prompt=prompt, sampling=sampling), **common)
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
     ):
-        return ParsedRequest(prompt_ids=tuple(prompt), **common)
+        request = GenerateRequest(prompt_ids=tuple(prompt), sampling=sampling)
+        return ApiRequest(request=request, **common)
     raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
 
 
@@ -217,8 +222,9 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
 __all__ = [
     "MAX_BODY_BYTES",
     "ApiError",
-    "ParsedRequest",
+    "ApiRequest",
     "api_error",
     "bad_request",
-    "parse_request",
+    "default_max_tokens",
+    "parse_api_request",
 ]

@@ -138,14 +138,17 @@ def calibration_extra(
     model_key: str, device: str, block_step_s: float, weights: str = ""
 ) -> dict[str, Any]:
     """What a node announces: its device's measured block step for ``model_key``,
-    in the weight format ``weights`` it serves in."""
-    return {
-        "model": model_key,
-        "device": device,
-        "block_step_s": float(block_step_s),
-        "context_tokens": CALIBRATION_CONTEXT_TOKENS,
-        "weights": weights,
-    }
+    in the weight format ``weights`` it serves in (a
+    :class:`~hetmesh.scheduler.announcement.Calibration`'s wire map)."""
+    from hetmesh.scheduler.announcement import Calibration
+
+    return Calibration(
+        model=model_key,
+        device=device,
+        block_step_s=float(block_step_s),
+        context_tokens=CALIBRATION_CONTEXT_TOKENS,
+        weights=weights,
+    ).to_wire()
 
 
 def calibrated_constraints(
@@ -159,21 +162,17 @@ def calibrated_constraints(
     another model, measured at another context, or ill-typed are ignored (the
     cost model then falls back to its roofline for that device).
     """
+    from hetmesh.scheduler.announcement import read_serving
+
     measured: dict[str, float] = {}
     for peer_id, extra in announced:
-        entry = extra.get(CALIBRATION_KEY)
-        if not isinstance(entry, Mapping) or entry.get("model") != model_key:
-            continue
-        step = entry.get("block_step_s")
-        device = entry.get("device")
+        entry = read_serving(extra, plan_of=None).calibration
         if (
-            isinstance(step, int | float)
-            and not isinstance(step, bool)
-            and step > 0
-            and isinstance(device, str)
-            and entry.get("context_tokens") == constraints.calibration_context_tokens
+            entry is not None
+            and entry.model == model_key
+            and entry.context_tokens == constraints.calibration_context_tokens
         ):
-            measured[device_key(peer_id, device)] = float(step)
+            measured[device_key(peer_id, entry.device)] = entry.block_step_s
     if measured == constraints.block_step_s_by_device:
         return constraints
     return dataclasses.replace(constraints, block_step_s_by_device=measured)

@@ -9,25 +9,15 @@ hidden states go over the data plane.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from hetmesh.errors import InvalidRequest, MeshError, Rejected, RemoteProtocolError
+from hetmesh.error_codec import error_from_wire, error_name
+from hetmesh.errors import MeshError, RemoteProtocolError
+from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId, WireRecord
 
 SESSION_PROTOCOL = "/hetmesh/session/1.0.0"
 MAX_CONTROL_BYTES = 64 * 1024
-
-ErrorKind = Literal["", "busy", "invalid", "not_serving", "internal"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingWire(WireRecord):
-    """Sampling settings the last stage applies; ``seed`` is always set by the gateway."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,7 +30,7 @@ class OpenSession(WireRecord):
     next_peer: PeerId  # the next stage, or the gateway for the last stage
     gateway: PeerId
     max_tokens: int
-    sampling: SamplingWire
+    sampling: SamplingParams  # applied by the last stage; the gateway always sets its seed
     op: str = "open"
 
 
@@ -52,19 +42,32 @@ class CloseSession(WireRecord):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reply(WireRecord):
+    """``ok``, or the error's wire name (:func:`hetmesh.errors.error_name`) as ``kind``.
+
+    A stage refuses with ``Rejected`` (busy), ``InvalidRequest`` or ``NoRoute``
+    (it does not serve those units: the plan moved).
+    """
+
     ok: bool
     kind: str = ""
     message: str = ""
 
+    @classmethod
+    def failed(cls, exc: MeshError) -> Reply:
+        return cls(ok=False, kind=error_name(exc), message=str(exc))
+
+    def error(self) -> MeshError | None:
+        """The exception an error reply stands for; None when ``ok``."""
+        if self.ok:
+            return None
+        kind = self.kind or error_name(MeshError)
+        return error_from_wire(kind, self.message or "stage refused the request")
+
     def raise_for_error(self) -> None:
         """Turn an error reply into the matching exception."""
-        if self.ok:
-            return
-        if self.kind == "busy":
-            raise Rejected(self.message)
-        if self.kind == "invalid":
-            raise InvalidRequest(self.message)
-        raise MeshError(self.message or "stage refused the request")
+        error = self.error()
+        if error is not None:
+            raise error
 
 
 def parse_request(data: dict[str, Any]) -> OpenSession | CloseSession:

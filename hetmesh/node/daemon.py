@@ -27,8 +27,6 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -36,8 +34,7 @@ import trio
 from hetmesh.discovery import profiling
 from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_host
 from hetmesh.discovery.service import Discovery, DiscoveryConfig
-from hetmesh.discovery.table import LivenessPolicy
-from hetmesh.node.config import ServingConfig
+from hetmesh.node.runtime import Node, NodeConfig, default_data_dir
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -45,55 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NODE_INFO_FILE = "node.json"
-
-
-def default_data_dir() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("hetmesh"))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeConfig:
-    """Everything ``hetmesh node start`` can set; defaults suit a LAN."""
-
-    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    bootstrap: tuple[str, ...] = ()
-    mesh_secret: str | None = None
-    mdns: bool = True
-    data_dir: Path = field(default_factory=default_data_dir)
-    max_memory_bytes: int | None = None
-    device: str | None = None  # restrict to one torch device ("cpu", "cuda:0")
-    liveness: LivenessPolicy = field(default_factory=LivenessPolicy)
-    link_probe_interval_s: float = 60.0
-    profile_update_s: float = 5.0  # memory/utilisation figures
-    benchmark_refresh_s: float = 600.0  # re-measure FLOP/s when idle this often
-    benchmark_budget_s: float = 1.5
-    dial_timeout_s: float = 3.0
-    serving: ServingConfig | None = field(default_factory=ServingConfig)
-    api_port: int | None = None  # the HTTP API (hetmesh.node.api); None: off
-    api_host: str = "127.0.0.1"  # beyond loopback only with an api_key
-    api_key: str | None = None  # Bearer token the HTTP API requires (None: none)
-
-
-@dataclass(slots=True)
-class Node:
-    """The running node, handed to every service."""
-
-    config: NodeConfig
-    host: Any
-    discovery: Discovery
-    device_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
-    stop_requested: trio.Event = field(default_factory=trio.Event)
-    serving: Any = None  # hetmesh.node.serving.Serving, once the model is served
-
-    def request_stop(self) -> None:
-        """Ask :func:`run_node` to say goodbye, cancel its services and return."""
-        self.stop_requested.set()
-
-    @property
-    def peer_id(self) -> str:
-        return self.discovery.peer_id
 
 
 async def serve_discovery(
@@ -202,11 +150,12 @@ async def run_node(
                 node.serving = await nursery.start(serve_model, node, config.serving)
             if config.api_port is not None:
                 from hetmesh.node.api import serve_api
+                from hetmesh.node.backend import NodeBackend
 
                 await nursery.start(
                     functools.partial(
                         serve_api,
-                        node,
+                        NodeBackend(node.discovery, node.serving),
                         config.api_port,
                         host=config.api_host,
                         api_key=config.api_key,

@@ -30,6 +30,8 @@ from typing import Any
 import trio
 
 from hetmesh.errors import Rejected
+from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
+from hetmesh.scheduler.records import Plan
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +46,26 @@ def _health(view: Mapping[str, Any]) -> dict[str, str]:
     return {str(p.get("peer_id")): str(p.get("health", "?")) for p in view.get("peers") or ()}
 
 
+def _serving(peer: Mapping[str, Any]) -> ServingAnnouncement:
+    record = peer.get("record") or {}
+    return read_serving(record.get("extra"), record.get("stages") or (), plan_of=None)
+
+
 def _ready_stages(view: Mapping[str, Any]) -> set[tuple[str, int, int]]:
     return {
-        (str(p.get("peer_id")), int(s.get("start", 0)), int(s.get("end", 0)))
+        (str(p.get("peer_id")), s.start, s.end)
         for p in view.get("peers") or ()
         if p.get("health") in _ALIVE
-        for s in (p.get("record") or {}).get("stages") or ()
-        if s.get("ready")
+        for s in _serving(p).stages
+        if s.ready
     }
 
 
 def _gateway_sum(view: Mapping[str, Any], name: str) -> dict[str, int]:
-    out = {}
-    for p in view.get("peers") or ():
-        gateway = ((p.get("record") or {}).get("extra") or {}).get("gateway") or {}
-        out[str(p.get("peer_id"))] = int(gateway.get(name, 0) or 0)
-    return out
+    return {
+        str(p.get("peer_id")): int(_serving(p).gateway.get(name, 0))
+        for p in view.get("peers") or ()
+    }
 
 
 def newest_plan(view: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -73,30 +79,33 @@ class PlanCache:
 
     def __init__(self, size: int = 16) -> None:
         self.size = size
-        self._parsed: dict[str, Any] = {}  # plan's canonical JSON -> (Plan, wire map) | None
+        # a plan's canonical JSON -> (Plan, its wire map), or None if malformed
+        self._parsed: dict[str, tuple[Plan, dict[str, Any]] | None] = {}
 
     def newest(self, view: Mapping[str, Any]) -> dict[str, Any] | None:
-        from hetmesh.scheduler.records import Plan
         from hetmesh.scheduler.replan import newest
 
-        found = []
-        for peer in view.get("peers") or ():
-            raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
-            if not raw:
-                continue
-            key = json.dumps(raw, sort_keys=True, default=str)
-            if key not in self._parsed:
-                if len(self._parsed) >= self.size:
-                    self._parsed.clear()
-                try:
-                    plan = Plan.from_wire(raw)
-                    self._parsed[key] = (plan, plan.to_wire())
-                except (ValueError, TypeError):  # what other nodes announced: skip bad ones
-                    self._parsed[key] = None
-            if self._parsed[key] is not None:
-                found.append(self._parsed[key])
-        best = newest(plan for plan, _ in found)
-        return next((wire for plan, wire in found if plan is best), None)
+        plans = [
+            read_serving((peer.get("record") or {}).get("extra"), plan_of=self._parse).plan
+            for peer in view.get("peers") or ()
+        ]
+        best = newest(p for p in plans if p is not None)
+        if best is None:
+            return None
+        for entry in self._parsed.values():
+            if entry is not None and entry[0] is best:
+                return entry[1]
+        return best.to_wire()
+
+    def _parse(self, raw: Mapping[str, object]) -> Plan | None:
+        key = json.dumps(raw, sort_keys=True, default=str)
+        if key not in self._parsed:
+            if len(self._parsed) >= self.size:
+                self._parsed.clear()
+            plan = parse_plan(raw)  # what other nodes announced: a bad one reads as none
+            self._parsed[key] = None if plan is None else (plan, plan.to_wire())
+        entry = self._parsed[key]
+        return None if entry is None else entry[0]
 
 
 def _event(kind: str, level: str, message: str, **fields: Any) -> dict[str, Any]:

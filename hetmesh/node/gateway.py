@@ -14,6 +14,7 @@ the same tokens as before.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -25,18 +26,20 @@ from dataclasses import dataclass
 import torch
 import trio
 
+from hetmesh.error_codec import error_from_wire
 from hetmesh.errors import (
     InvalidRequest,
     MeshError,
     NoRoute,
+    PeerUnreachable,
     Rejected,
     RequestTimeout,
     TransportError,
 )
-from hetmesh.node.control import CloseSession, OpenSession, Reply, SamplingWire
-from hetmesh.partition.sampling import SamplingParams
+from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
-from hetmesh.transport.frames import ERROR_PROTOCOL, Activations, Error, Frame, Tokens
+from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class Hop:
 
 Control = Callable[[PeerId, OpenSession | CloseSession], Awaitable[Reply]]
 Send = Callable[[PeerId, Frame], Awaitable[None]]
+"""Sends a data-plane frame to a peer (one's own id included); a ``TransportError`` if it cannot."""
 Choose = Callable[[str, frozenset[PeerId]], Awaitable[Sequence[Hop]]]
 Ping = Callable[[PeerId], Awaitable[bool]]
 
@@ -160,12 +164,7 @@ class Gateway:
         self.validate(prompt_ids, params)
         base = uuid.uuid4().hex
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        sampling = SamplingWire(
-            temperature=float(params.temperature or 0.0),
-            top_k=params.top_k or 0,
-            top_p=params.top_p if params.top_p is not None else 1.0,
-            seed=seed,
-        )
+        sampling = dataclasses.replace(params, seed=seed)  # every stage and replay draws alike
         history = [int(t) for t in prompt_ids]
         generated: list[int] = []
         avoid: set[PeerId] = set()
@@ -214,7 +213,7 @@ class Gateway:
                 self._failed += 1
 
     async def _open(
-        self, session_id: str, hops: Sequence[Hop], max_tokens: int, sampling: SamplingWire
+        self, session_id: str, hops: Sequence[Hop], max_tokens: int, sampling: SamplingParams
     ) -> None:
         """Open the session on every stage, waiting (with back-off) while they are busy."""
         requests = [
@@ -237,15 +236,16 @@ class Gateway:
             if not failed:
                 return
             await self._close(session_id, hops)
-            for _, reply in failed:
-                if reply.kind == "invalid":
-                    reply.raise_for_error()
+            errors = [(hop, r.error()) for hop, r in failed]
+            for _, error in errors:
+                if isinstance(error, InvalidRequest):
+                    raise error
             unreachable = frozenset(
-                hop.peer_id for hop, r in failed if r.kind not in ("busy", "not_serving")
+                hop.peer_id for hop, error in errors if not isinstance(error, Rejected | NoRoute)
             )
             if unreachable:
                 raise _StepFailed("a stage refused or did not answer the session", unreachable)
-            if any(r.kind == "not_serving" for _, r in failed):
+            if any(isinstance(error, NoRoute) for _, error in errors):
                 # a new plan moved a stage: route again once it is ready, avoid nobody for it
                 raise _StepFailed("the plan changed under the session")
             self._busy += 1
@@ -256,14 +256,15 @@ class Gateway:
 
     async def _ask_all(self, hops: Sequence[Hop], requests: Sequence[OpenSession]) -> list[Reply]:
         """Send each hop its request concurrently; a failure becomes an error reply."""
-        replies = [Reply(ok=False, kind="internal", message="no answer")] * len(hops)
+        replies = [Reply.failed(PeerUnreachable("no answer"))] * len(hops)
 
         async def ask(i: int) -> None:
             try:
                 with trio.fail_after(self.timeouts.ping_s * 2):
                     replies[i] = await self._control(hops[i].peer_id, requests[i])
             except (MeshError, trio.TooSlowError) as exc:
-                replies[i] = Reply(ok=False, kind="internal", message=str(exc))
+                # whatever the failure, this stage did not take the session: suspect its peer
+                replies[i] = Reply.failed(PeerUnreachable(str(exc)))
 
         async with trio.open_nursery() as nursery:
             for i in range(len(hops)):
@@ -332,8 +333,9 @@ class Gateway:
                 while True:
                     frame = await inbox.receive()
                     if isinstance(frame, Error):
-                        if frame.code == ERROR_PROTOCOL:
-                            raise InvalidRequest(frame.message)
+                        error = error_from_wire(frame.code, frame.message)
+                        if isinstance(error, InvalidRequest):
+                            raise error
                         raise _StepFailed(f"a stage failed: {frame.message}")
                     if frame.step == step and frame.token_ids:
                         return int(frame.token_ids[0])

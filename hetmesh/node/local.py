@@ -116,22 +116,11 @@ def _stop(nodes: Sequence[LocalNode], grace_s: float = 10.0) -> None:
 
 def ready_pipelines(view: dict[str, Any]) -> int:
     """Pipelines of the newest plan in a status view whose every stage is ready."""
+    from hetmesh.node.readiness import ready_pipelines as ready_of
+    from hetmesh.node.readiness import ready_stages_in_view
     from hetmesh.scheduler.replan import newest_in_view
 
-    plan = newest_in_view(view)
-    if plan is None:
-        return 0
-    ready = {
-        (p["peer_id"], s["start"], s["end"])
-        for p in view["peers"]
-        if p["health"] in ("self", "alive")
-        for s in p["record"]["stages"]
-        if s.get("ready")
-    }
-    return sum(
-        all((s.peer_id, s.start, s.end) in ready for s in pipeline.stages)
-        for pipeline in plan.pipelines
-    )
+    return len(ready_of(newest_in_view(view), ready_stages_in_view(view)))
 
 
 def wait_serving(

@@ -12,11 +12,15 @@ serve_model(node, config)
 ```
 
 Every node runs the same code; the coordinator (lowest live peer id) is the
-only one that plans. Every node announces the plan it follows
-(``extra["plan"]``) and switches to any plan that supersedes it
+only one that plans. The plan loop gathers a view of the mesh, lets the pure
+:func:`~hetmesh.scheduler.coordination.decide` choose (adopt a peer's plan,
+publish a new one, or keep), and carries the step out. Every node announces
+the plan it follows and switches to any plan that supersedes it
 (:func:`~hetmesh.scheduler.replan.supersedes`), so two nodes that both
 believed they coordinated (views differ while peers join) still end on one
-plan. Stage readiness travels in each node's ``stages``.
+plan. The plan, stage readiness, calibration and weight format travel in one
+:class:`~hetmesh.scheduler.announcement.ServingAnnouncement`, written by
+``_announce`` and read with :func:`~hetmesh.scheduler.announcement.read_serving`.
 """
 
 from __future__ import annotations
@@ -24,18 +28,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import trio
 
-from hetmesh.client.protocol import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 from hetmesh.discovery import wire
-from hetmesh.discovery.wire import Load
+from hetmesh.discovery.rpc import call
+from hetmesh.discovery.wire import Announcement, Load
+from hetmesh.error_codec import error_code
 from hetmesh.errors import (
     InsufficientCapacity,
     InvalidRequest,
@@ -54,32 +58,60 @@ from hetmesh.node.control import (
 )
 from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import KVLimits
-from hetmesh.node.links import DATAPLANE_PROTOCOL, LinkPool, call
+from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
+from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
 from hetmesh.node.stage_server import StageServer
-from hetmesh.partition.sampling import SamplingParams
+from hetmesh.node.weights import QUANTIZED_ORDER
+from hetmesh.protocol.generate import (
+    GENERATE_PROTOCOL,
+    MAX_REQUEST_BYTES,
+    Delta,
+    Finish,
+    GenerateRequest,
+    SamplingParams,
+    error_reply,
+    finish_reason,
+)
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
-from hetmesh.scheduler import baselines
-from hetmesh.scheduler.planner import evaluate
+from hetmesh.scheduler.announcement import (
+    Calibration,
+    ServedStage,
+    ServingAnnouncement,
+    read_serving,
+    serving_extra,
+    serving_stages,
+)
+from hetmesh.scheduler.coordination import (
+    Adopt,
+    CoordinatorConfig,
+    CoordinatorState,
+    MeshView,
+    Publish,
+    decide,
+)
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest, WeightBytes
-from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
+from hetmesh.scheduler.replan import MeshSnapshot, announced_plans, coordinator
 from hetmesh.scheduler.router import route
-from hetmesh.scheduler.standby import add_standby_replicas, with_standby
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
-from hetmesh.transport.frames import ERROR_PROTOCOL, Cancel
+from hetmesh.transport.frames import Cancel
 
 if TYPE_CHECKING:
+    from libp2p.abc import INetStream
     from trio_typing import TaskStatus
 
-    from hetmesh.node.daemon import Node
+    from hetmesh.node.runtime import Node
 
 log = logging.getLogger(__name__)
 
 
-_BASELINES = {
-    "even": baselines.even_split,
-    "memory-proportional": baselines.memory_proportional,
-    "greedy": baselines.greedy_fill,
-}
+class _Member(Protocol):
+    """A live peer serving our model, whose record we hold."""
+
+    @property
+    def peer_id(self) -> PeerId: ...
+
+    @property
+    def record(self) -> Announcement: ...
 
 
 @dataclass(slots=True)
@@ -121,14 +153,22 @@ class Serving:
             max_sessions=config.max_sessions,
             reserve_bytes=config.reserve_bytes,
         )
-        self.plan: Plan | None = None  # the adopted plan
-        self._published: Plan | None = None  # ours, when we coordinate
-        self._snapshot: MeshSnapshot | None = None
+        self._coordinator_config = CoordinatorConfig(
+            model=self.profile,
+            strategy=config.plan_strategy,
+            objective=config.objective,
+            standby=config.standby,
+            compact_formats=frozenset(QUANTIZED_ORDER),
+            compact_hint=COMPACT_HINT,
+        )
+        self._announced = ServingAnnouncement()  # what the discovery record says of us
+        # peer -> (its record, the serving state read from it): read once per announcement
+        self._served_by: dict[PeerId, tuple[Announcement, ServingAnnouncement]] = {}
+        self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
         self._changed = trio.Event()
         self._started_at = trio.current_time()
-        self._insufficient = ""
         self.tokenizer: Any = None
         self.eos: frozenset[int] = frozenset()
         self.pool: LinkPool | None = None
@@ -174,7 +214,7 @@ class Serving:
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             await self._calibrate()  # announced with (before) the model: planned together
-            discovery.set_extra("model", self.model_key)
+            self._announce(dataclasses.replace(self._announced, model=self.model_key))
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
             discovery.add_handler(GENERATE_PROTOCOL, self._handle_generate)
@@ -186,15 +226,24 @@ class Serving:
 
     # -- the plan -----------------------------------------------------------------
 
-    def _members(self) -> list[Any]:
+    def _members(self) -> list[_Member]:
         """Live peers serving the same model (records known)."""
-        return [
-            e
-            for e in self.node.discovery.alive()
-            if e.record is not None and e.record.extra.get("model") == self.model_key
-        ]
+        found = []
+        served_by: dict[PeerId, tuple[Announcement, ServingAnnouncement]] = {}
+        for e in self.node.discovery.alive():
+            if e.record is None:
+                continue
+            # routing asks this per request: parse each record once (a new one per announcement)
+            seen = self._served_by.get(e.peer_id)
+            if seen is None or seen[0] is not e.record:
+                seen = (e.record, read_serving(e.record.extra, e.record.stages, plan_of=None))
+            served_by[e.peer_id] = seen
+            if seen[1].model == self.model_key:
+                found.append(e)
+        self._served_by = served_by  # the live peers' only
+        return cast("list[_Member]", found)  # each one's record is known: checked above
 
-    def _snapshot_now(self, members: Sequence[Any]) -> MeshSnapshot:
+    def _snapshot_now(self, members: Sequence[_Member]) -> MeshSnapshot:
         def capacity(d: DeviceProfile) -> DeviceProfile:
             # plan on the device's whole memory: what our own stages hold is ours to use
             return dataclasses.replace(d, memory_free_bytes=d.memory_total_bytes)
@@ -247,9 +296,9 @@ class Serving:
         The coordinator's cost model scales this node's predicted step times to the
         figure and charges this node the format's bytes.
         """
-        from hetmesh.node.calibration import CALIBRATION_KEY, calibration_extra
+        from hetmesh.node.calibration import CALIBRATION_CONTEXT_TOKENS
         from hetmesh.node.calibration import measure_block_step_s as measure
-        from hetmesh.node.weights import WEIGHTS_KEY, choose_weights, supported_formats
+        from hetmesh.node.weights import choose_weights, supported_formats
 
         device = self.node.config.device or "cpu"
         key = device if ":" in device or device == "cpu" else f"{device}:0"
@@ -285,7 +334,7 @@ class Serving:
             )
         else:
             step = None
-        self.node.discovery.set_extra(WEIGHTS_KEY, self.weights)
+        self._announce(dataclasses.replace(self._announced, weights=self.weights))
         if given is not None:
             step = given
             log.info("calibration skipped: announcing %.2f ms per block as given", step * 1e3)
@@ -298,12 +347,17 @@ class Serving:
                 step * 1e3,
                 self.weights,
             )
-        self.node.discovery.set_extra(
-            CALIBRATION_KEY, calibration_extra(self.model_key, key, step, self.weights)
+        calibration = Calibration(
+            model=self.model_key,
+            device=key,
+            block_step_s=step,
+            context_tokens=CALIBRATION_CONTEXT_TOKENS,
+            weights=self.weights,
         )
+        self._announce(dataclasses.replace(self._announced, calibration=calibration))
 
     def _plan_constraints(
-        self, members: Sequence[Any], devices: Sequence[DeviceProfile]
+        self, members: Sequence[_Member], devices: Sequence[DeviceProfile]
     ) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints
         from hetmesh.node.weights import weights_constraints
@@ -313,130 +367,57 @@ class Serving:
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
         return weights_constraints(constraints, announced, devices, self.bytes_of)
 
-    def _coordinate(self, members: Sequence[Any]) -> None:
+    def _view(self, members: Sequence[_Member]) -> MeshView:
+        """What the coordinator decides on: the mesh now, gathered from the announcements."""
         snapshot = self._snapshot_now(members)
-        constraints = self._plan_constraints(members, snapshot.devices)
-        if not snapshot.devices:
-            return
-        current = self._surviving(self.plan, snapshot, constraints)
-        epoch = (self.plan.epoch + 1) if self.plan is not None else 0
-        try:
-            if self.config.plan_strategy == "hetmesh":
-                outcome = replan(
-                    current,
-                    self._snapshot,
-                    snapshot,
-                    self.profile,
-                    objective=self.config.objective,
-                    constraints=constraints,
-                )
-                candidate = outcome.plan
-                reason = outcome.reason
-                if candidate is not None and self.config.standby:
-                    candidate = with_standby(
-                        candidate,
-                        snapshot.devices,
-                        snapshot.links,
-                        self.profile,
-                        constraints=constraints,
-                    )
-            else:
-                changed = self._snapshot is None or {d.peer_id for d in snapshot.devices} != {
-                    d.peer_id for d in self._snapshot.devices
-                }
-                candidate = None
-                reason = f"forced {self.config.plan_strategy} placement"
-                if changed or current is None:
-                    candidate = _BASELINES[self.config.plan_strategy](
-                        snapshot.devices,
-                        snapshot.links,
-                        self.profile,
-                        objective=self.config.objective,
-                        constraints=constraints,
-                    )
-        except InsufficientCapacity as exc:
-            verdict = str(exc) + _compact_hint(constraints, snapshot.devices)
-            if verdict != self._insufficient:
+        return MeshView(
+            me=self.node.peer_id,
+            peers=tuple(e.peer_id for e in members),
+            snapshot=snapshot,
+            constraints=self._plan_constraints(members, snapshot.devices),
+            plans=tuple(announced_plans(e.record.extra for e in members)),
+            settled=trio.current_time() - self._started_at >= self.config.settle_s,
+        )
+
+    def _step(self, members: Sequence[_Member]) -> None:
+        """Gather a view, let :func:`~hetmesh.scheduler.coordination.decide` choose, act on it."""
+        step = decide(self._view(members), self._coordination, self._coordinator_config)
+        before, self._coordination = self._coordination, step.state
+        verdict = step.state.insufficient
+        if verdict != before.insufficient:  # announced: gateways refuse requests at once
+            if verdict:
                 log.warning("cannot place %s on this mesh yet: %s", self.model_key, verdict)
-            self._insufficient = verdict
-            self.node.discovery.set_extra("insufficient", self._insufficient)
-            self._snapshot = snapshot
-            return
-        self._insufficient = ""
-        self.node.discovery.set_extra("insufficient", "")
-        self._snapshot = snapshot
-        if candidate is None and current is not None and current != self.plan:
-            candidate, reason = current, "pipelines with a lost peer dropped; the rest serve on"
-        if candidate is None and current is not None and self.config.standby:
-            # no better placement; but a spare device may have joined to back one up
-            backed = add_standby_replicas(
-                current,
-                snapshot.devices,
-                snapshot.links,
-                self.profile,
-                constraints=constraints,
-            )
-            if len(backed.pipelines) > len(current.pipelines):
-                candidate, reason = backed, "a spare device becomes a standby replica"
-        if candidate is None:
-            return
-        plan = candidate.with_epoch(max(epoch, candidate.epoch))
-        log.info(
-            "plan epoch %d (%s): %s; predicted %.1f ms/token",
-            plan.epoch,
-            reason,
-            " | ".join(
-                " → ".join(f"{s.peer_id[-6:]}[{s.start},{s.end})" for s in p.stages)
-                for p in plan.pipelines
-            ),
-            plan.decode_latency_s * 1e3,
-        )
-        self._published = plan
+            self._announce(dataclasses.replace(self._announced, insufficient=verdict))
+        for action in step.actions:
+            if isinstance(action, Publish):
+                log.info(
+                    "plan epoch %d (%s): %s; predicted %.1f ms/token",
+                    action.plan.epoch,
+                    action.reason,
+                    " | ".join(
+                        " → ".join(f"{s.peer_id[-6:]}[{s.start},{s.end})" for s in p.stages)
+                        for p in action.plan.pipelines
+                    ),
+                    action.plan.decode_latency_s * 1e3,
+                )
+            elif isinstance(action, Adopt):
+                self._apply(action.plan)
+                self._announce(dataclasses.replace(self._announced, plan=action.plan))
 
-    def _surviving(
-        self, plan: Plan | None, snapshot: MeshSnapshot, constraints: PlanConstraints
-    ) -> Plan | None:
-        """``plan`` without the pipelines that lost a peer, re-scored; None if none is left.
+    @property
+    def plan(self) -> Plan | None:
+        """The plan this node follows."""
+        return self._coordination.plan
 
-        A standby replica that survives keeps serving: the coordinator then only
-        replans if a new placement beats it by the adoption threshold, instead of
-        reshuffling every stage after each loss.
-        """
-        if plan is None:
-            return None
-        alive = {d.peer_id for d in snapshot.devices}
-        survivors = [p for p in plan.pipelines if p.peers <= alive]
-        if not survivors:
-            return None  # every pipeline lost a peer: plan afresh
-        if len(survivors) == len(plan.pipelines):
-            return plan
-        placed = [[(s.peer_id, s.device, s.start, s.end) for s in p.stages] for p in survivors]
-        return evaluate(
-            placed,
-            snapshot.devices,
-            snapshot.links,
-            self.profile,
-            objective=plan.objective,
-            constraints=constraints,
-            strategy=plan.strategy,
-            epoch=plan.epoch,
-        )
+    @property
+    def _insufficient(self) -> str:
+        """Why the coordinator cannot place the model ("" when it can, or we do not plan)."""
+        return self._coordination.insufficient
 
-    def _adopt(self, members: Sequence[Any]) -> None:
-        seen: list[Plan] = [self._published] if self._published is not None else []
-        for entry in members:
-            raw = entry.record.extra.get("plan")
-            if raw:
-                with contextlib.suppress(ValueError, TypeError):
-                    seen.append(Plan.from_wire(raw))
-        best = newest(p for p in seen if p.model_name == self.profile.name)
-        if best is None or not supersedes(best, self.plan):
-            return
-        if best is not self._published:
-            self._snapshot = None  # a plan made elsewhere: judge it afresh when coordinating
-        self.plan = best
-        self._apply(best)
-        self.node.discovery.set_extra("plan", best.to_wire())
+    @property
+    def _snapshot(self) -> MeshSnapshot | None:
+        """The mesh the followed plan was last judged on (None: judge it afresh)."""
+        return self._coordination.planned_on
 
     def _apply(self, plan: Plan) -> None:
         mine = {
@@ -515,15 +496,22 @@ class Serving:
                 log.info("stage [%d, %d) retired", *key)
 
     def _publish(self) -> None:
-        d = self.node.discovery
-        d.set_stages(
-            [
-                {"model": self.model_key, "start": a, "end": b, "ready": not s.retiring}
-                for (a, b), s in sorted(self._served.items())
-            ]
-        )
         stats = [s.server.statistics() for s in self._served.values()]
-        d.set_load(
+        self._announce(
+            dataclasses.replace(
+                self._announced,
+                stages=tuple(
+                    ServedStage(model=self.model_key, start=a, end=b, ready=not s.retiring)
+                    for (a, b), s in sorted(self._served.items())
+                ),
+                gateway=_as_dict(self.gateway.statistics()) if self.gateway else {},
+                stage_servers=tuple(
+                    {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
+                    for s in stats
+                ),
+            )
+        )
+        self.node.discovery.set_load(
             Load(
                 queue_depth=sum(s.queue_depth for s in stats),
                 active_sessions=sum(s.kv.sessions for s in stats),
@@ -532,24 +520,17 @@ class Serving:
                 recent_step_s=tuple(x for s in stats for x in s.recent_step_s[-4:]),
             )
         )
-        d.set_extra("gateway", _as_dict(self.gateway.statistics()) if self.gateway else {})
-        d.set_extra(
-            "stage_servers",
-            [
-                {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
-                for s in stats
-            ],
-        )
+
+    def _announce(self, state: ServingAnnouncement) -> None:
+        """Announce ``state`` (the one writer of this node's serving entries)."""
+        self._announced = state
+        for key, value in serving_extra(state).items():
+            self.node.discovery.set_extra(key, value)
+        self.node.discovery.set_stages(serving_stages(state))
 
     async def _plan_loop(self) -> None:
         while True:
-            members = self._members()
-            ids = [self.node.peer_id] + [e.peer_id for e in members]
-            settled = trio.current_time() - self._started_at >= self.config.settle_s
-            self._adopt(members)  # plan on top of the newest plan seen
-            if coordinator(ids) == self.node.peer_id and settled:
-                self._coordinate(members)
-                self._adopt(members)
+            self._step(self._members())
             self._retire_idle()
             self._publish()
             self._changed.set()
@@ -567,25 +548,20 @@ class Serving:
 
     # -- routing ------------------------------------------------------------------
 
-    def ready_stages(self) -> set[tuple[PeerId, int, int]]:
+    def ready_stages(self) -> set[StageKey]:
         ready = {(self.node.peer_id, a, b) for (a, b), s in self._served.items() if not s.retiring}
         for entry in self._members():
-            for st in entry.record.stages:
-                if st.get("ready") and st.get("model") == self.model_key:
-                    ready.add((entry.peer_id, int(st["start"]), int(st["end"])))
+            for st in self._served_by[entry.peer_id][1].stages:
+                if st.ready and st.model == self.model_key:
+                    ready.add((entry.peer_id, st.start, st.end))
         return ready
 
     def _route(self, session_id: str, avoid: frozenset[PeerId]) -> tuple[Hop, ...]:
         plan = self.plan
         if plan is None:
             return ()
-        ready = self.ready_stages()
-        live = {self.node.peer_id} | {e.peer_id for e in self._members()}
-        unhealthy = set(avoid)
-        for p in plan.pipelines:
-            for s in p.stages:
-                if s.peer_id not in live or (s.peer_id, s.start, s.end) not in ready:
-                    unhealthy.add(s.peer_id)
+        # ready_stages holds live peers' stages only: a dead peer's stages are unready
+        unhealthy = set(avoid) | unready_peers(plan, self.ready_stages())
         try:
             chosen = route(
                 plan,
@@ -596,6 +572,10 @@ class Serving:
             return ()
         return tuple(Hop(s.peer_id, s.start, s.end) for s in chosen.stages)
 
+    def ready(self) -> bool:
+        """Whether a pipeline of the adopted plan is fully ready (requests can enter)."""
+        return bool(ready_pipelines(self.plan, self.ready_stages()))
+
     async def _choose(self, session_id: str, avoid: frozenset[PeerId]) -> Sequence[Hop]:
         with trio.move_on_after(self.config.route_wait_s):
             while True:
@@ -604,9 +584,9 @@ class Serving:
                     return hops
                 verdict = self._insufficient or next(
                     (
-                        e.record.extra["insufficient"]
+                        served.insufficient
                         for e in self._members()
-                        if e.record.extra.get("insufficient")
+                        if (served := self._served_by[e.peer_id][1]).insufficient
                     ),
                     "",
                 )
@@ -644,7 +624,9 @@ class Serving:
             self._nursery.start_soon(
                 self._send_quietly,
                 peer,
-                Error(code=ERROR_PROTOCOL, message=message, session_id=frame.session_id),
+                Error(
+                    code=error_code(InvalidRequest), message=message, session_id=frame.session_id
+                ),
             )
             return
         release()
@@ -694,14 +676,12 @@ class Serving:
             return Reply(ok=True)
         target = self._served.get((request.start, request.end))
         if target is None or target.retiring:
-            return Reply(
-                ok=False,
-                kind="not_serving",
-                message=f"units [{request.start}, {request.end}) are not served here",
+            return Reply.failed(
+                NoRoute(f"units [{request.start}, {request.end}) are not served here")
             )
         return target.server.handle(request)
 
-    async def _handle_session(self, stream: Any) -> None:
+    async def _handle_session(self, stream: INetStream) -> None:
         payload = await wire.read_frame(stream, max_bytes=MAX_CONTROL_BYTES, timeout_s=5.0)
         try:
             data = wire.decode_map(payload, max_bytes=MAX_CONTROL_BYTES)
@@ -710,32 +690,23 @@ class Serving:
             else:
                 reply = self._apply_control(parse_request(data))
         except RemoteProtocolError as exc:  # the peer's mistake: say so, keep serving
-            reply = Reply(ok=False, kind="invalid", message=str(exc))
+            reply = Reply.failed(InvalidRequest(str(exc)))
         await wire.write_frame(stream, wire.encode(reply.to_wire()))
 
     # -- requests -----------------------------------------------------------------
 
-    def encode(
-        self,
-        prompt: str | None,
-        prompt_ids: Sequence[int] | None,
-        chat: bool,
-        messages: Any = None,
-    ) -> list[int]:
-        """Token ids of a request: given ids, a conversation, or a prompt (``chat``: templated)."""
+    def encode(self, request: GenerateRequest) -> list[int]:
+        """Token ids of a request: given ids, a conversation, or a prompt (``chat``: templated).
+
+        Blocking (it runs the tokenizer). ``InvalidRequest`` for a malformed conversation.
+        """
         from hetmesh.partition.text import encode_messages, encode_prompt
 
-        if prompt_ids:
-            if not isinstance(prompt_ids, list | tuple) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
-            ):
-                raise InvalidRequest("prompt_ids must be a list of integers")
-            return [int(t) for t in prompt_ids]
-        if messages is not None:
-            return encode_messages(self.tokenizer, messages)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty")
-        return encode_prompt(self.tokenizer, prompt, chat=chat)
+        if request.prompt_ids:
+            return list(request.prompt_ids)
+        if request.messages is not None:
+            return encode_messages(self.tokenizer, list(request.messages))
+        return encode_prompt(self.tokenizer, request.prompt or "", chat=request.chat)
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams
@@ -760,33 +731,20 @@ class Serving:
         payload = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=10.0)
         data = wire.decode_map(payload, max_bytes=MAX_REQUEST_BYTES)
         count = 0
-        finish = "length"
         try:
-            params = _sampling_from(data)
-            ids = self.encode(
-                data.get("prompt"),
-                data.get("prompt_ids"),
-                bool(data.get("chat")),
-                data.get("messages"),
-            )
+            request = GenerateRequest.from_wire(data)
+            ids = self.encode(request)
+            params = request.sampling
             async with contextlib.aclosing(self.stream(ids, params)) as events:
-                async for token, delta in events:
+                async for token, text in events:
                     if token >= 0:
                         count += 1
-                    await wire.write_frame(stream, wire.encode({"token": token, "text": delta}))
-            if count < params.max_new_tokens:
-                finish = "stop"
-            done = {
-                "done": True,
-                "finish_reason": finish,
-                "prompt_tokens": len(ids),
-                "completion_tokens": count,
-            }
-            await wire.write_frame(stream, wire.encode(done))
+                    delta = Delta(text, token if token >= 0 else None)
+                    await wire.write_frame(stream, wire.encode(delta.to_wire()))
+            done = Finish(finish_reason(count, params.max_new_tokens), len(ids), count)
+            await wire.write_frame(stream, wire.encode(done.to_wire()))
         except MeshError as exc:
-            await wire.write_frame(
-                stream, wire.encode({"error": type(exc).__name__, "message": str(exc)})
-            )
+            await wire.write_frame(stream, wire.encode(error_reply(exc)))
 
     def statistics(self) -> ServingStatistics:
         links = {}
@@ -802,20 +760,10 @@ class Serving:
         )
 
 
-def _compact_hint(constraints: PlanConstraints, devices: Sequence[DeviceProfile]) -> str:
-    """What to try when the model does not fit: compact weights, if some node has none."""
-    from hetmesh.node.weights import QUANTIZED_ORDER
-
-    formats = {
-        held.weights if (held := constraints.weights_for(d.peer_id, d.device)) else "float32"
-        for d in devices
-    }
-    if formats <= set(QUANTIZED_ORDER):
-        return ""
-    return (
-        "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
-        "of float32's weight bytes"
-    )
+COMPACT_HINT = (
+    "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
+    "of float32's weight bytes"
+)
 
 
 def data_plane_host(addrs: Sequence[str]) -> str:
@@ -830,45 +778,6 @@ def data_plane_host(addrs: Sequence[str]) -> str:
 
 def _as_dict(record: Any) -> dict[str, Any]:
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-
-
-def _sampling_from(data: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from a request map; ``InvalidRequest`` for bad values."""
-
-    def number(key: str) -> float | None:
-        value = data.get(key)
-        if value is None:
-            return None
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise InvalidRequest(f"{key} must be a number")
-        return float(value)
-
-    max_new = data.get("max_new_tokens", 128)
-    if isinstance(max_new, bool) or not isinstance(max_new, int):
-        raise InvalidRequest("max_new_tokens must be an integer")
-    top_k = data.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise InvalidRequest("top_k must be an integer")
-    seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidRequest("seed must be an integer")
-    stop = data.get("stop") or ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
-        raise InvalidRequest("stop must be a string or a list of strings")
-    return SamplingParams(
-        max_new_tokens=max_new,
-        temperature=number("temperature"),
-        top_k=top_k,
-        top_p=number("top_p"),
-        seed=seed,
-        stop=tuple(stop),
-    )
 
 
 async def serve_model(

@@ -16,35 +16,27 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import trio
 
-from hetmesh.errors import ComputeError, InvalidRequest, MeshError, Rejected
+from hetmesh.error_codec import error_code
+from hetmesh.errors import ComputeError, InvalidRequest, MeshError, NoRoute, Rejected
 from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
 from hetmesh.partition.kv import SessionKV
-from hetmesh.partition.sampling import Sampler, SamplingParams
+from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
-from hetmesh.resources import PeerId
-from hetmesh.transport.frames import (
-    ERROR_INTERNAL,
-    ERROR_PROTOCOL,
-    Activations,
-    Error,
-    Frame,
-    Tokens,
-)
+from hetmesh.transport.frames import Activations, Error, Tokens
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
-
-Send = Callable[[PeerId, Frame], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -129,29 +121,17 @@ class StageServer:
             self.close(request.session_id)
             return Reply(ok=True)
         if (request.start, request.end) != (self.stage.start, self.stage.end):
-            return Reply(
-                ok=False,
-                kind="not_serving",
-                message=f"this node serves units [{self.stage.start}, {self.stage.end}), "
-                f"not [{request.start}, {request.end})",
+            return Reply.failed(
+                NoRoute(
+                    f"this node serves units [{self.stage.start}, {self.stage.end}), "
+                    f"not [{request.start}, {request.end})"
+                )
             )
         try:
             kv = self.kv.open(request.session_id, request.max_tokens)
-        except Rejected as exc:
-            return Reply(ok=False, kind="busy", message=str(exc))
-        except InvalidRequest as exc:
-            return Reply(ok=False, kind="invalid", message=str(exc))
-        sampler = None
-        if self.stage.has_head:
-            s = request.sampling
-            sampler = Sampler(
-                SamplingParams(
-                    temperature=s.temperature or None,
-                    top_k=s.top_k or None,
-                    top_p=s.top_p if s.top_p < 1 else None,
-                    seed=s.seed,
-                )
-            )
+        except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
+            return Reply.failed(exc)
+        sampler = Sampler(request.sampling) if self.stage.has_head else None
         self._sessions[request.session_id] = _Session(request, kv, sampler)
         return Reply(ok=True)
 
@@ -292,9 +272,9 @@ class StageServer:
         try:
             if outcome.error is not None:
                 self._counters.errors += 1
-                code = (
-                    ERROR_PROTOCOL if isinstance(outcome.error, InvalidRequest) else ERROR_INTERNAL
-                )
+                # anything but a bad request reads as the stage's own failure: ComputeError
+                failure = outcome.error
+                code = error_code(failure if isinstance(failure, InvalidRequest) else ComputeError)
                 log.info(
                     "session %s failed on [%d, %d): %s",
                     item.session_id,

@@ -128,10 +128,12 @@ def weights_constraints(
     ``announced``: (peer id, that peer's announcement ``extra``); ``bytes_of``
     maps a format name to its bytes (None: unknown, the model profile's then).
     """
+    from hetmesh.scheduler.announcement import read_serving
+
     formats: dict[str, str] = {}
     for peer_id, extra in announced:
-        value = extra.get(WEIGHTS_KEY)
-        if isinstance(value, str) and value:
+        value = read_serving(extra, plan_of=None).weights
+        if value:
             formats[peer_id] = value
     by_device: dict[str, WeightBytes] = {}
     for d in devices:

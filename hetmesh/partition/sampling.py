@@ -13,43 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 
-from hetmesh.errors import InvalidRequest
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
-    """How a request picks tokens. ``temperature`` 0 or None means greedy."""
-
-    max_new_tokens: int = 128
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise InvalidRequest("max_new_tokens must be an integer")
-        if self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature is not None and (
-            not math.isfinite(self.temperature) or self.temperature < 0
-        ):
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise InvalidRequest(f"top_k must be at least 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequest("stop sequences must be non-empty strings")
-
-    @property
-    def greedy(self) -> bool:
-        return not self.temperature
+from hetmesh.protocol.generate import SamplingParams  # the one sampling record, validated there
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 from hetmesh.errors import CorruptModel, InvalidRequest
 from hetmesh.partition.store import brief_error
+from hetmesh.protocol.generate import CHAT_ROLES, check_messages
 
 _REPLACEMENT = "\ufffd"
 
@@ -24,9 +25,6 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> Any:
         raise CorruptModel(f"{model_dir}: no usable tokenizer ({brief_error(exc)})") from exc
 
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
 def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = False) -> list[int]:
     """Token ids for ``prompt``; with ``chat``, wrapped in the model's chat template."""
     if not prompt.strip():
@@ -39,16 +37,9 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = False) -> list[in
 def encode_messages(tokenizer: Any, messages: Any) -> list[int]:
     """Token ids of a conversation (``[{"role", "content"}, ...]``) through the chat
     template, ending with the assistant's turn to speak; ``InvalidRequest`` if malformed."""
-    if not isinstance(messages, list | tuple) or not messages:
-        raise InvalidRequest("messages must be a non-empty list")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise InvalidRequest("each message needs a string 'content'")
-        if m.get("role") not in CHAT_ROLES:
-            raise InvalidRequest(f"unknown message role {m.get('role')!r}")
+    conversation = list(check_messages(messages))
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("the model has no chat template")
-    conversation = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
 

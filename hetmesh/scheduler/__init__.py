@@ -4,14 +4,26 @@ What the node daemon calls:
 
 - :func:`plan` (coordinator) → a :class:`Plan` of one or more :class:`Pipeline`;
 - :func:`route` (gateway) → the :class:`Pipeline` that serves a request;
-- :func:`replan`, :func:`should_replan`, :func:`should_adopt`, :func:`coordinator`,
-  :func:`newest`, :func:`supersedes` (coordinator service and every peer);
+- :func:`decide` (every node's plan loop: a :class:`MeshView` and the
+  :class:`CoordinatorState` in, the :class:`Step` to take out), built on
+  :func:`replan`, :func:`should_replan`, :func:`should_adopt`, :func:`coordinator`,
+  :func:`newest`, :func:`supersedes`;
+- :func:`read_serving` / :func:`serving_extra` (what nodes announce of their
+  serving state: :class:`ServingAnnouncement`);
 - :data:`BASELINES` (benchmarks and ``hetmesh plan``).
 
 This package imports no trio, libp2p or torch (a test enforces it).
 """
 
+from hetmesh.scheduler.announcement import ServingAnnouncement, read_serving, serving_extra
 from hetmesh.scheduler.baselines import BASELINES, even_split, greedy_fill, memory_proportional
+from hetmesh.scheduler.coordination import (
+    CoordinatorConfig,
+    CoordinatorState,
+    MeshView,
+    Step,
+    decide,
+)
 from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.heuristic import SearchOptions
 from hetmesh.scheduler.planner import evaluate, placement, plan
@@ -27,9 +39,9 @@ from hetmesh.scheduler.records import (
     device_key,
 )
 from hetmesh.scheduler.replan import (
-    Decision,
     MeshSnapshot,
     ReplanOutcome,
+    Verdict,
     coordinator,
     newest,
     newest_in_view,
@@ -42,10 +54,12 @@ from hetmesh.scheduler.router import expected_completion_s, route
 
 __all__ = [
     "BASELINES",
+    "CoordinatorConfig",
+    "CoordinatorState",
     "CostModel",
-    "Decision",
     "MeshLoad",
     "MeshSnapshot",
+    "MeshView",
     "Objective",
     "Pipeline",
     "PipelineLoad",
@@ -54,8 +68,12 @@ __all__ = [
     "ReplanOutcome",
     "RouteRequest",
     "SearchOptions",
+    "ServingAnnouncement",
     "Stage",
+    "Step",
+    "Verdict",
     "coordinator",
+    "decide",
     "device_key",
     "evaluate",
     "even_split",
@@ -66,8 +84,10 @@ __all__ = [
     "newest_in_view",
     "placement",
     "plan",
+    "read_serving",
     "replan",
     "route",
+    "serving_extra",
     "should_adopt",
     "should_replan",
     "supersedes",

@@ -41,7 +41,7 @@ class MeshSnapshot(WireRecord):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class Verdict:
     """Whether to act, and why (for the log and ``hetmesh status``)."""
 
     act: bool
@@ -64,10 +64,10 @@ def _drifted(old: float, new: float, drift: float) -> bool:
 
 def should_replan(
     previous: MeshSnapshot | None, current: MeshSnapshot, *, drift: float = DEFAULT_DRIFT
-) -> Decision:
+) -> Verdict:
     """Whether the mesh changed enough since ``previous`` to plan again."""
     if previous is None:
-        return Decision(True, "no plan yet, or one made without our inputs")
+        return Verdict(True, "no plan yet, or one made without our inputs")
     old = {device_key(d.peer_id, d.device): d for d in previous.devices}
     new = {device_key(d.peer_id, d.device): d for d in current.devices}
     joined, left = sorted(new.keys() - old.keys()), sorted(old.keys() - new.keys())
@@ -75,25 +75,25 @@ def should_replan(
         parts = ([f"joined {', '.join(joined)}"] if joined else []) + (
             [f"left {', '.join(left)}"] if left else []
         )
-        return Decision(True, "membership: " + "; ".join(parts))
+        return Verdict(True, "membership: " + "; ".join(parts))
     for key in sorted(new):
         a, b = old[key], new[key]
         for name in ("matmul_flops", "memory_bandwidth_bps", "memory_free_bytes"):
             if _drifted(float(getattr(a, name)), float(getattr(b, name)), drift):
-                return Decision(
+                return Verdict(
                     True, f"drift: {key} {name} {getattr(a, name)} -> {getattr(b, name)}"
                 )
     old_links = {(x.src, x.dst): x for x in previous.links}
     for link in sorted(current.links, key=lambda x: (x.src, x.dst)):
         before = old_links.get((link.src, link.dst))
         if before is None:
-            return Decision(True, f"new link {link.src} -> {link.dst}")
+            return Verdict(True, f"new link {link.src} -> {link.dst}")
         if _drifted(before.bandwidth_bps, link.bandwidth_bps, drift):
-            return Decision(True, f"drift: link {link.src} -> {link.dst} bandwidth")
+            return Verdict(True, f"drift: link {link.src} -> {link.dst} bandwidth")
         # RTTs of a few microseconds jitter by more than 20%; count 100 µs and up
         if abs(link.rtt_s - before.rtt_s) > 1e-4 and _drifted(before.rtt_s, link.rtt_s, drift):
-            return Decision(True, f"drift: link {link.src} -> {link.dst} rtt")
-    return Decision(False, "no membership change or drift")
+            return Verdict(True, f"drift: link {link.src} -> {link.dst} rtt")
+    return Verdict(False, "no membership change or drift")
 
 
 def gain(current: Plan, candidate: Plan) -> float:
@@ -107,16 +107,16 @@ def gain(current: Plan, candidate: Plan) -> float:
 
 def should_adopt(
     current: Plan | None, candidate: Plan, *, min_gain: float = DEFAULT_MIN_GAIN
-) -> Decision:
+) -> Verdict:
     """Adopt ``candidate`` over ``current`` (both scored on the same measurements)?"""
     if current is None:
-        return Decision(True, "the current plan no longer fits or there is none")
+        return Verdict(True, "the current plan no longer fits or there is none")
     if current.objective != candidate.objective:
-        return Decision(True, f"objective changed to {candidate.objective}")
+        return Verdict(True, f"objective changed to {candidate.objective}")
     g = gain(current, candidate)
     if g > min_gain:
-        return Decision(True, f"predicted gain {g:.1%} > {min_gain:.0%}")
-    return Decision(False, f"predicted gain {g:.1%} ≤ {min_gain:.0%}")
+        return Verdict(True, f"predicted gain {g:.1%} > {min_gain:.0%}")
+    return Verdict(False, f"predicted gain {g:.1%} ≤ {min_gain:.0%}")
 
 
 def coordinator(live_peers: Iterable[PeerId]) -> PeerId | None:
@@ -143,21 +143,22 @@ def supersedes(candidate: Plan, current: Plan | None) -> bool:
     return current is None or _rank(candidate) > _rank(current)
 
 
-def newest_in_view(view: Mapping[str, Any]) -> Plan | None:
-    """The newest plan the peers of a status view follow (``extra["plan"]``); None if none.
+def announced_plans(extras: Iterable[Mapping[str, Any] | None]) -> list[Plan]:
+    """The plans in announcements' ``extra["plan"]``, in order; malformed ones skipped.
 
-    Malformed plans are skipped: a view is what other nodes announced.
+    Through :func:`~hetmesh.scheduler.announcement.read_serving`, like every reader
+    of what peers announce (which may be anything).
     """
-    plans: list[Plan] = []
-    for peer in view.get("peers") or ():
-        raw = ((peer.get("record") or {}).get("extra") or {}).get("plan")
-        if not raw:
-            continue
-        try:
-            plans.append(Plan.from_wire(raw))
-        except (ValueError, TypeError):
-            continue
-    return newest(plans)
+    from hetmesh.scheduler.announcement import read_serving
+
+    plans = (read_serving(extra).plan for extra in extras)
+    return [p for p in plans if p is not None]
+
+
+def newest_in_view(view: Mapping[str, Any]) -> Plan | None:
+    """The newest plan the peers of a status view follow (``extra["plan"]``); None if none."""
+    peers = view.get("peers") or ()
+    return newest(announced_plans((p.get("record") or {}).get("extra") for p in peers))
 
 
 def _rank(p: Plan) -> tuple[int, tuple[str, ...]]:
@@ -233,10 +234,11 @@ def alive_pipelines(plan_: Plan, live_peers: Sequence[PeerId]) -> int:
 __all__ = [
     "DEFAULT_DRIFT",
     "DEFAULT_MIN_GAIN",
-    "Decision",
     "MeshSnapshot",
     "ReplanOutcome",
+    "Verdict",
     "alive_pipelines",
+    "announced_plans",
     "coordinator",
     "gain",
     "newest",

@@ -27,12 +27,18 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final
 
 import msgpack
 import torch
 
-from hetmesh.errors import LocalProtocolError, RemoteProtocolError
+from hetmesh.error_codec import error_code
+from hetmesh.errors import (
+    AuthenticationFailed,
+    LocalProtocolError,
+    PeerUnreachable,
+    RemoteProtocolError,
+)
 from hetmesh.transport.codec import (
     DTYPES,
     TensorSpec,
@@ -186,11 +192,9 @@ class Cancel(Frame):
     reason: str = ""
 
 
-ErrorCode = Literal[1, 2, 3, 4]
-ERROR_PROTOCOL: Final = 1
-ERROR_AUTH: Final = 2
-ERROR_INTERNAL: Final = 3
-ERROR_FALLBACK: Final = 4
+# Error.code is the error's wire code (hetmesh.errors.error_code); the data plane's own:
+ERROR_AUTH: Final = error_code(AuthenticationFailed)  # a credential was refused
+ERROR_FALLBACK: Final = error_code(PeerUnreachable)  # no direct path: fall back or give up
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hetmesh.cli.demo import DEMO_WEIGHTS
 from hetmesh.errors import MeshError, RequestTimeout
 from hetmesh.node.local import local_mesh, wait_serving
 
@@ -50,7 +51,7 @@ def test_demo_streams_the_reference_answer_shows_the_mesh_and_stops_it(
     from hetmesh.partition.text import encode_prompt
 
     torch.set_num_threads(1)
-    pipeline = LocalPipeline.load(default_model_dir, 1)
+    pipeline = LocalPipeline.load(default_model_dir, 1, weights=DEMO_WEIGHTS)  # the demo's
     ids = encode_prompt(pipeline.tokenizer, PROMPT, chat=True)
     reference = list(pipeline.generate_ids(ids, SamplingParams(max_new_tokens=TOKENS)))
     expected = pipeline.tokenizer.decode(reference, skip_special_tokens=True)

@@ -19,8 +19,8 @@ import trio
 
 from hetmesh.node.api import serve_http
 from hetmesh.node.api_metrics import MeshGauges
-from hetmesh.node.api_requests import ParsedRequest
 from hetmesh.partition.sampling import SamplingParams
+from hetmesh.protocol.generate import GenerateRequest
 from tests.integration.dashboard.dashboard_browser import css, missing, open_chromium, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -41,7 +41,7 @@ class OnePeer:
     def ready(self) -> bool:
         return True
 
-    async def encode(self, request: ParsedRequest) -> list[int]:
+    async def encode(self, request: GenerateRequest) -> list[int]:
         return [1]
 
     async def stream(

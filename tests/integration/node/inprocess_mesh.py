@@ -18,9 +18,10 @@ import trio
 
 from hetmesh.errors import MeshError
 from hetmesh.node.config import ServingConfig
-from hetmesh.node.control import OpenSession, SamplingWire
+from hetmesh.node.control import OpenSession
 from hetmesh.node.daemon import Node, NodeConfig, run_node
 from hetmesh.node.local import ready_pipelines
+from hetmesh.protocol.generate import SamplingParams
 
 SECRET = "in-process-mesh"
 # Neither node alone can hold the weights (~0.54 GB) with its reserve and KV budget:
@@ -145,7 +146,7 @@ def hold_a_slot(server: Any, session_id: str) -> None:
             next_peer="nobody",
             gateway="nobody",
             max_tokens=16,
-            sampling=SamplingWire(),
+            sampling=SamplingParams(),
         )
     )
     assert reply.ok, reply

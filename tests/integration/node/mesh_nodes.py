@@ -141,8 +141,8 @@ class ProbePeer:
         await dial(self.host, parse_peer_addr(view_peer["record"]["addrs"][0]), timeout_s=5)
 
     async def control(self, peer: str, request: dict[str, Any]) -> dict[str, Any]:
+        from hetmesh.discovery.rpc import call
         from hetmesh.node.control import SESSION_PROTOCOL
-        from hetmesh.node.links import call
 
         return await call(self.host, peer, SESSION_PROTOCOL, request, timeout_s=5)
 
@@ -153,7 +153,7 @@ async def open_probe_peer() -> Any:
     from libp2p import generate_new_ed25519_identity
 
     from hetmesh.discovery.host import derive_psk, open_host
-    from hetmesh.node.links import LinkPool
+    from hetmesh.node.link_pool import LinkPool
     from hetmesh.transport import DataPlaneConfig, open_data_plane
 
     send, receive = trio.open_memory_channel[Any](100)

@@ -1,11 +1,12 @@
 """Node processes serving compact weights split the model and match one process in their formats.
 
-An int8 mesh and a bf16 + int4 mesh, started side by side and shared by the
-tests: two nodes each, whose memory caps make the planner split the model. A
-mesh whose nodes all serve format F must give the greedy tokens of
-``LocalPipeline`` holding the whole model in F; a mixed mesh those of one
-process holding each stage of its plan in that stage's format (the plan says
-which).
+A float16 + int8 mesh and a bf16 + int4 mesh, started side by side and shared
+by the tests: two nodes each, whose memory caps make the planner split the
+model, so the four compact formats are each served by a mesh (float32 is by all
+the other mesh tests). A mesh must give the greedy tokens of one process
+holding each stage of its plan in that stage's format (the plan says which);
+where all its nodes serve one format F, of ``LocalPipeline`` holding the whole
+model in F.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 NEW_TOKENS = 16
 # (weights, --max-memory) of each mesh's two nodes. Each cap is under what one
 # node needs for the whole model in its format with its KV budget (~470 MiB in
-# bf16, ~390 MiB in int8, ~360 MiB in int4 at 512 tokens × 4 sessions, reserve
-# included), so the planner must use both nodes. Two meshes cover the three
-# compact formats and a mix of them (each mesh costs its start-up). The announced
+# bf16 or float16, ~390 MiB in int8, ~360 MiB in int4 at 512 tokens × 4
+# sessions, reserve included), so the planner must use both nodes. Two mixed
+# meshes cover the four compact formats (each mesh costs its start-up). The announced
 # block step skips the start-up calibration (its figure does not change what these
 # tests check).
 MESHES = {
-    "int8": (("int8", "350MiB"), ("int8", "350MiB")),
+    "float16+int8": (("float16", "300MiB"), ("int8", "350MiB")),
     "bfloat16+int4": (("bfloat16", "300MiB"), ("int4", "300MiB")),
 }
 

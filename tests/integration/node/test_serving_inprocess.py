@@ -261,6 +261,4 @@ async def test_bad_input_fails_alone(tiny_model):
 
 
 def gateway_sampling():
-    from hetmesh.node.control import SamplingWire
-
-    return SamplingWire()
+    return SamplingParams()

@@ -19,8 +19,8 @@ from hetmesh.client._base import (
     decode_sse_chunk,
     generate_request,
     http_error,
-    remote_error,
 )
+from hetmesh.error_codec import error_from_wire
 from hetmesh.errors import (
     InvalidRequest,
     MeshError,
@@ -140,11 +140,11 @@ def test_decode_reply_tokens_flush_finish_and_errors() -> None:
         decode_reply({"token": 1, "text": 7})
 
 
-def test_remote_error_falls_back_to_mesh_error_for_unknown_names() -> None:
-    err = remote_error("NotAnError", "boom")
+def test_error_from_wire_falls_back_to_mesh_error_for_unknown_names() -> None:
+    err = error_from_wire("NotAnError", "boom")
     assert type(err) is MeshError
     assert "NotAnError" in str(err)
-    assert isinstance(remote_error("InsufficientCapacity", "x"), MeshError)
+    assert isinstance(error_from_wire("InsufficientCapacity", "x"), MeshError)
 
 
 def test_collect_joins_text_and_ids_and_needs_a_finish() -> None:

@@ -19,8 +19,8 @@ import trio.lowlevel
 from hetmesh.errors import NoRoute, Rejected
 from hetmesh.node.api import serve_http
 from hetmesh.node.api_metrics import MeshGauges
-from hetmesh.node.api_requests import ParsedRequest
 from hetmesh.partition.sampling import SamplingParams
+from hetmesh.protocol.generate import GenerateRequest
 
 MODEL = "fake-model"
 
@@ -41,7 +41,7 @@ class FakeBackend:
     def ready(self) -> bool:
         return self.is_ready
 
-    async def encode(self, request: ParsedRequest) -> list[int]:
+    async def encode(self, request: GenerateRequest) -> list[int]:
         if request.prompt_ids:
             return list(request.prompt_ids)
         text = request.prompt or " ".join(m["content"] for m in request.messages)

@@ -1,10 +1,11 @@
-"""The node's data-plane links and control RPCs, on top of the libp2p host.
+"""The node's pool of data-plane links, on top of the libp2p host.
 
 :class:`LinkPool` keeps one long-lived link per remote peer, negotiated over a
 libp2p control stream by :class:`~hetmesh.transport.DataPlane` (which picks
 shm, torchdist, tcp or libp2p for the pair) and shared by every session that
 crosses it. Each link has a receive task that hands frames to the node's
-dispatcher. :func:`call` is the one-request, one-reply control RPC.
+dispatcher. Control RPCs (one request, one reply) are
+:func:`hetmesh.discovery.rpc.call`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from typing import Any
 
 import trio
 
-from hetmesh.discovery import wire
-from hetmesh.errors import (
-    ConnectTimeout,
-    MeshError,
-    PeerUnreachable,
-    RemoteProtocolError,
-    TransportError,
-)
+from hetmesh.discovery.rpc import open_stream
+from hetmesh.errors import RemoteProtocolError, TransportError
 from hetmesh.resources import PeerId
 from hetmesh.transport import DataPlane, Frame, Libp2pStream, Link
 
@@ -32,40 +27,6 @@ log = logging.getLogger(__name__)
 DATAPLANE_PROTOCOL = "/hetmesh/dataplane/1.0.0"
 
 Dispatch = Callable[[PeerId, Link, Frame], None]
-
-
-async def open_stream(host: Any, peer: PeerId, protocol: str, *, timeout_s: float) -> Any:
-    """A new libp2p stream to ``peer``, or ``PeerUnreachable`` / ``ConnectTimeout``."""
-    from libp2p.custom_types import TProtocol
-    from libp2p.peer.id import ID
-
-    try:
-        with trio.fail_after(timeout_s):
-            return await host.new_stream(ID.from_base58(peer), [TProtocol(protocol)])
-    except trio.TooSlowError:
-        raise ConnectTimeout(f"opening {protocol} to {peer} timed out") from None
-    except MeshError:
-        raise
-    except Exception as exc:
-        raise PeerUnreachable(f"cannot open {protocol} to {peer}: {exc}") from exc
-
-
-async def call(
-    host: Any, peer: PeerId, protocol: str, request: dict[str, Any], *, timeout_s: float
-) -> dict[str, Any]:
-    """One control RPC: send a msgpack map, read the reply map."""
-    stream = await open_stream(host, peer, protocol, timeout_s=timeout_s)
-    try:
-        await wire.write_frame(stream, wire.encode(request))
-        payload = await wire.read_frame(
-            stream, max_bytes=wire.MAX_STATUS_BYTES, timeout_s=timeout_s
-        )
-        return wire.decode_map(payload, max_bytes=wire.MAX_STATUS_BYTES)
-    except trio.TooSlowError:
-        raise ConnectTimeout(f"{protocol} to {peer}: no reply in {timeout_s} s") from None
-    finally:
-        with contextlib.suppress(Exception):
-            await stream.close()
 
 
 class LinkPool:

@@ -1,0 +1,81 @@
+"""The running node behind the HTTP API: :class:`NodeBackend` implements
+:class:`hetmesh.node.api.Backend` over the node's discovery and serving.
+
+The daemon builds it and hands it to :func:`hetmesh.node.api.serve_api`, so the
+API never imports the daemon or the serving code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from hetmesh import errors
+from hetmesh.node.api_metrics import MeshGauges
+from hetmesh.protocol.generate import GenerateRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from hetmesh.discovery.service import Discovery
+    from hetmesh.node.serving import Serving
+
+
+class NodeBackend:
+    """A node's :class:`~hetmesh.node.serving.Serving` (None: started with --no-serve)."""
+
+    def __init__(self, discovery: Discovery, serving: Serving | None) -> None:
+        self.discovery = discovery
+        self.serving = serving
+
+    def _serving(self) -> Serving:
+        serving = self.serving
+        if serving is None or serving.gateway is None:
+            raise errors.NoRoute("this node does not serve a model (started with --no-serve?)")
+        return serving
+
+    def models(self) -> list[str]:
+        return [self.serving.model_key] if self.serving is not None else []
+
+    def max_context(self) -> int:
+        return int(self._serving().constraints.max_context_tokens)
+
+    def ready(self) -> bool:
+        return self.serving is not None and self.serving.ready()
+
+    async def encode(self, request: GenerateRequest) -> list[int]:
+        return await trio.to_thread.run_sync(self._serving().encode, request)
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        return self._serving().stream(prompt_ids, params)
+
+    def gauges(self) -> MeshGauges:
+        serving = self.serving
+        load = self.discovery.load
+        links = tuple(
+            (str(link.src), str(link.dst), float(link.rtt_s), float(link.bandwidth_bps))
+            for link in self.discovery.local_record(advance=False).links
+        )
+        gateway = serving.gateway.statistics() if serving and serving.gateway else None
+        return MeshGauges(
+            ready=self.ready(),
+            plan_epoch=serving.plan.epoch if serving and serving.plan else -1,
+            queue_depth=load.queue_depth,
+            active_sessions=load.active_sessions,
+            gateway_sessions=gateway.active_sessions if gateway else 0,
+            kv_bytes_used=load.kv_bytes_used,
+            kv_bytes_free=load.kv_bytes_free,
+            recoveries=gateway.recoveries if gateway else 0,
+            rejected_busy=gateway.rejected_busy if gateway else 0,
+            tokens_out=gateway.tokens_out if gateway else 0,
+            sessions_failed=gateway.sessions_failed if gateway else 0,
+            links=links,
+        )
+
+    def view(self) -> dict[str, Any]:
+        return self.discovery.view()
+
+
+__all__ = ["NodeBackend"]

@@ -1,0 +1,62 @@
+"""Whether a plan's pipelines can serve: decided here, once, for every caller.
+
+A stage is *ready* when a live peer announces it loaded and not retiring
+(``(peer_id, start, end)``); a pipeline is ready when every one of its stages
+is. The node's routing (:meth:`~hetmesh.node.serving.Serving.ready`, its
+router input) and the tools that read a status view (:mod:`hetmesh.node.local`)
+ask these functions. Pure: no I/O, no trio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from typing import Any
+
+from hetmesh.resources import PeerId
+from hetmesh.scheduler.announcement import read_serving
+from hetmesh.scheduler.records import Pipeline, Plan
+
+StageKey = tuple[PeerId, int, int]  # (peer, first unit, end unit)
+
+
+def pipeline_ready(pipeline: Pipeline, ready: Set[StageKey]) -> bool:
+    """Every stage of ``pipeline`` is ready."""
+    return all((s.peer_id, s.start, s.end) in ready for s in pipeline.stages)
+
+
+def ready_pipelines(plan: Plan | None, ready: Set[StageKey]) -> tuple[Pipeline, ...]:
+    """The pipelines of ``plan`` whose every stage is ready (none without a plan)."""
+    if plan is None:
+        return ()
+    return tuple(p for p in plan.pipelines if pipeline_ready(p, ready))
+
+
+def unready_peers(plan: Plan, ready: Set[StageKey]) -> frozenset[PeerId]:
+    """Peers holding a stage of ``plan`` that is not ready: the router avoids them."""
+    return frozenset(
+        s.peer_id
+        for p in plan.pipelines
+        for s in p.stages
+        if (s.peer_id, s.start, s.end) not in ready
+    )
+
+
+def ready_stages_in_view(view: Mapping[str, Any]) -> set[StageKey]:
+    """The ready stages a status view shows (its own and its live peers'), each
+    peer's stages read through :func:`~hetmesh.scheduler.announcement.read_serving`."""
+    return {
+        (str(p["peer_id"]), s.start, s.end)
+        for p in view.get("peers") or ()
+        if p.get("health") in ("self", "alive")
+        for s in read_serving(None, (p.get("record") or {}).get("stages"), plan_of=None).stages
+        if s.ready
+    }
+
+
+__all__ = [
+    "StageKey",
+    "pipeline_ready",
+    "ready_pipelines",
+    "ready_stages_in_view",
+    "unready_peers",
+]

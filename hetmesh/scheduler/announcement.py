@@ -1,0 +1,201 @@
+"""What a serving node announces about its share of the work: one typed record.
+
+A node's discovery record (:class:`hetmesh.discovery.wire.Announcement`)
+carries its serving state in its ``extra`` map and its ``stages`` list. This
+module is the only place that writes (:func:`serving_extra`,
+:func:`serving_stages`) and reads (:func:`read_serving`) them; the plan
+loop, the status CLI, the dashboard's event feed and the planner's
+calibration and weight inputs all go through :func:`read_serving`.
+
+```
+extra["serving_version"]  1 (absent: 1; another number: the whole state is ignored)
+extra["model"]            the model key served ("" or absent: not serving)
+extra["weights"]          the weight format its stages are held in
+extra["calibration"]      Calibration: one block's measured decode step
+extra["plan"]             the Plan it follows
+extra["insufficient"]     why the coordinator cannot place the model ("" when it can)
+extra["gateway"]          the gateway's counters (name -> number)
+extra["stage_servers"]    one map of counters per stage server
+stages                    ServedStage per unit range held, ready or retiring
+```
+
+Reading is bounds-checked and lenient per entry: an entry that is missing,
+ill-typed or out of bounds reads as its empty value (the rest of the record
+still counts), since what other nodes announce may be anything. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeGuard, TypeVar
+
+from hetmesh.resources import WireRecord
+from hetmesh.scheduler.records import Plan
+
+SERVING_VERSION = 1
+MAX_NAME_CHARS = 256  # model keys, weight formats, device names
+MAX_VERDICT_CHARS = 4096
+MAX_STAGES = 256
+MAX_COUNTERS = 64
+
+R = TypeVar("R", bound=WireRecord)
+PlanParser = Callable[[Mapping[str, object]], Plan | None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServedStage(WireRecord):
+    """A unit range ``[start, end)`` of ``model`` this node holds."""
+
+    model: str
+    start: int
+    end: int
+    ready: bool  # False while it is retiring (it finishes its sessions, takes no new ones)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end or len(self.model) > MAX_NAME_CHARS:
+            raise ValueError(f"bad served stage {self.model!r} [{self.start}, {self.end})")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration(WireRecord):
+    """One decoder block's measured decode step on ``device``, for ``model`` in ``weights``."""
+
+    model: str
+    device: str
+    block_step_s: float
+    context_tokens: int  # the context the step was timed at
+    weights: str = ""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.block_step_s) and self.block_step_s > 0):
+            raise ValueError(f"block_step_s must be a positive number, not {self.block_step_s}")
+        if self.context_tokens < 0:
+            raise ValueError("context_tokens must be non-negative")
+        if max(len(self.model), len(self.device), len(self.weights)) > MAX_NAME_CHARS:
+            raise ValueError("calibration names are too long")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingAnnouncement:
+    """A node's serving state, as announced (see the module docstring for the layout)."""
+
+    model: str = ""
+    weights: str = ""
+    calibration: Calibration | None = None
+    plan: Plan | None = None
+    insufficient: str = ""
+    stages: tuple[ServedStage, ...] = ()
+    gateway: Mapping[str, float] = field(default_factory=dict)
+    stage_servers: tuple[Mapping[str, object], ...] = ()
+
+
+def parse_plan(raw: Mapping[str, object]) -> Plan | None:
+    """A plan from its wire map; None if it is malformed."""
+    try:
+        return Plan.from_wire(dict(raw))
+    except (ValueError, TypeError):
+        return None
+
+
+def read_serving(
+    extra: object,
+    stages: object = (),
+    *,
+    plan_of: PlanParser | None = parse_plan,
+) -> ServingAnnouncement:
+    """The serving state in a record's ``extra`` and ``stages`` (the one reader).
+
+    ``plan_of`` parses the announced plan (a caching parser for readers that
+    meet the same plan often); ``None`` skips it (``plan`` stays None), for
+    readers that need the cheap fields only.
+    """
+    extra = extra if isinstance(extra, Mapping) else {}
+    version = extra.get("serving_version", SERVING_VERSION)
+    if version != SERVING_VERSION or isinstance(version, bool):
+        return ServingAnnouncement()
+    raw_plan = extra.get("plan")
+    return ServingAnnouncement(
+        model=_name(extra.get("model")),
+        weights=_name(extra.get("weights")),
+        calibration=_record(Calibration, extra.get("calibration")),
+        plan=plan_of(raw_plan) if plan_of is not None and isinstance(raw_plan, Mapping) else None,
+        insufficient=_text(extra.get("insufficient"), MAX_VERDICT_CHARS),
+        stages=tuple(
+            s
+            for s in (_record(ServedStage, x) for x in _items(stages, MAX_STAGES))
+            if s is not None
+        ),
+        gateway=_counters(extra.get("gateway")),
+        stage_servers=tuple(
+            dict(x) for x in _items(extra.get("stage_servers"), MAX_STAGES) if _is_map(x)
+        ),
+    )
+
+
+def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
+    """The ``extra`` entries announcing ``state`` (every key, empty ones included, so that
+    a cleared entry replaces the old value)."""
+    return {
+        "serving_version": SERVING_VERSION,
+        "model": state.model,
+        "weights": state.weights,
+        "calibration": state.calibration.to_wire() if state.calibration is not None else None,
+        "plan": state.plan.to_wire() if state.plan is not None else None,
+        "insufficient": state.insufficient,
+        "gateway": dict(state.gateway),
+        "stage_servers": [dict(s) for s in state.stage_servers],
+    }
+
+
+def serving_stages(state: ServingAnnouncement) -> list[dict[str, object]]:
+    """The record's ``stages`` list announcing ``state``."""
+    return [s.to_wire() for s in state.stages]
+
+
+def _name(value: object) -> str:
+    return _text(value, MAX_NAME_CHARS)
+
+
+def _text(value: object, limit: int) -> str:
+    return value if isinstance(value, str) and len(value) <= limit else ""
+
+
+def _is_map(value: object) -> TypeGuard[Mapping[str, object]]:
+    return isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
+
+
+def _items(value: object, limit: int) -> Sequence[object]:
+    return value[:limit] if isinstance(value, list | tuple) else ()
+
+
+def _record(kind: type[R], value: object) -> R | None:
+    if not isinstance(value, dict):
+        return None
+    try:
+        return kind.from_wire(value)
+    except (ValueError, TypeError):
+        return None
+
+
+def _counters(value: object) -> dict[str, float]:
+    if not _is_map(value) or len(value) > MAX_COUNTERS:
+        return {}
+    return {
+        k: v
+        for k, v in value.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+__all__ = [
+    "SERVING_VERSION",
+    "Calibration",
+    "ServedStage",
+    "ServingAnnouncement",
+    "parse_plan",
+    "read_serving",
+    "serving_extra",
+    "serving_stages",
+]

@@ -1,0 +1,271 @@
+"""The plan loop's decision, as one pure function: :func:`decide`.
+
+Every node runs the same loop (``hetmesh.node.serving``): gather a
+:class:`MeshView`, call :func:`decide` with the :class:`CoordinatorState` it
+keeps, carry out the returned :class:`Step`'s actions, keep its state. The
+rules, in the order :func:`decide` applies them:
+
+1. **Adopt**: follow the newest plan seen for this model (our own last
+   publication included) if it supersedes the one followed
+   (:func:`~hetmesh.scheduler.replan.supersedes`). A plan made elsewhere is
+   judged afresh the next time we coordinate (its inputs are not ours).
+2. **Coordinate** (only the live peer with the lowest id, once settled):
+   drop the pipelines that lost a peer (:func:`surviving`), then ask the
+   strategy for a better plan — the replanning policy
+   (:func:`~hetmesh.scheduler.replan.replan`, with standby replicas if
+   configured) or a forced baseline placement (on membership change only).
+   No better plan, but pipelines were dropped: publish the survivors. Still
+   nothing, but a spare device joined: publish the plan with a standby replica
+   added. A mesh that cannot hold the model records why
+   (``CoordinatorState.insufficient``) and publishes nothing.
+3. **Adopt** again, so the coordinator follows what it just published unless
+   a peer's plan outranks it.
+
+No clocks, no I/O, no randomness: the same view and state give the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetmesh.errors import InsufficientCapacity
+from hetmesh.resources import DeviceProfile, ModelProfile, PeerId
+from hetmesh.scheduler.baselines import BASELINES
+from hetmesh.scheduler.planner import evaluate
+from hetmesh.scheduler.records import Objective, Plan, PlanConstraints
+from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
+from hetmesh.scheduler.standby import add_standby_replicas, with_standby
+
+HETMESH_STRATEGY = "hetmesh"
+LOST_PEER_REASON = "pipelines with a lost peer dropped; the rest serve on"
+STANDBY_REASON = "a spare device becomes a standby replica"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    """What a node plans for and how; fixed for the node's life."""
+
+    model: ModelProfile
+    strategy: str = HETMESH_STRATEGY  # or a key of ``baselines.BASELINES``
+    objective: Objective = "latency"
+    standby: bool = False
+    # weight formats that already hold a fraction of float32's bytes: a mesh whose
+    # every device serves one of them gets no "try compact weights" hint
+    compact_formats: frozenset[str] = frozenset()
+    compact_hint: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshView:
+    """One moment of the mesh as this node sees it."""
+
+    me: PeerId
+    snapshot: MeshSnapshot  # devices (at full capacity) and links, ours included
+    constraints: PlanConstraints  # calibration and weight formats filled in
+    peers: tuple[PeerId, ...] = ()  # live peers serving the same model
+    plans: tuple[Plan, ...] = ()  # the plans those peers announce they follow
+    settled: bool = True  # past the start-up wait: enough peers heard of to plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorState:
+    """What the loop carries from one step to the next."""
+
+    plan: Plan | None = None  # the plan this node follows
+    published: Plan | None = None  # the last plan this node made as coordinator
+    planned_on: MeshSnapshot | None = None  # the inputs the followed plan was judged on
+    insufficient: str = ""  # why the mesh cannot hold the model ("" when it can)
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """Nothing to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    """Follow ``plan``: load the stages it assigns here, retire the others, announce it."""
+
+    plan: Plan
+    made_here: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """This node, coordinating, made ``plan`` (an :class:`Adopt` of it follows if it wins)."""
+
+    plan: Plan
+    reason: str
+
+
+Action = Keep | Adopt | Publish
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What :func:`decide` returns: the actions in order, and the state to keep."""
+
+    actions: tuple[Action, ...]
+    state: CoordinatorState
+
+
+def decide(view: MeshView, state: CoordinatorState, config: CoordinatorConfig) -> Step:
+    """One turn of the plan loop (see the module docstring for the rules).
+
+    Raises :class:`~hetmesh.errors.InsufficientCapacity` only if re-scoring the
+    surviving pipelines or adding a standby replica finds they no longer fit;
+    the strategy's own verdict is recorded in ``state.insufficient`` instead.
+    """
+    actions: list[Action] = []
+    state = _adopt(view, state, config, actions)
+    if coordinator((view.me, *view.peers)) == view.me and view.settled:
+        state = _coordinate(view, state, config, actions)
+        state = _adopt(view, state, config, actions)
+    return Step(tuple(actions) or (Keep(),), state)
+
+
+def _adopt(
+    view: MeshView, state: CoordinatorState, config: CoordinatorConfig, actions: list[Action]
+) -> CoordinatorState:
+    # our own publication first: of two plans of the same rank the first seen wins
+    seen = ([state.published] if state.published is not None else []) + list(view.plans)
+    best = newest(p for p in seen if p.model_name == config.model.name)
+    if best is None or not supersedes(best, state.plan):
+        return state
+    made_here = best is state.published
+    actions.append(Adopt(best, made_here))
+    # a plan made elsewhere was judged on inputs we do not know: judge it afresh
+    planned_on = state.planned_on if made_here else None
+    return dataclasses.replace(state, plan=best, planned_on=planned_on)
+
+
+def _coordinate(
+    view: MeshView, state: CoordinatorState, config: CoordinatorConfig, actions: list[Action]
+) -> CoordinatorState:
+    snapshot, constraints, model = view.snapshot, view.constraints, config.model
+    if not snapshot.devices:
+        return state
+    current = surviving(state.plan, snapshot, model, constraints)
+    epoch = (state.plan.epoch + 1) if state.plan is not None else 0
+    try:
+        candidate, reason = _candidate(current, state.planned_on, snapshot, constraints, config)
+    except InsufficientCapacity as exc:
+        verdict = str(exc) + compact_hint(constraints, snapshot.devices, config)
+        return dataclasses.replace(state, insufficient=verdict, planned_on=snapshot)
+    state = dataclasses.replace(state, insufficient="", planned_on=snapshot)
+    if candidate is None and current is not None and current != state.plan:
+        candidate, reason = current, LOST_PEER_REASON
+    if candidate is None and current is not None and config.standby:
+        backed = add_standby_replicas(
+            current, snapshot.devices, snapshot.links, model, constraints=constraints
+        )
+        if len(backed.pipelines) > len(current.pipelines):
+            candidate, reason = backed, STANDBY_REASON
+    if candidate is None:
+        return state
+    plan = candidate.with_epoch(max(epoch, candidate.epoch))
+    actions.append(Publish(plan, reason))
+    return dataclasses.replace(state, published=plan)
+
+
+def _candidate(
+    current: Plan | None,
+    planned_on: MeshSnapshot | None,
+    snapshot: MeshSnapshot,
+    constraints: PlanConstraints,
+    config: CoordinatorConfig,
+) -> tuple[Plan | None, str]:
+    """The strategy's new plan (None: keep ``current``) and why."""
+    model = config.model
+    if config.strategy == HETMESH_STRATEGY:
+        outcome = replan(
+            current,
+            planned_on,
+            snapshot,
+            model,
+            objective=config.objective,
+            constraints=constraints,
+        )
+        candidate = outcome.plan
+        if candidate is not None and config.standby:
+            candidate = with_standby(
+                candidate, snapshot.devices, snapshot.links, model, constraints=constraints
+            )
+        return candidate, outcome.reason
+    # a forced baseline ignores drift: it places again only when membership changes
+    peers = {d.peer_id for d in snapshot.devices}
+    changed = planned_on is None or peers != {d.peer_id for d in planned_on.devices}
+    reason = f"forced {config.strategy} placement"
+    if not (changed or current is None):
+        return None, reason
+    placed = BASELINES[config.strategy](
+        snapshot.devices,
+        snapshot.links,
+        model,
+        objective=config.objective,
+        constraints=constraints,
+    )
+    return placed, reason
+
+
+def surviving(
+    plan: Plan | None,
+    snapshot: MeshSnapshot,
+    model: ModelProfile,
+    constraints: PlanConstraints,
+) -> Plan | None:
+    """``plan`` without the pipelines that lost a peer, re-scored; None if none is left.
+
+    A standby replica that survives keeps serving: the coordinator then only
+    replans if a new placement beats it by the adoption threshold, instead of
+    reshuffling every stage after each loss.
+    """
+    if plan is None:
+        return None
+    alive = {d.peer_id for d in snapshot.devices}
+    survivors = [p for p in plan.pipelines if p.peers <= alive]
+    if not survivors:
+        return None  # every pipeline lost a peer: plan afresh
+    if len(survivors) == len(plan.pipelines):
+        return plan
+    placed = [[(s.peer_id, s.device, s.start, s.end) for s in p.stages] for p in survivors]
+    return evaluate(
+        placed,
+        snapshot.devices,
+        snapshot.links,
+        model,
+        objective=plan.objective,
+        constraints=constraints,
+        strategy=plan.strategy,
+        epoch=plan.epoch,
+    )
+
+
+def compact_hint(
+    constraints: PlanConstraints, devices: Sequence[DeviceProfile], config: CoordinatorConfig
+) -> str:
+    """``config.compact_hint`` unless every device already serves a compact format."""
+    formats = {
+        held.weights if (held := constraints.weights_for(d.peer_id, d.device)) else "float32"
+        for d in devices
+    }
+    if formats <= config.compact_formats:
+        return ""
+    return config.compact_hint
+
+
+__all__ = [
+    "Action",
+    "Adopt",
+    "CoordinatorConfig",
+    "CoordinatorState",
+    "Keep",
+    "MeshView",
+    "Publish",
+    "Step",
+    "compact_hint",
+    "decide",
+    "surviving",
+]
