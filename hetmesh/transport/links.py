@@ -46,19 +46,17 @@ from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.frames import (
     DEFAULT_LIMITS,
     NEED_DATA,
-    PREFIX,
     PREFIX_BYTES,
     Decoder,
     Frame,
     Goodbye,
     Limits,
     Pending,
-    check_prefix,
     encode,
     encode_parts,
     flat_bytes,
-    parse_items,
-    unpack_header,
+    parse_header,
+    parse_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -273,25 +271,24 @@ class BufferedReader:
             self.bytes_read += n
 
     def read_pending(self) -> Pending:
-        """Read and check one frame's prefix and header (the payload stays unread)."""
+        """Read and check one frame's head (the payload stays unread).
+
+        :class:`RemoteProtocolError` for a bad head, :class:`StreamReset` if the peer goes.
+        """
         while self._end - self._start < PREFIX_BYTES:
             self._fill()
-        magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(
-            self._buf, self._start
-        )
-        cls = check_prefix(magic, version, tag, header_bytes, payload_bytes, self._limits)
+        head = parse_prefix(self._buf, self._limits, self._start)
         self._start += PREFIX_BYTES
-        if header_bytes > len(self._buf):
-            header = bytearray(header_bytes)
+        n = head.header_bytes
+        if n > len(self._buf):
+            header = bytearray(n)
             self.read_into(memoryview(header))
-            items = unpack_header(header)
-        else:
-            while self._end - self._start < header_bytes:
-                self._fill()
-            start = self._start
-            self._start += header_bytes
-            items = unpack_header(self._view[start : self._start])
-        return parse_items(cls, items, payload_bytes, self._limits)
+            return parse_header(head, header, self._limits)
+        while self._end - self._start < n:
+            self._fill()
+        start = self._start
+        self._start += n
+        return parse_header(head, self._view[start : self._start], self._limits)
 
     def read_frame(self) -> Frame:
         pending = self.read_pending()

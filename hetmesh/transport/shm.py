@@ -38,18 +38,15 @@ import torch
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset, TransportError
 from hetmesh.transport.codec import DTYPES, ITEMSIZE, as_tensor
 from hetmesh.transport.frames import (
-    PREFIX,
-    PREFIX_BYTES,
     Frame,
     Limits,
-    check_prefix,
+    Pending,
     decode_all,
     encode,
     encode_parts,
     flat_bytes,
     pack,
-    parse_items,
-    unpack_header,
+    parse_head,
 )
 from hetmesh.transport.links import ThreadedLink, in_thread
 
@@ -100,6 +97,57 @@ def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
     return data, list(fds), out_flags
+
+
+@dataclass(frozen=True, slots=True)
+class FramePacket:
+    """A checked doorbell packet carrying a frame."""
+
+    pending: Pending  # the frame's head, checked by frames.parse_head
+    seg_ids: tuple[int, ...]  # the segment of each tensor, in order
+    new: tuple[tuple[int, int], ...]  # (segment id, size) of each passed descriptor
+
+
+def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | list[int]:
+    """Check one doorbell packet as a whole (pure: no descriptor is touched).
+
+    ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`;
+    ``[_RELEASE, seg_ids]`` the released ids (the link checks they are its own).
+    One new descriptor per passed file, one segment id per tensor, sizes within
+    ``limits.max_payload_bytes``. :class:`RemoteProtocolError` on any fault.
+    """
+    try:
+        message = msgpack.unpackb(data, raw=False, use_list=True)
+    except Exception as exc:  # msgpack raises many types for garbage
+        raise RemoteProtocolError(f"undecodable doorbell packet: {exc}") from None
+    if not isinstance(message, list) or not message:
+        raise RemoteProtocolError("malformed doorbell packet")
+    if message[0] == _RELEASE and len(message) == 2 and isinstance(message[1], list):
+        if fd_count:
+            raise RemoteProtocolError("a release packet passed descriptors")
+        return message[1]
+    if message[0] != _FRAME or len(message) != 4:
+        raise RemoteProtocolError("malformed doorbell packet")
+    _, head, seg_ids, new = message
+    if not isinstance(head, bytes) or not isinstance(seg_ids, list) or not isinstance(new, list):
+        raise RemoteProtocolError("malformed doorbell packet")
+    if len(new) != fd_count:
+        raise RemoteProtocolError("segment descriptors do not match the passed fds")
+    for item in new:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or type(item[0]) is not int
+            or type(item[1]) is not int
+            or not 0 < item[1] <= limits.max_payload_bytes
+        ):
+            raise RemoteProtocolError("bad shared-memory segment")
+    pending = parse_head(head, limits)
+    if len(seg_ids) != len(pending.specs):
+        raise RemoteProtocolError("one segment per tensor expected")
+    if not all(type(seg_id) is int for seg_id in seg_ids):
+        raise RemoteProtocolError("tensor does not fit its segment")
+    return FramePacket(pending, tuple(seg_ids), tuple((i[0], i[1]) for i in new))
 
 
 def packet_framer(sock: socket.socket, limits: Limits) -> tuple[Any, Any]:
@@ -300,54 +348,32 @@ class ShmLink(ThreadedLink):
                     os.close(fd)
 
     def _on_packet(self, data: bytes, fds: list[int]) -> Frame | None:
-        try:
-            message = msgpack.unpackb(data, raw=False, use_list=True)
-        except Exception as exc:
-            raise RemoteProtocolError(f"undecodable doorbell packet: {exc}") from None
-        if not isinstance(message, list) or not message:
-            raise RemoteProtocolError("malformed doorbell packet")
-        if message[0] == _RELEASE and len(message) == 2 and isinstance(message[1], list):
-            self._on_release(message[1])
+        """Handle one doorbell packet: a frame (returned) or a release (None).
+
+        The whole packet — frame head, segment ids, new segment descriptors and
+        their passed files — is checked before any descriptor is mapped, so a bad
+        packet maps nothing. :class:`RemoteProtocolError` on any fault.
+        """
+        packet = parse_doorbell(data, len(fds), self.limits)
+        if isinstance(packet, list):
+            self._on_release(packet)
             return None
-        if message[0] != _FRAME or len(message) != 4:
-            raise RemoteProtocolError("malformed doorbell packet")
-        _, head, seg_ids, new = message
-        if (
-            not isinstance(head, bytes)
-            or not isinstance(seg_ids, list)
-            or not isinstance(new, list)
-        ):
-            raise RemoteProtocolError("malformed doorbell packet")
-        if len(new) != len(fds):
-            raise RemoteProtocolError("segment descriptors do not match the passed fds")
-        for item, fd in zip(new, fds, strict=True):
-            if (
-                not isinstance(item, list)
-                or len(item) != 2
-                or type(item[0]) is not int
-                or type(item[1]) is not int
-                or item[0] in self._remote
-                or not 0 < item[1] <= self.limits.max_payload_bytes
-                or os.fstat(fd).st_size < item[1]
-            ):
+        sizes: dict[int, int] = {}
+        for (seg_id, size), fd in zip(packet.new, fds, strict=True):
+            if seg_id in self._remote or seg_id in sizes or os.fstat(fd).st_size < size:
                 raise RemoteProtocolError("bad shared-memory segment")
-            self._remote[item[0]] = _map(fd, item[1], item[0], owned=False)
-        if len(head) < PREFIX_BYTES:
-            raise RemoteProtocolError("truncated frame prefix")
-        magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(head)
-        cls = check_prefix(magic, version, tag, header_bytes, payload_bytes, self.limits)
-        if len(head) != PREFIX_BYTES + header_bytes:
-            raise RemoteProtocolError("doorbell header length mismatch")
-        pending = parse_items(
-            cls, unpack_header(memoryview(head)[PREFIX_BYTES:]), payload_bytes, self.limits
-        )
-        if len(seg_ids) != len(pending.specs):
-            raise RemoteProtocolError("one segment per tensor expected")
-        tensors = []
-        for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
-            segment = self._remote.get(seg_id) if type(seg_id) is int else None
-            if segment is None or spec.nbytes > segment.size:
+            sizes[seg_id] = size
+        for seg_id, spec in zip(packet.seg_ids, packet.pending.specs, strict=True):
+            known = self._remote.get(seg_id)
+            size = known.size if known is not None else sizes.get(seg_id, -1)
+            if spec.nbytes > size:
                 raise RemoteProtocolError("tensor does not fit its segment")
+        # checked whole: only now map the new segments
+        for (seg_id, size), fd in zip(packet.new, fds, strict=True):
+            self._remote[seg_id] = _map(fd, size, seg_id, owned=False)
+        tensors = []
+        for seg_id, spec in zip(packet.seg_ids, packet.pending.specs, strict=True):
+            segment = self._remote[seg_id]
             key = (spec.dtype, spec.shape)
             tensor = segment.tensors.get(key)
             # a receiver may have changed a view in place (squeeze_, requires_grad_): check
@@ -356,10 +382,10 @@ class ShmLink(ThreadedLink):
                     segment.tensors.clear()
                 tensor = segment.tensors[key] = as_tensor(segment.buffer, spec)
             tensors.append(tensor)
-        frame = pending.build(tensors)
+        frame = packet.pending.build(tensors)
         if tensors:
             with self._cond:
-                for t, seg_id in zip(tensors, seg_ids, strict=True):
+                for t, seg_id in zip(tensors, packet.seg_ids, strict=True):
                     self._lent[t.data_ptr()] = seg_id
                     self._lent_bytes += t.nbytes
         return frame
