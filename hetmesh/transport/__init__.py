@@ -50,7 +50,7 @@ from hetmesh.transport.frames import (
     Tokens,
     encode,
 )
-from hetmesh.transport.negotiation import Choice, choose_backend
+from hetmesh.transport.negotiation import Backend, Choice, choose_backend
 
 if TYPE_CHECKING:
     from hetmesh.transport.dataplane import (
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
         DataPlaneStatistics,
         open_data_plane,
     )
-    from hetmesh.transport.links import Link, LinkStatistics
+    from hetmesh.transport.links import Link, LinkMode, LinkStatistics
     from hetmesh.transport.p2p import Libp2pStream
 
 # The I/O half (trio, sockets, libp2p) loads on first use, so that importing the
@@ -70,6 +70,7 @@ _LAZY = {
     "DataPlaneStatistics": "dataplane",
     "open_data_plane": "dataplane",
     "Link": "links",
+    "LinkMode": "links",
     "LinkStatistics": "links",
     "Libp2pStream": "p2p",
 }
@@ -86,6 +87,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Activations",
+    "Backend",
     "Cancel",
     "Choice",
     "Credential",
@@ -101,6 +103,7 @@ __all__ = [
     "Libp2pStream",
     "Limits",
     "Link",
+    "LinkMode",
     "LinkStatistics",
     "Offer",
     "Tokens",

@@ -159,7 +159,7 @@ class DataPlane:
     def _record(self, link: Link, reason: str, blocking: bool) -> Link:
         link_start(link, blocking, self.config.spin_us)
         link.reason = reason
-        self._opened[link.backend] = self._opened.get(link.backend, 0) + 1
+        self._opened[link.backend.value] = self._opened.get(link.backend.value, 0) + 1
         self._choices.append(f"{link.remote_peer_id}: {reason}")
         log.info("data-plane link to %s: %s", link.remote_peer_id, reason)
         return link

@@ -22,7 +22,9 @@ Python after it costs more than the frame codec itself.
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import enum
 import logging
 import math
 import os
@@ -31,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import trio
@@ -58,6 +60,7 @@ from hetmesh.transport.frames import (
     parse_header,
     parse_prefix,
 )
+from hetmesh.transport.negotiation import Backend
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -73,6 +76,14 @@ async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkStatistics:
+    """Counters of one link, kept by :class:`Link` itself (no backend counts on its own).
+
+    ``frames_*``: frames handed to / returned by the link's API (a cancelled or
+    failed send is not counted). ``bytes_sent``: encoded bytes of each frame
+    sent (prefix + header + tensor bytes, what :func:`encode` produces);
+    ``bytes_received``: tensor bytes of each frame received.
+    """
+
     backend: str
     reason: str
     remote_peer_id: str
@@ -86,10 +97,55 @@ class LinkStatistics:
     closed: bool
 
 
-class Link:
-    """Base of every backend's link. Not for direct construction: see ``DataPlane``."""
+class LinkMode(enum.Enum):
+    """How a socket link's frames are received; fixed for the link's life."""
 
-    backend = "?"
+    ASYNC = "async"  # receive() from trio: a reader thread hands frames over
+    BLOCKING = "blocking"  # receive_blocking() from one worker thread, which reads itself
+
+
+class Link(abc.ABC):
+    """One long-lived data-plane link to a peer; every backend subclasses it.
+
+    Not constructed directly: :class:`~hetmesh.transport.dataplane.DataPlane`
+    opens links. One task may send while another receives; concurrent sends
+    are serialised. Every error below is fatal to this link only and is for
+    the link's owner to handle (close the link; reroute or reconnect).
+
+    ``send(frame)``
+        Returns once the frame is handed to the backend; its tensors may then
+        be reused. Raises :class:`StreamReset` if the link is closed or the
+        peer is gone, :class:`LocalProtocolError` for a frame that cannot be
+        encoded (nothing is sent; the link stays usable),
+        :class:`TransportError` for other failures (shm: segment budget
+        exhausted). Cancellation: socket backends (tcp, shm, torchdist)
+        finish writing a frame they started in the background, so the peer
+        gets it whole and the link stays usable (the frame is not counted);
+        on a byte stream (libp2p) part of the frame may already be out, so a
+        cancelled send fails the link: later calls raise :class:`StreamReset`.
+    ``receive() -> Frame``
+        The next frame, in the order sent. Its tensors live in pooled or
+        shared memory until :meth:`release`. Raises :class:`StreamReset` when
+        the link was closed by us, the peer vanished (also mid-frame: partial
+        buffers are released first) or an earlier receive failed;
+        :class:`RemoteProtocolError` for malformed input (later receives then
+        raise :class:`StreamReset`). A peer's :meth:`aclose` arrives as a
+        :class:`Goodbye` frame, and the receive after it raises
+        :class:`StreamReset`. Cancellation loses nothing: the next receive
+        returns the frame the cancelled one would have.
+    ``release(frame)``
+        Gives a received frame's buffers back. Never raises; tensors of other
+        links or already released ones are ignored. Synchronous.
+    ``aclose()``
+        Sends :class:`Goodbye` (best effort, at most ~1 s, shielded), then
+        closes. Idempotent; never raises for a broken link. Cancellation: the
+        link is closed all the same.
+    ``statistics() -> LinkStatistics``
+        Counters (kept here, in one place: :meth:`_count_sent`,
+        :meth:`_count_received`, :meth:`_count_failure`) and buffer occupancy.
+    """
+
+    backend: ClassVar[Backend]
 
     def __init__(self, remote_peer_id: str, limits: Limits) -> None:
         self.remote_peer_id = remote_peer_id
@@ -100,37 +156,54 @@ class Link:
         self._bytes_sent = self._bytes_received = 0
         self._errors = 0
         self._closed = False
+        self._failure: BaseException | None = None  # the error that ended receiving
         self._send_lock = trio.Lock()
 
+    @abc.abstractmethod
     async def send(self, frame: Frame) -> None:
-        """Send one frame. The tensors may be reused once this returns.
+        """Send one frame (see the class docstring for errors and cancellation)."""
 
-        Raises :class:`StreamReset` (peer gone), :class:`LocalProtocolError`
-        (invalid frame), :class:`TransportError` for other failures.
-        """
-        raise NotImplementedError
-
+    @abc.abstractmethod
     async def receive(self) -> Frame:
-        """The next frame from the peer. Release its tensors with :meth:`release`.
+        """The next frame from the peer (see the class docstring)."""
 
-        Raises :class:`StreamReset` when the peer vanished (also mid-frame:
-        the partial buffers are released first), :class:`RemoteProtocolError`
-        for malformed input. Either is fatal to this link only.
-        """
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Say Goodbye and close (see the class docstring)."""
 
     def release(self, frame: Frame) -> None:
         """Give the frame's receive buffers back (to the pool, or to the sending peer)."""
         for t in frame.tensors_():
             self.pool.release(t)
 
-    async def aclose(self) -> None:
-        raise NotImplementedError
+    # --- accounting and state, for the backends -------------------------------------
+    def _count_sent(self, nbytes: int) -> None:
+        self._frames_sent += 1
+        self._bytes_sent += nbytes
+
+    def _count_received(self, frame: Frame) -> Frame:
+        self._frames_received += 1
+        for t in frame.tensors_():
+            self._bytes_received += t.nbytes
+        return frame
+
+    def _count_failure(self, exc: BaseException, *, fatal: bool) -> None:
+        """Count an error; a ``fatal`` one ends the link (later calls raise StreamReset)."""
+        self._errors += 1
+        if fatal and self._failure is None:
+            self._failure = exc
+
+    def _check_open(self) -> None:
+        """:class:`StreamReset` if we closed the link or an earlier failure ended it."""
+        if self._failure is not None:
+            raise StreamReset(f"link failed earlier: {self._failure}") from self._failure
+        if self._closed:
+            raise StreamReset("link closed")
 
     def statistics(self) -> LinkStatistics:
         pool = self.pool.statistics()
         return LinkStatistics(
-            backend=self.backend,
+            backend=self.backend.value,
             reason=self.reason,
             remote_peer_id=self.remote_peer_id,
             frames_sent=self._frames_sent,
@@ -341,8 +414,7 @@ class ThreadedLink(Link):
         self._credit = threading.Semaphore(self.max_inflight)
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self._mode = ""
+        self._mode: LinkMode | None = None
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
 
@@ -352,7 +424,7 @@ class ThreadedLink(Link):
         ``spin_us`` (blocking mode only): each ``receive_blocking`` polls the
         socket this long before it sleeps in the kernel.
         """
-        self._set_mode("blocking" if blocking else "async")
+        self._set_mode(LinkMode.BLOCKING if blocking else LinkMode.ASYNC)
         if blocking:
             self._set_spin(int(spin_us * 1000))
             return
@@ -362,9 +434,9 @@ class ThreadedLink(Link):
         )
         self._reader.start()
 
-    def _set_mode(self, mode: str) -> None:
-        if self._mode and self._mode != mode:
-            raise LocalProtocolError(f"this link already receives in {self._mode} mode")
+    def _set_mode(self, mode: LinkMode) -> None:
+        if self._mode is not None and self._mode is not mode:
+            raise LocalProtocolError(f"this link already receives in {self._mode.value} mode")
         self._mode = mode
 
     def _set_spin(self, spin_ns: int) -> None:
@@ -414,22 +486,13 @@ class ThreadedLink(Link):
 
     def _account_received(self, item: Any) -> Frame:
         if isinstance(item, BaseException):
-            self._failure = item
-            self._errors += 1
+            self._count_failure(item, fatal=True)
             raise item
-        self._frames_received += 1
-        self._bytes_received += sum(t.nbytes for t in item.tensors_())
-        return item  # type: ignore[no-any-return]
-
-    def _check_open(self) -> None:
-        if self._failure is not None:
-            raise StreamReset(f"link failed earlier: {self._failure}") from self._failure
-        if self._closed:
-            raise StreamReset("link closed")
+        return self._count_received(item)
 
     async def receive(self) -> Frame:
         self._check_open()
-        self._set_mode("async")
+        self._set_mode(LinkMode.ASYNC)
         if self._reader is None:
             raise LocalProtocolError("link not started")
         item = await self._receive_items.receive()
@@ -438,21 +501,17 @@ class ThreadedLink(Link):
 
     def receive_blocking(self) -> Frame:
         """Like :meth:`receive`, from a worker thread, doing the read in that thread."""
-        if self._mode != "blocking":
-            self._set_mode("blocking")
+        if self._mode is not LinkMode.BLOCKING:
+            self._set_mode(LinkMode.BLOCKING)
         if self._failure is not None or self._closed:
             self._check_open()
         with self._read_lock:
             try:
                 frame = self._read_frame_blocking()
             except (TransportError, RemoteProtocolError) as exc:
-                self._failure = exc
-                self._errors += 1
+                self._count_failure(exc, fatal=True)
                 raise
-        self._frames_received += 1
-        for t in frame.tensors_():
-            self._bytes_received += t.nbytes
-        return frame
+        return self._count_received(frame)
 
     def send_blocking(self, frame: Frame) -> None:
         """Like :meth:`send`, from a worker thread."""
@@ -462,13 +521,12 @@ class ThreadedLink(Link):
             with self._write_lock:
                 n = self._write_blocking(frame)
         except OSError as exc:
-            self._errors += 1
+            self._count_failure(exc, fatal=False)
             raise StreamReset(f"send failed: {exc}") from exc
-        except TransportError:
-            self._errors += 1
+        except TransportError as exc:
+            self._count_failure(exc, fatal=False)
             raise
-        self._frames_sent += 1
-        self._bytes_sent += n
+        self._count_sent(n)
 
     async def send(self, frame: Frame) -> None:
         if self._closed:
@@ -477,13 +535,12 @@ class ThreadedLink(Link):
             try:
                 n = await self._write(frame)
             except OSError as exc:
-                self._errors += 1
+                self._count_failure(exc, fatal=False)
                 raise StreamReset(f"send failed: {exc}") from exc
-            except TransportError:
-                self._errors += 1
+            except TransportError as exc:
+                self._count_failure(exc, fatal=False)
                 raise
-        self._frames_sent += 1
-        self._bytes_sent += n
+        self._count_sent(n)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -512,7 +569,7 @@ class ThreadedLink(Link):
 class TcpLink(ThreadedLink):
     """Frames over one TCP (or any stream) socket, read with ``recv_into``."""
 
-    backend = "tcp"
+    backend = Backend.TCP
 
     def __init__(self, sock: socket.socket, remote_peer_id: str, limits: Limits) -> None:
         super().__init__(remote_peer_id, limits)
@@ -623,6 +680,8 @@ class FramedStream:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 self._decoder.abort()
                 raise StreamReset(f"stream broken: {exc!r}") from exc
+            except trio.Cancelled:
+                raise  # no byte is lost: the next receive resumes the partial frame
             except BaseException:
                 self._decoder.abort()
                 raise
@@ -636,45 +695,49 @@ class FramedStream:
 class StreamLink(Link):
     """A link over an async byte stream: the encrypted libp2p fallback."""
 
-    backend = "libp2p"
+    backend = Backend.LIBP2P
 
     def __init__(self, framed: FramedStream, remote_peer_id: str) -> None:
         super().__init__(remote_peer_id, framed.limits)
         self.pool = framed.pool
         self._framed = framed
         self._receive_lock = trio.Lock()
+        self._send_cut = False  # a cancelled send left part of a frame on the stream
 
     async def send(self, frame: Frame) -> None:
-        if self._closed:
-            raise StreamReset("link closed")
         async with self._send_lock:
+            if self._closed or self._send_cut:
+                self._check_open()
             try:
                 n = await self._framed.send(frame)
-            except TransportError:
-                self._errors += 1
+            except TransportError as exc:
+                self._count_failure(exc, fatal=False)
                 raise
-        self._frames_sent += 1
-        self._bytes_sent += n
+            except trio.Cancelled:
+                # part of the frame may be on the stream, so nothing can follow it
+                self._send_cut = True
+                self._count_failure(StreamReset("a send was cancelled part-way"), fatal=True)
+                raise
+        self._count_sent(n)
 
     async def receive(self) -> Frame:
-        if self._closed:
-            raise StreamReset("link closed")
+        self._check_open()
         async with self._receive_lock:
+            self._check_open()
             try:
                 frame = await self._framed.receive()
-            except (TransportError, RemoteProtocolError):
-                self._errors += 1
+            except (TransportError, RemoteProtocolError) as exc:
+                self._count_failure(exc, fatal=True)
                 raise
-        self._frames_received += 1
-        self._bytes_received += sum(t.nbytes for t in frame.tensors_())
-        return frame
+        return self._count_received(frame)
 
     async def aclose(self) -> None:
         if self._closed:
             return
         with trio.CancelScope(deadline=trio.current_time() + 1, shield=True):
-            with contextlib.suppress(Exception):
-                await self.send(Goodbye(reason="closing"))
+            if not self._send_cut:  # after part of a frame, a Goodbye would be garbage
+                with contextlib.suppress(Exception):
+                    await self.send(Goodbye(reason="closing"))
             self._closed = True
             with contextlib.suppress(Exception):
                 await self._framed.stream.aclose()

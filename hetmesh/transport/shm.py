@@ -48,7 +48,8 @@ from hetmesh.transport.frames import (
     pack,
     parse_head,
 )
-from hetmesh.transport.links import ThreadedLink, in_thread
+from hetmesh.transport.links import LinkMode, ThreadedLink, in_thread
+from hetmesh.transport.negotiation import Backend
 
 MIN_SEGMENT = 64 << 10
 MAX_PACKET = 1 << 20
@@ -169,7 +170,9 @@ def packet_framer(sock: socket.socket, limits: Limits) -> tuple[Any, Any]:
 
 
 class ShmLink(ThreadedLink):
-    backend = "shm"
+    """Frames whose tensors travel in shared memory (see the module docstring)."""
+
+    backend = Backend.SHM
 
     def __init__(
         self,
@@ -213,7 +216,7 @@ class ShmLink(ThreadedLink):
                 if time.monotonic() > deadline:
                     raise TransportError("shared-memory budget exhausted: peer does not release")
                 # blocking mode has no reader thread: poll the doorbell for releases ourselves
-                self._cond.wait(0.005 if self._mode == "blocking" else self._wait_s)
+                self._cond.wait(0.005 if self._mode is LinkMode.BLOCKING else self._wait_s)
                 self._cond.release()
                 try:
                     self._drain_nowait()
@@ -295,7 +298,7 @@ class ShmLink(ThreadedLink):
     def _drain_nowait(self) -> None:
         """Blocking mode: process the packets already waiting (releases; frames are kept)."""
         self._flush_releases()
-        if self._mode != "blocking" or not self._read_lock.acquire(blocking=False):
+        if self._mode is not LinkMode.BLOCKING or not self._read_lock.acquire(blocking=False):
             return
         try:
             while True:
