@@ -131,8 +131,13 @@ class Link(abc.ABC):
         :class:`RemoteProtocolError` for malformed input (later receives then
         raise :class:`StreamReset`). A peer's :meth:`aclose` arrives as a
         :class:`Goodbye` frame, and the receive after it raises
-        :class:`StreamReset`. Cancellation loses nothing: the next receive
-        returns the frame the cancelled one would have.
+        :class:`StreamReset`. Cancellation: socket backends lose nothing (the
+        next receive returns the frame the cancelled one would have), as does
+        a libp2p link over a cancel-safe byte stream (trio's); over a real
+        libp2p stream, whose read may drop bytes when cancelled
+        (:class:`~hetmesh.transport.p2p.Libp2pStream`), a cancelled receive
+        fails the link: later receives raise :class:`StreamReset`, never
+        return a frame with a gap in it.
     ``release(frame)``
         Gives a received frame's buffers back. Never raises; tensors of other
         links or already released ones are ignored. Synchronous.
