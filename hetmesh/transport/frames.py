@@ -284,6 +284,14 @@ _FIELDS: dict[type[Frame], tuple[str, ...]] = {
 _SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
     s.cls: s.fields for s in SCHEMAS.values()
 }
+# _fast_header and _parse_items take a shortcut for the two hot frames, by position:
+# refuse to load if a change to either frame's fields would make that shortcut wrong
+_HOT_LAYOUTS: Final = {
+    Tokens: ("session_id", "step", "token_ids"),
+    Activations: ("session_id", "step", "positions", "tensors"),
+}
+if any(_FIELDS[cls] != names for cls, names in _HOT_LAYOUTS.items()):
+    raise RuntimeError("the hot-path layouts of Tokens/Activations no longer match SCHEMAS")
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _TENSOR_FRAMES: Final = frozenset(s.cls for s in SCHEMAS.values() if s.payload)
 _new = object.__new__

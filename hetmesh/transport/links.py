@@ -447,15 +447,18 @@ class ThreadedLink(Link):
     def _set_spin(self, spin_ns: int) -> None:
         """Subclasses with a pollable receive path take the spin budget."""
 
-    # subclasses implement these three
+    # each socket backend implements these three (blocking, from any one thread)
+    @abc.abstractmethod
     def _read_frame_blocking(self) -> Frame:
-        raise NotImplementedError
+        """Read one whole frame: StreamReset if the peer is gone, RemoteProtocolError."""
 
+    @abc.abstractmethod
     def _write_blocking(self, frame: Frame) -> int:
-        raise NotImplementedError
+        """Write one whole frame; its encoded size in bytes. OSError/TransportError."""
 
+    @abc.abstractmethod
     def _shutdown(self) -> None:
-        raise NotImplementedError
+        """Close the socket(s) so a blocked reader returns; never raises."""
 
     async def _write(self, frame: Frame) -> int:
         """Default: the whole write in a worker thread."""
