@@ -16,7 +16,10 @@ Knows bytes and tensors, never policy. The node daemon's API::
         await link.aclose()                 # sends Goodbye
 
 Links are long-lived and shared by many sessions (frames carry the session
-id). One task may send while another receives; sends are serialised.
+id). One task may send while another receives; sends are serialised. Every
+backend subclasses the abstract :class:`~hetmesh.transport.links.Link`, whose
+docstring is the contract (errors, cancellation, counters) and which
+``tests/unit/transport/test_link_conformance.py`` checks for each backend.
 ``ShmLink.allocate(dtype, shape)`` gives a tensor already in shared memory
 (the zero-copy path on one host).
 
