@@ -40,8 +40,11 @@ from hetmesh.transport.frames import (
 )
 from hetmesh.transport.links import (
     BufferedReader,
+    ByteStream,
     FramedStream,
     Link,
+    ReceiveFrame,
+    SendFrame,
     StreamLink,
     TcpLink,
     blocking_framer,
@@ -166,7 +169,11 @@ class DataPlane:
 
     # --- dialer --------------------------------------------------------------------
     async def connect(
-        self, control: Any, *, expected_peer_id: str | None = None, blocking: bool = False
+        self,
+        control: ByteStream,
+        *,
+        expected_peer_id: str | None = None,
+        blocking: bool = False,
     ) -> Link:
         """Open a link to the peer at the other end of ``control`` (we dial).
 
@@ -258,7 +265,11 @@ class DataPlane:
 
     # --- listener ------------------------------------------------------------------
     async def accept(
-        self, control: Any, *, expected_peer_id: str | None = None, blocking: bool = False
+        self,
+        control: ByteStream,
+        *,
+        expected_peer_id: str | None = None,
+        blocking: bool = False,
     ) -> Link:
         """Accept a link from the peer at the other end of ``control`` (they dial).
 
@@ -356,7 +367,9 @@ class DataPlane:
                     sock = socket.socket(fileno=conn.detach())
                     nursery.start_soon(self._handle_shm, sock)
 
-    async def _handle(self, sock: socket.socket, setup: Callable[..., Any]) -> None:
+    async def _handle(
+        self, sock: socket.socket, setup: Callable[[socket.socket], tuple[Link, _Waiting]]
+    ) -> None:
         """One incoming data connection: authenticate it, then hand the link to ``accept``."""
         c = self.config
         try:
@@ -383,7 +396,7 @@ class DataPlane:
     async def _handle_shm(self, sock: socket.socket) -> None:
         await self._handle(sock, self._setup_shm)
 
-    def _listen(self, send: Any, receive: Any) -> tuple[Credential, _Waiting]:
+    def _listen(self, send: SendFrame, receive: ReceiveFrame) -> tuple[Credential, _Waiting]:
         credential, _ = handshake.listen_blocking(send, receive, self._verify_from_thread)
         waiting = self._waiting.get(credential.credential_id)
         if waiting is None:

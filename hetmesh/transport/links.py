@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 import trio
@@ -64,6 +64,19 @@ from hetmesh.transport.negotiation import Backend
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+# blocking (send, receive) of whole frames, for a handshake before a link exists
+SendFrame = Callable[[Frame], None]
+ReceiveFrame = Callable[[], Frame]
+
+
+class ByteStream(Protocol):
+    """What the data plane needs of a control stream (trio streams, ``Libp2pStream``)."""
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    async def receive_some(self, max_bytes: int) -> bytes | bytearray: ...
+
+    async def aclose(self) -> None: ...
 
 
 async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
@@ -415,7 +428,9 @@ class ThreadedLink(Link):
     def __init__(self, remote_peer_id: str, limits: Limits) -> None:
         super().__init__(remote_peer_id, limits)
         self._token: trio.lowlevel.TrioToken | None = None
-        self._send_items, self._receive_items = trio.open_memory_channel[Any](math.inf)
+        self._send_items, self._receive_items = trio.open_memory_channel[Frame | BaseException](
+            math.inf
+        )
         self._credit = threading.Semaphore(self.max_inflight)
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
@@ -472,7 +487,7 @@ class ThreadedLink(Link):
         torch.set_num_threads(1)
         while not self._stop.is_set():
             self._credit.acquire()
-            item: Any
+            item: Frame | BaseException
             try:
                 item = self._read_frame_blocking()
             except (TransportError, RemoteProtocolError) as exc:
@@ -492,7 +507,7 @@ class ThreadedLink(Link):
             if isinstance(item, BaseException):
                 return
 
-    def _account_received(self, item: Any) -> Frame:
+    def _account_received(self, item: Frame | BaseException) -> Frame:
         if isinstance(item, BaseException):
             self._count_failure(item, fatal=True)
             raise item
@@ -635,7 +650,9 @@ def tune_tcp(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
-def blocking_framer(sock: socket.socket, limits: Limits, pool: BufferPool) -> tuple[Any, Any]:
+def blocking_framer(
+    sock: socket.socket, limits: Limits, pool: BufferPool
+) -> tuple[SendFrame, ReceiveFrame]:
     """``(send, receive)`` for the handshake on a blocking stream socket."""
     reader = BufferedReader(sock, limits, pool)
 
@@ -653,7 +670,7 @@ class FramedStream:
 
     def __init__(
         self,
-        stream: Any,
+        stream: ByteStream,
         limits: Limits = DEFAULT_LIMITS,
         pool: BufferPool | None = None,
         *,

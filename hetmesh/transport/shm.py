@@ -29,8 +29,7 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import msgpack
 import torch
@@ -48,7 +47,14 @@ from hetmesh.transport.frames import (
     pack,
     parse_head,
 )
-from hetmesh.transport.links import LinkMode, ThreadedLink, in_thread
+from hetmesh.transport.links import (
+    LinkMode,
+    LinkStatistics,
+    ReceiveFrame,
+    SendFrame,
+    ThreadedLink,
+    in_thread,
+)
 from hetmesh.transport.negotiation import Backend
 
 MIN_SEGMENT = 64 << 10
@@ -109,7 +115,7 @@ class FramePacket:
     new: tuple[tuple[int, int], ...]  # (segment id, size) of each passed descriptor
 
 
-def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | list[int]:
+def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | list[object]:
     """Check one doorbell packet as a whole (pure: no descriptor is touched).
 
     ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`;
@@ -151,7 +157,7 @@ def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | 
     return FramePacket(pending, tuple(seg_ids), tuple((i[0], i[1]) for i in new))
 
 
-def packet_framer(sock: socket.socket, limits: Limits) -> tuple[Any, Any]:
+def packet_framer(sock: socket.socket, limits: Limits) -> tuple[SendFrame, ReceiveFrame]:
     """``(send, receive)`` of whole frames, one per packet (handshake phase)."""
 
     def send(frame: Frame) -> None:
@@ -285,11 +291,10 @@ class ShmLink(ThreadedLink):
                 self._write_lock.release()
         return await in_thread(self._write_blocking_locked, frame)
 
-    def _on_release(self, seg_ids: list[Any]) -> None:
+    def _on_release(self, seg_ids: list[object]) -> None:
         with self._cond:
             for seg_id in seg_ids:
-                segment = self._own.get(seg_id) if type(seg_id) is int else None
-                if segment is None:
+                if type(seg_id) is not int or (segment := self._own.get(seg_id)) is None:
                     raise RemoteProtocolError("release of an unknown segment")
                 self._free.setdefault(segment.size, []).append(seg_id)
             self._cond.notify_all()
@@ -438,16 +443,10 @@ class ShmLink(ThreadedLink):
             if not data and not fds:  # the peer closed
                 return
 
-    def statistics(self) -> Any:
+    def statistics(self) -> LinkStatistics:
         stats = super().statistics()
-        with self._cond:
-            return type(stats)(
-                **{
-                    **{f: getattr(stats, f) for f in stats.__dataclass_fields__},
-                    "in_use_bytes": self._lent_bytes,
-                    "cached_bytes": self._own_bytes,
-                }
-            )
+        with self._cond:  # shared memory lent to us / owned by us, not the pool's
+            return replace(stats, in_use_bytes=self._lent_bytes, cached_bytes=self._own_bytes)
 
     def _shutdown(self) -> None:
         self._discard_unread()
