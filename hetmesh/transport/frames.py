@@ -507,6 +507,10 @@ class FrameHead(NamedTuple):
     payload_bytes: int
 
 
+# a NamedTuple's own __new__ is Python code: 0.2 µs per frame that tuple.__new__ saves
+_new_head: Final = tuple.__new__
+
+
 def parse_prefix(
     data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, offset: int = 0
 ) -> FrameHead:
@@ -532,7 +536,7 @@ def parse_prefix(
         raise RemoteProtocolError(f"payload of {payload_bytes} bytes exceeds the cap")
     if payload_bytes and not schema.payload:
         raise RemoteProtocolError(f"{schema.cls.__name__} cannot carry a payload")
-    return FrameHead(schema.cls, header_bytes, payload_bytes)
+    return _new_head(FrameHead, (schema.cls, header_bytes, payload_bytes))
 
 
 def parse_header(

@@ -30,12 +30,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import msgpack
 import torch
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset, TransportError
-from hetmesh.transport.codec import DTYPES, ITEMSIZE, as_tensor
+from hetmesh.transport.codec import DTYPES, ITEMSIZE, TensorSpec, as_tensor
 from hetmesh.transport.frames import (
     Frame,
     Limits,
@@ -106,22 +107,23 @@ def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
     return data, list(fds), out_flags
 
 
-@dataclass(frozen=True, slots=True)
-class FramePacket:
-    """A checked doorbell packet carrying a frame."""
+class FramePacket(NamedTuple):
+    """A doorbell packet carrying a frame, checked as far as it can be without the link."""
 
     pending: Pending  # the frame's head, checked by frames.parse_head
-    seg_ids: tuple[int, ...]  # the segment of each tensor, in order
-    new: tuple[tuple[int, int], ...]  # (segment id, size) of each passed descriptor
+    seg_ids: list[object]  # the segment of each tensor, in order (the link checks them)
+    new: list[list[int]]  # [segment id, size] of each passed descriptor
 
 
 def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | list[object]:
-    """Check one doorbell packet as a whole (pure: no descriptor is touched).
+    """Check one doorbell packet (pure: no descriptor is touched).
 
-    ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`;
-    ``[_RELEASE, seg_ids]`` the released ids (the link checks they are its own).
-    One new descriptor per passed file, one segment id per tensor, sizes within
-    ``limits.max_payload_bytes``. :class:`RemoteProtocolError` on any fault.
+    ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`: its frame
+    head checked, one new descriptor per passed file with its size within
+    ``limits.max_payload_bytes``, one segment id per tensor.
+    ``[_RELEASE, seg_ids]`` gives the released ids. The link then checks the
+    ids against its segments (``ShmLink._on_packet``), still before mapping
+    anything. :class:`RemoteProtocolError` on any fault.
     """
     try:
         message = msgpack.unpackb(data, raw=False, use_list=True)
@@ -152,9 +154,7 @@ def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | 
     pending = parse_head(head, limits)
     if len(seg_ids) != len(pending.specs):
         raise RemoteProtocolError("one segment per tensor expected")
-    if not all(type(seg_id) is int for seg_id in seg_ids):
-        raise RemoteProtocolError("tensor does not fit its segment")
-    return FramePacket(pending, tuple(seg_ids), tuple((i[0], i[1]) for i in new))
+    return tuple.__new__(FramePacket, (pending, seg_ids, new))  # NamedTuple's __new__ is slow
 
 
 def packet_framer(sock: socket.socket, limits: Limits) -> tuple[SendFrame, ReceiveFrame]:
@@ -358,30 +358,26 @@ class ShmLink(ThreadedLink):
     def _on_packet(self, data: bytes, fds: list[int]) -> Frame | None:
         """Handle one doorbell packet: a frame (returned) or a release (None).
 
-        The whole packet — frame head, segment ids, new segment descriptors and
-        their passed files — is checked before any descriptor is mapped, so a bad
-        packet maps nothing. :class:`RemoteProtocolError` on any fault.
+        The whole packet (frame head, segment ids, new segment descriptors and
+        their passed files) is checked before any descriptor is mapped, so a
+        bad packet maps nothing. :class:`RemoteProtocolError` on any fault.
         """
         packet = parse_doorbell(data, len(fds), self.limits)
         if isinstance(packet, list):
             self._on_release(packet)
             return None
-        sizes: dict[int, int] = {}
-        for (seg_id, size), fd in zip(packet.new, fds, strict=True):
-            if seg_id in self._remote or seg_id in sizes or os.fstat(fd).st_size < size:
-                raise RemoteProtocolError("bad shared-memory segment")
-            sizes[seg_id] = size
-        for seg_id, spec in zip(packet.seg_ids, packet.pending.specs, strict=True):
-            known = self._remote.get(seg_id)
-            size = known.size if known is not None else sizes.get(seg_id, -1)
-            if spec.nbytes > size:
-                raise RemoteProtocolError("tensor does not fit its segment")
-        # checked whole: only now map the new segments
-        for (seg_id, size), fd in zip(packet.new, fds, strict=True):
-            self._remote[seg_id] = _map(fd, size, seg_id, owned=False)
+        pending, seg_ids, new = packet
+        if new:
+            self._map_new(new, fds, seg_ids, pending.specs)
+        remote = self._remote
         tensors = []
-        for seg_id, spec in zip(packet.seg_ids, packet.pending.specs, strict=True):
-            segment = self._remote[seg_id]
+        lent: list[int] = []
+        for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
+            segment = remote.get(seg_id) if type(seg_id) is int else None
+            # nothing is mapped here: a bad id fails the packet with nothing changed
+            if segment is None or spec.nbytes > segment.size:
+                raise RemoteProtocolError("tensor does not fit its segment")
+            lent.append(segment.seg_id)
             key = (spec.dtype, spec.shape)
             tensor = segment.tensors.get(key)
             # a receiver may have changed a view in place (squeeze_, requires_grad_): check
@@ -390,13 +386,36 @@ class ShmLink(ThreadedLink):
                     segment.tensors.clear()
                 tensor = segment.tensors[key] = as_tensor(segment.buffer, spec)
             tensors.append(tensor)
-        frame = packet.pending.build(tensors)
+        frame = pending.build(tensors)
         if tensors:
             with self._cond:
-                for t, seg_id in zip(tensors, packet.seg_ids, strict=True):
+                for t, seg_id in zip(tensors, lent, strict=True):
                     self._lent[t.data_ptr()] = seg_id
                     self._lent_bytes += t.nbytes
         return frame
+
+    def _map_new(
+        self,
+        new: list[list[int]],
+        fds: list[int],
+        seg_ids: list[object],
+        specs: tuple[TensorSpec, ...],
+    ) -> None:
+        """Check the packet's new segments and every tensor's fit, then map them."""
+        sizes: dict[int, int] = {}
+        for (seg_id, size), fd in zip(new, fds, strict=True):
+            if seg_id in self._remote or seg_id in sizes or os.fstat(fd).st_size < size:
+                raise RemoteProtocolError("bad shared-memory segment")
+            sizes[seg_id] = size
+        for target, spec in zip(seg_ids, specs, strict=True):
+            size = -1
+            if type(target) is int:
+                known = self._remote.get(target)
+                size = known.size if known is not None else sizes.get(target, -1)
+            if spec.nbytes > size:
+                raise RemoteProtocolError("tensor does not fit its segment")
+        for (seg_id, size), fd in zip(new, fds, strict=True):  # checked whole: map
+            self._remote[seg_id] = _map(fd, size, seg_id, owned=False)
 
     def release(self, frame: Frame) -> None:
         """Hand the frame's segments back to the sender (tensors are invalid afterwards)."""
