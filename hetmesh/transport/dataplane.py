@@ -33,7 +33,6 @@ from hetmesh.transport.frames import (
     ERROR_FALLBACK,
     Decision,
     Error,
-    Frame,
     Hello,
     Limits,
     Offer,
@@ -49,7 +48,6 @@ from hetmesh.transport.links import (
     TcpLink,
     blocking_framer,
     in_thread,
-    sendmsg_all,
     tune_tcp,
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
@@ -249,8 +247,8 @@ class DataPlane:
                 c.shm_budget_bytes,
                 c.handshake_timeout_s,
             )
-        sock = await in_thread(
-            dial_tcp,
+        sock, reader = await in_thread(
+            _dial_tcp,
             choice.endpoint,
             credential,
             c.limits,
@@ -258,9 +256,9 @@ class DataPlane:
             c.handshake_timeout_s,
         )
         if choice.backend == "tcp":
-            link: Link = TcpLink(sock, peer, c.limits)
+            link: Link = TcpLink(sock, peer, c.limits, reader)
         else:
-            link = await in_thread(_torchdist_dial, sock, credential, c)
+            link = await in_thread(_torchdist_dial, sock, reader, credential, c)
         return link
 
     # --- listener ------------------------------------------------------------------
@@ -407,15 +405,8 @@ class DataPlane:
         c = self.config
         sock.settimeout(c.handshake_timeout_s)
         tune_tcp(sock, c.socket_buffer_bytes)
-        pool = BufferPool()
-        reader = BufferedReader(sock, c.limits, pool)
-
-        def send(frame: Frame) -> None:
-            from hetmesh.transport.frames import encode
-
-            sendmsg_all(sock, [memoryview(p) for p in encode(frame, c.limits)])
-
-        credential, waiting = self._listen(send, reader.read_frame)
+        reader = BufferedReader(sock, c.limits, BufferPool())
+        credential, waiting = self._listen(*blocking_framer(sock, c.limits, reader))
         if waiting.choice.backend == "torchdist":
             from hetmesh.transport.torchdist import TorchDistLink, listen_group
 
@@ -441,7 +432,7 @@ class DataPlane:
         if waiting.choice.backend != "tcp":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return TcpLink(sock, waiting.remote_peer_id, c.limits), waiting
+        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader), waiting
 
     def _setup_shm(self, sock: socket.socket) -> tuple[Link, _Waiting]:
         c = self.config
@@ -475,6 +466,14 @@ def dial_tcp(
     endpoint: str, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
 ) -> socket.socket:
     """Blocking: connect to a tcp endpoint and prove the credential."""
+    return _dial_tcp(endpoint, credential, limits, buffer_bytes, timeout_s)[0]
+
+
+def _dial_tcp(
+    endpoint: str, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
+) -> tuple[socket.socket, BufferedReader]:
+    """:func:`dial_tcp`, and the reader the handshake used: the link must keep reading
+    through it (the listener's next frame may already be in its buffer)."""
     host, _, port = endpoint.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -484,20 +483,24 @@ def dial_tcp(
         raise PeerUnreachable(f"tcp connect to {endpoint} failed: {exc}") from exc
     try:
         tune_tcp(sock, buffer_bytes)
-        handshake.dial_blocking(*blocking_framer(sock, limits, BufferPool()), credential)
+        reader = BufferedReader(sock, limits, BufferPool())
+        handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
         sock.settimeout(None)
     except BaseException:
         sock.close()
         raise
-    return sock
+    return sock, reader
 
 
-def _torchdist_dial(sock: socket.socket, credential: Credential, c: DataPlaneConfig) -> Link:
+def _torchdist_dial(
+    sock: socket.socket, reader: BufferedReader, credential: Credential, c: DataPlaneConfig
+) -> Link:
     from hetmesh.transport.torchdist import TorchDistLink, dial_group, nccl_available
 
     device = c.device if c.device and c.device.startswith("cuda") and nccl_available() else None
-    pool = BufferPool()
-    reader = BufferedReader(sock, c.limits, pool)
+    # the handshake's reader: the listener sends the store endpoint right after its
+    # proof, so both may have arrived in one recv (a fresh reader lost the endpoint
+    # and waited out the 60 s timeout)
     sock.settimeout(c.torchdist_timeout_s)
     pg, store = dial_group(
         reader, credential.credential_id.hex(), c.tcp_host, c.torchdist_timeout_s, device

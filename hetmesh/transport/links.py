@@ -594,10 +594,18 @@ class TcpLink(ThreadedLink):
 
     backend = Backend.TCP
 
-    def __init__(self, sock: socket.socket, remote_peer_id: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        remote_peer_id: str,
+        limits: Limits,
+        reader: BufferedReader | None = None,
+    ) -> None:
+        """``reader``: the one the handshake read through (it may hold bytes already)."""
         super().__init__(remote_peer_id, limits)
         self.sock = sock
-        self._reader_io = BufferedReader(sock, limits, self.pool)
+        self._reader_io = reader or BufferedReader(sock, limits, self.pool)
+        self._reader_io._pool = self.pool
 
     def _set_spin(self, spin_ns: int) -> None:
         self._reader_io.spin_ns = spin_ns
@@ -651,10 +659,13 @@ def tune_tcp(sock: socket.socket, buffer_bytes: int) -> None:
 
 
 def blocking_framer(
-    sock: socket.socket, limits: Limits, pool: BufferPool
+    sock: socket.socket, limits: Limits, reader: BufferedReader
 ) -> tuple[SendFrame, ReceiveFrame]:
-    """``(send, receive)`` for the handshake on a blocking stream socket."""
-    reader = BufferedReader(sock, limits, pool)
+    """``(send, receive)`` for the handshake on a blocking stream socket.
+
+    The link opened on ``sock`` afterwards must take over ``reader``: bytes the
+    peer sent right after its last handshake frame may already sit in it.
+    """
 
     def send(frame: Frame) -> None:
         sendmsg_all(sock, [memoryview(p) for p in encode(frame, limits)])

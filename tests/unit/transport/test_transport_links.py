@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,7 +22,15 @@ from hetmesh.errors import (
     RemoteProtocolError,
     StreamReset,
 )
-from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Link, Tokens, open_data_plane
+from hetmesh.transport import (
+    Activations,
+    DataPlane,
+    DataPlaneConfig,
+    Link,
+    Tokens,
+    handshake,
+    open_data_plane,
+)
 from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.credentials import Credential
 from hetmesh.transport.dataplane import dial_shm, dial_tcp
@@ -418,3 +427,33 @@ def test_shm_checks_a_whole_doorbell_packet_before_mapping_any_descriptor() -> N
         os.close(fd)
         link._shutdown()
         left.close()
+
+
+async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listener sends the store endpoint right after its proof; a dialer that reads
+    late gets both in one recv. The link must read on from the handshake's buffer (a
+    fresh reader once lost the endpoint and waited out the whole torchdist timeout)."""
+    dial_blocking = handshake.dial_blocking
+
+    def late_dialer(send: Any, receive: Any, credential: Credential) -> None:
+        seen: list[object] = []
+
+        def late_receive() -> Any:
+            if seen:  # the listener's proof: let its next frame arrive behind it
+                time.sleep(0.5)
+            seen.append(None)
+            return receive()
+
+        dial_blocking(send, late_receive, credential)
+
+    monkeypatch.setattr(handshake, "dial_blocking", late_dialer)
+    async with planes("torchdist", torchdist_timeout_s=20.0) as (a, b):
+        with trio.fail_after(15):  # the old reader waited 20 s, then failed
+            la, lb = await link_pair(a, b)
+        assert la.backend == "torchdist"
+        await la.send(Tokens(session_id="s", step=0, token_ids=(3,)))
+        assert await lb.receive() == Tokens(session_id="s", step=0, token_ids=(3,))
+        for link in (la, lb):
+            await link.aclose()
