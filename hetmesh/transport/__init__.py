@@ -16,7 +16,10 @@ Knows bytes and tensors, never policy. The node daemon's API::
         await link.aclose()                 # sends Goodbye
 
 Links are long-lived and shared by many sessions (frames carry the session
-id). One task may send while another receives; sends are serialised.
+id). One task may send while another receives; sends are serialised. Every
+backend subclasses the abstract :class:`~hetmesh.transport.links.Link`, whose
+docstring is the contract (errors, cancellation, counters) and which
+``tests/unit/transport/test_link_conformance.py`` checks for each backend.
 ``ShmLink.allocate(dtype, shape)`` gives a tensor already in shared memory
 (the zero-copy path on one host).
 
@@ -50,7 +53,7 @@ from hetmesh.transport.frames import (
     Tokens,
     encode,
 )
-from hetmesh.transport.negotiation import Choice, choose_backend
+from hetmesh.transport.negotiation import Backend, Choice, choose_backend
 
 if TYPE_CHECKING:
     from hetmesh.transport.dataplane import (
@@ -59,7 +62,7 @@ if TYPE_CHECKING:
         DataPlaneStatistics,
         open_data_plane,
     )
-    from hetmesh.transport.links import Link, LinkStatistics
+    from hetmesh.transport.links import Link, LinkMode, LinkStatistics
     from hetmesh.transport.p2p import Libp2pStream
 
 # The I/O half (trio, sockets, libp2p) loads on first use, so that importing the
@@ -70,6 +73,7 @@ _LAZY = {
     "DataPlaneStatistics": "dataplane",
     "open_data_plane": "dataplane",
     "Link": "links",
+    "LinkMode": "links",
     "LinkStatistics": "links",
     "Libp2pStream": "p2p",
 }
@@ -86,6 +90,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Activations",
+    "Backend",
     "Cancel",
     "Choice",
     "Credential",
@@ -101,6 +106,7 @@ __all__ = [
     "Libp2pStream",
     "Limits",
     "Link",
+    "LinkMode",
     "LinkStatistics",
     "Offer",
     "Tokens",

@@ -161,7 +161,8 @@ class BufferPool:
     def acquire_view(self, spec: TensorSpec) -> tuple[torch.Tensor, memoryview]:
         """Like :meth:`acquire`, plus a writable byte view of the tensor (cached with it)."""
         if spec.nbytes == 0:
-            return torch.empty(spec.shape, dtype=DTYPES[spec.dtype]), memoryview(b"")
+            # writable even when empty: readers assign into it (a read-only b"" raised)
+            return torch.empty(spec.shape, dtype=DTYPES[spec.dtype]), memoryview(bytearray())
         key = (spec.dtype, spec.shape)
         with self._lock:
             free = self._free.get(key)

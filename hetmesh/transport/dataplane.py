@@ -33,20 +33,21 @@ from hetmesh.transport.frames import (
     ERROR_FALLBACK,
     Decision,
     Error,
-    Frame,
     Hello,
     Limits,
     Offer,
 )
 from hetmesh.transport.links import (
     BufferedReader,
+    ByteStream,
     FramedStream,
     Link,
+    ReceiveFrame,
+    SendFrame,
     StreamLink,
     TcpLink,
     blocking_framer,
     in_thread,
-    sendmsg_all,
     tune_tcp,
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
@@ -159,14 +160,18 @@ class DataPlane:
     def _record(self, link: Link, reason: str, blocking: bool) -> Link:
         link_start(link, blocking, self.config.spin_us)
         link.reason = reason
-        self._opened[link.backend] = self._opened.get(link.backend, 0) + 1
+        self._opened[link.backend.value] = self._opened.get(link.backend.value, 0) + 1
         self._choices.append(f"{link.remote_peer_id}: {reason}")
         log.info("data-plane link to %s: %s", link.remote_peer_id, reason)
         return link
 
     # --- dialer --------------------------------------------------------------------
     async def connect(
-        self, control: Any, *, expected_peer_id: str | None = None, blocking: bool = False
+        self,
+        control: ByteStream,
+        *,
+        expected_peer_id: str | None = None,
+        blocking: bool = False,
     ) -> Link:
         """Open a link to the peer at the other end of ``control`` (we dial).
 
@@ -242,8 +247,8 @@ class DataPlane:
                 c.shm_budget_bytes,
                 c.handshake_timeout_s,
             )
-        sock = await in_thread(
-            dial_tcp,
+        sock, reader = await in_thread(
+            _dial_tcp,
             choice.endpoint,
             credential,
             c.limits,
@@ -251,14 +256,18 @@ class DataPlane:
             c.handshake_timeout_s,
         )
         if choice.backend == "tcp":
-            link: Link = TcpLink(sock, peer, c.limits)
+            link: Link = TcpLink(sock, peer, c.limits, reader)
         else:
-            link = await in_thread(_torchdist_dial, sock, credential, c)
+            link = await in_thread(_torchdist_dial, sock, reader, credential, c)
         return link
 
     # --- listener ------------------------------------------------------------------
     async def accept(
-        self, control: Any, *, expected_peer_id: str | None = None, blocking: bool = False
+        self,
+        control: ByteStream,
+        *,
+        expected_peer_id: str | None = None,
+        blocking: bool = False,
     ) -> Link:
         """Accept a link from the peer at the other end of ``control`` (they dial).
 
@@ -356,7 +365,9 @@ class DataPlane:
                     sock = socket.socket(fileno=conn.detach())
                     nursery.start_soon(self._handle_shm, sock)
 
-    async def _handle(self, sock: socket.socket, setup: Callable[..., Any]) -> None:
+    async def _handle(
+        self, sock: socket.socket, setup: Callable[[socket.socket], tuple[Link, _Waiting]]
+    ) -> None:
         """One incoming data connection: authenticate it, then hand the link to ``accept``."""
         c = self.config
         try:
@@ -383,7 +394,7 @@ class DataPlane:
     async def _handle_shm(self, sock: socket.socket) -> None:
         await self._handle(sock, self._setup_shm)
 
-    def _listen(self, send: Any, receive: Any) -> tuple[Credential, _Waiting]:
+    def _listen(self, send: SendFrame, receive: ReceiveFrame) -> tuple[Credential, _Waiting]:
         credential, _ = handshake.listen_blocking(send, receive, self._verify_from_thread)
         waiting = self._waiting.get(credential.credential_id)
         if waiting is None:
@@ -394,15 +405,8 @@ class DataPlane:
         c = self.config
         sock.settimeout(c.handshake_timeout_s)
         tune_tcp(sock, c.socket_buffer_bytes)
-        pool = BufferPool()
-        reader = BufferedReader(sock, c.limits, pool)
-
-        def send(frame: Frame) -> None:
-            from hetmesh.transport.frames import encode
-
-            sendmsg_all(sock, [memoryview(p) for p in encode(frame, c.limits)])
-
-        credential, waiting = self._listen(send, reader.read_frame)
+        reader = BufferedReader(sock, c.limits, BufferPool())
+        credential, waiting = self._listen(*blocking_framer(sock, c.limits, reader))
         if waiting.choice.backend == "torchdist":
             from hetmesh.transport.torchdist import TorchDistLink, listen_group
 
@@ -428,7 +432,7 @@ class DataPlane:
         if waiting.choice.backend != "tcp":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return TcpLink(sock, waiting.remote_peer_id, c.limits), waiting
+        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader), waiting
 
     def _setup_shm(self, sock: socket.socket) -> tuple[Link, _Waiting]:
         c = self.config
@@ -462,6 +466,14 @@ def dial_tcp(
     endpoint: str, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
 ) -> socket.socket:
     """Blocking: connect to a tcp endpoint and prove the credential."""
+    return _dial_tcp(endpoint, credential, limits, buffer_bytes, timeout_s)[0]
+
+
+def _dial_tcp(
+    endpoint: str, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
+) -> tuple[socket.socket, BufferedReader]:
+    """:func:`dial_tcp`, and the reader the handshake used: the link must keep reading
+    through it (the listener's next frame may already be in its buffer)."""
     host, _, port = endpoint.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -471,20 +483,24 @@ def dial_tcp(
         raise PeerUnreachable(f"tcp connect to {endpoint} failed: {exc}") from exc
     try:
         tune_tcp(sock, buffer_bytes)
-        handshake.dial_blocking(*blocking_framer(sock, limits, BufferPool()), credential)
+        reader = BufferedReader(sock, limits, BufferPool())
+        handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
         sock.settimeout(None)
     except BaseException:
         sock.close()
         raise
-    return sock
+    return sock, reader
 
 
-def _torchdist_dial(sock: socket.socket, credential: Credential, c: DataPlaneConfig) -> Link:
+def _torchdist_dial(
+    sock: socket.socket, reader: BufferedReader, credential: Credential, c: DataPlaneConfig
+) -> Link:
     from hetmesh.transport.torchdist import TorchDistLink, dial_group, nccl_available
 
     device = c.device if c.device and c.device.startswith("cuda") and nccl_available() else None
-    pool = BufferPool()
-    reader = BufferedReader(sock, c.limits, pool)
+    # the handshake's reader: the listener sends the store endpoint right after its
+    # proof, so both may have arrived in one recv (a fresh reader lost the endpoint
+    # and waited out the 60 s timeout)
     sock.settimeout(c.torchdist_timeout_s)
     pg, store = dial_group(
         reader, credential.credential_id.hex(), c.tcp_host, c.torchdist_timeout_s, device

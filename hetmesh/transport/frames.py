@@ -14,9 +14,13 @@ gathering write. :class:`Decoder` is incremental (``receive_data`` /
 anything is allocated. Peer faults raise :class:`RemoteProtocolError`, our
 own misuse :class:`LocalProtocolError`.
 
-Blocking and threaded readers that want to ``recv_into`` tensors directly use
-the same two steps the decoder uses: :func:`parse_prefix` and
-:func:`parse_header`, then :meth:`Pending.build` once the payload is in.
+Every reader checks a frame head in the same two steps, here and nowhere
+else: :func:`parse_prefix` (magic, version, tag, lengths against
+:class:`Limits`) and :func:`parse_header` (the fields, per :data:`SCHEMAS`);
+:func:`parse_head` does both for a head that arrives whole in one packet.
+The stream :class:`Decoder`, the blocking socket reader (which then
+``recv_into`` tensors directly) and the shm doorbell all use them, then
+:meth:`Pending.build` once the payload is in.
 
 Imports neither trio nor libp2p.
 """
@@ -27,7 +31,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
 import msgpack
 import torch
@@ -211,27 +215,13 @@ class Goodbye(Frame):
     reason: str = ""
 
 
-FRAME_TYPES: Final[dict[int, type[Frame]]] = {
-    cls.TAG: cls
-    for cls in (
-        Offer,
-        Decision,
-        Hello,
-        Challenge,
-        Proof,
-        Activations,
-        Tokens,
-        KVBlock,
-        Cancel,
-        Error,
-        Goodbye,
-    )
-}
-
-# --- field kinds, used both to encode and to validate what a peer sent -----------------
+# --- the per-frame schema, declared once ----------------------------------------------
+# Each field name has one kind, the same in every frame that uses it; a frame's wire
+# layout is its dataclass fields in order. Encoder, head parser and field validation
+# all read the tables below (nothing else knows a frame's layout).
 
 _STR, _BYTES, _INT, _UINT, _BOOL, _STRS, _PAIRS, _INTS, _TENSORS = range(9)
-_KIND: dict[str, int] = {
+_KIND: Final[dict[str, int]] = {
     "peer_id": _STR,
     "host_id": _STR,
     "backends": _STRS,
@@ -257,15 +247,57 @@ _KIND: dict[str, int] = {
     "code": _UINT,
     "message": _STR,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class FrameSchema:
+    """One frame type on the wire: its record class, fields (name, kind) in wire order,
+    and whether tensor bytes follow its header (only frames with a ``tensors`` field)."""
+
+    cls: type[Frame]
+    fields: tuple[tuple[str, int], ...]
+    payload: bool
+
+
+def _schema(cls: type[Frame]) -> FrameSchema:
+    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    return FrameSchema(cls, tuple((n, _KIND[n]) for n in names), "tensors" in names)
+
+
+SCHEMAS: Final[dict[int, FrameSchema]] = {
+    cls.TAG: _schema(cls)
+    for cls in (
+        Offer,
+        Decision,
+        Hello,
+        Challenge,
+        Proof,
+        Activations,
+        Tokens,
+        KVBlock,
+        Cancel,
+        Error,
+        Goodbye,
+    )
+}
+FRAME_TYPES: Final[dict[int, type[Frame]]] = {tag: s.cls for tag, s in SCHEMAS.items()}
+# views of SCHEMAS keyed by class, for the encoder and Pending.build
 _FIELDS: dict[type[Frame], tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-    for cls in FRAME_TYPES.values()
+    s.cls: tuple(name for name, _ in s.fields) for s in SCHEMAS.values()
 }
 _SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
-    cls: tuple((name, _KIND[name]) for name in names) for cls, names in _FIELDS.items()
+    s.cls: s.fields for s in SCHEMAS.values()
 }
+# _fast_header and _parse_items take a shortcut for the two hot frames, by position:
+# refuse to load if a change to either frame's fields would make that shortcut wrong
+_HOT_LAYOUTS: Final = {
+    Tokens: ("session_id", "step", "token_ids"),
+    Activations: ("session_id", "step", "positions", "tensors"),
+}
+if any(_FIELDS[cls] != names for cls, names in _HOT_LAYOUTS.items()):
+    raise RuntimeError("the hot-path layouts of Tokens/Activations no longer match SCHEMAS")
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_TENSOR_FRAMES: Final = frozenset(cls for cls, names in _FIELDS.items() if "tensors" in names)
+_TENSOR_FRAMES: Final = frozenset(s.cls for s in SCHEMAS.values() if s.payload)
 _new = object.__new__
 # slot setters per frame class, in field order, without ``tensors`` (see Pending.build)
 _SETTERS: dict[type[Frame], tuple[Callable[[Any, Any], None], ...]] = {
@@ -467,40 +499,66 @@ def encode_bytes(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
     return b"".join(bytes(p) for p in encode(frame, limits))
 
 
-@dataclass(frozen=True, slots=True)
-class Prefix:
-    tag: int
+# --- the frame-head parser: every reader (stream decoder, blocking socket reader, shm
+# doorbell) checks a head through parse_prefix and parse_header, nowhere else --------
+
+
+class FrameHead(NamedTuple):
+    """A checked prefix: which frame follows, and the lengths of its header and payload."""
+
+    cls: type[Frame]
     header_bytes: int
     payload_bytes: int
 
 
-def check_prefix(
-    magic: bytes, version: int, tag: int, header_bytes: int, payload_bytes: int, limits: Limits
-) -> type[Frame]:
-    """Check the unpacked prefix fields; the frame class. :class:`RemoteProtocolError` on faults."""
+# a NamedTuple's own __new__ is Python code: 0.2 µs per frame that tuple.__new__ saves
+_new_head: Final = tuple.__new__
+
+
+def parse_prefix(
+    data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, offset: int = 0
+) -> FrameHead:
+    """Check the 16-byte prefix at ``data[offset:]`` against ``limits``.
+
+    Magic, version, a known tag, header and payload lengths under their caps,
+    and no payload on a frame without tensors. Raises
+    :class:`RemoteProtocolError` on any fault (a truncated prefix too).
+    """
+    if len(data) - offset < PREFIX_BYTES:
+        raise RemoteProtocolError("truncated frame prefix")
+    magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(data, offset)
     if magic != MAGIC:
         raise RemoteProtocolError("bad frame magic")
     if version != VERSION:
         raise RemoteProtocolError(f"unsupported protocol version {version}")
-    cls = FRAME_TYPES.get(tag)
-    if cls is None:
+    schema = SCHEMAS.get(tag)
+    if schema is None:
         raise RemoteProtocolError(f"unknown frame tag {tag}")
     if header_bytes > limits.max_header_bytes:
         raise RemoteProtocolError(f"header of {header_bytes} bytes exceeds the cap")
     if payload_bytes > limits.max_payload_bytes:
         raise RemoteProtocolError(f"payload of {payload_bytes} bytes exceeds the cap")
-    if payload_bytes and cls not in _TENSOR_FRAMES:
-        raise RemoteProtocolError(f"{cls.__name__} cannot carry a payload")
-    return cls
+    if payload_bytes and not schema.payload:
+        raise RemoteProtocolError(f"{schema.cls.__name__} cannot carry a payload")
+    return _new_head(FrameHead, (schema.cls, header_bytes, payload_bytes))
 
 
-def parse_prefix(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Prefix:
-    """Check the fixed 16-byte prefix. :class:`RemoteProtocolError` on any fault."""
-    if len(data) < PREFIX_BYTES:
-        raise RemoteProtocolError("truncated frame prefix")
-    magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(data)
-    check_prefix(magic, version, tag, header_bytes, payload_bytes, limits)
-    return Prefix(tag, header_bytes, payload_bytes)
+def parse_header(
+    head: FrameHead, header: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> Pending:
+    """Decode and validate the msgpack header that follows ``head`` (exactly its bytes).
+
+    Raises :class:`RemoteProtocolError` on any fault.
+    """
+    return _parse_items(head.cls, _unpack_header(header), head.payload_bytes, limits)
+
+
+def parse_head(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Pending:
+    """A whole head (prefix + header, nothing after it) from a packet; checked as above."""
+    head = parse_prefix(data, limits)
+    if len(data) != PREFIX_BYTES + head.header_bytes:
+        raise RemoteProtocolError("frame head length does not match its prefix")
+    return parse_header(head, memoryview(data)[PREFIX_BYTES:], limits)
 
 
 def _check_remote(kind: int, value: Any, limits: Limits) -> Any:
@@ -592,10 +650,10 @@ def _remote_specs(value: Any, limits: Limits) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def parse_items(
+def _parse_items(
     cls: type[Frame], items: Any, payload_bytes: int, limits: Limits = DEFAULT_LIMITS
 ) -> Pending:
-    """Validate an unpacked msgpack header of a ``cls`` frame (see :func:`parse_header`)."""
+    """Validate an unpacked msgpack header of a ``cls`` frame (for :func:`parse_header`)."""
     names = _FIELDS[cls]
     if type(items) is not list or len(items) != len(names):
         raise RemoteProtocolError(f"{cls.__name__} header has the wrong shape")
@@ -626,19 +684,12 @@ def parse_items(
     return Pending(cls, values, specs)
 
 
-def unpack_header(header: bytes | bytearray | memoryview) -> Any:
+def _unpack_header(header: bytes | bytearray | memoryview) -> Any:
     """msgpack-decode a peer's header; :class:`RemoteProtocolError` for garbage."""
     try:
         return msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=True)
     except Exception as exc:  # msgpack raises many types for garbage
         raise RemoteProtocolError(f"undecodable frame header: {exc}") from None
-
-
-def parse_header(
-    prefix: Prefix, header: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
-) -> Pending:
-    """Decode and validate the msgpack header. :class:`RemoteProtocolError` on any fault."""
-    return parse_items(FRAME_TYPES[prefix.tag], unpack_header(header), prefix.payload_bytes, limits)
 
 
 def _empty(spec: TensorSpec) -> torch.Tensor:
@@ -675,7 +726,7 @@ class Decoder:
         self._allocate = allocate or _empty
         self._release = release or (lambda t: None)
         self._buf = bytearray()
-        self._prefix: Prefix | None = None
+        self._prefix: FrameHead | None = None
         self._pending: Pending | None = None
         self._buffers: list[torch.Tensor] = []
         self._views: list[memoryview] = []

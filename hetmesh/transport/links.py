@@ -22,7 +22,9 @@ Python after it costs more than the frame codec itself.
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import enum
 import logging
 import math
 import os
@@ -31,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 import trio
@@ -46,23 +48,35 @@ from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.frames import (
     DEFAULT_LIMITS,
     NEED_DATA,
-    PREFIX,
     PREFIX_BYTES,
     Decoder,
     Frame,
     Goodbye,
     Limits,
     Pending,
-    check_prefix,
     encode,
     encode_parts,
     flat_bytes,
-    parse_items,
-    unpack_header,
+    parse_header,
+    parse_prefix,
 )
+from hetmesh.transport.negotiation import Backend
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+# blocking (send, receive) of whole frames, for a handshake before a link exists
+SendFrame = Callable[[Frame], None]
+ReceiveFrame = Callable[[], Frame]
+
+
+class ByteStream(Protocol):
+    """What the data plane needs of a control stream (trio streams, ``Libp2pStream``)."""
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    async def receive_some(self, max_bytes: int) -> bytes | bytearray: ...
+
+    async def aclose(self) -> None: ...
 
 
 async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
@@ -75,6 +89,14 @@ async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkStatistics:
+    """Counters of one link, kept by :class:`Link` itself (no backend counts on its own).
+
+    ``frames_*``: frames handed to / returned by the link's API (a cancelled or
+    failed send is not counted). ``bytes_sent``: encoded bytes of each frame
+    sent (prefix + header + tensor bytes, what :func:`encode` produces);
+    ``bytes_received``: tensor bytes of each frame received.
+    """
+
     backend: str
     reason: str
     remote_peer_id: str
@@ -88,10 +110,60 @@ class LinkStatistics:
     closed: bool
 
 
-class Link:
-    """Base of every backend's link. Not for direct construction: see ``DataPlane``."""
+class LinkMode(enum.Enum):
+    """How a socket link's frames are received; fixed for the link's life."""
 
-    backend = "?"
+    ASYNC = "async"  # receive() from trio: a reader thread hands frames over
+    BLOCKING = "blocking"  # receive_blocking() from one worker thread, which reads itself
+
+
+class Link(abc.ABC):
+    """One long-lived data-plane link to a peer; every backend subclasses it.
+
+    Not constructed directly: :class:`~hetmesh.transport.dataplane.DataPlane`
+    opens links. One task may send while another receives; concurrent sends
+    are serialised. Every error below is fatal to this link only and is for
+    the link's owner to handle (close the link; reroute or reconnect).
+
+    ``send(frame)``
+        Returns once the frame is handed to the backend; its tensors may then
+        be reused. Raises :class:`StreamReset` if the link is closed or the
+        peer is gone, :class:`LocalProtocolError` for a frame that cannot be
+        encoded (nothing is sent; the link stays usable),
+        :class:`TransportError` for other failures (shm: segment budget
+        exhausted). Cancellation: socket backends (tcp, shm, torchdist)
+        finish writing a frame they started in the background, so the peer
+        gets it whole and the link stays usable (the frame is not counted);
+        on a byte stream (libp2p) part of the frame may already be out, so a
+        cancelled send fails the link: later calls raise :class:`StreamReset`.
+    ``receive() -> Frame``
+        The next frame, in the order sent. Its tensors live in pooled or
+        shared memory until :meth:`release`. Raises :class:`StreamReset` when
+        the link was closed by us, the peer vanished (also mid-frame: partial
+        buffers are released first) or an earlier receive failed;
+        :class:`RemoteProtocolError` for malformed input (later receives then
+        raise :class:`StreamReset`). A peer's :meth:`aclose` arrives as a
+        :class:`Goodbye` frame, and the receive after it raises
+        :class:`StreamReset`. Cancellation: socket backends lose nothing (the
+        next receive returns the frame the cancelled one would have), as does
+        a libp2p link over a cancel-safe byte stream (trio's); over a real
+        libp2p stream, whose read may drop bytes when cancelled
+        (:class:`~hetmesh.transport.p2p.Libp2pStream`), a cancelled receive
+        fails the link: later receives raise :class:`StreamReset`, never
+        return a frame with a gap in it.
+    ``release(frame)``
+        Gives a received frame's buffers back. Never raises; tensors of other
+        links or already released ones are ignored. Synchronous.
+    ``aclose()``
+        Sends :class:`Goodbye` (best effort, at most ~1 s, shielded), then
+        closes. Idempotent; never raises for a broken link. Cancellation: the
+        link is closed all the same.
+    ``statistics() -> LinkStatistics``
+        Counters (kept here, in one place: :meth:`_count_sent`,
+        :meth:`_count_received`, :meth:`_count_failure`) and buffer occupancy.
+    """
+
+    backend: ClassVar[Backend]
 
     def __init__(self, remote_peer_id: str, limits: Limits) -> None:
         self.remote_peer_id = remote_peer_id
@@ -102,37 +174,54 @@ class Link:
         self._bytes_sent = self._bytes_received = 0
         self._errors = 0
         self._closed = False
+        self._failure: BaseException | None = None  # the error that ended receiving
         self._send_lock = trio.Lock()
 
+    @abc.abstractmethod
     async def send(self, frame: Frame) -> None:
-        """Send one frame. The tensors may be reused once this returns.
+        """Send one frame (see the class docstring for errors and cancellation)."""
 
-        Raises :class:`StreamReset` (peer gone), :class:`LocalProtocolError`
-        (invalid frame), :class:`TransportError` for other failures.
-        """
-        raise NotImplementedError
-
+    @abc.abstractmethod
     async def receive(self) -> Frame:
-        """The next frame from the peer. Release its tensors with :meth:`release`.
+        """The next frame from the peer (see the class docstring)."""
 
-        Raises :class:`StreamReset` when the peer vanished (also mid-frame:
-        the partial buffers are released first), :class:`RemoteProtocolError`
-        for malformed input. Either is fatal to this link only.
-        """
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Say Goodbye and close (see the class docstring)."""
 
     def release(self, frame: Frame) -> None:
         """Give the frame's receive buffers back (to the pool, or to the sending peer)."""
         for t in frame.tensors_():
             self.pool.release(t)
 
-    async def aclose(self) -> None:
-        raise NotImplementedError
+    # --- accounting and state, for the backends -------------------------------------
+    def _count_sent(self, nbytes: int) -> None:
+        self._frames_sent += 1
+        self._bytes_sent += nbytes
+
+    def _count_received(self, frame: Frame) -> Frame:
+        self._frames_received += 1
+        for t in frame.tensors_():
+            self._bytes_received += t.nbytes
+        return frame
+
+    def _count_failure(self, exc: BaseException, *, fatal: bool) -> None:
+        """Count an error; a ``fatal`` one ends the link (later calls raise StreamReset)."""
+        self._errors += 1
+        if fatal and self._failure is None:
+            self._failure = exc
+
+    def _check_open(self) -> None:
+        """:class:`StreamReset` if we closed the link or an earlier failure ended it."""
+        if self._failure is not None:
+            raise StreamReset(f"link failed earlier: {self._failure}") from self._failure
+        if self._closed:
+            raise StreamReset("link closed")
 
     def statistics(self) -> LinkStatistics:
         pool = self.pool.statistics()
         return LinkStatistics(
-            backend=self.backend,
+            backend=self.backend.value,
             reason=self.reason,
             remote_peer_id=self.remote_peer_id,
             frames_sent=self._frames_sent,
@@ -273,25 +362,24 @@ class BufferedReader:
             self.bytes_read += n
 
     def read_pending(self) -> Pending:
-        """Read and check one frame's prefix and header (the payload stays unread)."""
+        """Read and check one frame's head (the payload stays unread).
+
+        :class:`RemoteProtocolError` for a bad head, :class:`StreamReset` if the peer goes.
+        """
         while self._end - self._start < PREFIX_BYTES:
             self._fill()
-        magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(
-            self._buf, self._start
-        )
-        cls = check_prefix(magic, version, tag, header_bytes, payload_bytes, self._limits)
+        head = parse_prefix(self._buf, self._limits, self._start)
         self._start += PREFIX_BYTES
-        if header_bytes > len(self._buf):
-            header = bytearray(header_bytes)
+        n = head.header_bytes
+        if n > len(self._buf):
+            header = bytearray(n)
             self.read_into(memoryview(header))
-            items = unpack_header(header)
-        else:
-            while self._end - self._start < header_bytes:
-                self._fill()
-            start = self._start
-            self._start += header_bytes
-            items = unpack_header(self._view[start : self._start])
-        return parse_items(cls, items, payload_bytes, self._limits)
+            return parse_header(head, header, self._limits)
+        while self._end - self._start < n:
+            self._fill()
+        start = self._start
+        self._start += n
+        return parse_header(head, self._view[start : self._start], self._limits)
 
     def read_frame(self) -> Frame:
         pending = self.read_pending()
@@ -340,12 +428,13 @@ class ThreadedLink(Link):
     def __init__(self, remote_peer_id: str, limits: Limits) -> None:
         super().__init__(remote_peer_id, limits)
         self._token: trio.lowlevel.TrioToken | None = None
-        self._send_items, self._receive_items = trio.open_memory_channel[Any](math.inf)
+        self._send_items, self._receive_items = trio.open_memory_channel[Frame | BaseException](
+            math.inf
+        )
         self._credit = threading.Semaphore(self.max_inflight)
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
-        self._failure: BaseException | None = None
-        self._mode = ""
+        self._mode: LinkMode | None = None
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
 
@@ -355,7 +444,7 @@ class ThreadedLink(Link):
         ``spin_us`` (blocking mode only): each ``receive_blocking`` polls the
         socket this long before it sleeps in the kernel.
         """
-        self._set_mode("blocking" if blocking else "async")
+        self._set_mode(LinkMode.BLOCKING if blocking else LinkMode.ASYNC)
         if blocking:
             self._set_spin(int(spin_us * 1000))
             return
@@ -365,23 +454,26 @@ class ThreadedLink(Link):
         )
         self._reader.start()
 
-    def _set_mode(self, mode: str) -> None:
-        if self._mode and self._mode != mode:
-            raise LocalProtocolError(f"this link already receives in {self._mode} mode")
+    def _set_mode(self, mode: LinkMode) -> None:
+        if self._mode is not None and self._mode is not mode:
+            raise LocalProtocolError(f"this link already receives in {self._mode.value} mode")
         self._mode = mode
 
     def _set_spin(self, spin_ns: int) -> None:
         """Subclasses with a pollable receive path take the spin budget."""
 
-    # subclasses implement these three
+    # each socket backend implements these three (blocking, from any one thread)
+    @abc.abstractmethod
     def _read_frame_blocking(self) -> Frame:
-        raise NotImplementedError
+        """Read one whole frame: StreamReset if the peer is gone, RemoteProtocolError."""
 
+    @abc.abstractmethod
     def _write_blocking(self, frame: Frame) -> int:
-        raise NotImplementedError
+        """Write one whole frame; its encoded size in bytes. OSError/TransportError."""
 
+    @abc.abstractmethod
     def _shutdown(self) -> None:
-        raise NotImplementedError
+        """Close the socket(s) so a blocked reader returns; never raises."""
 
     async def _write(self, frame: Frame) -> int:
         """Default: the whole write in a worker thread."""
@@ -395,7 +487,7 @@ class ThreadedLink(Link):
         torch.set_num_threads(1)
         while not self._stop.is_set():
             self._credit.acquire()
-            item: Any
+            item: Frame | BaseException
             try:
                 item = self._read_frame_blocking()
             except (TransportError, RemoteProtocolError) as exc:
@@ -415,24 +507,15 @@ class ThreadedLink(Link):
             if isinstance(item, BaseException):
                 return
 
-    def _account_received(self, item: Any) -> Frame:
+    def _account_received(self, item: Frame | BaseException) -> Frame:
         if isinstance(item, BaseException):
-            self._failure = item
-            self._errors += 1
+            self._count_failure(item, fatal=True)
             raise item
-        self._frames_received += 1
-        self._bytes_received += sum(t.nbytes for t in item.tensors_())
-        return item  # type: ignore[no-any-return]
-
-    def _check_open(self) -> None:
-        if self._failure is not None:
-            raise StreamReset(f"link failed earlier: {self._failure}") from self._failure
-        if self._closed:
-            raise StreamReset("link closed")
+        return self._count_received(item)
 
     async def receive(self) -> Frame:
         self._check_open()
-        self._set_mode("async")
+        self._set_mode(LinkMode.ASYNC)
         if self._reader is None:
             raise LocalProtocolError("link not started")
         item = await self._receive_items.receive()
@@ -441,21 +524,17 @@ class ThreadedLink(Link):
 
     def receive_blocking(self) -> Frame:
         """Like :meth:`receive`, from a worker thread, doing the read in that thread."""
-        if self._mode != "blocking":
-            self._set_mode("blocking")
+        if self._mode is not LinkMode.BLOCKING:
+            self._set_mode(LinkMode.BLOCKING)
         if self._failure is not None or self._closed:
             self._check_open()
         with self._read_lock:
             try:
                 frame = self._read_frame_blocking()
             except (TransportError, RemoteProtocolError) as exc:
-                self._failure = exc
-                self._errors += 1
+                self._count_failure(exc, fatal=True)
                 raise
-        self._frames_received += 1
-        for t in frame.tensors_():
-            self._bytes_received += t.nbytes
-        return frame
+        return self._count_received(frame)
 
     def send_blocking(self, frame: Frame) -> None:
         """Like :meth:`send`, from a worker thread."""
@@ -465,13 +544,12 @@ class ThreadedLink(Link):
             with self._write_lock:
                 n = self._write_blocking(frame)
         except OSError as exc:
-            self._errors += 1
+            self._count_failure(exc, fatal=False)
             raise StreamReset(f"send failed: {exc}") from exc
-        except TransportError:
-            self._errors += 1
+        except TransportError as exc:
+            self._count_failure(exc, fatal=False)
             raise
-        self._frames_sent += 1
-        self._bytes_sent += n
+        self._count_sent(n)
 
     async def send(self, frame: Frame) -> None:
         if self._closed:
@@ -480,13 +558,12 @@ class ThreadedLink(Link):
             try:
                 n = await self._write(frame)
             except OSError as exc:
-                self._errors += 1
+                self._count_failure(exc, fatal=False)
                 raise StreamReset(f"send failed: {exc}") from exc
-            except TransportError:
-                self._errors += 1
+            except TransportError as exc:
+                self._count_failure(exc, fatal=False)
                 raise
-        self._frames_sent += 1
-        self._bytes_sent += n
+        self._count_sent(n)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -515,12 +592,20 @@ class ThreadedLink(Link):
 class TcpLink(ThreadedLink):
     """Frames over one TCP (or any stream) socket, read with ``recv_into``."""
 
-    backend = "tcp"
+    backend = Backend.TCP
 
-    def __init__(self, sock: socket.socket, remote_peer_id: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        remote_peer_id: str,
+        limits: Limits,
+        reader: BufferedReader | None = None,
+    ) -> None:
+        """``reader``: the one the handshake read through (it may hold bytes already)."""
         super().__init__(remote_peer_id, limits)
         self.sock = sock
-        self._reader_io = BufferedReader(sock, limits, self.pool)
+        self._reader_io = reader or BufferedReader(sock, limits, self.pool)
+        self._reader_io._pool = self.pool
 
     def _set_spin(self, spin_ns: int) -> None:
         self._reader_io.spin_ns = spin_ns
@@ -573,9 +658,14 @@ def tune_tcp(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
-def blocking_framer(sock: socket.socket, limits: Limits, pool: BufferPool) -> tuple[Any, Any]:
-    """``(send, receive)`` for the handshake on a blocking stream socket."""
-    reader = BufferedReader(sock, limits, pool)
+def blocking_framer(
+    sock: socket.socket, limits: Limits, reader: BufferedReader
+) -> tuple[SendFrame, ReceiveFrame]:
+    """``(send, receive)`` for the handshake on a blocking stream socket.
+
+    The link opened on ``sock`` afterwards must take over ``reader``: bytes the
+    peer sent right after its last handshake frame may already sit in it.
+    """
 
     def send(frame: Frame) -> None:
         sendmsg_all(sock, [memoryview(p) for p in encode(frame, limits)])
@@ -591,7 +681,7 @@ class FramedStream:
 
     def __init__(
         self,
-        stream: Any,
+        stream: ByteStream,
         limits: Limits = DEFAULT_LIMITS,
         pool: BufferPool | None = None,
         *,
@@ -626,6 +716,8 @@ class FramedStream:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 self._decoder.abort()
                 raise StreamReset(f"stream broken: {exc!r}") from exc
+            except trio.Cancelled:
+                raise  # no byte is lost: the next receive resumes the partial frame
             except BaseException:
                 self._decoder.abort()
                 raise
@@ -639,45 +731,49 @@ class FramedStream:
 class StreamLink(Link):
     """A link over an async byte stream: the encrypted libp2p fallback."""
 
-    backend = "libp2p"
+    backend = Backend.LIBP2P
 
     def __init__(self, framed: FramedStream, remote_peer_id: str) -> None:
         super().__init__(remote_peer_id, framed.limits)
         self.pool = framed.pool
         self._framed = framed
         self._receive_lock = trio.Lock()
+        self._send_cut = False  # a cancelled send left part of a frame on the stream
 
     async def send(self, frame: Frame) -> None:
-        if self._closed:
-            raise StreamReset("link closed")
         async with self._send_lock:
+            if self._closed or self._send_cut:
+                self._check_open()
             try:
                 n = await self._framed.send(frame)
-            except TransportError:
-                self._errors += 1
+            except TransportError as exc:
+                self._count_failure(exc, fatal=False)
                 raise
-        self._frames_sent += 1
-        self._bytes_sent += n
+            except trio.Cancelled:
+                # part of the frame may be on the stream, so nothing can follow it
+                self._send_cut = True
+                self._count_failure(StreamReset("a send was cancelled part-way"), fatal=True)
+                raise
+        self._count_sent(n)
 
     async def receive(self) -> Frame:
-        if self._closed:
-            raise StreamReset("link closed")
+        self._check_open()
         async with self._receive_lock:
+            self._check_open()
             try:
                 frame = await self._framed.receive()
-            except (TransportError, RemoteProtocolError):
-                self._errors += 1
+            except (TransportError, RemoteProtocolError) as exc:
+                self._count_failure(exc, fatal=True)
                 raise
-        self._frames_received += 1
-        self._bytes_received += sum(t.nbytes for t in frame.tensors_())
-        return frame
+        return self._count_received(frame)
 
     async def aclose(self) -> None:
         if self._closed:
             return
         with trio.CancelScope(deadline=trio.current_time() + 1, shield=True):
-            with contextlib.suppress(Exception):
-                await self.send(Goodbye(reason="closing"))
+            if not self._send_cut:  # after part of a frame, a Goodbye would be garbage
+                with contextlib.suppress(Exception):
+                    await self.send(Goodbye(reason="closing"))
             self._closed = True
             with contextlib.suppress(Exception):
                 await self._framed.stream.aclose()

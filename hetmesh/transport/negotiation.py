@@ -19,12 +19,24 @@ Pure: no trio, no libp2p, no I/O.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Final
 
 from hetmesh.transport.frames import Offer
 
-BACKENDS: Final = ("shm", "torchdist", "tcp", "libp2p")
+
+class Backend(enum.StrEnum):
+    """A data-plane backend; the value is its name on the wire (offers, announcements)."""
+
+    SHM = "shm"
+    TORCHDIST = "torchdist"
+    TCP = "tcp"
+    LIBP2P = "libp2p"
+
+
+# the default preference order, as wire strings
+BACKENDS: Final[tuple[str, ...]] = tuple(b.value for b in Backend)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ class Libp2pStream:
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
+        self._read_cut = False  # a read was cancelled: bytes may have been lost
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         from libp2p.network.stream.exceptions import StreamError
@@ -43,14 +44,26 @@ class Libp2pStream:
             raise StreamReset(f"libp2p stream failed: {exc!r}") from exc
 
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        """The next bytes (``b""`` at EOF). :class:`StreamReset` if the stream broke.
+
+        Not cancel-safe underneath: py-libp2p's yamux ``read`` can take bytes
+        from its buffer and then be cancelled at a later checkpoint, losing
+        them. So a cancelled read ends reading: every later call raises
+        :class:`StreamReset` rather than hand out bytes with a gap in them.
+        """
         from libp2p.network.stream.exceptions import StreamEOF, StreamError
 
+        if self._read_cut:
+            raise StreamReset("an earlier read on this libp2p stream was cancelled")
         try:
             return bytes(await self.stream.read(max_bytes))
         except StreamEOF:
             return b""
         except StreamError as exc:
             raise StreamReset(f"libp2p stream failed: {exc!r}") from exc
+        except trio.Cancelled:
+            self._read_cut = True
+            raise
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):

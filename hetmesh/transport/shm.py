@@ -29,29 +29,34 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import msgpack
 import torch
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset, TransportError
-from hetmesh.transport.codec import DTYPES, ITEMSIZE, as_tensor
+from hetmesh.transport.codec import DTYPES, ITEMSIZE, TensorSpec, as_tensor
 from hetmesh.transport.frames import (
-    PREFIX,
-    PREFIX_BYTES,
     Frame,
     Limits,
-    check_prefix,
+    Pending,
     decode_all,
     encode,
     encode_parts,
     flat_bytes,
     pack,
-    parse_items,
-    unpack_header,
+    parse_head,
 )
-from hetmesh.transport.links import ThreadedLink, in_thread
+from hetmesh.transport.links import (
+    LinkMode,
+    LinkStatistics,
+    ReceiveFrame,
+    SendFrame,
+    ThreadedLink,
+    in_thread,
+)
+from hetmesh.transport.negotiation import Backend
 
 MIN_SEGMENT = 64 << 10
 MAX_PACKET = 1 << 20
@@ -102,7 +107,57 @@ def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
     return data, list(fds), out_flags
 
 
-def packet_framer(sock: socket.socket, limits: Limits) -> tuple[Any, Any]:
+class FramePacket(NamedTuple):
+    """A doorbell packet carrying a frame, checked as far as it can be without the link."""
+
+    pending: Pending  # the frame's head, checked by frames.parse_head
+    seg_ids: list[object]  # the segment of each tensor, in order (the link checks them)
+    new: list[list[int]]  # [segment id, size] of each passed descriptor
+
+
+def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | list[object]:
+    """Check one doorbell packet (pure: no descriptor is touched).
+
+    ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`: its frame
+    head checked, one new descriptor per passed file with its size within
+    ``limits.max_payload_bytes``, one segment id per tensor.
+    ``[_RELEASE, seg_ids]`` gives the released ids. The link then checks the
+    ids against its segments (``ShmLink._on_packet``), still before mapping
+    anything. :class:`RemoteProtocolError` on any fault.
+    """
+    try:
+        message = msgpack.unpackb(data, raw=False, use_list=True)
+    except Exception as exc:  # msgpack raises many types for garbage
+        raise RemoteProtocolError(f"undecodable doorbell packet: {exc}") from None
+    if not isinstance(message, list) or not message:
+        raise RemoteProtocolError("malformed doorbell packet")
+    if message[0] == _RELEASE and len(message) == 2 and isinstance(message[1], list):
+        if fd_count:
+            raise RemoteProtocolError("a release packet passed descriptors")
+        return message[1]
+    if message[0] != _FRAME or len(message) != 4:
+        raise RemoteProtocolError("malformed doorbell packet")
+    _, head, seg_ids, new = message
+    if not isinstance(head, bytes) or not isinstance(seg_ids, list) or not isinstance(new, list):
+        raise RemoteProtocolError("malformed doorbell packet")
+    if len(new) != fd_count:
+        raise RemoteProtocolError("segment descriptors do not match the passed fds")
+    for item in new:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or type(item[0]) is not int
+            or type(item[1]) is not int
+            or not 0 < item[1] <= limits.max_payload_bytes
+        ):
+            raise RemoteProtocolError("bad shared-memory segment")
+    pending = parse_head(head, limits)
+    if len(seg_ids) != len(pending.specs):
+        raise RemoteProtocolError("one segment per tensor expected")
+    return tuple.__new__(FramePacket, (pending, seg_ids, new))  # NamedTuple's __new__ is slow
+
+
+def packet_framer(sock: socket.socket, limits: Limits) -> tuple[SendFrame, ReceiveFrame]:
     """``(send, receive)`` of whole frames, one per packet (handshake phase)."""
 
     def send(frame: Frame) -> None:
@@ -121,7 +176,9 @@ def packet_framer(sock: socket.socket, limits: Limits) -> tuple[Any, Any]:
 
 
 class ShmLink(ThreadedLink):
-    backend = "shm"
+    """Frames whose tensors travel in shared memory (see the module docstring)."""
+
+    backend = Backend.SHM
 
     def __init__(
         self,
@@ -165,7 +222,7 @@ class ShmLink(ThreadedLink):
                 if time.monotonic() > deadline:
                     raise TransportError("shared-memory budget exhausted: peer does not release")
                 # blocking mode has no reader thread: poll the doorbell for releases ourselves
-                self._cond.wait(0.005 if self._mode == "blocking" else self._wait_s)
+                self._cond.wait(0.005 if self._mode is LinkMode.BLOCKING else self._wait_s)
                 self._cond.release()
                 try:
                     self._drain_nowait()
@@ -234,11 +291,10 @@ class ShmLink(ThreadedLink):
                 self._write_lock.release()
         return await in_thread(self._write_blocking_locked, frame)
 
-    def _on_release(self, seg_ids: list[Any]) -> None:
+    def _on_release(self, seg_ids: list[object]) -> None:
         with self._cond:
             for seg_id in seg_ids:
-                segment = self._own.get(seg_id) if type(seg_id) is int else None
-                if segment is None:
+                if type(seg_id) is not int or (segment := self._own.get(seg_id)) is None:
                     raise RemoteProtocolError("release of an unknown segment")
                 self._free.setdefault(segment.size, []).append(seg_id)
             self._cond.notify_all()
@@ -247,7 +303,7 @@ class ShmLink(ThreadedLink):
     def _drain_nowait(self) -> None:
         """Blocking mode: process the packets already waiting (releases; frames are kept)."""
         self._flush_releases()
-        if self._mode != "blocking" or not self._read_lock.acquire(blocking=False):
+        if self._mode is not LinkMode.BLOCKING or not self._read_lock.acquire(blocking=False):
             return
         try:
             while True:
@@ -300,54 +356,28 @@ class ShmLink(ThreadedLink):
                     os.close(fd)
 
     def _on_packet(self, data: bytes, fds: list[int]) -> Frame | None:
-        try:
-            message = msgpack.unpackb(data, raw=False, use_list=True)
-        except Exception as exc:
-            raise RemoteProtocolError(f"undecodable doorbell packet: {exc}") from None
-        if not isinstance(message, list) or not message:
-            raise RemoteProtocolError("malformed doorbell packet")
-        if message[0] == _RELEASE and len(message) == 2 and isinstance(message[1], list):
-            self._on_release(message[1])
+        """Handle one doorbell packet: a frame (returned) or a release (None).
+
+        The whole packet (frame head, segment ids, new segment descriptors and
+        their passed files) is checked before any descriptor is mapped, so a
+        bad packet maps nothing. :class:`RemoteProtocolError` on any fault.
+        """
+        packet = parse_doorbell(data, len(fds), self.limits)
+        if isinstance(packet, list):
+            self._on_release(packet)
             return None
-        if message[0] != _FRAME or len(message) != 4:
-            raise RemoteProtocolError("malformed doorbell packet")
-        _, head, seg_ids, new = message
-        if (
-            not isinstance(head, bytes)
-            or not isinstance(seg_ids, list)
-            or not isinstance(new, list)
-        ):
-            raise RemoteProtocolError("malformed doorbell packet")
-        if len(new) != len(fds):
-            raise RemoteProtocolError("segment descriptors do not match the passed fds")
-        for item, fd in zip(new, fds, strict=True):
-            if (
-                not isinstance(item, list)
-                or len(item) != 2
-                or type(item[0]) is not int
-                or type(item[1]) is not int
-                or item[0] in self._remote
-                or not 0 < item[1] <= self.limits.max_payload_bytes
-                or os.fstat(fd).st_size < item[1]
-            ):
-                raise RemoteProtocolError("bad shared-memory segment")
-            self._remote[item[0]] = _map(fd, item[1], item[0], owned=False)
-        if len(head) < PREFIX_BYTES:
-            raise RemoteProtocolError("truncated frame prefix")
-        magic, version, tag, header_bytes, payload_bytes = PREFIX.unpack_from(head)
-        cls = check_prefix(magic, version, tag, header_bytes, payload_bytes, self.limits)
-        if len(head) != PREFIX_BYTES + header_bytes:
-            raise RemoteProtocolError("doorbell header length mismatch")
-        pending = parse_items(
-            cls, unpack_header(memoryview(head)[PREFIX_BYTES:]), payload_bytes, self.limits
-        )
-        if len(seg_ids) != len(pending.specs):
-            raise RemoteProtocolError("one segment per tensor expected")
+        pending, seg_ids, new = packet
+        if new:
+            self._map_new(new, fds, seg_ids, pending.specs)
+        remote = self._remote
         tensors = []
+        lent: list[int] = []
         for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
-            segment = self._remote.get(seg_id) if type(seg_id) is int else None
+            segment = remote.get(seg_id) if type(seg_id) is int else None
+            # nothing is mapped here: a bad id fails the packet with nothing changed
             if segment is None or spec.nbytes > segment.size:
                 raise RemoteProtocolError("tensor does not fit its segment")
+            lent.append(segment.seg_id)
             key = (spec.dtype, spec.shape)
             tensor = segment.tensors.get(key)
             # a receiver may have changed a view in place (squeeze_, requires_grad_): check
@@ -359,10 +389,33 @@ class ShmLink(ThreadedLink):
         frame = pending.build(tensors)
         if tensors:
             with self._cond:
-                for t, seg_id in zip(tensors, seg_ids, strict=True):
+                for t, seg_id in zip(tensors, lent, strict=True):
                     self._lent[t.data_ptr()] = seg_id
                     self._lent_bytes += t.nbytes
         return frame
+
+    def _map_new(
+        self,
+        new: list[list[int]],
+        fds: list[int],
+        seg_ids: list[object],
+        specs: tuple[TensorSpec, ...],
+    ) -> None:
+        """Check the packet's new segments and every tensor's fit, then map them."""
+        sizes: dict[int, int] = {}
+        for (seg_id, size), fd in zip(new, fds, strict=True):
+            if seg_id in self._remote or seg_id in sizes or os.fstat(fd).st_size < size:
+                raise RemoteProtocolError("bad shared-memory segment")
+            sizes[seg_id] = size
+        for target, spec in zip(seg_ids, specs, strict=True):
+            size = -1
+            if type(target) is int:
+                known = self._remote.get(target)
+                size = known.size if known is not None else sizes.get(target, -1)
+            if spec.nbytes > size:
+                raise RemoteProtocolError("tensor does not fit its segment")
+        for (seg_id, size), fd in zip(new, fds, strict=True):  # checked whole: map
+            self._remote[seg_id] = _map(fd, size, seg_id, owned=False)
 
     def release(self, frame: Frame) -> None:
         """Hand the frame's segments back to the sender (tensors are invalid afterwards)."""
@@ -409,16 +462,10 @@ class ShmLink(ThreadedLink):
             if not data and not fds:  # the peer closed
                 return
 
-    def statistics(self) -> Any:
+    def statistics(self) -> LinkStatistics:
         stats = super().statistics()
-        with self._cond:
-            return type(stats)(
-                **{
-                    **{f: getattr(stats, f) for f in stats.__dataclass_fields__},
-                    "in_use_bytes": self._lent_bytes,
-                    "cached_bytes": self._own_bytes,
-                }
-            )
+        with self._cond:  # shared memory lent to us / owned by us, not the pool's
+            return replace(stats, in_use_bytes=self._lent_bytes, cached_bytes=self._own_bytes)
 
     def _shutdown(self) -> None:
         self._discard_unread()

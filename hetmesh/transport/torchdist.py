@@ -31,6 +31,7 @@ from hetmesh.errors import PeerUnreachable, StreamReset
 from hetmesh.transport.codec import DTYPES, host_tensor
 from hetmesh.transport.frames import Decision, Frame, Limits, encode
 from hetmesh.transport.links import BufferedReader, ThreadedLink, sendmsg_all
+from hetmesh.transport.negotiation import Backend
 
 _TAG = 0
 _NCCL_LOCK = threading.Lock()
@@ -112,7 +113,7 @@ def dial_group(
 class TorchDistLink(ThreadedLink):
     """Headers on the TCP connection, payloads through the process group."""
 
-    backend = "torchdist"
+    backend = Backend.TORCHDIST
 
     def __init__(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import struct
 
 import msgpack
@@ -14,10 +15,12 @@ from hypothesis import strategies as st
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError
 from hetmesh.transport.codec import DTYPES, BufferPool, TensorSpec
 from hetmesh.transport.frames import (
+    DEFAULT_LIMITS,
     FRAME_TYPES,
     MAGIC,
     NEED_DATA,
     PREFIX,
+    SCHEMAS,
     VERSION,
     Activations,
     Cancel,
@@ -37,7 +40,11 @@ from hetmesh.transport.frames import (
     encode,
     encode_bytes,
     encode_parts,
+    parse_head,
+    parse_prefix,
 )
+from hetmesh.transport.links import BufferedReader
+from hetmesh.transport.shm import parse_doorbell
 
 # CI runs every fuzz test with >= 10,000 examples; set HETMESH_FUZZ_EXAMPLES to shorten locally.
 FUZZ = settings(
@@ -331,3 +338,58 @@ def mutated(draw: st.DrawFn) -> bytes:
 def test_decoder_fuzz_mutated_frames(data: bytes) -> None:
     _feed(data, len(data) or 1)
     _feed(data, 1)
+
+
+def _read_from_socket(data: bytes, pool: BufferPool) -> None:
+    """The blocking socket reader (tcp, torchdist headers) on ``data`` then EOF."""
+    left, right = socket.socketpair()
+    try:
+        left.sendall(data)
+        left.shutdown(socket.SHUT_WR)
+        BufferedReader(right, DEFAULT_LIMITS, pool).read_frame()
+    finally:
+        left.close()
+        right.close()
+
+
+def _read_doorbell(data: bytes) -> None:
+    """The shm doorbell's whole-packet check, with ``data`` as the packet's frame head."""
+    (header_bytes,) = struct.unpack_from(">I", data, 4)
+    head = data[: PREFIX.size + header_bytes]
+    parse_doorbell(msgpack.packb([0, head, [], []]), 0, DEFAULT_LIMITS)
+
+
+@pytest.mark.parametrize("reader", ["socket", "doorbell"])
+@pytest.mark.parametrize("data", list(REFUSED.values()), ids=list(REFUSED))
+def test_every_reader_refuses_the_heads_the_decoder_refuses(data: bytes, reader: str) -> None:
+    """One head parser: the blocking socket reader and the shm doorbell refuse the same
+    heads as the stream decoder, with the same error, before allocating anything."""
+    pool = BufferPool()
+    with pytest.raises(RemoteProtocolError):
+        _read_from_socket(data + b"\0" * 64, pool) if reader == "socket" else _read_doorbell(data)
+    assert pool.statistics().in_use_bytes == 0
+    assert pool.statistics().cached_bytes == 0
+
+
+def test_parse_prefix_reads_at_an_offset_and_checks_lengths() -> None:
+    data = encode_bytes(Tokens(session_id="s", step=2, token_ids=(5, 6)))
+    head = parse_prefix(b"xyz" + data, DEFAULT_LIMITS, 3)
+    assert head.cls is Tokens
+    assert head.payload_bytes == 0
+    assert PREFIX.size + head.header_bytes == len(data)
+    pending = parse_head(data[: PREFIX.size + head.header_bytes])
+    assert pending.build() == Tokens(session_id="s", step=2, token_ids=(5, 6))
+    with pytest.raises(RemoteProtocolError, match="truncated"):
+        parse_prefix(data[:15])
+    with pytest.raises(RemoteProtocolError, match="length"):
+        parse_head(data + b"\0")  # a packet's head must be exactly prefix + header
+    with pytest.raises(RemoteProtocolError, match="exceeds"):
+        parse_prefix(data, Limits(max_header_bytes=2))
+
+
+def test_schemas_declare_every_frame_once() -> None:
+    assert {tag: s.cls for tag, s in SCHEMAS.items()} == FRAME_TYPES
+    for tag, schema in SCHEMAS.items():
+        assert tag == schema.cls.TAG
+        assert schema.payload == any(name == "tensors" for name, _ in schema.fields)
+    assert {s.cls for s in SCHEMAS.values() if s.payload} == {Activations, KVBlock}

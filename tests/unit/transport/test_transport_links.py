@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 import trio
 import trio.testing
 
-from hetmesh.errors import AuthenticationFailed, LocalProtocolError, StreamReset
-from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Link, Tokens, open_data_plane
+from hetmesh.errors import (
+    AuthenticationFailed,
+    LocalProtocolError,
+    RemoteProtocolError,
+    StreamReset,
+)
+from hetmesh.transport import (
+    Activations,
+    DataPlane,
+    DataPlaneConfig,
+    Link,
+    Tokens,
+    handshake,
+    open_data_plane,
+)
 from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.credentials import Credential
 from hetmesh.transport.dataplane import dial_shm, dial_tcp
-from hetmesh.transport.frames import DEFAULT_LIMITS
+from hetmesh.transport.frames import DEFAULT_LIMITS, encode_parts
 from hetmesh.transport.links import TcpLink, ThreadedLink, in_thread
 from hetmesh.transport.shm import MIN_SEGMENT, ShmLink
 
@@ -379,3 +395,65 @@ async def test_shm_close_with_unread_packets_still_delivers_the_goodbye() -> Non
         for frame in held:
             lb.release(frame)
         await lb.aclose()
+
+
+def test_shm_checks_a_whole_doorbell_packet_before_mapping_any_descriptor() -> None:
+    """A packet whose head, segment ids or descriptors are bad maps nothing."""
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link = ShmLink(right, "peer", DEFAULT_LIMITS)
+    fd = os.memfd_create("hetmesh-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, MIN_SEGMENT)
+    try:
+        t = torch.arange(4, dtype=torch.float32)
+        head, _, _ = encode_parts(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+        refused = {
+            "truncated head": [0, head[:-1], [1], [[1, MIN_SEGMENT]]],
+            "tensor in an unknown segment": [0, head, [2], [[1, MIN_SEGMENT]]],
+            "file smaller than declared": [0, head, [1], [[1, 2 * MIN_SEGMENT]]],
+            "a segment per tensor missing": [0, head, [], [[1, MIN_SEGMENT]]],
+        }
+        for name, packet in refused.items():
+            with pytest.raises(RemoteProtocolError):
+                link._on_packet(msgpack.packb(packet), [fd])
+            assert link._remote == {}, name
+        view = memoryview(mmap.mmap(fd, MIN_SEGMENT))
+        view[: t.nbytes] = t.numpy().tobytes()
+        frame = link._on_packet(msgpack.packb([0, head, [1], [[1, MIN_SEGMENT]]]), [fd])
+        assert set(link._remote) == {1}
+        assert isinstance(frame, Activations)
+        assert torch.equal(frame.tensors[0], t)
+        link.release(frame)
+    finally:
+        os.close(fd)
+        link._shutdown()
+        left.close()
+
+
+async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listener sends the store endpoint right after its proof; a dialer that reads
+    late gets both in one recv. The link must read on from the handshake's buffer (a
+    fresh reader once lost the endpoint and waited out the whole torchdist timeout)."""
+    dial_blocking = handshake.dial_blocking
+
+    def late_dialer(send: Any, receive: Any, credential: Credential) -> None:
+        seen: list[object] = []
+
+        def late_receive() -> Any:
+            if seen:  # the listener's proof: let its next frame arrive behind it
+                time.sleep(0.5)
+            seen.append(None)
+            return receive()
+
+        dial_blocking(send, late_receive, credential)
+
+    monkeypatch.setattr(handshake, "dial_blocking", late_dialer)
+    async with planes("torchdist", torchdist_timeout_s=20.0) as (a, b):
+        with trio.fail_after(15):  # the old reader waited 20 s, then failed
+            la, lb = await link_pair(a, b)
+        assert la.backend == "torchdist"
+        await la.send(Tokens(session_id="s", step=0, token_ids=(3,)))
+        assert await lb.receive() == Tokens(session_id="s", step=0, token_ids=(3,))
+        for link in (la, lb):
+            await link.aclose()
