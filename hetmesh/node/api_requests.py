@@ -19,6 +19,7 @@ from hetmesh.errors import InvalidRequest, MeshError
 from hetmesh.protocol.generate import (
     HTTP_DEFAULT_MAX_TOKENS,
     HTTP_DEFAULT_MAX_TOKENS_CHAT,
+    MAX_TOKEN_ID,
     GenerateRequest,
     SamplingParams,
 )
@@ -186,8 +187,10 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
     if (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
+        if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise bad_request(f"token ids must lie in [0, {MAX_TOKEN_ID}]", "prompt")
         request = GenerateRequest(prompt_ids=tuple(prompt), sampling=sampling)
         return ApiRequest(request=request, **common)
     raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
