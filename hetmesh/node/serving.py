@@ -735,7 +735,7 @@ class Serving:
         count = 0
         try:
             request = GenerateRequest.from_wire(data)
-            ids = self.encode(request)
+            ids = await trio.to_thread.run_sync(self.encode, request)  # off the event loop
             params = request.sampling
             async with contextlib.aclosing(self.stream(ids, params)) as events:
                 async for token, text in events:
