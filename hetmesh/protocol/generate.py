@@ -53,6 +53,7 @@ HTTP_DEFAULT_MAX_TOKENS_CHAT = 512
 # near 2**31); a temperature below MIN_TEMPERATURE divides fp32 logits into inf/NaN.
 MAX_SEED = 2**64 - 1
 MAX_TOKEN_ID = 2**31 - 1
+MAX_COUNT = 2**31 - 1  # max_new_tokens, top_k: far past any context or vocabulary
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
 
@@ -85,9 +86,10 @@ class SamplingParams(WireRecord):
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not _integer(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
             raise InvalidRequest(
-                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+                f"max_new_tokens must be an integer in [1, {MAX_COUNT}],"
+                f" got {self.max_new_tokens!r}",
                 param="max_new_tokens",
             )
         t = self.temperature
@@ -99,9 +101,11 @@ class SamplingParams(WireRecord):
                 f" {MAX_TEMPERATURE}, got {t!r}",
                 param="temperature",
             )
-        if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 1):
+        if self.top_k is not None and (
+            not _integer(self.top_k) or not 1 <= self.top_k <= MAX_COUNT
+        ):
             raise InvalidRequest(
-                f"top_k must be an integer >= 1, got {self.top_k!r}", param="top_k"
+                f"top_k must be an integer in [1, {MAX_COUNT}], got {self.top_k!r}", param="top_k"
             )
         p = self.top_p
         if p is not None and (not _real(p) or not 0 < p <= 1):
@@ -308,6 +312,7 @@ __all__ = [
     "GENERATE_PROTOCOL",
     "HTTP_DEFAULT_MAX_TOKENS",
     "HTTP_DEFAULT_MAX_TOKENS_CHAT",
+    "MAX_COUNT",
     "MAX_REQUEST_BYTES",
     "MAX_SEED",
     "MAX_TEMPERATURE",

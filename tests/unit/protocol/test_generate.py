@@ -45,6 +45,8 @@ def test_defaults_are_the_documented_ones() -> None:
         ({"top_p": 1.01}, "top_p"),
         ({"seed": "7"}, "seed"),
         ({"seed": 2**64}, "seed"),
+        ({"max_new_tokens": 2**64}, "max_new_tokens"),  # found by the fuzz suite
+        ({"top_k": 2**64}, "top_k"),
         ({"seed": -1}, "seed"),
         ({"temperature": 1e-45}, "temperature"),  # divides logits into inf
         ({"temperature": 1e300}, "temperature"),
