@@ -41,7 +41,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -128,6 +127,7 @@ class _Timing:
 
 
 MAX_CONCURRENT_TOKENISATIONS = 2  # the rest wait, off the event loop's worker threads
+STREAM_BUFFER = 64  # tokens a stream's producer may run ahead of its client
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -350,7 +350,11 @@ class _Api:
         timing: _Timing,
         release: Callable[[], None],
     ) -> Response:
-        send, receive = trio.open_memory_channel[tuple[str, int, str, MeshError | None]](math.inf)
+        # bounded: a client that stops reading pauses its generation instead of
+        # letting the producer pile up every token it has not read
+        send, receive = trio.open_memory_channel[tuple[str, int, str, MeshError | None]](
+            STREAM_BUFFER
+        )
         scope = trio.CancelScope()
         self.nursery.start_soon(self._produce, ids, params, send, scope)
         self.metrics.inflight.inc()

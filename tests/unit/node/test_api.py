@@ -624,3 +624,42 @@ async def test_each_client_has_a_bounded_number_of_requests_in_flight(
         for _ in range(3):
             reply = await http.post("/v1/completions", json={**body, "stream": False})
             assert reply.status_code == 200
+
+
+class _EndlessBackend(FakeBackend):
+    """Streams as many tokens as asked, counting what it has produced."""
+
+    produced = 0
+
+    def max_context(self) -> int:
+        return 1 << 20
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        for i in range(params.max_new_tokens):
+            self.produced += 1
+            yield 100 + i % 50, " t"
+            await trio.lowlevel.checkpoint()
+
+
+async def test_a_client_that_stops_reading_pauses_its_stream(nursery: trio.Nursery) -> None:
+    backend = _EndlessBackend()
+    url = await nursery.start(lambda task_status: serve_http(backend, task_status=task_status))
+    total = 200_000
+    body = {"model": MODEL, "prompt": "one", "max_tokens": total, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as reply,
+    ):
+        assert reply.status_code == 200
+        pieces = reply.aiter_raw()  # kept: a dropped iterator would close the response
+        await pieces.__anext__()  # one piece, then the client reads no more
+        # wait until production stops (or ends): the socket's buffers fill, then the channel's
+        seen, still_since = -1, trio.current_time()
+        with trio.fail_after(120):
+            while backend.produced < total and trio.current_time() - still_since < 1.0:
+                if backend.produced != seen:
+                    seen, still_since = backend.produced, trio.current_time()
+                await trio.sleep(0.05)
+        assert backend.produced < total // 2  # held back by the client, not run to the end
