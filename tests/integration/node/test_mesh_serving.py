@@ -152,15 +152,15 @@ async def test_bad_input_gets_clear_errors_while_a_generation_carries_on(mesh3, 
 
 
 # A node's RSS grows for its first ~50 sessions (allocator and runtime warm-up: +4 to
-# +9 % of ~700 MB, in steps), then by tens of KB a session (measured on this mesh
-# over 100 sessions). So the bound applies once warm: MEASURED more sessions may add
-# GROWTH_BOUND (2 %, ~14 MB) to a node, ~0.47 MB a session. One session's leaked KV
-# on a stage is more (buffers of at least 64 tokens x ~10 layers x 1.5 KB, ~1 MB);
-# the bound used to be 10 % over the 90 sessions after the first 10 (0.78 MB a
-# session), most of which the warm-up used up.
+# +9 % of ~700 MB, in steps), then more slowly but not evenly: 30 sessions after the
+# warm-up added up to +19 and +22 MB (~3 %) to a node in some runs, a few hundred KB
+# in others. So the bound applies once warm, with room for that: MEASURED more
+# sessions may add GROWTH_BOUND (8 %, ~55 MB) to a node, which still fails on a leak
+# of ~2 MB a session. KV accounting, the leak a stage is most likely to have, is
+# checked exactly: every stage's KV in use is back to 0.
 WARM_UP = 50
 MEASURED = 30
-GROWTH_BOUND = 0.02
+GROWTH_BOUND = 0.08
 
 
 async def test_no_leak_after_eighty_sessions(mesh3, default_model_dir):
