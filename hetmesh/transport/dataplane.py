@@ -10,7 +10,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from hetmesh.errors import (
     MeshError,
     PeerUnreachable,
     RemoteProtocolError,
+    StreamReset,
     TransportError,
 )
 from hetmesh.transport import handshake
@@ -31,19 +32,22 @@ from hetmesh.transport.credentials import Credential, CredentialBook, Credential
 from hetmesh.transport.frames import (
     DEFAULT_LIMITS,
     ERROR_FALLBACK,
+    PREFIX_BYTES,
     Decision,
     Error,
+    Frame,
     Hello,
     Limits,
     Offer,
+    encode_bytes,
+    parse_header,
 )
+from hetmesh.transport.gate import ConnectionGate
 from hetmesh.transport.links import (
     BufferedReader,
     ByteStream,
     FramedStream,
     Link,
-    ReceiveFrame,
-    SendFrame,
     StreamLink,
     TcpLink,
     blocking_framer,
@@ -74,7 +78,11 @@ class DataPlaneConfig:
     ``backends`` is the preference order (the listener's order decides);
     ``deny`` removes backends whatever the peer says; ``require_encryption``
     leaves only libp2p; ``gloo`` lets torchdist run on CPU (tests; NCCL is
-    used automatically when both ends have it). ``spin_us``: links opened
+    used automatically when both ends have it). A direct connection must
+    prove its credential within ``preauth_timeout_s``; until then it reads
+    only a bounded Hello/Proof, and at most ``max_pending_connections``
+    (``max_pending_per_address`` from one address) wait at once: more are
+    closed on accept. ``spin_us``: links opened
     with ``blocking=True`` poll their socket this long in ``receive_blocking``
     before sleeping (at most that much CPU per receive, yielding to any peer
     on the same CPU); 0 sleeps at once. Async-mode links never poll.
@@ -89,6 +97,11 @@ class DataPlaneConfig:
     device: str | None = None  # "cuda:N" to receive NCCL payloads on that device
     limits: Limits = DEFAULT_LIMITS
     handshake_timeout_s: float = 10.0
+    # a dialer not yet authenticated: how long it may take, how many may wait (in
+    # total and from one address); each waits in trio, holding no worker thread
+    preauth_timeout_s: float = 5.0
+    max_pending_connections: int = 64
+    max_pending_per_address: int = 16
     socket_buffer_bytes: int = 0  # 0: let the kernel autotune
     shm_budget_bytes: int = 2 << 30
     torchdist_timeout_s: float = 60.0
@@ -102,6 +115,7 @@ class DataPlaneStatistics:
     links_opened: dict[str, int]
     connections_refused: int
     credentials: CredentialStatistics
+    pending_connections: int = 0  # accepted, not yet authenticated
     choices: tuple[str, ...] = field(default=())  # the reason of every link, newest last
 
 
@@ -124,6 +138,7 @@ class DataPlane:
         self._waiting: dict[bytes, _Waiting] = {}
         self._opened: dict[str, int] = {}
         self._refused = 0
+        self._gate = ConnectionGate(config.max_pending_connections, config.max_pending_per_address)
         self._choices: list[str] = []
         self._host_id = host_identity()
         self._cuda = bool(config.device and config.device.startswith("cuda"))
@@ -154,6 +169,7 @@ class DataPlane:
             links_opened=dict(self._opened),
             connections_refused=self._refused,
             credentials=self.book.statistics(),
+            pending_connections=self._gate.statistics().pending,
             choices=tuple(self._choices[-32:]),
         )
 
@@ -333,9 +349,6 @@ class DataPlane:
 
         return verify
 
-    def _verify_from_thread(self, hello: Hello, nonce: bytes, mac: bytes) -> Credential | None:
-        return trio.from_thread.run_sync(self._verifier(None), hello, nonce, mac)
-
     async def _serve_tcp(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listener = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -344,12 +357,7 @@ class DataPlane:
         host, port = listener.getsockname()[:2]
         self._endpoints["tcp"] = self._endpoints["torchdist"] = f"{host}:{port}"
         task_status.started()
-        with listener:
-            async with trio.open_nursery() as nursery:
-                while True:
-                    conn, _ = await listener.accept()
-                    sock = socket.socket(fileno=conn.detach())
-                    nursery.start_soon(self._handle_tcp, sock)
+        await self._accept_loop(listener, stream=True)
 
     async def _serve_shm(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         name = f"\0hetmesh-shm-{secrets.token_hex(12)}"
@@ -358,55 +366,92 @@ class DataPlane:
         listener.listen(128)
         self._endpoints["shm"] = name[1:]
         task_status.started()
+        await self._accept_loop(listener, stream=False)
+
+    async def _accept_loop(self, listener: trio.socket.SocketType, *, stream: bool) -> None:
         with listener:
             async with trio.open_nursery() as nursery:
                 while True:
-                    conn, _ = await listener.accept()
-                    sock = socket.socket(fileno=conn.detach())
-                    nursery.start_soon(self._handle_shm, sock)
+                    conn, address = await listener.accept()
+                    # a unix socket's peer has no address: one bucket for the host
+                    source = address[0] if isinstance(address, tuple) else "local"
+                    if not self._gate.admit(source):
+                        self._refused += 1  # closed before a byte of it is read
+                        conn.close()
+                        continue
+                    nursery.start_soon(self._handle, conn, source, stream)
 
-    async def _handle(
-        self, sock: socket.socket, setup: Callable[[socket.socket], tuple[Link, _Waiting]]
-    ) -> None:
-        """One incoming data connection: authenticate it, then hand the link to ``accept``."""
+    async def _handle(self, conn: trio.socket.SocketType, source: str, stream: bool) -> None:
+        """One incoming data connection: authenticate it, then hand the link to ``accept``.
+
+        Until the dialer has proven its credential this runs in trio on a
+        bounded read (no worker thread, ``preauth_timeout_s``); only then is
+        the socket handed to a thread to become a link.
+        """
         c = self.config
+        sock: socket.socket | None = None
         try:
+            try:
+                with trio.fail_after(c.preauth_timeout_s):
+                    credential, waiting = await self._authenticate(conn, stream)
+            finally:
+                self._gate.release(source)
+            sock = socket.socket(fileno=conn.detach())
+            setup = self._setup_tcp if stream else self._setup_shm
             with trio.fail_after(c.handshake_timeout_s + c.torchdist_timeout_s):
-                link, waiting = await in_thread(setup, sock)
+                link = await in_thread(setup, sock, credential, waiting)
         except (MeshError, OSError, trio.TooSlowError) as exc:
             self._refused += 1
-            log.warning("refused a data connection: %r", exc)
-            sock.close()
+            log.warning("refused a data connection from %s: %r", source, exc)
+            _close(conn, sock)
             return
         except Exception:
             self._refused += 1
             log.exception("data connection handler failed")
-            sock.close()
+            _close(conn, sock)
             return
         try:
             waiting.deliver.send_nowait(link)
         except (trio.WouldBlock, trio.BrokenResourceError):
             await link.aclose()
 
-    async def _handle_tcp(self, sock: socket.socket) -> None:
-        await self._handle(sock, self._setup_tcp)
+    async def _authenticate(
+        self, conn: trio.socket.SocketType, stream: bool
+    ) -> tuple[Credential, _Waiting]:
+        """The listener's half of the handshake, reading only bounded Hello/Proof frames."""
+        limits = self.config.limits
 
-    async def _handle_shm(self, sock: socket.socket) -> None:
-        await self._handle(sock, self._setup_shm)
+        async def send(frame: Frame) -> None:
+            data = memoryview(encode_bytes(frame, limits))
+            while data:  # a packet socket takes the whole frame in one send
+                data = data[await conn.send(data) :]
 
-    def _listen(self, send: SendFrame, receive: ReceiveFrame) -> tuple[Credential, _Waiting]:
-        credential, _ = handshake.listen_blocking(send, receive, self._verify_from_thread)
+        async def receive() -> Frame:
+            if stream:
+                head = handshake.check_preauth_head(await _receive_exact(conn, PREFIX_BYTES))
+                header = await _receive_exact(conn, head.header_bytes)
+            else:
+                packet = await conn.recv(PREFIX_BYTES + handshake.PREAUTH_LIMITS.max_header_bytes)
+                if not packet:
+                    raise StreamReset("peer closed the doorbell socket")
+                head = handshake.check_preauth_head(packet)
+                header = packet[PREFIX_BYTES:]
+                if len(header) != head.header_bytes:
+                    raise RemoteProtocolError("frame head length does not match its prefix")
+            return parse_header(head, header, handshake.PREAUTH_LIMITS).build()
+
+        credential, _ = await handshake.listen_async(send, receive, self._verifier(None))
         waiting = self._waiting.get(credential.credential_id)
         if waiting is None:
             raise AuthenticationFailed("credential is no longer awaited")
         return credential, waiting
 
-    def _setup_tcp(self, sock: socket.socket) -> tuple[Link, _Waiting]:
+    def _setup_tcp(self, sock: socket.socket, credential: Credential, waiting: _Waiting) -> Link:
         c = self.config
         sock.settimeout(c.handshake_timeout_s)
         tune_tcp(sock, c.socket_buffer_bytes)
+        # the handshake read exactly its frames: nothing of the peer's is buffered yet
         reader = BufferedReader(sock, c.limits, BufferPool())
-        credential, waiting = self._listen(*blocking_framer(sock, c.limits, reader))
         if waiting.choice.backend == "torchdist":
             from hetmesh.transport.torchdist import TorchDistLink, listen_group
 
@@ -428,22 +473,35 @@ class DataPlane:
                 c.limits,
                 c.device if self._cuda else None,
             )
-            return link, waiting
+            return link
         if waiting.choice.backend != "tcp":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader), waiting
+        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader)
 
-    def _setup_shm(self, sock: socket.socket) -> tuple[Link, _Waiting]:
+    def _setup_shm(self, sock: socket.socket, credential: Credential, waiting: _Waiting) -> Link:
         c = self.config
-        sock.settimeout(c.handshake_timeout_s)
-        _, waiting = self._listen(*packet_framer(sock, c.limits))
         if waiting.choice.backend != "shm":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return ShmLink(
-            sock, waiting.remote_peer_id, c.limits, budget_bytes=c.shm_budget_bytes
-        ), waiting
+        return ShmLink(sock, waiting.remote_peer_id, c.limits, budget_bytes=c.shm_budget_bytes)
+
+
+def _close(conn: trio.socket.SocketType, sock: socket.socket | None) -> None:
+    conn.close()
+    if sock is not None:  # the descriptor moved to it once authenticated
+        sock.close()
+
+
+async def _receive_exact(conn: trio.socket.SocketType, n: int) -> bytes:
+    """Exactly ``n`` bytes (no read-ahead: what follows is the link's)."""
+    data = b""
+    while len(data) < n:
+        chunk = await conn.recv(n - len(data))
+        if not chunk:
+            raise StreamReset("peer closed the connection")
+        data += chunk
+    return data
 
 
 def link_start(link: Link, blocking: bool, spin_us: float = 0.0) -> None:

@@ -4,6 +4,11 @@ Dialer: ``Hello`` -> (``Challenge``) -> ``Proof`` -> (``Proof``).
 Listener: (``Hello``) -> ``Challenge`` -> (``Proof``) -> ``Proof`` or ``Error(AUTH)``.
 Both raise :class:`AuthenticationFailed` when the peer cannot prove the
 credential and :class:`RemoteProtocolError` for frames out of order.
+
+Before the dialer has proven its credential a listener reads nothing but a
+Hello or a Proof, each a few KiB at most (:data:`PREAUTH_LIMITS`,
+:func:`check_preauth_head`): anything else is refused from its 16-byte
+prefix, before a byte of it is buffered or allocated.
 """
 
 from __future__ import annotations
@@ -13,13 +18,45 @@ from typing import TypeVar
 
 from hetmesh.errors import AuthenticationFailed, RemoteProtocolError
 from hetmesh.transport.credentials import Credential, check, new_nonce, proof
-from hetmesh.transport.frames import ERROR_AUTH, Challenge, Error, Frame, Hello, Proof
+from hetmesh.transport.frames import (
+    ERROR_AUTH,
+    Challenge,
+    Error,
+    Frame,
+    FrameHead,
+    Hello,
+    Limits,
+    Proof,
+    parse_prefix,
+)
 
 #: Given the Hello and the listener's nonce and the dialer's MAC, the verified credential or None.
 Verifier = Callable[[Hello, bytes, bytes], Credential | None]
 
 
 _F = TypeVar("_F", bound=Frame)
+
+#: What an unauthenticated peer may make a listener read: small heads, no payload.
+PREAUTH_LIMITS = Limits(
+    max_header_bytes=4096,
+    max_payload_bytes=0,
+    max_tensors=0,
+    max_items=0,
+    max_string_bytes=1024,
+)
+
+
+def check_preauth_head(prefix: bytes | bytearray | memoryview) -> FrameHead:
+    """Check the prefix of a frame from a peer not yet authenticated.
+
+    Only a Hello or a Proof within :data:`PREAUTH_LIMITS` passes; anything
+    else raises :class:`RemoteProtocolError` (the caller closes the
+    connection without reading on).
+    """
+    head = parse_prefix(prefix, PREAUTH_LIMITS)
+    if head.cls is not Hello and head.cls is not Proof:
+        raise RemoteProtocolError(f"{head.cls.__name__} before authentication")
+    return head
 
 
 def _expect(frame: Frame, cls: type[_F]) -> _F:
