@@ -36,7 +36,7 @@ from hetmesh.transport.credentials import Credential
 from hetmesh.transport.dataplane import dial_shm, dial_tcp
 from hetmesh.transport.frames import DEFAULT_LIMITS, encode_parts
 from hetmesh.transport.links import TcpLink, ThreadedLink, in_thread
-from hetmesh.transport.shm import MIN_SEGMENT, ShmLink
+from hetmesh.transport.shm import MIN_SEGMENT, ShmLink, new_segment_fd
 
 BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
 
@@ -401,8 +401,7 @@ def test_shm_checks_a_whole_doorbell_packet_before_mapping_any_descriptor() -> N
     """A packet whose head, segment ids or descriptors are bad maps nothing."""
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     link = ShmLink(right, "peer", DEFAULT_LIMITS)
-    fd = os.memfd_create("hetmesh-test", os.MFD_CLOEXEC)
-    os.ftruncate(fd, MIN_SEGMENT)
+    fd = new_segment_fd(1, MIN_SEGMENT)
     try:
         t = torch.arange(4, dtype=torch.float32)
         head, _, _ = encode_parts(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
@@ -425,6 +424,51 @@ def test_shm_checks_a_whole_doorbell_packet_before_mapping_any_descriptor() -> N
         link.release(frame)
     finally:
         os.close(fd)
+        link._shutdown()
+        left.close()
+
+
+async def test_shm_segments_are_sealed_so_the_sender_cannot_shrink_them() -> None:
+    """A peer that truncated a segment the receiver reads would crash it with SIGBUS."""
+    async with planes("shm") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ShmLink)
+        t = torch.arange(4096, dtype=torch.float32)
+        await la.send(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+        frame = await lb.receive()
+        (segment,) = la._own.values()
+        for size in (0, segment.size // 2, segment.size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(segment.fd, size)
+        assert torch.equal(frame.tensors[0], t)  # still readable, whole
+        lb.release(frame)
+        for link in (la, lb):
+            await link.aclose()
+
+
+def test_shm_maps_only_sealed_segments_and_at_most_its_budget() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link = ShmLink(right, "peer", DEFAULT_LIMITS, budget_bytes=2 * MIN_SEGMENT)
+    t = torch.arange(4, dtype=torch.float32)
+    head, _, _ = encode_parts(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+    unsealed = os.memfd_create("hetmesh-test", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, MIN_SEGMENT)
+    fds = [new_segment_fd(i, MIN_SEGMENT) for i in range(3)]
+    try:
+        with pytest.raises(RemoteProtocolError, match="sealed"):
+            link._on_packet(msgpack.packb([0, head, [1], [[1, MIN_SEGMENT]]]), [unsealed])
+        assert link._remote == {}
+        for seg_id in (1, 2):  # the budget holds two segments of the peer's
+            frame = link._on_packet(
+                msgpack.packb([0, head, [seg_id], [[seg_id, MIN_SEGMENT]]]), [fds[seg_id - 1]]
+            )
+            link.release(frame)
+        with pytest.raises(RemoteProtocolError, match="budget"):
+            link._on_packet(msgpack.packb([0, head, [3], [[3, MIN_SEGMENT]]]), [fds[2]])
+        assert set(link._remote) == {1, 2}
+    finally:
+        for fd in (unsealed, *fds):
+            os.close(fd)
         link._shutdown()
         left.close()
 
