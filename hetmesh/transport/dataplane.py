@@ -82,7 +82,8 @@ class DataPlaneConfig:
     prove its credential within ``preauth_timeout_s``; until then it reads
     only a bounded Hello/Proof, and at most ``max_pending_connections``
     (``max_pending_per_address`` from one address) wait at once: more are
-    closed on accept. ``spin_us``: links opened
+    closed on accept. A peer holding ``max_links_per_peer`` open links that
+    it dialed gets no more until one closes. ``spin_us``: links opened
     with ``blocking=True`` poll their socket this long in ``receive_blocking``
     before sleeping (at most that much CPU per receive, yielding to any peer
     on the same CPU); 0 sleeps at once. Async-mode links never poll.
@@ -102,6 +103,8 @@ class DataPlaneConfig:
     preauth_timeout_s: float = 5.0
     max_pending_connections: int = 64
     max_pending_per_address: int = 16
+    # open links one peer may hold to us (each costs a reader thread and buffers)
+    max_links_per_peer: int = 8
     socket_buffer_bytes: int = 0  # 0: let the kernel autotune
     shm_budget_bytes: int = 2 << 30
     torchdist_timeout_s: float = 60.0
@@ -140,6 +143,7 @@ class DataPlane:
         self._refused = 0
         self._gate = ConnectionGate(config.max_pending_connections, config.max_pending_per_address)
         self._choices: list[str] = []
+        self._accepted: dict[str, list[Link]] = {}  # links peers dialed, by peer
         self._host_id = host_identity()
         self._cuda = bool(config.device and config.device.startswith("cuda"))
 
@@ -210,6 +214,8 @@ class DataPlane:
                 theirs = await framed.receive()
         except trio.TooSlowError:
             raise ConnectTimeout("no offer from the peer") from None
+        if isinstance(theirs, Error):
+            raise PeerUnreachable(f"the peer refused a link: {theirs.message}")
         if not isinstance(theirs, Offer) or not theirs.credential_id:
             raise RemoteProtocolError("expected the listener's offer with a credential")
         if expected_peer_id is not None and theirs.peer_id != expected_peer_id:
@@ -298,6 +304,12 @@ class DataPlane:
             raise RemoteProtocolError("expected the dialer's offer")
         if expected_peer_id is not None and theirs.peer_id != expected_peer_id:
             raise AuthenticationFailed(f"control stream peer is {theirs.peer_id!r}")
+        held = self._accepted.get(theirs.peer_id, [])
+        held[:] = [link for link in held if not link.statistics().closed]
+        if len(held) >= self.config.max_links_per_peer:
+            message = f"{len(held)} links open already"
+            await framed.send(Error(code=ERROR_FALLBACK, message=message))
+            raise TransportError(f"peer {theirs.peer_id!r} has {message}")
         credential = self.book.issue(theirs.peer_id)
         mine = self.offer(credential)
         choice = choose_backend(theirs, mine)
@@ -319,14 +331,14 @@ class DataPlane:
                     await handshake.listen_async(
                         framed.send, framed.receive, self._verifier(theirs.peer_id)
                     )
-                    return self._record(
-                        StreamLink(framed, theirs.peer_id), decision.reason, blocking
-                    )
-                if decision.backend != choice.backend:
-                    raise RemoteProtocolError(
-                        f"dialer chose {decision.backend}, we computed {choice.backend}"
-                    )
-                link = await receive.receive()
+                    link: Link = StreamLink(framed, theirs.peer_id)
+                else:
+                    if decision.backend != choice.backend:
+                        raise RemoteProtocolError(
+                            f"dialer chose {decision.backend}, we computed {choice.backend}"
+                        )
+                    link = await receive.receive()
+                self._accepted.setdefault(theirs.peer_id, []).append(link)
                 return self._record(link, decision.reason, blocking)
         except trio.TooSlowError:
             raise ConnectTimeout("the dialer did not complete the link in time") from None

@@ -10,7 +10,9 @@ import msgpack
 import pytest
 import torch
 import trio
+import trio.testing
 
+from hetmesh.errors import PeerUnreachable, TransportError
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, open_data_plane
 from hetmesh.transport.codec import BufferPool, TensorSpec
 from hetmesh.transport.frames import MAGIC, PREFIX, VERSION, Hello
@@ -136,3 +138,33 @@ async def test_silent_strangers_hold_no_thread_and_do_not_stall_new_links() -> N
         finally:
             for sock in strangers:
                 sock.close()
+
+
+async def test_a_peer_gets_at_most_max_links_per_peer_open_links() -> None:
+    async with (
+        listener(max_links_per_peer=2) as (b, _),
+        open_data_plane(DataPlaneConfig(peer_id="A", backends=("tcp", "libp2p"))) as a,
+    ):
+        pairs = [await link_pair(a, b) for _ in range(2)]
+        left, right = trio.testing.memory_stream_pair()
+        errors: dict[str, BaseException] = {}
+
+        async def side(name: str, call: Any) -> None:
+            try:
+                await call()
+            except Exception as exc:
+                errors[name] = exc
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(side, "b", lambda: b.accept(right))
+                nursery.start_soon(side, "a", lambda: a.connect(left))
+        assert isinstance(errors["b"], TransportError)
+        assert isinstance(errors["a"], PeerUnreachable)
+        assert "2 links open" in str(errors["a"])
+        for link in pairs[0]:  # one closes: its place is free again
+            await link.aclose()
+        la, lb = await link_pair(a, b)
+        assert la.backend == "tcp"
+        for link in (la, lb, *pairs[1]):
+            await link.aclose()
