@@ -501,3 +501,22 @@ async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
         assert await lb.receive() == Tokens(session_id="s", step=0, token_ids=(3,))
         for link in (la, lb):
             await link.aclose()
+
+
+async def test_torchdist_store_takes_no_connection_once_the_group_is_formed() -> None:
+    """gloo's TCPStore listened on the data-plane address for the life of each link,
+    unauthenticated; now only until the link's group is formed."""
+    async with planes("torchdist") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert la.backend == lb.backend == "torchdist"
+        port = lb._store.port  # type: ignore[attr-defined]  # b listened: rank 0 ran the store
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        t = torch.arange(1024, dtype=torch.float32)
+        for step in range(3):  # the group carries on without it
+            await la.send(Activations(session_id="s", step=step, positions=(), tensors=(t,)))
+            frame = await lb.receive()
+            assert torch.equal(frame.tensors[0], t)
+            lb.release(frame)
+        for link in (la, lb):
+            await link.aclose()
