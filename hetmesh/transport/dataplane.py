@@ -12,7 +12,7 @@ import secrets
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -28,7 +28,12 @@ from hetmesh.errors import (
 )
 from hetmesh.transport import handshake
 from hetmesh.transport.codec import BufferPool
-from hetmesh.transport.credentials import Credential, CredentialBook, CredentialStatistics
+from hetmesh.transport.credentials import (
+    Credential,
+    CredentialBook,
+    CredentialStatistics,
+    link_keys,
+)
 from hetmesh.transport.frames import (
     DEFAULT_LIMITS,
     ERROR_FALLBACK,
@@ -105,6 +110,10 @@ class DataPlaneConfig:
     max_pending_per_address: int = 16
     # open links one peer may hold to us (each costs a reader thread and buffers)
     max_links_per_peer: int = 8
+    # tcp links sealed with AES-GCM: "auto" between different hosts (not on one
+    # host: loopback, shm), "always", or "never" (the dialer decides; a listener
+    # set to "always" refuses a plaintext link)
+    tcp_encryption: Literal["auto", "always", "never"] = "auto"
     socket_buffer_bytes: int = 0  # 0: let the kernel autotune
     shm_budget_bytes: int = 2 << 30
     torchdist_timeout_s: float = 60.0
@@ -250,7 +259,12 @@ class DataPlane:
         if not choice.backend:
             await framed.send(Error(code=ERROR_FALLBACK, message=reason))
             raise PeerUnreachable(reason)
-        await framed.send(Decision(backend=choice.backend, reason=reason))
+        sealed = isinstance(link, TcpLink) and self._encrypts(theirs)
+        if sealed:
+            assert isinstance(link, TcpLink)
+            link.seal()
+            reason += "; sealed (AES-256-GCM)"
+        await framed.send(Decision(backend=choice.backend, reason=reason, encrypted=sealed))
         if link is None:
             with trio.fail_after(timeout):
                 await handshake.dial_async(framed.send, framed.receive, credential)
@@ -269,7 +283,7 @@ class DataPlane:
                 c.shm_budget_bytes,
                 c.handshake_timeout_s,
             )
-        sock, reader = await in_thread(
+        sock, reader, nonces = await in_thread(
             _dial_tcp,
             choice.endpoint,
             credential,
@@ -278,7 +292,8 @@ class DataPlane:
             c.handshake_timeout_s,
         )
         if choice.backend == "tcp":
-            link: Link = TcpLink(sock, peer, c.limits, reader)
+            to_listener, to_dialer = link_keys(credential, *nonces)
+            link: Link = TcpLink(sock, peer, c.limits, reader, (to_listener, to_dialer))
         else:
             link = await in_thread(_torchdist_dial, sock, reader, credential, c)
         return link
@@ -338,6 +353,7 @@ class DataPlane:
                             f"dialer chose {decision.backend}, we computed {choice.backend}"
                         )
                     link = await receive.receive()
+                    self._seal_accepted(link, decision, theirs)
                 self._accepted.setdefault(theirs.peer_id, []).append(link)
                 return self._record(link, decision.reason, blocking)
         except trio.TooSlowError:
@@ -351,6 +367,22 @@ class DataPlane:
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
                 self._nursery.start_soon(late.aclose)
+
+    def _encrypts(self, theirs: Offer) -> bool:
+        """Whether a tcp link with the peer of ``theirs`` is sealed (the dialer's rule)."""
+        mode = self.config.tcp_encryption
+        return mode == "always" or (mode == "auto" and theirs.host_id != self._host_id)
+
+    def _seal_accepted(self, link: Link, decision: Decision, theirs: Offer) -> None:
+        """Seal an accepted link as the dialer decided (before it reads anything)."""
+        if not isinstance(link, TcpLink):
+            if decision.encrypted:
+                raise RemoteProtocolError(f"only tcp links are sealed, not {link.backend}")
+            return
+        if decision.encrypted:
+            link.seal()
+        elif self.config.tcp_encryption == "always":
+            raise RemoteProtocolError("the dialer would not seal a link we require sealed")
 
     def _verifier(self, dialer_id: str | None) -> handshake.Verifier:
         def verify(hello: Hello, nonce: bytes, mac: bytes) -> Credential | None:
@@ -405,13 +437,13 @@ class DataPlane:
         try:
             try:
                 with trio.fail_after(c.preauth_timeout_s):
-                    credential, waiting = await self._authenticate(conn, stream)
+                    credential, waiting, keys = await self._authenticate(conn, stream)
             finally:
                 self._gate.release(source)
             sock = socket.socket(fileno=conn.detach())
             setup = self._setup_tcp if stream else self._setup_shm
             with trio.fail_after(c.handshake_timeout_s + c.torchdist_timeout_s):
-                link = await in_thread(setup, sock, credential, waiting)
+                link = await in_thread(setup, sock, credential, waiting, keys)
         except (MeshError, OSError, trio.TooSlowError) as exc:
             self._refused += 1
             log.warning("refused a data connection from %s: %r", source, exc)
@@ -429,7 +461,7 @@ class DataPlane:
 
     async def _authenticate(
         self, conn: trio.socket.SocketType, stream: bool
-    ) -> tuple[Credential, _Waiting]:
+    ) -> tuple[Credential, _Waiting, tuple[bytes, bytes]]:
         """The listener's half of the handshake, reading only bounded Hello/Proof frames."""
         limits = self.config.limits
 
@@ -452,13 +484,20 @@ class DataPlane:
                     raise RemoteProtocolError("frame head length does not match its prefix")
             return parse_header(head, header, handshake.PREAUTH_LIMITS).build()
 
-        credential, _ = await handshake.listen_async(send, receive, self._verifier(None))
+        credential, hello, nonce = await handshake.listen_async(send, receive, self._verifier(None))
         waiting = self._waiting.get(credential.credential_id)
         if waiting is None:
             raise AuthenticationFailed("credential is no longer awaited")
-        return credential, waiting
+        to_listener, to_dialer = link_keys(credential, hello.nonce, nonce)
+        return credential, waiting, (to_dialer, to_listener)
 
-    def _setup_tcp(self, sock: socket.socket, credential: Credential, waiting: _Waiting) -> Link:
+    def _setup_tcp(
+        self,
+        sock: socket.socket,
+        credential: Credential,
+        waiting: _Waiting,
+        keys: tuple[bytes, bytes],
+    ) -> Link:
         c = self.config
         sock.settimeout(c.handshake_timeout_s)
         tune_tcp(sock, c.socket_buffer_bytes)
@@ -489,9 +528,15 @@ class DataPlane:
         if waiting.choice.backend != "tcp":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader)
+        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader, keys)
 
-    def _setup_shm(self, sock: socket.socket, credential: Credential, waiting: _Waiting) -> Link:
+    def _setup_shm(
+        self,
+        sock: socket.socket,
+        credential: Credential,
+        waiting: _Waiting,
+        keys: tuple[bytes, bytes],
+    ) -> Link:
         c = self.config
         if waiting.choice.backend != "shm":
             raise AuthenticationFailed("credential was issued for another backend")
@@ -541,9 +586,10 @@ def dial_tcp(
 
 def _dial_tcp(
     endpoint: str, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
-) -> tuple[socket.socket, BufferedReader]:
-    """:func:`dial_tcp`, and the reader the handshake used: the link must keep reading
-    through it (the listener's next frame may already be in its buffer)."""
+) -> tuple[socket.socket, BufferedReader, tuple[bytes, bytes]]:
+    """:func:`dial_tcp`, the reader the handshake used (the link must keep reading
+    through it: the listener's next frame may already be in its buffer) and the
+    handshake's (dialer, listener) nonces."""
     host, _, port = endpoint.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -554,12 +600,12 @@ def _dial_tcp(
     try:
         tune_tcp(sock, buffer_bytes)
         reader = BufferedReader(sock, limits, BufferPool())
-        handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
+        nonces = handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
         sock.settimeout(None)
     except BaseException:
         sock.close()
         raise
-    return sock, reader
+    return sock, reader, nonces
 
 
 def _torchdist_dial(

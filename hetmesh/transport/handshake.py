@@ -69,7 +69,8 @@ def _expect(frame: Frame, cls: type[_F]) -> _F:
 
 def dial_blocking(
     send: Callable[[Frame], object], receive: Callable[[], Frame], credential: Credential
-) -> None:
+) -> tuple[bytes, bytes]:
+    """Prove ``credential`` to the listener; the (dialer, listener) nonces used."""
     nonce = new_nonce()
     send(Hello(peer_id=credential.dialer_id, credential_id=credential.credential_id, nonce=nonce))
     challenge = _expect(receive(), Challenge)
@@ -77,6 +78,7 @@ def dial_blocking(
     reply = _expect(receive(), Proof)
     if not check(proof(credential, "listener", nonce, challenge.nonce), reply.mac):
         raise AuthenticationFailed("the listener could not prove the credential")
+    return nonce, challenge.nonce
 
 
 def listen_blocking(
@@ -114,7 +116,8 @@ async def listen_async(
     send: Callable[[Frame], Awaitable[object]],
     receive: Callable[[], Awaitable[Frame]],
     verify: Verifier,
-) -> tuple[Credential, Hello]:
+) -> tuple[Credential, Hello, bytes]:
+    """Check the dialer's proof; the credential, its Hello and our (listener) nonce."""
     hello = _expect(await receive(), Hello)
     nonce = new_nonce()
     await send(Challenge(nonce=nonce))
@@ -124,4 +127,4 @@ async def listen_async(
         await send(Error(code=ERROR_AUTH, message="credential refused"))
         raise AuthenticationFailed(f"peer {hello.peer_id!r} failed the credential check")
     await send(Proof(mac=proof(credential, "listener", hello.nonce, nonce)))
-    return credential, hello
+    return credential, hello, nonce

@@ -481,7 +481,7 @@ async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
     fresh reader once lost the endpoint and waited out the whole torchdist timeout)."""
     dial_blocking = handshake.dial_blocking
 
-    def late_dialer(send: Any, receive: Any, credential: Credential) -> None:
+    def late_dialer(send: Any, receive: Any, credential: Credential) -> tuple[bytes, bytes]:
         seen: list[object] = []
 
         def late_receive() -> Any:
@@ -490,7 +490,7 @@ async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
             seen.append(None)
             return receive()
 
-        dial_blocking(send, late_receive, credential)
+        return dial_blocking(send, late_receive, credential)
 
     monkeypatch.setattr(handshake, "dial_blocking", late_dialer)
     async with planes("torchdist", torchdist_timeout_s=20.0) as (a, b):
