@@ -631,8 +631,7 @@ class TcpLink(ThreadedLink):
         reader._sock = OpenedSocket(self.sock, receive_key)  # type: ignore[assignment]
 
     def _set_spin(self, spin_ns: int) -> None:
-        if self._sealer is None:  # a sealed record is read whole: nothing to poll for
-            self._reader_io.spin_ns = spin_ns
+        self._reader_io.spin_ns = spin_ns
 
     def _read_frame_blocking(self) -> Frame:
         return self._reader_io.read_frame()

@@ -54,16 +54,29 @@ class Sealer:
         self._aead = AESGCM(key)
         self._counter = _Counter()
         self._buffer = bytearray(0)
+        self._staging = bytearray(0)
 
     def seal(self, parts: list[Any]) -> list[memoryview]:
         """The records carrying ``parts`` (buffers), in one reused buffer.
 
-        The views stay valid until the next call: send them first.
+        A frame that fits one record (a decode step's) goes as one record, so
+        its receiver wakes once; larger ones get a record per part and per
+        :data:`RECORD_BYTES`. The views stay valid until the next call: send
+        them first.
         """
-        views = [memoryview(p).cast("B") for p in parts]
-        sizes = [len(v) for v in views if len(v)]
-        records = sum((n + RECORD_BYTES - 1) // RECORD_BYTES for n in sizes)
-        total = sum(sizes) + records * (_LENGTH.size + TAG_BYTES)
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        plain = sum(len(v) for v in views)
+        if 0 < plain <= RECORD_BYTES and len(views) > 1:
+            if len(self._staging) < plain:
+                self._staging = bytearray(max(plain, 64 << 10))
+            staging = memoryview(self._staging)
+            at = 0
+            for view in views:
+                staging[at : at + len(view)] = view
+                at += len(view)
+            views = [staging[:plain]]
+        records = sum((len(v) + RECORD_BYTES - 1) // RECORD_BYTES for v in views)
+        total = plain + records * (_LENGTH.size + TAG_BYTES)
         if len(self._buffer) < total:
             self._buffer = bytearray(total)
         out = memoryview(self._buffer)
@@ -82,32 +95,37 @@ class Sealer:
 
 
 class OpenedSocket:
-    """The receiving half: reads records from ``sock``, hands out their plaintext."""
+    """The receiving half: reads records from ``sock``, hands out their plaintext.
+
+    Raw bytes are read in as large pieces as the kernel has (one ``recv`` for
+    a small frame's record), so a sealed link costs a plain one's wake-ups.
+    """
 
     def __init__(self, sock: socket.socket, key: bytes) -> None:
         self._sock = sock
         self._aead = AESGCM(key)
         self._counter = _Counter()
-        self._sealed = bytearray(RECORD_BYTES + TAG_BYTES)
+        self._raw = bytearray(_LENGTH.size + RECORD_BYTES + TAG_BYTES)
+        self._raw_start = self._raw_end = 0  # received, not yet opened
         self._plain = bytearray(RECORD_BYTES)
-        self._start = self._end = 0  # plaintext not yet handed out
+        self._start = self._end = 0  # opened, not yet handed out
 
     def recv_into(self, target: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Like ``socket.recv_into``: up to ``len(target)`` plaintext bytes; 0 at EOF.
 
-        Blocks for a whole record. :class:`RemoteProtocolError` for a record
-        that fails its tag or its length check; ``OSError`` from the socket.
+        Blocks for a whole record unless ``flags`` has ``MSG_DONTWAIT``
+        (``BlockingIOError`` then, with what arrived kept for the next call).
+        :class:`RemoteProtocolError` for a record that fails its tag or its
+        length check; ``OSError`` from the socket.
         """
         view = memoryview(target).cast("B")
         if nbytes:
             view = view[:nbytes]
         if self._start == self._end:
-            length = self._read_length()
-            if length is None:
+            sealed = self._next_record(flags)
+            if sealed is None:
                 return 0
-            sealed = memoryview(self._sealed)[:length]
-            self._read_exact(sealed)
-            size = length - TAG_BYTES
+            size = len(sealed) - TAG_BYTES
             if len(view) >= size:  # straight into the reader's memory
                 self._open(sealed, view[:size])
                 return size
@@ -118,31 +136,36 @@ class OpenedSocket:
         self._start += n
         return n
 
+    def _next_record(self, flags: int) -> memoryview | None:
+        """The next whole sealed record (a view of the raw buffer, valid until the next
+        read); None if the peer closed between records."""
+        raw = memoryview(self._raw)
+        length = -1
+        while True:
+            have = self._raw_end - self._raw_start
+            if length < 0 and have >= _LENGTH.size:
+                length = _LENGTH.unpack_from(raw, self._raw_start)[0]
+                if not TAG_BYTES < length <= RECORD_BYTES + TAG_BYTES:
+                    raise RemoteProtocolError(f"sealed record of {length} bytes")
+            if length >= 0 and have >= _LENGTH.size + length:
+                start = self._raw_start + _LENGTH.size
+                self._raw_start = start + length
+                return raw[start : start + length]
+            if self._raw_end == len(raw) or not have:  # full (a record's tail to come): compact
+                self._raw[:have] = self._raw[self._raw_start : self._raw_end]
+                self._raw_start, self._raw_end = 0, have
+            got = self._sock.recv_into(raw[self._raw_end :], 0, flags)
+            if got == 0:
+                if have:
+                    raise StreamReset("peer closed the connection inside a sealed record")
+                return None
+            self._raw_end += got
+
     def _open(self, sealed: memoryview, into: memoryview) -> None:
         try:
             self._aead.decrypt_into(self._counter.next_nonce(), sealed, None, into)
         except InvalidTag:
             raise RemoteProtocolError("a sealed record failed authentication") from None
-
-    def _read_length(self) -> int | None:
-        header = bytearray(_LENGTH.size)
-        got = self._sock.recv_into(header)
-        if got == 0:
-            return None  # closed between records
-        if got < len(header):
-            self._read_exact(memoryview(header)[got:])
-        length: int = _LENGTH.unpack(header)[0]
-        if not TAG_BYTES < length <= RECORD_BYTES + TAG_BYTES:
-            raise RemoteProtocolError(f"sealed record of {length} bytes")
-        return length
-
-    def _read_exact(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            n = self._sock.recv_into(view[got:])
-            if n == 0:
-                raise StreamReset("peer closed the connection inside a sealed record")
-            got += n
 
 
 __all__ = ["RECORD_BYTES", "OpenedSocket", "Sealer"]

@@ -159,3 +159,23 @@ async def test_a_listener_that_requires_sealing_refuses_a_plain_link() -> None:
         assert len(refused) == 1
         assert not getattr(la, "encrypted", True)
         await la.aclose()
+
+
+def test_a_small_frame_is_one_record_and_a_poll_keeps_a_partial_one() -> None:
+    """A decode step's frame costs the receiver one record (one wake-up); a
+    non-blocking read of half a record keeps that half for the next read."""
+    (records,) = Sealer(KEY).seal([b"head" * 4, b"tensor bytes" * 100])
+    sealed = bytes(records)
+    assert len(sealed) == 16 + 1200 + 4 + 16  # one length, one tag
+    left, right = _pair()
+    with left, right:
+        opened = OpenedSocket(right, KEY)
+        target = bytearray(4096)
+        with pytest.raises(BlockingIOError):
+            opened.recv_into(target, 0, socket.MSG_DONTWAIT)
+        left.sendall(sealed[:600])
+        with pytest.raises(BlockingIOError):
+            opened.recv_into(target, 0, socket.MSG_DONTWAIT)
+        left.sendall(sealed[600:])
+        assert opened.recv_into(target, 0, socket.MSG_DONTWAIT) == 1216
+        assert bytes(target[:1216]) == b"head" * 4 + b"tensor bytes" * 100
