@@ -478,10 +478,7 @@ class DataPlane:
                 packet = await conn.recv(PREFIX_BYTES + handshake.PREAUTH_LIMITS.max_header_bytes)
                 if not packet:
                     raise StreamReset("peer closed the doorbell socket")
-                head = handshake.check_preauth_head(packet)
-                header = packet[PREFIX_BYTES:]
-                if len(header) != head.header_bytes:
-                    raise RemoteProtocolError("frame head length does not match its prefix")
+                return handshake.parse_preauth(packet)
             return parse_header(head, header, handshake.PREAUTH_LIMITS).build()
 
         credential, hello, nonce = await handshake.listen_async(send, receive, self._verifier(None))

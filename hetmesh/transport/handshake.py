@@ -20,6 +20,7 @@ from hetmesh.errors import AuthenticationFailed, RemoteProtocolError
 from hetmesh.transport.credentials import Credential, check, new_nonce, proof
 from hetmesh.transport.frames import (
     ERROR_AUTH,
+    PREFIX_BYTES,
     Challenge,
     Error,
     Frame,
@@ -27,6 +28,7 @@ from hetmesh.transport.frames import (
     Hello,
     Limits,
     Proof,
+    parse_header,
     parse_prefix,
 )
 
@@ -57,6 +59,16 @@ def check_preauth_head(prefix: bytes | bytearray | memoryview) -> FrameHead:
     if head.cls is not Hello and head.cls is not Proof:
         raise RemoteProtocolError(f"{head.cls.__name__} before authentication")
     return head
+
+
+def parse_preauth(data: bytes | bytearray | memoryview) -> Frame:
+    """A whole pre-authentication frame (prefix + header, nothing after it), checked
+    as above; :class:`RemoteProtocolError` for anything else."""
+    head = check_preauth_head(data)
+    header = memoryview(data)[PREFIX_BYTES:]
+    if len(header) != head.header_bytes:
+        raise RemoteProtocolError("frame head length does not match its prefix")
+    return parse_header(head, header, PREAUTH_LIMITS).build()
 
 
 def _expect(frame: Frame, cls: type[_F]) -> _F:

@@ -11,13 +11,16 @@ import pytest
 import torch
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hetmesh.errors import RemoteProtocolError
+from hetmesh.errors import RemoteProtocolError, StreamReset
 from hetmesh.transport import Activations, DataPlaneConfig, Tokens, open_data_plane
 from hetmesh.transport.credentials import Credential, link_keys
 from hetmesh.transport.links import TcpLink, in_thread, sendmsg_all
 from hetmesh.transport.sealed import RECORD_BYTES, OpenedSocket, Sealer
 
+from .test_frames import FUZZ
 from .test_links import link_pair
 
 KEY = bytes(range(32))
@@ -34,6 +37,16 @@ def _read(opened: OpenedSocket, n: int) -> bytes:
     while got < n:
         got += opened.recv_into(view[got:])
     return bytes(out)
+
+
+def _tampered(plain: bytes, data: st.DataObject) -> bytes:
+    """A well-sealed record stream with a few bytes changed (or none)."""
+    sealed = bytearray(Sealer(KEY).seal([plain])[0]) if plain else bytearray()
+    for _ in range(data.draw(st.integers(0, 3))):
+        if sealed:
+            i = data.draw(st.integers(0, len(sealed) - 1))
+            sealed[i] ^= 1 << data.draw(st.integers(0, 7))
+    return bytes(sealed)
 
 
 def _read_records(opened: OpenedSocket, count: int) -> None:
@@ -179,3 +192,20 @@ def test_a_small_frame_is_one_record_and_a_poll_keeps_a_partial_one() -> None:
         left.sendall(sealed[600:])
         assert opened.recv_into(target, 0, socket.MSG_DONTWAIT) == 1216
         assert bytes(target[:1216]) == b"head" * 4 + b"tensor bytes" * 100
+
+
+@pytest.mark.slow  # 2,000 examples: ~10 s on a loaded machine
+@settings(FUZZ, max_examples=min(2000, FUZZ.max_examples))
+@given(st.one_of(st.binary(max_size=300), st.builds(_tampered, st.binary(max_size=200), st.data())))
+def test_sealed_fuzz_garbage_is_refused_never_a_crash(data: bytes) -> None:
+    left, right = _pair()
+    with left, right:
+        left.sendall(data)
+        left.shutdown(socket.SHUT_WR)
+        opened = OpenedSocket(right, KEY)
+        target = bytearray(4096)
+        try:
+            while opened.recv_into(target):
+                pass
+        except (RemoteProtocolError, StreamReset):
+            pass
