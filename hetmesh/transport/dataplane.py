@@ -416,7 +416,14 @@ class DataPlane:
         with listener:
             async with trio.open_nursery() as nursery:
                 while True:
-                    conn, address = await listener.accept()
+                    try:
+                        conn, address = await listener.accept()
+                    except OSError as exc:
+                        # out of descriptors or memory: the node keeps serving and
+                        # tries again once pending connections have gone
+                        log.warning("data-plane accept failed: %r", exc)
+                        await trio.sleep(0.1)
+                        continue
                     # a unix socket's peer has no address: one bucket for the host
                     source = address[0] if isinstance(address, tuple) else "local"
                     if not self._gate.admit(source):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -168,3 +170,28 @@ async def test_a_peer_gets_at_most_max_links_per_peer_open_links() -> None:
         assert la.backend == "tcp"
         for link in (la, lb, *pairs[1]):
             await link.aclose()
+
+
+async def test_a_failing_accept_does_not_stop_the_listener() -> None:
+    """Out of descriptors (EMFILE) once: the listener logs it and accepts on."""
+
+    class Listener:
+        calls = 0
+
+        def __enter__(self) -> Listener:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        async def accept(self) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError(errno.EMFILE, "Too many open files")
+            await trio.sleep_forever()
+
+    fake = Listener()
+    async with listener() as (plane, _), trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(plane._accept_loop, fake, stream=True))  # type: ignore[arg-type]
+        await wait_until(lambda: fake.calls == 2)
+        nursery.cancel_scope.cancel()
