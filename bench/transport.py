@@ -17,6 +17,12 @@ echo), measured in the same run; every figure comes with its ratio to it.
 already in shared memory to the receiver holding it (monotonic clock shared
 by both processes), median.
 
+``tcp-sealed`` is tcp with every frame encrypted and authenticated (what
+links between hosts do by default), forced here on loopback;
+``tcp_encrypted_throughput_ratio_*`` and ``tcp_encrypted_rtt_ratio_*`` divide
+its figures by plain tcp's of the same round (throughput: the trio API; RTT:
+the blocking API).
+
 Socket backends are measured twice: through the async (trio) API and through
 the blocking API a stage loop uses from its worker thread
 (``receive_blocking`` / ``send_blocking``). ``*_rtt_*`` and ``*_handoff_*``
@@ -39,7 +45,8 @@ from dataclasses import replace
 from typing import Any
 
 SIZES = {"8KiB": 8 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
-ALL_BACKENDS = ("tcp", "shm", "torchdist", "libp2p")
+ALL_BACKENDS = ("tcp", "tcp-sealed", "shm", "torchdist", "libp2p")
+SEALED = "tcp-sealed"  # tcp with every frame sealed (AES-256-GCM), forced on loopback
 
 
 PIN: list[int] = []  # [client cpu, server cpu] when pinned
@@ -146,7 +153,10 @@ def baseline(sizes: dict[str, int], counts: dict[str, tuple[int, int]]) -> dict[
 def _config(peer_id: str, backend: str) -> Any:
     from hetmesh.transport import DataPlaneConfig
 
-    config = DataPlaneConfig(peer_id=peer_id, backends=(backend,), gloo=True)
+    if backend == SEALED:
+        config = DataPlaneConfig(peer_id=peer_id, backends=("tcp",), tcp_encryption="always")
+    else:
+        config = DataPlaneConfig(peer_id=peer_id, backends=(backend,), gloo=True)
     return replace(config, spin_us=SPIN_US[0]) if SPIN_US else config
 
 
@@ -417,6 +427,15 @@ def run_once(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
                 result[f"{backend}_async_handoff_us_{name}"] = round(ours[f"handoff_us_{name}"], 1)
                 handoff = ours.get(f"sync_handoff_us_{name}", ours[f"handoff_us_{name}"])
                 result[f"{backend}_handoff_us_{name}"] = round(handoff, 1)
+    if "tcp" in backends and SEALED in backends:  # what sealing costs, against plain tcp
+        for name in sizes:
+            result[f"tcp_encrypted_throughput_ratio_{name}"] = round(
+                result[f"{SEALED}_throughput_GBps_{name}"] / result[f"tcp_throughput_GBps_{name}"],
+                3,
+            )
+            result[f"tcp_encrypted_rtt_ratio_{name}"] = round(
+                result[f"{SEALED}_rtt_us_{name}"] / result[f"tcp_rtt_us_{name}"], 3
+            )
     return result
 
 

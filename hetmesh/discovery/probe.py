@@ -4,8 +4,10 @@ This is the only module that knows how links are measured; when the
 transport's ``tcp`` backend lands, swap :func:`probe_link` and
 :func:`serve_probe` for it and nothing else changes.
 
-Protocol (one connection per probe): the client sends a 32-byte token
-derived from the mesh key (so strangers cannot use the port as a sink), then
+Protocol (one connection per probe): the server opens with a 16-byte random
+challenge; the client answers with an HMAC of it under a key derived from the
+mesh secret (so strangers cannot use the port as a sink, and an answer seen
+on the wire is worth nothing on the next connection), then
 ``b"P"`` pings, each echoed by one byte, then ``b"B"`` + an 8-byte length +
 that many bytes, acknowledged by ``b"K"`` and the receiver's time (float64
 seconds) between the arrival of the first quarter and of the last byte.
@@ -14,6 +16,10 @@ buffer and a token bucket's initial burst out of the figure. Arrival times
 are the kernel's receive timestamps (``SO_TIMESTAMPNS``) where it gives them:
 a receiver starved of CPU (a cgroup quota) reads late and then drains a
 backlog at once, which a clock read in user space would count as a fast link.
+
+A stranger costs little: at most ``max_pending`` connections wait for their
+answer at once (``max_pending_per_address`` from one address; more are
+closed on accept), each for ``auth_timeout_s`` at most.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import secrets
 import socket
 import statistics
 import struct
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from hetmesh.errors import PeerUnreachable, RemoteProtocolError
+from hetmesh.transport.gate import ConnectionGate
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -51,8 +59,18 @@ class LinkMeasurement:
     bandwidth_bps: float
 
 
+CHALLENGE_BYTES = 16
+AUTH_TIMEOUT_S = 5.0
+
+
 def probe_token(psk: str) -> bytes:
+    """The probe key: derived from the mesh secret, never sent."""
     return hashlib.sha256(b"hetmesh/probe/v1\x00" + psk.encode()).digest()
+
+
+def probe_answer(token: bytes, challenge: bytes) -> bytes:
+    """What proves the mesh secret for one connection's ``challenge``."""
+    return hmac.new(token, b"hetmesh/probe/v2\x00" + challenge, hashlib.sha256).digest()
 
 
 async def _receive_exact(stream: trio.SocketStream, n: int) -> bytes:
@@ -89,13 +107,21 @@ def _arrival_s(ancillary: list[tuple[int, int, bytes]]) -> float | None:
     return None
 
 
-async def _handle(stream: trio.SocketStream, token: bytes, bulk_lock: trio.Lock) -> None:
+async def _authenticate(stream: trio.SocketStream, token: bytes, timeout_s: float) -> bool:
+    """Challenge the client; True once it proved the mesh secret within ``timeout_s``."""
+    challenge = secrets.token_bytes(CHALLENGE_BYTES)
+    with trio.move_on_after(timeout_s):
+        await stream.send_all(challenge)
+        got = await _receive_exact(stream, 32)
+        return hmac.compare_digest(got, probe_answer(token, challenge))
+    return False
+
+
+async def _handle(stream: trio.SocketStream, bulk_lock: trio.Lock) -> None:
+    """One authenticated probe session: pings, then bulk transfers."""
     stamped = _enable_timestamps(stream)
     async with stream:
         with trio.move_on_after(30):
-            got = await _receive_exact(stream, len(token))
-            if not hmac.compare_digest(got, token):
-                return
             while True:
                 op = await stream.receive_some(1)
                 if op == b"P":
@@ -141,21 +167,43 @@ async def _receive_bulk(stream: trio.SocketStream, n: int, *, stamped: bool) -> 
 
 
 async def serve_probe(
-    host: str, psk: str, *, task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    host: str,
+    psk: str,
+    *,
+    auth_timeout_s: float = AUTH_TIMEOUT_S,
+    max_pending: int = 32,
+    max_pending_per_address: int = 8,
+    task_status: TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer link probes on ``host`` (an IP; "0.0.0.0" for all); reports the port."""
     token = probe_token(psk)
     bulk_lock = trio.Lock()
+    gate = ConnectionGate(max_pending, max_pending_per_address)
     listeners = await trio.open_tcp_listeners(0, host=host)
     port = listeners[0].socket.getsockname()[1]
 
     async def handler(stream: trio.SocketStream) -> None:
         try:
-            await _handle(stream, token, bulk_lock)
+            source = str(stream.socket.getpeername()[0])
+        except OSError:
+            await stream.aclose()
+            return
+        if not gate.admit(source):
+            await stream.aclose()  # over the cap: closed before a byte is read
+            return
+        try:
+            try:
+                trusted = await _authenticate(stream, token, auth_timeout_s)
+            finally:
+                gate.release(source)
+            if trusted:
+                await _handle(stream, bulk_lock)
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError):
             pass
         except Exception:
             log.debug("probe handler failed", exc_info=True)
+        finally:
+            await stream.aclose()
 
     async with trio.open_nursery() as nursery:
         task_status.started(port)
@@ -170,7 +218,8 @@ async def probe_link(
         with trio.fail_after(timeout_s):
             stream = await trio.open_tcp_stream(host, port)
             async with stream:
-                await stream.send_all(probe_token(psk))
+                challenge = await _receive_exact(stream, CHALLENGE_BYTES)
+                await stream.send_all(probe_answer(probe_token(psk), challenge))
                 rtts = []
                 for _ in range(5):
                     t0 = time.perf_counter()
@@ -201,4 +250,11 @@ async def probe_link(
         raise PeerUnreachable(f"link probe to {host}:{port} failed: {exc}") from exc
 
 
-__all__ = ["PROBE_BYTES", "LinkMeasurement", "probe_link", "probe_token", "serve_probe"]
+__all__ = [
+    "PROBE_BYTES",
+    "LinkMeasurement",
+    "probe_answer",
+    "probe_link",
+    "probe_token",
+    "serve_probe",
+]

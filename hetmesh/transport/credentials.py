@@ -63,6 +63,34 @@ def proof(
     return hmac.new(credential.secret, message, hashlib.sha256).digest()
 
 
+def link_keys(
+    credential: Credential, dialer_nonce: bytes, listener_nonce: bytes
+) -> tuple[bytes, bytes]:
+    """The two 256-bit keys of an encrypted link: (dialer -> listener, listener -> dialer).
+
+    Derived from the credential's secret and both handshake nonces, under a
+    label no proof uses, so a key never appears on the wire and each link (and
+    each direction) gets its own.
+    """
+
+    def key(direction: bytes) -> bytes:
+        message = b"".join(
+            _field(x)
+            for x in (
+                b"hetmesh/link-key/v1",
+                direction,
+                credential.dialer_id.encode(),
+                credential.listener_id.encode(),
+                credential.credential_id,
+                dialer_nonce,
+                listener_nonce,
+            )
+        )
+        return hmac.new(credential.secret, message, hashlib.sha256).digest()
+
+    return key(b"dialer->listener"), key(b"listener->dialer")
+
+
 def check(expected: bytes, got: bytes) -> bool:
     """Constant-time comparison of two MACs."""
     return hmac.compare_digest(expected, got)

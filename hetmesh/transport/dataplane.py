@@ -10,9 +10,9 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -23,27 +23,36 @@ from hetmesh.errors import (
     MeshError,
     PeerUnreachable,
     RemoteProtocolError,
+    StreamReset,
     TransportError,
 )
 from hetmesh.transport import handshake
 from hetmesh.transport.codec import BufferPool
-from hetmesh.transport.credentials import Credential, CredentialBook, CredentialStatistics
+from hetmesh.transport.credentials import (
+    Credential,
+    CredentialBook,
+    CredentialStatistics,
+    link_keys,
+)
 from hetmesh.transport.frames import (
     DEFAULT_LIMITS,
     ERROR_FALLBACK,
+    PREFIX_BYTES,
     Decision,
     Error,
+    Frame,
     Hello,
     Limits,
     Offer,
+    encode_bytes,
+    parse_header,
 )
+from hetmesh.transport.gate import ConnectionGate
 from hetmesh.transport.links import (
     BufferedReader,
     ByteStream,
     FramedStream,
     Link,
-    ReceiveFrame,
-    SendFrame,
     StreamLink,
     TcpLink,
     blocking_framer,
@@ -74,7 +83,12 @@ class DataPlaneConfig:
     ``backends`` is the preference order (the listener's order decides);
     ``deny`` removes backends whatever the peer says; ``require_encryption``
     leaves only libp2p; ``gloo`` lets torchdist run on CPU (tests; NCCL is
-    used automatically when both ends have it). ``spin_us``: links opened
+    used automatically when both ends have it). A direct connection must
+    prove its credential within ``preauth_timeout_s``; until then it reads
+    only a bounded Hello/Proof, and at most ``max_pending_connections``
+    (``max_pending_per_address`` from one address) wait at once: more are
+    closed on accept. A peer holding ``max_links_per_peer`` open links that
+    it dialed gets no more until one closes. ``spin_us``: links opened
     with ``blocking=True`` poll their socket this long in ``receive_blocking``
     before sleeping (at most that much CPU per receive, yielding to any peer
     on the same CPU); 0 sleeps at once. Async-mode links never poll.
@@ -89,6 +103,17 @@ class DataPlaneConfig:
     device: str | None = None  # "cuda:N" to receive NCCL payloads on that device
     limits: Limits = DEFAULT_LIMITS
     handshake_timeout_s: float = 10.0
+    # a dialer not yet authenticated: how long it may take, how many may wait (in
+    # total and from one address); each waits in trio, holding no worker thread
+    preauth_timeout_s: float = 5.0
+    max_pending_connections: int = 64
+    max_pending_per_address: int = 16
+    # open links one peer may hold to us (each costs a reader thread and buffers)
+    max_links_per_peer: int = 8
+    # tcp links sealed with AES-GCM: "auto" between different hosts (not on one
+    # host: loopback, shm), "always", or "never" (the dialer decides; a listener
+    # set to "always" refuses a plaintext link)
+    tcp_encryption: Literal["auto", "always", "never"] = "auto"
     socket_buffer_bytes: int = 0  # 0: let the kernel autotune
     shm_budget_bytes: int = 2 << 30
     torchdist_timeout_s: float = 60.0
@@ -102,6 +127,7 @@ class DataPlaneStatistics:
     links_opened: dict[str, int]
     connections_refused: int
     credentials: CredentialStatistics
+    pending_connections: int = 0  # accepted, not yet authenticated
     choices: tuple[str, ...] = field(default=())  # the reason of every link, newest last
 
 
@@ -124,7 +150,9 @@ class DataPlane:
         self._waiting: dict[bytes, _Waiting] = {}
         self._opened: dict[str, int] = {}
         self._refused = 0
+        self._gate = ConnectionGate(config.max_pending_connections, config.max_pending_per_address)
         self._choices: list[str] = []
+        self._accepted: dict[str, list[Link]] = {}  # links peers dialed, by peer
         self._host_id = host_identity()
         self._cuda = bool(config.device and config.device.startswith("cuda"))
 
@@ -154,6 +182,7 @@ class DataPlane:
             links_opened=dict(self._opened),
             connections_refused=self._refused,
             credentials=self.book.statistics(),
+            pending_connections=self._gate.statistics().pending,
             choices=tuple(self._choices[-32:]),
         )
 
@@ -194,6 +223,8 @@ class DataPlane:
                 theirs = await framed.receive()
         except trio.TooSlowError:
             raise ConnectTimeout("no offer from the peer") from None
+        if isinstance(theirs, Error):
+            raise PeerUnreachable(f"the peer refused a link: {theirs.message}")
         if not isinstance(theirs, Offer) or not theirs.credential_id:
             raise RemoteProtocolError("expected the listener's offer with a credential")
         if expected_peer_id is not None and theirs.peer_id != expected_peer_id:
@@ -228,7 +259,12 @@ class DataPlane:
         if not choice.backend:
             await framed.send(Error(code=ERROR_FALLBACK, message=reason))
             raise PeerUnreachable(reason)
-        await framed.send(Decision(backend=choice.backend, reason=reason))
+        sealed = isinstance(link, TcpLink) and self._encrypts(theirs)
+        if sealed:
+            assert isinstance(link, TcpLink)
+            link.seal()
+            reason += "; sealed (AES-256-GCM)"
+        await framed.send(Decision(backend=choice.backend, reason=reason, encrypted=sealed))
         if link is None:
             with trio.fail_after(timeout):
                 await handshake.dial_async(framed.send, framed.receive, credential)
@@ -247,7 +283,7 @@ class DataPlane:
                 c.shm_budget_bytes,
                 c.handshake_timeout_s,
             )
-        sock, reader = await in_thread(
+        sock, reader, nonces = await in_thread(
             _dial_tcp,
             choice.endpoint,
             credential,
@@ -256,7 +292,8 @@ class DataPlane:
             c.handshake_timeout_s,
         )
         if choice.backend == "tcp":
-            link: Link = TcpLink(sock, peer, c.limits, reader)
+            to_listener, to_dialer = link_keys(credential, *nonces)
+            link: Link = TcpLink(sock, peer, c.limits, reader, (to_listener, to_dialer))
         else:
             link = await in_thread(_torchdist_dial, sock, reader, credential, c)
         return link
@@ -282,6 +319,12 @@ class DataPlane:
             raise RemoteProtocolError("expected the dialer's offer")
         if expected_peer_id is not None and theirs.peer_id != expected_peer_id:
             raise AuthenticationFailed(f"control stream peer is {theirs.peer_id!r}")
+        held = self._accepted.get(theirs.peer_id, [])
+        held[:] = [link for link in held if not link.statistics().closed]
+        if len(held) >= self.config.max_links_per_peer:
+            message = f"{len(held)} links open already"
+            await framed.send(Error(code=ERROR_FALLBACK, message=message))
+            raise TransportError(f"peer {theirs.peer_id!r} has {message}")
         credential = self.book.issue(theirs.peer_id)
         mine = self.offer(credential)
         choice = choose_backend(theirs, mine)
@@ -303,14 +346,15 @@ class DataPlane:
                     await handshake.listen_async(
                         framed.send, framed.receive, self._verifier(theirs.peer_id)
                     )
-                    return self._record(
-                        StreamLink(framed, theirs.peer_id), decision.reason, blocking
-                    )
-                if decision.backend != choice.backend:
-                    raise RemoteProtocolError(
-                        f"dialer chose {decision.backend}, we computed {choice.backend}"
-                    )
-                link = await receive.receive()
+                    link: Link = StreamLink(framed, theirs.peer_id)
+                else:
+                    if decision.backend != choice.backend:
+                        raise RemoteProtocolError(
+                            f"dialer chose {decision.backend}, we computed {choice.backend}"
+                        )
+                    link = await receive.receive()
+                    self._seal_accepted(link, decision, theirs)
+                self._accepted.setdefault(theirs.peer_id, []).append(link)
                 return self._record(link, decision.reason, blocking)
         except trio.TooSlowError:
             raise ConnectTimeout("the dialer did not complete the link in time") from None
@@ -324,6 +368,22 @@ class DataPlane:
                     break
                 self._nursery.start_soon(late.aclose)
 
+    def _encrypts(self, theirs: Offer) -> bool:
+        """Whether a tcp link with the peer of ``theirs`` is sealed (the dialer's rule)."""
+        mode = self.config.tcp_encryption
+        return mode == "always" or (mode == "auto" and theirs.host_id != self._host_id)
+
+    def _seal_accepted(self, link: Link, decision: Decision, theirs: Offer) -> None:
+        """Seal an accepted link as the dialer decided (before it reads anything)."""
+        if not isinstance(link, TcpLink):
+            if decision.encrypted:
+                raise RemoteProtocolError(f"only tcp links are sealed, not {link.backend}")
+            return
+        if decision.encrypted:
+            link.seal()
+        elif self.config.tcp_encryption == "always":
+            raise RemoteProtocolError("the dialer would not seal a link we require sealed")
+
     def _verifier(self, dialer_id: str | None) -> handshake.Verifier:
         def verify(hello: Hello, nonce: bytes, mac: bytes) -> Credential | None:
             if dialer_id is not None and hello.peer_id != dialer_id:
@@ -333,9 +393,6 @@ class DataPlane:
 
         return verify
 
-    def _verify_from_thread(self, hello: Hello, nonce: bytes, mac: bytes) -> Credential | None:
-        return trio.from_thread.run_sync(self._verifier(None), hello, nonce, mac)
-
     async def _serve_tcp(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listener = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -344,12 +401,7 @@ class DataPlane:
         host, port = listener.getsockname()[:2]
         self._endpoints["tcp"] = self._endpoints["torchdist"] = f"{host}:{port}"
         task_status.started()
-        with listener:
-            async with trio.open_nursery() as nursery:
-                while True:
-                    conn, _ = await listener.accept()
-                    sock = socket.socket(fileno=conn.detach())
-                    nursery.start_soon(self._handle_tcp, sock)
+        await self._accept_loop(listener, stream=True)
 
     async def _serve_shm(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         name = f"\0hetmesh-shm-{secrets.token_hex(12)}"
@@ -358,55 +410,103 @@ class DataPlane:
         listener.listen(128)
         self._endpoints["shm"] = name[1:]
         task_status.started()
+        await self._accept_loop(listener, stream=False)
+
+    async def _accept_loop(self, listener: trio.socket.SocketType, *, stream: bool) -> None:
         with listener:
             async with trio.open_nursery() as nursery:
                 while True:
-                    conn, _ = await listener.accept()
-                    sock = socket.socket(fileno=conn.detach())
-                    nursery.start_soon(self._handle_shm, sock)
+                    try:
+                        conn, address = await listener.accept()
+                    except OSError as exc:
+                        # out of descriptors or memory: the node keeps serving and
+                        # tries again once pending connections have gone
+                        log.warning("data-plane accept failed: %r", exc)
+                        await trio.sleep(0.1)
+                        continue
+                    # a unix socket's peer has no address: one bucket for the host
+                    source = address[0] if isinstance(address, tuple) else "local"
+                    if not self._gate.admit(source):
+                        self._refused += 1  # closed before a byte of it is read
+                        conn.close()
+                        continue
+                    nursery.start_soon(self._handle, conn, source, stream)
 
-    async def _handle(
-        self, sock: socket.socket, setup: Callable[[socket.socket], tuple[Link, _Waiting]]
-    ) -> None:
-        """One incoming data connection: authenticate it, then hand the link to ``accept``."""
+    async def _handle(self, conn: trio.socket.SocketType, source: str, stream: bool) -> None:
+        """One incoming data connection: authenticate it, then hand the link to ``accept``.
+
+        Until the dialer has proven its credential this runs in trio on a
+        bounded read (no worker thread, ``preauth_timeout_s``); only then is
+        the socket handed to a thread to become a link.
+        """
         c = self.config
+        sock: socket.socket | None = None
         try:
+            try:
+                with trio.fail_after(c.preauth_timeout_s):
+                    credential, waiting, keys = await self._authenticate(conn, stream)
+            finally:
+                self._gate.release(source)
+            sock = socket.socket(fileno=conn.detach())
+            setup = self._setup_tcp if stream else self._setup_shm
             with trio.fail_after(c.handshake_timeout_s + c.torchdist_timeout_s):
-                link, waiting = await in_thread(setup, sock)
+                link = await in_thread(setup, sock, credential, waiting, keys)
         except (MeshError, OSError, trio.TooSlowError) as exc:
             self._refused += 1
-            log.warning("refused a data connection: %r", exc)
-            sock.close()
+            log.warning("refused a data connection from %s: %r", source, exc)
+            _close(conn, sock)
             return
         except Exception:
             self._refused += 1
             log.exception("data connection handler failed")
-            sock.close()
+            _close(conn, sock)
             return
         try:
             waiting.deliver.send_nowait(link)
         except (trio.WouldBlock, trio.BrokenResourceError):
             await link.aclose()
 
-    async def _handle_tcp(self, sock: socket.socket) -> None:
-        await self._handle(sock, self._setup_tcp)
+    async def _authenticate(
+        self, conn: trio.socket.SocketType, stream: bool
+    ) -> tuple[Credential, _Waiting, tuple[bytes, bytes]]:
+        """The listener's half of the handshake, reading only bounded Hello/Proof frames."""
+        limits = self.config.limits
 
-    async def _handle_shm(self, sock: socket.socket) -> None:
-        await self._handle(sock, self._setup_shm)
+        async def send(frame: Frame) -> None:
+            data = memoryview(encode_bytes(frame, limits))
+            while data:  # a packet socket takes the whole frame in one send
+                data = data[await conn.send(data) :]
 
-    def _listen(self, send: SendFrame, receive: ReceiveFrame) -> tuple[Credential, _Waiting]:
-        credential, _ = handshake.listen_blocking(send, receive, self._verify_from_thread)
+        async def receive() -> Frame:
+            if stream:
+                head = handshake.check_preauth_head(await _receive_exact(conn, PREFIX_BYTES))
+                header = await _receive_exact(conn, head.header_bytes)
+            else:
+                packet = await conn.recv(PREFIX_BYTES + handshake.PREAUTH_LIMITS.max_header_bytes)
+                if not packet:
+                    raise StreamReset("peer closed the doorbell socket")
+                return handshake.parse_preauth(packet)
+            return parse_header(head, header, handshake.PREAUTH_LIMITS).build()
+
+        credential, hello, nonce = await handshake.listen_async(send, receive, self._verifier(None))
         waiting = self._waiting.get(credential.credential_id)
         if waiting is None:
             raise AuthenticationFailed("credential is no longer awaited")
-        return credential, waiting
+        to_listener, to_dialer = link_keys(credential, hello.nonce, nonce)
+        return credential, waiting, (to_dialer, to_listener)
 
-    def _setup_tcp(self, sock: socket.socket) -> tuple[Link, _Waiting]:
+    def _setup_tcp(
+        self,
+        sock: socket.socket,
+        credential: Credential,
+        waiting: _Waiting,
+        keys: tuple[bytes, bytes],
+    ) -> Link:
         c = self.config
         sock.settimeout(c.handshake_timeout_s)
         tune_tcp(sock, c.socket_buffer_bytes)
+        # the handshake read exactly its frames: nothing of the peer's is buffered yet
         reader = BufferedReader(sock, c.limits, BufferPool())
-        credential, waiting = self._listen(*blocking_framer(sock, c.limits, reader))
         if waiting.choice.backend == "torchdist":
             from hetmesh.transport.torchdist import TorchDistLink, listen_group
 
@@ -428,22 +528,41 @@ class DataPlane:
                 c.limits,
                 c.device if self._cuda else None,
             )
-            return link, waiting
+            return link
         if waiting.choice.backend != "tcp":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader), waiting
+        return TcpLink(sock, waiting.remote_peer_id, c.limits, reader, keys)
 
-    def _setup_shm(self, sock: socket.socket) -> tuple[Link, _Waiting]:
+    def _setup_shm(
+        self,
+        sock: socket.socket,
+        credential: Credential,
+        waiting: _Waiting,
+        keys: tuple[bytes, bytes],
+    ) -> Link:
         c = self.config
-        sock.settimeout(c.handshake_timeout_s)
-        _, waiting = self._listen(*packet_framer(sock, c.limits))
         if waiting.choice.backend != "shm":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return ShmLink(
-            sock, waiting.remote_peer_id, c.limits, budget_bytes=c.shm_budget_bytes
-        ), waiting
+        return ShmLink(sock, waiting.remote_peer_id, c.limits, budget_bytes=c.shm_budget_bytes)
+
+
+def _close(conn: trio.socket.SocketType, sock: socket.socket | None) -> None:
+    conn.close()
+    if sock is not None:  # the descriptor moved to it once authenticated
+        sock.close()
+
+
+async def _receive_exact(conn: trio.socket.SocketType, n: int) -> bytes:
+    """Exactly ``n`` bytes (no read-ahead: what follows is the link's)."""
+    data = b""
+    while len(data) < n:
+        chunk = await conn.recv(n - len(data))
+        if not chunk:
+            raise StreamReset("peer closed the connection")
+        data += chunk
+    return data
 
 
 def link_start(link: Link, blocking: bool, spin_us: float = 0.0) -> None:
@@ -471,9 +590,10 @@ def dial_tcp(
 
 def _dial_tcp(
     endpoint: str, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
-) -> tuple[socket.socket, BufferedReader]:
-    """:func:`dial_tcp`, and the reader the handshake used: the link must keep reading
-    through it (the listener's next frame may already be in its buffer)."""
+) -> tuple[socket.socket, BufferedReader, tuple[bytes, bytes]]:
+    """:func:`dial_tcp`, the reader the handshake used (the link must keep reading
+    through it: the listener's next frame may already be in its buffer) and the
+    handshake's (dialer, listener) nonces."""
     host, _, port = endpoint.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -484,12 +604,12 @@ def _dial_tcp(
     try:
         tune_tcp(sock, buffer_bytes)
         reader = BufferedReader(sock, limits, BufferPool())
-        handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
+        nonces = handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
         sock.settimeout(None)
     except BaseException:
         sock.close()
         raise
-    return sock, reader
+    return sock, reader, nonces
 
 
 def _torchdist_dial(

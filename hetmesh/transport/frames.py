@@ -129,6 +129,7 @@ class Decision(Frame):
     TAG: ClassVar[int] = 2
     backend: str
     reason: str
+    encrypted: bool = False  # tcp: frames travel sealed (AES-GCM) with the link's keys
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -231,6 +232,7 @@ _KIND: Final[dict[str, int]] = {
     "gloo": _BOOL,
     "deny": _STRS,
     "require_encryption": _BOOL,
+    "encrypted": _BOOL,
     "credential_id": _BYTES,
     "credential_secret": _BYTES,
     "backend": _STR,

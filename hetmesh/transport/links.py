@@ -61,6 +61,7 @@ from hetmesh.transport.frames import (
     parse_prefix,
 )
 from hetmesh.transport.negotiation import Backend
+from hetmesh.transport.sealed import OpenedSocket, Sealer
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -600,12 +601,34 @@ class TcpLink(ThreadedLink):
         remote_peer_id: str,
         limits: Limits,
         reader: BufferedReader | None = None,
+        keys: tuple[bytes, bytes] | None = None,
     ) -> None:
-        """``reader``: the one the handshake read through (it may hold bytes already)."""
+        """``reader``: the one the handshake read through (it may hold bytes already);
+        ``keys``: (send, receive) keys from the handshake, for :meth:`seal`."""
         super().__init__(remote_peer_id, limits)
         self.sock = sock
         self._reader_io = reader or BufferedReader(sock, limits, self.pool)
         self._reader_io._pool = self.pool
+        self._keys = keys
+        self._sealer: Sealer | None = None
+
+    @property
+    def encrypted(self) -> bool:
+        return self._sealer is not None
+
+    def seal(self) -> None:
+        """Encrypt and authenticate every frame from now on (:mod:`~hetmesh.transport.sealed`).
+
+        Both ends call it after the handshake and before the link starts.
+        """
+        if self._keys is None:
+            raise LocalProtocolError("no handshake keys to seal this link with")
+        reader = self._reader_io
+        if self._mode is not None or reader._start != reader._end:
+            raise LocalProtocolError("a link is sealed before it reads or starts")
+        send_key, receive_key = self._keys
+        self._sealer = Sealer(send_key)
+        reader._sock = OpenedSocket(self.sock, receive_key)  # type: ignore[assignment]
 
     def _set_spin(self, spin_ns: int) -> None:
         self._reader_io.spin_ns = spin_ns
@@ -614,9 +637,15 @@ class TcpLink(ThreadedLink):
         return self._reader_io.read_frame()
 
     def _write_blocking(self, frame: Frame) -> int:
+        if self._sealer is not None:
+            head, buffers, total = encode_parts(frame, self.limits)
+            sendmsg_all(self.sock, self._sealer.seal([head, *map(flat_bytes, buffers)]))
+            return total
         return write_frame(self.sock, frame, self.limits)
 
     async def _write(self, frame: Frame) -> int:
+        if self._sealer is not None:
+            return await self._write_sealed(frame, self._sealer)
         if not self._write_lock.acquire(blocking=False):
             return await in_thread(self._write_blocking_locked, frame)
         try:
@@ -629,6 +658,32 @@ class TcpLink(ThreadedLink):
             if sent < total:
                 parts = [memoryview(head), *map(flat_bytes, buffers)]
                 left = try_sendmsg(self.sock, _advance(parts, sent))
+        except BaseException:
+            self._write_lock.release()
+            raise
+        if not left:
+            self._write_lock.release()
+            return total
+
+        def finish() -> None:
+            try:
+                sendmsg_all(self.sock, left)
+            finally:
+                self._write_lock.release()
+
+        await in_thread(finish)
+        return total
+
+    async def _write_sealed(self, frame: Frame, sealer: Sealer) -> int:
+        """Small frames are sealed on the trio thread and sent without blocking if the
+        socket takes them; large ones are sealed and sent in a worker thread."""
+        if tensors_nbytes(frame.tensors_()) > (64 << 10) or not self._write_lock.acquire(
+            blocking=False
+        ):
+            return await in_thread(self._write_blocking_locked, frame)
+        try:
+            head, buffers, total = encode_parts(frame, self.limits)
+            left = try_sendmsg(self.sock, sealer.seal([head, *map(flat_bytes, buffers)]))
         except BaseException:
             self._write_lock.release()
             raise

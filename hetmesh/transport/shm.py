@@ -13,6 +13,13 @@ tensor, then send it; any other tensor is copied into a segment once. The
 sender must not touch a tensor's segment after sending it. Total segment
 memory is capped (``budget_bytes``); a send waits for releases when full.
 
+A same-host peer is trusted with nothing it could use to take the receiver
+down: segments are sealed against shrinking and growing before their
+descriptor leaves (``F_SEAL_SHRINK``: a truncated mapping would SIGBUS the
+reader), the receiver maps only sealed memfds, and at most
+``budget_bytes`` in ``MAX_SEGMENTS`` segments of a peer's (what an honest
+sender with the same budget can own).
+
 Per handoff: one doorbell packet each way (the frame; later a release),
 no fd once a segment is known, the receiver's tensor views of a segment
 cached by layout, and in blocking mode a receive that polls the doorbell
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import fcntl
 import mmap
 import os
 import socket
@@ -60,6 +68,8 @@ from hetmesh.transport.negotiation import Backend
 
 MIN_SEGMENT = 64 << 10
 MAX_PACKET = 1 << 20
+MAX_SEGMENTS = 4096  # per side of a link: mappings are a per-process kernel resource
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _FRAME, _RELEASE = 0, 1
 
 
@@ -78,6 +88,27 @@ class _Segment:
     # receiver side: tensor views of this segment by (dtype, shape), reused for the next
     # frame of the same layout (three torch view ops per tensor otherwise)
     tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+
+
+def new_segment_fd(seg_id: int, size: int) -> int:
+    """A memfd of ``size`` bytes, sealed so that no one can change its size again."""
+    fd = os.memfd_create(f"hetmesh-{seg_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sealed(fd: int) -> bool:
+    """Whether ``fd`` is a file whose size can no longer shrink (a sealed memfd)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # not a memfd (or a file system without seals)
+        return False
+    return bool(seals & fcntl.F_SEAL_SHRINK)
 
 
 def _map(fd: int, size: int, seg_id: int, *, owned: bool) -> _Segment:
@@ -201,6 +232,7 @@ class ShmLink(ThreadedLink):
         self._announced: set[int] = set()
         self._allocated: dict[int, int] = {}  # data_ptr -> own seg id, allocated not yet sent
         self._remote: dict[int, _Segment] = {}
+        self._remote_bytes = 0  # mapped from the peer: at most budget_bytes
         self._lent: dict[int, int] = {}  # data_ptr of a received tensor -> remote seg id
         self._lent_bytes = 0
         self._early: deque[Frame] = deque()
@@ -217,7 +249,7 @@ class ShmLink(ThreadedLink):
                 free = self._free.get(size)
                 if free:
                     return self._own[free.pop()]
-                if self._own_bytes + size <= self._budget:
+                if self._own_bytes + size <= self._budget and len(self._own) < MAX_SEGMENTS:
                     break
                 if time.monotonic() > deadline:
                     raise TransportError("shared-memory budget exhausted: peer does not release")
@@ -231,8 +263,7 @@ class ShmLink(ThreadedLink):
             seg_id = self._next_id
             self._next_id += 1
             self._own_bytes += size
-        fd = os.memfd_create(f"hetmesh-{seg_id}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, size)
+        fd = new_segment_fd(seg_id, size)
         segment = _map(fd, size, seg_id, owned=True)
         with self._cond:
             self._own[seg_id] = segment
@@ -406,7 +437,14 @@ class ShmLink(ThreadedLink):
         for (seg_id, size), fd in zip(new, fds, strict=True):
             if seg_id in self._remote or seg_id in sizes or os.fstat(fd).st_size < size:
                 raise RemoteProtocolError("bad shared-memory segment")
+            if not sealed(fd):  # the peer could truncate it under our reads (SIGBUS)
+                raise RemoteProtocolError("shared-memory segment not sealed against shrinking")
             sizes[seg_id] = size
+        if (
+            self._remote_bytes + sum(sizes.values()) > self._budget
+            or len(self._remote) + len(sizes) > MAX_SEGMENTS
+        ):
+            raise RemoteProtocolError("peer's shared-memory segments exceed the budget")
         for target, spec in zip(seg_ids, specs, strict=True):
             size = -1
             if type(target) is int:
@@ -416,6 +454,7 @@ class ShmLink(ThreadedLink):
                 raise RemoteProtocolError("tensor does not fit its segment")
         for (seg_id, size), fd in zip(new, fds, strict=True):  # checked whole: map
             self._remote[seg_id] = _map(fd, size, seg_id, owned=False)
+            self._remote_bytes += size
 
     def release(self, frame: Frame) -> None:
         """Hand the frame's segments back to the sender (tensors are invalid afterwards)."""

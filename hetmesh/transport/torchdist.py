@@ -3,7 +3,10 @@
 No ``init_process_group``: the listener (rank 0) binds a socket itself and
 passes it to ``TCPStore(master_listen_fd=...)`` so the store listens only on
 the data-plane address, never on every interface; it sends the store's port
-to the dialer (rank 1) over the already-authenticated TCP connection. Both
+to the dialer (rank 1) over the already-authenticated TCP connection, and
+stops listening as soon as the group is formed (the store's connections
+already made, the authenticated peer's among them, carry on): the store
+takes no connection from anyone else for the life of the link. Both
 build ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (both ends CUDA)
 directly on a ``PrefixStore`` for this link.
 
@@ -68,26 +71,37 @@ def listen_group(
     listener.bind((host, 0))
     listener.listen(4)
     port = listener.getsockname()[1]
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host,
-        port,
-        2,
-        True,
-        datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
-    sendmsg_all(
-        sock,
-        [memoryview(p) for p in encode(Decision(backend="torchdist", reason=f"{host}:{port}"))],
-    )
-    prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
-        f"hetmesh/link/{link_id}/", store
-    )
+    # our own handle on the store's listening socket, to stop it listening later
+    handle = socket.socket(fileno=os.dup(listener.fileno()))
     try:
-        return _group(prefixed, 0, timeout_s, host, device), store
-    except RuntimeError as exc:
-        raise PeerUnreachable(f"torchdist group setup failed: {exc}") from exc
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            port,
+            2,
+            True,
+            datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+        sendmsg_all(
+            sock,
+            [memoryview(p) for p in encode(Decision(backend="torchdist", reason=f"{host}:{port}"))],
+        )
+        prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
+            f"hetmesh/link/{link_id}/", store
+        )
+        try:
+            group = _group(prefixed, 0, timeout_s, host, device)
+        except RuntimeError as exc:
+            raise PeerUnreachable(f"torchdist group setup failed: {exc}") from exc
+    finally:
+        # formed (the dialer's store client connected before its rank could join) or
+        # failed: either way nobody else may connect. A listening socket shut down
+        # refuses new connections; those it accepted keep working.
+        with contextlib.suppress(OSError):
+            handle.shutdown(socket.SHUT_RDWR)
+        handle.close()
+    return group, store
 
 
 def dial_group(

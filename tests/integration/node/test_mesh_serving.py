@@ -205,3 +205,80 @@ async def test_no_leak_after_eighty_sessions(mesh3, default_model_dir):
         raise AssertionError(f"KV bytes still in use: {await kv_in_use()}")
     for before, now in zip(warm, after, strict=True):
         assert now <= before * (1 + GROWTH_BOUND), (before, now)
+
+
+async def _stranger(
+    port: int, source: str, opening: bytes, connected: list[int], hold: trio.Event
+) -> None:
+    """One connection from a stranger: ``opening`` (maybe nothing), then silence."""
+    sock = trio.socket.socket()
+    with sock:
+        try:
+            await sock.bind((source, 0))
+            await sock.connect(("127.0.0.1", port))
+            if opening:
+                await sock.send(opening)
+            if len(opening) > 16:  # a data frame's head: then stream its payload
+                chunk = bytes(1 << 20)
+                for _ in range(32):
+                    await sock.send(chunk)
+        except OSError:
+            pass  # refused or reset at once: what a capped listener may do
+        connected.append(port)
+        await hold.wait()
+
+
+async def test_two_hundred_strangers_cost_no_memory_and_stall_no_generation(
+    mesh3, default_model_dir
+):
+    """200 unauthenticated connections to a stage node's data-plane and probe ports:
+    silent, a few bytes, or a 4 GiB frame head followed by 32 MiB of its payload.
+    Its RSS stays within 50 MiB of its baseline and a generation through it
+    meanwhile matches the reference (before the fix: +483 MiB)."""
+    import msgpack
+    import psutil
+
+    from hetmesh.transport.frames import MAGIC, PREFIX, VERSION, Activations
+
+    target = mesh3[1]
+    proc = psutil.Process(target.proc.pid)
+    view = await view_of(target)
+    (me,) = [p for p in view["peers"] if p["peer_id"] == target.addr.rsplit("/", 1)[-1]]
+    probe_port = me["record"]["probe_port"]
+    libp2p_port = int(target.addr.split("/")[4])
+    listening = {
+        c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
+    }
+    (data_port,) = listening - {probe_port, libp2p_port}
+
+    ids = encode(default_model_dir, "The capital of France is")
+    expected = reference_ids(default_model_dir, ids, 16)
+    assert await generate_ids(mesh3[0].addr, ids, max_new_tokens=16) == expected  # warm
+    baseline = proc.memory_info().rss
+
+    header = msgpack.packb(["s", 0, [0], [["float32", [1 << 30], 4 << 30]]])
+    huge = PREFIX.pack(MAGIC, VERSION, Activations.TAG, len(header), 4 << 30) + header
+    openings = [b"", b"HM\x01", huge]
+    hold = trio.Event()
+    connected: list[int] = []
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+        for i in range(200):
+            port = data_port if i % 2 else probe_port
+            source = f"127.0.0.{2 + i % 5}"
+            nursery.start_soon(_stranger, port, source, openings[i % 3], connected, hold)
+        with trio.fail_after(60):  # all 200 are in before the generation starts
+            while len(connected) < 200:  # noqa: ASYNC110 - the strangers' own tasks count
+                await trio.sleep(0.01)
+        with trio.fail_after(240):
+            got = await generate_ids(mesh3[0].addr, ids, max_new_tokens=16)
+        grown = proc.memory_info().rss - baseline
+        hold.set()
+    print(
+        f"stage node RSS {baseline / 2**20:.0f} MiB, +{grown / 2**20:.1f} MiB under 200 strangers"
+    )
+    assert got == expected
+    assert grown < 50 << 20, f"RSS grew {grown / 2**20:.0f} MiB"
+    assert target.proc.poll() is None
+    # and the strangers did not cost it the mesh: a generation after them is fine too
+    assert await generate_ids(mesh3[0].addr, ids, max_new_tokens=16) == expected

@@ -38,6 +38,7 @@ from hetmesh.transport.negotiation import Backend
 from hetmesh.transport.p2p import PROTOCOL_ID, Libp2pStream, open_p2p_host, p2p_connect
 
 BACKENDS = [b.value for b in Backend]
+SEALED = "tcp-sealed"  # tcp with every frame sealed (AES-GCM), forced on loopback
 
 
 @asynccontextmanager
@@ -47,7 +48,13 @@ async def open_link_pair(backend: str) -> AsyncIterator[tuple[Link, Link]]:
     The control stream is a real libp2p stream between two hosts: for the
     libp2p backend it becomes the link itself.
     """
-    config = {"backends": (backend, "libp2p"), "gloo": True}
+    sealed = backend == SEALED
+    backend = "tcp" if sealed else backend
+    config = {
+        "backends": (backend, "libp2p"),
+        "gloo": True,
+        "tcp_encryption": "always" if sealed else "auto",  # auto: loopback stays plain
+    }
     async with (
         open_data_plane(DataPlaneConfig(peer_id="A", **config)) as a,  # type: ignore[arg-type]
         open_data_plane(DataPlaneConfig(peer_id="B", **config)) as b,  # type: ignore[arg-type]
@@ -68,6 +75,7 @@ async def open_link_pair(backend: str) -> AsyncIterator[tuple[Link, Link]]:
             la = await a.connect(await p2p_connect(host_a, _address(host_b)))
             lb = await delivered.receive()
         assert la.backend == lb.backend == backend
+        assert getattr(la, "encrypted", False) == getattr(lb, "encrypted", False) == sealed
         try:
             yield la, lb
         finally:
@@ -81,7 +89,7 @@ def _address(host: object) -> str:
     return f"{host.get_addrs()[0]}"  # type: ignore[attr-defined]
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=[*BACKENDS, SEALED])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Link, Link]]:
     async with open_link_pair(request.param) as links:
         yield links

@@ -36,7 +36,7 @@ from hetmesh.transport.credentials import Credential
 from hetmesh.transport.dataplane import dial_shm, dial_tcp
 from hetmesh.transport.frames import DEFAULT_LIMITS, encode_parts
 from hetmesh.transport.links import TcpLink, ThreadedLink, in_thread
-from hetmesh.transport.shm import MIN_SEGMENT, ShmLink
+from hetmesh.transport.shm import MIN_SEGMENT, ShmLink, new_segment_fd
 
 BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
 
@@ -401,8 +401,7 @@ def test_shm_checks_a_whole_doorbell_packet_before_mapping_any_descriptor() -> N
     """A packet whose head, segment ids or descriptors are bad maps nothing."""
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     link = ShmLink(right, "peer", DEFAULT_LIMITS)
-    fd = os.memfd_create("hetmesh-test", os.MFD_CLOEXEC)
-    os.ftruncate(fd, MIN_SEGMENT)
+    fd = new_segment_fd(1, MIN_SEGMENT)
     try:
         t = torch.arange(4, dtype=torch.float32)
         head, _, _ = encode_parts(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
@@ -429,6 +428,51 @@ def test_shm_checks_a_whole_doorbell_packet_before_mapping_any_descriptor() -> N
         left.close()
 
 
+async def test_shm_segments_are_sealed_so_the_sender_cannot_shrink_them() -> None:
+    """A peer that truncated a segment the receiver reads would crash it with SIGBUS."""
+    async with planes("shm") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ShmLink)
+        t = torch.arange(4096, dtype=torch.float32)
+        await la.send(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+        frame = await lb.receive()
+        (segment,) = la._own.values()
+        for size in (0, segment.size // 2, segment.size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(segment.fd, size)
+        assert torch.equal(frame.tensors[0], t)  # still readable, whole
+        lb.release(frame)
+        for link in (la, lb):
+            await link.aclose()
+
+
+def test_shm_maps_only_sealed_segments_and_at_most_its_budget() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    link = ShmLink(right, "peer", DEFAULT_LIMITS, budget_bytes=2 * MIN_SEGMENT)
+    t = torch.arange(4, dtype=torch.float32)
+    head, _, _ = encode_parts(Activations(session_id="s", step=0, positions=(), tensors=(t,)))
+    unsealed = os.memfd_create("hetmesh-test", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, MIN_SEGMENT)
+    fds = [new_segment_fd(i, MIN_SEGMENT) for i in range(3)]
+    try:
+        with pytest.raises(RemoteProtocolError, match="sealed"):
+            link._on_packet(msgpack.packb([0, head, [1], [[1, MIN_SEGMENT]]]), [unsealed])
+        assert link._remote == {}
+        for seg_id in (1, 2):  # the budget holds two segments of the peer's
+            frame = link._on_packet(
+                msgpack.packb([0, head, [seg_id], [[seg_id, MIN_SEGMENT]]]), [fds[seg_id - 1]]
+            )
+            link.release(frame)
+        with pytest.raises(RemoteProtocolError, match="budget"):
+            link._on_packet(msgpack.packb([0, head, [3], [[3, MIN_SEGMENT]]]), [fds[2]])
+        assert set(link._remote) == {1, 2}
+    finally:
+        for fd in (unsealed, *fds):
+            os.close(fd)
+        link._shutdown()
+        left.close()
+
+
 async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -437,7 +481,7 @@ async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
     fresh reader once lost the endpoint and waited out the whole torchdist timeout)."""
     dial_blocking = handshake.dial_blocking
 
-    def late_dialer(send: Any, receive: Any, credential: Credential) -> None:
+    def late_dialer(send: Any, receive: Any, credential: Credential) -> tuple[bytes, bytes]:
         seen: list[object] = []
 
         def late_receive() -> Any:
@@ -446,7 +490,7 @@ async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
             seen.append(None)
             return receive()
 
-        dial_blocking(send, late_receive, credential)
+        return dial_blocking(send, late_receive, credential)
 
     monkeypatch.setattr(handshake, "dial_blocking", late_dialer)
     async with planes("torchdist", torchdist_timeout_s=20.0) as (a, b):
@@ -455,5 +499,24 @@ async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
         assert la.backend == "torchdist"
         await la.send(Tokens(session_id="s", step=0, token_ids=(3,)))
         assert await lb.receive() == Tokens(session_id="s", step=0, token_ids=(3,))
+        for link in (la, lb):
+            await link.aclose()
+
+
+async def test_torchdist_store_takes_no_connection_once_the_group_is_formed() -> None:
+    """gloo's TCPStore listened on the data-plane address for the life of each link,
+    unauthenticated; now only until the link's group is formed."""
+    async with planes("torchdist") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert la.backend == lb.backend == "torchdist"
+        port = lb._store.port  # type: ignore[attr-defined]  # b listened: rank 0 ran the store
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        t = torch.arange(1024, dtype=torch.float32)
+        for step in range(3):  # the group carries on without it
+            await la.send(Activations(session_id="s", step=step, positions=(), tensors=(t,)))
+            frame = await lb.receive()
+            assert torch.equal(frame.tensors[0], t)
+            lb.release(frame)
         for link in (la, lb):
             await link.aclose()
