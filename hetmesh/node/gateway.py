@@ -70,6 +70,7 @@ class GatewayTimeouts:
     prefill_floor_s: float = 30.0
     prefill_per_token_s: float = 0.01
     admission_s: float = 30.0  # how long a request waits for a busy mesh
+    resume_s: float = 300.0  # how long a preempted session, mid-stream, waits to be readmitted
     ping_s: float = 1.5
     close_s: float = 5.0
     replan_pause_s: float = 0.5
@@ -178,6 +179,7 @@ class Gateway:
         self._started += 1
         finished = False
         recoveries = preemptions = 0
+        admission_s = self.timeouts.admission_s
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
@@ -193,6 +195,7 @@ class Gateway:
                         len(prompt_ids) + params.max_new_tokens,
                         len(history),
                         sampling,
+                        admission_s,
                     )
                     async for token in self._run(
                         session_id, hops, inbox, history, generated, params.max_new_tokens
@@ -205,6 +208,8 @@ class Gateway:
                     # history; the open waits (Rejected: busy) until blocks are free.
                     preemptions += 1
                     self._preemptions += 1
+                    # its client is mid-stream: wait longer for room than a new request
+                    admission_s = max(self.timeouts.admission_s, self.timeouts.resume_s)
                     log.info("session %s: %s; resumes after %d tokens", base, exc, len(generated))
                     if preemptions > self.timeouts.max_preemptions:
                         raise Rejected(
@@ -246,6 +251,7 @@ class Gateway:
         max_tokens: int,
         prompt_tokens: int,
         sampling: SamplingParams,
+        admission_s: float,
     ) -> None:
         """Open the session on every stage, waiting (with back-off) while they are busy."""
         requests = [
@@ -261,7 +267,7 @@ class Gateway:
             )
             for i, hop in enumerate(hops)
         ]
-        deadline = trio.current_time() + self.timeouts.admission_s
+        deadline = trio.current_time() + admission_s
         delay = 0.05
         while True:
             replies = await self._ask_all(hops, requests)
