@@ -3,12 +3,13 @@
 A stage's KV budget is one pool of fixed-size blocks
 (:mod:`hetmesh.partition.blocks`). A session is admitted by the blocks it
 needs *now* — its prompt, plus a small reserve left free for the sessions
-already running — not by the worst case of ``prompt + max_tokens``; it gets
-more blocks as its tokens arrive (:meth:`KVManager.grow`). When the pool
-runs out mid-generation, the newest session holding blocks is preempted:
-its blocks are freed and the stage server tells its gateway, which resumes
-it later by replaying its token history. With ``reserve_whole`` the old
-policy is kept (every session holds ``max_tokens`` up front), for comparison.
+already running (1/32 of the pool by default) — not by the worst case of
+``prompt + max_tokens``; it gets more blocks as its tokens arrive
+(:meth:`KVManager.grow`). When the pool runs out mid-generation, the newest
+session holding blocks is preempted: its blocks are freed and the stage
+server tells its gateway, which resumes it later by replaying its token
+history. With ``reserve_whole`` the old policy is kept (every session holds
+``max_tokens`` up front), for comparison.
 
 Refusals: :class:`~hetmesh.errors.InvalidRequest` for a session no pool of
 this stage could ever hold (named against the KV limit), and
@@ -70,7 +71,9 @@ class KVLimits:
     max_tokens_per_session: int
     budget_bytes: int
     idle_timeout_s: float = 300.0
-    reserve_blocks: int = 1  # left free at admission for running sessions to grow into
+    # left free at admission for running sessions to grow into; None: 1/32 of the pool
+    # (at least one block), which cut preemptions 6x for 2 % fewer sessions (bench/kv.py)
+    reserve_blocks: int | None = None
     reserve_whole: bool = False  # the old policy: hold prompt + max_tokens up front
 
 
@@ -114,6 +117,13 @@ class KVManager(Generic[KV]):
         self._preempted = 0
 
     @property
+    def reserve_blocks(self) -> int:
+        """Blocks a new session must leave free (the running ones grow into them)."""
+        if self._limits.reserve_blocks is not None:
+            return self._limits.reserve_blocks
+        return max(1, self._pool.num_blocks // 32)
+
+    @property
     def pool_tokens(self) -> int:
         return self._pool.num_blocks * self._pool.block_tokens
 
@@ -142,7 +152,7 @@ class KVManager(Generic[KV]):
             )
         now = max_tokens if self._limits.reserve_whole else prompt_tokens
         need = blocks_for(now, self._pool.block_tokens)
-        reserve = 0 if self._limits.reserve_whole else self._limits.reserve_blocks
+        reserve = 0 if self._limits.reserve_whole else self.reserve_blocks
         if (
             len(self._entries) >= self._limits.max_sessions
             or need + reserve > self._pool.free_blocks

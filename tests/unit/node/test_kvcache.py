@@ -197,3 +197,13 @@ def test_kvcache_never_leaks_blocks_over_many_mixed_sessions():
         kv.close(sid)
     assert pool.free_blocks == pool.num_blocks
     assert kv.statistics().bytes_reserved == 0
+
+
+@pytest.mark.parametrize(("blocks", "reserve"), [(6, 1), (64, 2), (512, 16)])
+def test_kvcache_default_reserve_is_a_thirty_second_of_the_pool(blocks, reserve):
+    clock, pool = Clock(), Pool(blocks)
+    kv = KVManager(KVLimits(4, 16 * blocks, 0), pool=pool, factory=lambda: Cache(pool), clock=clock)
+    assert kv.reserve_blocks == reserve
+    with pytest.raises(Rejected, match="busy"):
+        kv.open("big", 16 * blocks, prompt_tokens=16 * (blocks - reserve) + 1)
+    kv.open("fits", 16 * blocks, prompt_tokens=16 * (blocks - reserve))
