@@ -6,7 +6,11 @@ computed from a model's config. Every record is frozen, carries units in its
 field names, and converts to and from a plain wire dict (msgpack-able):
 ``from_wire`` ignores unknown keys, so old and new peers coexist, and raises
 ``ValueError`` for missing or ill-typed ones (callers at a network boundary
-translate that into ``RemoteProtocolError``).
+translate that into ``RemoteProtocolError``). What a peer announces may be
+anything, so reading is strict on values too: no number on the wire is NaN
+or infinite, and the measured figures of a device or a link lie within
+physical bounds (:data:`MAX_FLOPS` and its neighbours), so one member's
+absurd claim cannot attract the whole model or overflow the planner.
 
 This module imports nothing of ours.
 """
@@ -14,6 +18,7 @@ This module imports nothing of ours.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -24,6 +29,16 @@ Backend = Literal["cuda", "mps", "cpu"]
 UnitKind = Literal["embed", "block", "head"]
 
 _R = TypeVar("_R", bound="WireRecord")
+
+# Physical bounds on what a device or link may claim: well above any machine
+# that exists (a whole GPU pod does ~1e18 FLOP/s), far below what breaks the planner.
+MAX_FLOPS = 1e18
+MAX_BANDWIDTH_BPS = 1e14  # bytes/s: 100 TB/s
+MAX_MEMORY_BYTES = 2**50  # 1 PiB
+MAX_CORES = 2**16
+MAX_FREQ_HZ = 1e11
+MAX_RTT_S = 3600.0
+MAX_NAME_CHARS = 256  # peer ids, device names, compute capabilities
 
 
 def _check(value: Any, hint: Any, where: str) -> Any:
@@ -69,7 +84,13 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError as exc:  # an integer beyond any float
+            raise ValueError(f"{where}: {value!r} is out of range") from exc
+        if not math.isfinite(number):
+            raise ValueError(f"{where}: {number} is not a finite number")
+        return number
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{where}: expected an integer, got {type(value).__name__}")
@@ -143,10 +164,18 @@ class DeviceProfile(WireRecord):
     schema_version: int = 1
 
     def __post_init__(self) -> None:
-        if self.memory_total_bytes < 0 or self.memory_free_bytes < 0:
-            raise ValueError("memory figures must be non-negative")
-        if self.matmul_flops < 0 or self.memory_bandwidth_bps < 0:
-            raise ValueError("speeds must be non-negative")
+        _within("memory_total_bytes", self.memory_total_bytes, MAX_MEMORY_BYTES)
+        _within("memory_free_bytes", self.memory_free_bytes, MAX_MEMORY_BYTES)
+        _within("matmul_flops", self.matmul_flops, MAX_FLOPS)
+        _within("memory_bandwidth_bps", self.memory_bandwidth_bps, MAX_BANDWIDTH_BPS)
+        _within("cpu_cores_physical", self.cpu_cores_physical, MAX_CORES)
+        _within("cpu_cores_logical", self.cpu_cores_logical, MAX_CORES)
+        _within("cpu_freq_hz", self.cpu_freq_hz, MAX_FREQ_HZ)
+        _within("utilisation", self.utilisation, 1.0)
+        _within("measured_at_s", self.measured_at_s, math.inf)
+        for name in ("peer_id", "device", "name", "compute_capability"):
+            if len(getattr(self, name)) > MAX_NAME_CHARS:
+                raise ValueError(f"{name} is longer than {MAX_NAME_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,8 +190,17 @@ class LinkProfile(WireRecord):
     schema_version: int = 1
 
     def __post_init__(self) -> None:
-        if self.rtt_s < 0 or self.bandwidth_bps < 0:
-            raise ValueError("rtt and bandwidth must be non-negative")
+        _within("rtt_s", self.rtt_s, MAX_RTT_S)
+        _within("bandwidth_bps", self.bandwidth_bps, MAX_BANDWIDTH_BPS)
+        _within("measured_at_s", self.measured_at_s, math.inf)
+        if max(len(self.src), len(self.dst)) > MAX_NAME_CHARS:
+            raise ValueError(f"src or dst is longer than {MAX_NAME_CHARS} characters")
+
+
+def _within(name: str, value: float, limit: float) -> None:
+    """Refuse a figure that is NaN, negative or above ``limit``."""
+    if not 0 <= value <= limit:  # NaN fails both comparisons
+        raise ValueError(f"{name} = {value!r} is outside [0, {limit}]")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,6 +298,9 @@ class ModelProfile(WireRecord):
 
 
 __all__ = [
+    "MAX_BANDWIDTH_BPS",
+    "MAX_FLOPS",
+    "MAX_MEMORY_BYTES",
     "Backend",
     "DeviceProfile",
     "LinkProfile",

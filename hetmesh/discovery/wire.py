@@ -10,6 +10,8 @@ stream helpers at the bottom.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,7 +26,18 @@ STATUS_PROTOCOL = "/hetmesh/status/1.0.0"
 
 MAX_ANNOUNCEMENT_BYTES = 256 * 1024
 MAX_STATUS_BYTES = 8 * 1024 * 1024
+# most entries an announcement's lists may hold (a real node has a few devices,
+# a link per peer, a handful of addresses and stages)
+MAX_ENTRIES = {
+    "addrs": 64,
+    "devices": 64,
+    "links": 1024,
+    "stages": 256,
+    "known_peers": 1024,
+}
 _HEADER = struct.Struct(">I")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +92,41 @@ class Announcement(WireRecord):
     @property
     def order(self) -> tuple[int, int]:
         return (self.boot_id, self.seq)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Announcement:
+        """Parse a record a peer sent, bound to that peer.
+
+        Beyond the field checks every record gets: too many entries in a list
+        is refused (:data:`MAX_ENTRIES`), and the devices and links that do not
+        belong to the announcing peer (a device of another peer id, a link
+        measured from another peer) are dropped, so no member can describe
+        another's hardware or the links between others.
+        """
+        if isinstance(data, dict):
+            for name, limit in MAX_ENTRIES.items():
+                value = data.get(name)
+                if isinstance(value, list | tuple) and len(value) > limit:
+                    raise ValueError(f"Announcement.{name}: {len(value)} entries, over {limit}")
+        record = _parse_record(cls, data)
+        own_devices = tuple(d for d in record.devices if d.peer_id == record.peer_id)
+        own_links = tuple(
+            link for link in record.links if link.src == record.peer_id and link.dst != link.src
+        )
+        if own_devices == record.devices and own_links == record.links:
+            return record
+        log.info(
+            "announcement of %s: dropped %d devices and %d links that are not its own",
+            record.peer_id,
+            len(record.devices) - len(own_devices),
+            len(record.links) - len(own_links),
+        )
+        return dataclasses.replace(record, devices=own_devices, links=own_links)
+
+
+def _parse_record(cls: type[Announcement], data: Any) -> Announcement:
+    # the generic field-by-field parse (WireRecord's), under the override above
+    return WireRecord.from_wire.__func__(cls, data)  # type: ignore[attr-defined,no-any-return]
 
 
 def encode(record: WireRecord | dict[str, Any]) -> bytes:

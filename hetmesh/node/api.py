@@ -22,6 +22,14 @@ without a key. Errors are OpenAI-shaped, ``{"error": {"message", "type",
 would. Streams (``"stream": true``) are
 server-sent events ending with ``data: [DONE]``; every chunk's choice carries
 the hetmesh extension ``token_ids``.
+
+Nothing a client sends is held whole before it is bounded: the body is read
+as a stream and refused with 413 once it passes :data:`MAX_BODY_BYTES` (or
+at once when its declared length does); a prompt longer than the context
+could hold is refused before it is tokenised, and tokenisation runs off the
+event loop, a few at a time; each client address may have
+``max_requests_per_client`` completions in flight (429 past that; loopback
+clients, the node's own machine, are not counted unless asked).
 """
 
 from __future__ import annotations
@@ -33,7 +41,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -54,11 +61,14 @@ from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.api_requests import (
+    DEFAULT_MAX_REQUESTS_PER_CLIENT,
     MAX_BODY_BYTES,
     ApiError,
     ApiRequest,
+    ClientLimits,
     api_error,
     bad_request,
+    check_prompt_chars,
     default_max_tokens,
     parse_api_request,
 )
@@ -116,14 +126,36 @@ class _Timing:
         self.tokens += 1
 
 
+MAX_CONCURRENT_TOKENISATIONS = 2  # the rest wait, off the event loop's worker threads
+STREAM_BUFFER = 64  # tokens a stream's producer may run ahead of its client
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientPolicy:
+    """How much of the API one client may take: completions in flight per address
+    (``limit_loopback``: count loopback clients too; off, the node's own machine
+    is trusted as its operator)."""
+
+    max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT
+    limit_loopback: bool = False
+
+
 class _Api:
     def __init__(
-        self, backend: Backend, metrics: ApiMetrics, nursery: trio.Nursery, feed: Feed
+        self,
+        backend: Backend,
+        metrics: ApiMetrics,
+        nursery: trio.Nursery,
+        feed: Feed,
+        policy: ClientPolicy | None = None,
     ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.nursery = nursery
         self.feed = feed
+        self.policy = policy or ClientPolicy()
+        self.clients = ClientLimits(self.policy.max_requests_per_client)
+        self.tokenising = trio.CapacityLimiter(MAX_CONCURRENT_TOKENISATIONS)
 
     # routes
 
@@ -166,19 +198,32 @@ class _Api:
         log.info("%s %s -> %d %s", request.method, request.url.path, err.status, err.message)
         return self._json(request, err.body(), err.status)
 
+    async def _body(self, request: Request) -> bytes:
+        """The body, read as a stream and refused (413) the moment it passes the cap."""
+        too_large = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise too_large  # without reading a byte of it
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise too_large
+        return bytes(raw)
+
     async def _parse(
         self, request: Request, chat: bool
     ) -> tuple[ApiRequest, list[int], SamplingParams]:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
+        raw = await self._body(request)
         try:
             body = json.loads(raw)
         except ValueError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
         parsed = parse_api_request(body, chat=chat, models=self.backend.models())
-        ids = await self.backend.encode(parsed.request)
         context = self.backend.max_context()
+        check_prompt_chars(parsed.request, context)  # before the tokenizer reads it
+        async with self.tokenising:
+            ids = await self.backend.encode(parsed.request)  # the backend runs it in a thread
         if len(ids) >= context:
             raise bad_request(
                 f"the prompt has {len(ids)} tokens; the context holds {context}",
@@ -198,7 +243,54 @@ class _Api:
             params = dataclasses.replace(params, max_new_tokens=default_max_tokens(chat, room))
         return parsed, ids, params
 
+    def _client(self, request: Request) -> str | None:
+        """The key a request counts against (its peer address); None: not counted."""
+        host = request.client.host if request.client is not None else ""
+        if not self.policy.limit_loopback:
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(host).is_loopback:
+                    return None
+        return host
+
     async def _complete(self, request: Request, *, chat: bool) -> Response:
+        client = self._client(request)
+        if client is not None and not self.clients.acquire(client):
+            limit = self.clients.per_client
+            return self._error(
+                request,
+                ApiError(
+                    429,
+                    f"this client already has {limit} requests in flight; wait for one to end",
+                    "rate_limit_error",
+                    code="too_many_requests",
+                    hetmesh_error=error_name(errors.Rejected),
+                ),
+            )
+        release = self._releaser(client)
+        try:
+            response = await self._complete_held(request, chat, release)
+        except BaseException:
+            release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            release()
+        return response  # a stream releases its slot when it ends
+
+    def _releaser(self, client: str | None) -> Callable[[], None]:
+        """Releases ``client``'s slot once, however many times it is called."""
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if client is not None and not done:
+                done = True
+                self.clients.release(client)
+
+        return release
+
+    async def _complete_held(
+        self, request: Request, chat: bool, release: Callable[[], None]
+    ) -> Response:
         timing = _Timing(time.perf_counter())
         try:
             parsed, ids, params = await self._parse(request, chat)
@@ -207,7 +299,7 @@ class _Api:
         except MeshError as exc:
             return self._error(request, api_error(exc))
         if parsed.stream:
-            return await self._stream(request, parsed, ids, params, timing)
+            return await self._stream(request, parsed, ids, params, timing, release)
         self.metrics.inflight.inc()
         tokens: list[int] = []
         text: list[str] = []
@@ -256,8 +348,13 @@ class _Api:
         ids: list[int],
         params: SamplingParams,
         timing: _Timing,
+        release: Callable[[], None],
     ) -> Response:
-        send, receive = trio.open_memory_channel[tuple[str, int, str, MeshError | None]](math.inf)
+        # bounded: a client that stops reading pauses its generation instead of
+        # letting the producer pile up every token it has not read
+        send, receive = trio.open_memory_channel[tuple[str, int, str, MeshError | None]](
+            STREAM_BUFFER
+        )
         scope = trio.CancelScope()
         self.nursery.start_soon(self._produce, ids, params, send, scope)
         self.metrics.inflight.inc()
@@ -273,8 +370,8 @@ class _Api:
             assert first[3] is not None
             return self._error(request, api_error(first[3]))
         self.metrics.requests.labels(request.url.path, "200").inc()
-        body = self._events(parsed, ids, params, first, receive, scope, timing)
-        return StreamingResponse(body, media_type="text/event-stream")
+        body = self._events(parsed, ids, params, first, receive, scope, timing, release)
+        return _HeldStream(body, release, media_type="text/event-stream")
 
     async def _produce(
         self,
@@ -304,6 +401,7 @@ class _Api:
         receive: trio.MemoryReceiveChannel[tuple[str, int, str, MeshError | None]],
         scope: trio.CancelScope,
         timing: _Timing,
+        release: Callable[[], None],
     ) -> AsyncIterator[str]:
         chat = parsed.chat
         cid = _new_id(chat)
@@ -369,6 +467,24 @@ class _Api:
         finally:
             scope.cancel()
             self.metrics.inflight.dec()
+            release()
+
+
+class _HeldStream(StreamingResponse):
+    """A streamed response that gives its client's slot back when it is done, sent or not
+    (a client gone before the first chunk never starts the body's generator)."""
+
+    def __init__(
+        self, content: AsyncIterator[str], release: Callable[[], None], media_type: str
+    ) -> None:
+        super().__init__(content, media_type=media_type)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _new_id(chat: bool) -> str:
@@ -427,6 +543,7 @@ def build_app(
     *,
     api_key: str | None = None,
     feed: Feed | None = None,
+    policy: ClientPolicy | None = None,
 ) -> Starlette:
     """The ASGI app; streams are produced by tasks of ``nursery``.
 
@@ -435,7 +552,7 @@ def build_app(
     if feed is None:
         feed = Feed(backend.view)
         nursery.start_soon(feed.run)
-    api = _Api(backend, metrics, nursery, feed)
+    api = _Api(backend, metrics, nursery, feed, policy)
 
     def unauthorized(request: Request) -> Response:
         err = ApiError(
@@ -484,6 +601,7 @@ async def serve_http(
     host: str = "127.0.0.1",
     port: int = 0,
     api_key: str | None = None,
+    policy: ClientPolicy | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL.
@@ -499,7 +617,7 @@ async def serve_http(
     metrics = ApiMetrics(backend)
     url: str | None = None
     async with trio.open_nursery() as streams:  # producers of streamed responses
-        app = build_app(backend, metrics, streams, api_key=api_key)
+        app = build_app(backend, metrics, streams, api_key=api_key, policy=policy)
         while True:
             config = Config()
             config.bind = [f"{host}:{port}"]
@@ -548,6 +666,7 @@ __all__ = [
     "ApiMetrics",
     "ApiRequest",
     "Backend",
+    "ClientPolicy",
     "MeshGauges",
     "api_error",
     "build_app",

@@ -19,11 +19,16 @@ from hetmesh.errors import InvalidRequest, MeshError
 from hetmesh.protocol.generate import (
     HTTP_DEFAULT_MAX_TOKENS,
     HTTP_DEFAULT_MAX_TOKENS_CHAT,
+    MAX_TOKEN_ID,
     GenerateRequest,
     SamplingParams,
 )
 
 MAX_BODY_BYTES = 4 << 20
+# No tokenizer's token spans more characters than this, so a prompt longer than
+# the context times it cannot fit: refused before the tokenizer runs on it.
+MAX_CHARS_PER_TOKEN = 128
+DEFAULT_MAX_REQUESTS_PER_CLIENT = 4
 MAX_STOP_SEQUENCES = 4  # OpenAI's limits, on top of the sampling record's own bounds
 OPENAI_MAX_TEMPERATURE = 2.0
 
@@ -186,11 +191,66 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
     if (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
+        if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise bad_request(f"token ids must lie in [0, {MAX_TOKEN_ID}]", "prompt")
         request = GenerateRequest(prompt_ids=tuple(prompt), sampling=sampling)
         return ApiRequest(request=request, **common)
     raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+def prompt_chars(request: GenerateRequest) -> int:
+    """Characters the tokenizer would read for ``request`` (0 for given token ids)."""
+    if request.prompt_ids:
+        return 0
+    if request.messages is not None:
+        return sum(len(m["content"]) for m in request.messages)
+    return len(request.prompt or "")
+
+
+def check_prompt_chars(request: GenerateRequest, context: int) -> None:
+    """Refuse, before tokenising, a prompt that cannot fit ``context`` tokens (400)."""
+    chars = prompt_chars(request)
+    if chars > context * MAX_CHARS_PER_TOKEN:
+        raise bad_request(
+            f"the prompt has {chars} characters: more than the context of {context} tokens holds",
+            "messages" if request.chat else "prompt",
+            "context_length_exceeded",
+        )
+
+
+class ClientLimits:
+    """How many requests each client may have in flight at once (pure bookkeeping).
+
+    A client is what :meth:`acquire` is given (the HTTP API passes the peer
+    address). Only clients holding a slot have an entry, so a stranger cycling
+    through addresses leaves nothing behind.
+    """
+
+    def __init__(self, per_client: int) -> None:
+        if per_client < 1:
+            raise ValueError("per_client must be at least 1")
+        self.per_client = per_client
+        self._active: dict[str, int] = {}
+
+    def acquire(self, client: str) -> bool:
+        """Take one of ``client``'s slots; False when it holds them all already."""
+        held = self._active.get(client, 0)
+        if held >= self.per_client:
+            return False
+        self._active[client] = held + 1
+        return True
+
+    def release(self, client: str) -> None:
+        held = self._active.get(client, 0) - 1
+        if held > 0:
+            self._active[client] = held
+        else:
+            self._active.pop(client, None)
+
+    def active(self, client: str) -> int:
+        return self._active.get(client, 0)
 
 
 def _messages(raw: Any) -> tuple[dict[str, str], ...]:
@@ -220,11 +280,16 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
 
 
 __all__ = [
+    "DEFAULT_MAX_REQUESTS_PER_CLIENT",
     "MAX_BODY_BYTES",
+    "MAX_CHARS_PER_TOKEN",
     "ApiError",
     "ApiRequest",
+    "ClientLimits",
     "api_error",
     "bad_request",
+    "check_prompt_chars",
     "default_max_tokens",
     "parse_api_request",
+    "prompt_chars",
 ]

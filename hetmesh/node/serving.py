@@ -74,6 +74,8 @@ from hetmesh.protocol.generate import (
 )
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler.announcement import (
+    MAX_BLOCK_STEP_S,
+    MIN_BLOCK_STEP_S,
     Calibration,
     ServedStage,
     ServingAnnouncement,
@@ -350,7 +352,7 @@ class Serving:
         calibration = Calibration(
             model=self.model_key,
             device=key,
-            block_step_s=step,
+            block_step_s=min(max(step, MIN_BLOCK_STEP_S), MAX_BLOCK_STEP_S),  # what peers accept
             context_tokens=CALIBRATION_CONTEXT_TOKENS,
             weights=self.weights,
         )
@@ -736,7 +738,7 @@ class Serving:
         count = 0
         try:
             request = GenerateRequest.from_wire(data)
-            ids = self.encode(request)
+            ids = await trio.to_thread.run_sync(self.encode, request)  # off the event loop
             params = request.sampling
             async with contextlib.aclosing(self.stream(ids, params)) as events:
                 async for token, text in events:

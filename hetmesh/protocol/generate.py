@@ -48,6 +48,15 @@ DEFAULT_MAX_NEW_TOKENS = 128
 HTTP_DEFAULT_MAX_TOKENS = 16
 HTTP_DEFAULT_MAX_TOKENS_CHAT = 512
 
+# Bounds that keep every value representable where it goes: a seed feeds a 64-bit
+# generator seed, token ids become int64 tensors and index a vocabulary (none is
+# near 2**31); a temperature below MIN_TEMPERATURE divides fp32 logits into inf/NaN.
+MAX_SEED = 2**64 - 1
+MAX_TOKEN_ID = 2**31 - 1
+MAX_COUNT = 2**31 - 1  # max_new_tokens, top_k: far past any context or vocabulary
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+
 FinishReason = Literal["stop", "length"]
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -77,23 +86,34 @@ class SamplingParams(WireRecord):
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not _integer(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
             raise InvalidRequest(
-                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+                f"max_new_tokens must be an integer in [1, {MAX_COUNT}],"
+                f" got {self.max_new_tokens!r}",
                 param="max_new_tokens",
             )
         t = self.temperature
         if t is not None and (not _real(t) or not math.isfinite(t) or t < 0):
             raise InvalidRequest(f"temperature must be >= 0, got {t!r}", param="temperature")
-        if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 1):
+        if t and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
             raise InvalidRequest(
-                f"top_k must be an integer >= 1, got {self.top_k!r}", param="top_k"
+                f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and"
+                f" {MAX_TEMPERATURE}, got {t!r}",
+                param="temperature",
+            )
+        if self.top_k is not None and (
+            not _integer(self.top_k) or not 1 <= self.top_k <= MAX_COUNT
+        ):
+            raise InvalidRequest(
+                f"top_k must be an integer in [1, {MAX_COUNT}], got {self.top_k!r}", param="top_k"
             )
         p = self.top_p
         if p is not None and (not _real(p) or not 0 < p <= 1):
             raise InvalidRequest(f"top_p must be in (0, 1], got {p!r}", param="top_p")
-        if self.seed is not None and not _integer(self.seed):
-            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequest(
+                f"seed must be an integer in [0, 2**64), got {self.seed!r}", param="seed"
+            )
         if not isinstance(self.stop, tuple) or any(
             not isinstance(s, str) or not s for s in self.stop
         ):
@@ -179,8 +199,11 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
-        if not all(_integer(t) for t in self.prompt_ids):
-            raise InvalidRequest("prompt_ids must be a list of integers", param="prompt_ids")
+        if not all(_integer(t) and 0 <= t <= MAX_TOKEN_ID for t in self.prompt_ids):
+            raise InvalidRequest(
+                f"prompt_ids must be a list of token ids in [0, {MAX_TOKEN_ID}]",
+                param="prompt_ids",
+            )
         if self.prompt_ids or self.messages is not None:
             return
         if not isinstance(self.prompt, str) or not self.prompt:
@@ -289,7 +312,12 @@ __all__ = [
     "GENERATE_PROTOCOL",
     "HTTP_DEFAULT_MAX_TOKENS",
     "HTTP_DEFAULT_MAX_TOKENS_CHAT",
+    "MAX_COUNT",
     "MAX_REQUEST_BYTES",
+    "MAX_SEED",
+    "MAX_TEMPERATURE",
+    "MAX_TOKEN_ID",
+    "MIN_TEMPERATURE",
     "Delta",
     "Finish",
     "FinishReason",

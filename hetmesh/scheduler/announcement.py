@@ -39,6 +39,13 @@ MAX_NAME_CHARS = 256  # model keys, weight formats, device names
 MAX_VERDICT_CHARS = 4096
 MAX_STAGES = 256
 MAX_COUNTERS = 64
+MAX_UNITS = 1 << 20  # unit indices: far above any model's layer count
+# A block's decode step no real device beats (a tiny block on a fast GPU takes
+# ~1e-5 s): a figure below it is a claim, not a measurement, and is refused, so a
+# member cannot attract the whole model by announcing an absurdly fast step.
+MIN_BLOCK_STEP_S = 1e-6
+MAX_BLOCK_STEP_S = 3600.0
+MAX_CONTEXT_TOKENS = 1 << 24
 
 R = TypeVar("R", bound=WireRecord)
 PlanParser = Callable[[Mapping[str, object]], Plan | None]
@@ -54,7 +61,7 @@ class ServedStage(WireRecord):
     ready: bool  # False while it is retiring (it finishes its sessions, takes no new ones)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end or len(self.model) > MAX_NAME_CHARS:
+        if not 0 <= self.start < self.end <= MAX_UNITS or len(self.model) > MAX_NAME_CHARS:
             raise ValueError(f"bad served stage {self.model!r} [{self.start}, {self.end})")
 
 
@@ -69,10 +76,13 @@ class Calibration(WireRecord):
     weights: str = ""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.block_step_s) and self.block_step_s > 0):
-            raise ValueError(f"block_step_s must be a positive number, not {self.block_step_s}")
-        if self.context_tokens < 0:
-            raise ValueError("context_tokens must be non-negative")
+        if not MIN_BLOCK_STEP_S <= self.block_step_s <= MAX_BLOCK_STEP_S:  # NaN fails too
+            raise ValueError(
+                f"block_step_s must lie in [{MIN_BLOCK_STEP_S}, {MAX_BLOCK_STEP_S}],"
+                f" not {self.block_step_s}"
+            )
+        if not 0 <= self.context_tokens <= MAX_CONTEXT_TOKENS:
+            raise ValueError(f"context_tokens must lie in [0, {MAX_CONTEXT_TOKENS}]")
         if max(len(self.model), len(self.device), len(self.weights)) > MAX_NAME_CHARS:
             raise ValueError("calibration names are too long")
 

@@ -95,3 +95,37 @@ def test_numbers_widen_int_to_float() -> None:
     link = LinkProfile.from_wire({**LINK.to_wire(), "bandwidth_bps": 1000})
     assert isinstance(link.bandwidth_bps, float)
     assert link.bandwidth_bps == 1000.0
+
+
+@pytest.mark.parametrize(
+    ("record", "key", "value"),
+    [
+        (DEVICE, "matmul_flops", float("nan")),
+        (DEVICE, "matmul_flops", float("inf")),
+        (DEVICE, "matmul_flops", 1e30),  # absurd: attracts the whole model
+        (DEVICE, "memory_bandwidth_bps", -1.0),
+        (DEVICE, "memory_free_bytes", 2**62),
+        (DEVICE, "memory_total_bytes", 2**70),
+        (DEVICE, "cpu_cores_logical", 2**40),
+        (DEVICE, "utilisation", 7.0),
+        (DEVICE, "measured_at_s", float("-inf")),
+        (DEVICE, "name", "n" * 10_000),
+        (DEVICE, "matmul_flops", 10**400),  # an integer beyond any float
+        (LINK, "rtt_s", float("nan")),
+        (LINK, "bandwidth_bps", float("inf")),
+        (LINK, "bandwidth_bps", 1e20),
+        (LINK, "rtt_s", 1e9),
+        (LINK, "dst", "p" * 10_000),
+    ],
+)
+def test_out_of_range_values_are_rejected_at_the_wire(record: Any, key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=key.split("_")[0] if key != "dst" else "src or dst"):
+        type(record).from_wire({**record.to_wire(), key: value})
+
+
+def test_bounds_admit_the_largest_real_machines() -> None:
+    big = DeviceProfile.from_wire(
+        {**DEVICE.to_wire(), "matmul_flops": 2e15, "memory_total_bytes": 2 * 2**40}
+    )
+    assert big.matmul_flops == 2e15
+    assert LinkProfile.from_wire({**LINK.to_wire(), "bandwidth_bps": 5e10}).bandwidth_bps == 5e10

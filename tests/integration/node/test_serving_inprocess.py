@@ -267,6 +267,46 @@ def gateway_sampling():
     return SamplingParams()
 
 
+async def test_a_failed_draw_fails_its_session_alone(tiny_model):
+    """A session whose sampling overflows (values a peer skipping the checks could send)
+    fails with InvalidRequest; sessions batched with it on the last stage go on."""
+    mesh = Mesh(tiny_model, {"a": (0, 3), "c": (3, 6)})
+    hops = (Hop("a", 0, 3), Hop("c", 3, 6))
+    bad = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    control = mesh.control
+
+    async def unchecked_control(peer, request):
+        # the last stage gets the bad sessions' temperature past the record's own check
+        if isinstance(request, OpenSession) and request.sampling.max_new_tokens == 8:
+            object.__setattr__(request.sampling, "temperature", 1e-45)
+        return await control(peer, request)
+
+    mesh.control = unchecked_control  # type: ignore[method-assign]
+    gateway = make_gateway(mesh, [hops])
+    results: dict[str, object] = {}
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+
+        async def run(name, prompt, params):
+            try:
+                results[name] = await collect(gateway, prompt, params)
+            except MeshError as exc:
+                results[name] = exc
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(run, "good", PROMPTS[0], SamplingParams(max_new_tokens=10))
+            for i in range(3):
+                requests.start_soon(run, f"bad{i}", PROMPTS[i], bad)
+            requests.start_soon(run, "good2", PROMPTS[1], SamplingParams(max_new_tokens=10))
+        nursery.cancel_scope.cancel()
+    assert results["good"] == reference(tiny_model, PROMPTS[0], 10)
+    assert results["good2"] == reference(tiny_model, PROMPTS[1], 10)
+    for i in range(3):
+        assert isinstance(results[f"bad{i}"], InvalidRequest), results[f"bad{i}"]
+    assert mesh.servers["c"].statistics().errors >= 3, results
+
+
 async def test_a_full_kv_pool_preempts_and_resumes_sessions_without_leaking(tiny_model):
     """Stages with 96 tokens of KV (6 blocks) serve sessions that need 3-5 blocks each:
     admitted by their prompts, they outgrow the pool; the newest are preempted and

@@ -260,3 +260,41 @@ async def test_discovery_view_lists_self_peers_and_links() -> None:
     assert view["peers"][1]["health"] == "alive"
     assert view["links"][0]["src"] == "B"
     msgpack.packb(view)  # the view travels as msgpack
+
+
+def test_wire_drops_devices_and_links_of_other_peers() -> None:
+    mine = full_record("B")
+    theirs = full_record("C")
+    forged = Announcement.from_wire(
+        {
+            **mine.to_wire(),
+            # B describes C's hardware and a link from C: neither is B's to announce
+            "devices": [d.to_wire() for d in mine.devices + theirs.devices],
+            "links": [link.to_wire() for link in mine.links + theirs.links]
+            + [LinkProfile(src="B", dst="B", rtt_s=0.0, bandwidth_bps=1e14).to_wire()],
+        }
+    )
+    assert forged.devices == mine.devices
+    assert forged.links == mine.links
+    got = wire.decode_announcement(wire.encode(forged))
+    assert [d.peer_id for d in got.devices] == ["B"]
+    assert [(link.src, link.dst) for link in got.links] == [("B", "C")]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"devices": [{**full_record().devices[0].to_wire(), "matmul_flops": float("nan")}]},
+        {"devices": [{**full_record().devices[0].to_wire(), "matmul_flops": 1e30}]},
+        {"links": [{**full_record().links[0].to_wire(), "rtt_s": float("inf")}]},
+        {"sent_at_s": float("nan")},
+        {"load": {"recent_step_s": [float("inf")]}},
+        {"addrs": ["/ip4/1.2.3.4/tcp/1"] * 65},
+        {"devices": [full_record().devices[0].to_wire()] * 65},
+    ],
+    ids=["nan-flops", "absurd-flops", "inf-rtt", "nan-clock", "inf-step", "addrs", "devices"],
+)
+def test_wire_refuses_non_finite_absurd_or_too_many_values(change: dict[str, Any]) -> None:
+    payload = msgpack.packb({**full_record().to_wire(), **change}, use_bin_type=True)
+    with pytest.raises(RemoteProtocolError):
+        wire.decode_announcement(payload)

@@ -7,6 +7,7 @@ tested in-process and fast; the real mesh is tested in tests/integration/api.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
@@ -41,10 +42,22 @@ class FakeBackend:
     def ready(self) -> bool:
         return self.is_ready
 
+    encoding = 0  # tokenisations running now
+    most_encoding = 0
+    encoded = 0
+
     async def encode(self, request: GenerateRequest) -> list[int]:
+        self.encoded += 1
         if request.prompt_ids:
             return list(request.prompt_ids)
         text = request.prompt or " ".join(m["content"] for m in request.messages)
+        if text.startswith("slowtok"):  # a slow tokenisation: how many run at once?
+            self.encoding += 1
+            self.most_encoding = max(self.most_encoding, self.encoding)
+            try:
+                await trio.sleep(0.3)
+            finally:
+                self.encoding -= 1
         return [len(w) for w in text.split()] or [0]
 
     async def stream(
@@ -170,6 +183,13 @@ async def test_an_error_mid_stream_is_an_error_event(
         ({"model": MODEL, "prompt": "x", "max_tokens": 64}, 400, "max_tokens", None),
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", None),
         ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", None),
+        ({"model": MODEL, "prompt": "x", "temperature": 1e-45}, 400, "temperature", None),
+        ({"model": MODEL, "prompt": "x", "temperature": 5e-324}, 400, "temperature", None),
+        ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed", None),
+        ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed", None),
+        ({"model": MODEL, "prompt": [5, 2**63]}, 400, "prompt", None),
+        ({"model": MODEL, "prompt": [2**64]}, 400, "prompt", None),
+        ({"model": MODEL, "prompt": [-1]}, 400, "prompt", None),
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", None),
         ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", None),
         ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
@@ -469,3 +489,177 @@ async def test_with_an_api_key_the_page_is_open_but_its_data_is_not(
         async with http.stream("GET", "/v1/hetmesh/events", headers=good) as reply:
             assert reply.status_code == 200
             assert [k for k, _ in await _sse(reply, 1)] == ["hello"]
+
+
+async def _raw_exchange(url: str, head: bytes, body_chunks: Sequence[bytes]) -> bytes:
+    """Send ``head`` and ``body_chunks`` on a plain socket, never finishing the body,
+    and return the first bytes the server answers."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        answer = bytearray()
+
+        async def read() -> None:
+            while b"\r\n" not in answer:
+                data = await stream.receive_some(4096)
+                if not data:
+                    return
+                answer.extend(data)
+
+        async with trio.open_nursery() as nursery:
+
+            async def write() -> None:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_all(head)
+                    for chunk in body_chunks:
+                        await stream.send_all(chunk)
+                    await trio.sleep_forever()  # the rest of the body never comes
+
+            nursery.start_soon(write)
+            with trio.fail_after(60):
+                await read()
+            nursery.cancel_scope.cancel()
+    return bytes(answer)
+
+
+async def test_a_declared_oversized_body_is_refused_before_it_is_read(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    http, backend = api
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000000000\r\n\r\n"
+    )
+    answer = await _raw_exchange(str(http.base_url), head, [b'{"model": '])
+    assert answer.startswith(b"HTTP/1.1 413"), answer
+    assert backend.encoded == 0
+
+
+async def test_a_streamed_body_is_cut_off_at_the_cap(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    from hetmesh.node.api_requests import MAX_BODY_BYTES
+
+    http, _ = api
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    piece = b"x" * 65536
+    chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+    # one chunk past the cap, then silence: the answer cannot wait for the end
+    answer = await _raw_exchange(
+        str(http.base_url), head, [chunk] * (MAX_BODY_BYTES // len(piece) + 1)
+    )
+    assert answer.startswith(b"HTTP/1.1 413"), answer
+    # the node keeps serving
+    body = {"model": MODEL, "prompt": "one two", "max_tokens": 2}
+    assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+
+async def test_a_prompt_too_long_for_the_context_is_refused_before_tokenising(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    from hetmesh.node.api_requests import MAX_CHARS_PER_TOKEN
+
+    http, backend = api
+    # one "word" to the fake tokenizer, but more characters than 64 tokens can hold
+    prompt = "x" * (backend.max_context() * MAX_CHARS_PER_TOKEN + 1)
+    reply = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+    reply = await http.post("/v1/chat/completions", json=chat)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "messages"
+    assert backend.encoded == 0
+
+
+async def test_tokenisation_runs_a_few_at_a_time(
+    api: tuple[httpx.AsyncClient, FakeBackend],
+) -> None:
+    from hetmesh.node.api import MAX_CONCURRENT_TOKENISATIONS
+
+    http, backend = api
+    statuses: list[int] = []
+
+    async def one() -> None:
+        body = {"model": MODEL, "prompt": "slowtok two", "max_tokens": 2}
+        statuses.append((await http.post("/v1/completions", json=body)).status_code)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(6):
+            nursery.start_soon(one)
+    assert statuses == [200] * 6
+    assert backend.most_encoding == MAX_CONCURRENT_TOKENISATIONS
+
+
+async def test_each_client_has_a_bounded_number_of_requests_in_flight(
+    nursery: trio.Nursery,
+) -> None:
+    from hetmesh.node.api import ClientPolicy
+
+    backend = FakeBackend()
+    policy = ClientPolicy(max_requests_per_client=2, limit_loopback=True)
+    url = await nursery.start(
+        lambda task_status: serve_http(backend, policy=policy, task_status=task_status)
+    )
+    backend.first_token_free = True
+    backend.step = trio.Event()  # streams hold after their first token
+    body = {"model": MODEL, "prompt": "one two", "max_tokens": 3, "stream": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async with (
+            http.stream("POST", "/v1/completions", json=body) as first,
+            http.stream("POST", "/v1/completions", json=body) as second,
+        ):
+            assert first.status_code == second.status_code == 200
+            third = await http.post("/v1/completions", json={**body, "stream": False})
+            assert third.status_code == 429
+            assert third.json()["error"]["code"] == "too_many_requests"
+            assert third.json()["error"]["hetmesh_error"] == "Rejected"
+            backend.step.set()
+            for reply in (first, second):
+                assert "[DONE]" in "".join([t async for t in reply.aiter_text()])
+        # both slots are free again, the unary path's too
+        for _ in range(3):
+            reply = await http.post("/v1/completions", json={**body, "stream": False})
+            assert reply.status_code == 200
+
+
+class _EndlessBackend(FakeBackend):
+    """Streams as many tokens as asked, counting what it has produced."""
+
+    produced = 0
+
+    def max_context(self) -> int:
+        return 1 << 20
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        for i in range(params.max_new_tokens):
+            self.produced += 1
+            yield 100 + i % 50, " t"
+            await trio.lowlevel.checkpoint()
+
+
+async def test_a_client_that_stops_reading_pauses_its_stream(nursery: trio.Nursery) -> None:
+    backend = _EndlessBackend()
+    url = await nursery.start(lambda task_status: serve_http(backend, task_status=task_status))
+    total = 200_000
+    body = {"model": MODEL, "prompt": "one", "max_tokens": total, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as reply,
+    ):
+        assert reply.status_code == 200
+        pieces = reply.aiter_raw()  # kept: a dropped iterator would close the response
+        await pieces.__anext__()  # one piece, then the client reads no more
+        # wait until production stops (or ends): the socket's buffers fill, then the channel's
+        seen, still_since = -1, trio.current_time()
+        with trio.fail_after(120):
+            while backend.produced < total and trio.current_time() - still_since < 1.0:
+                if backend.produced != seen:
+                    seen, still_since = backend.produced, trio.current_time()
+                await trio.sleep(0.05)
+        assert backend.produced < total // 2  # held back by the client, not run to the end

@@ -184,3 +184,29 @@ def test_the_plan_cache_picks_the_newest_valid_plan_as_the_scheduler_does() -> N
     assert expected is not None
     assert chosen == expected.to_wire() == newest_plan(current)
     assert cache.newest(view(peer(A, "self"))) is None
+
+
+def test_hostile_records_never_break_the_status_readers() -> None:
+    """A stage entry with ``"start": "x"`` (and its kin) reads as absent in every
+    reader /health, the status view and the dashboard use."""
+    from hetmesh.cli.status_view import summarize
+    from hetmesh.node.readiness import ready_stages_in_view
+
+    bad_plan = {**PLAN, "pipelines": [{"stages": [{"peer_id": B, "start": "x", "end": 4}]}]}
+    hostile = [
+        {"model": "m", "start": "x", "end": 4, "ready": True},
+        {"model": "m", "start": 0, "end": float("nan"), "ready": True},
+        {"model": "m", "start": 2**64, "end": 2**65, "ready": True},
+        "junk",
+        None,
+    ]
+    good = peer(A, "self", stages=[{"model": "m", "start": 0, "end": 4, "ready": True}], plan=PLAN)
+    bad = peer(B, "alive", plan=bad_plan)
+    bad["record"]["stages"] = hostile
+    bad["record"]["extra"]["gateway"] = {"tokens_out": float("nan"), "x": "y"}
+    before, after = view(good), view(good, bad)
+    assert ready_stages_in_view(after) == {(A, 0, 4)}
+    assert newest_plan(after) == PLAN
+    view_events(before, after)  # no exception
+    summary = summarize(after)
+    assert summary["plan"]["epoch"] == 3

