@@ -308,14 +308,15 @@ async def test_a_failed_draw_fails_its_session_alone(tiny_model):
 
 
 async def test_a_full_kv_pool_preempts_and_resumes_sessions_without_leaking(tiny_model):
-    """Stages with 96 tokens of KV (6 blocks) serve sessions that need 3-5 blocks each:
-    admitted by their prompts, they outgrow the pool; the newest are preempted and
-    resumed by replay. Every stream equals the reference; a cancelled one and the
-    rest leave every pool whole."""
+    """Stages with 96 tokens of KV (6 blocks) admit five sessions of one-block prompts
+    at once (plus a one-block reserve); each grows to 4-5 blocks over 60 tokens, so
+    together they must outgrow the pool: the newest are preempted and resumed by
+    replay. Every stream equals the reference; a cancelled one and the rest leave
+    every pool whole."""
     mesh = Mesh(tiny_model, {"a": (0, 2), "b": (2, 4), "c": (4, 6)}, pool_tokens=96)
     hops = (Hop("a", 0, 2), Hop("b", 2, 4), Hop("c", 4, 6))
     gateway = make_gateway(mesh, [hops], admission_s=120.0)
-    prompts = [*PROMPTS, [8, 6, 4, 2] * 5, list(range(60, 90))]
+    prompts = [PROMPTS[0], PROMPTS[1], [8, 6, 4, 2] * 3, list(range(60, 70)), [9] * 16]
     initial = {peer: s.pool.free_blocks for peer, s in mesh.servers.items()}
     results: dict[int, list[int]] = {}
     async with trio.open_nursery() as nursery:
@@ -323,7 +324,7 @@ async def test_a_full_kv_pool_preempts_and_resumes_sessions_without_leaking(tiny
             await nursery.start(server.serve)
 
         async def run(i):
-            results[i] = await collect(gateway, prompts[i], SamplingParams(max_new_tokens=30))
+            results[i] = await collect(gateway, prompts[i], SamplingParams(max_new_tokens=60))
 
         async def cancelled():
             async with aclosing(
@@ -343,7 +344,7 @@ async def test_a_full_kv_pool_preempts_and_resumes_sessions_without_leaking(tiny
             await collect(gateway, list(range(1, 91)), SamplingParams(max_new_tokens=10))
         nursery.cancel_scope.cancel()
     for i, prompt in enumerate(prompts):
-        assert results[i] == reference(tiny_model, prompt, 30), i
+        assert results[i] == reference(tiny_model, prompt, 60), i
     assert gateway.statistics().preemptions >= 1
     assert sum(s.statistics().kv.preempted for s in mesh.servers.values()) >= 1
     for peer, server in mesh.servers.items():
