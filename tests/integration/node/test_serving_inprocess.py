@@ -55,7 +55,7 @@ class Mesh:
         self.servers = {}
         for peer, (a, b) in layout.items():
             stage = load_stage(model_dir, a, b)
-            budget = 1 << 30 if pool_tokens is None else pool_tokens * stage.kv_bytes_per_token()
+            budget = (pool_tokens or 8 * 200) * stage.kv_bytes_per_token()  # 8 full sessions
             self.servers[peer] = StageServer(
                 stage,
                 limits=KVLimits(max_sessions=8, max_tokens_per_session=200, budget_bytes=budget),
