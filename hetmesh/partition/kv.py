@@ -59,10 +59,9 @@ class KVPool:
         self.block_tokens = block_tokens
         self.allocator = BlockAllocator(num_blocks, block_tokens)
         shape = (num_layers, kv_heads, num_blocks * block_tokens, head_dim)
-        # zeroed, so the whole budget is committed now: a lazily touched pool made a
-        # node's memory creep up as sessions reached new blocks (the no-leak mesh test)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # torch.empty: untouched pages of a large pool cost no memory until used
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
 
     @property
     def num_blocks(self) -> int:
