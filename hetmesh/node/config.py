@@ -48,6 +48,7 @@ class ServingConfig:
     settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
     plan_interval_s: float = 1.0
     idle_session_s: float = 300.0
+    kv_pool_tokens: int | None = None  # each stage's KV pool; None: max_context × max_sessions
     route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False

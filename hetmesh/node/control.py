@@ -30,6 +30,7 @@ class OpenSession(WireRecord):
     next_peer: PeerId  # the next stage, or the gateway for the last stage
     gateway: PeerId
     max_tokens: int
+    prompt_tokens: int = 0  # the first chunk it will get (prompt, or history on a replay)
     sampling: SamplingParams  # applied by the last stage; the gateway always sets its seed
     op: str = "open"
 

@@ -15,6 +15,7 @@ the same tokens as before.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import random
@@ -69,11 +70,13 @@ class GatewayTimeouts:
     prefill_floor_s: float = 30.0
     prefill_per_token_s: float = 0.01
     admission_s: float = 30.0  # how long a request waits for a busy mesh
+    resume_s: float = 300.0  # how long a preempted session, mid-stream, waits to be readmitted
     ping_s: float = 1.5
     close_s: float = 5.0
     replan_pause_s: float = 0.5
     max_extensions: int = 3  # a slow step whose stages all answer pings may wait this often
     max_recoveries: int = 8
+    max_preemptions: int = 64  # resumes after a stage evicted the session's KV to make room
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,11 @@ class GatewayStatistics:
     stale_frames: int
     rejected_busy: int
     slow_steps: int
+    preemptions: int = 0
+
+
+class _Preempted(Exception):
+    """A stage evicted the session's KV to make room: resume it by replay (internal)."""
 
 
 class _StepFailed(Exception):
@@ -124,7 +132,7 @@ class Gateway:
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
-        self._slow_steps = 0
+        self._slow_steps = self._preemptions = 0
 
     # -- inbound ------------------------------------------------------------------
 
@@ -170,8 +178,10 @@ class Gateway:
         avoid: set[PeerId] = set()
         self._started += 1
         finished = False
+        recoveries = preemptions = 0
+        admission_s = self.timeouts.admission_s
         try:
-            for attempt in range(self.timeouts.max_recoveries + 1):
+            for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
                 hops = tuple(await self._choose(base, frozenset(avoid)))
                 if not hops:
@@ -180,7 +190,12 @@ class Gateway:
                 self._inboxes[session_id] = inbox_send
                 try:
                     await self._open(
-                        session_id, hops, len(prompt_ids) + params.max_new_tokens, sampling
+                        session_id,
+                        hops,
+                        len(prompt_ids) + params.max_new_tokens,
+                        len(history),
+                        sampling,
+                        admission_s,
                     )
                     async for token in self._run(
                         session_id, hops, inbox, history, generated, params.max_new_tokens
@@ -188,7 +203,24 @@ class Gateway:
                         yield token
                     finished = True
                     return
+                except _Preempted as exc:
+                    # not a fault: the pool was short. Resume later by replaying the
+                    # history; the open waits (Rejected: busy) until blocks are free.
+                    preemptions += 1
+                    self._preemptions += 1
+                    # its client is mid-stream: wait longer for room than a new request
+                    admission_s = max(self.timeouts.admission_s, self.timeouts.resume_s)
+                    log.info("session %s: %s; resumes after %d tokens", base, exc, len(generated))
+                    if preemptions > self.timeouts.max_preemptions:
+                        raise Rejected(
+                            f"busy: the session was preempted {preemptions} times"
+                        ) from None
                 except _StepFailed as exc:
+                    recoveries += 1
+                    if recoveries > self.timeouts.max_recoveries:
+                        raise RequestTimeout(
+                            f"session gave up after {self.timeouts.max_recoveries} recoveries"
+                        ) from None
                     suspects = exc.suspects or await self._find_silent(hops)
                     if not exc.suspects and not suspects:
                         await trio.sleep(self.timeouts.replan_pause_s)  # let the plan settle
@@ -205,7 +237,7 @@ class Gateway:
                     del self._inboxes[session_id]
                     with trio.CancelScope(shield=True):
                         await self._close(session_id, hops)
-            raise RequestTimeout(f"session gave up after {self.timeouts.max_recoveries} recoveries")
+            raise AssertionError("unreachable: the loop returns or raises")
         finally:
             if finished:
                 self._finished += 1
@@ -213,7 +245,13 @@ class Gateway:
                 self._failed += 1
 
     async def _open(
-        self, session_id: str, hops: Sequence[Hop], max_tokens: int, sampling: SamplingParams
+        self,
+        session_id: str,
+        hops: Sequence[Hop],
+        max_tokens: int,
+        prompt_tokens: int,
+        sampling: SamplingParams,
+        admission_s: float,
     ) -> None:
         """Open the session on every stage, waiting (with back-off) while they are busy."""
         requests = [
@@ -224,11 +262,12 @@ class Gateway:
                 next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
                 gateway=self.peer_id,
                 max_tokens=max_tokens,
+                prompt_tokens=prompt_tokens,
                 sampling=sampling,
             )
             for i, hop in enumerate(hops)
         ]
-        deadline = trio.current_time() + self.timeouts.admission_s
+        deadline = trio.current_time() + admission_s
         delay = 0.05
         while True:
             replies = await self._ask_all(hops, requests)
@@ -336,6 +375,8 @@ class Gateway:
                         error = error_from_wire(frame.code, frame.message)
                         if isinstance(error, InvalidRequest):
                             raise error
+                        if isinstance(error, Rejected):  # only a preemption sends it here
+                            raise _Preempted(frame.message)
                         raise _StepFailed(f"a stage failed: {frame.message}")
                     if frame.step == step and frame.token_ids:
                         return int(frame.token_ids[0])
@@ -392,4 +433,5 @@ class Gateway:
             stale_frames=self._stale,
             rejected_busy=self._busy,
             slow_steps=self._slow_steps,
+            preemptions=self._preemptions,
         )

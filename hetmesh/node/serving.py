@@ -458,7 +458,10 @@ class Serving:
             self._loading.discard((start, end))
             return
         per_token = max(1, stage.kv_bytes_per_token())
-        budget = self.constraints.max_context_tokens * self.constraints.max_sessions * per_token
+        pool_tokens = self.config.kv_pool_tokens or (
+            self.constraints.max_context_tokens * self.constraints.max_sessions
+        )
+        budget = pool_tokens * per_token
         server = StageServer(
             stage,
             limits=KVLimits(

@@ -28,6 +28,7 @@ from hetmesh.errors import ComputeError, InvalidRequest, MeshError, NoRoute, Rej
 from hetmesh.node.control import CloseSession, OpenSession, Reply
 from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
+from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
@@ -100,9 +101,8 @@ class StageServer:
     ) -> None:
         self.stage = stage
         self._threads = threads or torch.get_num_threads()
-        self.kv = KVManager(
-            limits, bytes_per_token=stage.kv_bytes_per_token(), factory=stage.new_kv
-        )
+        self.pool = stage.new_pool(_pool_blocks(stage, limits))
+        self.kv = KVManager(limits, pool=self.pool, factory=lambda: stage.new_kv(self.pool))
         self._send = send
         self._max_batch = max_batch
         self._limiter = device_limiter or trio.CapacityLimiter(1)
@@ -128,7 +128,7 @@ class StageServer:
                 )
             )
         try:
-            kv = self.kv.open(request.session_id, request.max_tokens)
+            kv = self.kv.open(request.session_id, request.max_tokens, request.prompt_tokens)
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
         sampler = Sampler(request.sampling) if self.stage.has_head else None
@@ -141,10 +141,8 @@ class StageServer:
         if session_id in self._inflight:
             self._closing.add(session_id)
             return
-        session = self._sessions.pop(session_id, None)
-        if session is not None:
-            session.kv.free()
-        self.kv.close(session_id)
+        self._sessions.pop(session_id, None)
+        self.kv.close(session_id)  # its blocks return to the pool
 
     def expire_idle(self) -> list[str]:
         expired = [sid for sid in self.kv.idle_sessions() if sid not in self._inflight]
@@ -171,7 +169,9 @@ class StageServer:
         """The batching loop; never returns, whatever one batch does."""
         task_status.started()
         while True:
-            batch = await self._next_batch()
+            batch = await self._grow(await self._next_batch())
+            if not batch:
+                continue
             outcomes = [_Outcome(item, self._sessions.get(item.session_id)) for item in batch]
             self._inflight = {item.session_id for item in batch}
             started = time.perf_counter()
@@ -196,6 +196,59 @@ class StageServer:
             c.recent.append(time.perf_counter() - started)
             for outcome in outcomes:
                 await self._deliver(outcome)
+
+    async def _grow(self, batch: list[_Item]) -> list[_Item]:
+        """Give the batch's sessions blocks for their new tokens, oldest session first.
+
+        On the trio thread, before the forward: the pool's bookkeeping never
+        races the device thread. Sessions preempted to make room (newest
+        first, see :meth:`KVManager.grow`) leave the stage; their gateways get
+        a ``Rejected`` error and resume them later by replaying their history.
+        """
+        failed: list[tuple[str, _Session, MeshError]] = []
+        order = {sid: i for i, sid in enumerate(self._sessions)}
+        for item in sorted(batch, key=lambda it: order.get(it.session_id, -1)):
+            session = self._sessions.get(item.session_id)
+            if session is None:
+                continue  # closed, or preempted just now
+            try:
+                preempted = self.kv.grow(
+                    item.session_id, session.kv.length + int(item.inputs.shape[0])
+                )
+            except InvalidRequest as exc:  # more than the whole pool: no preemption helps
+                failed.append((item.session_id, session, exc))
+                self.close(item.session_id)
+                continue
+            for sid in preempted:
+                log.info("session %s preempted on [%d, %d): KV pool full", sid, *self._units)
+                error: MeshError = Rejected(
+                    f"preempted: the KV pool of stage [{self._units[0]}, {self._units[1]}) is full"
+                )
+                failed.append((sid, self._sessions.pop(sid), error))
+        kept = []
+        for item in batch:
+            if item.session_id in self._sessions:
+                kept.append(item)
+            else:
+                item.release()
+        for sid, session, error in failed:
+            await self._fail(session, sid, error)
+        return kept
+
+    async def _fail(self, session: _Session, session_id: str, error: MeshError) -> None:
+        """Tell the session's gateway it failed here (a lost gateway is its own timeout)."""
+        self._counters.errors += 1
+        try:
+            await self._send(
+                session.request.gateway,
+                Error(code=error_code(error), message=str(error), session_id=session_id),
+            )
+        except MeshError as exc:
+            log.warning("session %s: cannot report %s: %s", session_id, error, exc)
+
+    @property
+    def _units(self) -> tuple[int, int]:
+        return self.stage.start, self.stage.end
 
     async def _next_batch(self) -> list[_Item]:
         if not self._pending:
@@ -321,3 +374,11 @@ class StageServer:
             recent_step_s=tuple(c.recent),
             kv=self.kv.statistics(),
         )
+
+
+def _pool_blocks(stage: StageModule, limits: KVLimits) -> int:
+    """Blocks of the stage's KV budget (a stage without layers holds no KV: any count)."""
+    per_block = BLOCK_TOKENS * stage.kv_bytes_per_token()
+    if per_block == 0:
+        return limits.max_sessions * blocks_for(limits.max_tokens_per_session)
+    return limits.budget_bytes // per_block

@@ -1,10 +1,23 @@
-"""Per-session KV cache of one stage.
+"""Paged KV cache of one stage: a pool of fixed-size blocks and per-session block tables.
 
-Each session that runs through a stage owns one :class:`SessionKV` there: the
-keys and values of the stage's own layers (indexed locally, ``0..n-1``), in
-buffers that grow by doubling. Sessions are independent objects, so a stage
-can batch any mix of them — of any lengths, prefill chunks beside decode
-steps — and a session can join, leave or be freed at any time.
+A :class:`KVPool` holds the keys and values of a stage's layers for every
+session at once, as two tensors ``(layers, kv_heads, blocks × 16, head_dim)``
+(head-major: gathering along the slot axis measured ~2× cheaper than a
+block-major layout, see ``../shared/KV.md``). Which blocks are free is kept
+by a pure :class:`~hetmesh.partition.blocks.BlockAllocator`.
+
+Each session owns one :class:`SessionKV`: its block table (the pool's blocks
+holding its tokens, in order) and ``length``. Blocks are taken as tokens
+arrive (:meth:`SessionKV.reserve`) and all return to the pool on
+:meth:`SessionKV.free`. Attention reads a session's keys and values as a
+*view* of the pool when its blocks form one run (the allocator keeps them so
+whenever it can), else it gathers them by slot index (``bench/kv.py``
+measures both). Sessions are independent objects, so a stage can batch any
+mix of them — of any lengths, prefill chunks beside decode steps.
+
+A stage server's pool is fixed in size (its KV budget) and only the trio
+thread allocates or frees; a session made without a pool
+(``StageModule.new_kv()``) gets a private pool that grows as needed.
 
 ``length`` counts the tokens committed by completed forwards: a forward that
 fails half way leaves the session as it was. Tensors are written only inside
@@ -16,35 +29,82 @@ from __future__ import annotations
 
 import torch
 
-from hetmesh.errors import InvalidRequest
+from hetmesh.errors import InvalidRequest, Rejected
+from hetmesh.partition.blocks import BLOCK_TOKENS, BlockAllocator, blocks_for, is_run
 
-_MIN_CAPACITY = 64
+_MIN_PRIVATE_BLOCKS = 4
 
 
-class SessionKV:
-    """The KV cache of one session on one stage."""
+class KVPool:
+    """Keys and values of ``num_blocks`` blocks of a stage's layers."""
 
     def __init__(
         self,
         *,
-        owner: int,
+        num_blocks: int,
         num_layers: int,
         kv_heads: int,
         head_dim: int,
-        max_length: int,
         dtype: torch.dtype,
         device: torch.device,
+        growable: bool = False,
+        block_tokens: int = BLOCK_TOKENS,
     ) -> None:
-        self._owner = owner  # id of the StageModule that made it
         self.num_layers = num_layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
-        self.max_length = max_length
         self.dtype = dtype
         self.device = device
-        self._keys: list[torch.Tensor] = []  # per local layer: (kv_heads, capacity, head_dim)
-        self._values: list[torch.Tensor] = []
-        self._capacity = 0
+        self.growable = growable
+        self.block_tokens = block_tokens
+        self.allocator = BlockAllocator(num_blocks, block_tokens)
+        shape = (num_layers, kv_heads, num_blocks * block_tokens, head_dim)
+        # torch.empty: untouched pages of a large pool cost no memory until used
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.allocator.free_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of keys and values one block holds across the stage's layers."""
+        per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return self.block_tokens * per_token
+
+    def take(self, count: int, after: int | None) -> list[int] | None:
+        """``count`` blocks (a growable pool grows for them), or None when full."""
+        blocks = self.allocator.allocate(count, after=after)
+        if blocks is None and self.growable:
+            self._grow(max(count, self.num_blocks, _MIN_PRIVATE_BLOCKS))
+            blocks = self.allocator.allocate(count, after=after)
+        return blocks
+
+    def _grow(self, extra: int) -> None:
+        slots = extra * self.block_tokens
+        pad = (self.num_layers, self.kv_heads, slots, self.head_dim)
+        with torch.inference_mode():  # the pool's tensors are inference tensors
+            self.keys = torch.cat([self.keys, self.keys.new_empty(pad)], dim=2)
+            self.values = torch.cat([self.values, self.values.new_empty(pad)], dim=2)
+        self.allocator.grow(extra)
+
+
+class SessionKV:
+    """The KV cache of one session on one stage: a block table into a :class:`KVPool`."""
+
+    def __init__(self, *, owner: int, pool: KVPool, max_length: int) -> None:
+        self._owner = owner  # id of the StageModule that made it
+        self.pool = pool
+        self.num_layers = pool.num_layers
+        self.max_length = max_length
+        self.blocks: list[int] = []  # the block table
+        self._slots: torch.Tensor | None = None  # slot index of every held token position
+        self._base: int | None = None  # first slot when the blocks form one run
         self._length = 0
         self._freed = False
 
@@ -54,26 +114,49 @@ class SessionKV:
         return self._length
 
     @property
+    def capacity(self) -> int:
+        """Token slots held (whole blocks)."""
+        return len(self.blocks) * self.pool.block_tokens
+
+    @property
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values (capacity, not only ``length``)."""
-        per_slot = 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
-        return self._capacity * per_slot
+        """Bytes of the blocks held (capacity, not only ``length``)."""
+        return len(self.blocks) * self.pool.block_bytes
 
     @property
     def used_bytes(self) -> int:
         """Bytes of keys and values for the ``length`` tokens held."""
-        per_slot = 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
-        return self._length * per_slot
+        return self._length * self.pool.block_bytes // self.pool.block_tokens
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the keys and values are read as a view (no gather)."""
+        return self._base is not None
 
     @property
     def freed(self) -> bool:
         return self._freed
 
+    def reserve(self, tokens: int) -> bool:
+        """Hold blocks for ``tokens`` tokens in all; False (nothing taken) if the pool is full."""
+        if self._freed:
+            raise InvalidRequest("the session's KV cache was freed")
+        missing = blocks_for(tokens, self.pool.block_tokens) - len(self.blocks)
+        if missing <= 0 or self.num_layers == 0:
+            return True
+        got = self.pool.take(missing, self.blocks[-1] if self.blocks else None)
+        if got is None:
+            return False
+        self.blocks.extend(got)
+        self._index()
+        return True
+
     def free(self) -> None:
-        """Release the buffers; the session cannot be used afterwards."""
-        self._keys.clear()
-        self._values.clear()
-        self._capacity = 0
+        """Return every block to the pool; the session cannot be used afterwards."""
+        if not self._freed:
+            self.pool.allocator.free(self.blocks)
+        self.blocks = []
+        self._slots = self._base = None
         self._length = 0
         self._freed = True
 
@@ -86,8 +169,18 @@ class SessionKV:
     def __repr__(self) -> str:
         return (
             f"SessionKV(length={self._length}, layers={self.num_layers}, "
-            f"nbytes={self.nbytes}, freed={self._freed})"
+            f"blocks={len(self.blocks)}, freed={self._freed})"
         )
+
+    def _index(self) -> None:
+        size = self.pool.block_tokens
+        if is_run(self.blocks):
+            self._base, self._slots = self.blocks[0] * size, None
+            return
+        self._base = None
+        starts = torch.tensor(self.blocks, dtype=torch.int64) * size
+        offsets = torch.arange(size, dtype=torch.int64)
+        self._slots = (starts[:, None] + offsets[None, :]).reshape(-1).to(self.pool.device)
 
     # -- used by StageModule during a forward -------------------------------------------------
 
@@ -98,40 +191,38 @@ class SessionKV:
             raise InvalidRequest("this KV cache belongs to another stage")
 
     def _reserve(self, extra: int) -> None:
-        needed = self._length + extra
-        if needed <= self._capacity or self.num_layers == 0:
-            return
-        capacity = max(_MIN_CAPACITY, self._capacity)
-        while capacity < needed:
-            capacity *= 2
-        capacity = min(capacity, max(self.max_length, needed))
-        shape = (self.kv_heads, capacity, self.head_dim)
-        for store in (self._keys, self._values):
-            for i in range(self.num_layers):
-                grown = torch.empty(shape, dtype=self.dtype, device=self.device)
-                if store and self._length:
-                    grown[:, : self._length] = store[i][:, : self._length]
-                if len(store) > i:
-                    store[i] = grown
-                else:
-                    store.append(grown)
-        self._capacity = capacity
+        """Make room for ``extra`` more tokens; a stage server has reserved them already."""
+        if not self.reserve(self._length + extra):
+            raise Rejected(
+                f"the stage's KV pool is full ({self.pool.num_blocks} blocks of "
+                f"{self.pool.block_tokens} tokens)"
+            )
 
     def _write(
         self, layer: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``key``/``value`` ``(kv_heads, n, head_dim)`` after the held tokens.
 
-        Returns views of all keys and values of ``layer`` including the new ones,
-        ``(kv_heads, length + n, head_dim)``. ``length`` moves on only at commit.
+        Returns all keys and values of ``layer`` including the new ones,
+        ``(kv_heads, length + n, head_dim)``: a view of the pool when the
+        blocks form one run, else a gathered copy. ``length`` moves on only at commit.
         """
         start, end = self._length, self._length + key.shape[1]
-        self._keys[layer][:, start:end] = key
-        self._values[layer][:, start:end] = value
-        return self._keys[layer][:, :end], self._values[layer][:, :end]
+        keys, values = self.pool.keys[layer], self.pool.values[layer]  # (kv_heads, slots, dim)
+        if self._base is not None:
+            lo = self._base
+            keys[:, lo + start : lo + end] = key
+            values[:, lo + start : lo + end] = value
+            return keys[:, lo : lo + end], values[:, lo : lo + end]
+        assert self._slots is not None  # set with the blocks
+        new = self._slots[start:end]
+        keys.index_copy_(1, new, key)
+        values.index_copy_(1, new, value)
+        held = self._slots[:end]
+        return keys.index_select(1, held), values.index_select(1, held)
 
     def _commit(self, n: int) -> None:
         self._length += n
 
 
-__all__ = ["SessionKV"]
+__all__ = ["KVPool", "SessionKV"]

@@ -14,7 +14,8 @@ The node daemon calls::
     stage = load_stage(model_dir, start, end, device="cpu", weights=WeightFormat.INT8)
     stage.weights, stage.dtype               # the format; activation/KV dtype
     stage.resident_bytes()                   # bytes of its tensors
-    kv = stage.new_kv()                       # one per session
+    pool = stage.new_pool(num_blocks)         # the stage's KV blocks (16 tokens each)
+    kv = stage.new_kv(pool)                   # one per session (no pool: a private one)
     out = stage.forward(inputs, kv)           # one session
     outs = stage.forward_batch([(x1, kv1), (x2, kv2)])   # many, one forward
 
@@ -47,7 +48,7 @@ from hetmesh.partition.formats import (
     format_of_dtype,
     parse_weights,
 )
-from hetmesh.partition.kv import SessionKV
+from hetmesh.partition.kv import KVPool, SessionKV
 from hetmesh.partition.materialise import materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
@@ -210,17 +211,40 @@ class StageModule(nn.Module):
 
         return int(compute_module_sizes(self)[""])
 
-    def new_kv(self) -> SessionKV:
-        """A fresh, empty KV cache for one session on this stage."""
-        return SessionKV(
-            owner=id(self),
+    def new_pool(self, num_blocks: int) -> KVPool:
+        """A fixed pool of ``num_blocks`` KV blocks for this stage's layers (a stage server's)."""
+        return KVPool(
+            num_blocks=num_blocks,
             num_layers=self.num_layers,
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
-            max_length=self.max_context,
             dtype=self.dtype,
             device=self.device,
         )
+
+    def new_kv(self, pool: KVPool | None = None) -> SessionKV:
+        """A fresh, empty KV cache for one session on this stage.
+
+        Its blocks come from ``pool``; without one, from a private pool that grows.
+        """
+        if pool is None:
+            pool = KVPool(
+                num_blocks=0,
+                num_layers=self.num_layers,
+                kv_heads=self.kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+                growable=True,
+            )
+        elif (pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype) != (
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+        ):
+            raise InvalidRequest("this KV pool was made for another stage")
+        return SessionKV(owner=id(self), pool=pool, max_length=self.max_context)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize

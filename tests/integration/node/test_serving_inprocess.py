@@ -49,15 +49,18 @@ def tiny_model(tmp_path_factory):
 class Mesh:
     """Stage servers keyed by peer id, reached through plain function calls."""
 
-    def __init__(self, model_dir, layout: dict[str, tuple[int, int]]) -> None:
-        self.servers = {
-            peer: StageServer(
-                load_stage(model_dir, a, b),
-                limits=KVLimits(max_sessions=8, max_tokens_per_session=200, budget_bytes=1 << 30),
+    def __init__(
+        self, model_dir, layout: dict[str, tuple[int, int]], *, pool_tokens: int | None = None
+    ) -> None:
+        self.servers = {}
+        for peer, (a, b) in layout.items():
+            stage = load_stage(model_dir, a, b)
+            budget = (pool_tokens or 8 * 200) * stage.kv_bytes_per_token()  # 8 full sessions
+            self.servers[peer] = StageServer(
+                stage,
+                limits=KVLimits(max_sessions=8, max_tokens_per_session=200, budget_bytes=budget),
                 send=self.send,
             )
-            for peer, (a, b) in layout.items()
-        }
         self.dead: set[str] = set()
         self.frozen: set[str] = set()
         self.gateway: Gateway | None = None
@@ -302,3 +305,56 @@ async def test_a_failed_draw_fails_its_session_alone(tiny_model):
     for i in range(3):
         assert isinstance(results[f"bad{i}"], InvalidRequest), results[f"bad{i}"]
     assert mesh.servers["c"].statistics().errors >= 3, results
+
+
+async def test_a_full_kv_pool_preempts_and_resumes_sessions_without_leaking(tiny_model):
+    """Stages with 96 tokens of KV (6 blocks) admit five sessions of one-block prompts
+    at once (plus a one-block reserve); each grows to 4-5 blocks over 60 tokens, so
+    together they must outgrow the pool: the newest are preempted and resumed by
+    replay. Every stream equals the reference; a cancelled one and the rest leave
+    every pool whole."""
+    mesh = Mesh(tiny_model, {"a": (0, 2), "b": (2, 4), "c": (4, 6)}, pool_tokens=96)
+    hops = (Hop("a", 0, 2), Hop("b", 2, 4), Hop("c", 4, 6))
+    gateway = make_gateway(mesh, [hops], admission_s=120.0)
+    prompts = [PROMPTS[0], PROMPTS[1], [8, 6, 4, 2] * 3, list(range(60, 70)), [9] * 16]
+    initial = {peer: s.pool.free_blocks for peer, s in mesh.servers.items()}
+    results: dict[int, list[int]] = {}
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+
+        async def run(i):
+            results[i] = await collect(gateway, prompts[i], SamplingParams(max_new_tokens=60))
+
+        async def cancelled():
+            async with aclosing(
+                gateway.generate(PROMPTS[2], SamplingParams(max_new_tokens=30))
+            ) as it:
+                async for n, _ in aioenumerate(it):
+                    if n == 4:
+                        break  # the client goes away mid-stream
+
+        async with trio.open_nursery() as clients:
+            for i in range(len(prompts)):
+                clients.start_soon(run, i)
+            clients.start_soon(cancelled)
+
+        # one request larger than the whole pool: refused at once, naming the KV limit
+        with pytest.raises(InvalidRequest, match="whole KV pool"):
+            await collect(gateway, list(range(1, 91)), SamplingParams(max_new_tokens=10))
+        nursery.cancel_scope.cancel()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == reference(tiny_model, prompt, 60), i
+    assert gateway.statistics().preemptions >= 1
+    assert sum(s.statistics().kv.preempted for s in mesh.servers.values()) >= 1
+    for peer, server in mesh.servers.items():
+        stats = server.statistics().kv
+        assert (stats.sessions, stats.blocks_free) == (0, initial[peer]), peer
+        assert stats.blocks_free == stats.blocks_total
+
+
+async def aioenumerate(iterator):
+    n = 0
+    async for item in iterator:
+        yield n, item
+        n += 1

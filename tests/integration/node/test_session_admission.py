@@ -125,3 +125,51 @@ async def test_idle_sessions_expire_but_a_generating_one_never_does(
         assert [s.statistics().kv.expired for s in rest] == [0]
         assert first.statistics().kv.expired == 1
         assert mesh.nodes[0].serving.gateway.statistics().recoveries == 0
+
+
+async def test_a_small_kv_pool_preempts_and_resumes_with_reference_output(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    """Each stage has 96 tokens of KV (6 blocks); four generations of 7 + 40 tokens
+    (3 blocks each) are admitted by their prompts and outgrow the pool together: the
+    newest are preempted and resumed by replay, and every stream still equals the
+    reference. A request larger than the pool gets a 400 naming the KV limit, and
+    afterwards every stage's pool is whole."""
+    tokens = 40
+    expected = reference_ids(default_model_dir, PROMPT_IDS, tokens)
+    port = free_port()
+    serving = ServingConfig(
+        max_sessions=4,
+        max_context_tokens=512,
+        kv_pool_tokens=96,
+        block_step_s=0.002,
+        timeouts=GatewayTimeouts(admission_s=300.0),
+    )
+    async with open_mesh(tmp_path, serving, 2, first={"api_port": port}) as mesh:
+        gateway = mesh.nodes[0].serving.gateway
+        servers = stage_servers(mesh.nodes)
+        results: list[list[int]] = []
+
+        async def one() -> None:
+            results.append(await generate(mesh.addr, tokens))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(one)
+        assert results == [expected] * 4
+        assert gateway.statistics().preemptions >= 1
+        assert sum(s.statistics().kv.preempted for s in servers) >= 1
+
+        async with httpx.AsyncClient(timeout=120) as client:
+            reply = await client.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 200},
+            )
+        assert reply.status_code == 400, reply.text
+        assert "whole KV pool of 96 tokens" in reply.json()["error"]["message"]
+
+        def whole() -> bool:
+            stats = [s.statistics().kv for s in servers]
+            return all(k.sessions == 0 and k.blocks_free == k.blocks_total for k in stats)
+
+        await until_(whole, 30, "every stage's KV pool to be whole again")

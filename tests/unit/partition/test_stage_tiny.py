@@ -237,3 +237,40 @@ def test_session_kv_accounting_and_truncate(llama_dir: Path) -> None:
     torch.testing.assert_close(again, full[6:], atol=ATOL, rtol=0)
     with pytest.raises(InvalidRequest):
         kv.truncate(11)
+
+
+def test_sessions_sharing_a_fragmented_pool_match_private_caches(tiny: Any) -> None:
+    """Three sessions grow in turn in one small pool, so their block tables interleave
+    (gathered reads) or stay runs (views); every output equals a private cache's exactly."""
+    _, folder, _ = tiny
+    stage = load_stage(folder, 0, 6)
+    pool = stage.new_pool(16)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (17, 3, 30)]
+    shared = [stage.new_kv(pool) for _ in prompts]
+    private = [stage.new_kv() for _ in prompts]
+    for kv, p in zip(shared, prompts, strict=True):
+        assert kv.reserve(len(p))  # as a stage server does before the forward
+    outputs = [
+        stage.forward_batch(list(zip(prompts, kvs, strict=True))) for kvs in (shared, private)
+    ]
+    for got, want in zip(*outputs, strict=True):
+        assert torch.equal(got, want)
+    steps = torch.randint(4, VOCAB, (3, 20), generator=gen)
+    for step in range(20):
+        for row in range(3):  # one at a time: each grows past block ends in turn
+            x = steps[row, step : step + 1]
+            assert torch.equal(stage.forward(x, shared[row]), stage.forward(x, private[row]))
+        batch = stage.forward_batch(
+            [(steps[r, step : step + 1], kv) for r, kv in enumerate(shared)], last_only=True
+        )
+        want = stage.forward_batch(
+            [(steps[r, step : step + 1], kv) for r, kv in enumerate(private)], last_only=True
+        )
+        for got, ref in zip(batch, want, strict=True):
+            assert torch.equal(got, ref)
+    assert not all(kv.contiguous for kv in shared)  # some reads really were gathered
+    assert pool.free_blocks < pool.num_blocks
+    for kv in shared:
+        kv.free()
+    assert pool.free_blocks == pool.num_blocks
