@@ -661,18 +661,7 @@ class TcpLink(ThreadedLink):
         except BaseException:
             self._write_lock.release()
             raise
-        if not left:
-            self._write_lock.release()
-            return total
-
-        def finish() -> None:
-            try:
-                sendmsg_all(self.sock, left)
-            finally:
-                self._write_lock.release()
-
-        await in_thread(finish)
-        return total
+        return await self._send_rest_locked(left, total)
 
     async def _write_sealed(self, frame: Frame, sealer: Sealer) -> int:
         """Small frames are sealed on the trio thread and sent without blocking if the
@@ -687,6 +676,11 @@ class TcpLink(ThreadedLink):
         except BaseException:
             self._write_lock.release()
             raise
+        return await self._send_rest_locked(left, total)
+
+    async def _send_rest_locked(self, left: list[memoryview], total: int) -> int:
+        """Send what the socket did not take at once (in a worker thread), then release
+        the write lock, which the caller holds; returns ``total``."""
         if not left:
             self._write_lock.release()
             return total
