@@ -29,6 +29,9 @@ class OpenSession(WireRecord):
     end: int
     next_peer: PeerId  # the next stage, or the gateway for the last stage
     gateway: PeerId
+    # the stage before this one ("": the gateway, which feeds the first stage): the only
+    # peer whose activations the stage accepts for this session
+    previous_peer: PeerId = ""
     max_tokens: int
     prompt_tokens: int = 0  # the first chunk it will get (prompt, or history on a replay)
     sampling: SamplingParams  # applied by the last stage; the gateway always sets its seed

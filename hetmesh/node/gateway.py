@@ -10,6 +10,10 @@ history as one prefill to rebuild the KV caches, and carries on: the caller
 sees one continuous stream, with no token lost or repeated. Sampling is
 seeded per step (``control.step_seed``), so a replayed seeded session draws
 the same tokens as before.
+
+Frames for a session are taken from its route only: its tokens from the last
+stage, its errors from any of its stages. What another member sends for it is
+dropped (and counted as ``foreign_frames``).
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class GatewayStatistics:
     rejected_busy: int
     slow_steps: int
     preemptions: int = 0
+    foreign_frames: int = 0  # frames for a session from a peer not on its route
 
 
 class _Preempted(Exception):
@@ -129,19 +134,34 @@ class Gateway:
         self.max_context = max_context
         self.timeouts = timeouts or GatewayTimeouts()
         self._inboxes: dict[str, trio.MemorySendChannel[Tokens | Error]] = {}
+        self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
-        self._slow_steps = self._preemptions = 0
+        self._slow_steps = self._preemptions = self._foreign = 0
 
     # -- inbound ------------------------------------------------------------------
 
-    def on_frame(self, frame: Tokens | Error) -> None:
-        """Route a token or error frame to its session; stale frames are dropped."""
+    def on_frame(self, frame: Tokens | Error, sender: PeerId | None = None) -> None:
+        """Route a token or error frame from ``sender`` (None: this node) to its session;
+        stale frames are dropped, and so are frames from a peer not on its route."""
         inbox = self._inboxes.get(frame.session_id)
         if inbox is None:
             self._stale += 1
             return
+        hops = self._routes.get(frame.session_id, ())
+        if sender is not None and hops:
+            # tokens come from the last stage only; an error from any stage of the route
+            allowed = {hops[-1].peer_id} if isinstance(frame, Tokens) else {h.peer_id for h in hops}
+            if sender not in allowed:
+                self._foreign += 1
+                log.warning(
+                    "dropped a %s frame for session %s from %s, not on its route",
+                    type(frame).__name__,
+                    frame.session_id,
+                    sender,
+                )
+                return
         try:
             inbox.send_nowait(frame)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -188,6 +208,7 @@ class Gateway:
                     raise NoRoute("no pipeline serves the model")
                 inbox_send, inbox = trio.open_memory_channel[Tokens | Error](math.inf)
                 self._inboxes[session_id] = inbox_send
+                self._routes[session_id] = hops
                 try:
                     await self._open(
                         session_id,
@@ -235,6 +256,7 @@ class Gateway:
                     )
                 finally:
                     del self._inboxes[session_id]
+                    del self._routes[session_id]
                     with trio.CancelScope(shield=True):
                         await self._close(session_id, hops)
             raise AssertionError("unreachable: the loop returns or raises")
@@ -261,6 +283,7 @@ class Gateway:
                 end=hop.end,
                 next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
                 gateway=self.peer_id,
+                previous_peer=hops[i - 1].peer_id if i > 0 else self.peer_id,
                 max_tokens=max_tokens,
                 prompt_tokens=prompt_tokens,
                 sampling=sampling,
@@ -434,4 +457,5 @@ class Gateway:
             rejected_busy=self._busy,
             slow_steps=self._slow_steps,
             preemptions=self._preemptions,
+            foreign_frames=self._foreign,
         )

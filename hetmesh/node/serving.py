@@ -618,28 +618,34 @@ class Serving:
             if link is not None:
                 link.release(frame)
 
-        if isinstance(frame, Activations):
-            for served in self._served.values():
-                if frame.session_id in served.server.kv:
-                    served.server.submit(frame, release)
-                    return
+        sender = None if link is None else peer  # None: a hop to ourselves
+        try:
+            if isinstance(frame, Activations):
+                for served in self._served.values():
+                    if frame.session_id in served.server.kv:
+                        served.server.submit(frame, release, sender)
+                        return
+                release()
+                raise InvalidRequest(f"unknown session {frame.session_id}")
             release()
-            message = f"unknown session {frame.session_id}"
+            if isinstance(frame, Tokens | Error) and self.gateway is not None:
+                self.gateway.on_frame(frame, sender)
+            elif isinstance(frame, Cancel):
+                for served in self._served.values():
+                    served.server.check_control(frame.session_id, sender)
+                for served in self._served.values():
+                    served.server.close(frame.session_id)
+        except InvalidRequest as exc:  # the sender's mistake (or not its session): tell it
             assert self._nursery is not None
             self._nursery.start_soon(
                 self._send_quietly,
                 peer,
                 Error(
-                    code=error_code(InvalidRequest), message=message, session_id=frame.session_id
+                    code=error_code(exc),
+                    message=str(exc),
+                    session_id=str(getattr(frame, "session_id", "")),
                 ),
             )
-            return
-        release()
-        if isinstance(frame, Tokens | Error) and self.gateway is not None:
-            self.gateway.on_frame(frame)
-        elif isinstance(frame, Cancel):
-            for served in self._served.values():
-                served.server.close(frame.session_id)
 
     async def _send_quietly(self, peer: PeerId, frame: Frame) -> None:
         try:
@@ -674,8 +680,17 @@ class Serving:
         )
         return bool(raw.get("ok"))
 
-    def _apply_control(self, request: OpenSession | CloseSession) -> Reply:
+    def _apply_control(
+        self, request: OpenSession | CloseSession, sender: PeerId | None = None
+    ) -> Reply:
+        """Apply a session request from ``sender`` (None: this node); only a session's
+        gateway may close it (see :class:`StageServer`)."""
         if isinstance(request, CloseSession):
+            for served in self._served.values():
+                try:
+                    served.server.check_control(request.session_id, sender)
+                except InvalidRequest as exc:
+                    return Reply.failed(exc)
             for served in self._served.values():
                 served.server.close(request.session_id)
             return Reply(ok=True)
@@ -684,7 +699,7 @@ class Serving:
             return Reply.failed(
                 NoRoute(f"units [{request.start}, {request.end}) are not served here")
             )
-        return target.server.handle(request)
+        return target.server.handle(request, sender)
 
     async def _handle_session(self, stream: INetStream) -> None:
         payload = await wire.read_frame(stream, max_bytes=MAX_CONTROL_BYTES, timeout_s=5.0)
@@ -693,7 +708,8 @@ class Serving:
             if data.get("op") == "ping":
                 reply = Reply(ok=True)
             else:
-                reply = self._apply_control(parse_request(data))
+                sender = str(stream.muxed_conn.peer_id)  # authenticated by libp2p
+                reply = self._apply_control(parse_request(data), sender)
         except RemoteProtocolError as exc:  # the peer's mistake: say so, keep serving
             reply = Reply.failed(InvalidRequest(str(exc)))
         await wire.write_frame(stream, wire.encode(reply.to_wire()))

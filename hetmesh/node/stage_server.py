@@ -8,6 +8,11 @@ is pending — any mix of prefill chunks and decode steps of different sessions
 the next stage, or, on the last stage, are sampled and sent to the session's
 gateway as a token. Sessions join and leave between rounds; a bad item fails
 alone (its gateway gets an ``Error`` frame) while the rest of the batch runs.
+
+A session belongs to the peers of its route: only its gateway (the peer that
+opened it) may close it, and only the stage before this one (the gateway, for
+the first stage) may feed it. A member sending anything else for it gets
+``InvalidRequest`` and the session is untouched.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
+from hetmesh.resources import PeerId
 from hetmesh.transport.frames import Activations, Error, Tokens
 
 if TYPE_CHECKING:
@@ -115,11 +121,26 @@ class StageServer:
 
     # -- control ----------------------------------------------------------------
 
-    def handle(self, request: OpenSession | CloseSession) -> Reply:
-        """Apply a control request; never raises for the peer's mistakes."""
+    def handle(self, request: OpenSession | CloseSession, sender: PeerId | None = None) -> Reply:
+        """Apply a control request from ``sender`` (None: this node itself); never raises
+        for the peer's mistakes.
+
+        Only a session's gateway may close it, and a peer opens sessions for itself only.
+        """
         if isinstance(request, CloseSession):
+            try:
+                self.check_control(request.session_id, sender)
+            except InvalidRequest as exc:
+                return Reply.failed(exc)
             self.close(request.session_id)
             return Reply(ok=True)
+        if sender is not None and sender != request.gateway:
+            return Reply.failed(
+                InvalidRequest(
+                    f"peer {sender} may not open session {request.session_id} "
+                    f"for gateway {request.gateway}"
+                )
+            )
         if (request.start, request.end) != (self.stage.start, self.stage.end):
             return Reply.failed(
                 NoRoute(
@@ -134,6 +155,28 @@ class StageServer:
         sampler = Sampler(request.sampling) if self.stage.has_head else None
         self._sessions[request.session_id] = _Session(request, kv, sampler)
         return Reply(ok=True)
+
+    def check_control(self, session_id: str, sender: PeerId | None) -> None:
+        """``InvalidRequest`` unless ``sender`` (None: this node) may close or cancel the
+        session: its gateway. An unknown session has nothing to protect."""
+        session = self._sessions.get(session_id)
+        if session is None or sender is None or sender == session.request.gateway:
+            return
+        raise InvalidRequest(
+            f"session {session_id} belongs to gateway {session.request.gateway}, not {sender}"
+        )
+
+    def check_feed(self, session_id: str, sender: PeerId | None) -> None:
+        """``InvalidRequest`` unless ``sender`` (None: this node) is the peer that feeds
+        the session here: the previous stage, or the gateway for the first stage."""
+        session = self._sessions.get(session_id)
+        if session is None or sender is None:
+            return
+        feeder = session.request.previous_peer or session.request.gateway
+        if sender != feeder:
+            raise InvalidRequest(
+                f"session {session_id} takes activations from {feeder} only, not {sender}"
+            )
 
     def close(self, session_id: str) -> None:
         """Free a session's KV cache at once, or right after the batch computing it
@@ -153,11 +196,19 @@ class StageServer:
 
     # -- data -------------------------------------------------------------------
 
-    def submit(self, frame: Activations, release: Callable[[], None]) -> None:
-        """Queue an activation frame; ``InvalidRequest`` for an unknown session."""
+    def submit(
+        self, frame: Activations, release: Callable[[], None], sender: PeerId | None = None
+    ) -> None:
+        """Queue an activation frame from ``sender`` (None: this node); ``InvalidRequest``
+        for an unknown session or a sender that does not feed it."""
         if frame.session_id not in self._sessions:
             release()
             raise InvalidRequest(f"unknown session {frame.session_id}")
+        try:
+            self.check_feed(frame.session_id, sender)
+        except InvalidRequest:
+            release()
+            raise
         if len(frame.tensors) != 1:
             release()
             raise InvalidRequest(f"expected one tensor per activation, got {len(frame.tensors)}")

@@ -282,3 +282,58 @@ async def test_two_hundred_strangers_cost_no_memory_and_stall_no_generation(
     assert target.proc.poll() is None
     # and the strangers did not cost it the mesh: a generation after them is fine too
     assert await generate_ids(mesh3[0].addr, ids, max_new_tokens=16) == expected
+
+
+async def test_a_member_off_the_route_cannot_feed_close_or_cancel_a_session(
+    mesh3, default_model_dir
+):
+    """Over real links: one member opens a session on the first stage; another, with
+    its own data-plane link, feeds, closes and cancels it and is refused each time;
+    the owner's session is untouched (it still computes, and only it closes it)."""
+    import torch
+
+    from hetmesh.transport import Activations, Cancel, Error
+
+    (_, first), *_ = sorted(_stages(await view_of(mesh3[0])).items())
+    (start, end) = next(
+        (s["start"], s["end"]) for s in first["record"]["stages"] if s["start"] == 0
+    )
+    stage = first["peer_id"]
+    tokens = torch.tensor([1, 504, 3458], dtype=torch.int64)
+    async with open_probe_peer() as owner, open_probe_peer() as intruder:
+        await owner.dial(first)
+        await intruder.dial(first)
+        opened = await owner.control(
+            stage,
+            {
+                "op": "open",
+                "session_id": "owned",
+                "start": start,
+                "end": end,
+                "next_peer": owner.peer_id,
+                "gateway": owner.peer_id,
+                "max_tokens": 8,
+                "sampling": {},
+            },
+        )
+        assert opened["ok"], opened
+        feed = Activations(session_id="owned", step=0, positions=(0, 1, 2), tensors=(tokens,))
+        for frame in (feed, Cancel(session_id="owned")):
+            await intruder.pool.send(stage, frame)
+            with trio.fail_after(30):
+                reply = await intruder.inbox.receive()
+            assert isinstance(reply, Error), reply
+            assert reply.session_id == "owned"
+            assert owner.peer_id in reply.message  # names whose session it is
+        closed = await intruder.control(stage, {"op": "close", "session_id": "owned"})
+        assert closed["ok"] is False
+        assert "belongs to gateway" in closed["message"]
+        # untouched: the owner's first step still starts at position 0 and computes
+        await owner.pool.send(stage, feed)
+        with trio.fail_after(60):
+            out = await owner.inbox.receive()
+        assert isinstance(out, Activations), out
+        assert out.positions == (0, 1, 2)
+        assert tuple(out.tensors[0].shape) == (3, 576)
+        closed = await owner.control(stage, {"op": "close", "session_id": "owned"})
+        assert closed["ok"], closed

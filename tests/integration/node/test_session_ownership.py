@@ -1,0 +1,216 @@
+"""A session belongs to its route: a member off the route can neither feed, close,
+cancel nor answer it, and the session carries on untouched.
+
+Real stages of a seeded tiny Llama and a real gateway; the hops are direct calls
+that carry who sent each frame, as the node's dispatcher does for a link. The
+multi-process check over real links is in ``test_mesh_serving.py``.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import pytest
+import torch
+import trio
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hetmesh.errors import InvalidRequest, MeshError
+from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
+from hetmesh.node.kvcache import KVLimits
+from hetmesh.node.stage_server import StageServer
+from hetmesh.partition.generate import LocalPipeline
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.partition.stage import load_stage
+from hetmesh.transport.frames import Activations, Error, Frame, Tokens
+
+GATEWAY = "gw"
+INTRUDER = "intruder"
+PROMPT = [5, 17, 33, 2, 9, 41, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    folder = tmp_path_factory.mktemp("tiny-owned")
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+class Hops:
+    """Two stages and a gateway; every delivery names its sender."""
+
+    def __init__(self, model_dir) -> None:
+        self.servers: dict[str, StageServer] = {}
+        for peer, (a, b) in {"a": (0, 2), "b": (2, 4)}.items():
+            stage = load_stage(model_dir, a, b)
+            self.servers[peer] = StageServer(
+                stage,
+                limits=KVLimits(
+                    max_sessions=4,
+                    max_tokens_per_session=64,
+                    budget_bytes=4 * 64 * stage.kv_bytes_per_token(),
+                ),
+                send=self._sender(peer),
+            )
+        self.gateway = Gateway(
+            peer_id=GATEWAY,
+            control=self.control,
+            send=self._sender(GATEWAY),
+            choose=self.choose,
+            ping=self.ping,
+            eos_token_ids=frozenset(),
+            max_context=64,
+            timeouts=GatewayTimeouts(),
+        )
+        self.refused: list[str] = []  # errors told to the intruder
+
+    def _sender(self, me: str):
+        async def send(peer: str, frame: Frame) -> None:
+            await self.deliver(me, peer, frame)
+
+        return send
+
+    async def deliver(self, sender: str, peer: str, frame: Frame) -> None:
+        if peer == INTRUDER:
+            assert isinstance(frame, Error)
+            self.refused.append(frame.message)
+        elif peer == GATEWAY:
+            assert isinstance(frame, Tokens | Error)
+            self.gateway.on_frame(frame, sender)
+        else:
+            assert isinstance(frame, Activations)
+            try:
+                self.servers[peer].submit(frame, release=lambda: None, sender=sender)
+            except InvalidRequest as exc:  # as the node's dispatcher answers the sender
+                await self.deliver(peer, sender, Error(code=1, message=str(exc)))
+
+    async def control(self, peer: str, request: OpenSession | CloseSession) -> Reply:
+        return self.servers[peer].handle(request, GATEWAY)
+
+    async def choose(self, session_id: str, avoid: frozenset[str]) -> tuple[Hop, ...]:
+        return (Hop("a", 0, 2), Hop("b", 2, 4))
+
+    async def ping(self, peer: str) -> bool:
+        return True
+
+
+def reference(model_dir, n: int) -> list[int]:
+    pipeline = LocalPipeline.load(model_dir, 1)
+    return list(pipeline.generate_ids(PROMPT, SamplingParams(max_new_tokens=n), eos_ids=set()))
+
+
+async def test_a_member_off_the_route_cannot_touch_a_session(tiny_model):
+    hops = Hops(tiny_model)
+    out: list[int] = []
+    attacked = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for server in hops.servers.values():
+            await nursery.start(server.serve)
+
+        async def attack(session_id: str) -> None:
+            a, b = hops.servers["a"], hops.servers["b"]
+            hidden = torch.zeros(1, 64)
+            # activations for both stages, from a peer that feeds neither
+            await hops.deliver(
+                INTRUDER,
+                "a",
+                Activations(
+                    session_id=session_id,
+                    step=len(out),
+                    positions=(len(PROMPT) + len(out),),
+                    tensors=(torch.tensor([3]),),
+                ),
+            )
+            await hops.deliver(
+                INTRUDER,
+                "b",
+                Activations(session_id=session_id, step=0, positions=(0,), tensors=(hidden,)),
+            )
+            # a stage's own neighbour is still not the first stage's feeder
+            with pytest.raises(InvalidRequest, match="takes activations from gw only"):
+                a.submit(
+                    Activations(session_id=session_id, step=0, positions=(0,), tensors=(hidden,)),
+                    release=lambda: None,
+                    sender="b",
+                )
+            # close or open it as someone else
+            for server in (a, b):
+                reply = server.handle(CloseSession(session_id=session_id), INTRUDER)
+                assert not reply.ok
+                assert "belongs to gateway gw" in reply.message
+                with pytest.raises(InvalidRequest, match="belongs to gateway gw"):
+                    server.check_control(session_id, INTRUDER)  # what a Cancel frame meets
+            forged = OpenSession(
+                session_id="forged",
+                start=0,
+                end=2,
+                next_peer=INTRUDER,
+                gateway=GATEWAY,
+                max_tokens=8,
+                sampling=SamplingParams(),
+            )
+            assert not a.handle(forged, INTRUDER).ok
+            # a token the gateway did not ask for: dropped, not streamed
+            hops.gateway.on_frame(
+                Tokens(session_id=session_id, step=len(out), token_ids=(0,)), INTRUDER
+            )
+            hops.gateway.on_frame(Error(code=1, message="forged", session_id=session_id), INTRUDER)
+            attacked.set()
+
+        async def observe() -> None:
+            async with aclosing(
+                hops.gateway.generate(PROMPT, SamplingParams(max_new_tokens=12))
+            ) as tokens:
+                async for token in tokens:
+                    out.append(token)
+                    if len(out) == 4:
+                        (session_id,) = hops.gateway._routes
+                        await attack(session_id)
+
+        await observe()
+        nursery.cancel_scope.cancel()
+    assert attacked.is_set()
+    assert out == reference(tiny_model, 12)  # untouched: not one token changed or lost
+    assert len(hops.refused) == 2
+    assert all("takes activations from" in m for m in hops.refused), hops.refused
+    stats = hops.gateway.statistics()
+    assert stats.foreign_frames == 2
+    assert stats.recoveries == 0  # the forged error did not fail the step
+    for server in hops.servers.values():
+        assert server.statistics().kv.sessions == 0  # the gateway's own close still worked
+
+
+async def test_the_sessions_own_route_is_obeyed(tiny_model):
+    """Its gateway may close it; a node's own calls (no sender) are trusted."""
+    hops = Hops(tiny_model)
+    server = hops.servers["a"]
+    request = OpenSession(
+        session_id="s",
+        start=0,
+        end=2,
+        next_peer="b",
+        gateway=GATEWAY,
+        max_tokens=8,
+        sampling=SamplingParams(),
+    )
+    assert server.handle(request, GATEWAY).ok
+    frame = Activations(session_id="s", step=0, positions=(0,), tensors=(torch.tensor([1]),))
+    server.submit(frame, release=lambda: None, sender=GATEWAY)
+    server.submit(frame, release=lambda: None)  # from this node itself
+    server.check_control("s", None)
+    assert server.handle(CloseSession(session_id="s"), GATEWAY).ok
+    assert server.statistics().kv.sessions == 0
+    with pytest.raises(MeshError, match="unknown session"):
+        server.submit(frame, release=lambda: None, sender=GATEWAY)
