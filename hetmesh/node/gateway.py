@@ -4,7 +4,9 @@ For every request the gateway keeps the token history (prompt + generated).
 It opens the session on each stage of the pipeline the router picked
 (control plane), sends token ids to the first stage (data plane) and waits
 for each sampled token from the last stage. If a stage dies, stalls past the
-step timeout or answers with an internal error, the gateway finds the peers
+step timeout, is declared dead by discovery (:meth:`Gateway.peer_gone`: at
+once, not after the timeout) or answers with an internal error, the gateway
+finds the peers
 that no longer answer, picks another pipeline that avoids them, replays the
 history as one prefill to rebuild the KV caches, and carries on: the caller
 sees one continuous stream, with no token lost or repeated. Sampling is
@@ -18,10 +20,10 @@ dropped (and counted as ``foreign_frames``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
-import math
 import random
 import time
 import uuid
@@ -95,7 +97,22 @@ class GatewayStatistics:
     rejected_busy: int
     slow_steps: int
     preemptions: int = 0
+    # recoveries started by a death (peer_gone) before the step timed out, and the
+    # seconds of step timeout they did not wait for, in all
+    early_recoveries: int = 0
+    early_recovery_s: float = 0.0
     foreign_frames: int = 0  # frames for a session from a peer not on its route
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerGone:
+    """Put in a session's inbox when a peer of its route is declared dead (internal)."""
+
+    peer_id: PeerId
+
+
+_Inbound = Tokens | Error | _PeerGone
+INBOX_FRAMES = 16  # a session's inbox: one token per step is expected; more are dropped
 
 
 class _Preempted(Exception):
@@ -133,12 +150,13 @@ class Gateway:
         self._eos = eos_token_ids
         self.max_context = max_context
         self.timeouts = timeouts or GatewayTimeouts()
-        self._inboxes: dict[str, trio.MemorySendChannel[Tokens | Error]] = {}
+        self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
-        self._slow_steps = self._preemptions = self._foreign = 0
+        self._slow_steps = self._preemptions = self._foreign = self._early = 0
+        self._early_s = 0.0
 
     # -- inbound ------------------------------------------------------------------
 
@@ -166,6 +184,15 @@ class Gateway:
             inbox.send_nowait(frame)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             self._stale += 1
+
+    def peer_gone(self, peer_id: PeerId) -> None:
+        """``peer_id`` was declared dead: every session whose route uses it recovers now
+        (replays on a route that avoids it) instead of waiting for its step timeout."""
+        for session_id, hops in list(self._routes.items()):
+            inbox = self._inboxes.get(session_id)
+            if inbox is not None and any(h.peer_id == peer_id for h in hops):
+                with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
+                    inbox.send_nowait(_PeerGone(peer_id))  # full: its timeout still fires
 
     # -- requests -----------------------------------------------------------------
 
@@ -206,7 +233,7 @@ class Gateway:
                 hops = tuple(await self._choose(base, frozenset(avoid)))
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
-                inbox_send, inbox = trio.open_memory_channel[Tokens | Error](math.inf)
+                inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
                 self._inboxes[session_id] = inbox_send
                 self._routes[session_id] = hops
                 try:
@@ -257,8 +284,10 @@ class Gateway:
                 finally:
                     del self._inboxes[session_id]
                     del self._routes[session_id]
+                    # not on a peer to avoid: dead or stuck, it would hold the recovery
+                    alive = [h for h in hops if h.peer_id not in avoid]
                     with trio.CancelScope(shield=True):
-                        await self._close(session_id, hops)
+                        await self._close(session_id, alive)
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
             if finished:
@@ -337,7 +366,7 @@ class Gateway:
         self,
         session_id: str,
         hops: Sequence[Hop],
-        inbox: trio.MemoryReceiveChannel[Tokens | Error],
+        inbox: trio.MemoryReceiveChannel[_Inbound],
         history: list[int],
         generated: list[int],
         max_new_tokens: int,
@@ -374,7 +403,7 @@ class Gateway:
 
     async def _await_token(
         self,
-        inbox: trio.MemoryReceiveChannel[Tokens | Error],
+        inbox: trio.MemoryReceiveChannel[_Inbound],
         step: int,
         fed: int,
         hops: Sequence[Hop],
@@ -391,9 +420,15 @@ class Gateway:
         else:
             timeout = max(t.step_floor_s, t.factor * self._step_s)
         for _ in range(t.max_extensions + 1):
-            with trio.move_on_after(timeout):
+            with trio.move_on_after(timeout) as waiting:
                 while True:
                     frame = await inbox.receive()
+                    if isinstance(frame, _PeerGone):
+                        self._early += 1
+                        self._early_s += max(0.0, waiting.deadline - trio.current_time())
+                        raise _StepFailed(
+                            f"stage {frame.peer_id} was declared dead", frozenset({frame.peer_id})
+                        )
                     if isinstance(frame, Error):
                         error = error_from_wire(frame.code, frame.message)
                         if isinstance(error, InvalidRequest):
@@ -457,5 +492,7 @@ class Gateway:
             rejected_busy=self._busy,
             slow_steps=self._slow_steps,
             preemptions=self._preemptions,
+            early_recoveries=self._early,
+            early_recovery_s=self._early_s,
             foreign_frames=self._foreign,
         )

@@ -4,7 +4,8 @@
 libp2p control stream by :class:`~hetmesh.transport.DataPlane` (which picks
 shm, torchdist, tcp or libp2p for the pair) and shared by every session that
 crosses it. Each link has a receive task that hands frames to the node's
-dispatcher. Control RPCs (one request, one reply) are
+dispatcher. The link of a peer discovery declares dead is closed
+(:meth:`LinkPool.close_dead`). Control RPCs (one request, one reply) are
 :func:`hetmesh.discovery.rpc.call`.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import trio
 
 from hetmesh.discovery.rpc import open_stream
+from hetmesh.discovery.table import Health, TableEvent
 from hetmesh.errors import RemoteProtocolError, TransportError
 from hetmesh.resources import PeerId
 from hetmesh.transport import DataPlane, Frame, Libp2pStream, Link
@@ -128,6 +130,22 @@ class LinkPool:
         del self._links[peer]
         with contextlib.suppress(Exception):
             await current.aclose()
+
+    async def close_dead(
+        self,
+        events: trio.MemoryReceiveChannel[TableEvent],
+        on_dead: Callable[[PeerId], None],
+    ) -> None:
+        """Follow discovery's health changes: a peer declared dead (or gone) loses its
+        link, and ``on_dead`` hears of it first (the gateway recovers its sessions).
+        Returns when ``events`` ends."""
+        async for event in events:
+            if event.new not in (Health.DEAD, Health.LEFT):
+                continue
+            log.info("peer %s is %s: closing its data-plane link", event.peer_id, event.new)
+            on_dead(event.peer_id)
+            with trio.move_on_after(5.0):  # a frozen peer must not hold this loop
+                await self.drop(event.peer_id)
 
     async def aclose(self) -> None:
         for peer in list(self._links):

@@ -223,6 +223,8 @@ class Serving:
             self._publish()
             nursery.start_soon(self._plan_loop)
             nursery.start_soon(self._expiry_loop)
+            # a dead peer's link closes and its sessions recover at once (issue 13, 7 and 8)
+            nursery.start_soon(self.pool.close_dead, discovery.subscribe(), self.gateway.peer_gone)
             task_status.started(self)
             await trio.sleep_forever()
 

@@ -1,8 +1,7 @@
 """A session belongs to its route: a member off the route can neither feed, close,
 cancel nor answer it, and the session carries on untouched.
 
-Real stages of a seeded tiny Llama and a real gateway; the hops are direct calls
-that carry who sent each frame, as the node's dispatcher does for a link. The
+Real stages of a seeded tiny Llama and a real gateway (``tiny_hops``). The
 multi-process check over real links is in ``test_mesh_serving.py``.
 """
 
@@ -13,111 +12,39 @@ from contextlib import aclosing
 import pytest
 import torch
 import trio
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hetmesh.errors import InvalidRequest, MeshError
-from hetmesh.node.control import CloseSession, OpenSession, Reply
-from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
-from hetmesh.node.kvcache import KVLimits
-from hetmesh.node.stage_server import StageServer
-from hetmesh.partition.generate import LocalPipeline
+from hetmesh.node.control import CloseSession, OpenSession
+from hetmesh.node.gateway import Hop
 from hetmesh.partition.sampling import SamplingParams
-from hetmesh.partition.stage import load_stage
-from hetmesh.transport.frames import Activations, Error, Frame, Tokens
+from hetmesh.transport.frames import Activations, Error, Tokens
+from tests.integration.node.tiny_hops import (
+    GATEWAY,
+    INTRUDER,
+    PROMPT,
+    Hops,
+    reference,
+    save_tiny_model,
+)
 
-GATEWAY = "gw"
-INTRUDER = "intruder"
-PROMPT = [5, 17, 33, 2, 9, 41, 7]
+TWO_STAGES = (Hop("a", 0, 2), Hop("b", 2, 4))
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    folder = tmp_path_factory.mktemp("tiny-owned")
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-owned"))
 
 
-class Hops:
-    """Two stages and a gateway; every delivery names its sender."""
-
-    def __init__(self, model_dir) -> None:
-        self.servers: dict[str, StageServer] = {}
-        for peer, (a, b) in {"a": (0, 2), "b": (2, 4)}.items():
-            stage = load_stage(model_dir, a, b)
-            self.servers[peer] = StageServer(
-                stage,
-                limits=KVLimits(
-                    max_sessions=4,
-                    max_tokens_per_session=64,
-                    budget_bytes=4 * 64 * stage.kv_bytes_per_token(),
-                ),
-                send=self._sender(peer),
-            )
-        self.gateway = Gateway(
-            peer_id=GATEWAY,
-            control=self.control,
-            send=self._sender(GATEWAY),
-            choose=self.choose,
-            ping=self.ping,
-            eos_token_ids=frozenset(),
-            max_context=64,
-            timeouts=GatewayTimeouts(),
-        )
-        self.refused: list[str] = []  # errors told to the intruder
-
-    def _sender(self, me: str):
-        async def send(peer: str, frame: Frame) -> None:
-            await self.deliver(me, peer, frame)
-
-        return send
-
-    async def deliver(self, sender: str, peer: str, frame: Frame) -> None:
-        if peer == INTRUDER:
-            assert isinstance(frame, Error)
-            self.refused.append(frame.message)
-        elif peer == GATEWAY:
-            assert isinstance(frame, Tokens | Error)
-            self.gateway.on_frame(frame, sender)
-        else:
-            assert isinstance(frame, Activations)
-            try:
-                self.servers[peer].submit(frame, release=lambda: None, sender=sender)
-            except InvalidRequest as exc:  # as the node's dispatcher answers the sender
-                await self.deliver(peer, sender, Error(code=1, message=str(exc)))
-
-    async def control(self, peer: str, request: OpenSession | CloseSession) -> Reply:
-        return self.servers[peer].handle(request, GATEWAY)
-
-    async def choose(self, session_id: str, avoid: frozenset[str]) -> tuple[Hop, ...]:
-        return (Hop("a", 0, 2), Hop("b", 2, 4))
-
-    async def ping(self, peer: str) -> bool:
-        return True
-
-
-def reference(model_dir, n: int) -> list[int]:
-    pipeline = LocalPipeline.load(model_dir, 1)
-    return list(pipeline.generate_ids(PROMPT, SamplingParams(max_new_tokens=n), eos_ids=set()))
+def two_stages(model_dir) -> Hops:
+    return Hops(model_dir, {"a": (0, 2), "b": (2, 4)}, [TWO_STAGES])
 
 
 async def test_a_member_off_the_route_cannot_touch_a_session(tiny_model):
-    hops = Hops(tiny_model)
+    hops = two_stages(tiny_model)
     out: list[int] = []
     attacked = trio.Event()
     async with trio.open_nursery() as nursery:
-        for server in hops.servers.values():
-            await nursery.start(server.serve)
+        await hops.serve(nursery)
 
         async def attack(session_id: str) -> None:
             a, b = hops.servers["a"], hops.servers["b"]
@@ -194,7 +121,7 @@ async def test_a_member_off_the_route_cannot_touch_a_session(tiny_model):
 
 async def test_the_sessions_own_route_is_obeyed(tiny_model):
     """Its gateway may close it; a node's own calls (no sender) are trusted."""
-    hops = Hops(tiny_model)
+    hops = two_stages(tiny_model)
     server = hops.servers["a"]
     request = OpenSession(
         session_id="s",
