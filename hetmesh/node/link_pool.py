@@ -20,7 +20,7 @@ import trio
 
 from hetmesh.discovery.rpc import open_stream
 from hetmesh.discovery.table import Health, TableEvent
-from hetmesh.errors import RemoteProtocolError, TransportError
+from hetmesh.errors import PeerUnreachable, RemoteProtocolError, TransportError
 from hetmesh.resources import PeerId
 from hetmesh.transport import DataPlane, Frame, Libp2pStream, Link
 
@@ -42,12 +42,14 @@ class LinkPool:
         dispatch: Dispatch,
         nursery: trio.Nursery,
         connect_timeout_s: float = 15.0,
+        send_timeout_s: float = 20.0,
     ) -> None:
         self._host = host
         self._plane = plane
         self._dispatch = dispatch
         self._nursery = nursery
         self._timeout = connect_timeout_s
+        self._send_timeout = send_timeout_s
         self._links: dict[PeerId, Link] = {}
         self._locks: dict[PeerId, trio.Lock] = {}
         self._closed: dict[int, trio.Event] = {}
@@ -57,13 +59,23 @@ class LinkPool:
         return dict(self._links)
 
     async def send(self, peer: PeerId, frame: Frame) -> None:
-        """Send ``frame`` to ``peer``, opening the link if needed (``TransportError``)."""
+        """Send ``frame`` to ``peer``, opening the link if needed (``TransportError``).
+
+        A send that takes longer than ``send_timeout_s`` (a frozen peer reads nothing)
+        is ``PeerUnreachable``, and the link is closed: a frame cut short leaves it
+        unusable anyway.
+        """
         link = await self.get(peer)
         try:
-            await link.send(frame)
-        except TransportError:
+            with trio.fail_after(self._send_timeout):
+                await link.send(frame)
+        except (TransportError, trio.TooSlowError) as exc:
             self.failures += 1
             await self.drop(peer, link)
+            if isinstance(exc, trio.TooSlowError):
+                raise PeerUnreachable(
+                    f"a send to {peer} took over {self._send_timeout:g} s: link closed"
+                ) from None
             raise
 
     async def get(self, peer: PeerId) -> Link:
@@ -128,7 +140,7 @@ class LinkPool:
         if current is None or (link is not None and current is not link):
             return
         del self._links[peer]
-        with contextlib.suppress(Exception):
+        with trio.move_on_after(5.0), contextlib.suppress(Exception):  # never held by the peer
             await current.aclose()
 
     async def close_dead(

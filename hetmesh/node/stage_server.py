@@ -13,6 +13,11 @@ A session belongs to the peers of its route: only its gateway (the peer that
 opened it) may close it, and only the stage before this one (the gateway, for
 the first stage) may feed it. A member sending anything else for it gets
 ``InvalidRequest`` and the session is untouched.
+
+Outputs leave through one outbox per destination peer, drained by its own
+task: the batching loop never waits on a send, so a frozen next hop holds up
+only the sessions routed through it (their frames wait, then fail), never
+the others.
 """
 
 from __future__ import annotations
@@ -38,12 +43,15 @@ from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
 from hetmesh.resources import PeerId
-from hetmesh.transport.frames import Activations, Error, Tokens
+from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+
+OUTBOX_FRAMES = 64  # frames waiting for one peer; past that its sessions fail here
+OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
 
 
 @dataclass(slots=True)
@@ -118,6 +126,8 @@ class StageServer:
         self._inflight: set[str] = set()  # sessions in the batch on the device thread
         self._closing: set[str] = set()  # closed while in flight: freed after the batch
         self._counters = _Counters()
+        self._outboxes: dict[PeerId, trio.MemorySendChannel[Frame]] = {}
+        self._senders: trio.Nursery | None = None
 
     # -- control ----------------------------------------------------------------
 
@@ -218,7 +228,12 @@ class StageServer:
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The batching loop; never returns, whatever one batch does."""
-        task_status.started()
+        async with trio.open_nursery() as senders:
+            self._senders = senders
+            task_status.started()
+            await self._batches()
+
+    async def _batches(self) -> None:
         while True:
             batch = await self._grow(await self._next_batch())
             if not batch:
@@ -246,7 +261,7 @@ class StageServer:
             c.tokens += sum(item.inputs.shape[0] for item in batch)
             c.recent.append(time.perf_counter() - started)
             for outcome in outcomes:
-                await self._deliver(outcome)
+                self._deliver(outcome)
 
     async def _grow(self, batch: list[_Item]) -> list[_Item]:
         """Give the batch's sessions blocks for their new tokens, oldest session first.
@@ -283,19 +298,48 @@ class StageServer:
             else:
                 item.release()
         for sid, session, error in failed:
-            await self._fail(session, sid, error)
+            self._fail(session, sid, error)
         return kept
 
-    async def _fail(self, session: _Session, session_id: str, error: MeshError) -> None:
+    def _fail(self, session: _Session, session_id: str, error: MeshError) -> None:
         """Tell the session's gateway it failed here (a lost gateway is its own timeout)."""
         self._counters.errors += 1
+        error_frame = Error(code=error_code(error), message=str(error), session_id=session_id)
+        if not self._post(session.request.gateway, error_frame):
+            log.warning("session %s: cannot report %s: its gateway is stuck", session_id, error)
+
+    def _post(self, peer: PeerId, frame: Frame) -> bool:
+        """Queue ``frame`` for ``peer`` without waiting; False when that peer's outbox is
+        full (it takes nothing: frozen, or too slow for what it is sent)."""
+        outbox = self._outboxes.get(peer)
+        if outbox is None:
+            assert self._senders is not None, "serve() is not running"
+            outbox, frames = trio.open_memory_channel[Frame](OUTBOX_FRAMES)
+            self._outboxes[peer] = outbox
+            self._senders.start_soon(self._drain, peer, frames)
         try:
-            await self._send(
-                session.request.gateway,
-                Error(code=error_code(error), message=str(error), session_id=session_id),
-            )
-        except MeshError as exc:
-            log.warning("session %s: cannot report %s: %s", session_id, error, exc)
+            outbox.send_nowait(frame)
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def _drain(self, peer: PeerId, frames: trio.MemoryReceiveChannel[Frame]) -> None:
+        """Send ``peer``'s frames in order; ends (and forgets the outbox) once idle."""
+        while True:
+            frame: Frame | None = None
+            with trio.move_on_after(OUTBOX_IDLE_S):
+                frame = await frames.receive()
+            if frame is None:
+                try:  # nothing awaits between this check and forgetting the outbox
+                    frame = frames.receive_nowait()
+                except trio.WouldBlock:
+                    del self._outboxes[peer]
+                    return
+            try:
+                await self._send(peer, frame)  # the link gives each send a deadline
+            except MeshError as exc:  # the gateway recovers the session (death or timeout)
+                session = getattr(frame, "session_id", "")
+                log.warning("session %s: cannot send to %s: %s", session, peer, exc)
 
     @property
     def _units(self) -> tuple[int, int]:
@@ -371,46 +415,44 @@ class StageServer:
             except MeshError as exc:
                 outcome.error = exc
 
-    async def _deliver(self, outcome: _Outcome) -> None:
+    def _deliver(self, outcome: _Outcome) -> None:
         item, session = outcome.item, outcome.session
         if session is None or item.session_id not in self._sessions:
             return  # closed meanwhile: nobody waits for it
         request = session.request
-        try:
-            if outcome.error is not None:
-                self._counters.errors += 1
-                # anything but a bad request reads as the stage's own failure: ComputeError
-                failure = outcome.error
-                code = error_code(failure if isinstance(failure, InvalidRequest) else ComputeError)
-                log.info(
-                    "session %s failed on [%d, %d): %s",
-                    item.session_id,
-                    request.start,
-                    request.end,
-                    outcome.error,
-                )
-                await self._send(
-                    request.gateway,
-                    Error(code=code, message=str(outcome.error), session_id=item.session_id),
-                )
-            elif isinstance(outcome.output, int):
-                await self._send(
-                    request.next_peer,
-                    Tokens(session_id=item.session_id, step=item.step, token_ids=(outcome.output,)),
-                )
-            elif outcome.output is not None:
-                end = item.positions[-1] + 1 if item.positions else 0
-                await self._send(
-                    request.next_peer,
-                    Activations(
-                        session_id=item.session_id,
-                        step=item.step,
-                        positions=tuple(range(end - outcome.output.shape[0], end)),
-                        tensors=(outcome.output,),
-                    ),
-                )
-        except MeshError as exc:  # the next hop is gone: the gateway's timeout recovers
-            log.warning("session %s: cannot deliver its output: %s", item.session_id, exc)
+        if outcome.error is not None:
+            # anything but a bad request reads as the stage's own failure: ComputeError
+            failure = outcome.error
+            code = error_code(failure if isinstance(failure, InvalidRequest) else ComputeError)
+            log.info(
+                "session %s failed on [%d, %d): %s",
+                item.session_id,
+                request.start,
+                request.end,
+                outcome.error,
+            )
+            self._counters.errors += 1
+            frame: Frame = Error(code=code, message=str(failure), session_id=item.session_id)
+            if not self._post(request.gateway, frame):
+                log.warning("session %s: its gateway takes no frames", item.session_id)
+            return
+        if isinstance(outcome.output, int):
+            frame = Tokens(session_id=item.session_id, step=item.step, token_ids=(outcome.output,))
+        elif outcome.output is not None:
+            end = item.positions[-1] + 1 if item.positions else 0
+            frame = Activations(
+                session_id=item.session_id,
+                step=item.step,
+                positions=tuple(range(end - outcome.output.shape[0], end)),
+                tensors=(outcome.output,),
+            )
+        else:
+            return
+        if not self._post(request.next_peer, frame):
+            # the next hop takes nothing: fail the session here, its gateway replays it
+            self._fail(
+                session, item.session_id, ComputeError(f"next hop {request.next_peer} is stuck")
+            )
 
     def statistics(self) -> StageStatistics:
         c = self._counters

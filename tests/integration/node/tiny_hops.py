@@ -1,7 +1,8 @@
 """Real stages of a seeded tiny Llama and a real gateway, wired by direct calls that
 name each frame's sender (as the node's dispatcher does for a link), for the
-session-ownership and recovery tests. A peer may be frozen: what is sent to it
-is swallowed and its control calls never return."""
+session-ownership and recovery tests. A peer may be frozen (what is sent to it
+is swallowed, its control calls never return) or stuck (a send to it never
+returns, as to a frozen process whose socket is full)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class Hops:
             )
         self.pipelines = pipelines
         self.frozen: set[str] = set()
+        self.stuck: set[str] = set()
         self.gateway = Gateway(
             peer_id=GATEWAY,
             control=self.control,
@@ -96,6 +98,8 @@ class Hops:
         return send
 
     async def deliver(self, sender: str, peer: str, frame: Frame) -> None:
+        if peer in self.stuck:
+            await trio.sleep_forever()
         if peer in self.frozen:
             return  # swallowed: a frozen peer reads nothing
         if peer == INTRUDER:
@@ -112,7 +116,7 @@ class Hops:
                 await self.deliver(peer, sender, Error(code=1, message=str(exc)))
 
     async def control(self, peer: str, request: OpenSession | CloseSession) -> Reply:
-        if peer in self.frozen:
+        if peer in self.frozen | self.stuck:
             await trio.sleep_forever()
         return self.servers[peer].handle(request, GATEWAY)
 
@@ -123,7 +127,7 @@ class Hops:
         return ()
 
     async def ping(self, peer: str) -> bool:
-        if peer in self.frozen:
+        if peer in self.frozen | self.stuck:
             await trio.sleep_forever()
         if peer not in self.servers:
             raise PeerUnreachable(peer)
