@@ -29,7 +29,8 @@ at once when its declared length does); a prompt longer than the context
 could hold is refused before it is tokenised, and tokenisation runs off the
 event loop, a few at a time; each client address may have
 ``max_requests_per_client`` completions in flight (429 past that; loopback
-clients, the node's own machine, are not counted unless asked).
+clients, the node's own machine, are not counted unless asked), and each API
+key ``max_requests_per_key``, from whatever address (429 past that).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -62,6 +64,7 @@ from hetmesh.errors import MeshError, find_in_group
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.api_requests import (
     DEFAULT_MAX_REQUESTS_PER_CLIENT,
+    DEFAULT_MAX_REQUESTS_PER_KEY,
     MAX_BODY_BYTES,
     ApiError,
     ApiRequest,
@@ -134,10 +137,12 @@ STREAM_BUFFER = 64  # tokens a stream's producer may run ahead of its client
 class ClientPolicy:
     """How much of the API one client may take: completions in flight per address
     (``limit_loopback``: count loopback clients too; off, the node's own machine
-    is trusted as its operator)."""
+    is trusted as its operator), and per API key when the API wants one (every
+    address counted: a key shared or leaked cannot take every session)."""
 
     max_requests_per_client: int = DEFAULT_MAX_REQUESTS_PER_CLIENT
     limit_loopback: bool = False
+    max_requests_per_key: int = DEFAULT_MAX_REQUESTS_PER_KEY
 
 
 class _Api:
@@ -148,6 +153,8 @@ class _Api:
         nursery: trio.Nursery,
         feed: Feed,
         policy: ClientPolicy | None = None,
+        *,
+        keyed: bool = False,
     ) -> None:
         self.backend = backend
         self.metrics = metrics
@@ -155,6 +162,8 @@ class _Api:
         self.feed = feed
         self.policy = policy or ClientPolicy()
         self.clients = ClientLimits(self.policy.max_requests_per_client)
+        self.keyed = keyed  # the API wants a key (checked before a route runs)
+        self.keys = ClientLimits(self.policy.max_requests_per_key)
         self.tokenising = trio.CapacityLimiter(MAX_CONCURRENT_TOKENISATIONS)
 
     # routes
@@ -252,21 +261,34 @@ class _Api:
                     return None
         return host
 
+    def _key(self, request: Request) -> str | None:
+        """The API key a request counts against (a digest, never the key); None: no key."""
+        if not self.keyed:
+            return None
+        given = request.headers.get("authorization", "")
+        return hashlib.sha256(given.encode()).hexdigest()[:32]
+
     async def _complete(self, request: Request, *, chat: bool) -> Response:
-        client = self._client(request)
+        client, key = self._client(request), self._key(request)
+        refused = ""
         if client is not None and not self.clients.acquire(client):
-            limit = self.clients.per_client
+            refused = f"this client already has {self.clients.per_client} requests in flight"
+        elif key is not None and not self.keys.acquire(key):
+            if client is not None:
+                self.clients.release(client)
+            refused = f"this API key already has {self.keys.per_client} requests in flight"
+        if refused:
             return self._error(
                 request,
                 ApiError(
                     429,
-                    f"this client already has {limit} requests in flight; wait for one to end",
+                    f"{refused}; wait for one to end",
                     "rate_limit_error",
                     code="too_many_requests",
                     hetmesh_error=error_name(errors.Rejected),
                 ),
             )
-        release = self._releaser(client)
+        release = self._releaser(client, key)
         try:
             response = await self._complete_held(request, chat, release)
         except BaseException:
@@ -276,15 +298,19 @@ class _Api:
             release()
         return response  # a stream releases its slot when it ends
 
-    def _releaser(self, client: str | None) -> Callable[[], None]:
-        """Releases ``client``'s slot once, however many times it is called."""
+    def _releaser(self, client: str | None, key: str | None) -> Callable[[], None]:
+        """Releases ``client``'s and ``key``'s slots once, however many times it is called."""
         done = False
 
         def release() -> None:
             nonlocal done
-            if client is not None and not done:
-                done = True
+            if done:
+                return
+            done = True
+            if client is not None:
                 self.clients.release(client)
+            if key is not None:
+                self.keys.release(key)
 
         return release
 
@@ -552,7 +578,7 @@ def build_app(
     if feed is None:
         feed = Feed(backend.view)
         nursery.start_soon(feed.run)
-    api = _Api(backend, metrics, nursery, feed, policy)
+    api = _Api(backend, metrics, nursery, feed, policy, keyed=bool(api_key))
 
     def unauthorized(request: Request) -> Response:
         err = ApiError(

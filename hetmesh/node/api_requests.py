@@ -29,6 +29,8 @@ MAX_BODY_BYTES = 4 << 20
 # the context times it cannot fit: refused before the tokenizer runs on it.
 MAX_CHARS_PER_TOKEN = 128
 DEFAULT_MAX_REQUESTS_PER_CLIENT = 4
+# completions in flight per API key (whatever address they come from, loopback too)
+DEFAULT_MAX_REQUESTS_PER_KEY = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limits, on top of the sampling record's own bounds
 OPENAI_MAX_TEMPERATURE = 2.0
 
@@ -281,6 +283,7 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
 
 __all__ = [
     "DEFAULT_MAX_REQUESTS_PER_CLIENT",
+    "DEFAULT_MAX_REQUESTS_PER_KEY",
     "MAX_BODY_BYTES",
     "MAX_CHARS_PER_TOKEN",
     "ApiError",
