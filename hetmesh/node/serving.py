@@ -45,6 +45,7 @@ from hetmesh.errors import (
     InvalidRequest,
     MeshError,
     NoRoute,
+    Rejected,
     RemoteProtocolError,
 )
 from hetmesh.node.config import ServingConfig
@@ -637,7 +638,7 @@ class Serving:
                     served.server.check_control(frame.session_id, sender)
                 for served in self._served.values():
                     served.server.close(frame.session_id)
-        except InvalidRequest as exc:  # the sender's mistake (or not its session): tell it
+        except (InvalidRequest, Rejected) as exc:  # the sender's mistake, or a full inbox
             assert self._nursery is not None
             self._nursery.start_soon(
                 self._send_quietly,

@@ -23,7 +23,6 @@ the others.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+QUEUED_PER_SESSION = 4  # activations of one session waiting here (a gateway sends one a step)
 OUTBOX_FRAMES = 64  # frames waiting for one peer; past that its sessions fail here
 OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
 
@@ -121,7 +121,10 @@ class StageServer:
         self._max_batch = max_batch
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}
-        self._inbox_send, self._inbox = trio.open_memory_channel[_Item](math.inf)
+        # bounded: at most QUEUED_PER_SESSION items of each session it admitted
+        inbox_items = QUEUED_PER_SESSION * max(limits.max_sessions, 1)
+        self._inbox_send, self._inbox = trio.open_memory_channel[_Item](inbox_items)
+        self._queued: dict[str, int] = {}  # session id -> its items in the inbox or pending
         self._pending: deque[_Item] = deque()
         self._inflight: set[str] = set()  # sessions in the batch on the device thread
         self._closing: set[str] = set()  # closed while in flight: freed after the batch
@@ -216,15 +219,28 @@ class StageServer:
             raise InvalidRequest(f"unknown session {frame.session_id}")
         try:
             self.check_feed(frame.session_id, sender)
+            if len(frame.tensors) != 1:
+                raise InvalidRequest(
+                    f"expected one tensor per activation, got {len(frame.tensors)}"
+                )
+            queued = self._queued.get(frame.session_id, 0)
+            if queued >= QUEUED_PER_SESSION:  # one step at a time: this is a flood
+                raise InvalidRequest(
+                    f"session {frame.session_id} already has {queued} activations waiting here"
+                )
         except InvalidRequest:
             release()
             raise
-        if len(frame.tensors) != 1:
-            release()
-            raise InvalidRequest(f"expected one tensor per activation, got {len(frame.tensors)}")
         item = _Item(frame.session_id, frame.step, frame.positions, frame.tensors[0], release)
+        try:
+            self._inbox_send.send_nowait(item)
+        except trio.WouldBlock:  # not reached while each session keeps to its share
+            release()
+            raise Rejected(
+                f"busy: stage [{self.stage.start}, {self.stage.end}) inbox is full"
+            ) from None
+        self._queued[frame.session_id] = self._queued.get(frame.session_id, 0) + 1
         self.kv.get(frame.session_id)  # marks it in use: a generating session is never idle
-        self._inbox_send.send_nowait(item)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The batching loop; never returns, whatever one batch does."""
@@ -363,6 +379,9 @@ class StageServer:
             else:
                 seen.add(item.session_id)
                 batch.append(item)
+                left = self._queued.pop(item.session_id, 1) - 1
+                if left > 0:
+                    self._queued[item.session_id] = left
         self._pending.extendleft(reversed(deferred))
         return batch
 
