@@ -315,12 +315,33 @@ class ShmLink(ThreadedLink):
         for t in frame.tensors_():
             if t.data_ptr() not in self._allocated:
                 copy += t.nbytes
+        # inline only when it cannot wait: a peer that releases nothing (frozen) would
+        # otherwise hold the event loop in _take_segment for up to wait_s
         if copy < (1 << 20) and self._write_lock.acquire(blocking=False):
             try:
-                return self._write_blocking(frame)
+                if self._segments_free_now(frame):
+                    return self._write_blocking(frame)
             finally:
                 self._write_lock.release()
         return await in_thread(self._write_blocking_locked, frame)
+
+    def _segments_free_now(self, frame: Frame) -> bool:
+        """Whether every segment ``frame``'s copies need is free or within the budget
+        now (the caller holds the write lock: nobody else takes segments meanwhile)."""
+        needed: dict[int, int] = {}
+        for t in frame.tensors_():
+            if not t.nbytes or t.data_ptr() not in self._allocated:
+                size = segment_size(t.nbytes)
+                needed[size] = needed.get(size, 0) + 1
+        if not needed:
+            return True
+        with self._cond:
+            room, count = self._budget - self._own_bytes, len(self._own)
+            for size, n in needed.items():
+                new = max(0, n - len(self._free.get(size, ())))
+                room -= new * size
+                count += new
+        return room >= 0 and count <= MAX_SEGMENTS
 
     def _on_release(self, seg_ids: list[object]) -> None:
         with self._cond:
