@@ -60,7 +60,7 @@ from hetmesh.transport.links import (
     tune_tcp,
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
-from hetmesh.transport.shm import ShmLink, packet_framer
+from hetmesh.transport.shm import MAX_SEGMENTS, PeerMappings, ShmLink, packet_framer
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,8 @@ class DataPlane:
         self._gate = ConnectionGate(config.max_pending_connections, config.max_pending_per_address)
         self._choices: list[str] = []
         self._accepted: dict[str, list[Link]] = {}  # links peers dialed, by peer
+        # what each peer's shm links map here, in all: two links' worth
+        self._mappings = PeerMappings(2 * MAX_SEGMENTS, 2 * config.shm_budget_bytes)
         self._host_id = host_identity()
         self._cuda = bool(config.device and config.device.startswith("cuda"))
 
@@ -282,6 +284,7 @@ class DataPlane:
                 c.limits,
                 c.shm_budget_bytes,
                 c.handshake_timeout_s,
+                self._mappings,
             )
         sock, reader, nonces = await in_thread(
             _dial_tcp,
@@ -545,7 +548,13 @@ class DataPlane:
         if waiting.choice.backend != "shm":
             raise AuthenticationFailed("credential was issued for another backend")
         sock.settimeout(None)
-        return ShmLink(sock, waiting.remote_peer_id, c.limits, budget_bytes=c.shm_budget_bytes)
+        return ShmLink(
+            sock,
+            waiting.remote_peer_id,
+            c.limits,
+            budget_bytes=c.shm_budget_bytes,
+            mappings=self._mappings,
+        )
 
 
 def _close(conn: trio.socket.SocketType, sock: socket.socket | None) -> None:
@@ -636,6 +645,7 @@ def dial_shm(
     limits: Limits,
     budget_bytes: int,
     timeout_s: float,
+    mappings: PeerMappings | None = None,
 ) -> ShmLink:
     """Blocking: connect to a shm doorbell socket and prove the credential."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -650,7 +660,7 @@ def dial_shm(
     except BaseException:
         sock.close()
         raise
-    return ShmLink(sock, peer, limits, budget_bytes=budget_bytes)
+    return ShmLink(sock, peer, limits, budget_bytes=budget_bytes, mappings=mappings)
 
 
 @contextlib.asynccontextmanager

@@ -17,8 +17,10 @@ A same-host peer is trusted with nothing it could use to take the receiver
 down: segments are sealed against shrinking and growing before their
 descriptor leaves (``F_SEAL_SHRINK``: a truncated mapping would SIGBUS the
 reader), the receiver maps only sealed memfds, and at most
-``budget_bytes`` in ``MAX_SEGMENTS`` segments of a peer's (what an honest
-sender with the same budget can own).
+``budget_bytes`` in ``MAX_SEGMENTS`` segments of a peer's per link (what an
+honest sender with the same budget can own), and twice that over all of one
+peer's links together (:class:`PeerMappings`: a peer opening many links gets
+no more of our address space).
 
 Per handoff: one doorbell packet each way (the frame; later a release),
 no fd once a segment is known, the receiver's tensor views of a segment
@@ -206,6 +208,39 @@ def packet_framer(sock: socket.socket, limits: Limits) -> tuple[SendFrame, Recei
     return send, receive
 
 
+class PeerMappings:
+    """Segments and bytes mapped from each peer over all its shm links (thread-safe:
+    links map on their reader threads). Refuses past ``max_segments`` / ``max_bytes``
+    a peer; a link gives its share back when it shuts down."""
+
+    def __init__(self, max_segments: int, max_bytes: int) -> None:
+        self.max_segments = max_segments
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[int, int]] = {}  # peer -> (segments, bytes)
+
+    def take(self, peer: str, segments: int, nbytes: int) -> bool:
+        with self._lock:
+            held_segments, held_bytes = self._held.get(peer, (0, 0))
+            if held_segments + segments > self.max_segments:
+                return False
+            if held_bytes + nbytes > self.max_bytes:
+                return False
+            self._held[peer] = (held_segments + segments, held_bytes + nbytes)
+            return True
+
+    def give_back(self, peer: str, segments: int, nbytes: int) -> None:
+        with self._lock:
+            held_segments, held_bytes = self._held.pop(peer, (0, 0))
+            left = (held_segments - segments, held_bytes - nbytes)
+            if left[0] > 0:
+                self._held[peer] = left
+
+    def held(self, peer: str) -> tuple[int, int]:
+        with self._lock:
+            return self._held.get(peer, (0, 0))
+
+
 class ShmLink(ThreadedLink):
     """Frames whose tensors travel in shared memory (see the module docstring)."""
 
@@ -219,8 +254,10 @@ class ShmLink(ThreadedLink):
         *,
         budget_bytes: int = 2 << 30,
         wait_s: float = 30.0,
+        mappings: PeerMappings | None = None,
     ) -> None:
         super().__init__(remote_peer_id, limits)
+        self._mappings = mappings  # shared by the peer's links: its total is bounded
         self.sock = sock
         self._budget = budget_bytes
         self._wait_s = wait_s
@@ -466,6 +503,12 @@ class ShmLink(ThreadedLink):
             or len(self._remote) + len(sizes) > MAX_SEGMENTS
         ):
             raise RemoteProtocolError("peer's shared-memory segments exceed the budget")
+        if self._mappings is not None and not self._mappings.take(
+            self.remote_peer_id, len(sizes), sum(sizes.values())
+        ):
+            raise RemoteProtocolError(
+                "peer's shared-memory segments over all its links exceed the budget"
+            )
         for target, spec in zip(seg_ids, specs, strict=True):
             size = -1
             if type(target) is int:
@@ -528,6 +571,9 @@ class ShmLink(ThreadedLink):
             return replace(stats, in_use_bytes=self._lent_bytes, cached_bytes=self._own_bytes)
 
     def _shutdown(self) -> None:
+        if self._mappings is not None:  # this link's share of the peer's mappings
+            self._mappings.give_back(self.remote_peer_id, len(self._remote), self._remote_bytes)
+            self._mappings = None
         self._discard_unread()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
