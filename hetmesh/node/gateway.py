@@ -424,11 +424,17 @@ class Gateway:
                 while True:
                     frame = await inbox.receive()
                     if isinstance(frame, _PeerGone):
+                        # one ping confirms it (a killed peer refuses at once): a peer
+                        # declared dead by a loaded discovery but still answering is kept
+                        gone = await self._find_silent(
+                            [h for h in hops if h.peer_id == frame.peer_id]
+                        )
+                        if not gone:
+                            log.info("stage %s declared dead but answers: kept", frame.peer_id)
+                            continue
                         self._early += 1
                         self._early_s += max(0.0, waiting.deadline - trio.current_time())
-                        raise _StepFailed(
-                            f"stage {frame.peer_id} was declared dead", frozenset({frame.peer_id})
-                        )
+                        raise _StepFailed(f"stage {frame.peer_id} was declared dead", gone)
                     if isinstance(frame, Error):
                         error = error_from_wire(frame.code, frame.message)
                         if isinstance(error, InvalidRequest):
