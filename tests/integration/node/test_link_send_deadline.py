@@ -95,3 +95,30 @@ async def test_a_send_to_a_peer_that_takes_nothing_times_out_and_closes_the_link
         assert peer not in pool.links()  # the link to it is closed ...
         assert pool.failures == 1
         assert len(received) <= fits  # nothing past the budget reached it
+
+
+@pytest.mark.slow
+async def test_the_link_of_a_peer_declared_dead_is_closed():
+    from hetmesh.discovery.host import dial, parse_peer_addr
+    from hetmesh.discovery.table import Health, TableEvent
+
+    async with (
+        open_peer(keep_frames=False) as (remote, _, _),
+        open_peer(keep_frames=False) as (host, pool, _),
+    ):
+        addr = f"{remote.get_addrs()[0]}"
+        if "/p2p/" not in addr:
+            addr += f"/p2p/{remote.get_id()}"
+        await dial(host, parse_peer_addr(addr), timeout_s=30)
+        peer = str(remote.get_id())
+        await pool.send(peer, Activations(session_id="s", step=0, positions=(), tensors=()))
+        assert peer in pool.links()
+        events_in, events = trio.open_memory_channel[TableEvent](8)
+        await events_in.send(TableEvent("someone-else", Health.ALIVE, Health.SUSPECT))
+        await events_in.send(TableEvent(peer, Health.SUSPECT, Health.DEAD))
+        await events_in.aclose()
+        heard: list[str] = []
+        with trio.fail_after(30):
+            await pool.close_dead(events, heard.append)  # returns when its events end
+        assert heard == [peer]
+        assert peer not in pool.links()
