@@ -216,7 +216,19 @@ class Serving:
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             await self._calibrate()  # announced with (before) the model: planned together
-            self._announce(dataclasses.replace(self._announced, model=self.model_key))
+            from hetmesh.shards.manifest import local_holding
+
+            manifest_id, held = await trio.to_thread.run_sync(
+                lambda: local_holding(self.model_dir, model=self.model_key)
+            )
+            self._announce(
+                dataclasses.replace(
+                    self._announced,
+                    model=self.model_key,
+                    manifest=manifest_id,
+                    units_held=tuple(held),
+                )
+            )
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
             discovery.add_handler(GENERATE_PROTOCOL, self._handle_generate)
