@@ -18,6 +18,7 @@ extra["gateway"]          the gateway's counters (name -> number)
 extra["stage_servers"]    one map of counters per stage server
 extra["manifest"]         the manifest id (sha256 hex) of the model's weights held
 extra["units_held"]       [[start, end), ...]: the units whose tensors it holds on disk
+extra["shards"]           its tensor transfer counters (bytes fetched/served, fetch progress)
 stages                    ServedStage per unit range held, ready or retiring
 ```
 
@@ -104,6 +105,7 @@ class ServingAnnouncement:
     stage_servers: tuple[Mapping[str, object], ...] = ()
     manifest: str = ""
     units_held: tuple[tuple[int, int], ...] = ()
+    shards: Mapping[str, float] = field(default_factory=dict)
 
 
 def parse_plan(raw: Mapping[str, object]) -> Plan | None:
@@ -148,6 +150,7 @@ def read_serving(
         ),
         manifest=_manifest_id(extra.get("manifest")),
         units_held=_held(extra.get("units_held")),
+        shards=_counters(extra.get("shards")),
     )
 
 
@@ -165,6 +168,7 @@ def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
         "stage_servers": [dict(s) for s in state.stage_servers],
         "manifest": state.manifest,
         "units_held": [list(r) for r in state.units_held],
+        "shards": dict(state.shards),
     }
 
 
