@@ -10,7 +10,7 @@ between them it also derives tokens/s.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.table import Table
@@ -44,6 +44,30 @@ def _weights(record: Mapping[str, Any]) -> str:
 
 def _tokens_out(record: Mapping[str, Any]) -> int:
     return int(_serving(record).gateway.get("tokens_out", 0))
+
+
+def _fetch(counters: Mapping[str, float]) -> dict[str, float] | None:
+    """A peer's fetch in progress (bytes done / total, rate), None when it fetches nothing."""
+    if not counters.get("fetching"):
+        return None
+    return {
+        "done_bytes": counters.get("fetch_done_bytes", 0.0),
+        "total_bytes": counters.get("fetch_total_bytes", 0.0),
+        "rate_bps": counters.get("fetch_rate_bps", 0.0),
+    }
+
+
+def _held_text(runs: Sequence[Sequence[int]]) -> str:
+    return ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in runs) or "-"
+
+
+def _fetch_text(fetch: Mapping[str, float] | None) -> str:
+    if not fetch:
+        return "-"
+    return (
+        f"{fetch['done_bytes'] / 2**20:.0f}/{fetch['total_bytes'] / 2**20:.0f} MiB"
+        f" at {fetch['rate_bps'] / 2**20:.1f} MiB/s"
+    )
 
 
 def summarize(
@@ -124,6 +148,8 @@ def summarize(
                 "kv_bytes_used": int(load.get("kv_bytes_used", 0) or 0),
                 "tokens_out": _tokens_out(record),
                 "tokens_per_s": rate,
+                "units_held": [list(r) for r in _serving(record).units_held],
+                "fetch": _fetch(_serving(record).shards),
             }
         )
     rates = [p["tokens_per_s"] for p in peers if p["tokens_per_s"] is not None]
@@ -209,12 +235,15 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             f"{_rate(load.get('tokens_per_s'))} tokens/s"
         )
     )
-    for col in ("peer", "weights", "sessions", "queue", "KV used", "tokens out", "tokens/s"):
+    columns = ("peer", "weights", "units on disk", "fetching", "sessions", "queue", "KV used")
+    for col in (*columns, "tokens out", "tokens/s"):
         table.add_column(col)
     for p in load.get("peers") or ():
         table.add_row(
             _short(p["peer_id"]),
             str(p.get("weights", "-")),
+            _held_text(p.get("units_held") or ()),
+            _fetch_text(p.get("fetch")),
             str(p["sessions"]),
             str(p["queue"]),
             _mib(p["kv_bytes_used"]),
