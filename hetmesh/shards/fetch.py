@@ -114,6 +114,7 @@ class Shards:
         self._turn = 0
         self._held = self._scan() if partial else list(range(manifest.num_units))
         self.bytes_fetched = 0
+        self.bytes_by_peer: dict[PeerId, int] = {}  # verified bytes stored, by the peer sending
         self.bytes_served = 0
         self.tensors_fetched = 0
         self.verification_failures = 0
@@ -121,6 +122,7 @@ class Shards:
         self._done = 0
         self._total = 0
         self._began = 0.0
+        self._ended = 0.0
         self.missing = ""
 
     # -- what we hold -----------------------------------------------------------
@@ -133,7 +135,8 @@ class Shards:
         return tuple(unit_ranges(self._held))
 
     def statistics(self) -> ShardStatistics:
-        elapsed = time.monotonic() - self._began if self._fetches else 0.0
+        # the rate over the fetches so far: to now while one runs, else to when the last ended
+        elapsed = (time.monotonic() if self._fetches else self._ended) - self._began
         return ShardStatistics(
             manifest=self.manifest_id,
             units_held=self.units_held(),
@@ -271,6 +274,7 @@ class Shards:
                 nursery.cancel_scope.cancel()
         finally:
             self._fetches -= 1
+            self._ended = time.monotonic()
         if failures:
             raise failures[0]
         log.info("fetched %s of %s: %d bytes", what, self.manifest.model, total)
@@ -324,6 +328,7 @@ class Shards:
                         continue
                     await trio.to_thread.run_sync(cache.put_tensor, self.folder, entry, data)
                     self.bytes_fetched += len(data)
+                    self.bytes_by_peer[peer] = self.bytes_by_peer.get(peer, 0) + len(data)
                     self._done += len(data)
                     self.tensors_fetched += 1
                     return

@@ -10,7 +10,10 @@ reference, and each joining node's cache holds only the units it serves.
 The same mesh then checks a lying holder: a fresh fetch of a stage both the
 first node and a joiner hold, with the first node flipping a byte of every
 tensor it sends, is verified, counts the failure, avoids the liar and completes
-from the honest holder; tensors already on disk are not fetched again.
+from the honest holder; tensors already on disk are not fetched again. Last, a
+fetch is interrupted, resumed by a fresh fetcher without refetching what was
+verified, and the first node (the only whole holder) stops mid-transfer: the
+fetch completes from the joiner that holds the stage.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _units(stages: set[tuple[int, int]]) -> set[int]:
     return {u for a, b in stages for u in range(a, b)}
 
 
-async def test_joining_nodes_fetch_only_their_units_and_a_liar_is_avoided(
+async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
     expected = reference_ids(default_model_dir, PROMPT_IDS, TOKENS)
@@ -137,11 +140,39 @@ async def test_joining_nodes_fetch_only_their_units_and_a_liar_is_avoided(
             assert fetcher.statistics().avoided_peers == (holder.peer_id,)
             assert holder.peer_id not in fetcher.holders(start)
             assert fetcher.bytes_fetched == sum(t.nbytes for t in entries) - kept.nbytes
+            assert fetcher.bytes_by_peer == {honest.peer_id: fetcher.bytes_fetched}
             for t in entries:
                 assert (
                     cache.tensor_path(folder, t).read_bytes()
                     == cache.tensor_path(honest.serving.shards.folder, t).read_bytes()
                 )
+
+            # an interrupted fetch, then the only whole holder dies mid-transfer: a fresh
+            # fetcher (a restarted node) keeps what was verified and finishes from the joiner
+            holder.serving.shards._lie = lambda data: data
+            again = await trio.to_thread.run_sync(
+                cache.open_folder, tmp_path / "again", manifest, manifest.id
+            )
+            first = Shards(joiners[1].discovery, again, manifest, partial=True, parallel=1)
+            with trio.move_on_after(300) as interrupted:
+                async with trio.open_nursery() as fetching:
+                    fetching.start_soon(first.ensure, start, end)
+                    await until(lambda: first.tensors_fetched >= 2, 120, "two tensors")
+                    fetching.cancel_scope.cancel()
+            assert not interrupted.cancelled_caught
+            on_disk = [t for t in entries if cache.has_tensor(again, t)]
+            assert 2 <= len(on_disk) < len(entries)
+            resumed = Shards(joiners[1].discovery, again, manifest, partial=True, parallel=1)
+            async with trio.open_nursery() as fetching:
+                fetching.start_soon(resumed.ensure, start, end)
+                await until(lambda: resumed.tensors_fetched >= 1, 120, "the fetch to resume")
+                holder.request_stop()
+            assert resumed.bytes_fetched == sum(t.nbytes for t in entries) - sum(
+                t.nbytes for t in on_disk
+            )
+            assert all(cache.has_tensor(again, t) for t in entries)
+            assert resumed.verification_failures == 0
+            assert resumed.bytes_by_peer.get(honest.peer_id, 0) > 0  # after the holder died
         finally:
             for node in mesh.nodes:
                 node.request_stop()
