@@ -153,7 +153,10 @@ def summarize(
             }
         )
     rates = [p["tokens_per_s"] for p in peers if p["tokens_per_s"] is not None]
+    # why the model cannot be placed (e.g. units no live peer holds), as its peers announce
+    verdicts = sorted({_serving(r).insufficient for r in records.values()} - {""})
     return {
+        "insufficient": verdicts[0] if verdicts else "",
         "plan": plan,
         "load": {
             "peers": peers,
@@ -184,7 +187,8 @@ def plan_table(summary: Mapping[str, Any]) -> Table | Text:
     """The plan: pipelines and stages, predicted against measured step times."""
     plan = summary.get("plan")
     if not plan:
-        return Text("no plan published yet")
+        why = summary.get("insufficient")
+        return Text(f"no plan: {why}" if why else "no plan published yet")
     table = Table(
         title=(
             f"plan epoch {plan['epoch']} ({plan['strategy']}, {plan['objective']}) for "

@@ -66,3 +66,11 @@ def test_metrics_count_shard_bytes_and_verification_failures() -> None:
     assert "hetmesh_shard_bytes_fetched_total 1234.0" in text
     assert "hetmesh_shard_bytes_served_total 99.0" in text
     assert "hetmesh_shard_verification_failures_total 2.0" in text
+
+
+def test_status_says_which_units_no_peer_holds() -> None:
+    verdict = "no live peer holds units [5, 9) of m (ModelNotFound): start a node that has it"
+    joiner = ServingAnnouncement(model="m", manifest=MANIFEST, insufficient=verdict)
+    view = {"self": "A", "peers": [_peer("A", joiner)], "links": []}
+    assert summarize(view)["insufficient"] == verdict
+    assert "no live peer holds units [5, 9) of m" in render_status(view, width=260)
