@@ -218,11 +218,11 @@ class Serving:
                 timeouts=self.config.timeouts,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
-            await self._calibrate()  # announced with (before) the model: planned together
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
             self.shards = await open_shards(discovery, self.model_dir, self.model_key)
             if self.shards is not None:
                 discovery.add_handler(SHARDS_PROTOCOL, self.shards.handle)
+            await self._calibrate_here()  # announced with (before) the model: planned together
             self._announce(self._with_held(model=self.model_key))
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
@@ -298,7 +298,22 @@ class Serving:
 
         return check
 
-    async def _calibrate(self) -> None:
+    async def _calibrate_here(self) -> None:
+        """:meth:`_calibrate`; a node without the model times a block fetched for the purpose
+        into a scratch folder (its cache keeps only the units it serves)."""
+        shards = self.shards
+        if shards is None or not shards.partial or self.config.block_step_s is not None:
+            await self._calibrate()
+            return
+        root = self.model_dir.parent.parent / "calibration"
+        try:
+            async with shards.open_scratch(1, 2, root) as scratch:
+                await self._calibrate(scratch)
+        except MeshError as exc:
+            log.warning("cannot fetch a block to calibrate on: %s", exc)
+            await self._calibrate()
+
+    async def _calibrate(self, model_dir: Path | None = None) -> None:
         """Settle the weight format, time one real decoder block in it here (or take the
         configured figure), and announce both.
 
@@ -318,7 +333,10 @@ class Serving:
             if weights not in timed:
                 try:
                     timed[weights] = measure(
-                        self.model_dir, device=device, weights=weights, threads=self.config.threads
+                        model_dir or self.model_dir,
+                        device=device,
+                        weights=weights,
+                        threads=self.config.threads,
                     )
                 except MeshError as exc:
                     log.warning("calibration in %s failed: %s", weights, exc)

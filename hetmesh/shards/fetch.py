@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +334,48 @@ class Shards:
                     return
                 await trio.sleep(1.0)  # every holder failed this round: they may come back
         raise CorruptModel(f"could not fetch {entry.name} from any holder in {self._timeout_s} s")
+
+    @contextlib.asynccontextmanager
+    async def open_scratch(self, start: int, end: int, root: Path) -> AsyncIterator[Path]:
+        """A throw-away partial folder under ``root`` holding units ``[start, end)`` (fetched
+        like a stage, from this node's folder where it has them): for calibration, so that
+        the node's own cache keeps only the units it serves. Removed on exit.
+        """
+        import shutil
+        import tempfile
+
+        def prepare() -> tuple[Path, Path]:
+            root.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(dir=root, prefix="calibration-"))
+            try:
+                folder = cache.open_folder(scratch, self.manifest, self.manifest_id)
+                for entry in self.manifest.files:
+                    if (self.folder / entry.name).is_file():
+                        shutil.copyfile(self.folder / entry.name, folder / entry.name)
+                for t in tensors_for_units(self.manifest, start, end):
+                    if cache.has_tensor(self.folder, t):
+                        shutil.copyfile(
+                            cache.tensor_path(self.folder, t), cache.tensor_path(folder, t)
+                        )
+            except BaseException:
+                shutil.rmtree(scratch, ignore_errors=True)
+                raise
+            return scratch, folder
+
+        try:
+            scratch, folder = await trio.to_thread.run_sync(prepare)
+        except OSError as exc:
+            raise ModelError(f"cannot make a scratch folder under {root}: {exc}") from exc
+        try:
+            helper = Shards(self.discovery, folder, self.manifest, partial=True)
+            helper._avoided = self._avoided  # a liar found by either is avoided by both
+            await helper.ensure(start, end)
+            self.bytes_fetched += helper.bytes_fetched
+            self.verification_failures += helper.verification_failures
+            yield folder
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(lambda: shutil.rmtree(scratch, ignore_errors=True))
 
     def _reject(self, peer: PeerId, what: str) -> None:
         self.verification_failures += 1

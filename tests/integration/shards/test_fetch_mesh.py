@@ -83,7 +83,8 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                     cache_dir=tmp_path / f"{name}-cache",
                     max_sessions=2,
                     max_context_tokens=256,
-                    block_step_s=0.002,
+                    # the second joiner calibrates: on a block fetched into a scratch folder
+                    block_step_s=0.002 if name == "j1" else None,
                 )
                 joiners.append(await _join(mesh))
             await wait_ready(holder, timeout_s=300)
@@ -104,9 +105,23 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                 held = _units(set(shards.units_held()))
                 assert held == set(units_present(manifest, wanted))
                 assert _units(stages) <= held <= _units(stages) | {0}
-                assert shards.bytes_fetched == sum(manifest.tensor(n).nbytes for n in wanted)
+                # the calibrating joiner fetched the first block once more, for its scratch
+                calibration_bytes = (
+                    0
+                    if j is joiners[0]
+                    else sum(t.nbytes for t in tensors_for_units(manifest, 1, 2))
+                )
+                assert shards.bytes_fetched == calibration_bytes + sum(
+                    manifest.tensor(n).nbytes for n in wanted
+                )
                 assert shards.verification_failures == 0
-            assert holder.serving.shards.bytes_served >= sum(
+            calibrated = joiners[1].serving._announced.calibration
+            assert calibrated is not None
+            assert calibrated.block_step_s != 0.002  # measured here, not the figure given
+            scratch_root = tmp_path / "j2-cache" / "models" / "shards" / "calibration"
+            assert list(scratch_root.iterdir()) == []  # the scratch block is gone
+            # what was served (tensors, plus manifest and files) covers what was fetched
+            assert sum(n.serving.shards.bytes_served for n in mesh.nodes) >= sum(
                 j.serving.shards.bytes_fetched for j in joiners
             )
 
