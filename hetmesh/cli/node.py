@@ -138,7 +138,10 @@ def start(
     ] = None,
     model: Annotated[
         str | None,
-        typer.Option(help="Model to serve: the default name, a HF folder or a .gguf file."),
+        typer.Option(
+            help="Model to serve: the default name, a HF folder, a .gguf file, or "
+            "'mesh' / a manifest id to fetch it from the mesh's peers."
+        ),
     ] = None,
     cache_dir: Annotated[
         Path | None, typer.Option(envvar="HETMESH_HOME", help="Model cache directory.")

@@ -10,7 +10,7 @@ between them it also derives tokens/s.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.table import Table
@@ -44,6 +44,30 @@ def _weights(record: Mapping[str, Any]) -> str:
 
 def _tokens_out(record: Mapping[str, Any]) -> int:
     return int(_serving(record).gateway.get("tokens_out", 0))
+
+
+def _fetch(counters: Mapping[str, float]) -> dict[str, float] | None:
+    """A peer's fetch in progress (bytes done / total, rate), None when it fetches nothing."""
+    if not counters.get("fetching"):
+        return None
+    return {
+        "done_bytes": counters.get("fetch_done_bytes", 0.0),
+        "total_bytes": counters.get("fetch_total_bytes", 0.0),
+        "rate_bps": counters.get("fetch_rate_bps", 0.0),
+    }
+
+
+def _held_text(runs: Sequence[Sequence[int]]) -> str:
+    return ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in runs) or "-"
+
+
+def _fetch_text(fetch: Mapping[str, float] | None) -> str:
+    if not fetch:
+        return "-"
+    return (
+        f"{fetch['done_bytes'] / 2**20:.0f}/{fetch['total_bytes'] / 2**20:.0f} MiB"
+        f" at {fetch['rate_bps'] / 2**20:.1f} MiB/s"
+    )
 
 
 def summarize(
@@ -124,10 +148,15 @@ def summarize(
                 "kv_bytes_used": int(load.get("kv_bytes_used", 0) or 0),
                 "tokens_out": _tokens_out(record),
                 "tokens_per_s": rate,
+                "units_held": [list(r) for r in _serving(record).units_held],
+                "fetch": _fetch(_serving(record).shards),
             }
         )
     rates = [p["tokens_per_s"] for p in peers if p["tokens_per_s"] is not None]
+    # why the model cannot be placed (e.g. units no live peer holds), as its peers announce
+    verdicts = sorted({_serving(r).insufficient for r in records.values()} - {""})
     return {
+        "insufficient": verdicts[0] if verdicts else "",
         "plan": plan,
         "load": {
             "peers": peers,
@@ -158,7 +187,8 @@ def plan_table(summary: Mapping[str, Any]) -> Table | Text:
     """The plan: pipelines and stages, predicted against measured step times."""
     plan = summary.get("plan")
     if not plan:
-        return Text("no plan published yet")
+        why = summary.get("insufficient")
+        return Text(f"no plan: {why}" if why else "no plan published yet")
     table = Table(
         title=(
             f"plan epoch {plan['epoch']} ({plan['strategy']}, {plan['objective']}) for "
@@ -209,12 +239,15 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             f"{_rate(load.get('tokens_per_s'))} tokens/s"
         )
     )
-    for col in ("peer", "weights", "sessions", "queue", "KV used", "tokens out", "tokens/s"):
+    columns = ("peer", "weights", "units on disk", "fetching", "sessions", "queue", "KV used")
+    for col in (*columns, "tokens out", "tokens/s"):
         table.add_column(col)
     for p in load.get("peers") or ():
         table.add_row(
             _short(p["peer_id"]),
             str(p.get("weights", "-")),
+            _held_text(p.get("units_held") or ()),
+            _fetch_text(p.get("fetch")),
             str(p["sessions"]),
             str(p["queue"]),
             _mib(p["kv_bytes_used"]),

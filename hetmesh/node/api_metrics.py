@@ -30,6 +30,9 @@ class MeshGauges:
     tokens_out: int = 0
     sessions_failed: int = 0
     links: tuple[tuple[str, str, float, float], ...] = ()  # src, dst, rtt_s, bandwidth_bps
+    shard_bytes_fetched: int = 0
+    shard_bytes_served: int = 0
+    shard_verification_failures: int = 0
 
 
 class GaugeSource(Protocol):
@@ -61,6 +64,15 @@ class _MeshCollector:
         counter("hetmesh_gateway_rejected_busy", "Admissions refused busy", g.rejected_busy)
         counter("hetmesh_tokens_out", "Tokens streamed by this gateway", g.tokens_out)
         counter("hetmesh_sessions_failed", "Sessions that ended in an error", g.sessions_failed)
+        counter(
+            "hetmesh_shard_bytes_fetched", "Tensor bytes fetched from peers", g.shard_bytes_fetched
+        )
+        counter("hetmesh_shard_bytes_served", "Tensor bytes sent to peers", g.shard_bytes_served)
+        counter(
+            "hetmesh_shard_verification_failures",
+            "Tensors from peers whose bytes did not match the manifest",
+            g.shard_verification_failures,
+        )
         bandwidth = GaugeMetricFamily(
             "hetmesh_link_bandwidth_bytes_per_second",
             "Measured bandwidth of a link",

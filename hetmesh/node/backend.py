@@ -59,6 +59,7 @@ class NodeBackend:
             for link in self.discovery.local_record(advance=False).links
         )
         gateway = serving.gateway.statistics() if serving and serving.gateway else None
+        shards = serving.shards.statistics() if serving and serving.shards else None
         return MeshGauges(
             ready=self.ready(),
             plan_epoch=serving.plan.epoch if serving and serving.plan else -1,
@@ -72,6 +73,9 @@ class NodeBackend:
             tokens_out=gateway.tokens_out if gateway else 0,
             sessions_failed=gateway.sessions_failed if gateway else 0,
             links=links,
+            shard_bytes_fetched=shards.bytes_fetched if shards else 0,
+            shard_bytes_served=shards.bytes_served if shards else 0,
+            shard_verification_failures=shards.verification_failures if shards else 0,
         )
 
     def view(self) -> dict[str, Any]:

@@ -92,9 +92,11 @@ from hetmesh.scheduler.coordination import (
     Publish,
     decide,
 )
+from hetmesh.scheduler.holdings import unheld_units, unheld_verdict
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest, WeightBytes
 from hetmesh.scheduler.replan import MeshSnapshot, announced_plans, coordinator
 from hetmesh.scheduler.router import route
+from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
 from hetmesh.transport.frames import Cancel
 
@@ -177,6 +179,7 @@ class Serving:
         self.pool: LinkPool | None = None
         self.plane: DataPlane | None = None
         self.gateway: Gateway | None = None
+        self.shards: Shards | None = None
         self._nursery: trio.Nursery | None = None
 
     # -- wiring -------------------------------------------------------------------
@@ -216,8 +219,12 @@ class Serving:
                 timeouts=self.config.timeouts,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
-            await self._calibrate()  # announced with (before) the model: planned together
-            self._announce(dataclasses.replace(self._announced, model=self.model_key))
+            # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
+            self.shards = await open_shards(discovery, self.model_dir, self.model_key)
+            if self.shards is not None:
+                discovery.add_handler(SHARDS_PROTOCOL, self.shards.handle)
+            await self._calibrate_here()  # announced with (before) the model: planned together
+            self._announce(self._with_held(model=self.model_key))
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
             discovery.add_handler(GENERATE_PROTOCOL, self._handle_generate)
@@ -294,7 +301,22 @@ class Serving:
 
         return check
 
-    async def _calibrate(self) -> None:
+    async def _calibrate_here(self) -> None:
+        """:meth:`_calibrate`; a node without the model times a block fetched for the purpose
+        into a scratch folder (its cache keeps only the units it serves)."""
+        shards = self.shards
+        if shards is None or not shards.partial or self.config.block_step_s is not None:
+            await self._calibrate()
+            return
+        root = self.model_dir.parent.parent / "calibration"
+        try:
+            async with shards.open_scratch(1, 2, root) as scratch:
+                await self._calibrate(scratch)
+        except MeshError as exc:
+            log.warning("cannot fetch a block to calibrate on: %s", exc)
+            await self._calibrate()
+
+    async def _calibrate(self, model_dir: Path | None = None) -> None:
         """Settle the weight format, time one real decoder block in it here (or take the
         configured figure), and announce both.
 
@@ -314,7 +336,10 @@ class Serving:
             if weights not in timed:
                 try:
                     timed[weights] = measure(
-                        self.model_dir, device=device, weights=weights, threads=self.config.threads
+                        model_dir or self.model_dir,
+                        device=device,
+                        weights=weights,
+                        threads=self.config.threads,
                     )
                 except MeshError as exc:
                     log.warning("calibration in %s failed: %s", weights, exc)
@@ -384,9 +409,27 @@ class Serving:
             settled=trio.current_time() - self._started_at >= self.config.settle_s,
         )
 
+    def _unheld(self, members: Sequence[_Member]) -> str:
+        """Why no plan can serve the model when no live member holds some of its units."""
+        if self.shards is None:
+            return ""
+        holdings = [(self.shards.manifest_id, self.shards.units_held())]
+        for e in members:
+            state = read_serving(e.record.extra, plan_of=None)
+            holdings.append((state.manifest, state.units_held))
+        units = unheld_units(self.profile.num_units, holdings, self.shards.manifest_id)
+        return unheld_verdict(self.model_key, units)
+
     def _step(self, members: Sequence[_Member]) -> None:
         """Gather a view, let :func:`~hetmesh.scheduler.coordination.decide` choose, act on it."""
         step = decide(self._view(members), self._coordination, self._coordinator_config)
+        unheld = self._unheld(members)  # units nobody holds: no plan can serve them (issue 15)
+        if unheld:
+            step = dataclasses.replace(
+                step,
+                state=dataclasses.replace(self._coordination, insufficient=unheld),
+                actions=(),
+            )
         before, self._coordination = self._coordination, step.state
         verdict = step.state.insufficient
         if verdict != before.insufficient:  # announced: gateways refuse requests at once
@@ -452,6 +495,9 @@ class Serving:
         )
         began = time.perf_counter()
         try:
+            if self.shards is not None:  # a node without the model fetches the stage's tensors
+                await self.shards.ensure(start, end)
+                self._announce(self._with_held())
             stage = await trio.to_thread.run_sync(
                 lambda: load_stage(self.model_dir, start, end, device=device, weights=self.weights),
                 limiter=self.node.device_limiter,
@@ -506,8 +552,7 @@ class Serving:
     def _publish(self) -> None:
         stats = [s.server.statistics() for s in self._served.values()]
         self._announce(
-            dataclasses.replace(
-                self._announced,
+            self._with_held(
                 stages=tuple(
                     ServedStage(model=self.model_key, start=a, end=b, ready=not s.retiring)
                     for (a, b), s in sorted(self._served.items())
@@ -517,6 +562,7 @@ class Serving:
                     {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
                     for s in stats
                 ),
+                shards=self.shards.counters() if self.shards is not None else {},
             )
         )
         self.node.discovery.set_load(
@@ -528,6 +574,12 @@ class Serving:
                 recent_step_s=tuple(x for s in stats for x in s.recent_step_s[-4:]),
             )
         )
+
+    def _with_held(self, **changes: Any) -> ServingAnnouncement:
+        """The announced state with the shards' manifest and units held (and ``changes``)."""
+        if self.shards is not None:
+            changes.update(manifest=self.shards.manifest_id, units_held=self.shards.units_held())
+        return dataclasses.replace(self._announced, **changes)
 
     def _announce(self, state: ServingAnnouncement) -> None:
         """Announce ``state`` (the one writer of this node's serving entries)."""
@@ -811,11 +863,18 @@ async def serve_model(
     task_status: TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Resolve the model (pulling it on first use), then serve it; never returns."""
-    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.store import default_cache_dir, resolve_model
+    from hetmesh.shards.fetch import join_from_mesh, wants_mesh_model
 
-    model_dir = await trio.to_thread.run_sync(
-        lambda: resolve_model(config.model, cache_dir=config.cache_dir)
-    )
+    if wants_mesh_model(config.model):  # no local model: its manifest and files from a peer
+        assert config.model is not None
+        cache_dir = config.cache_dir or default_cache_dir()
+        model_dir = await join_from_mesh(node.discovery, config.model, cache_dir)
+    else:
+        model = config.model
+        model_dir = await trio.to_thread.run_sync(
+            lambda: resolve_model(model, cache_dir=config.cache_dir)
+        )
     serving = Serving(node, config, model_dir)
     await serving.serve(task_status=task_status)
 

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 
 from hetmesh.errors import CorruptModel
-from hetmesh.partition.store import brief_error, weight_files
+from hetmesh.partition.store import brief_error, shard_tensors, weight_files
 
 Kind = Literal["float", "q4_1", "q8_0"]
 BLOCK = 32
@@ -82,6 +82,11 @@ class CheckpointReader:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.files = weight_files(folder)
+        # a partial folder's tensors are raw files, described by its manifest, not a header
+        self._raw = {
+            blob: (name, {"dtype": dtype, "shape": list(shape), "data_offsets": [0, nbytes]})
+            for name, (blob, dtype, shape, nbytes) in (shard_tensors(folder) or {}).items()
+        }
         self._stack = ExitStack()
         self._headers: dict[Path, tuple[BinaryIO, int, dict[str, Any]]] = {}
 
@@ -167,6 +172,18 @@ class CheckpointReader:
         q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
         return q, d, m
 
+    def stored_bytes(self, name: str) -> bytes:
+        """The bytes of one stored tensor (a name as stored, suffix included), as on disk."""
+        entry = self._slice(name)
+        try:
+            entry.handle.seek(entry.begin)
+            data = entry.handle.read(entry.end - entry.begin)
+        except OSError as exc:
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
+        if len(data) != entry.end - entry.begin:
+            raise CorruptModel(f"{self.folder}: {name} is shorter than its header says")
+        return data
+
     def _require(self, name: str) -> Kind:
         kind = self.kind(name)
         if kind is None:
@@ -187,6 +204,13 @@ class CheckpointReader:
 
     def _open(self, file: Path) -> tuple[BinaryIO, int, dict[str, Any]]:
         """The open file, where its data starts, and its parsed JSON header."""
+        if file in self._raw:
+            name, info = self._raw[file]
+            try:
+                handle = self._stack.enter_context(open(file, "rb"))  # noqa: SIM115
+            except OSError as exc:
+                raise CorruptModel(f"{file}: unreadable ({brief_error(exc)})") from exc
+            return handle, 0, {name: info}
         try:
             handle = self._stack.enter_context(open(file, "rb"))  # noqa: SIM115
             (size,) = struct.unpack("<Q", handle.read(8))

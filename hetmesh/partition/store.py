@@ -130,6 +130,8 @@ def check_model_dir(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CorruptModel(f"{config_file}: not a JSON object")
     architecture_of(config)  # raises UnsupportedModel
+    if (path / SHARDS_MARKER).is_file():
+        return config  # a partial folder: its tensors arrive from peers as stages need them
     if not weight_files(path):
         raise UnsupportedModel(
             f"{path}: no safetensors weights (model.safetensors or an index); "
@@ -138,8 +140,40 @@ def check_model_dir(path: Path) -> dict[str, Any]:
     return config
 
 
+SHARDS_MARKER = "hetmesh-shards.json"  # a partial folder filled from peers (hetmesh.shards)
+SHARD_TENSORS = "tensors"  # its verified tensors, one raw file each
+
+
+def shard_tensors(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int]] | None:
+    """For a partial folder fetched from peers: tensor name -> (raw file, safetensors dtype,
+    shape, bytes) for each tensor present; ``None`` for any other folder.
+
+    A tensor's raw file appears only once its bytes matched the manifest's sha256
+    (:mod:`hetmesh.shards.cache` renames it into place), so presence means verified.
+    """
+    marker = path / SHARDS_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        entries = json.loads(marker.read_text())["manifest"]["tensors"]
+        found = {}
+        for name, _unit, dtype, shape, nbytes, _sha in entries:
+            blob = path / SHARD_TENSORS / str(name)
+            if blob.is_file() and blob.stat().st_size == int(nbytes):
+                found[str(name)] = (blob, str(dtype), tuple(int(n) for n in shape), int(nbytes))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptModel(f"{marker}: unreadable shard list ({brief_error(exc)})") from exc
+    return found
+
+
 def weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file holding it, for a model folder ({} if none)."""
+    """Tensor name -> file holding it, for a model folder ({} if none).
+
+    A partial folder fetched from peers lists the tensors it holds so far.
+    """
+    shards = shard_tensors(path)
+    if shards is not None:
+        return {name: entry[0] for name, entry in shards.items()}
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -426,6 +460,8 @@ def _plain_config(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
 __all__ = [
     "DEFAULT_GGUF_SHA256",
     "DEFAULT_MODEL",
+    "SHARDS_MARKER",
+    "SHARD_TENSORS",
     "Progress",
     "check_model_dir",
     "convert_local_gguf",
@@ -433,5 +469,6 @@ __all__ = [
     "gguf_architecture",
     "pull_default",
     "resolve_model",
+    "shard_tensors",
     "weight_files",
 ]

@@ -16,6 +16,9 @@ extra["plan"]             the Plan it follows
 extra["insufficient"]     why the coordinator cannot place the model ("" when it can)
 extra["gateway"]          the gateway's counters (name -> number)
 extra["stage_servers"]    one map of counters per stage server
+extra["manifest"]         the manifest id (sha256 hex) of the model's weights held
+extra["units_held"]       [[start, end), ...]: the units whose tensors it holds on disk
+extra["shards"]           its tensor transfer counters (bytes fetched/served, fetch progress)
 stages                    ServedStage per unit range held, ready or retiring
 ```
 
@@ -46,6 +49,7 @@ MAX_UNITS = 1 << 20  # unit indices: far above any model's layer count
 MIN_BLOCK_STEP_S = 1e-6
 MAX_BLOCK_STEP_S = 3600.0
 MAX_CONTEXT_TOKENS = 1 << 24
+MAX_HELD_RANGES = 64  # runs of units held on disk (a node holds a few runs at most)
 
 R = TypeVar("R", bound=WireRecord)
 PlanParser = Callable[[Mapping[str, object]], Plan | None]
@@ -99,6 +103,9 @@ class ServingAnnouncement:
     stages: tuple[ServedStage, ...] = ()
     gateway: Mapping[str, float] = field(default_factory=dict)
     stage_servers: tuple[Mapping[str, object], ...] = ()
+    manifest: str = ""
+    units_held: tuple[tuple[int, int], ...] = ()
+    shards: Mapping[str, float] = field(default_factory=dict)
 
 
 def parse_plan(raw: Mapping[str, object]) -> Plan | None:
@@ -141,6 +148,9 @@ def read_serving(
         stage_servers=tuple(
             dict(x) for x in _items(extra.get("stage_servers"), MAX_STAGES) if _is_map(x)
         ),
+        manifest=_manifest_id(extra.get("manifest")),
+        units_held=_held(extra.get("units_held")),
+        shards=_counters(extra.get("shards")),
     )
 
 
@@ -156,6 +166,9 @@ def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
         "insufficient": state.insufficient,
         "gateway": dict(state.gateway),
         "stage_servers": [dict(s) for s in state.stage_servers],
+        "manifest": state.manifest,
+        "units_held": [list(r) for r in state.units_held],
+        "shards": dict(state.shards),
     }
 
 
@@ -170,6 +183,27 @@ def _name(value: object) -> str:
 
 def _text(value: object, limit: int) -> str:
     return value if isinstance(value, str) and len(value) <= limit else ""
+
+
+def _manifest_id(value: object) -> str:
+    text = _text(value, 64)
+    return text if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else ""
+
+
+def _held(value: object) -> tuple[tuple[int, int], ...]:
+    """Unit runs held; an ill-formed run is dropped (the others still count)."""
+    if not isinstance(value, list | tuple) or len(value) > MAX_HELD_RANGES:
+        return ()
+    out = []
+    for run in value:
+        if (
+            isinstance(run, list | tuple)
+            and len(run) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in run)
+            and 0 <= run[0] < run[1] <= MAX_UNITS
+        ):
+            out.append((int(run[0]), int(run[1])))
+    return tuple(out)
 
 
 def _is_map(value: object) -> TypeGuard[Mapping[str, object]]:

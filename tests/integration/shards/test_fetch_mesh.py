@@ -1,0 +1,193 @@
+"""Weights travel over the mesh: only one node ever had the model.
+
+Three in-process daemons (real libp2p hosts, real data plane, the real default
+model): the first holds the converted model; two start with ``--model mesh``
+and empty caches, take the manifest, config and tokenizer from it, and fetch
+exactly their stages' tensors before serving. No node can hold the whole model
+alone, so the plan uses all three. The generation equals the single-process
+reference, and each joining node's cache holds only the units it serves.
+
+The same mesh then checks a lying holder: a fresh fetch of a stage both the
+first node and a joiner hold, with the first node flipping a byte of every
+tensor it sends, is verified, counts the failure, avoids the liar and completes
+from the honest holder; tensors already on disk are not fetched again. Last, a
+fetch is interrupted, resumed by a fresh fetcher without refetching what was
+verified, and the first node (the only whole holder) stops mid-transfer: the
+fetch completes from the joiner that holds the stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+
+from hetmesh.node.config import ServingConfig
+from hetmesh.node.daemon import Node, run_node
+from hetmesh.partition.store import SHARD_TENSORS
+from hetmesh.shards import cache
+from hetmesh.shards.fetch import Shards
+from hetmesh.shards.manifest import load_or_build, tensors_for_units, units_present
+from tests.integration.node.inprocess_mesh import (
+    PROMPT_IDS,
+    InProcessMesh,
+    generate,
+    node_config,
+    until,
+    wait_ready,
+)
+from tests.integration.node.mesh_nodes import reference_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(400)]
+
+TOKENS = 12
+# ~0.63 GiB of float32 weights, KV and workspace: two of these cannot hold them, three can
+NODE_MEMORY_BYTES = 360 << 20
+
+
+async def _join(mesh: InProcessMesh) -> Node:
+    """A node of ``mesh`` with less memory than the others' default (see the module)."""
+    bootstrap = (mesh.nodes[0].discovery.addrs[0],) if mesh.nodes else ()
+    config = node_config(mesh.tmp_path, f"n{len(mesh.nodes)}", mesh.serving, bootstrap=bootstrap)
+    config = dataclasses.replace(config, max_memory_bytes=NODE_MEMORY_BYTES)
+    node: Node = await mesh.nursery.start(run_node, config)
+    mesh.nodes.append(node)
+    return node
+
+
+def _stages(node) -> set[tuple[int, int]]:
+    return {key for key, served in node.serving._served.items() if not served.retiring}
+
+
+def _units(stages: set[tuple[int, int]]) -> set[int]:
+    return {u for a, b in stages for u in range(a, b)}
+
+
+async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    expected = reference_ids(default_model_dir, PROMPT_IDS, TOKENS)
+    manifest = load_or_build(default_model_dir)
+    base = ServingConfig(max_sessions=2, max_context_tokens=256, block_step_s=0.002)
+    async with trio.open_nursery() as nursery:
+        mesh = InProcessMesh(tmp_path, base, nursery)
+        try:
+            holder = await _join(mesh)
+            joiners = []
+            for name in ("j1", "j2"):
+                mesh.serving = ServingConfig(
+                    model="mesh",
+                    cache_dir=tmp_path / f"{name}-cache",
+                    max_sessions=2,
+                    max_context_tokens=256,
+                    # the second joiner calibrates: on a block fetched into a scratch folder
+                    block_step_s=0.002 if name == "j1" else None,
+                )
+                joiners.append(await _join(mesh))
+            await wait_ready(holder, timeout_s=300)
+            assert await generate(mesh.addr, TOKENS) == expected
+
+            # each joiner serves a stage and its cache holds exactly those units' tensors
+            for j in joiners:
+                await until(lambda j=j: j.serving is not None and _stages(j), 120, "a stage")
+                stages = _stages(j)
+                shards = j.serving.shards
+                assert shards is not None
+                assert shards.partial
+                assert shards.manifest_id == manifest.id
+                wanted = {t.name for a, b in stages for t in tensors_for_units(manifest, a, b)}
+                on_disk = {p.name for p in (shards.folder / SHARD_TENSORS).iterdir()}
+                assert on_disk == wanted
+                # a tied head reads the embedding: its tensors (unit 0) come with the head
+                held = _units(set(shards.units_held()))
+                assert held == set(units_present(manifest, wanted))
+                assert _units(stages) <= held <= _units(stages) | {0}
+                # the calibrating joiner fetched the first block once more, for its scratch
+                calibration_bytes = (
+                    0
+                    if j is joiners[0]
+                    else sum(t.nbytes for t in tensors_for_units(manifest, 1, 2))
+                )
+                assert shards.bytes_fetched == calibration_bytes + sum(
+                    manifest.tensor(n).nbytes for n in wanted
+                )
+                assert shards.verification_failures == 0
+            calibrated = joiners[1].serving._announced.calibration
+            assert calibrated is not None
+            assert calibrated.block_step_s != 0.002  # measured here, not the figure given
+            scratch_root = tmp_path / "j2-cache" / "models" / "shards" / "calibration"
+            assert list(scratch_root.iterdir()) == []  # the scratch block is gone
+            # what was served (tensors, plus manifest and files) covers what was fetched
+            assert sum(n.serving.shards.bytes_served for n in mesh.nodes) >= sum(
+                j.serving.shards.bytes_fetched for j in joiners
+            )
+
+            # a lying holder: the first node corrupts what it sends from now on
+            honest = joiners[0]
+            start, end = min(_stages(honest))
+            entries = tensors_for_units(manifest, start, end)
+            assert len(entries) >= 4
+            lies: list[str] = []
+
+            def lie(data: bytes) -> bytes:
+                lies.append("x")
+                return bytes([data[0] ^ 0xFF]) + data[1:]
+
+            holder.serving.shards._lie = lie
+            folder = await trio.to_thread.run_sync(
+                cache.open_folder, tmp_path / "fresh", manifest, manifest.id
+            )
+            # one verified tensor is already here: an interrupted fetch resumes past it
+            kept = entries[0]
+            shutil.copyfile(
+                cache.tensor_path(honest.serving.shards.folder, kept),
+                cache.tensor_path(folder, kept),
+            )
+            fetcher = Shards(joiners[1].discovery, folder, manifest, partial=True)
+            assert set(fetcher.holders(start)) >= {holder.peer_id, honest.peer_id}
+            await fetcher.ensure(start, end)
+            assert lies, "the liar was never asked"
+            # every lie is caught (more than one may be in flight before the liar is avoided)
+            assert fetcher.verification_failures == len(lies)
+            assert fetcher.statistics().avoided_peers == (holder.peer_id,)
+            assert holder.peer_id not in fetcher.holders(start)
+            assert fetcher.bytes_fetched == sum(t.nbytes for t in entries) - kept.nbytes
+            assert fetcher.bytes_by_peer == {honest.peer_id: fetcher.bytes_fetched}
+            for t in entries:
+                assert (
+                    cache.tensor_path(folder, t).read_bytes()
+                    == cache.tensor_path(honest.serving.shards.folder, t).read_bytes()
+                )
+
+            # an interrupted fetch, then the only whole holder dies mid-transfer: a fresh
+            # fetcher (a restarted node) keeps what was verified and finishes from the joiner
+            holder.serving.shards._lie = lambda data: data
+            again = await trio.to_thread.run_sync(
+                cache.open_folder, tmp_path / "again", manifest, manifest.id
+            )
+            first = Shards(joiners[1].discovery, again, manifest, partial=True, parallel=1)
+            with trio.move_on_after(300) as interrupted:
+                async with trio.open_nursery() as fetching:
+                    fetching.start_soon(first.ensure, start, end)
+                    await until(lambda: first.tensors_fetched >= 2, 120, "two tensors")
+                    fetching.cancel_scope.cancel()
+            assert not interrupted.cancelled_caught
+            on_disk = [t for t in entries if cache.has_tensor(again, t)]
+            assert 2 <= len(on_disk) < len(entries)
+            resumed = Shards(joiners[1].discovery, again, manifest, partial=True, parallel=1)
+            async with trio.open_nursery() as fetching:
+                fetching.start_soon(resumed.ensure, start, end)
+                await until(lambda: resumed.tensors_fetched >= 1, 120, "the fetch to resume")
+                holder.request_stop()
+            assert resumed.bytes_fetched == sum(t.nbytes for t in entries) - sum(
+                t.nbytes for t in on_disk
+            )
+            assert all(cache.has_tensor(again, t) for t in entries)
+            assert resumed.verification_failures == 0
+            assert resumed.bytes_by_peer.get(honest.peer_id, 0) > 0  # after the holder died
+        finally:
+            for node in mesh.nodes:
+                node.request_stop()
