@@ -27,6 +27,7 @@ from hetmesh.scheduler.coordination import (
     decide,
     surviving,
 )
+from hetmesh.scheduler.plan_trust import MAX_EPOCH
 from hetmesh.scheduler.records import Plan
 
 GIB = 1024**3
@@ -263,6 +264,13 @@ ROWS = [
         CoordinatorState(plan=SPLIT.with_epoch(9), published=SPLIT.with_epoch(9), signer="b"),
         (Adopt,),
         check=lambda _a, s: s.plan == PLAN_AB and s.signer == "a",
+    ),
+    Row(
+        "a coordinator never publishes past the epoch limit",
+        view(A),
+        CoordinatorState(plan=SPLIT.with_epoch(MAX_EPOCH), planned_on=AB, signer="a"),
+        (Keep,),
+        check=epoch_of(MAX_EPOCH),
     ),
     Row(
         "a coordinator's first plan is numbered above every epoch announced",
