@@ -183,6 +183,8 @@ class Serving:
         self._signatures: list[tuple[Plan, PlanSignature]] = []
         self._verified: dict[tuple[str, str, bytes], bool] = {}  # (signer, sig, message)
         self._refusal_logged: dict[PeerId, float] = {}  # peer -> when we last said so
+        self._corrected: frozenset[str] = frozenset()  # devices planned on measured steps
+        self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
         self._changed = trio.Event()
@@ -379,13 +381,27 @@ class Serving:
     def _plan_constraints(
         self, members: Sequence[_Member], devices: Sequence[DeviceProfile]
     ) -> PlanConstraints:
-        from hetmesh.node.calibration import calibrated_constraints
+        from hetmesh.node.calibration import calibrated_constraints, measured_constraints
         from hetmesh.node.weights import weights_constraints
 
         local = self.node.discovery.local_record(advance=False)
         announced = [(local.peer_id, local.extra)] + [(e.peer_id, e.record.extra) for e in members]
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
-        return weights_constraints(constraints, announced, devices, self.bytes_of)
+        constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
+        # claims against what the stages serving the plan measure: a member far slower
+        # than it claimed is planned on its measurement (at the next replan)
+        observed = {e.peer_id: e.record.load.recent_step_s for e in members}
+        observed[local.peer_id] = local.load.recent_step_s
+        constraints, corrected = measured_constraints(constraints, self.plan, observed)
+        now = trio.current_time()
+        if corrected - self._corrected and now - self._corrected_logged >= REFUSAL_LOG_INTERVAL_S:
+            self._corrected_logged = now  # at most once a minute: the set moves with load
+            log.info(
+                "planning %s on measured step times: far slower than claimed",
+                ", ".join(sorted(corrected - self._corrected)),
+            )
+        self._corrected = corrected
+        return constraints
 
     def _view(self, members: Sequence[_Member]) -> MeshView:
         """What the coordinator decides on: the mesh now, gathered from the announcements."""
