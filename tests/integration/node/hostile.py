@@ -215,5 +215,6 @@ async def attack(nodes: list[Any], extras: dict[str, dict[str, Any]]) -> tuple[i
                         break
                     await trio.sleep(0.3)
             reached += 1
-            await trio.sleep(1.5)  # a plan-loop turn (1 s) with the forgery in view
+            if accepted:  # a plan-loop turn (1 s) with the forgery in view
+                await trio.sleep(1.2)
     return reached, hostile.peer_id
