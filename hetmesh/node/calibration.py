@@ -22,17 +22,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hetmesh.scheduler.records import PlanConstraints, device_key
+from hetmesh.scheduler.records import Plan, PlanConstraints, Stage, device_key
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_CONTEXT_TOKENS = 128
 CALIBRATION_KEY = "calibration"
+# a member whose served steps exceed the plan's prediction by more than this many
+# times the mesh's most accurate member does is planned on its measurement
+# (measured_constraints); 3, not 2: on a shared, loaded machine honest nodes'
+# ratios were seen to differ by 2x from one another
+MEASURED_FACTOR = 3.0
 
 
 def measure_block_step_s(
@@ -178,11 +184,67 @@ def calibrated_constraints(
     return dataclasses.replace(constraints, block_step_s_by_device=measured)
 
 
+def measured_constraints(
+    constraints: PlanConstraints,
+    plan: Plan | None,
+    observed: Mapping[str, Sequence[float]],
+    *,
+    factor: float = MEASURED_FACTOR,
+) -> tuple[PlanConstraints, frozenset[str]]:
+    """``constraints`` with each member that serves far slower than it claimed planned
+    on what it measured, and the device keys so corrected.
+
+    ``observed``: peer id -> the step times its stage servers report serving ``plan``
+    (its announced ``load.recent_step_s``). A peer's ratio is its fastest recent step
+    (the one least inflated by batching or a prefill) ÷ the slowest decode step the
+    plan predicted for its stages. The mesh's most accurate claim (its lowest ratio,
+    at least 1) is the yardstick: a machine that is busy for everyone slows every
+    ratio alike and corrects nobody. A peer whose ratio exceeds ``factor`` times the
+    yardstick claimed a speed it does not deliver: its devices' block step is scaled
+    up by ratio ÷ yardstick (with no calibration announced, set to the measured step
+    spread over the units it holds), so the next plan charges it what it costs.
+    """
+    if plan is None:
+        return constraints, frozenset()
+    stages_of: dict[str, list[Stage]] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            stages_of.setdefault(stage.peer_id, []).append(stage)
+    ratios: dict[str, tuple[float, float]] = {}  # peer -> (measured ÷ predicted, measured)
+    for peer, stages in stages_of.items():
+        samples = [x for x in observed.get(peer, ()) if math.isfinite(x) and 0 < x < 3600]
+        predicted = max(s.decode_step_s for s in stages)
+        if samples and predicted > 0:
+            ratios[peer] = (min(samples) / predicted, min(samples))
+    if not ratios:
+        return constraints, frozenset()
+    yardstick = max(1.0, min(r for r, _ in ratios.values()))
+    steps = dict(constraints.block_step_s_by_device)
+    corrected: set[str] = set()
+    for peer, (ratio, measured) in sorted(ratios.items()):
+        if ratio <= factor * yardstick:
+            continue
+        for stage in stages_of[peer]:
+            key = device_key(stage.peer_id, stage.device)
+            claimed = constraints.block_step_s_by_device.get(key)
+            if claimed is not None:
+                fixed = claimed * ratio / yardstick
+            else:
+                fixed = measured / yardstick / (stage.end - stage.start)
+            steps[key] = max(steps.get(key, 0.0), fixed)
+            corrected.add(key)
+    if not corrected:
+        return constraints, frozenset()
+    return dataclasses.replace(constraints, block_step_s_by_device=steps), frozenset(corrected)
+
+
 __all__ = [
     "CALIBRATION_CONTEXT_TOKENS",
     "CALIBRATION_KEY",
+    "MEASURED_FACTOR",
     "calibrated_constraints",
     "calibration_extra",
     "cpu_share",
     "measure_block_step_s",
+    "measured_constraints",
 ]

@@ -12,7 +12,11 @@ serve_model(node, config)
 ```
 
 Every node runs the same code; the coordinator (lowest live peer id) is the
-only one that plans. The plan loop gathers a view of the mesh, lets the pure
+only one that plans, and signs what it publishes with its libp2p identity key;
+a node follows only plans its own coordinator signed, within an epoch window,
+that are sane on its view (:mod:`hetmesh.scheduler.plan_trust`), and ignores
+(and logs, once a minute per peer) any other. The plan loop gathers a view of
+the mesh, lets the pure
 :func:`~hetmesh.scheduler.coordination.decide` choose (adopt a peer's plan,
 publish a new one, or keep), and carries the step out. Every node announces
 the plan it follows and switches to any plan that supersedes it
@@ -80,6 +84,7 @@ from hetmesh.scheduler.announcement import (
     Calibration,
     ServedStage,
     ServingAnnouncement,
+    read_offer,
     read_serving,
     serving_extra,
     serving_stages,
@@ -93,8 +98,15 @@ from hetmesh.scheduler.coordination import (
     decide,
 )
 from hetmesh.scheduler.holdings import unheld_units, unheld_verdict
+from hetmesh.scheduler.plan_trust import (
+    Offer,
+    PlanSignature,
+    epoch_floor,
+    plan_message,
+    plan_refusal,
+)
 from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest, WeightBytes
-from hetmesh.scheduler.replan import MeshSnapshot, announced_plans, coordinator
+from hetmesh.scheduler.replan import MeshSnapshot, coordinator
 from hetmesh.scheduler.router import route
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
@@ -170,6 +182,12 @@ class Serving:
         # peer -> (its record, the serving state read from it): read once per announcement
         self._served_by: dict[PeerId, tuple[Announcement, ServingAnnouncement]] = {}
         self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
+        # the signatures of the plans that passed plan_refusal this turn (relayed on adoption)
+        self._signatures: list[tuple[Plan, PlanSignature]] = []
+        self._verified: dict[tuple[str, str, bytes], bool] = {}  # (signer, sig, message)
+        self._refusal_logged: dict[PeerId, float] = {}  # peer -> when we last said so
+        self._corrected: frozenset[str] = frozenset()  # devices planned on measured steps
+        self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
         self._changed = trio.Event()
@@ -262,11 +280,13 @@ class Serving:
 
         records = [self.node.discovery.local_record()] + [e.record for e in members]
         ids = {r.peer_id for r in records}
-        devices = tuple(capacity(d) for r in records for d in r.devices)
+        # a record speaks for its sender only: another peer's device, or a link that
+        # does not start at the sender, is not the sender's to announce
+        devices = tuple(capacity(d) for r in records for d in r.devices if d.peer_id == r.peer_id)
         links: dict[tuple[str, str], LinkProfile] = {}
         for r in records:
             for link in r.links:
-                if link.src in ids and link.dst in ids:
+                if link.src == r.peer_id and link.dst in ids:
                     links[(link.src, link.dst)] = link
         return MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links)))
 
@@ -389,24 +409,59 @@ class Serving:
     def _plan_constraints(
         self, members: Sequence[_Member], devices: Sequence[DeviceProfile]
     ) -> PlanConstraints:
-        from hetmesh.node.calibration import calibrated_constraints
+        from hetmesh.node.calibration import calibrated_constraints, measured_constraints
         from hetmesh.node.weights import weights_constraints
 
         local = self.node.discovery.local_record(advance=False)
         announced = [(local.peer_id, local.extra)] + [(e.peer_id, e.record.extra) for e in members]
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
-        return weights_constraints(constraints, announced, devices, self.bytes_of)
+        constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
+        # claims against what the stages serving the plan measure: a member far slower
+        # than it claimed is planned on its measurement (at the next replan)
+        observed = {e.peer_id: e.record.load.recent_step_s for e in members}
+        observed[local.peer_id] = local.load.recent_step_s
+        constraints, corrected = measured_constraints(constraints, self.plan, observed)
+        now = trio.current_time()
+        if corrected - self._corrected and now - self._corrected_logged >= REFUSAL_LOG_INTERVAL_S:
+            self._corrected_logged = now  # at most once a minute: the set moves with load
+            log.info(
+                "planning %s on measured step times: far slower than claimed",
+                ", ".join(sorted(corrected - self._corrected)),
+            )
+        self._corrected = corrected
+        return constraints
 
     def _view(self, members: Sequence[_Member]) -> MeshView:
         """What the coordinator decides on: the mesh now, gathered from the announcements."""
         snapshot = self._snapshot_now(members)
+        constraints = self._plan_constraints(members, snapshot.devices)
+        peers = tuple(e.peer_id for e in members)
+        offers = [o for e in members if (o := read_offer(e.record.extra, e.peer_id)) is not None]
+        boss = coordinator((self.node.peer_id, *peers))
+        self._signatures = []
+        for offer in offers:
+            why = plan_refusal(
+                offer,
+                coordinator=boss,
+                current=self.plan,
+                current_signer=self._coordination.signer,
+                devices=snapshot.devices,
+                model=self.profile,
+                constraints=constraints,
+                verify=self._verify,
+            )
+            if why:
+                self._refused(offer, why)
+            elif offer.signature is not None:
+                self._signatures.append((offer.plan, offer.signature))
         return MeshView(
             me=self.node.peer_id,
-            peers=tuple(e.peer_id for e in members),
+            peers=peers,
             snapshot=snapshot,
-            constraints=self._plan_constraints(members, snapshot.devices),
-            plans=tuple(announced_plans(e.record.extra for e in members)),
+            constraints=constraints,
+            plans=tuple(p for p, _ in self._signatures),
             settled=trio.current_time() - self._started_at >= self.config.settle_s,
+            epoch_floor=epoch_floor(offers),
         )
 
     def _unheld(self, members: Sequence[_Member]) -> str:
@@ -419,6 +474,30 @@ class Serving:
             holdings.append((state.manifest, state.units_held))
         units = unheld_units(self.profile.num_units, holdings, self.shards.manifest_id)
         return unheld_verdict(self.model_key, units)
+
+    def _refused(self, offer: Offer, why: str) -> None:
+        """Say (at most once a minute per peer) that a peer's announced plan is ignored."""
+        now = trio.current_time()
+        peer = offer.relayed_by
+        if now - self._refusal_logged.get(peer, -REFUSAL_LOG_INTERVAL_S) >= REFUSAL_LOG_INTERVAL_S:
+            self._refusal_logged[peer] = now
+            log.warning(
+                "ignoring the plan %s announces (epoch %d): %s", peer, offer.plan.epoch, why
+            )
+
+    def _sign(self, plan: Plan) -> PlanSignature:
+        """This node's signature of ``plan``, with its libp2p identity key."""
+        signature = self.node.host.get_private_key().sign(plan_message(plan))
+        return PlanSignature(signer=self.node.peer_id, signature=bytes(signature).hex())
+
+    def _verify(self, signer: PeerId, message: bytes, signature: bytes) -> bool:
+        """Whether ``signer``'s identity key (in its peer id) signed ``message``."""
+        key = (signer, signature.hex(), message)
+        if key not in self._verified:
+            if len(self._verified) >= MAX_VERIFIED:
+                self._verified.clear()
+            self._verified[key] = verify_signature(signer, message, signature)
+        return self._verified[key]
 
     def _step(self, members: Sequence[_Member]) -> None:
         """Gather a view, let :func:`~hetmesh.scheduler.coordination.decide` choose, act on it."""
@@ -449,8 +528,14 @@ class Serving:
                     action.plan.decode_latency_s * 1e3,
                 )
             elif isinstance(action, Adopt):
+                if action.made_here:
+                    signature: PlanSignature | None = self._sign(action.plan)
+                else:  # relayed as the coordinator signed it
+                    signature = next((g for p, g in self._signatures if p is action.plan), None)
                 self._apply(action.plan)
-                self._announce(dataclasses.replace(self._announced, plan=action.plan))
+                self._announce(
+                    dataclasses.replace(self._announced, plan=action.plan, plan_signature=signature)
+                )
 
     @property
     def plan(self) -> Plan | None:
@@ -834,6 +919,22 @@ class Serving:
             links=links,
             insufficient=self._insufficient,
         )
+
+
+REFUSAL_LOG_INTERVAL_S = 60.0
+MAX_VERIFIED = 256  # cached signature checks (a few plans are announced at a time)
+
+
+def verify_signature(signer: PeerId, message: bytes, signature: bytes) -> bool:
+    """Whether the key embedded in peer id ``signer`` signed ``message`` (False for a
+    malformed id, a key that is not embedded, or a bad signature)."""
+    from libp2p.peer.id import ID
+
+    try:
+        public = ID.from_base58(signer).extract_public_key()
+        return public is not None and bool(public.verify(message, signature))
+    except Exception:  # any malformed id, key or signature is simply not a valid one
+        return False
 
 
 COMPACT_HINT = (

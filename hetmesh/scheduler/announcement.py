@@ -13,6 +13,7 @@ extra["model"]            the model key served ("" or absent: not serving)
 extra["weights"]          the weight format its stages are held in
 extra["calibration"]      Calibration: one block's measured decode step
 extra["plan"]             the Plan it follows
+extra["plan_signature"]   PlanSignature: the coordinator's signature of that plan
 extra["insufficient"]     why the coordinator cannot place the model ("" when it can)
 extra["gateway"]          the gateway's counters (name -> number)
 extra["stage_servers"]    one map of counters per stage server
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TypeGuard, TypeVar
 
 from hetmesh.resources import WireRecord
+from hetmesh.scheduler.plan_trust import Offer, PlanSignature
 from hetmesh.scheduler.records import Plan
 
 SERVING_VERSION = 1
@@ -99,6 +101,7 @@ class ServingAnnouncement:
     weights: str = ""
     calibration: Calibration | None = None
     plan: Plan | None = None
+    plan_signature: PlanSignature | None = None  # who signed ``plan`` (plan_trust)
     insufficient: str = ""
     stages: tuple[ServedStage, ...] = ()
     gateway: Mapping[str, float] = field(default_factory=dict)
@@ -138,6 +141,7 @@ def read_serving(
         weights=_name(extra.get("weights")),
         calibration=_record(Calibration, extra.get("calibration")),
         plan=plan_of(raw_plan) if plan_of is not None and isinstance(raw_plan, Mapping) else None,
+        plan_signature=_record(PlanSignature, extra.get("plan_signature")),
         insufficient=_text(extra.get("insufficient"), MAX_VERDICT_CHARS),
         stages=tuple(
             s
@@ -154,6 +158,15 @@ def read_serving(
     )
 
 
+def read_offer(extra: object, relayed_by: str) -> Offer | None:
+    """The plan an announcement's ``extra`` carries, with its signature, as relayed by
+    ``relayed_by`` (None: no well-formed plan); judged by ``plan_trust.plan_refusal``."""
+    served = read_serving(extra)
+    if served.plan is None:
+        return None
+    return Offer(served.plan, served.plan_signature, relayed_by)
+
+
 def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
     """The ``extra`` entries announcing ``state`` (every key, empty ones included, so that
     a cleared entry replaces the old value)."""
@@ -163,6 +176,9 @@ def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
         "weights": state.weights,
         "calibration": state.calibration.to_wire() if state.calibration is not None else None,
         "plan": state.plan.to_wire() if state.plan is not None else None,
+        "plan_signature": (
+            state.plan_signature.to_wire() if state.plan_signature is not None else None
+        ),
         "insufficient": state.insufficient,
         "gateway": dict(state.gateway),
         "stage_servers": [dict(s) for s in state.stage_servers],
@@ -239,6 +255,7 @@ __all__ = [
     "ServedStage",
     "ServingAnnouncement",
     "parse_plan",
+    "read_offer",
     "read_serving",
     "serving_extra",
     "serving_stages",

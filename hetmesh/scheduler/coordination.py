@@ -6,17 +6,22 @@ keeps, carry out the returned :class:`Step`'s actions, keep its state. The
 rules, in the order :func:`decide` applies them:
 
 1. **Adopt**: follow the newest plan seen for this model (our own last
-   publication included) if it supersedes the one followed
-   (:func:`~hetmesh.scheduler.replan.supersedes`). A plan made elsewhere is
-   judged afresh the next time we coordinate (its inputs are not ours).
+   publication included while we coordinate) if it supersedes the one followed
+   (:func:`~hetmesh.scheduler.replan.supersedes`), or whatever its rank if the
+   followed one was signed by a peer that no longer coordinates. The view's
+   plans are only those the coordinator signed
+   (:func:`~hetmesh.scheduler.plan_trust.plan_refusal`, in the node's glue). A
+   plan made elsewhere is judged afresh the next time we coordinate.
 2. **Coordinate** (only the live peer with the lowest id, once settled):
    drop the pipelines that lost a peer (:func:`surviving`), then ask the
    strategy for a better plan — the replanning policy
    (:func:`~hetmesh.scheduler.replan.replan`, with standby replicas if
    configured) or a forced baseline placement (on membership change only).
    No better plan, but pipelines were dropped: publish the survivors. Still
-   nothing, but a spare device joined: publish the plan with a standby replica
-   added. A mesh that cannot hold the model records why
+   nothing, but the plan followed was signed by a former coordinator: publish
+   it again, one epoch up, to sign it. Still nothing, but a spare device
+   joined: publish the plan with a standby replica added. A mesh that cannot
+   hold the model records why
    (``CoordinatorState.insufficient``) and publishes nothing.
 3. **Adopt** again, so the coordinator follows what it just published unless
    a peer's plan outranks it.
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, ModelProfile, PeerId
 from hetmesh.scheduler.baselines import BASELINES
+from hetmesh.scheduler.plan_trust import MAX_EPOCH
 from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import Objective, Plan, PlanConstraints
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
@@ -41,6 +47,7 @@ from hetmesh.scheduler.standby import add_standby_replicas, with_standby
 HETMESH_STRATEGY = "hetmesh"
 LOST_PEER_REASON = "pipelines with a lost peer dropped; the rest serve on"
 STANDBY_REASON = "a spare device becomes a standby replica"
+INHERITED_REASON = "a new coordinator signs the plan it inherits"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,8 +72,11 @@ class MeshView:
     snapshot: MeshSnapshot  # devices (at full capacity) and links, ours included
     constraints: PlanConstraints  # calibration and weight formats filled in
     peers: tuple[PeerId, ...] = ()  # live peers serving the same model
-    plans: tuple[Plan, ...] = ()  # the plans those peers announce they follow
+    # the plans those peers announce they follow that passed
+    # :func:`~hetmesh.scheduler.plan_trust.plan_refusal`: signed by the coordinator
+    plans: tuple[Plan, ...] = ()
     settled: bool = True  # past the start-up wait: enough peers heard of to plan
+    epoch_floor: int = -1  # the highest epoch announced (plan_trust.epoch_floor)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +87,7 @@ class CoordinatorState:
     published: Plan | None = None  # the last plan this node made as coordinator
     planned_on: MeshSnapshot | None = None  # the inputs the followed plan was judged on
     insufficient: str = ""  # why the mesh cannot hold the model ("" when it can)
+    signer: PeerId | None = None  # the coordinator that signed the followed plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +140,24 @@ def decide(view: MeshView, state: CoordinatorState, config: CoordinatorConfig) -
 def _adopt(
     view: MeshView, state: CoordinatorState, config: CoordinatorConfig, actions: list[Action]
 ) -> CoordinatorState:
-    # our own publication first: of two plans of the same rank the first seen wins
-    seen = ([state.published] if state.published is not None else []) + list(view.plans)
-    best = newest(p for p in seen if p.model_name == config.model.name)
-    if best is None or not supersedes(best, state.plan):
+    boss = coordinator((view.me, *view.peers))
+    # our own publication first: of two plans of the same rank the first seen wins;
+    # it counts only while we coordinate (view.plans are all signed by the coordinator)
+    mine = [state.published] if state.published is not None and boss == view.me else []
+    best = newest(p for p in mine + list(view.plans) if p.model_name == config.model.name)
+    if best is None:
+        return state
+    # a plan signed by a peer that no longer coordinates gives way to the coordinator's,
+    # whatever their epochs (two nodes may both have believed they coordinated)
+    if not supersedes(best, state.plan) and state.signer in (None, boss):
+        return state
+    if best is state.plan:
         return state
     made_here = best is state.published
     actions.append(Adopt(best, made_here))
     # a plan made elsewhere was judged on inputs we do not know: judge it afresh
     planned_on = state.planned_on if made_here else None
-    return dataclasses.replace(state, plan=best, planned_on=planned_on)
+    return dataclasses.replace(state, plan=best, planned_on=planned_on, signer=boss)
 
 
 def _coordinate(
@@ -148,7 +167,8 @@ def _coordinate(
     if not snapshot.devices:
         return state
     current = surviving(state.plan, snapshot, model, constraints)
-    epoch = (state.plan.epoch + 1) if state.plan is not None else 0
+    # a first plan is numbered above every epoch announced, so epochs keep rising
+    epoch = (state.plan.epoch + 1) if state.plan is not None else view.epoch_floor + 1
     try:
         candidate, reason = _candidate(current, state.planned_on, snapshot, constraints, config)
     except InsufficientCapacity as exc:
@@ -157,6 +177,8 @@ def _coordinate(
     state = dataclasses.replace(state, insufficient="", planned_on=snapshot)
     if candidate is None and current is not None and current != state.plan:
         candidate, reason = current, LOST_PEER_REASON
+    if candidate is None and current is not None and state.signer != view.me:
+        candidate, reason = current, INHERITED_REASON
     if candidate is None and current is not None and config.standby:
         backed = add_standby_replicas(
             current, snapshot.devices, snapshot.links, model, constraints=constraints
@@ -166,6 +188,8 @@ def _coordinate(
     if candidate is None:
         return state
     plan = candidate.with_epoch(max(epoch, candidate.epoch))
+    if plan.epoch > MAX_EPOCH:  # followers would refuse it (only an inflated floor gets here)
+        return state
     actions.append(Publish(plan, reason))
     return dataclasses.replace(state, published=plan)
 

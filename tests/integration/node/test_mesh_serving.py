@@ -337,3 +337,39 @@ async def test_a_member_off_the_route_cannot_feed_close_or_cancel_a_session(
         assert tuple(out.tensors[0].shape) == (3, 576)
         closed = await owner.control(stage, {"op": "close", "session_id": "owned"})
         assert closed["ok"], closed
+
+
+async def test_a_hostile_member_cannot_replan_or_stop_the_mesh(mesh3, default_model_dir):
+    """A member with the secret forges plans and absurd announcements while the mesh serves:
+    every generation equals the reference, no node dies, no node's plan changes."""
+    from tests.integration.node.hostile import attack
+
+    ids = encode(default_model_dir, PROMPTS[1])
+    expected = reference_ids(default_model_dir, ids, 16)
+    before = {p["peer_id"]: p["record"]["extra"] for p in (await view_of(mesh3[0]))["peers"]}
+    assert len(before) == 3
+    boss = min(before)
+    assert before[boss]["plan_signature"]["signer"] == boss
+    got: list[list[int]] = []
+    async with trio.open_nursery() as nursery:
+        done = trio.Event()
+
+        async def serve_meanwhile() -> None:
+            while not done.is_set():
+                got.append(await generate_ids(mesh3[1].addr, ids, max_new_tokens=16))
+
+        nursery.start_soon(serve_meanwhile)
+        reached, hostile = await attack(mesh3, before)
+        done.set()
+    assert reached >= 10, reached  # every phase was heard (or refused) by the mesh
+    assert got
+    assert all(g == expected for g in got), got
+    assert all(n.proc.poll() is None for n in mesh3)  # every node alive
+    for node in mesh3:  # each saw a forged plan and said it ignored it
+        assert f"ignoring the plan {hostile} announces" in node.log()
+    view = await view_of(mesh3[0])
+    after = {p["peer_id"]: p for p in view["peers"] if p["peer_id"] in before}
+    assert {p["health"] for p in after.values()} <= {"self", "alive"}
+    for peer, extra in before.items():  # each node still follows the plan it did
+        assert after[peer]["record"]["extra"]["plan"] == extra["plan"], peer
+        assert after[peer]["record"]["extra"]["plan_signature"]["signer"] == boss

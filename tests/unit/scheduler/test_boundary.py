@@ -15,6 +15,7 @@ ALLOWED = {
     "collections",
     "dataclasses",
     "itertools",
+    "json",
     "math",
     "random",  # only for the type of an explicit random.Random passed in
     "typing",

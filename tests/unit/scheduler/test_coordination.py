@@ -16,6 +16,7 @@ from hetmesh.partition.profile import llama_like_config, model_profile
 from hetmesh.resources import DeviceProfile, LinkProfile
 from hetmesh.scheduler import MeshSnapshot, PlanConstraints, evaluate, plan
 from hetmesh.scheduler.coordination import (
+    INHERITED_REASON,
     LOST_PEER_REASON,
     Adopt,
     CoordinatorConfig,
@@ -26,6 +27,7 @@ from hetmesh.scheduler.coordination import (
     decide,
     surviving,
 )
+from hetmesh.scheduler.plan_trust import MAX_EPOCH
 from hetmesh.scheduler.records import Plan
 
 GIB = 1024**3
@@ -173,14 +175,14 @@ ROWS = [
     Row(
         "no change since the plan was judged: keep it",
         view(AB),
-        CoordinatorState(plan=PLAN_AB, published=PLAN_AB, planned_on=AB),
+        CoordinatorState(plan=PLAN_AB, published=PLAN_AB, planned_on=AB, signer="a"),
         (Keep,),
         check=lambda _a, s: s.plan is PLAN_AB,
     ),
     Row(
         "a plan adopted from elsewhere is judged on the coordinator's own inputs",
         view(AB),
-        CoordinatorState(plan=PLAN_AB),
+        CoordinatorState(plan=PLAN_AB, signer="a"),
         (Keep,),
         check=lambda _a, s: s.plan is PLAN_AB and s.planned_on == AB,
     ),
@@ -231,14 +233,14 @@ ROWS = [
     Row(
         "a forced baseline keeps its placement while membership holds",
         view(AB),
-        CoordinatorState(plan=PLAN_AB, planned_on=mesh("a", "b", memory=8 * GIB)),
+        CoordinatorState(plan=PLAN_AB, planned_on=mesh("a", "b", memory=8 * GIB), signer="a"),
         (Keep,),
         config=dataclasses.replace(HETMESH, strategy="even"),
     ),
     Row(
         "a forced baseline places again when a peer joins",
         view(ABC),
-        CoordinatorState(plan=PLAN_AB, published=PLAN_AB, planned_on=AB),
+        CoordinatorState(plan=PLAN_AB, published=PLAN_AB, planned_on=AB, signer="a"),
         (Publish, Adopt),
         config=dataclasses.replace(HETMESH, strategy="even"),
         check=lambda a, s: (
@@ -246,6 +248,36 @@ ROWS = [
             and epoch_of(1)(a, s)
             and s.plan.strategy == "even"
         ),  # type: ignore[attr-defined, union-attr]
+    ),
+    Row(
+        "a new coordinator signs the plan it inherits, one epoch up",
+        view(AB),
+        CoordinatorState(plan=PLAN_AB.with_epoch(7), planned_on=AB, signer="z"),
+        (Publish, Adopt),
+        check=lambda a, s: (
+            a[0].reason == INHERITED_REASON and epoch_of(8)(a, s) and s.signer == "a"
+        ),  # type: ignore[attr-defined]
+    ),
+    Row(
+        "a follower whose plan another peer signed takes the coordinator's, lower epoch or not",
+        view(AB, me="b", plans=(PLAN_AB,)),
+        CoordinatorState(plan=SPLIT.with_epoch(9), published=SPLIT.with_epoch(9), signer="b"),
+        (Adopt,),
+        check=lambda _a, s: s.plan == PLAN_AB and s.signer == "a",
+    ),
+    Row(
+        "a coordinator never publishes past the epoch limit",
+        view(A),
+        CoordinatorState(plan=SPLIT.with_epoch(MAX_EPOCH), planned_on=AB, signer="a"),
+        (Keep,),
+        check=epoch_of(MAX_EPOCH),
+    ),
+    Row(
+        "a coordinator's first plan is numbered above every epoch announced",
+        dataclasses.replace(view(AB), epoch_floor=41),
+        CoordinatorState(),
+        (Publish, Adopt),
+        check=epoch_of(42),
     ),
 ]
 

@@ -1,0 +1,167 @@
+"""Which announced plans a node may follow: signed by its coordinator, bounded, sane.
+
+Every member announces the plan it follows, so a plan reaches a node either
+from the coordinator itself or relayed by another member. A node follows only
+a plan that passes :func:`plan_refusal` (``""``: acceptable; else why not):
+
+1. it is for this model and carries a :class:`PlanSignature`;
+2. the signer is the peer this node's own rule names coordinator
+   (:func:`~hetmesh.scheduler.replan.coordinator` over the live members it sees),
+   whoever relayed it;
+3. its epoch is at most :data:`MAX_EPOCH` (far below msgpack's 2**64 limit, so
+   the next coordinator's ``epoch + 1`` always encodes) and, while the same
+   coordinator signs, at most :data:`EPOCH_WINDOW` above the plan followed;
+4. the signature verifies (an injected callable: the pure scheduler never
+   touches keys or libp2p);
+5. it is sane on this node's view: every stage's device is announced by a live
+   member, a device's unit ranges are equal or disjoint, every pipeline covers
+   the model, and no device holds more weight bytes than the memory it announced.
+
+The signed message is the plan's wire map, canonically encoded
+(:func:`plan_message`), after a domain tag. Pure: no I/O, no clocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hetmesh.resources import DeviceProfile, ModelProfile, PeerId, WireRecord
+from hetmesh.scheduler.records import Plan, PlanConstraints, device_key
+
+MAX_EPOCH = 1 << 62  # headroom below 2**64: epoch + 1 never overflows the wire
+EPOCH_WINDOW = 64  # how far one coordinator's next plan may jump past the one followed
+MAX_SIGNATURE_HEX = 1024  # ed25519: 128 hex digits
+MAX_PEER_ID_CHARS = 128
+PLAN_DOMAIN = b"hetmesh/plan/v1\x00"
+
+# (signer, message, signature) -> whether the signer's key signed the message
+Verify = Callable[[PeerId, bytes, bytes], bool]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanSignature(WireRecord):
+    """Who signed the plan an announcement carries, and the signature (hex)."""
+
+    signer: PeerId
+    signature: str
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.signer) <= MAX_PEER_ID_CHARS:
+            raise ValueError("bad signer")
+        if not 0 < len(self.signature) <= MAX_SIGNATURE_HEX:
+            raise ValueError("bad signature length")
+        bytes.fromhex(self.signature)  # ValueError if not hex
+
+    @property
+    def raw(self) -> bytes:
+        return bytes.fromhex(self.signature)
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A plan as one member announced it (its own, or relayed)."""
+
+    plan: Plan
+    signature: PlanSignature | None
+    relayed_by: PeerId
+
+
+def plan_message(plan: Plan) -> bytes:
+    """The bytes a coordinator signs for ``plan``: its wire map, canonically encoded.
+
+    Sorted keys and fixed separators, so a plan that crossed the wire (msgpack
+    keeps floats and ints exact) gives the same bytes at the receiver.
+    """
+    body = json.dumps(plan.to_wire(), sort_keys=True, separators=(",", ":"))
+    return PLAN_DOMAIN + body.encode()
+
+
+def plan_refusal(
+    offer: Offer,
+    *,
+    coordinator: PeerId | None,
+    current: Plan | None,
+    current_signer: PeerId | None,
+    devices: Sequence[DeviceProfile],
+    model: ModelProfile,
+    constraints: PlanConstraints,
+    verify: Verify,
+) -> str:
+    """Why ``offer`` must not be followed (``""``: it may be); see the module docstring."""
+    plan, signed = offer.plan, offer.signature
+    if plan.model_name != model.name:
+        return f"a plan for another model ({plan.model_name[:64]!r})"
+    if signed is None:
+        return "an unsigned plan"
+    if signed.signer != coordinator:
+        return f"a plan signed by {signed.signer[-8:]}, not by the coordinator"
+    if plan.epoch > MAX_EPOCH:
+        return f"epoch {plan.epoch} beyond the limit {MAX_EPOCH}"
+    if (
+        current is not None
+        and current_signer == coordinator
+        and plan.epoch > current.epoch + EPOCH_WINDOW
+    ):
+        return f"epoch {plan.epoch} jumps more than {EPOCH_WINDOW} past {current.epoch}"
+    if not verify(signed.signer, plan_message(plan), signed.raw):
+        return "a forged signature"
+    return insane(plan, devices=devices, model=model, constraints=constraints)
+
+
+def insane(
+    plan: Plan,
+    *,
+    devices: Sequence[DeviceProfile],
+    model: ModelProfile,
+    constraints: PlanConstraints,
+) -> str:
+    """Why ``plan`` cannot be served on ``devices`` (the live members' announced devices,
+    as the receiver sees them; ``""``: it can)."""
+    by_key = {device_key(d.peer_id, d.device): d for d in devices}
+    held: dict[str, set[tuple[int, int]]] = {}
+    for pipeline in plan.pipelines:
+        if pipeline.num_units != model.num_units:
+            return f"a pipeline covers {pipeline.num_units} of {model.num_units} units"
+        for stage in pipeline.stages:
+            if stage.key not in by_key:
+                return f"device {stage.key[-24:]} is not announced by a live member"
+            held.setdefault(stage.key, set()).add((stage.start, stage.end))
+    for key, ranges in sorted(held.items()):
+        ordered = sorted(ranges)
+        for (_, end), (start, _) in itertools.pairwise(ordered):
+            if start < end:
+                return f"device {key[-24:]} holds overlapping unit ranges"
+        device = by_key[key]
+        weights = constraints.weights_for(device.peer_id, device.device)
+        per_unit: Sequence[int] = (
+            weights.param_bytes if weights is not None else [u.param_bytes for u in model.units]
+        )
+        need = sum(sum(per_unit[a:b]) for a, b in ordered)
+        if need > device.memory_total_bytes:
+            return (
+                f"device {key[-24:]} would hold {need} weight bytes,"
+                f" over the {device.memory_total_bytes} it announced"
+            )
+    return ""
+
+
+def epoch_floor(offers: Sequence[Offer]) -> int:
+    """The highest announced epoch within :data:`MAX_EPOCH` (-1: none): a coordinator
+    with no plan of its own numbers its first one above it, so epochs keep rising."""
+    return max((o.plan.epoch for o in offers if o.plan.epoch < MAX_EPOCH), default=-1)
+
+
+__all__ = [
+    "EPOCH_WINDOW",
+    "MAX_EPOCH",
+    "Offer",
+    "PlanSignature",
+    "Verify",
+    "epoch_floor",
+    "insane",
+    "plan_message",
+    "plan_refusal",
+]
