@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from hetmesh.errors import InvalidRequest, Rejected
-from hetmesh.partition.blocks import blocks_for
+from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 
 
 class PagedCache(Protocol):
@@ -75,6 +75,34 @@ class KVLimits:
     # (at least one block), which cut preemptions 6x for 2 % fewer sessions (bench/kv.py)
     reserve_blocks: int | None = None
     reserve_whole: bool = False  # the old policy: hold prompt + max_tokens up front
+
+
+def stage_kv_limits(
+    *,
+    max_context_tokens: int,
+    max_sessions: int | None,
+    planned_sessions: int,
+    pool_tokens: int | None,
+    kv_bytes_per_token: int,
+    idle_timeout_s: float,
+    block_tokens: int = BLOCK_TOKENS,
+) -> KVLimits:
+    """The KV limits of one stage from a node's settings.
+
+    The pool is ``pool_tokens`` when given, else the KV memory the planner
+    budgets for the stage: ``max_context_tokens`` for each of ``max_sessions``
+    (or ``planned_sessions`` when that is not set) sessions. ``max_sessions``
+    caps the sessions open at once; without it the only bound is the pool's
+    blocks, so many short sessions fit where few long ones would (admission by use).
+    """
+    tokens = pool_tokens or max_context_tokens * (max_sessions or planned_sessions)
+    cap = max_sessions or max(1, blocks_for(tokens, block_tokens))
+    return KVLimits(
+        max_sessions=cap,
+        max_tokens_per_session=max_context_tokens,
+        budget_bytes=tokens * max(1, kv_bytes_per_token),
+        idle_timeout_s=idle_timeout_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)
