@@ -55,6 +55,7 @@ class ServingConfig:
     idle_session_s: float = 300.0
     # each stage's KV pool in tokens; None: the KV memory the planner budgets for the stage
     kv_pool_tokens: int | None = None
+    prefix_cache: bool = True  # stages share the KV blocks of common prompt prefixes
     route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False

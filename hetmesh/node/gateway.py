@@ -10,6 +10,13 @@ history as one prefill to rebuild the KV caches, and carries on: the caller
 sees one continuous stream, with no token lost or repeated. Sampling is
 seeded per step (``control.step_seed``), so a replayed seeded session draws
 the same tokens as before.
+
+Prefix cache: the gateway names the history's full blocks by their chained
+hashes (:func:`~hetmesh.partition.prefix.block_hashes`) when it opens a
+session; each stage answers how many tokens it holds cached, and the prefill
+starts at the fewest of them (a block boundary; a stage that attached more
+lets the rest go). On close it sends the hashes of the whole history, so a
+conversation's next turn finds its earlier turns cached.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from hetmesh.errors import (
     TransportError,
 )
 from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.partition.blocks import BLOCK_TOKENS
+from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
@@ -91,6 +100,7 @@ class GatewayStatistics:
     rejected_busy: int
     slow_steps: int
     preemptions: int = 0
+    prefix_tokens_skipped: int = 0  # prompt tokens not prefilled: cached on every stage
 
 
 class _Preempted(Exception):
@@ -119,6 +129,7 @@ class Gateway:
         eos_token_ids: frozenset[int],
         max_context: int,
         timeouts: GatewayTimeouts | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.peer_id = peer_id
         self._control = control
@@ -128,11 +139,12 @@ class Gateway:
         self._eos = eos_token_ids
         self.max_context = max_context
         self.timeouts = timeouts or GatewayTimeouts()
+        self.prefix_cache = prefix_cache
         self._inboxes: dict[str, trio.MemorySendChannel[Tokens | Error]] = {}
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
-        self._slow_steps = self._preemptions = 0
+        self._slow_steps = self._preemptions = self._skipped = 0
 
     # -- inbound ------------------------------------------------------------------
 
@@ -189,16 +201,17 @@ class Gateway:
                 inbox_send, inbox = trio.open_memory_channel[Tokens | Error](math.inf)
                 self._inboxes[session_id] = inbox_send
                 try:
-                    await self._open(
+                    cached = await self._open(
                         session_id,
                         hops,
                         len(prompt_ids) + params.max_new_tokens,
-                        len(history),
+                        history,
                         sampling,
                         admission_s,
                     )
+                    self._skipped += cached
                     async for token in self._run(
-                        session_id, hops, inbox, history, generated, params.max_new_tokens
+                        session_id, hops, inbox, history, generated, params.max_new_tokens, cached
                     ):
                         yield token
                     finished = True
@@ -236,7 +249,9 @@ class Gateway:
                 finally:
                     del self._inboxes[session_id]
                     with trio.CancelScope(shield=True):
-                        await self._close(session_id, hops)
+                        # every stage's KV holds a prefix of the history: name its blocks
+                        hashes = block_hashes(history) if self.prefix_cache else []
+                        await self._close(session_id, hops, tuple(hashes))
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
             if finished:
@@ -249,11 +264,15 @@ class Gateway:
         session_id: str,
         hops: Sequence[Hop],
         max_tokens: int,
-        prompt_tokens: int,
+        history: Sequence[int],
         sampling: SamplingParams,
         admission_s: float,
-    ) -> None:
-        """Open the session on every stage, waiting (with back-off) while they are busy."""
+    ) -> int:
+        """Open the session on every stage, waiting (with back-off) while they are busy.
+
+        Returns the prompt tokens every stage holds cached: the prefill starts there.
+        """
+        hashes = tuple(block_hashes(history)) if self.prefix_cache else ()
         requests = [
             OpenSession(
                 session_id=session_id,
@@ -262,8 +281,9 @@ class Gateway:
                 next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
                 gateway=self.peer_id,
                 max_tokens=max_tokens,
-                prompt_tokens=prompt_tokens,
+                prompt_tokens=len(history),
                 sampling=sampling,
+                prefix_hashes=hashes,
             )
             for i, hop in enumerate(hops)
         ]
@@ -273,7 +293,9 @@ class Gateway:
             replies = await self._ask_all(hops, requests)
             failed = [(hop, r) for hop, r in zip(hops, replies, strict=True) if not r.ok]
             if not failed:
-                return
+                cached = min(r.cached_tokens for r in replies)
+                # a block boundary short of the prompt's end (a stage could claim anything)
+                return max(0, min(cached, len(history) - 1)) // BLOCK_TOKENS * BLOCK_TOKENS
             await self._close(session_id, hops)
             errors = [(hop, r.error()) for hop, r in failed]
             for _, error in errors:
@@ -318,10 +340,12 @@ class Gateway:
         history: list[int],
         generated: list[int],
         max_new_tokens: int,
+        cached: int = 0,
     ) -> AsyncGenerator[int, None]:
         first = hops[0].peer_id
-        feed = list(history)  # the whole history: a first prefill or a replay
-        position = 0
+        # the whole history (a first prefill or a replay) but what every stage holds cached
+        feed = list(history[cached:])
+        position = cached
         while len(generated) < max_new_tokens:
             step = len(generated)
             ids = torch.tensor(feed, dtype=torch.int64)
@@ -410,11 +434,15 @@ class Gateway:
                 nursery.start_soon(check, peer)
         return frozenset(silent)
 
-    async def _close(self, session_id: str, hops: Sequence[Hop]) -> None:
+    async def _close(
+        self, session_id: str, hops: Sequence[Hop], hashes: tuple[int, ...] = ()
+    ) -> None:
         async def close_one(peer: PeerId) -> None:
             with trio.move_on_after(self.timeouts.close_s):
                 try:
-                    await self._control(peer, CloseSession(session_id=session_id))
+                    await self._control(
+                        peer, CloseSession(session_id=session_id, block_hashes=hashes)
+                    )
                 except MeshError as exc:
                     log.debug("closing %s on %s: %s", session_id, peer, exc)
 
@@ -434,4 +462,5 @@ class Gateway:
             rejected_busy=self._busy,
             slow_steps=self._slow_steps,
             preemptions=self._preemptions,
+            prefix_tokens_skipped=self._skipped,
         )

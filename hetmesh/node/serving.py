@@ -57,7 +57,7 @@ from hetmesh.node.control import (
     parse_request,
 )
 from hetmesh.node.gateway import Gateway, Hop
-from hetmesh.node.kvcache import stage_kv_limits
+from hetmesh.node.kvcache import kv_counters, stage_kv_limits
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
 from hetmesh.node.stage_server import StageServer
@@ -213,6 +213,7 @@ class Serving:
                 eos_token_ids=self.eos,
                 max_context=self.constraints.max_context_tokens,
                 timeouts=self.config.timeouts,
+                prefix_cache=self.config.prefix_cache,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             await self._calibrate()  # announced with (before) the model: planned together
@@ -509,6 +510,7 @@ class Serving:
                 gateway=_as_dict(self.gateway.statistics()) if self.gateway else {},
                 stage_servers=tuple(
                     {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
+                    | kv_counters(s.kv)
                     for s in stats
                 ),
             )

@@ -12,6 +12,7 @@ alone (its gateway gets an ``Error`` frame) while the rest of the batch runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -110,7 +111,8 @@ class StageServer:
         self._inbox_send, self._inbox = trio.open_memory_channel[_Item](math.inf)
         self._pending: deque[_Item] = deque()
         self._inflight: set[str] = set()  # sessions in the batch on the device thread
-        self._closing: set[str] = set()  # closed while in flight: freed after the batch
+        # closed while in flight, with its block hashes: freed after the batch
+        self._closing: dict[str, tuple[int, ...]] = {}
         self._counters = _Counters()
 
     # -- control ----------------------------------------------------------------
@@ -118,7 +120,7 @@ class StageServer:
     def handle(self, request: OpenSession | CloseSession) -> Reply:
         """Apply a control request; never raises for the peer's mistakes."""
         if isinstance(request, CloseSession):
-            self.close(request.session_id)
+            self.close(request.session_id, request.block_hashes)
             return Reply(ok=True)
         if (request.start, request.end) != (self.stage.start, self.stage.end):
             return Reply.failed(
@@ -128,21 +130,30 @@ class StageServer:
                 )
             )
         try:
-            kv = self.kv.open(request.session_id, request.max_tokens, request.prompt_tokens)
+            kv = self.kv.open(
+                request.session_id,
+                request.max_tokens,
+                request.prompt_tokens,
+                request.prefix_hashes,
+            )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
         sampler = Sampler(request.sampling) if self.stage.has_head else None
         self._sessions[request.session_id] = _Session(request, kv, sampler)
-        return Reply(ok=True)
+        # the gateway starts the prompt at the fewest tokens any stage has cached
+        return Reply(ok=True, cached_tokens=kv.length)
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, block_hashes: tuple[int, ...] = ()) -> None:
         """Free a session's KV cache at once, or right after the batch computing it
-        (unknown ids are ignored)."""
+        (unknown ids are ignored). ``block_hashes`` name its full blocks for the
+        prefix cache first."""
         if session_id in self._inflight:
-            self._closing.add(session_id)
+            self._closing[session_id] = block_hashes
             return
-        self._sessions.pop(session_id, None)
-        self.kv.close(session_id)  # its blocks return to the pool
+        session = self._sessions.pop(session_id, None)
+        if session is not None and block_hashes:
+            session.kv.publish(block_hashes)
+        self.kv.close(session_id)  # its blocks return to the pool (named ones stay cached)
 
     def expire_idle(self) -> list[str]:
         expired = [sid for sid in self.kv.idle_sessions() if sid not in self._inflight]
@@ -185,9 +196,12 @@ class StageServer:
                 for sid in self._inflight:  # idle time counts from the end of its last step
                     if sid in self.kv:
                         self.kv.get(sid)
+                    if sid in self._sessions:  # prompt blocks now full join the prefix cache
+                        session = self._sessions[sid]
+                        session.kv.publish(session.request.prefix_hashes)
                 self._inflight = set()
-                for sid in sorted(self._closing):
-                    self.close(sid)
+                for sid, hashes in sorted(self._closing.items()):
+                    self.close(sid, hashes)
                 self._closing.clear()
             c = self._counters
             c.rounds += 1
@@ -211,6 +225,10 @@ class StageServer:
             session = self._sessions.get(item.session_id)
             if session is None:
                 continue  # closed, or preempted just now
+            start = item.positions[0] if item.positions else session.kv.length
+            if start < session.kv.length:  # the pipeline agreed on a shorter cached prefix
+                with contextlib.suppress(InvalidRequest):  # else the forward reports it
+                    session.kv.rewind(start)
             try:
                 preempted = self.kv.grow(
                     item.session_id, session.kv.length + int(item.inputs.shape[0])
