@@ -8,13 +8,14 @@ API never imports the daemon or the serving code.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import trio
 
 from hetmesh import errors
 from hetmesh.node.api_metrics import MeshGauges
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams
+from hetmesh.scheduler.announcement import read_serving
 
 if TYPE_CHECKING:
     from hetmesh.discovery.service import Discovery
@@ -59,6 +60,16 @@ class NodeBackend:
             for link in self.discovery.local_record(advance=False).links
         )
         gateway = serving.gateway.statistics() if serving and serving.gateway else None
+        mine = read_serving(
+            self.discovery.local_record(advance=False).extra, (), plan_of=None
+        ).stage_servers
+        stages_kv = tuple(
+            (
+                f"{s.get('start')}-{s.get('end')}",
+                {k: float(v) for k, v in s.items() if k.startswith("kv_") and _number(v)},
+            )
+            for s in mine
+        )
         return MeshGauges(
             ready=self.ready(),
             plan_epoch=serving.plan.epoch if serving and serving.plan else -1,
@@ -72,10 +83,15 @@ class NodeBackend:
             tokens_out=gateway.tokens_out if gateway else 0,
             sessions_failed=gateway.sessions_failed if gateway else 0,
             links=links,
+            stages_kv=stages_kv,
         )
 
     def view(self) -> dict[str, Any]:
         return self.discovery.view()
+
+
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 __all__ = ["NodeBackend"]

@@ -327,3 +327,15 @@ async def test_the_prefix_cache_skips_shared_prefixes_and_keeps_the_reference_ou
     got_turn = await generate_ids(gateway.addr, turn, max_new_tokens=10)
     assert got_turn == reference_ids(default_model_dir, turn, 10)
     await skipped_at_least(after_second + (len(first) + len(got_first) - 1) // 16 * 16)
+
+    # `hetmesh status` shows every stage's pool and its prefix hits
+    from hetmesh.cli.status_view import summarize
+
+    for _ in range(60):
+        rows = summarize(await view_of(gateway))["kv"]
+        if len(rows) >= 3 and all(r["prefix_hit_rate"] > 0 for r in rows):
+            break
+        await trio.sleep(0.5)
+    else:
+        raise AssertionError(f"status shows no prefix hits on some stage: {rows}")
+    assert all(r["blocks_free"] + r["blocks_in_use"] > 0 for r in rows)
