@@ -180,6 +180,14 @@ def start(
             "the KV memory the planner budgets, max-context x max-sessions (8 if unset).",
         ),
     ] = None,
+    prefix_cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefix-cache/--no-prefix-cache",
+            help="Requests entering here reuse the KV of prompt prefixes the stages hold "
+            "(default), or always prefill their whole prompt (for comparisons).",
+        ),
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
     block_step_ms: Annotated[
         float | None,
@@ -289,6 +297,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             max_context_tokens=settings.get("max_context") or base.max_context_tokens,
             max_sessions=settings.get("max_sessions") or base.max_sessions,
             kv_pool_tokens=settings.get("kv_pool_tokens") or base.kv_pool_tokens,
+            prefix_cache=bool(settings.get("prefix_cache", base.prefix_cache)),
             threads=settings.get("threads") or base.threads,
             block_step_s=None if block_step_ms is None else block_step_ms / 1e3,
             require_encryption=bool(settings.get("require_encryption")),

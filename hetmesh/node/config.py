@@ -81,6 +81,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "max_context": (int, None),
     "max_sessions": (int, None),
     "kv_pool_tokens": (int, None),
+    "prefix_cache": (bool, None),
     "threads": (int, None),
     "block_step_ms": ((int, float), None),
     "serve": (bool, None),

@@ -96,3 +96,10 @@ def test_the_pool_size_comes_from_flag_file_or_environment(monkeypatch, tmp_path
 def test_a_pool_of_no_tokens_is_refused():
     with pytest.raises(InvalidRequest, match="kv-pool-tokens must be at least 1"):
         build_node_config({"kv_pool_tokens": 0})
+
+
+def test_the_prefix_cache_is_on_unless_turned_off(tmp_path: Path):
+    assert build_node_config({}).serving.prefix_cache is True
+    f = tmp_path / "node.toml"
+    f.write_text("prefix-cache = false\n")
+    assert build_node_config(load_config_file(f)).serving.prefix_cache is False
