@@ -29,9 +29,22 @@ old ``reserve_whole`` policy, and what preemption cost (replayed tokens).
 The session-count cap is set out of the way: in a node it is
 ``--max-sessions``, which bounds both policies alike.
 
-Not here yet (issue 14): the 3-node mesh figures (``admitted_ratio`` on a
-mesh, ``prefix_ttft_ratio``, ``shared_prompt_throughput_ratio``,
-``migration_pause_ratio``).
+With ``--mesh`` it also starts three node processes on loopback serving the
+default model (``hetmesh.node.local``; the third started with
+``--no-prefix-cache``, so requests entering there always prefill their whole
+prompt) and measures, through the SDK:
+
+* ``prefix_ttft_ratio``: TTFT of a request sharing a 1,000-token prefix with a
+  finished one ÷ TTFT of that first one (median over ``--mesh-repeats`` fresh
+  prefixes; both enter at the first node). Target ≤ 0.25.
+* ``shared_prompt_throughput_ratio``: tokens/s of 16 concurrent streaming
+  clients whose prompts share a 500-token system prompt, entering at the first
+  node ÷ the same entering at the third (no prefix cache). One request
+  warms each gateway first. Target ≥ 1.5.
+* ``outputs_identical``: every stream of both equals the single-process
+  reference (greedy).
+
+Not here yet (issue 14): ``admitted_ratio`` on a mesh and ``migration_pause_ratio``.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -47,7 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hetmesh.errors import Rejected
+from hetmesh.errors import MeshError, Rejected
 from hetmesh.node.kvcache import KVLimits, KVManager
 from hetmesh.partition.kv import KVPool, SessionKV
 
@@ -182,14 +196,158 @@ def run(contexts: list[int], repeats: int, budget_tokens: int) -> dict[str, Any]
     return result
 
 
+# a pool of 32k tokens per stage (committed only as used): sixteen 500-token prompts
+# fit without the cache even when a loaded machine is slow to close earlier sessions
+MESH_ARGS = ["--max-memory", "500MiB", "--max-context", "1536", "--kv-pool-tokens", "32768"]
+QUESTIONS = (
+    "Why is the sky blue?",
+    "What is a lighthouse for?",
+    "How do birds fly?",
+    "Why does ice float?",
+    "What makes thunder?",
+    "How do plants drink?",
+    "Why do cats purr?",
+    "What is a comet?",
+    "How do bees make honey?",
+    "Why is the sea salty?",
+    "What is an echo?",
+    "How does a compass work?",
+    "Why do leaves fall?",
+    "What is a rainbow?",
+    "How do fish breathe?",
+    "Why do we dream?",
+)
+
+
+async def _stream(client: Any, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    """TTFT and the token ids of one greedy stream."""
+    from hetmesh.client.mesh import TokenEvent
+
+    began = time.perf_counter()
+    first = 0.0
+    ids: list[int] = []
+    async for event in client.stream(prompt_ids=prompt_ids, max_new_tokens=tokens):
+        if isinstance(event, TokenEvent) and event.token_id >= 0:
+            first = first or time.perf_counter() - began
+            ids.append(event.token_id)
+    return first, ids
+
+
+def mesh_run(repeats: int, tokens: int, clients: int) -> dict[str, Any]:
+    """The mesh figures (see the module docstring)."""
+    import trio
+
+    from hetmesh.client.mesh import open_mesh_client
+    from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.text import encode_prompt, eos_token_ids, load_tokenizer
+
+    model_dir = resolve_model()
+    tokenizer = load_tokenizer(model_dir)
+
+    def ids(text: str) -> list[int]:
+        return list(encode_prompt(tokenizer, text))
+
+    filler = ids("The sea is wide, the night is long, and the keeper climbs the stair. " * 120)
+    prefixes = [(ids(f"Logbook {r} of the lighthouse.") + filler)[:1000] for r in range(repeats)]
+    ttft_prompts = [(p + ids(" First entry:"), p + ids(" Last entry:")) for p in prefixes]
+    system = ids("A guide for children who ask about the world. " * 60)[:500]
+    shared = [system + ids(f" Question: {q} Answer:") for q in QUESTIONS[:clients]]
+    out: dict[str, Any] = {}
+    with local_mesh(3, node_args=MESH_ARGS, per_node_args=[(), (), ("--no-prefix-cache",)]) as mesh:
+        wait_serving(mesh)
+
+        async def measure() -> None:
+            cached_addr, plain_addr = mesh.nodes[0].addr, mesh.nodes[2].addr
+            async with (
+                # sixteen prompts prefilled at once can take minutes on a loaded machine
+                open_mesh_client(cached_addr, mesh_secret=mesh.secret, timeout_s=900) as cached,
+                open_mesh_client(plain_addr, mesh_secret=mesh.secret, timeout_s=900) as plain,
+            ):
+                await _stream(cached, ids("Hello there."), 2)  # warm up links and forwards
+                await _stream(plain, ids("Hello there."), 2)
+                firsts, seconds = [], []
+                for first, second in ttft_prompts:
+                    t1, a = await _stream(cached, first, tokens)
+                    t2, b = await _stream(cached, second, tokens)
+                    firsts.append(t1)
+                    seconds.append(t2)
+                    out.setdefault("ttft_outputs", []).extend([(first, a), (second, b)])
+                out["ttft_first_s"] = statistics.median(firsts)
+                out["ttft_shared_s"] = statistics.median(seconds)
+                print(f"TTFT first {firsts}, shared {seconds}", file=sys.stderr, flush=True)
+
+                async def wave(client: Any, key: str) -> None:
+                    await _stream(client, shared[0], 1)  # the system prompt seen once
+                    got: dict[int, list[int]] = {}
+
+                    async def one(i: int) -> None:
+                        for attempt in range(5):  # a loaded machine can stall a stage's pings
+                            try:
+                                got[i] = (await _stream(client, shared[i], tokens))[1]
+                                return
+                            except MeshError as exc:
+                                print(f"{key} client {i}: {exc!r}", file=sys.stderr)
+                                out[f"{key}_retries"] = out.get(f"{key}_retries", 0) + 1
+                                await trio.sleep(2.0 * (attempt + 1))
+                        raise SystemExit(f"{key} client {i} failed five times")
+
+                    began = time.perf_counter()
+                    async with trio.open_nursery() as nursery:
+                        for i in range(len(shared)):
+                            nursery.start_soon(one, i)
+                    elapsed = time.perf_counter() - began
+                    out[f"{key}_tokens_per_s"] = sum(len(v) for v in got.values()) / elapsed
+                    print(f"{key}: {out[f'{key}_tokens_per_s']:.2f} tokens/s", file=sys.stderr)
+                    out[f"{key}_outputs"] = [(shared[i], got[i]) for i in sorted(got)]
+
+                await wave(plain, "plain")
+                await wave(cached, "cached")
+
+        trio.run(measure)
+    # the reference runs after the mesh is gone, on the same cores
+    torch.set_num_threads(1)
+    pipeline = LocalPipeline.load(model_dir, 1)
+    params = SamplingParams(max_new_tokens=tokens)
+    streams = out.pop("ttft_outputs") + out.pop("plain_outputs") + out.pop("cached_outputs")
+    eos = eos_token_ids(model_dir, tokenizer)  # the mesh stops there too
+    identical = all(
+        list(pipeline.generate_ids(p, params, eos_ids=eos)) == got for p, got in streams
+    )
+    return {
+        "prefix_ttft_first_s": round(out["ttft_first_s"], 3),
+        "prefix_ttft_shared_s": round(out["ttft_shared_s"], 3),
+        "prefix_ttft_ratio": round(out["ttft_shared_s"] / out["ttft_first_s"], 3),
+        "shared_prompt_tokens_per_s_cached": round(out["cached_tokens_per_s"], 2),
+        "shared_prompt_tokens_per_s_plain": round(out["plain_tokens_per_s"], 2),
+        "shared_prompt_throughput_ratio": round(
+            out["cached_tokens_per_s"] / out["plain_tokens_per_s"], 2
+        ),
+        "shared_prompt_retries_cached": out.get("cached_retries", 0),
+        "shared_prompt_retries_plain": out.get("plain_retries", 0),
+        "mesh_clients": len(shared),
+        "mesh_tokens": tokens,
+        "mesh_repeats": repeats,
+        "outputs_identical": bool(identical),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--budget-tokens", type=int, default=8192, help="one stage's KV pool")
+    parser.add_argument("--mesh", action="store_true", help="add the 3-node mesh figures")
+    parser.add_argument("--mesh-repeats", type=int, default=3)
+    parser.add_argument("--mesh-tokens", type=int, default=16, help="tokens per stream")
+    parser.add_argument("--clients", type=int, default=16)
     args = parser.parse_args()
     result = run(args.contexts, args.repeats, args.budget_tokens)
+    if args.mesh:
+        result.update(mesh_run(args.mesh_repeats, args.mesh_tokens, args.clients))
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return
@@ -206,6 +364,19 @@ def main() -> None:
         f"ratio {result['sim_admitted_ratio']}; {result['sim_preemptions']} preemptions "
         f"replaying {result['sim_replayed_tokens']} tokens"
     )
+    if args.mesh:
+        print(
+            f"TTFT with a cached 1,000-token prefix: {result['prefix_ttft_shared_s']} s vs "
+            f"{result['prefix_ttft_first_s']} s: ratio {result['prefix_ttft_ratio']} "
+            "(target <= 0.25)"
+        )
+        print(
+            f"{result['mesh_clients']} clients sharing a 500-token system prompt: "
+            f"{result['shared_prompt_tokens_per_s_cached']} vs "
+            f"{result['shared_prompt_tokens_per_s_plain']} tokens/s: ratio "
+            f"{result['shared_prompt_throughput_ratio']} (target >= 1.5); outputs identical: "
+            f"{result['outputs_identical']}"
+        )
 
 
 if __name__ == "__main__":

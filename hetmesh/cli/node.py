@@ -168,7 +168,28 @@ def start(
         int | None, typer.Option(help="Longest context (tokens) a session may reach.")
     ] = None,
     max_sessions: Annotated[
-        int | None, typer.Option(help="Concurrent sessions each stage budgets KV cache for.")
+        int | None,
+        typer.Option(
+            help="Cap on concurrent sessions per stage; the planner budgets KV memory for "
+            "this many full-context sessions. Default: it budgets 8 and stages admit by "
+            "KV blocks alone (short sessions share the pool)."
+        ),
+    ] = None,
+    kv_pool_tokens: Annotated[
+        int | None,
+        typer.Option(
+            envvar="HETMESH_KV_POOL_TOKENS",
+            help="Tokens of KV cache each stage's pool holds (16-token blocks). Default: "
+            "the KV memory the planner budgets, max-context x max-sessions (8 if unset).",
+        ),
+    ] = None,
+    prefix_cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefix-cache/--no-prefix-cache",
+            help="Requests entering here reuse the KV of prompt prefixes the stages hold "
+            "(default), or always prefill their whole prompt (for comparisons).",
+        ),
     ] = None,
     threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
     block_step_ms: Annotated[
@@ -260,7 +281,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         max_bytes = parse_size(str(max_memory)) if max_memory is not None else None
     except ValueError as exc:
         raise InvalidRequest(f"--max-memory: {exc}") from exc
-    for key in ("max_context", "max_sessions", "threads"):
+    for key in ("max_context", "max_sessions", "kv_pool_tokens", "threads"):
         value = settings.get(key)
         if value is not None and value < 1:
             raise InvalidRequest(f"--{key.replace('_', '-')} must be at least 1, got {value}")
@@ -278,6 +299,8 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             plan_strategy=settings.get("plan_strategy") or base.plan_strategy,
             max_context_tokens=settings.get("max_context") or base.max_context_tokens,
             max_sessions=settings.get("max_sessions") or base.max_sessions,
+            kv_pool_tokens=settings.get("kv_pool_tokens") or base.kv_pool_tokens,
+            prefix_cache=bool(settings.get("prefix_cache", base.prefix_cache)),
             threads=settings.get("threads") or base.threads,
             block_step_s=None if block_step_ms is None else block_step_ms / 1e3,
             require_encryption=bool(settings.get("require_encryption")),

@@ -19,7 +19,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from hetmesh.cli._app import app
-from hetmesh.cli.status_view import load_table, plan_table, summarize
+from hetmesh.cli.status_view import kv_table, load_table, plan_table, summarize
 from hetmesh.scheduler.announcement import read_serving
 
 
@@ -107,7 +107,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
     summary = view.get("summary")
     if not isinstance(summary, dict):
         summary = summarize(view)
-    return Group(peers, matrix, plan_table(summary), load_table(summary))
+    return Group(peers, matrix, plan_table(summary), load_table(summary), kv_table(summary))
 
 
 def render_status(view: dict[str, Any], *, width: int = 160) -> str:

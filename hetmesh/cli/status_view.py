@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from rich.table import Table
@@ -158,6 +159,7 @@ def summarize(
     return {
         "insufficient": verdicts[0] if verdicts else "",
         "plan": plan,
+        "kv": _kv_rows(records),
         "load": {
             "peers": peers,
             "sessions": sum(p["sessions"] for p in peers),
@@ -230,6 +232,56 @@ def plan_table(summary: Mapping[str, Any]) -> Table | Text:
     return table
 
 
+def _kv_rows(records: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per stage server: its KV pool's blocks, prefix hits, preemptions, migrations."""
+    rows = []
+    for pid, record in records.items():
+        for stage in _serving(record).stage_servers:
+            number = partial(_number, stage)
+            rows.append(
+                {
+                    "peer_id": pid,
+                    "start": int(number("start")),
+                    "end": int(number("end")),
+                    "blocks_in_use": int(number("kv_blocks_in_use")),
+                    "blocks_free": int(number("kv_blocks_free")),
+                    "blocks_cached": int(number("kv_blocks_cached")),
+                    "prefix_hit_rate": number("kv_prefix_hit_rate"),
+                    "preempted": int(number("kv_preempted")),
+                    "migrations": int(number("kv_migrations")),
+                }
+            )
+    return sorted(rows, key=lambda r: (r["start"], r["peer_id"]))
+
+
+def _number(entry: Mapping[str, object], key: str) -> float:
+    """``entry[key]`` if a number (what another peer announces may be anything), else 0."""
+    value = entry.get(key, 0)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return 0.0
+
+
+def kv_table(summary: Mapping[str, Any]) -> Table:
+    """KV per stage: blocks in use / free / cached, prefix-cache hit rate, preemptions."""
+    table = Table(title="KV cache per stage (16-token blocks; cached blocks count free)")
+    columns = ("peer", "units", "in use", "free", "cached", "prefix hits", "preempted", "migrated")
+    for col in columns:
+        table.add_column(col)
+    for r in summary.get("kv") or ():
+        table.add_row(
+            _short(r["peer_id"]),
+            f"[{r['start']}, {r['end']})",
+            str(r["blocks_in_use"]),
+            str(r["blocks_free"]),
+            str(r["blocks_cached"]),
+            f"{100 * r['prefix_hit_rate']:.0f} %",
+            str(r["preempted"]),
+            str(r["migrations"]),
+        )
+    return table
+
+
 def load_table(summary: Mapping[str, Any]) -> Table:
     """Load per peer: sessions, queue, KV in use, tokens out and tokens/s."""
     load = summary.get("load") or {}
@@ -257,4 +309,4 @@ def load_table(summary: Mapping[str, Any]) -> Table:
     return table
 
 
-__all__ = ["load_table", "plan_table", "summarize"]
+__all__ = ["kv_table", "load_table", "plan_table", "summarize"]

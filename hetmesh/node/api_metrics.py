@@ -7,6 +7,7 @@ statistics at scrape time (:class:`MeshGauges`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +34,8 @@ class MeshGauges:
     shard_bytes_fetched: int = 0
     shard_bytes_served: int = 0
     shard_verification_failures: int = 0
+    # per stage served here: its units ("start-end") and kv_* counters (node.kvcache.kv_counters)
+    stages_kv: tuple[tuple[str, Mapping[str, float]], ...] = ()
 
 
 class GaugeSource(Protocol):
@@ -83,7 +86,35 @@ class _MeshCollector:
             bandwidth.add_metric([src, dst], bps)
             rtt.add_metric([src, dst], rtt_s)
         out += [bandwidth, rtt]
+        out += _stage_kv_metrics(g.stages_kv)
         return out
+
+
+# kv_* counter -> (metric, help, kind); blocks are one gauge labelled by state
+_KV_METRICS = {
+    "kv_prefix_hit_rate": ("hetmesh_prefix_cache_hit_rate", "Prompt tokens found cached", "g"),
+    "kv_prefix_hit_tokens": ("hetmesh_prefix_cache_hit_tokens", "Prompt tokens not prefilled", "c"),
+    "kv_preempted": ("hetmesh_kv_preemptions", "Sessions preempted for KV room", "c"),
+    "kv_migrations": ("hetmesh_kv_migrations", "Sessions whose KV moved away", "c"),
+}
+
+
+def _stage_kv_metrics(stages: Sequence[tuple[str, Mapping[str, float]]]) -> list[Metric]:
+    blocks = GaugeMetricFamily(
+        "hetmesh_kv_blocks",
+        "KV blocks of a stage's pool: in use, free (cached ones included) or cached",
+        labels=["stage", "state"],
+    )
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for key, (name, doc, kind) in _KV_METRICS.items():
+        cls = GaugeMetricFamily if kind == "g" else CounterMetricFamily
+        families[key] = cls(name, doc, labels=["stage"])
+    for stage, counters in stages:
+        for state in ("in_use", "free", "cached"):
+            blocks.add_metric([stage, state], float(counters.get(f"kv_blocks_{state}", 0)))
+        for key, family in families.items():
+            family.add_metric([stage], float(counters.get(key, 0)))
+    return [blocks, *families.values()]
 
 
 @dataclass(slots=True)

@@ -8,13 +8,14 @@ API never imports the daemon or the serving code.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import trio
 
 from hetmesh import errors
 from hetmesh.node.api_metrics import MeshGauges
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams
+from hetmesh.scheduler.announcement import read_serving
 
 if TYPE_CHECKING:
     from hetmesh.discovery.service import Discovery
@@ -60,6 +61,16 @@ class NodeBackend:
         )
         gateway = serving.gateway.statistics() if serving and serving.gateway else None
         shards = serving.shards.statistics() if serving and serving.shards else None
+        mine = read_serving(
+            self.discovery.local_record(advance=False).extra, (), plan_of=None
+        ).stage_servers
+        stages_kv = tuple(
+            (
+                f"{s.get('start')}-{s.get('end')}",
+                {k: float(v) for k, v in s.items() if k.startswith("kv_") and _number(v)},
+            )
+            for s in mine
+        )
         return MeshGauges(
             ready=self.ready(),
             plan_epoch=serving.plan.epoch if serving and serving.plan else -1,
@@ -76,10 +87,15 @@ class NodeBackend:
             shard_bytes_fetched=shards.bytes_fetched if shards else 0,
             shard_bytes_served=shards.bytes_served if shards else 0,
             shard_verification_failures=shards.verification_failures if shards else 0,
+            stages_kv=stages_kv,
         )
 
     def view(self) -> dict[str, Any]:
         return self.discovery.view()
+
+
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 __all__ = ["NodeBackend"]

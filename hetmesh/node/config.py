@@ -27,6 +27,9 @@ from hetmesh.node.gateway import GatewayTimeouts
 
 PlanStrategy = Literal["hetmesh", "even", "memory-proportional", "greedy"]
 PLAN_STRATEGIES: tuple[str, ...] = ("hetmesh", "even", "memory-proportional", "greedy")
+# full-context sessions the planner budgets KV memory for on each stage when
+# --max-sessions is not given; the stage then admits by KV blocks alone
+PLANNED_SESSIONS = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,7 +42,9 @@ class ServingConfig:
     objective: Literal["latency", "throughput"] = "latency"
     plan_strategy: PlanStrategy = "hetmesh"
     max_context_tokens: int = 2048
-    max_sessions: int = 8
+    # a hard cap on concurrent sessions per stage, and the sessions the planner budgets
+    # KV for; None: the planner budgets PLANNED_SESSIONS and stages admit by blocks alone
+    max_sessions: int | None = None
     reserve_bytes: int = 64 << 20
     threads: int = 1  # torch intra-op threads of this node
     block_step_s: float | None = None  # announce this instead of calibrating (None: measure)
@@ -48,7 +53,9 @@ class ServingConfig:
     settle_s: float = 3.0  # the coordinator's first plan waits for peers this long
     plan_interval_s: float = 1.0
     idle_session_s: float = 300.0
-    kv_pool_tokens: int | None = None  # each stage's KV pool; None: max_context × max_sessions
+    # each stage's KV pool in tokens; None: the KV memory the planner budgets for the stage
+    kv_pool_tokens: int | None = None
+    prefix_cache: bool = True  # stages share the KV blocks of common prompt prefixes
     route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False
@@ -73,6 +80,8 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "plan_strategy": (str, PLAN_STRATEGIES),
     "max_context": (int, None),
     "max_sessions": (int, None),
+    "kv_pool_tokens": (int, None),
+    "prefix_cache": (bool, None),
     "threads": (int, None),
     "block_step_ms": ((int, float), None),
     "serve": (bool, None),
@@ -124,6 +133,7 @@ def merge(flags: Mapping[str, Any], file: Mapping[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
+    "PLANNED_SESSIONS",
     "PLAN_STRATEGIES",
     "PlanStrategy",
     "ServingConfig",

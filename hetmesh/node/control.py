@@ -35,12 +35,18 @@ class OpenSession(WireRecord):
     max_tokens: int
     prompt_tokens: int = 0  # the first chunk it will get (prompt, or history on a replay)
     sampling: SamplingParams  # applied by the last stage; the gateway always sets its seed
+    # chained hashes of the prompt's full blocks (partition.prefix.block_hashes): the
+    # stage starts from the blocks it has cached and names its own once computed
+    prefix_hashes: tuple[int, ...] = ()
     op: str = "open"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CloseSession(WireRecord):
     session_id: str
+    # hashes of the full blocks of the session's whole history (prompt and generated):
+    # the stage keeps those it holds in its prefix cache (a conversation's next turn)
+    block_hashes: tuple[int, ...] = ()
     op: str = "close"
 
 
@@ -55,6 +61,7 @@ class Reply(WireRecord):
     ok: bool
     kind: str = ""
     message: str = ""
+    cached_tokens: int = 0  # an open: prompt tokens this stage holds cached already
 
     @classmethod
     def failed(cls, exc: MeshError) -> Reply:

@@ -16,6 +16,13 @@ the same tokens as before.
 Frames for a session are taken from its route only: its tokens from the last
 stage, its errors from any of its stages. What another member sends for it is
 dropped (and counted as ``foreign_frames``).
+
+Prefix cache: the gateway names the history's full blocks by their chained
+hashes (:func:`~hetmesh.partition.prefix.block_hashes`) when it opens a
+session; each stage answers how many tokens it holds cached, and the prefill
+starts at the fewest of them (a block boundary; a stage that attached more
+lets the rest go). On close it sends the hashes of the whole history, so a
+conversation's next turn finds its earlier turns cached.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from hetmesh.errors import (
     TransportError,
 )
 from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.partition.blocks import BLOCK_TOKENS
+from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
@@ -97,6 +106,7 @@ class GatewayStatistics:
     rejected_busy: int
     slow_steps: int
     preemptions: int = 0
+    prefix_tokens_skipped: int = 0  # prompt tokens not prefilled: cached on every stage
     # recoveries started by a death (peer_gone) before the step timed out, and the
     # seconds of step timeout they did not wait for, in all
     early_recoveries: int = 0
@@ -141,6 +151,7 @@ class Gateway:
         eos_token_ids: frozenset[int],
         max_context: int,
         timeouts: GatewayTimeouts | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.peer_id = peer_id
         self._control = control
@@ -150,12 +161,14 @@ class Gateway:
         self._eos = eos_token_ids
         self.max_context = max_context
         self.timeouts = timeouts or GatewayTimeouts()
+        self.prefix_cache = prefix_cache
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
         self._slow_steps = self._preemptions = self._foreign = self._early = 0
+        self._skipped = 0
         self._early_s = 0.0
 
     # -- inbound ------------------------------------------------------------------
@@ -237,16 +250,17 @@ class Gateway:
                 self._inboxes[session_id] = inbox_send
                 self._routes[session_id] = hops
                 try:
-                    await self._open(
+                    cached = await self._open(
                         session_id,
                         hops,
                         len(prompt_ids) + params.max_new_tokens,
-                        len(history),
+                        history,
                         sampling,
                         admission_s,
                     )
+                    self._skipped += cached
                     async for token in self._run(
-                        session_id, hops, inbox, history, generated, params.max_new_tokens
+                        session_id, hops, inbox, history, generated, params.max_new_tokens, cached
                     ):
                         yield token
                     finished = True
@@ -287,7 +301,9 @@ class Gateway:
                     # not on a peer to avoid: dead or stuck, it would hold the recovery
                     alive = [h for h in hops if h.peer_id not in avoid]
                     with trio.CancelScope(shield=True):
-                        await self._close(session_id, alive)
+                        # every stage's KV holds a prefix of the history: name its blocks
+                        hashes = block_hashes(history) if self.prefix_cache else []
+                        await self._close(session_id, alive, tuple(hashes))
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
             if finished:
@@ -300,11 +316,15 @@ class Gateway:
         session_id: str,
         hops: Sequence[Hop],
         max_tokens: int,
-        prompt_tokens: int,
+        history: Sequence[int],
         sampling: SamplingParams,
         admission_s: float,
-    ) -> None:
-        """Open the session on every stage, waiting (with back-off) while they are busy."""
+    ) -> int:
+        """Open the session on every stage, waiting (with back-off) while they are busy.
+
+        Returns the prompt tokens every stage holds cached: the prefill starts there.
+        """
+        hashes = tuple(block_hashes(history)) if self.prefix_cache else ()
         requests = [
             OpenSession(
                 session_id=session_id,
@@ -314,8 +334,9 @@ class Gateway:
                 gateway=self.peer_id,
                 previous_peer=hops[i - 1].peer_id if i > 0 else self.peer_id,
                 max_tokens=max_tokens,
-                prompt_tokens=prompt_tokens,
+                prompt_tokens=len(history),
                 sampling=sampling,
+                prefix_hashes=hashes,
             )
             for i, hop in enumerate(hops)
         ]
@@ -325,7 +346,9 @@ class Gateway:
             replies = await self._ask_all(hops, requests)
             failed = [(hop, r) for hop, r in zip(hops, replies, strict=True) if not r.ok]
             if not failed:
-                return
+                cached = min(r.cached_tokens for r in replies)
+                # a block boundary short of the prompt's end (a stage could claim anything)
+                return max(0, min(cached, len(history) - 1)) // BLOCK_TOKENS * BLOCK_TOKENS
             await self._close(session_id, hops)
             errors = [(hop, r.error()) for hop, r in failed]
             for _, error in errors:
@@ -370,10 +393,12 @@ class Gateway:
         history: list[int],
         generated: list[int],
         max_new_tokens: int,
+        cached: int = 0,
     ) -> AsyncGenerator[int, None]:
         first = hops[0].peer_id
-        feed = list(history)  # the whole history: a first prefill or a replay
-        position = 0
+        # the whole history (a first prefill or a replay) but what every stage holds cached
+        feed = list(history[cached:])
+        position = cached
         while len(generated) < max_new_tokens:
             step = len(generated)
             ids = torch.tensor(feed, dtype=torch.int64)
@@ -474,11 +499,15 @@ class Gateway:
                 nursery.start_soon(check, peer)
         return frozenset(silent)
 
-    async def _close(self, session_id: str, hops: Sequence[Hop]) -> None:
+    async def _close(
+        self, session_id: str, hops: Sequence[Hop], hashes: tuple[int, ...] = ()
+    ) -> None:
         async def close_one(peer: PeerId) -> None:
             with trio.move_on_after(self.timeouts.close_s):
                 try:
-                    await self._control(peer, CloseSession(session_id=session_id))
+                    await self._control(
+                        peer, CloseSession(session_id=session_id, block_hashes=hashes)
+                    )
                 except MeshError as exc:
                     log.debug("closing %s on %s: %s", session_id, peer, exc)
 
@@ -501,4 +530,5 @@ class Gateway:
             early_recoveries=self._early,
             early_recovery_s=self._early_s,
             foreign_frames=self._foreign,
+            prefix_tokens_skipped=self._skipped,
         )

@@ -24,16 +24,21 @@ trio thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from hetmesh.errors import InvalidRequest, Rejected
-from hetmesh.partition.blocks import blocks_for
+from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 
 
 class PagedCache(Protocol):
     """What the manager needs of a session's cache (``SessionKV``)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def attach(self, hashes: Sequence[int], max_tokens: int) -> int: ...
 
     @property
     def nbytes(self) -> int: ...
@@ -61,6 +66,9 @@ class BlockPool(Protocol):
     @property
     def block_bytes(self) -> int: ...
 
+    @property
+    def cached_blocks(self) -> int: ...
+
 
 KV = TypeVar("KV", bound=PagedCache)
 
@@ -77,6 +85,34 @@ class KVLimits:
     reserve_whole: bool = False  # the old policy: hold prompt + max_tokens up front
 
 
+def stage_kv_limits(
+    *,
+    max_context_tokens: int,
+    max_sessions: int | None,
+    planned_sessions: int,
+    pool_tokens: int | None,
+    kv_bytes_per_token: int,
+    idle_timeout_s: float,
+    block_tokens: int = BLOCK_TOKENS,
+) -> KVLimits:
+    """The KV limits of one stage from a node's settings.
+
+    The pool is ``pool_tokens`` when given, else the KV memory the planner
+    budgets for the stage: ``max_context_tokens`` for each of ``max_sessions``
+    (or ``planned_sessions`` when that is not set) sessions. ``max_sessions``
+    caps the sessions open at once; without it the only bound is the pool's
+    blocks, so many short sessions fit where few long ones would (admission by use).
+    """
+    tokens = pool_tokens or max_context_tokens * (max_sessions or planned_sessions)
+    cap = max_sessions or max(1, blocks_for(tokens, block_tokens))
+    return KVLimits(
+        max_sessions=cap,
+        max_tokens_per_session=max_context_tokens,
+        budget_bytes=tokens * max(1, kv_bytes_per_token),
+        idle_timeout_s=idle_timeout_s,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class KVStatistics:
     sessions: int
@@ -86,8 +122,40 @@ class KVStatistics:
     rejected_busy: int
     expired: int
     blocks_total: int = 0
-    blocks_free: int = 0
+    blocks_free: int = 0  # free, or cached and held by no session (reusable)
     preempted: int = 0
+    blocks_cached: int = 0  # named in the prefix cache (held by sessions or idle)
+    prefix_queried_tokens: int = 0  # prompt tokens new sessions looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, found cached (their prefill skipped)
+    migrations: int = 0  # sessions whose KV moved to another stage (not built yet: 0)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by sessions (free and idle cached ones excluded)."""
+        return self.blocks_total - self.blocks_free
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        queried = self.prefix_queried_tokens
+        return self.prefix_hit_tokens / queried if queried else 0.0
+
+
+KV_COUNTERS = (
+    "blocks_total",
+    "blocks_in_use",
+    "blocks_free",
+    "blocks_cached",
+    "prefix_queried_tokens",
+    "prefix_hit_tokens",
+    "prefix_hit_rate",
+    "preempted",
+    "migrations",
+)
+
+
+def kv_counters(stats: KVStatistics) -> dict[str, float]:
+    """A stage's KV figures as flat ``kv_*`` counters (announced, shown by status, /metrics)."""
+    return {f"kv_{name}": getattr(stats, name) for name in KV_COUNTERS}
 
 
 @dataclass(slots=True)
@@ -115,6 +183,8 @@ class KVManager(Generic[KV]):
         self._rejected_busy = 0
         self._expired = 0
         self._preempted = 0
+        self._queried_tokens = 0
+        self._hit_tokens = 0
 
     @property
     def reserve_blocks(self) -> int:
@@ -127,13 +197,23 @@ class KVManager(Generic[KV]):
     def pool_tokens(self) -> int:
         return self._pool.num_blocks * self._pool.block_tokens
 
-    def open(self, session_id: str, max_tokens: int, prompt_tokens: int = 0) -> KV:
+    def open(
+        self,
+        session_id: str,
+        max_tokens: int,
+        prompt_tokens: int = 0,
+        prefix_hashes: Sequence[int] = (),
+    ) -> KV:
         """Admit a session of ``prompt_tokens`` that will hold at most ``max_tokens``.
 
-        Holds the prompt's blocks at once. Raises ``InvalidRequest`` for an
-        impossible request (more tokens than a session may ever hold or than
-        the whole pool, a duplicate id) and ``Rejected`` when the stage is
-        merely full right now (retry later).
+        Holds the prompt's blocks at once: first the cached blocks its
+        ``prefix_hashes`` (:func:`~hetmesh.partition.prefix.block_hashes` of
+        the prompt) find, never all of the prompt (one token at least is fed),
+        then fresh ones for the rest; ``cache.length`` is where its prefill
+        starts. Raises ``InvalidRequest`` for an impossible request (more
+        tokens than a session may ever hold or than the whole pool, a
+        duplicate id) and ``Rejected`` when the stage is merely full right
+        now (retry later).
         """
         if session_id in self._entries:
             raise InvalidRequest(f"session {session_id} is already open on this stage")
@@ -150,20 +230,31 @@ class KVManager(Generic[KV]):
                 f"whole KV pool of {self.pool_tokens} tokens ({self._pool.num_blocks} blocks "
                 f"of {self._pool.block_tokens}; KV budget {self._limits.budget_bytes} bytes)"
             )
+        if len(prefix_hashes) > blocks_for(max_tokens, self._pool.block_tokens):
+            raise InvalidRequest(f"{len(prefix_hashes)} prefix hashes for {max_tokens} tokens")
         now = max_tokens if self._limits.reserve_whole else prompt_tokens
-        need = blocks_for(now, self._pool.block_tokens)
+        cache = self._factory()
+        cached = 0
+        if prefix_hashes and not self._limits.reserve_whole:
+            cached = cache.attach(prefix_hashes, prompt_tokens - 1)
+        # attached blocks are held already (and no longer counted free)
+        size = self._pool.block_tokens
+        need = blocks_for(now, size) - blocks_for(cached, size)
         reserve = 0 if self._limits.reserve_whole else self.reserve_blocks
         if (
             len(self._entries) >= self._limits.max_sessions
             or need + reserve > self._pool.free_blocks
         ):
+            cache.free()
             self._rejected_busy += 1
             raise Rejected(
                 f"busy: {len(self._entries)} sessions hold "
                 f"{self._pool.num_blocks - self._pool.free_blocks} of "
                 f"{self._pool.num_blocks} KV blocks"
             )
-        cache = self._factory()
+        if prefix_hashes and not self._limits.reserve_whole:
+            self._queried_tokens += min(len(prefix_hashes), (prompt_tokens - 1) // size) * size
+            self._hit_tokens += cached
         if not cache.reserve(now):  # cannot happen: the blocks were counted free above
             cache.free()
             raise Rejected("busy: the KV pool is full")
@@ -251,4 +342,7 @@ class KVManager(Generic[KV]):
             blocks_total=self._pool.num_blocks,
             blocks_free=self._pool.free_blocks,
             preempted=self._preempted,
+            blocks_cached=self._pool.cached_blocks,
+            prefix_queried_tokens=self._queried_tokens,
+            prefix_hit_tokens=self._hit_tokens,
         )

@@ -52,7 +52,7 @@ from hetmesh.errors import (
     Rejected,
     RemoteProtocolError,
 )
-from hetmesh.node.config import ServingConfig
+from hetmesh.node.config import PLANNED_SESSIONS, ServingConfig
 from hetmesh.node.control import (
     MAX_CONTROL_BYTES,
     SESSION_PROTOCOL,
@@ -62,7 +62,7 @@ from hetmesh.node.control import (
     parse_request,
 )
 from hetmesh.node.gateway import Gateway, Hop
-from hetmesh.node.kvcache import KVLimits
+from hetmesh.node.kvcache import kv_counters, stage_kv_limits
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
 from hetmesh.node.stage_server import StageServer
@@ -167,7 +167,7 @@ class Serving:
         self._weight_bytes: dict[str, WeightBytes | None] = {}
         self.constraints = PlanConstraints(
             max_context_tokens=min(config.max_context_tokens, self.profile.max_context),
-            max_sessions=config.max_sessions,
+            max_sessions=config.max_sessions or PLANNED_SESSIONS,
             reserve_bytes=config.reserve_bytes,
         )
         self._coordinator_config = CoordinatorConfig(
@@ -235,6 +235,7 @@ class Serving:
                 eos_token_ids=self.eos,
                 max_context=self.constraints.max_context_tokens,
                 timeouts=self.config.timeouts,
+                prefix_cache=self.config.prefix_cache,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
@@ -591,17 +592,14 @@ class Serving:
             log.error("loading units [%d, %d) failed: %s", start, end, exc)
             self._loading.discard((start, end))
             return
-        per_token = max(1, stage.kv_bytes_per_token())
-        pool_tokens = self.config.kv_pool_tokens or (
-            self.constraints.max_context_tokens * self.constraints.max_sessions
-        )
-        budget = pool_tokens * per_token
         server = StageServer(
             stage,
-            limits=KVLimits(
-                max_sessions=self.constraints.max_sessions,
-                max_tokens_per_session=self.constraints.max_context_tokens,
-                budget_bytes=budget,
+            limits=stage_kv_limits(
+                max_context_tokens=self.constraints.max_context_tokens,
+                max_sessions=self.config.max_sessions,
+                planned_sessions=self.constraints.max_sessions,
+                pool_tokens=self.config.kv_pool_tokens,
+                kv_bytes_per_token=stage.kv_bytes_per_token(),
                 idle_timeout_s=self.config.idle_session_s,
             ),
             send=self._send,
@@ -645,6 +643,7 @@ class Serving:
                 gateway=_as_dict(self.gateway.statistics()) if self.gateway else {},
                 stage_servers=tuple(
                     {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
+                    | kv_counters(s.kv)
                     for s in stats
                 ),
                 shards=self.shards.counters() if self.shards is not None else {},

@@ -22,6 +22,7 @@ the others.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -127,7 +128,8 @@ class StageServer:
         self._queued: dict[str, int] = {}  # session id -> its items in the inbox or pending
         self._pending: deque[_Item] = deque()
         self._inflight: set[str] = set()  # sessions in the batch on the device thread
-        self._closing: set[str] = set()  # closed while in flight: freed after the batch
+        # closed while in flight, with its block hashes: freed after the batch
+        self._closing: dict[str, tuple[int, ...]] = {}
         self._counters = _Counters()
         self._outboxes: dict[PeerId, trio.MemorySendChannel[Frame]] = {}
         self._senders: trio.Nursery | None = None
@@ -145,7 +147,7 @@ class StageServer:
                 self.check_control(request.session_id, sender)
             except InvalidRequest as exc:
                 return Reply.failed(exc)
-            self.close(request.session_id)
+            self.close(request.session_id, request.block_hashes)
             return Reply(ok=True)
         if sender is not None and sender != request.gateway:
             return Reply.failed(
@@ -162,12 +164,18 @@ class StageServer:
                 )
             )
         try:
-            kv = self.kv.open(request.session_id, request.max_tokens, request.prompt_tokens)
+            kv = self.kv.open(
+                request.session_id,
+                request.max_tokens,
+                request.prompt_tokens,
+                request.prefix_hashes,
+            )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
         sampler = Sampler(request.sampling) if self.stage.has_head else None
         self._sessions[request.session_id] = _Session(request, kv, sampler)
-        return Reply(ok=True)
+        # the gateway starts the prompt at the fewest tokens any stage has cached
+        return Reply(ok=True, cached_tokens=kv.length)
 
     def check_control(self, session_id: str, sender: PeerId | None) -> None:
         """``InvalidRequest`` unless ``sender`` (None: this node) may close or cancel the
@@ -191,14 +199,17 @@ class StageServer:
                 f"session {session_id} takes activations from {feeder} only, not {sender}"
             )
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, block_hashes: tuple[int, ...] = ()) -> None:
         """Free a session's KV cache at once, or right after the batch computing it
-        (unknown ids are ignored)."""
+        (unknown ids are ignored). ``block_hashes`` name its full blocks for the
+        prefix cache first."""
         if session_id in self._inflight:
-            self._closing.add(session_id)
+            self._closing[session_id] = block_hashes
             return
-        self._sessions.pop(session_id, None)
-        self.kv.close(session_id)  # its blocks return to the pool
+        session = self._sessions.pop(session_id, None)
+        if session is not None and block_hashes:
+            session.kv.publish(block_hashes)
+        self.kv.close(session_id)  # its blocks return to the pool (named ones stay cached)
 
     def expire_idle(self) -> list[str]:
         expired = [sid for sid in self.kv.idle_sessions() if sid not in self._inflight]
@@ -267,9 +278,12 @@ class StageServer:
                 for sid in self._inflight:  # idle time counts from the end of its last step
                     if sid in self.kv:
                         self.kv.get(sid)
+                    if sid in self._sessions:  # prompt blocks now full join the prefix cache
+                        session = self._sessions[sid]
+                        session.kv.publish(session.request.prefix_hashes)
                 self._inflight = set()
-                for sid in sorted(self._closing):
-                    self.close(sid)
+                for sid, hashes in sorted(self._closing.items()):
+                    self.close(sid, hashes)
                 self._closing.clear()
             c = self._counters
             c.rounds += 1
@@ -293,6 +307,10 @@ class StageServer:
             session = self._sessions.get(item.session_id)
             if session is None:
                 continue  # closed, or preempted just now
+            start = item.positions[0] if item.positions else session.kv.length
+            if start < session.kv.length:  # the pipeline agreed on a shorter cached prefix
+                with contextlib.suppress(InvalidRequest):  # else the forward reports it
+                    session.kv.rewind(start)
             try:
                 preempted = self.kv.grow(
                     item.session_id, session.kv.length + int(item.inputs.shape[0])

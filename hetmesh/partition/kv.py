@@ -15,6 +15,15 @@ whenever it can), else it gathers them by slot index (``bench/kv.py``
 measures both). Sessions are independent objects, so a stage can batch any
 mix of them — of any lengths, prefill chunks beside decode steps.
 
+Full blocks can be shared: a pool keeps a
+:class:`~hetmesh.partition.prefix.PrefixCache` of blocks named by the token
+prefix they complete. A new session attaches the cached blocks its prompt
+starts with (:meth:`SessionKV.attach`) and computes only the rest; its own
+blocks are named once full (:meth:`SessionKV.publish`). A shared block is
+never written (a session appends only after its last full block), and when
+no session holds it any more it stays cached, counted as free, until the
+pool needs it for new tokens (least recently used first).
+
 A stage server's pool is fixed in size (its KV budget) and only the trio
 thread allocates or frees; a session made without a pool
 (``StageModule.new_kv()``) gets a private pool that grows as needed.
@@ -27,10 +36,13 @@ inference tensors are refused outside it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hetmesh.errors import InvalidRequest, Rejected
 from hetmesh.partition.blocks import BLOCK_TOKENS, BlockAllocator, blocks_for, is_run
+from hetmesh.partition.prefix import PrefixCache
 
 _MIN_PRIVATE_BLOCKS = 4
 
@@ -58,6 +70,7 @@ class KVPool:
         self.growable = growable
         self.block_tokens = block_tokens
         self.allocator = BlockAllocator(num_blocks, block_tokens)
+        self.prefix = PrefixCache()
         shape = (num_layers, kv_heads, num_blocks * block_tokens, head_dim)
         # torch.empty: untouched pages of a large pool cost no memory until used
         self.keys = torch.empty(shape, dtype=dtype, device=device)
@@ -69,7 +82,12 @@ class KVPool:
 
     @property
     def free_blocks(self) -> int:
-        return self.allocator.free_blocks
+        """Blocks a session can get: free ones plus cached ones nobody holds."""
+        return self.allocator.free_blocks + self.prefix.idle_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        return self.prefix.cached_blocks
 
     @property
     def block_bytes(self) -> int:
@@ -79,11 +97,18 @@ class KVPool:
 
     def take(self, count: int, after: int | None) -> list[int] | None:
         """``count`` blocks (a growable pool grows for them), or None when full."""
+        short = count - self.allocator.free_blocks
+        if short > 0 and self.prefix.idle_blocks:  # reuse the least recently used cached blocks
+            self.allocator.free(self.prefix.evict(short))
         blocks = self.allocator.allocate(count, after=after)
         if blocks is None and self.growable:
             self._grow(max(count, self.num_blocks, _MIN_PRIVATE_BLOCKS))
             blocks = self.allocator.allocate(count, after=after)
         return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        """A session lets ``blocks`` go: cached ones stay (idle), the others are freed."""
+        self.allocator.free([b for b in blocks if not self.prefix.release(b)])
 
     def _grow(self, extra: int) -> None:
         slots = extra * self.block_tokens
@@ -106,6 +131,7 @@ class SessionKV:
         self._slots: torch.Tensor | None = None  # slot index of every held token position
         self._base: int | None = None  # first slot when the blocks form one run
         self._length = 0
+        self._published = 0  # leading blocks already named in the pool's prefix cache
         self._freed = False
 
     @property
@@ -151,10 +177,65 @@ class SessionKV:
         self._index()
         return True
 
+    def attach(self, hashes: Sequence[int], max_tokens: int) -> int:
+        """Start from the pool's cached blocks for the leading ``hashes``, at most ``max_tokens``.
+
+        Only on a new, empty session. Returns the tokens now held (whole
+        blocks): the caller feeds the prompt from there. A stage without
+        layers holds no KV and can start wherever it is told.
+        """
+        if self._freed or self.blocks or self._length:
+            raise InvalidRequest("a prefix attaches only to a new session")
+        size = self.pool.block_tokens
+        usable = list(hashes[: max(0, max_tokens) // size])
+        if self.num_layers == 0:
+            self._length = len(usable) * size
+            return self._length
+        self.blocks = self.pool.prefix.lookup(usable)
+        self._length = len(self.blocks) * size
+        self._published = len(self.blocks)
+        self._index()
+        return self._length
+
+    def publish(self, hashes: Sequence[int]) -> None:
+        """Name the session's full blocks by ``hashes`` (those of the tokens it holds).
+
+        ``hashes[i]`` must be the chained hash of the tokens in positions
+        ``[0, 16 (i + 1))`` as fed to this session; only blocks whose tokens
+        are all committed are named.
+        """
+        if self._freed or self.num_layers == 0:
+            return
+        full = min(len(hashes), self._length // self.pool.block_tokens)
+        for i in range(self._published, full):
+            self.pool.prefix.insert(self.blocks[i], int(hashes[i]))
+        self._published = max(self._published, full)
+
+    def rewind(self, position: int) -> None:
+        """Forget the tokens from ``position`` (a block boundary) on, letting their blocks go.
+
+        A gateway that agreed with the pipeline on fewer cached tokens than
+        this stage attached starts its prompt there.
+        """
+        size = self.pool.block_tokens
+        if not 0 <= position <= self._length:
+            raise InvalidRequest(f"cannot rewind a KV cache of {self._length} tokens to {position}")
+        if self.num_layers == 0:
+            self._length = position
+            return
+        if position % size:
+            raise InvalidRequest(f"a KV cache rewinds to a block boundary, not {position}")
+        keep = position // size
+        self.pool.release(self.blocks[keep:])
+        self.blocks = self.blocks[:keep]
+        self._length = position
+        self._published = min(self._published, keep)
+        self._index()
+
     def free(self) -> None:
         """Return every block to the pool; the session cannot be used afterwards."""
         if not self._freed:
-            self.pool.allocator.free(self.blocks)
+            self.pool.release(self.blocks)
         self.blocks = []
         self._slots = self._base = None
         self._length = 0
@@ -164,6 +245,9 @@ class SessionKV:
         """Forget every token from ``length`` on (e.g. to replay from a checkpoint)."""
         if not 0 <= length <= self._length:
             raise InvalidRequest(f"cannot truncate a KV cache of {self._length} tokens to {length}")
+        if any(self.pool.prefix.holds(b) for b in self.blocks[length // self.pool.block_tokens :]):
+            # its slots would be written again: shared blocks must go (rewind), not be overwritten
+            raise InvalidRequest("cannot truncate into a block of the prefix cache; rewind instead")
         self._length = length
 
     def __repr__(self) -> str:
@@ -174,6 +258,9 @@ class SessionKV:
 
     def _index(self) -> None:
         size = self.pool.block_tokens
+        if not self.blocks:
+            self._base = self._slots = None
+            return
         if is_run(self.blocks):
             self._base, self._slots = self.blocks[0] * size, None
             return

@@ -233,6 +233,9 @@ def test_metrics_and_health(mesh: Mesh) -> None:
         "hetmesh_link_bandwidth_bytes_per_second{",
         "hetmesh_recoveries_total",
         "hetmesh_rejected_requests_total",
+        'hetmesh_kv_blocks{stage="',  # per stage served here: in use / free / cached
+        "hetmesh_prefix_cache_hit_rate{",
+        "hetmesh_kv_preemptions_total{",
     ):
         assert name in text, name
     count = [ln for ln in text.splitlines() if ln.startswith("hetmesh_ttft_seconds_count")]

@@ -373,3 +373,60 @@ async def test_a_hostile_member_cannot_replan_or_stop_the_mesh(mesh3, default_mo
     for peer, extra in before.items():  # each node still follows the plan it did
         assert after[peer]["record"]["extra"]["plan"] == extra["plan"], peer
         assert after[peer]["record"]["extra"]["plan_signature"]["signer"] == boss
+
+
+async def test_the_prefix_cache_skips_shared_prefixes_and_keeps_the_reference_output(
+    mesh3, default_model_dir
+):
+    """Two requests with one long system prompt, then the first conversation's next
+    turn: the later ones start their prefill after the blocks every stage holds cached,
+    and every output still equals the single-process reference."""
+    gateway = mesh3[1]
+    system = encode(
+        default_model_dir,
+        "You are a patient assistant. You explain things to children in short, "
+        "friendly sentences, and you give one small example with every answer. "
+        "You never use difficult words, and you end with a question for the child.",
+    )
+    first = system + encode(default_model_dir, " Why is the sky blue?")
+    second = system + encode(default_model_dir, " What makes a rainbow?")
+    assert len(system) >= 32
+
+    async def skipped() -> int:
+        view = await view_of(gateway)
+        me = next(p for p in view["peers"] if p["health"] == "self")
+        return int(me["record"]["extra"]["gateway"].get("prefix_tokens_skipped", 0))
+
+    async def skipped_at_least(count: int) -> int:
+        for _ in range(60):  # announcements carry the counter about once a second
+            now = await skipped()
+            if now >= count:
+                return now
+            await trio.sleep(0.5)
+        raise AssertionError(f"the gateway skipped {now} prompt tokens, expected {count}")
+
+    before = await skipped()
+    got_first = await generate_ids(gateway.addr, first, max_new_tokens=10)
+    assert got_first == reference_ids(default_model_dir, first, 10)
+    got_second = await generate_ids(gateway.addr, second, max_new_tokens=10)
+    assert got_second == reference_ids(default_model_dir, second, 10)
+    after_second = await skipped_at_least(before + len(system) // 16 * 16)
+
+    # the next turn: the first request, its answer (all but the last token were fed)
+    # and a new question; the stages named those blocks when the first session closed
+    turn = first + got_first + encode(default_model_dir, " And why is it red at sunset?")
+    got_turn = await generate_ids(gateway.addr, turn, max_new_tokens=10)
+    assert got_turn == reference_ids(default_model_dir, turn, 10)
+    await skipped_at_least(after_second + (len(first) + len(got_first) - 1) // 16 * 16)
+
+    # `hetmesh status` shows every stage's pool and its prefix hits
+    from hetmesh.cli.status_view import summarize
+
+    for _ in range(60):
+        rows = summarize(await view_of(gateway))["kv"]
+        if len(rows) >= 3 and all(r["prefix_hit_rate"] > 0 for r in rows):
+            break
+        await trio.sleep(0.5)
+    else:
+        raise AssertionError(f"status shows no prefix hits on some stage: {rows}")
+    assert all(r["blocks_free"] + r["blocks_in_use"] > 0 for r in rows)

@@ -20,6 +20,7 @@ class Pool:
         self.allocator = BlockAllocator(num_blocks, block_tokens)
         self.block_tokens = block_tokens
         self.block_bytes = 100
+        self.cached_blocks = 0
 
     @property
     def num_blocks(self) -> int:
