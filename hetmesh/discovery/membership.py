@@ -416,6 +416,11 @@ class Membership:
     def alive(self) -> list[PeerEntry]:
         return [e for e in self.members() if e.health is Health.ALIVE]
 
+    @property
+    def pending_candidates(self) -> int:
+        """Candidates introduced to but not yet answering (the service bounds them)."""
+        return len(self._candidates)
+
     def live_ids(self) -> list[PeerId]:
         """Members we believe up (alive, suspect or joining), record or not."""
         return list(self._live)
@@ -497,6 +502,11 @@ class Membership:
         self._knows_us.add(peer_id)
         self._candidates.pop(peer_id, None)
         entry.refusals = 0
+        if entry.health is not Health.DEAD:
+            # any message from it answers our probes of it: a loaded peer whose ack
+            # is late but whose own ping arrived is not suspected for the late ack
+            for seq in [s for s, p in self._probes.items() if p.target == peer_id]:
+                del self._probes[seq]
         if not entry.ever_alive and entry.health is Health.JOINING and entry.boot_id == 0:
             _rekey(entry, key)
             entry.last_heard = entry.first_heard_in_streak = now
