@@ -275,7 +275,7 @@ class Discovery:
 
     def _refresh(self, now: float) -> None:
         """Publish a new record version if its content (or, rate-limited, its load) changed."""
-        content = replace(self._build(load=Load()), sent_at_s=0.0, incarnation=0).to_wire()
+        content = replace(self._build(load=Load()), seq=0, sent_at_s=0.0, incarnation=0).to_wire()
         changed = self._record is None or content != self._content
         load_due = (
             self._load != self._published_load
