@@ -50,7 +50,7 @@ from hetmesh.discovery.outbox import Outbox
 from hetmesh.discovery.probe import LinkMeasurement, probe_link, serve_probe
 from hetmesh.discovery.signing import check_own, open_record, sign_record
 from hetmesh.discovery.table import Health, LivenessPolicy, PeerEntry, TableEvent
-from hetmesh.discovery.wire import Announcement, Load
+from hetmesh.discovery.wire import Announcement, LinkRequest, Load
 from hetmesh.errors import (
     AuthenticationFailed,
     MeshError,
@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 # peer exchange is bounded: candidates taken from one record, and pending at once
 MAX_CANDIDATES_PER_RECORD = 16
 MAX_PENDING_CANDIDATES = 256
+MAX_LINK_REQUESTS = 256  # links one record asks others to measure
+MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +135,8 @@ class Discovery:
         self._probes_enabled = trio.Event()
         self._link_samples: dict[PeerId, list[LinkMeasurement]] = {}
         self._links_wanted: set[PeerId] = set()
+        self._link_requests: tuple[LinkRequest, ...] = ()
+        self._requests_read: dict[PeerId, Announcement] = {}  # records whose requests we read
         self._sent = 0
         self._send_failures = 0
         self._probes = 0
@@ -186,6 +190,33 @@ class Discovery:
         self._links_wanted |= {p for p in peers if p != self.peer_id}
         if new:
             self._probe_wanted.set()
+
+    def request_links(self, pairs: Sequence[tuple[PeerId, PeerId]]) -> None:
+        """Ask for the links ``(src, dst)`` the plan lacks: ``src`` measures each one.
+
+        Ours are measured at once; the rest are published in our record (at most
+        :data:`MAX_LINK_REQUESTS`), and each named ``src`` probes its ``dst`` when it
+        reads them (:meth:`_read_link_requests`). An empty list withdraws them.
+        """
+        wanted = sorted({(s, d) for s, d in pairs if s != d})
+        self.want_links([d for s, d in wanted if s == self.peer_id])
+        others = [LinkRequest(src=s, dst=d) for s, d in wanted if s != self.peer_id]
+        self._link_requests = tuple(others[:MAX_LINK_REQUESTS])
+
+    def _read_link_requests(self) -> None:
+        """Measure the links alive peers' records ask of us (each record read once)."""
+        seen: dict[PeerId, Announcement] = {}
+        wanted: list[PeerId] = []
+        for entry in self.table.alive():
+            record = entry.record
+            if record is None:
+                continue
+            seen[entry.peer_id] = record
+            if self._requests_read.get(entry.peer_id) is not record:
+                wanted += [r.dst for r in record.link_requests if r.src == self.peer_id]
+        self._requests_read = seen
+        if wanted:
+            self.want_links(wanted)
 
     def add_handler(self, protocol: str, handler: Callable[[Any], Awaitable[None]]) -> None:
         """Serve a new libp2p protocol; the handler is guarded (see host.guarded_handler)."""
@@ -271,6 +302,7 @@ class Discovery:
             sent_at_s=time.time(),
             extra=dict(self._extra),
             incarnation=self.table.incarnation,
+            link_requests=self._link_requests,
         )
 
     def _refresh(self, now: float) -> None:
@@ -337,7 +369,8 @@ class Discovery:
             "version": __version__,
             "generated_at_s": time.time(),
             "peers": peers,
-            "links": links,
+            "links": links,  # measured, each by its src
+            "estimated_links": estimate_links(peers, links),
             "statistics": self.statistics_dict(),
         }
 
@@ -503,6 +536,7 @@ class Discovery:
                 self._links.pop(event.peer_id, None)
                 self._link_samples.pop(event.peer_id, None)
                 self._signed.pop(event.peer_id, None)
+                self._links_wanted.discard(event.peer_id)
                 if self._nursery is not None and event.new is Health.DEAD:
                     self._nursery.start_soon(self._hang_up, event.peer_id)
             for send in list(self._subscribers):
@@ -558,6 +592,7 @@ class Discovery:
             if now >= next_sweep:
                 next_sweep = now + 10.0
                 self.table.forget_tombstones(now)
+            self._read_link_requests()
             await trio.sleep(tick_s)
 
     async def _hang_up(self, peer_id: PeerId) -> None:
@@ -712,8 +747,65 @@ class Discovery:
                     nursery.start_soon(self._send_record, entry.peer_id, entry.addrs, payload)
 
 
+def _site(record: dict[str, Any]) -> tuple[str, str]:
+    """(host, /24 subnet) of a record's first IP address; empty when it has none."""
+    for addr in record.get("addrs") or ():
+        host = addr_host(str(addr))
+        if host:
+            return host, host.rsplit(".", 1)[0] if host.count(".") == 3 else host
+    return "", ""
+
+
+def estimate_links(
+    peers: Sequence[dict[str, Any]], measured: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Estimates for the missing links between live peers (pure; for display).
+
+    A missing link between two peers on one host, or on one /24 subnet, is
+    estimated as the best measured link of the same kind (same host, same
+    subnet) in the view; other pairs stay unknown. Each estimate is marked
+    ``"estimated": True`` and names the link it was taken from.
+    """
+    live = [p for p in peers if p.get("health") in ("self", "alive", "suspect")]
+    if len(live) > MAX_ESTIMATED_PEERS:
+        return []
+    site = {str(p["peer_id"]): _site(p.get("record") or {}) for p in live}
+    have = {(str(lk["src"]), str(lk["dst"])) for lk in measured}
+
+    def kind(src: str, dst: str) -> str:
+        (h1, n1), (h2, n2) = site.get(src, ("", "")), site.get(dst, ("", ""))
+        if h1 and h1 == h2:
+            return "host"
+        return "subnet" if n1 and n1 == n2 else ""
+
+    best: dict[str, dict[str, Any]] = {}
+    for lk in measured:
+        k = kind(str(lk["src"]), str(lk["dst"]))
+        if k and (k not in best or lk["bandwidth_bps"] > best[k]["bandwidth_bps"]):
+            best[k] = lk
+    out = []
+    for src in site:
+        for dst in site:
+            k = kind(src, dst)
+            if src == dst or (src, dst) in have or k not in best:
+                continue
+            ref = best[k]
+            out.append(
+                {
+                    "src": src,
+                    "dst": dst,
+                    "rtt_s": ref["rtt_s"],
+                    "bandwidth_bps": ref["bandwidth_bps"],
+                    "estimated": True,
+                    "basis": f"same {k} as {ref['src']} -> {ref['dst']}",
+                }
+            )
+    return out
+
+
 __all__ = [
     "Discovery",
     "DiscoveryConfig",
     "DiscoveryStatistics",
+    "estimate_links",
 ]
