@@ -662,13 +662,18 @@ class Discovery:
             del samples[: -self.config.link_probe_window]
             # contention (CPU or other traffic) only ever lowers a sample: publish the
             # best of the recent ones as the link's capacity, and the lowest RTT
-            self._links[entry.peer_id] = LinkProfile(
+            link = LinkProfile(
                 src=self.peer_id,
                 dst=entry.peer_id,
                 rtt_s=min(x.rtt_s for x in samples),
                 bandwidth_bps=max(x.bandwidth_bps for x in samples),
                 measured_at_s=time.time(),
             )
+            old = self._links.get(entry.peer_id)
+            # every new link figure is a new record version that every member pulls:
+            # republish a link only when it moved, or to refresh its age now and then
+            if old is None or _moved(old, link) or link.measured_at_s - old.measured_at_s > 240:
+                self._links[entry.peer_id] = link
             return
 
     async def _bootstrap(self) -> None:
@@ -745,6 +750,13 @@ class Discovery:
             async with trio.open_nursery() as nursery:
                 for entry in targets:  # once, to each live member: they drop us at once
                     nursery.start_soon(self._send_record, entry.peer_id, entry.addrs, payload)
+
+
+def _moved(old: LinkProfile, new: LinkProfile) -> bool:
+    """Whether a link's figures moved enough to be worth a record version: bandwidth
+    by a quarter, RTT by a quarter and at least a millisecond (loopback RTTs jitter)."""
+    rtt_moved = abs(new.rtt_s - old.rtt_s) > max(0.25 * old.rtt_s, 1e-3)
+    return rtt_moved or abs(new.bandwidth_bps - old.bandwidth_bps) > 0.25 * old.bandwidth_bps
 
 
 def _site(record: dict[str, Any]) -> tuple[str, str]:

@@ -82,3 +82,16 @@ async def test_discovery_publishes_link_requests_and_measures_those_asked_of_it(
     b._read_link_requests()
     assert {e.peer_id for e in b.link_targets()} == {"A", "C"}
     assert "C" in b._links_wanted
+
+
+def test_a_link_is_republished_only_when_its_figures_move() -> None:
+    from hetmesh.discovery.service import _moved
+    from hetmesh.resources import LinkProfile
+
+    old = LinkProfile(src="A", dst="B", rtt_s=1e-4, bandwidth_bps=1e9)
+    same = LinkProfile(src="A", dst="B", rtt_s=3e-4, bandwidth_bps=1.1e9)  # loopback jitter
+    slower = LinkProfile(src="A", dst="B", rtt_s=1e-4, bandwidth_bps=0.5e9)
+    farther = LinkProfile(src="A", dst="B", rtt_s=5e-3, bandwidth_bps=1e9)
+    assert not _moved(old, same)
+    assert _moved(old, slower)
+    assert _moved(old, farther)
