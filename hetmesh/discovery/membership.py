@@ -502,11 +502,6 @@ class Membership:
         self._knows_us.add(peer_id)
         self._candidates.pop(peer_id, None)
         entry.refusals = 0
-        if entry.health is not Health.DEAD:
-            # any message from it answers our probes of it: a loaded peer whose ack
-            # is late but whose own ping arrived is not suspected for the late ack
-            for seq in [s for s, p in self._probes.items() if p.target == peer_id]:
-                del self._probes[seq]
         if not entry.ever_alive and entry.health is Health.JOINING and entry.boot_id == 0:
             _rekey(entry, key)
             entry.last_heard = entry.first_heard_in_streak = now
