@@ -27,9 +27,10 @@ second (the node's own counter; absent in a baseline without it). With
 ``PYTHONPATH`` (e.g. the main checkout: the full-record-every-second path).
 This machine is shared: real-process figures are as measured, not ideal.
 
-On main the node does not run the membership core yet (it still sends its
-whole record to every peer every second); the real part measures whatever
-the checkout's node runs, so today it is the baseline path.
+The node runs the membership core (``discovery/service.py``); a checkout
+from before that (``--baseline-src``) sends its whole record to every peer
+every second. A size whose nodes do not all start within ``--start-timeout-s``
+is reported with its error instead of ending the run.
 """
 
 from __future__ import annotations
@@ -183,7 +184,18 @@ def _sees_all(view: dict[str, Any] | None, ids: set[str]) -> bool:
     return all(health.get(i) == "alive" for i in ids - {view["self"]})
 
 
-def real_mesh(n: int, *, src: Path, idle_s: float, timeout_s: float) -> dict[str, Any]:
+def real_mesh_or_error(n: int, **kw: Any) -> dict[str, Any]:
+    """:func:`real_mesh`, or the reason it could not run (a loaded machine may not
+    start N processes in time)."""
+    try:
+        return real_mesh(n, **kw)
+    except RuntimeError as exc:
+        return {"nodes": n, "src": str(kw["src"]), "error": str(exc)[:300]}
+
+
+def real_mesh(
+    n: int, *, src: Path, idle_s: float, timeout_s: float, start_timeout_s: float
+) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"hetmesh-scale-{n}-"))
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
     env.pop("HETMESH_MESH_SECRET", None)
@@ -205,7 +217,7 @@ def real_mesh(n: int, *, src: Path, idle_s: float, timeout_s: float) -> dict[str
 
     def wait_info(i: int) -> dict[str, Any]:
         path = root / f"n{i}" / "node.json"
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + start_timeout_s
         while not path.exists():
             if procs[i].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"node {i} did not start: {(root / f'n{i}.log').read_text()}")
@@ -225,7 +237,7 @@ def real_mesh(n: int, *, src: Path, idle_s: float, timeout_s: float) -> dict[str
         ids = {str(info["peer_id"]) for info in infos}
         addrs = [str(info["addrs"][0]) for info in infos]
         converged = None
-        while time.monotonic() - launched < timeout_s:
+        while time.monotonic() - ready < timeout_s:
             views = _views(addrs)
             if all(_sees_all(v, ids) for v in views):
                 converged = time.monotonic()
@@ -281,7 +293,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--real-sizes", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--idle-s", type=float, default=20.0)
-    ap.add_argument("--timeout-s", type=float, default=180.0)
+    ap.add_argument("--timeout-s", type=float, default=180.0, help="to converge, from ready")
+    ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--baseline-src", type=Path, default=None)
     args = ap.parse_args()
 
@@ -300,19 +313,22 @@ def main() -> None:
         out["sim_crash_all_dead_s_max"] = max((s["crash_all_dead_s"] or 1e9) for s in sims)
         out["sim_false_dead"] = sum(s["false_dead"] for s in sims)
     if args.part in ("real", "both"):
-        real = [
-            real_mesh(n, src=REPO, idle_s=args.idle_s, timeout_s=args.timeout_s)
-            for n in args.real_sizes
-        ]
+        kw = {
+            "idle_s": args.idle_s,
+            "timeout_s": args.timeout_s,
+            "start_timeout_s": args.start_timeout_s,
+        }
+        out["load_average_before"] = os.getloadavg()
+        real = [real_mesh_or_error(n, src=REPO, **kw) for n in args.real_sizes]
         out["real"] = real
         for r in real:
-            out[f"converged_s_{r['nodes']}"] = r["converged_s_from_launch"]
-            out[f"idle_cores_per_node_{r['nodes']}"] = r["idle_cores_per_node"]
+            out[f"converged_s_{r['nodes']}"] = r.get("converged_s_from_launch")
+            out[f"idle_cores_per_node_{r['nodes']}"] = r.get("idle_cores_per_node")
         if args.baseline_src is not None:
             out["baseline"] = [
-                real_mesh(n, src=args.baseline_src, idle_s=args.idle_s, timeout_s=args.timeout_s)
-                for n in args.real_sizes
+                real_mesh_or_error(n, src=args.baseline_src, **kw) for n in args.real_sizes
             ]
+        out["load_average_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(out, indent=2))
     else:

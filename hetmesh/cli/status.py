@@ -88,7 +88,12 @@ def status_renderable(view: dict[str, Any]) -> Group:
             ", ".join(_si(float(d.get("memory_bandwidth_bps", 0.0)), "B/s") for d in devices),
         )
     links = {(str(lk["src"]), str(lk["dst"])): lk for lk in view.get("links", [])}
-    matrix = Table(title="links (row → column): RTT, bandwidth")
+    estimated = {(str(lk["src"]), str(lk["dst"])): lk for lk in view.get("estimated_links", [])}
+    matrix = Table(
+        title="links (row → column): RTT, bandwidth",
+        caption="measured by the row's peer; ≈ estimated from a measured link on the same "
+        "host or subnet; ? unknown",
+    )
     matrix.add_column("from \\ to")
     for pid in ids:
         matrix.add_column(short_id(pid))
@@ -96,13 +101,17 @@ def status_renderable(view: dict[str, Any]) -> Group:
         cells = []
         for dst in ids:
             link = links.get((src, dst))
+            mark = ""
+            if link is None and (src, dst) in estimated:
+                link, mark = estimated[(src, dst)], "≈ "
             if src == dst:
                 cells.append("-")
             elif link is None:
                 cells.append("?")
             else:
                 rtt_ms = float(link["rtt_s"]) * 1e3
-                cells.append(f"{rtt_ms:.2f} ms, {_si(float(link['bandwidth_bps']), 'B/s')}")
+                bandwidth = _si(float(link["bandwidth_bps"]), "B/s")
+                cells.append(f"{mark}{rtt_ms:.2f} ms, {bandwidth}")
         matrix.add_row(short_id(src), *cells)
     summary = view.get("summary")
     if not isinstance(summary, dict):

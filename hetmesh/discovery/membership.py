@@ -416,6 +416,11 @@ class Membership:
     def alive(self) -> list[PeerEntry]:
         return [e for e in self.members() if e.health is Health.ALIVE]
 
+    @property
+    def pending_candidates(self) -> int:
+        """Candidates introduced to but not yet answering (the service bounds them)."""
+        return len(self._candidates)
+
     def live_ids(self) -> list[PeerId]:
         """Members we believe up (alive, suspect or joining), record or not."""
         return list(self._live)

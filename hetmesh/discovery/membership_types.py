@@ -57,6 +57,10 @@ class Message:
     updates: tuple[Update, ...] = ()
     src_addrs: tuple[str, ...] = ()  # only while the receiver may not know how to reach us
     record: Announcement | None = None  # RECORD only
+    # RECORD only, filled by the node's service: the record's exact bytes and its
+    # origin's signature over them (hetmesh.discovery.signing); empty in the simulator
+    record_blob: bytes = b""
+    signature: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

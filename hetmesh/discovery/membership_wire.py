@@ -14,7 +14,7 @@ import msgpack
 
 from hetmesh.discovery.membership import Kind, Message, Update
 from hetmesh.discovery.table import Health
-from hetmesh.discovery.wire import MAX_ANNOUNCEMENT_BYTES, Announcement
+from hetmesh.discovery.wire import MAX_ANNOUNCEMENT_BYTES, Announcement, decode_announcement
 from hetmesh.errors import RemoteProtocolError
 
 MEMBERSHIP_PROTOCOL = "/hetmesh/membership/1.0.0"
@@ -44,7 +44,10 @@ def encode_message(msg: Message) -> bytes:
         ]
     if msg.src_addrs:
         data["a"] = list(msg.src_addrs)
-    if msg.record is not None:
+    if msg.record_blob:  # signed: the origin's exact bytes travel, so the signature holds
+        data["R"] = msg.record_blob
+        data["S"] = msg.signature
+    elif msg.record is not None:
         data["R"] = msg.record.to_wire()
     out = msgpack.packb(data, use_bin_type=True)
     assert isinstance(out, bytes)
@@ -101,7 +104,14 @@ def decode_message(payload: bytes) -> Message:
         if not isinstance(updates, list) or len(updates) > MAX_UPDATES:
             raise RemoteProtocolError("membership message: bad rumor list")
         record = None
-        if "R" in data:
+        blob = signature = b""
+        if isinstance(data.get("R"), bytes):
+            blob = data["R"]
+            signature = data.get("S", b"")
+            if not isinstance(signature, bytes):
+                raise RemoteProtocolError("membership message: the signature is not bytes")
+            record = decode_announcement(blob)
+        elif "R" in data:
             try:
                 record = Announcement.from_wire(data["R"])
             except (ValueError, TypeError) as exc:
@@ -118,6 +128,8 @@ def decode_message(payload: bytes) -> Message:
             updates=tuple(_update(u) for u in updates),
             src_addrs=_addrs(data.get("a", []), "addrs"),
             record=record,
+            record_blob=blob,
+            signature=signature,
         )
     except (KeyError, ValueError) as exc:
         raise RemoteProtocolError(f"malformed membership message: {exc!r}") from exc

@@ -1,16 +1,21 @@
 """The discovery service: membership, announcements, liveness and link probes.
 
-One :class:`Discovery` per node wraps the node's libp2p host. Its
-:meth:`Discovery.serve` runs, in one nursery:
+One :class:`Discovery` per node wraps the node's libp2p host and runs the
+sans-IO membership core (:mod:`hetmesh.discovery.membership`, the same code
+the simulator in ``bench/scale.py`` runs). Its :meth:`Discovery.serve` runs,
+in one nursery:
 
-- an announcement round about once a second: the local record is sent to
-  every known peer on its own short stream (length-prefixed msgpack); a
-  record doubles as the heartbeat, and it carries the addresses of the peers
-  we see alive (peer exchange), so one bootstrap address teaches the whole mesh;
-- a liveness clock that re-judges the :class:`~hetmesh.discovery.table.PeerTable`
-  and hangs up on dead peers;
-- mDNS (:mod:`hetmesh.discovery.mdns`, this mesh's fingerprint only) and bootstrap dialling;
-- link probes to every alive peer, periodically and on membership change.
+- the membership clock (every 0.2 s): probes to ~log N members a second with
+  indirect probes, suspicion and death by dissemination; our record is
+  re-versioned when its content changes (its load part at most every
+  ``load_publish_every_s``) and pulled whole, signed by us, by whoever hears
+  of the new version (:mod:`hetmesh.discovery.signing`);
+- one long-lived stream per peer for membership messages
+  (:mod:`hetmesh.discovery.outbox`), and their handler;
+- mDNS (:mod:`hetmesh.discovery.mdns`, this mesh's fingerprint only) and
+  bootstrap dialling; peer exchange rides on the membership messages, bounded;
+- link probes to a bounded neighbour sample plus the peers asked for
+  (:meth:`Discovery.want_links`), on membership change and periodically.
 
 Everything the node publishes goes through the ``set_*`` methods; everything
 it reads comes from :meth:`Discovery.members`, :meth:`Discovery.view` and
@@ -20,11 +25,11 @@ it reads comes from :meth:`Discovery.members`, :meth:`Discovery.view` and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -34,15 +39,24 @@ from hetmesh.discovery import rpc, wire
 from hetmesh.discovery.addrs import addr_host, expand_listen_addrs
 from hetmesh.discovery.host import dial, guarded_handler, mesh_fingerprint
 from hetmesh.discovery.mdns import MdnsHandle, start_mdns, stop_mdns
+from hetmesh.discovery.membership import Kind, Membership, Message, SwimPolicy
+from hetmesh.discovery.membership_wire import (
+    MAX_MESSAGE_BYTES,
+    MEMBERSHIP_PROTOCOL,
+    decode_message,
+    encode_message,
+)
+from hetmesh.discovery.outbox import Outbox
 from hetmesh.discovery.probe import LinkMeasurement, probe_link, serve_probe
-from hetmesh.discovery.table import Health, LivenessPolicy, PeerEntry, PeerTable, TableEvent
-from hetmesh.discovery.wire import Announcement, KnownPeer, Load
+from hetmesh.discovery.signing import check_own, open_record, sign_record
+from hetmesh.discovery.table import Health, LivenessPolicy, PeerEntry, TableEvent
+from hetmesh.discovery.wire import Announcement, LinkRequest, Load
 from hetmesh.errors import (
     AuthenticationFailed,
-    ConnectTimeout,
     MeshError,
     PeerUnreachable,
     RemoteProtocolError,
+    StreamReset,
 )
 from hetmesh.resources import DeviceProfile, LinkProfile, PeerId
 
@@ -50,6 +64,12 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+
+# peer exchange is bounded: candidates taken from one record, and pending at once
+MAX_CANDIDATES_PER_RECORD = 16
+MAX_PENDING_CANDIDATES = 256
+MAX_LINK_REQUESTS = 256  # links one record asks others to measure
+MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,13 +84,15 @@ class DiscoveryConfig:
     link_probe_bytes: int = 4 * 1024 * 1024
     link_probe_settle_s: float = 3.0  # the follow-up probe after a membership change
     link_probe_window: int = 3  # samples per link kept; the best is published
+    link_neighbours: int = 8  # peers whose links we measure unasked (plus those asked for)
+    load_publish_every_s: float = 2.0  # a record version for a load change at most this often
     dead_redial_every_s: float = 5.0
     require_bootstrap: bool = True  # fail start-up if no bootstrap peer answers
 
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryStatistics:
-    announcements_sent: int
+    announcements_sent: int  # membership messages and direct records sent
     send_failures: int
     accepted: int
     rejected: int
@@ -80,6 +102,9 @@ class DiscoveryStatistics:
     joining: int
     dead_or_left: int
     link_probes: int
+    bytes_sent: int = 0
+    records_published: int = 0
+    pulls: int = 0
 
 
 class Discovery:
@@ -91,7 +116,10 @@ class Discovery:
         self.psk = psk
         self.peer_id: PeerId = str(host.get_id())
         self.boot_id = time.time_ns()
-        self.table = PeerTable(self.peer_id, config.policy)
+        # the membership core holds the peer table (``entries``, ``members()``...)
+        self.table = Membership(
+            self.peer_id, boot_id=self.boot_id, policy=SwimPolicy(liveness=config.policy)
+        )
         self.addrs: tuple[str, ...] = ()
         self.probe_port = 0
         self._seq = 0
@@ -102,18 +130,33 @@ class Discovery:
         self._load = Load()
         self._extra: dict[str, Any] = {}
         self._subscribers: list[trio.MemorySendChannel[TableEvent]] = []
-        self._candidates_send, self._candidates_recv = trio.open_memory_channel[
-            tuple[PeerId, tuple[str, ...]]
-        ](256)
         self._probe_wanted = trio.Event()
-        self._last_dial: dict[PeerId, float] = {}
-        self._inflight: set[PeerId] = set()
         self._said_goodbye = False
         self._probes_enabled = trio.Event()
         self._link_samples: dict[PeerId, list[LinkMeasurement]] = {}
+        self._links_wanted: set[PeerId] = set()
+        self._link_requests: tuple[LinkRequest, ...] = ()
+        self._requests_read: dict[PeerId, Announcement] = {}  # records whose requests we read
         self._sent = 0
         self._send_failures = 0
         self._probes = 0
+        self._published = 0
+        # our published record: its content (to notice changes), when its load was
+        # last published, and its signed bytes; records of others as signed by them
+        self._content: dict[str, Any] | None = None
+        self._published_load: Load | None = None
+        self._load_published_at = -1e9
+        self._record: Announcement | None = None
+        self._signed: dict[PeerId, tuple[tuple[int, int], bytes, bytes]] = {}
+        self._nursery: trio.Nursery | None = None
+        self._outbox = Outbox(
+            host,
+            MEMBERSHIP_PROTOCOL,
+            peer_info=self._info_of,
+            on_refused=self._refused,
+            dial_timeout_s=config.dial_timeout_s,
+            send_timeout_s=config.send_timeout_s,
+        )
 
     # -- what the node publishes ----------------------------------------------
 
@@ -129,6 +172,7 @@ class Discovery:
         self._stages = tuple(dict(s) for s in stages)
 
     def set_load(self, load: Load) -> None:
+        """The load part of the record; published at most every ``load_publish_every_s``."""
         self._load = load
 
     @property
@@ -138,6 +182,41 @@ class Discovery:
     def set_extra(self, key: str, value: Any) -> None:
         """Publish any other msgpack-able field (e.g. ``"plan"``) in the announcement."""
         self._extra[key] = value
+
+    def want_links(self, peers: Sequence[PeerId]) -> None:
+        """Measure our links to ``peers`` too (the coordinator's candidates), beyond the
+        neighbour sample; they are probed soon and then with the others."""
+        new = {p for p in peers if p != self.peer_id} - self._links_wanted - set(self._links)
+        self._links_wanted |= {p for p in peers if p != self.peer_id}
+        if new:
+            self._probe_wanted.set()
+
+    def request_links(self, pairs: Sequence[tuple[PeerId, PeerId]]) -> None:
+        """Ask for the links ``(src, dst)`` the plan lacks: ``src`` measures each one.
+
+        Ours are measured at once; the rest are published in our record (at most
+        :data:`MAX_LINK_REQUESTS`), and each named ``src`` probes its ``dst`` when it
+        reads them (:meth:`_read_link_requests`). An empty list withdraws them.
+        """
+        wanted = sorted({(s, d) for s, d in pairs if s != d})
+        self.want_links([d for s, d in wanted if s == self.peer_id])
+        others = [LinkRequest(src=s, dst=d) for s, d in wanted if s != self.peer_id]
+        self._link_requests = tuple(others[:MAX_LINK_REQUESTS])
+
+    def _read_link_requests(self) -> None:
+        """Measure the links alive peers' records ask of us (each record read once)."""
+        seen: dict[PeerId, Announcement] = {}
+        wanted: list[PeerId] = []
+        for entry in self.table.alive():
+            record = entry.record
+            if record is None:
+                continue
+            seen[entry.peer_id] = record
+            if self._requests_read.get(entry.peer_id) is not record:
+                wanted += [r.dst for r in record.link_requests if r.src == self.peer_id]
+        self._requests_read = seen
+        if wanted:
+            self.want_links(wanted)
 
     def add_handler(self, protocol: str, handler: Callable[[Any], Awaitable[None]]) -> None:
         """Serve a new libp2p protocol; the handler is guarded (see host.guarded_handler)."""
@@ -191,12 +270,21 @@ class Discovery:
         return recv
 
     def local_record(self, *, goodbye: bool = False, advance: bool = True) -> Announcement:
-        """This node's announcement; ``advance`` takes the next sequence number."""
-        if advance:
+        """This node's record with what was last set.
+
+        ``advance`` publishes it (a new version) if its content changed; a record
+        whose load alone changed is published at most every ``load_publish_every_s``.
+        """
+        if goodbye:
             self._seq += 1
-        known = tuple(
-            KnownPeer(peer_id=e.peer_id, addrs=e.addrs) for e in self.table.alive() if e.addrs
-        )
+            return self._build(load=self._load, goodbye=True)
+        if advance:
+            self._refresh(trio.current_time())
+            assert self._record is not None
+            return self._record
+        return self._build(load=self._load)
+
+    def _build(self, *, load: Load, goodbye: bool = False) -> Announcement:
         return Announcement(
             version=__version__,
             peer_id=self.peer_id,
@@ -207,13 +295,48 @@ class Discovery:
             links=tuple(self._links[k] for k in sorted(self._links)),
             data_plane=self._data_plane,
             stages=self._stages,
-            load=self._load,
-            known_peers=known,
+            load=load,
+            known_peers=(),  # peer exchange rides on the membership messages
             probe_port=self.probe_port,
             goodbye=goodbye,
             sent_at_s=time.time(),
             extra=dict(self._extra),
+            incarnation=self.table.incarnation,
+            link_requests=self._link_requests,
         )
+
+    def _refresh(self, now: float) -> None:
+        """Publish a new record version if its content (or, rate-limited, its load) changed."""
+        content = replace(self._build(load=Load()), seq=0, sent_at_s=0.0, incarnation=0).to_wire()
+        changed = self._record is None or content != self._content
+        load_due = (
+            self._load != self._published_load
+            and now - self._load_published_at >= self.config.load_publish_every_s
+        )
+        if not (changed or load_due):
+            return
+        self._seq += 1
+        self._content = content
+        self._published_load = self._load
+        self._load_published_at = now
+        record = self._build(load=self._load)
+        blob = wire.encode(record)
+        if len(blob) > wire.MAX_ANNOUNCEMENT_BYTES:
+            log.error(
+                "our record is %d bytes, over the %d every peer accepts: not published "
+                "(publish less through set_extra/set_stages)",
+                len(blob),
+                wire.MAX_ANNOUNCEMENT_BYTES,
+            )
+            return
+        self._record = record
+        self._signed[self.peer_id] = (record.order, blob, self._sign(blob))
+        self._published += 1
+        self._dispatch(self.table.set_record(record, now))
+
+    def _sign(self, blob: bytes) -> bytes:
+        get_key = getattr(self.host, "get_private_key", None)
+        return sign_record(get_key(), blob) if get_key is not None else b""
 
     def view(self) -> dict[str, Any]:
         """The node's view of the mesh as a plain (msgpack-able) map."""
@@ -246,15 +369,17 @@ class Discovery:
             "version": __version__,
             "generated_at_s": time.time(),
             "peers": peers,
-            "links": links,
+            "links": links,  # measured, each by its src
+            "estimated_links": estimate_links(peers, links),
             "statistics": self.statistics_dict(),
         }
 
     def statistics(self) -> DiscoveryStatistics:
         t = self.table.statistics()
+        out = self._outbox.statistics()
         return DiscoveryStatistics(
-            announcements_sent=self._sent,
-            send_failures=self._send_failures,
+            announcements_sent=self._sent + out.sent,
+            send_failures=self._send_failures + out.failures,
             accepted=t.accepted,
             rejected=t.rejected,
             stale=t.stale,
@@ -263,6 +388,9 @@ class Discovery:
             joining=t.joining,
             dead_or_left=t.dead_or_left,
             link_probes=self._probes,
+            bytes_sent=out.bytes_sent,
+            records_published=self._published,
+            pulls=self.table.stats.pulls,
         )
 
     def statistics_dict(self) -> dict[str, int]:
@@ -274,7 +402,7 @@ class Discovery:
     def receive(
         self, payload: bytes, remote: PeerId, now: float | None = None
     ) -> Announcement | None:
-        """Apply one announcement payload from an authenticated peer; None if rejected.
+        """Apply one record its origin pushed to us directly; None if rejected.
 
         Never raises for anything the peer sent: bad records are counted in
         ``statistics().rejected``.
@@ -286,14 +414,43 @@ class Discovery:
                 raise RemoteProtocolError(
                     f"announcement for {record.peer_id} arrived from {remote}"
                 )
+            check_own(payload, record)
         except RemoteProtocolError as exc:
             self.table.note_rejected()
             log.debug("rejected an announcement from %s: %s", remote, exc)
             return None
-        self._emit(self.table.note_announcement(record, now))
-        for known in record.known_peers:
+        self._dispatch(self.table.note_record(record, now, direct=True))
+        self._emit(self.table.drain_events())
+        for known in record.known_peers[:MAX_CANDIDATES_PER_RECORD]:
             self._offer_candidate(known.peer_id, known.addrs, now)
         return record
+
+    def receive_message(self, payload: bytes, remote: PeerId, now: float | None = None) -> None:
+        """Apply one membership message from an authenticated peer (never raises for it)."""
+        now = trio.current_time() if now is None else now
+        try:
+            msg = decode_message(payload)
+            if msg.src != remote:
+                raise RemoteProtocolError(f"a message from {msg.src} arrived from {remote}")
+            msg = self._checked_record(msg)
+        except RemoteProtocolError as exc:
+            self.table.note_rejected()
+            log.debug("rejected a membership message from %s: %s", remote, exc)
+            return
+        self._dispatch(self.table.receive(msg, now))
+        self._emit(self.table.drain_events())
+
+    def _checked_record(self, msg: Message) -> Message:
+        """Verify a carried record's origin signature; keep the signed bytes to relay."""
+        if msg.kind is not Kind.RECORD or msg.record is None:
+            return msg
+        if not msg.record_blob:
+            raise RemoteProtocolError(f"an unsigned record of {msg.record.peer_id}")
+        record = open_record(msg.record_blob, msg.signature)
+        held = self._signed.get(record.peer_id)
+        if held is None or held[0] < record.order:
+            self._signed[record.peer_id] = (record.order, msg.record_blob, msg.signature)
+        return msg
 
     async def _handle_announce(self, stream: Any) -> None:
         remote = str(stream.muxed_conn.peer_id)
@@ -306,6 +463,21 @@ class Discovery:
             raise
         self.receive(payload, remote)
 
+    async def _handle_membership(self, stream: Any) -> None:
+        """A peer's lane: frames until it closes (or goes quiet for long)."""
+        remote = str(stream.muxed_conn.peer_id)
+        while True:
+            try:
+                payload = await wire.read_frame(
+                    stream, max_bytes=MAX_MESSAGE_BYTES, timeout_s=self._outbox.idle_s * 4
+                )
+            except (StreamReset, trio.TooSlowError):
+                return
+            except RemoteProtocolError:
+                self.table.note_rejected()
+                raise
+            self.receive_message(payload, remote)
+
     async def _handle_status(self, stream: Any) -> None:
         await wire.write_frame(stream, wire.encode(self.view()))
 
@@ -316,10 +488,11 @@ class Discovery:
     ) -> None:
         if peer_id == self.peer_id or not addrs:
             return
+        if self.table.pending_candidates >= MAX_PENDING_CANDIDATES:
+            return  # peer exchange is bounded: the rest are learnt as they answer
         now = trio.current_time() if now is None else now
         if self.table.note_candidate(peer_id, addrs, now):
-            with contextlib.suppress(trio.WouldBlock):
-                self._candidates_send.send_nowait((peer_id, addrs))
+            self._dispatch(self.table.introduce(peer_id, now))
 
     def _peer_info(self, peer_id: PeerId, addrs: Sequence[str]) -> Any:
         from libp2p.peer.id import ID
@@ -329,13 +502,55 @@ class Discovery:
         maddrs = [Multiaddr(a.split("/p2p/")[0]) for a in addrs]
         return PeerInfo(ID.from_base58(peer_id), maddrs)
 
-    async def _send(self, peer_id: PeerId, addrs: Sequence[str], payload: bytes) -> None:
-        """Send one record to one peer; failures only feed the liveness judgement."""
+    def _info_of(self, peer_id: PeerId) -> Any | None:
+        entry = self.table.entries.get(peer_id)
+        try:
+            return self._peer_info(peer_id, entry.addrs if entry else ())
+        except Exception:  # an address or id we cannot parse: nobody to send to
+            log.debug("no usable address for %s", peer_id, exc_info=True)
+            return None
+
+    def _refused(self, peer_id: PeerId) -> None:
+        now = trio.current_time()
+        self._dispatch(self.table.note_unreachable(peer_id, now))
+        self._emit(self.table.drain_events())
+
+    def _dispatch(self, msgs: list[Message]) -> None:
+        """Send what the membership core asked for (dropped while not serving)."""
+        if self._nursery is None:
+            return
+        for msg in msgs:
+            if msg.kind is Kind.RECORD and msg.record is not None:
+                held = self._signed.get(msg.record.peer_id)
+                if held is None or held[0] != msg.record.order:
+                    continue  # never relay a record we cannot show its origin signed
+                msg = replace(msg, record_blob=held[1], signature=held[2])
+            self._outbox.send(self._nursery, msg.dst, encode_message(msg))
+
+    def _emit(self, events: list[TableEvent]) -> None:
+        for event in events:
+            log.info("peer %s: %s -> %s", event.peer_id, event.old, event.new)
+            if event.new is Health.ALIVE and event.old is not Health.SUSPECT:
+                self._probe_wanted.set()
+            if event.new in (Health.DEAD, Health.LEFT):
+                self._links.pop(event.peer_id, None)
+                self._link_samples.pop(event.peer_id, None)
+                self._signed.pop(event.peer_id, None)
+                self._links_wanted.discard(event.peer_id)
+                if self._nursery is not None and event.new is Health.DEAD:
+                    self._nursery.start_soon(self._hang_up, event.peer_id)
+            for send in list(self._subscribers):
+                try:
+                    send.send_nowait(event)
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._subscribers.remove(send)
+
+    async def _send_record(self, peer_id: PeerId, addrs: Sequence[str], payload: bytes) -> None:
+        """Push one record to one peer directly (the goodbye); failures are ignored."""
         from libp2p.custom_types import TProtocol
 
-        info = self._peer_info(peer_id, addrs)
-        self._inflight.add(peer_id)
         try:
+            info = self._peer_info(peer_id, addrs)
             if info.peer_id not in self.host.get_network().connections:
                 await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
             with trio.fail_after(self.config.send_timeout_s):
@@ -350,81 +565,19 @@ class Discovery:
                         await stream.reset()
                     raise
             self._sent += 1
-        except PeerUnreachable:
+        except (MeshError, trio.TooSlowError):
             self._send_failures += 1
-            self._emit(self.table.note_refused(peer_id, trio.current_time()))
-        except (AuthenticationFailed, ConnectTimeout, trio.TooSlowError):
+        except Exception as exc:
             self._send_failures += 1
-        except Exception as exc:  # libp2p errors: a dropped connection is a refusal
-            self._send_failures += 1
-            log.debug("announcing to %s failed: %r", peer_id, exc)
-            if info.peer_id not in self.host.get_network().connections:
-                self._emit(self.table.note_refused(peer_id, trio.current_time()))
-        finally:
-            self._inflight.discard(peer_id)
-
-    def _targets(self, now: float) -> list[PeerEntry]:
-        out = []
-        for entry in self.table.dial_targets():
-            if not entry.addrs:
-                continue
-            if entry.health is Health.DEAD or (
-                entry.record is None and entry.health is Health.JOINING
-            ):
-                last = self._last_dial.get(entry.peer_id, -math.inf)
-                if now - last < self.config.dead_redial_every_s:
-                    continue
-            self._last_dial[entry.peer_id] = now
-            out.append(entry)
-        return out
-
-    async def _announce_round(self, nursery: trio.Nursery, *, goodbye: bool = False) -> None:
-        """Start one send per target; a peer whose last send is still pending is skipped."""
-        payload = wire.encode(self.local_record(goodbye=goodbye))
-        if len(payload) > wire.MAX_ANNOUNCEMENT_BYTES:
-            log.error(
-                "our announcement is %d bytes, over the %d every peer accepts: not sent "
-                "(publish less through set_extra/set_stages)",
-                len(payload),
-                wire.MAX_ANNOUNCEMENT_BYTES,
-            )
-            return
-        now = trio.current_time()
-        if goodbye:
-            live = (Health.ALIVE, Health.SUSPECT, Health.JOINING)
-            targets = [e for e in self.table.dial_targets() if e.health in live and e.record]
-        else:
-            targets = self._targets(now)
-        for entry in targets:
-            if entry.peer_id not in self._inflight:
-                nursery.start_soon(self._send, entry.peer_id, entry.addrs, payload)
-
-    def _emit(self, events: list[TableEvent]) -> None:
-        for event in events:
-            log.info("peer %s: %s -> %s", event.peer_id, event.old, event.new)
-            if event.new is Health.ALIVE and event.old is not Health.SUSPECT:
-                self._probe_wanted.set()
-            if event.new in (Health.DEAD, Health.LEFT):
-                self._links.pop(event.peer_id, None)
-                self._link_samples.pop(event.peer_id, None)
-            for send in list(self._subscribers):
-                try:
-                    send.send_nowait(event)
-                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                    self._subscribers.remove(send)
+            log.debug("goodbye to %s failed: %r", peer_id, exc)
 
     # -- services ------------------------------------------------------------------
 
-    async def _serve_announcements(self) -> None:
-        interval = self.config.policy.interval_s
-        async with trio.open_nursery() as nursery:
-            while True:
-                await self._announce_round(nursery)
-                await trio.sleep(interval)
-
-    async def _serve_liveness(self) -> None:
+    async def _serve_membership(self) -> None:
+        """The membership clock: probes, suspicions, record versions, tombstones."""
         tick_s = 0.2
         last = trio.current_time()
+        next_sweep = last + 10.0
         while True:
             now = trio.current_time()
             if now - last > max(2.0, self.config.policy.interval_s * 2):
@@ -433,11 +586,13 @@ class Discovery:
                 )
                 self.table.excuse_gap(now - last - tick_s)
             last = now
-            events = self.table.tick(now)
-            self._emit(events)
-            for event in events:
-                if event.new is Health.DEAD:
-                    await self._hang_up(event.peer_id)
+            self._refresh(now)
+            self._dispatch(self.table.tick(now))
+            self._emit(self.table.drain_events())
+            if now >= next_sweep:
+                next_sweep = now + 10.0
+                self.table.forget_tombstones(now)
+            self._read_link_requests()
             await trio.sleep(tick_s)
 
     async def _hang_up(self, peer_id: PeerId) -> None:
@@ -446,22 +601,32 @@ class Discovery:
         with trio.move_on_after(1.0), contextlib.suppress(Exception):
             await self.host.disconnect(ID.from_base58(peer_id))
 
-    async def _serve_candidates(self) -> None:
-        async with trio.open_nursery() as nursery:
-            async for peer_id, addrs in self._candidates_recv:
-                if peer_id in self._inflight:
-                    continue
-                payload = wire.encode(self.local_record())
-                self._last_dial[peer_id] = trio.current_time()
-                nursery.start_soon(self._send, peer_id, addrs, payload)
-
     def enable_link_probes(self) -> None:
         """Start measuring links (the daemon calls this once its own benchmark is done,
         so the benchmark and the probes do not compete for the CPU)."""
         self._probes_enabled.set()
 
+    def link_targets(self) -> list[PeerEntry]:
+        """Alive peers whose links we measure: a bounded neighbour sample, plus those
+        asked for through :meth:`want_links`. Never every peer in a large mesh.
+
+        Neighbours are the peers nearest to us by a hash of the two ids: stable
+        while membership is, and spread so every peer is someone's neighbour.
+        """
+        alive = self.table.alive()
+
+        def distance(entry: PeerEntry) -> bytes:
+            pair = "\x00".join(sorted((self.peer_id, entry.peer_id))).encode()
+            mine = hashlib.sha256(self.peer_id.encode()).digest()
+            theirs = hashlib.sha256(pair).digest()
+            return bytes(a ^ b for a, b in zip(mine, theirs, strict=True))
+
+        near = sorted(alive, key=distance)[: self.config.link_neighbours]
+        chosen = {e.peer_id for e in near} | self._links_wanted
+        return [e for e in alive if e.peer_id in chosen]
+
     async def _serve_links(self) -> None:
-        """Probe every alive peer on membership change (twice: once at once, once
+        """Probe the link targets on membership change (twice: once at once, once
         after things settle) and every ``link_probe_interval_s``."""
         await self._probes_enabled.wait()
         follow_up = 0
@@ -475,7 +640,7 @@ class Discovery:
                 follow_up = 2
             self._probe_wanted = trio.Event()
             follow_up = max(follow_up - 1, 0)
-            for entry in self.table.alive():
+            for entry in self.link_targets():
                 await self._probe_one(entry)
 
     async def _probe_one(self, entry: PeerEntry) -> None:
@@ -497,13 +662,18 @@ class Discovery:
             del samples[: -self.config.link_probe_window]
             # contention (CPU or other traffic) only ever lowers a sample: publish the
             # best of the recent ones as the link's capacity, and the lowest RTT
-            self._links[entry.peer_id] = LinkProfile(
+            link = LinkProfile(
                 src=self.peer_id,
                 dst=entry.peer_id,
                 rtt_s=min(x.rtt_s for x in samples),
                 bandwidth_bps=max(x.bandwidth_bps for x in samples),
                 measured_at_s=time.time(),
             )
+            old = self._links.get(entry.peer_id)
+            # every new link figure is a new record version that every member pulls:
+            # republish a link only when it moved, or to refresh its age now and then
+            if old is None or _moved(old, link) or link.measured_at_s - old.measured_at_s > 240:
+                self._links[entry.peer_id] = link
             return
 
     async def _bootstrap(self) -> None:
@@ -540,6 +710,7 @@ class Discovery:
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run discovery until cancelled; a goodbye goes out on the way down."""
         self.add_handler(wire.ANNOUNCE_PROTOCOL, self._handle_announce)
+        self.add_handler(MEMBERSHIP_PROTOCOL, self._handle_membership)
         self.add_handler(wire.STATUS_PROTOCOL, self._handle_status)
         self.addrs = expand_listen_addrs(self.host.get_transport_addrs(), self.peer_id)
         probe_host = "0.0.0.0"
@@ -547,12 +718,13 @@ class Discovery:
         try:
             async with trio.open_nursery() as nursery:
                 self.probe_port = await nursery.start(serve_probe, probe_host, self.psk)
+                self._nursery = nursery
+                self.table.addrs = self.addrs
+                self._refresh(trio.current_time())  # our first record, before anyone asks
                 await self._bootstrap()
                 if self.config.mdns:
                     mdns = self._start_mdns()
-                nursery.start_soon(self._serve_candidates)
-                nursery.start_soon(self._serve_announcements)
-                nursery.start_soon(self._serve_liveness)
+                nursery.start_soon(self._serve_membership)
                 nursery.start_soon(self._serve_links)
                 task_status.started()
         finally:
@@ -569,14 +741,83 @@ class Discovery:
         cancels its services.
         """
         self._said_goodbye = True
-        self._inflight.clear()
+        payload = wire.encode(self.local_record(goodbye=True))
+        live = (Health.ALIVE, Health.SUSPECT, Health.JOINING)
+        targets = [
+            e for e in self.table.entries.values() if e.health in live and e.ever_alive and e.addrs
+        ]
         with trio.move_on_after(grace_s):
             async with trio.open_nursery() as nursery:
-                await self._announce_round(nursery, goodbye=True)
+                for entry in targets:  # once, to each live member: they drop us at once
+                    nursery.start_soon(self._send_record, entry.peer_id, entry.addrs, payload)
+
+
+def _moved(old: LinkProfile, new: LinkProfile) -> bool:
+    """Whether a link's figures moved enough to be worth a record version: bandwidth
+    by a quarter, RTT by a quarter and at least a millisecond (loopback RTTs jitter)."""
+    rtt_moved = abs(new.rtt_s - old.rtt_s) > max(0.25 * old.rtt_s, 1e-3)
+    return rtt_moved or abs(new.bandwidth_bps - old.bandwidth_bps) > 0.25 * old.bandwidth_bps
+
+
+def _site(record: dict[str, Any]) -> tuple[str, str]:
+    """(host, /24 subnet) of a record's first IP address; empty when it has none."""
+    for addr in record.get("addrs") or ():
+        host = addr_host(str(addr))
+        if host:
+            return host, host.rsplit(".", 1)[0] if host.count(".") == 3 else host
+    return "", ""
+
+
+def estimate_links(
+    peers: Sequence[dict[str, Any]], measured: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Estimates for the missing links between live peers (pure; for display).
+
+    A missing link between two peers on one host, or on one /24 subnet, is
+    estimated as the best measured link of the same kind (same host, same
+    subnet) in the view; other pairs stay unknown. Each estimate is marked
+    ``"estimated": True`` and names the link it was taken from.
+    """
+    live = [p for p in peers if p.get("health") in ("self", "alive", "suspect")]
+    if len(live) > MAX_ESTIMATED_PEERS:
+        return []
+    site = {str(p["peer_id"]): _site(p.get("record") or {}) for p in live}
+    have = {(str(lk["src"]), str(lk["dst"])) for lk in measured}
+
+    def kind(src: str, dst: str) -> str:
+        (h1, n1), (h2, n2) = site.get(src, ("", "")), site.get(dst, ("", ""))
+        if h1 and h1 == h2:
+            return "host"
+        return "subnet" if n1 and n1 == n2 else ""
+
+    best: dict[str, dict[str, Any]] = {}
+    for lk in measured:
+        k = kind(str(lk["src"]), str(lk["dst"]))
+        if k and (k not in best or lk["bandwidth_bps"] > best[k]["bandwidth_bps"]):
+            best[k] = lk
+    out = []
+    for src in site:
+        for dst in site:
+            k = kind(src, dst)
+            if src == dst or (src, dst) in have or k not in best:
+                continue
+            ref = best[k]
+            out.append(
+                {
+                    "src": src,
+                    "dst": dst,
+                    "rtt_s": ref["rtt_s"],
+                    "bandwidth_bps": ref["bandwidth_bps"],
+                    "estimated": True,
+                    "basis": f"same {k} as {ref['src']} -> {ref['dst']}",
+                }
+            )
+    return out
 
 
 __all__ = [
     "Discovery",
     "DiscoveryConfig",
     "DiscoveryStatistics",
+    "estimate_links",
 ]

@@ -34,6 +34,7 @@ MAX_ENTRIES = {
     "links": 1024,
     "stages": 256,
     "known_peers": 1024,
+    "link_requests": 256,
 }
 _HEADER = struct.Struct(">I")
 
@@ -57,6 +58,14 @@ class KnownPeer(WireRecord):
 
     peer_id: PeerId
     addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkRequest(WireRecord):
+    """A link the sender (a coordinator) wants measured: ``src`` probes ``dst``."""
+
+    src: PeerId
+    dst: PeerId
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +97,7 @@ class Announcement(WireRecord):
     extra: dict[str, Any] = field(default_factory=dict)
     schema_version: int = 1
     incarnation: int = 0  # the membership protocol's liveness version within one boot
+    link_requests: tuple[LinkRequest, ...] = ()  # links the sender's plan lacks
 
     @property
     def order(self) -> tuple[int, int]:
@@ -209,6 +219,7 @@ __all__ = [
     "STATUS_PROTOCOL",
     "Announcement",
     "KnownPeer",
+    "LinkRequest",
     "Load",
     "decode_announcement",
     "decode_map",

@@ -289,6 +289,9 @@ class Serving:
             for link in r.links:
                 if link.src == r.peer_id and link.dst in ids:
                     links[(link.src, link.dst)] = link
+        # the plan's candidate links nobody measured yet: ask their ends to (bounded)
+        missing = [(s, d) for s in sorted(ids) for d in sorted(ids) if s != d]
+        self.node.discovery.request_links([p for p in missing if p not in links])
         return MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links)))
 
     # -- calibration (hetmesh.node.calibration) --------------------------------------
