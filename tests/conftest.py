@@ -39,6 +39,9 @@ PROCESS_TIMEOUT_S = 600.0
 SLOW_TIMEOUT_S = 300.0
 GRACE_S = 60.0
 
+# how the suite is split across xdist workers
+pytest_plugins = ["tests.scheduling"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:

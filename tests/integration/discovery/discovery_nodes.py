@@ -63,10 +63,17 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
 
 
+# the least a node process is given to start (imports, model load): see NodeProc.wait_ready
+READY_FLOOR_S = 240.0
+
+
 class NodeProc(LocalNode):
     """A node process under test: waited for, signalled, stopped."""
 
     def wait_ready(self, timeout_s: float = 90.0) -> NodeProc:
+        # a deadline only: the suite's xdist workers start meshes side by side, on a machine
+        # that may carry other load, so no start-up gets less than READY_FLOOR_S
+        timeout_s = max(timeout_s, READY_FLOOR_S)
         info_file = self.data_dir / "node.json"
 
         def ready() -> bool:

@@ -166,7 +166,7 @@ def test_wrong_or_missing_secret_fails_fast_and_never_joins(
     name = f"stranger-{secret or 'none'}"
     stranger = factory.start(*LOOPBACK, "--bootstrap", target.addr, secret=secret, name=name)
     try:
-        code = stranger.proc.wait(timeout=90)  # start-up (imports) included: a deadline only
+        code = stranger.proc.wait(timeout=240)  # start-up (imports) included: a deadline only
     except subprocess.TimeoutExpired:
         pytest.fail(f"a node without the secret kept running:\n{stranger.log()}")
     log = stranger.log()

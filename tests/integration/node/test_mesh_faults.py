@@ -61,7 +61,7 @@ async def test_generation_survives_losing_the_serving_replica(
     expected = reference_ids(default_model_dir, ids, NEW_TOKENS)
     with running_mesh(tmp_path, 4, *step_args) as nodes:
         # calibrating nodes replan as their measurements arrive: allow for that
-        await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=240))
+        await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=360))
         plan = newest_in_view(await view_of(nodes[0]))
         assert plan is not None
         primary, replica = plan.pipelines[0], plan.pipelines[1]

@@ -1,0 +1,127 @@
+"""How the suite is split across pytest-xdist workers (``-n`` in pyproject.toml's addopts).
+
+Most of the suite's time is spent waiting: node processes starting, a model loading,
+liveness and calibration intervals. Several workers overlap those waits, and on a machine
+loaded by other work they also win the suite a larger share of the CPU.
+
+- **A test file is the unit of work** (``--dist loadfile``), run whole on one worker, so
+  a module-scoped mesh starts once, never once per worker.
+- **Files that build network namespaces share a lane** and run one after another on one
+  worker: the testbed lane (cgroup limits and ``tc`` shaping, whose measured bounds
+  should not compete with a second testbed) and the LAN lane (mDNS and peers between
+  namespaces). The controller knows a test by its id only, so a file joins a lane when
+  its text applies the ``netns`` marker.
+- **The heaviest files are handed out first**: the lanes, then files that start
+  processes or load the model, then other slow ones, then the rest, so a long file never
+  starts last. Each file's own order is kept.
+
+``-n auto`` (addopts) means :data:`WORKERS` workers, or none under ``--pdb``; ``-n 0``
+runs the suite in one process, and then nothing here applies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# xdist workers for `-n auto` (addopts), unless PYTEST_XDIST_AUTO_NUM_WORKERS says. Two:
+# each worker may be starting a mesh of node processes, and on two cores a third meant
+# three meshes' start-ups at once; every test must stay correct at half its CPU share.
+WORKERS = 2
+HEAVY_MARKERS = ("multiprocess", "model")
+# test files whose namespaces carry cgroup limits or tc shaping (paths under tests/)
+TESTBED_FILES = ("integration/testbed/", "integration/discovery/test_netns_helper.py")
+# ``pytestmark = [..., pytest.mark.netns, ...]`` or ``@pytest.mark.netns`` on a test
+MODULE_MARKS = re.compile(r"^pytestmark\s*=\s*(\[[^\]]*\]|.*)$", re.MULTILINE)
+TEST_NETNS_MARK = re.compile(r"^\s*@pytest\.mark\.netns\b", re.MULTILINE)
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def applies_netns(text: str) -> bool:
+    """Whether a test file's source marks its module or one of its tests ``netns``."""
+    module = MODULE_MARKS.search(text)
+    return bool(module and "mark.netns" in module.group(1)) or bool(TEST_NETNS_MARK.search(text))
+
+
+def lane_of(path: str, netns: bool) -> str:
+    """The work unit of a test file: the file itself, or a shared lane for netns files."""
+    if not netns:
+        return path
+    if any(part in path for part in TESTBED_FILES):
+        return "netns-testbed"
+    return "netns-lan"
+
+
+def rank_of(markers: set[str]) -> int:
+    """Lower runs first: netns files, process/model files, other slow files, the rest."""
+    if "netns" in markers:
+        return 0
+    if markers.intersection(HEAVY_MARKERS):
+        return 1
+    if "slow" in markers:
+        return 2
+    return 3
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """:data:`WORKERS`, whatever the core count."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own rule reads it
+    return WORKERS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a worker: order the files heaviest kind first (xdist hands them out in this order)."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker: collection order
+        return
+    markers: dict[str, set[str]] = defaultdict(set)
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        path = file_of(item.nodeid)
+        markers[path].update(m.name for m in item.iter_markers())
+        first_seen.setdefault(path, index)
+    for path, names in markers.items():
+        # the controller puts netns files in a lane by their text: it must see each one
+        if "netns" in names and not applies_netns((config.rootpath / path).read_text()):
+            raise pytest.UsageError(
+                f"{path}: mark netns tests with `pytestmark = [pytest.mark.netns, ...]` or "
+                "`@pytest.mark.netns` (tests/scheduling.py runs such files one at a time)"
+            )
+    items.sort(
+        key=lambda item: (rank_of(markers[file_of(item.nodeid)]), first_seen[file_of(item.nodeid)])
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, with the netns files of each lane as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = Path(config.rootpath)
+
+    @cache
+    def netns_file(path: str) -> bool:
+        try:
+            return applies_netns((root / path).read_text())
+        except OSError:
+            return False
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = file_of(nodeid)
+            return lane_of(path, netns_file(path))
+
+    return LaneScheduling(config, log)
