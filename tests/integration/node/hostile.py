@@ -190,7 +190,8 @@ async def attack(nodes: list[Any], extras: dict[str, dict[str, Any]]) -> tuple[i
             (what, (extra, ()), True) for what, extra in plan_forgeries(hostile, plan, signature)
         ]
         phases += [
-            ("another peer's device", ({}, (forged_device(victim),)), True),
+            # refused whole: a record naming another peer's device is not its origin's
+            ("another peer's device", ({}, (forged_device(victim),)), False),
             ("1e30 FLOP/s", ({}, (forged_device(hostile.peer_id, matmul_flops=1e30),)), False),
             (
                 "NaN bandwidth",

@@ -125,9 +125,14 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                 j.serving.shards.bytes_fetched for j in joiners
             )
 
-            # a lying holder: the first node corrupts what it sends from now on
-            honest = joiners[0]
-            start, end = min(_stages(honest))
+            # a lying holder: the first node corrupts what it sends from now on. The fetch
+            # asks for the joiners' largest stage (a plan may give a joiner only the head)
+            # through the other joiner's discovery
+            honest, (start, end) = max(
+                ((j, s) for j in joiners for s in _stages(j)),
+                key=lambda js: len(tensors_for_units(manifest, *js[1])),
+            )
+            other = joiners[1] if honest is joiners[0] else joiners[0]
             entries = tensors_for_units(manifest, start, end)
             assert len(entries) >= 4
             lies: list[str] = []
@@ -146,7 +151,7 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                 cache.tensor_path(honest.serving.shards.folder, kept),
                 cache.tensor_path(folder, kept),
             )
-            fetcher = Shards(joiners[1].discovery, folder, manifest, partial=True)
+            fetcher = Shards(other.discovery, folder, manifest, partial=True)
             assert set(fetcher.holders(start)) >= {holder.peer_id, honest.peer_id}
             await fetcher.ensure(start, end)
             assert lies, "the liar was never asked"
@@ -168,7 +173,7 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
             again = await trio.to_thread.run_sync(
                 cache.open_folder, tmp_path / "again", manifest, manifest.id
             )
-            first = Shards(joiners[1].discovery, again, manifest, partial=True, parallel=1)
+            first = Shards(other.discovery, again, manifest, partial=True, parallel=1)
             with trio.move_on_after(300) as interrupted:
                 async with trio.open_nursery() as fetching:
                     fetching.start_soon(first.ensure, start, end)
@@ -177,7 +182,7 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
             assert not interrupted.cancelled_caught
             on_disk = [t for t in entries if cache.has_tensor(again, t)]
             assert 2 <= len(on_disk) < len(entries)
-            resumed = Shards(joiners[1].discovery, again, manifest, partial=True, parallel=1)
+            resumed = Shards(other.discovery, again, manifest, partial=True, parallel=1)
             async with trio.open_nursery() as fetching:
                 fetching.start_soon(resumed.ensure, start, end)
                 await until(lambda: resumed.tensors_fetched >= 1, 120, "the fetch to resume")
