@@ -5,40 +5,16 @@ from __future__ import annotations
 import math
 
 from hetmesh.node.calibration import measured_constraints
-from hetmesh.partition.profile import llama_like_config, model_profile
-from hetmesh.resources import DeviceProfile, LinkProfile
+from hetmesh.resources import LinkProfile
 from hetmesh.scheduler import PlanConstraints, evaluate, plan
 from hetmesh.scheduler.records import Plan, device_key
+from tests.unit.scheduler.sched_helpers import cpu_device, toy_cpu_model
 
 GIB = 1024**3
-MODEL = model_profile(
-    llama_like_config(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=2048,
-        max_position_embeddings=512,
-    ),
-    dtype="float32",
-    name="toy",
-)
+MODEL = toy_cpu_model(8)
 UNITS = MODEL.num_units
 PEERS = ("a", "b")
-DEVICES = tuple(
-    DeviceProfile(
-        peer_id=p,
-        device="cpu",
-        backend="cpu",
-        name=p,
-        memory_total_bytes=4 * GIB,
-        memory_free_bytes=4 * GIB,
-        matmul_flops=5e10,
-        memory_bandwidth_bps=2e10,
-    )
-    for p in PEERS
-)
+DEVICES = tuple(cpu_device(p) for p in PEERS)
 LINKS = tuple(
     LinkProfile(src=x, dst=y, rtt_s=1e-4, bandwidth_bps=1e9) for x in PEERS for y in PEERS if x != y
 )

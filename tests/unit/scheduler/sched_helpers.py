@@ -61,3 +61,22 @@ def toy_model(layers: int = 8, hidden: int = 512, vocab: int = 4096) -> ModelPro
         max_position_embeddings=2048,
     )
     return model_profile(config, dtype="float16", name=f"toy-{layers}")
+
+
+def toy_cpu_model(layers: int = 6) -> ModelProfile:
+    """A small llama in float32 (256 wide, 4 heads, 2,048 words), named ``toy``."""
+    config = llama_like_config(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=2048,
+        max_position_embeddings=512,
+    )
+    return model_profile(config, dtype="float32", name="toy")
+
+
+def cpu_device(peer: str, memory: int = 4 * GIB) -> DeviceProfile:
+    """A modest CPU: 50 GFLOP/s, 20 GB/s."""
+    return device(peer, memory=memory, flops=5e10, bandwidth=2e10, backend="cpu")

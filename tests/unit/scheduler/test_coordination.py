@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from hetmesh.partition.profile import llama_like_config, model_profile
-from hetmesh.resources import DeviceProfile, LinkProfile
+from hetmesh.resources import LinkProfile
 from hetmesh.scheduler import MeshSnapshot, PlanConstraints, evaluate, plan
 from hetmesh.scheduler.coordination import (
     INHERITED_REASON,
@@ -29,38 +28,15 @@ from hetmesh.scheduler.coordination import (
 )
 from hetmesh.scheduler.plan_trust import MAX_EPOCH
 from hetmesh.scheduler.records import Plan
+from tests.unit.scheduler.sched_helpers import cpu_device as device
+from tests.unit.scheduler.sched_helpers import toy_cpu_model
 
 GIB = 1024**3
-MODEL = model_profile(
-    llama_like_config(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=2048,
-        max_position_embeddings=512,
-    ),
-    dtype="float32",
-    name="toy",
-)
+MODEL = toy_cpu_model()
 OTHER_MODEL = dataclasses.replace(MODEL, name="other")
 LIMITS = PlanConstraints(max_context_tokens=128, reserve_bytes=0, reserve_fraction=0.0)
 HETMESH = CoordinatorConfig(model=MODEL, standby=False)
 HINT = "; try compact weights"
-
-
-def device(peer: str, memory: int = 4 * GIB) -> DeviceProfile:
-    return DeviceProfile(
-        peer_id=peer,
-        device="cpu",
-        backend="cpu",
-        name=peer,
-        memory_total_bytes=memory,
-        memory_free_bytes=memory,
-        matmul_flops=5e10,
-        memory_bandwidth_bps=2e10,
-    )
 
 
 def mesh(*peers: str, memory: int = 4 * GIB) -> MeshSnapshot:

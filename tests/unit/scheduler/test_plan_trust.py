@@ -18,8 +18,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from hetmesh.partition.profile import llama_like_config, model_profile
-from hetmesh.resources import DeviceProfile, LinkProfile
+from hetmesh.resources import LinkProfile
 from hetmesh.scheduler import MeshSnapshot, PlanConstraints, evaluate
 from hetmesh.scheduler.announcement import ServingAnnouncement, read_offer, serving_extra
 from hetmesh.scheduler.plan_trust import (
@@ -31,36 +30,13 @@ from hetmesh.scheduler.plan_trust import (
     plan_refusal,
 )
 from hetmesh.scheduler.records import Plan, WeightBytes, device_key
+from tests.unit.scheduler.sched_helpers import cpu_device as device
+from tests.unit.scheduler.sched_helpers import toy_cpu_model
 
 GIB = 1024**3
-MODEL = model_profile(
-    llama_like_config(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=2048,
-        max_position_embeddings=512,
-    ),
-    dtype="float32",
-    name="toy",
-)
+MODEL = toy_cpu_model()
 UNITS = MODEL.num_units
 LIMITS = PlanConstraints(max_context_tokens=128, reserve_bytes=0, reserve_fraction=0.0)
-
-
-def device(peer: str, memory: int = 4 * GIB) -> DeviceProfile:
-    return DeviceProfile(
-        peer_id=peer,
-        device="cpu",
-        backend="cpu",
-        name=peer,
-        memory_total_bytes=memory,
-        memory_free_bytes=memory,
-        matmul_flops=5e10,
-        memory_bandwidth_bps=2e10,
-    )
 
 
 PEERS = ("a", "b", "c")
