@@ -213,15 +213,25 @@ class CheckpointReader:
             return handle, 0, {name: info}
         try:
             handle = self._stack.enter_context(open(file, "rb"))  # noqa: SIM115
-            (size,) = struct.unpack("<Q", handle.read(8))
-            if size > _MAX_HEADER_BYTES:
-                raise ValueError(f"header of {size} bytes")
-            header = json.loads(handle.read(size))
-        except (OSError, ValueError, struct.error) as exc:
+        except OSError as exc:
             raise CorruptModel(f"{file}: unreadable safetensors ({brief_error(exc)})") from exc
-        if not isinstance(header, dict):
-            raise CorruptModel(f"{file}: unreadable safetensors (header is not an object)")
-        return handle, 8 + size, header
+        start, header = read_safetensors_header(handle, file)
+        return handle, start, header
+
+
+def read_safetensors_header(handle: BinaryIO, file: Path) -> tuple[int, dict[str, Any]]:
+    """Where the data of an open safetensors file starts, and its parsed JSON header
+    (``__metadata__`` included); ``CorruptModel`` naming ``file`` if it is not one."""
+    try:
+        (size,) = struct.unpack("<Q", handle.read(8))
+        if size > _MAX_HEADER_BYTES:
+            raise ValueError(f"header of {size} bytes")
+        header = json.loads(handle.read(size))
+    except (OSError, ValueError, struct.error) as exc:
+        raise CorruptModel(f"{file}: unreadable safetensors ({brief_error(exc)})") from exc
+    if not isinstance(header, dict):
+        raise CorruptModel(f"{file}: unreadable safetensors (header is not an object)")
+    return 8 + size, header
 
 
 def float_state_dict(folder: Path) -> dict[str, torch.Tensor]:

@@ -23,13 +23,13 @@ import json
 import logging
 import os
 import re
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hetmesh.errors import CorruptModel, ModelError
+from hetmesh.partition.checkpoint import read_safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ SIDE_FILES: tuple[str, ...] = (
 )
 MAX_SIDE_FILE_BYTES = 64 * 2**20
 MAX_TENSORS = 1 << 16
-MAX_HEADER_BYTES = 100 * 2**20
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 20
@@ -190,19 +189,14 @@ def units_present(manifest: Manifest, present: Iterable[str]) -> list[int]:
 
 
 def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """Where the data of a safetensors file starts, and its parsed header."""
+    """Where the data of a safetensors file starts, and its parsed header (tensors only)."""
     try:
         with open(path, "rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            if size > MAX_HEADER_BYTES:
-                raise ValueError(f"header of {size} bytes")
-            header = json.loads(handle.read(size))
-    except (OSError, ValueError, struct.error) as exc:
+            start, header = read_safetensors_header(handle, path)
+    except OSError as exc:
         raise CorruptModel(f"{path}: unreadable safetensors header ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CorruptModel(f"{path}: safetensors header is not an object")
     header.pop("__metadata__", None)
-    return 8 + size, header
+    return start, header
 
 
 def build_manifest(folder: Path, *, model: str | None = None) -> Manifest:
