@@ -18,7 +18,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-NODE_ARGS = ["--max-memory", "500MiB", "--max-sessions", "8", "--max-context", "1024"]
+# no prefix cache: the repeats reuse one prompt, and TTFT here measures a prefill
+# (bench/kv.py measures the cache)
+NODE_ARGS = [
+    "--max-memory",
+    "500MiB",
+    "--max-sessions",
+    "8",
+    "--max-context",
+    "1024",
+    "--no-prefix-cache",
+]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
