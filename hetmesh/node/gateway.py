@@ -463,6 +463,10 @@ class Gateway:
                     if isinstance(frame, Error):
                         error = error_from_wire(frame.code, frame.message)
                         if isinstance(error, InvalidRequest):
+                            if frame.message.startswith("unknown session "):
+                                # a stage let the session go (preempted: its Rejected may
+                                # come second) before this step reached it: resume
+                                raise _Preempted(frame.message)
                             raise error
                         if isinstance(error, Rejected):  # only a preemption sends it here
                             raise _Preempted(frame.message)
