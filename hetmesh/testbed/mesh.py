@@ -52,6 +52,10 @@ class HostSpec:
     rate: str | None = None  # tc tbf rate of its access link, e.g. "50mbit"
     max_memory: str | None = None  # --max-memory: what the node offers to the planner
     args: tuple[str, ...] = ()
+    # the node's data-plane backends in preference order; empty: the node's default, so
+    # links negotiate as between real hosts (direct TCP to the peer's bridge address,
+    # through each host's shaped link); ("libp2p",) for a test that wants the fallback
+    backends: tuple[str, ...] = ()
 
 
 def why_no_testbed() -> str | None:
@@ -121,9 +125,11 @@ class MeshTestbed:
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / "node.json").unlink(missing_ok=True)
         config = data_dir / "node.toml"
-        # no direct TCP endpoint is reachable across namespaces at 127.0.0.1:
-        # the data plane rides libp2p (through each host's shaped link)
-        config.write_text('backends = ["libp2p"]\n')
+        # the node's data plane listens on its --listen address (the bridge's subnet),
+        # which every other host reaches: only the backends a spec asks for are forced
+        config.write_text(
+            f"backends = {json.dumps(list(spec.backends))}\n" if spec.backends else ""
+        )
         argv = [
             sys.executable,
             "-m",
