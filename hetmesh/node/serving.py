@@ -109,6 +109,7 @@ from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequ
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator
 from hetmesh.scheduler.router import route
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
+from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
 from hetmesh.transport.frames import Cancel
 
@@ -220,7 +221,11 @@ class Serving:
             gloo="torchdist" in self.config.backends,
             device=self.node.config.device,
         )
-        async with open_data_plane(plane_config) as plane, trio.open_nursery() as nursery:
+        async with (
+            open_data_plane(plane_config) as plane,
+            open_data_plane(shard_plane_config(plane_config)) as shard_plane,
+            trio.open_nursery() as nursery,
+        ):
             self.plane = plane
             self._nursery = nursery
             self.pool = LinkPool(
@@ -242,6 +247,9 @@ class Serving:
             self.shards = await open_shards(discovery, self.model_dir, self.model_key)
             if self.shards is not None:
                 discovery.add_handler(SHARDS_PROTOCOL, self.shards.handle)
+                # tensors over the data plane; the protocol above is the fallback
+                links = self.shards.attach_links(self.node.host, shard_plane)
+                discovery.add_handler(SHARD_LINK_PROTOCOL, links.handle)
             await self._calibrate_here()  # announced with (before) the model: planned together
             self._announce(self._with_held(model=self.model_key))
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)

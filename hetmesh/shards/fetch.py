@@ -1,17 +1,22 @@
-"""Serving and fetching a model's tensors between peers, over a bounded libp2p protocol.
+"""Serving and fetching a model's tensors between peers, over the data plane.
 
 ```
 Serving.serve ── Shards (one per node, for the model it serves)
+                   ├── links                /hetmesh/shards/link/1.0.0: tensors over the
+                   │                        data plane (shm/tcp; hetmesh.shards.links)
                    ├── handle(stream)      /hetmesh/shards/1.0.0: one request, one reply
                    └── ensure(start, end)  before a stage loads: fetch what is missing
 join_from_mesh(node, spec) ── a node with no model: the manifest and its small files
 ```
 
-A request is one msgpack frame ``{"manifest": id, "kind": "manifest" | "file" |
-"tensor", "name": str}``; the reply is one frame, ``0x00`` + the bytes or ``0x01``
-+ a one-line error. Every length is bounded by the manifest (a reply may not
-exceed the byte length the manifest gives the thing asked for), so a peer cannot
-make us read more than we expect.
+Tensors travel over a negotiated data-plane link (:mod:`hetmesh.shards.links`)
+where the pair has a direct one; the libp2p protocol below is the fallback, and
+carries the manifest and the small files of a joining node (before its data
+plane is up). On the libp2p protocol a request is one msgpack frame
+``{"manifest": id, "kind": "manifest" | "file" | "tensor", "name": str}``; the reply
+is one frame, ``0x00`` + the bytes or ``0x01`` + a one-line error. Every length is
+bounded by the manifest (a reply may not exceed the byte length the manifest gives
+the thing asked for), so a peer cannot make us read more than we expect.
 
 Fetching is verified and resumable (:mod:`hetmesh.shards.cache`): each tensor
 is checked against its sha256 before it is written, atomically; tensors on disk
@@ -42,6 +47,7 @@ from hetmesh.errors import CorruptModel, MeshError, ModelError, ModelNotFound
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import read_serving
 from hetmesh.shards import cache
+from hetmesh.shards.links import DIRECT_UNAVAILABLE, ShardLinks
 from hetmesh.shards.manifest import (
     Manifest,
     TensorEntry,
@@ -124,6 +130,16 @@ class Shards:
         self._began = 0.0
         self._ended = 0.0
         self.missing = ""
+        self.links: ShardLinks | None = None  # the data-plane path (attach_links)
+
+    def attach_links(self, host: Any, plane: Any) -> ShardLinks:
+        """Fetch and serve tensors over data-plane links negotiated with ``plane`` (the
+        caller registers the returned links' ``handle`` for their protocol)."""
+        self.links = ShardLinks(host, plane, self._answer, self._count_served)
+        return self.links
+
+    def _count_served(self, nbytes: int) -> None:
+        self.bytes_served += nbytes
 
     # -- what we hold -----------------------------------------------------------
 
@@ -235,7 +251,12 @@ class Shards:
         missing = [t for t in wanted if not cache.has_tensor(self.folder, t)]
         if missing:
             await self._wait_for_holders(missing, self._holder_wait_s)
-            await self._fetch_all(missing, f"units [{start}, {end})")
+            try:
+                await self._fetch_all(missing, f"units [{start}, {end})")
+            finally:
+                if self.links is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.links.aclose_idle()
         self._held = self._scan()
 
     async def _wait_for_holders(self, missing: Sequence[TensorEntry], wait_s: float) -> None:
@@ -369,6 +390,7 @@ class Shards:
         try:
             helper = Shards(self.discovery, folder, self.manifest, partial=True)
             helper._avoided = self._avoided  # a liar found by either is avoided by both
+            helper.links = self.links
             await helper.ensure(start, end)
             self.bytes_fetched += helper.bytes_fetched
             self.verification_failures += helper.verification_failures
@@ -383,7 +405,15 @@ class Shards:
         log.warning("%s sent bytes of %s that do not match the manifest: avoiding it", peer, what)
 
     async def _request(self, peer: PeerId, kind: str, name: str, nbytes: int) -> bytes | None:
-        """The bytes ``peer`` sends for (kind, name), or None if it failed (logged)."""
+        """The bytes ``peer`` sends for (kind, name), or None if it failed (logged):
+        over a direct data-plane link where the pair has one, else over libp2p."""
+        if self.links is not None:
+            message = {"manifest": self.manifest_id, "kind": kind, "name": name}
+            timeout_s = 30.0 + nbytes / _MIN_RATE_BPS
+            data = await self.links.request(peer, message, nbytes, timeout_s=timeout_s)
+            if data is not DIRECT_UNAVAILABLE:
+                assert data is None or isinstance(data, bytes)
+                return data
         return await request_bytes(
             self.discovery, peer, self.manifest_id, kind, name, max_bytes=nbytes
         )

@@ -5,7 +5,8 @@ model): the first holds the converted model; two start with ``--model mesh``
 and empty caches, take the manifest, config and tokenizer from it, and fetch
 exactly their stages' tensors before serving. No node can hold the whole model
 alone, so the plan uses all three. The generation equals the single-process
-reference, and each joining node's cache holds only the units it serves.
+reference, and each joining node's cache holds only the units it serves; every
+tensor came over a data-plane link (shm: the nodes share a host), not libp2p.
 
 The same mesh then checks a lying holder: a fresh fetch of a stage both the
 first node and a joiner hold, with the first node flipping a byte of every
@@ -115,6 +116,9 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                     manifest.tensor(n).nbytes for n in wanted
                 )
                 assert shards.verification_failures == 0
+                # every tensor came over a data-plane link (one host: shm), none over libp2p
+                assert shards.links is not None
+                assert shards.links.bytes_by_backend == {"shm": shards.bytes_fetched}
             calibrated = joiners[1].serving._announced.calibration
             assert calibrated is not None
             assert calibrated.block_step_s != 0.002  # measured here, not the figure given
@@ -152,6 +156,8 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                 cache.tensor_path(folder, kept),
             )
             fetcher = Shards(other.discovery, folder, manifest, partial=True)
+            fetcher.links = other.serving.shards.links  # the lies travel the data plane
+            direct_before = sum(fetcher.links.bytes_by_backend.values())
             assert set(fetcher.holders(start)) >= {holder.peer_id, honest.peer_id}
             await fetcher.ensure(start, end)
             assert lies, "the liar was never asked"
@@ -161,6 +167,10 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
             assert holder.peer_id not in fetcher.holders(start)
             assert fetcher.bytes_fetched == sum(t.nbytes for t in entries) - kept.nbytes
             assert fetcher.bytes_by_peer == {honest.peer_id: fetcher.bytes_fetched}
+            # lies and truth alike came over the link
+            assert sum(fetcher.links.bytes_by_backend.values()) - direct_before >= (
+                fetcher.bytes_fetched
+            )
             for t in entries:
                 assert (
                     cache.tensor_path(folder, t).read_bytes()
@@ -183,6 +193,7 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
             on_disk = [t for t in entries if cache.has_tensor(again, t)]
             assert 2 <= len(on_disk) < len(entries)
             resumed = Shards(other.discovery, again, manifest, partial=True, parallel=1)
+            resumed.links = other.serving.shards.links  # a link to the dying holder breaks
             async with trio.open_nursery() as fetching:
                 fetching.start_soon(resumed.ensure, start, end)
                 await until(lambda: resumed.tensors_fetched >= 1, 120, "the fetch to resume")
