@@ -179,6 +179,8 @@ class Shards:
             "fetch_done_bytes": stats.fetch_done_bytes,
             "fetch_total_bytes": stats.fetch_total_bytes,
             "fetch_rate_bps": stats.fetch_rate_bps,
+            # of bytes_fetched, those that came over a direct data-plane link (not libp2p)
+            "bytes_direct": sum(self.links.bytes_by_backend.values()) if self.links else 0,
         }
 
     # -- serving peers ----------------------------------------------------------
