@@ -1,24 +1,27 @@
 """Weights over the mesh: what a node with no model fetches, how fast, and when it serves.
 
-    python bench/shards.py            # table
-    python bench/shards.py --json     # one JSON object
+    python bench/shards.py                    # table (loopback, in one process)
+    python bench/shards.py --json             # one JSON object
+    python bench/shards.py --json --testbed   # on the testbed's namespaces (root)
 
 Loopback, in one process: three daemons with the default model in float32
 (each offered ``--memory-mib``, so the plan needs all three); the first holds
 the converted model, the other two start with ``--model mesh`` and empty caches
-and fetch their stages' tensors from it (and from each other) over
-``/hetmesh/shards/1.0.0``. Reported per joining node:
+and fetch their stages' tensors from it (and from each other) over data-plane
+links (shm: one host). ``--testbed``: the same with three ``hetmesh node
+start`` processes on emulated hosts (hetmesh/testbed), the third behind a
+50 Mbit/s ``tc tbf`` link; tensors travel over direct TCP between namespaces.
+Reported per joining node:
 
 * ``fetched_ratio``: bytes fetched ÷ the stored bytes of the tensors its stages
   load (config and tokenizer files are fetched besides, listed apart);
 * ``fetch_rate_bps``: bytes fetched ÷ the time its fetch took;
-* ``start_to_serving_s``: from ``run_node`` to its stage serving, against the
-  holder's own (which had the model on disk);
+* ``start_to_serving_s``: from starting the node to its stage serving, against
+  the holder's own (which had the model on disk);
 
 and whether a greedy generation through the mesh equals the single-process
-reference. Not here yet (issue 15, item 5): the same on the testbed's
-namespaces with a 50 Mbit/s shaped link (``shaped_link_utilisation``); the
-testbed still forces the libp2p data plane.
+reference. On the testbed also ``shaped_link_utilisation``: the shaped host's
+fetch rate ÷ the bandwidth the mesh measured on its links.
 """
 
 from __future__ import annotations
@@ -128,16 +131,142 @@ async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def _testbed(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.shards.manifest import load_or_build, tensors_for_units
+    from hetmesh.testbed.mesh import HostSpec, open_mesh_testbed, plan_of, wait_for
+
+    model_dir = resolve_model()
+    manifest = load_or_build(model_dir)
+    reference = list(
+        LocalPipeline.load(model_dir, 1).generate_ids(
+            PROMPT_IDS, SamplingParams(max_new_tokens=args.tokens)
+        )
+    )
+    memory = f"{args.memory_mib}MiB"
+    caches = {h: tmp / f"cache{h}" for h in (1, 2)}
+    specs = [
+        HostSpec(max_memory=memory),
+        HostSpec(max_memory=memory, args=("--model", "mesh", "--cache-dir", str(caches[1]))),
+        HostSpec(
+            max_memory=memory,
+            rate=args.rate,
+            args=("--model", "mesh", "--cache-dir", str(caches[2])),
+        ),
+    ]
+    node_args = ("--max-sessions", "2", "--max-context", "256", "--block-step-ms", "2")
+    out: dict[str, Any] = {
+        "manifest": manifest.id,
+        "side_file_bytes": sum(f.nbytes for f in manifest.files),
+        "shaped_rate": args.rate,
+        "nodes": [],
+    }
+    (tmp / "bed").mkdir()
+    with open_mesh_testbed(tmp / "bed", specs) as bed:
+        started = {0: time.monotonic()}
+        first = bed.start_node(0, *node_args).wait_up(args.timeout_s)
+        for h in (1, 2):
+            started[h] = time.monotonic()
+            bed.start_node(h, *node_args, bootstrap=first.addr)
+        serving_at: dict[int, float] = {}
+
+        def all_serving() -> bool:
+            try:
+                view = bed.status()
+            except (RuntimeError, ValueError, OSError):
+                return False
+            now = time.monotonic()
+            for node in bed.nodes:  # a joiner's node.json may come only once it serves
+                if not node.info and (node.data_dir / "node.json").exists():
+                    node.wait_up(10)
+            hosts = {n.peer_id: n.host for n in bed.nodes if n.info}
+            for peer in view["peers"]:
+                h = hosts.get(peer["peer_id"])
+                stages = (peer.get("record") or {}).get("stages") or ()
+                if h is not None and h not in serving_at and any(s.get("ready") for s in stages):
+                    serving_at[h] = now - started[h]
+            return len(serving_at) == 3
+
+        wait_for(all_serving, args.timeout_s, "all three hosts to serve", every_s=0.5)
+        for node in bed.nodes:
+            node.wait_up(args.timeout_s)
+        view = bed.wait_serving(args.timeout_s)
+        (got,) = bed.generate(PROMPT_IDS, args.tokens)
+        out["equal_to_reference"] = got.get("tokens") == reference
+        plan = plan_of(view)
+        assert plan is not None
+        hosts = bed.peer_host()
+        peer_of = {h: p for p, h in hosts.items()}
+        stages = {
+            h: [(s.start, s.end) for s in plan.pipelines[0].stages if hosts[s.peer_id] == h]
+            for h in (0, 1, 2)
+        }
+        needed = {
+            h: sum(t.nbytes for a, b in stages[h] for t in tensors_for_units(manifest, a, b))
+            for h in (1, 2)
+        }
+
+        def counters() -> dict[int, dict[str, Any]] | None:
+            found = {}
+            for peer in bed.status()["peers"]:
+                h = hosts.get(peer["peer_id"])
+                shards = ((peer.get("record") or {}).get("extra") or {}).get("shards") or {}
+                if h is not None:
+                    found[h] = shards
+            done = all(found.get(h, {}).get("bytes_fetched", 0) >= needed[h] for h in (1, 2))
+            return found if done and len(found) == 3 else None
+
+        shards = wait_for(counters, 60, "the joiners' shard counters", every_s=1.0)
+        shaped = float(shards[2]["fetch_rate_bps"])
+
+        def shaped_links() -> list[float] | None:
+            found = [
+                float(lk["bandwidth_bps"])
+                for lk in bed.status()["links"]
+                if peer_of[2] in (lk["src"], lk["dst"])
+            ]
+            return found if len(found) >= 2 else None
+
+        measured = wait_for(shaped_links, 150, "the shaped host's links measured", every_s=2.0)
+        bandwidth = sorted(measured)[len(measured) // 2]  # the median of its probes
+        out["shaped_link_measured_bps"] = round(bandwidth)
+        out["shaped_link_fetch_rate_bps"] = round(shaped)
+        out["shaped_link_utilisation"] = round(shaped / bandwidth, 3)
+        for h in (0, 1, 2):
+            row: dict[str, Any] = {
+                "role": "holder" if h == 0 else "joiner",
+                "host": h,
+                "stages": [list(s) for s in stages[h]],
+                "start_to_serving_s": round(serving_at[h], 2),
+            }
+            if h > 0:
+                fetched = int(shards[h]["bytes_fetched"])
+                row["bytes_fetched"] = fetched
+                row["bytes_direct"] = int(shards[h].get("bytes_direct", 0))
+                row["stage_tensor_bytes"] = needed[h]
+                row["fetched_ratio"] = round(fetched / max(1, needed[h]), 4)
+                row["fetch_rate_bps"] = round(float(shards[h]["fetch_rate_bps"]))
+                row["shaped"] = specs[h].rate is not None
+            else:
+                row["bytes_served"] = int(shards[0].get("bytes_served", 0))
+            out["nodes"].append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--memory-mib", type=int, default=360)
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--testbed", action="store_true", help="emulated hosts (root)")
+    parser.add_argument("--rate", default="50mbit", help="--testbed: the shaped host's link")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        result = trio.run(_run, args, Path(tmp))
+        result = _testbed(args, Path(tmp)) if args.testbed else trio.run(_run, args, Path(tmp))
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
