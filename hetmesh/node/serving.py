@@ -191,6 +191,7 @@ class Serving:
         self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
+        self._mine: set[tuple[int, int]] = set()  # the stages the followed plan gives us
         self._changed = trio.Event()
         self._started_at = trio.current_time()
         self.tokenizer: Any = None
@@ -571,12 +572,20 @@ class Serving:
             for s in p.stages
             if s.peer_id == self.node.peer_id
         }
-        for key, served in self._served.items():
-            served.retiring = key not in mine
+        self._mine = mine
         assert self._nursery is not None
         for key in sorted(mine - self._served.keys() - self._loading):
             self._loading.add(key)
             self._nursery.start_soon(self._load_stage, *key)
+        self._swap()
+
+    def _swap(self) -> None:
+        """Retire the stages the followed plan no longer gives us, but only once every stage
+        it does give us is loaded: until then the old ones keep serving (and admitting),
+        also when a new stage's fetch or load fails for good."""
+        loaded = self._mine <= self._served.keys()
+        for key, served in self._served.items():
+            served.retiring = key not in self._mine and (loaded or served.retiring)
 
     async def _load_stage(self, start: int, end: int) -> None:
         from hetmesh.partition.stage import load_stage
@@ -591,18 +600,42 @@ class Serving:
             self.weights,
         )
         began = time.perf_counter()
-        try:
-            if self.shards is not None:  # a node without the model fetches the stage's tensors
-                await self.shards.ensure(start, end)
-                self._announce(self._with_held())
-            stage = await trio.to_thread.run_sync(
-                lambda: load_stage(self.model_dir, start, end, device=device, weights=self.weights),
-                limiter=self.node.device_limiter,
-            )
-        except MeshError as exc:
-            log.error("loading units [%d, %d) failed: %s", start, end, exc)
-            self._loading.discard((start, end))
-            return
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if self.shards is not None:  # a node without them fetches the stage's tensors
+                    await self.shards.ensure(start, end)
+                    self._announce(self._with_held())
+                stage = await trio.to_thread.run_sync(
+                    lambda: load_stage(
+                        self.model_dir, start, end, device=device, weights=self.weights
+                    ),
+                    limiter=self.node.device_limiter,
+                )
+                break
+            except MeshError as exc:
+                # a holder may come back, a disk may be freed: retry a few times while the
+                # plan still wants the stage (the old stages serve meanwhile: _swap)
+                if attempt >= STAGE_LOAD_ATTEMPTS or (start, end) not in self._mine:
+                    log.error(
+                        "loading units [%d, %d) failed (attempt %d): %s; giving up",
+                        start,
+                        end,
+                        attempt,
+                        exc,
+                    )
+                    self._loading.discard((start, end))
+                    return
+                log.warning(
+                    "loading units [%d, %d) failed (attempt %d of %d): %s; retrying",
+                    start,
+                    end,
+                    attempt,
+                    STAGE_LOAD_ATTEMPTS,
+                    exc,
+                )
+                await trio.sleep(STAGE_LOAD_RETRY_S * attempt)
         server = StageServer(
             stage,
             limits=stage_kv_limits(
@@ -627,6 +660,7 @@ class Serving:
         self._nursery.start_soon(run)
         self._served[(start, end)] = _Served(server, scope)
         self._loading.discard((start, end))
+        self._swap()  # the last new stage loaded: the old ones retire now
         log.info(
             "stage [%d, %d) ready: %d parameters in %.1f s",
             start,
@@ -932,6 +966,8 @@ class Serving:
 
 
 REFUSAL_LOG_INTERVAL_S = 60.0
+STAGE_LOAD_ATTEMPTS = 3  # a stage's fetch + load, before the node gives it up
+STAGE_LOAD_RETRY_S = 2.0  # times the attempt number, between attempts
 MAX_VERIFIED = 256  # cached signature checks (a few plans are announced at a time)
 
 

@@ -11,7 +11,10 @@ tensor came over a data-plane link (shm: the nodes share a host), not libp2p.
 The same mesh then checks a lying holder: a fresh fetch of a stage both the
 first node and a joiner hold, with the first node flipping a byte of every
 tensor it sends, is verified, counts the failure, avoids the liar and completes
-from the honest holder; tensors already on disk are not fetched again. Last, a
+from the honest holder; tensors already on disk are not fetched again. Before
+that, a re-plan (applied to one joiner) swaps the joiners' stages: the mover
+fetches its new stage while still serving the old one, a failed first attempt is
+retried, and the old stage retires only once the new one is loaded. Last, a
 fetch is interrupted, resumed by a fresh fetcher without refetching what was
 verified, and the first node (the only whole holder) stops mid-transfer: the
 fetch completes from the joiner that holds the stage.
@@ -26,9 +29,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from hetmesh.errors import ModelNotFound
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.daemon import Node, run_node
 from hetmesh.partition.store import SHARD_TENSORS
+from hetmesh.scheduler.records import Stage
 from hetmesh.shards import cache
 from hetmesh.shards.fetch import Shards
 from hetmesh.shards.manifest import load_or_build, tensors_for_units, units_present
@@ -128,6 +133,54 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
             assert sum(n.serving.shards.bytes_served for n in mesh.nodes) >= sum(
                 j.serving.shards.bytes_fetched for j in joiners
             )
+
+            # a re-plan swaps the joiners' stages: the mover fetches its new stage while
+            # still serving (and admitting on) its old one, its first attempt fails and is
+            # retried, and the old stage retires only once the new one is loaded
+            mover, source = joiners
+            old, new = _stages(mover), _stages(source)
+            plan = mover.serving.plan
+            assert plan is not None
+
+            def owner(stage: Stage) -> str:
+                key = (stage.start, stage.end)
+                return mover.peer_id if key in new else source.peer_id if key in old else ""
+
+            swapped = dataclasses.replace(
+                plan,
+                pipelines=tuple(
+                    dataclasses.replace(
+                        p,
+                        stages=tuple(
+                            dataclasses.replace(st, peer_id=owner(st) or st.peer_id)
+                            for st in p.stages
+                        ),
+                    )
+                    for p in plan.pipelines
+                ),
+            )
+            shards_of_mover = mover.serving.shards
+            ensure = shards_of_mover.ensure
+            attempts: list[tuple[int, int]] = []
+
+            async def flaky(start: int, end: int) -> None:
+                attempts.append((start, end))
+                if len(attempts) == 1:
+                    raise ModelNotFound("injected: the first attempt finds no holder")
+                await ensure(start, end)
+
+            shards_of_mover.ensure = flaky
+            mover.serving._apply(swapped)
+            with trio.fail_after(240):
+                while not new <= set(mover.serving._served):
+                    assert _stages(mover) == old  # the old stage serves until then
+                    await trio.sleep(0.05)
+            assert _stages(mover) == new  # swapped as soon as the new stage was loaded
+            assert len(attempts) >= 2  # the failed attempt was retried
+            assert attempts[0] == attempts[1]
+            shards_of_mover.ensure = ensure
+            moved = {t.name for a, b in new for t in tensors_for_units(manifest, a, b)}
+            assert all(cache.has_tensor(shards_of_mover.folder, manifest.tensor(n)) for n in moved)
 
             # a lying holder: the first node corrupts what it sends from now on. The fetch
             # asks for the joiners' largest stage (a plan may give a joiner only the head)
