@@ -57,8 +57,9 @@ from hetmesh.node.control import (
     MAX_CONTROL_BYTES,
     SESSION_PROTOCOL,
     CloseSession,
-    OpenSession,
+    MoveSession,
     Reply,
+    Request,
     parse_request,
 )
 from hetmesh.node.gateway import Gateway, Hop
@@ -109,7 +110,16 @@ from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequ
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator
 from hetmesh.scheduler.router import route
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
-from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
+from hetmesh.transport import (
+    Activations,
+    DataPlane,
+    DataPlaneConfig,
+    Error,
+    Frame,
+    KVBlock,
+    Link,
+    Tokens,
+)
 from hetmesh.transport.frames import Cancel
 
 if TYPE_CHECKING:
@@ -678,6 +688,8 @@ class Serving:
     async def _plan_loop(self) -> None:
         while True:
             self._step(self._members())
+            if self.gateway is not None:  # sessions on stages leaving alive move, KV and all
+                self.gateway.move_unready(self.ready_stages())
             self._retire_idle()
             self._publish()
             self._changed.set()
@@ -769,6 +781,13 @@ class Serving:
                         return
                 release()
                 raise InvalidRequest(f"unknown session {frame.session_id}")
+            if isinstance(frame, KVBlock):  # a session migrating here (node.migration)
+                for served in self._served.values():
+                    if frame.session_id in served.server.kv:
+                        served.server.receive_kv(frame, release, sender)
+                        return
+                release()
+                raise InvalidRequest(f"no KV of session {frame.session_id} is expected here")
             release()
             if isinstance(frame, Tokens | Error) and self.gateway is not None:
                 self.gateway.on_frame(frame, sender)
@@ -795,7 +814,7 @@ class Serving:
         except MeshError as exc:
             log.debug("could not tell %s: %s", peer, exc)
 
-    async def _control(self, peer: PeerId, request: OpenSession | CloseSession) -> Reply:
+    async def _control(self, peer: PeerId, request: Request) -> Reply:
         if peer == self.node.peer_id:
             return self._apply_control(request)
         raw = await call(
@@ -822,11 +841,14 @@ class Serving:
         )
         return bool(raw.get("ok"))
 
-    def _apply_control(
-        self, request: OpenSession | CloseSession, sender: PeerId | None = None
-    ) -> Reply:
+    def _apply_control(self, request: Request, sender: PeerId | None = None) -> Reply:
         """Apply a session request from ``sender`` (None: this node); only a session's
-        gateway may close it (see :class:`StageServer`)."""
+        gateway may close or move it (see :class:`StageServer`)."""
+        if isinstance(request, MoveSession):
+            for served in self._served.values():
+                if request.session_id in served.server.kv:
+                    return served.server.move(request, sender)
+            return Reply.failed(InvalidRequest(f"unknown session {request.session_id}"))
         if isinstance(request, CloseSession):
             for served in self._served.values():
                 try:
