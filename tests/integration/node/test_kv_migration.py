@@ -255,3 +255,54 @@ async def test_a_bad_kv_from_the_owner_fails_the_session_and_frees_its_blocks(ti
     kv = b2.statistics().kv
     assert (kv.sessions, kv.blocks_free, kv.migrations) == (0, initial, 0)
     assert gateway.statistics().stale_frames == 2
+
+
+async def test_no_block_leaks_after_mixed_sessions_with_migrations(tiny_model):
+    """Finished, cancelled, preempted and migrated sessions (both ways between b1 and b2)
+    on small pools: every stream equals the reference and every pool ends where it began."""
+    from contextlib import aclosing
+    from random import Random
+
+    mesh = MovingMesh(tiny_model, pool_tokens=160)  # 10 blocks a stage: they preempt
+    gateway = mesh.make_gateway(admission_s=120.0)
+    initial = {peer: s.pool.free_blocks for peer, s in mesh.servers.items()}
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:3] + [60] * 20]
+    expected = [reference(tiny_model, p, 24) for p in prompts]
+    rng = Random(7)
+    # (prompt, tokens, cancel after the first token, move after this many tokens or 0)
+    jobs = [
+        (rng.randrange(len(prompts)), rng.randint(2, 24), rng.random() < 0.15, rng.randint(0, 12))
+        for _ in range(64)
+    ]
+    wrong: list[int] = []
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+
+        async def run(job: int) -> None:
+            which, tokens, cancel, move_at = jobs[job]
+            params = SamplingParams(max_new_tokens=tokens)
+            out: list[int] = []
+            async with aclosing(gateway.generate(prompts[which], params)) as stream:
+                async for token in stream:
+                    out.append(token)
+                    if cancel:
+                        return
+                    if len(out) == move_at:  # off whichever replica it runs on now
+                        gateway.move_off("b1" if job % 2 else "b2")
+            if out != expected[which][:tokens]:
+                wrong.append(job)
+
+        for wave in range(0, len(jobs), 8):
+            async with trio.open_nursery() as clients:
+                for job in range(wave, wave + 8):
+                    clients.start_soon(run, job)
+        nursery.cancel_scope.cancel()
+    assert wrong == []
+    stats = {peer: s.statistics().kv for peer, s in mesh.servers.items()}
+    assert sum(k.preempted for k in stats.values()) >= 1
+    assert stats["b1"].migrations + stats["b2"].migrations >= 1
+    assert gateway.statistics().migrations >= 1
+    for peer, kv in stats.items():
+        assert kv.sessions == 0, peer
+        assert kv.blocks_free == initial[peer] == kv.blocks_total, peer
