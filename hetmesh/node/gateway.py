@@ -123,6 +123,7 @@ class GatewayStatistics:
     foreign_frames: int = 0  # frames for a session from a peer not on its route
     migrations: int = 0  # sessions moved to a new route with their KV (no replay)
     migration_fallbacks: int = 0  # moves that failed: those sessions were replayed
+    move_replays: int = 0  # sessions moved by replay because migration is off
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,7 @@ class _PeerGone:
 
 
 _Inbound = Tokens | Error | _PeerGone
+MOVE_ROUTE_WAIT_S = 0.25  # how long a move waits for a route (the stream pauses meanwhile)
 INBOX_FRAMES = 16  # a session's inbox: one token per step is expected; more are dropped
 
 
@@ -148,6 +150,10 @@ class _Request:
     max_tokens: int
     sampling: SamplingParams
     avoid: set[PeerId]
+
+
+class _Replay(Exception):
+    """Move the session by replaying it on a new route (internal: migration is off)."""
 
 
 class _StepFailed(Exception):
@@ -173,6 +179,7 @@ class Gateway:
         max_context: int,
         timeouts: GatewayTimeouts | None = None,
         prefix_cache: bool = True,
+        migrate: bool = True,
     ) -> None:
         self.peer_id = peer_id
         self._control = control
@@ -183,13 +190,14 @@ class Gateway:
         self.max_context = max_context
         self.timeouts = timeouts or GatewayTimeouts()
         self.prefix_cache = prefix_cache
+        self.migrate = migrate  # False: a session leaving a stage replays (for comparisons)
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
         # session id -> peers it should move off at its next step (a planned change)
         self._leaving: dict[str, frozenset[PeerId]] = {}
         # session id -> the other peers of a move not yet confirmed by a step (source, target)
         self._moving: dict[str, tuple[Hop, ...]] = {}
-        self._migrations = self._migration_fallbacks = 0
+        self._migrations = self._migration_fallbacks = self._move_replays = 0
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
@@ -333,6 +341,9 @@ class Gateway:
                         raise Rejected(
                             f"busy: the session was preempted {preemptions} times"
                         ) from None
+                except _Replay:
+                    self._move_replays += 1
+                    log.info("session %s: moved by replay after %d tokens", base, len(generated))
                 except _StepFailed as exc:
                     if session_id in self._moving:  # a move that failed: replay instead
                         self._migration_fallbacks += 1
@@ -503,7 +514,8 @@ class Gateway:
         leaving = self._leaving.pop(session_id)
         old = self._routes[session_id]
         new: tuple[Hop, ...] = ()
-        with trio.move_on_after(self.timeouts.ping_s):  # no other route ready: stay
+        # a ready route is found at once; none now: stay (asked again at the next re-plan)
+        with trio.move_on_after(MOVE_ROUTE_WAIT_S):
             with contextlib.suppress(MeshError):
                 new = tuple(await self._choose(request.base, frozenset(request.avoid | leaving)))
         changes = moves(old, new) if new else None
@@ -512,6 +524,8 @@ class Gateway:
                 "session %s: no route to move to off %s; it stays", session_id, sorted(leaving)
             )
             return
+        if not self.migrate:
+            raise _Replay
         targets = [new[i] for i, _, _ in changes]
         self._moving[session_id] = tuple(targets)
         opens = [
@@ -677,5 +691,6 @@ class Gateway:
             foreign_frames=self._foreign,
             migrations=self._migrations,
             migration_fallbacks=self._migration_fallbacks,
+            move_replays=self._move_replays,
             prefix_tokens_skipped=self._skipped,
         )

@@ -200,6 +200,7 @@ class Serving:
         self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
+        self._draining = False  # stopping: every stage retires, its sessions move away
         self._changed = trio.Event()
         self._started_at = trio.current_time()
         self.tokenizer: Any = None
@@ -246,6 +247,7 @@ class Serving:
                 max_context=self.constraints.max_context_tokens,
                 timeouts=self.config.timeouts,
                 prefix_cache=self.config.prefix_cache,
+                migrate=self.config.migrate,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
@@ -574,9 +576,11 @@ class Serving:
             if s.peer_id == self.node.peer_id
         }
         for key, served in self._served.items():
-            served.retiring = key not in mine
+            served.retiring = self._draining or key not in mine
         assert self._nursery is not None
         for key in sorted(mine - self._served.keys() - self._loading):
+            if self._draining:
+                break
             self._loading.add(key)
             self._nursery.start_soon(self._load_stage, *key)
 
@@ -637,6 +641,32 @@ class Serving:
             time.perf_counter() - began,
         )
         self._publish()
+
+    async def drain(self) -> None:
+        """Stop taking sessions and give the running ones up to ``drain_s`` to move away
+        (their gateways migrate them, KV and all, once they see the stages retiring);
+        what is left then is cut off by the stop, and its gateways replay it."""
+        if self.config.drain_s <= 0:
+            return
+        self._draining = True
+        for served in self._served.values():
+            served.retiring = True
+        self._publish()
+
+        def held() -> int:
+            return sum(s.server.kv.statistics().sessions for s in self._served.values())
+
+        if held():
+            log.info("draining: %d sessions to move off this node", held())
+        with trio.move_on_after(self.config.drain_s):
+            while held():
+                if self.gateway is not None:  # sessions entering here move too
+                    self.gateway.move_unready(self.ready_stages())
+                await trio.sleep(0.05)
+        if held():
+            log.warning(
+                "drained for %.1f s: %d sessions left to replay", self.config.drain_s, held()
+            )
 
     def _retire_idle(self) -> None:
         for key, served in list(self._served.items()):
