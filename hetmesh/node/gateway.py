@@ -237,7 +237,8 @@ class Gateway:
         (replays on a route that avoids it) instead of waiting for its step timeout."""
         for session_id, hops in list(self._routes.items()):
             inbox = self._inboxes.get(session_id)
-            hops = hops + self._moving.get(session_id, ())
+            # not the source of a move: a drained node leaves once its KV is sent (a
+            # source dead before it sent the KV shows as a step that times out)
             if inbox is not None and any(h.peer_id == peer_id for h in hops):
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                     inbox.send_nowait(_PeerGone(peer_id))  # full: its timeout still fires
@@ -494,7 +495,7 @@ class Gateway:
                     f"cannot reach the first stage: {exc}", frozenset({first})
                 ) from exc
             token = await self._await_token(
-                inbox, step, len(feed), hops + self._moving.get(session_id, ())
+                inbox, step, len(feed), hops, self._moving.get(session_id, ())
             )
             self._moving.pop(session_id, None)  # a step on the new route: the move is done
             self._note_step(time.perf_counter() - started, len(feed))
@@ -587,6 +588,7 @@ class Gateway:
         step: int,
         fed: int,
         hops: Sequence[Hop],
+        moving: Sequence[Hop] = (),
     ) -> int:
         """The token of ``step``; ``_StepFailed`` when a stage is gone or stuck.
 
@@ -629,7 +631,7 @@ class Gateway:
                     if frame.step == step and frame.token_ids:
                         return int(frame.token_ids[0])
                     self._stale += 1
-            silent = await self._find_silent(hops)
+            silent = await self._find_silent([*hops, *moving])  # a move's source too
             if silent:
                 raise _StepFailed(f"no token for step {step} within {timeout:.1f} s", silent)
             self._slow_steps += 1

@@ -656,10 +656,13 @@ class Serving:
         def held() -> int:
             return sum(s.server.kv.statistics().sessions for s in self._served.values())
 
+        def busy() -> bool:  # sessions left, or moved ones' KV still on its way out
+            return bool(held()) or any(s.server.sending() for s in self._served.values())
+
         if held():
             log.info("draining: %d sessions to move off this node", held())
         with trio.move_on_after(self.config.drain_s):
-            while held():
+            while busy():
                 if self.gateway is not None:  # sessions entering here move too
                     self.gateway.move_unready(self.ready_stages())
                 await trio.sleep(0.05)
@@ -670,7 +673,8 @@ class Serving:
 
     def _retire_idle(self) -> None:
         for key, served in list(self._served.items()):
-            if served.retiring and served.server.kv.statistics().sessions == 0:
+            server = served.server  # idle, and no moved session's KV still leaving
+            if served.retiring and server.kv.statistics().sessions == 0 and not server.sending():
                 served.scope.cancel()
                 del self._served[key]
                 log.info("stage [%d, %d) retired", *key)

@@ -149,6 +149,7 @@ class StageServer:
         self._counters = _Counters()
         self._outboxes: dict[PeerId, trio.MemorySendChannel[Frame]] = {}
         self._senders: trio.Nursery | None = None
+        self._sending = 0  # frames being sent by the outbox tasks right now
 
     # -- control ----------------------------------------------------------------
 
@@ -477,11 +478,19 @@ class StageServer:
                 except trio.WouldBlock:
                     del self._outboxes[peer]
                     return
+            self._sending += 1
             try:
                 await self._send(peer, frame)  # the link gives each send a deadline
             except MeshError as exc:  # the gateway recovers the session (death or timeout)
                 session = getattr(frame, "session_id", "")
                 log.warning("session %s: cannot send to %s: %s", session, peer, exc)
+            finally:
+                self._sending -= 1
+
+    def sending(self) -> bool:
+        """Whether frames wait in an outbox or are being sent (a migration's KV among them)."""
+        queued = any(o.statistics().current_buffer_used for o in self._outboxes.values())
+        return queued or self._sending > 0
 
     @property
     def _units(self) -> tuple[int, int]:
