@@ -134,7 +134,9 @@ class _PeerGone:
 
 
 _Inbound = Tokens | Error | _PeerGone
-MOVE_ROUTE_WAIT_S = 0.25  # how long a move waits for a route (the stream pauses meanwhile)
+# how long a move waits for a route: the stream pauses meanwhile, and the plan loop asks
+# again every second while a stage is unready (e.g. its replacement still loading)
+MOVE_ROUTE_WAIT_S = 0.05
 INBOX_FRAMES = 16  # a session's inbox: one token per step is expected; more are dropped
 
 
@@ -154,6 +156,10 @@ class _Request:
 
 class _Replay(Exception):
     """Move the session by replaying it on a new route (internal: migration is off)."""
+
+    def __init__(self, leaving: frozenset[PeerId]) -> None:
+        super().__init__(f"moving off {sorted(leaving)} by replay")
+        self.leaving = leaving
 
 
 class _StepFailed(Exception):
@@ -295,11 +301,14 @@ class Gateway:
         self._started += 1
         finished = False
         recoveries = preemptions = 0
+        # peers the next route should not use (a move by replay), still closed like any
+        leaving: frozenset[PeerId] = frozenset()
         admission_s = self.timeouts.admission_s
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
-                hops = tuple(await self._choose(base, frozenset(avoid)))
+                hops = tuple(await self._choose(base, frozenset(avoid) | leaving))
+                leaving = frozenset()
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
@@ -342,7 +351,8 @@ class Gateway:
                         raise Rejected(
                             f"busy: the session was preempted {preemptions} times"
                         ) from None
-                except _Replay:
+                except _Replay as exc:
+                    leaving = exc.leaving
                     self._move_replays += 1
                     log.info("session %s: moved by replay after %d tokens", base, len(generated))
                 except _StepFailed as exc:
@@ -526,7 +536,7 @@ class Gateway:
             )
             return
         if not self.migrate:
-            raise _Replay
+            raise _Replay(leaving)
         targets = [new[i] for i, _, _ in changes]
         self._moving[session_id] = tuple(targets)
         opens = [

@@ -94,7 +94,7 @@ class MovingMesh:
             raise PeerUnreachable(peer)
         return True
 
-    def make_gateway(self, **timeouts) -> Gateway:
+    def make_gateway(self, *, migrate: bool = True, **timeouts) -> Gateway:
         async def choose(session_id, avoid):
             return next((h for h in (FIRST, SECOND) if not {x.peer_id for x in h} & avoid), ())
 
@@ -107,6 +107,7 @@ class MovingMesh:
             eos_token_ids=frozenset(),
             max_context=256,
             timeouts=GatewayTimeouts(**timeouts),
+            migrate=migrate,
         )
         return self.gateway
 
@@ -150,6 +151,18 @@ async def test_a_moved_stage_continues_from_its_kv_without_replay(tiny_model):
     for peer, s in stats.items():
         assert s.kv.sessions == 0, peer
         assert s.kv.blocks_free == initial[peer], peer
+
+
+async def test_without_migration_a_move_replays_the_history(tiny_model):
+    mesh = MovingMesh(tiny_model)
+    gateway = mesh.make_gateway(migrate=False)  # what --no-migrate does (for comparisons)
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert (g.migrations, g.move_replays, g.recoveries) == (0, 1, 0)
+    b2 = mesh.servers["b2"].statistics()
+    assert b2.kv.migrations == 0
+    assert b2.tokens == len(PROMPTS[0]) + 5 + 10  # the history replayed, then ten steps
 
 
 async def test_a_move_whose_target_dies_falls_back_to_replay(tiny_model):
