@@ -158,3 +158,18 @@ def test_move_and_migrating_open_round_trip_through_the_wire():
     old_peer = open_.to_wire()
     del old_peer["migrate_from"]  # a peer from before migrations: a plain open
     assert parse_request(old_peer).migrate_from == ""
+
+
+def test_migrations_and_their_bytes_are_counted_and_announced():
+    from hetmesh.node.kvcache import KVLimits, KVManager, kv_counters
+
+    p = pool()
+    limits = KVLimits(max_sessions=4, max_tokens_per_session=128, budget_bytes=1)
+    manager = KVManager(limits, pool=p, factory=lambda: SessionKV(owner=0, pool=p, max_length=128))
+    manager.note_migration_in(1000)
+    manager.note_migration_in(24)
+    manager.note_migration_out()
+    counters = kv_counters(manager.statistics())
+    assert counters["kv_migrations"] == 2
+    assert counters["kv_migrated_bytes"] == 1024
+    assert counters["kv_migrations_out"] == 1
