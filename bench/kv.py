@@ -44,7 +44,19 @@ prompt) and measures, through the SDK:
 * ``outputs_identical``: every stream of both equals the single-process
   reference (greedy).
 
-Not here yet (issue 14): ``admitted_ratio`` on a mesh and ``migration_pause_ratio``.
+With ``--migration`` it measures ``migration_pause_ratio`` on two 4-node
+loopback meshes (node processes; 500 MiB each, so three split the model and
+the fourth backs one stage up as a standby): a greedy stream with a
+1,000-token prompt enters at a node outside the replicated stage; after a few
+tokens the replica serving it gets SIGTERM, which drains it: its stages
+retire and the gateway moves the session to the other replica between two
+steps. The pause is the longest gap between two tokens from the signal on.
+In the first mesh the gateway migrates the KV; in the second
+(``--no-migrate``) it replays the history through the new route. Ratio:
+migrated pause ÷ replayed pause, target ≤ 0.3; both streams must equal the
+single-process reference, and the counters say which path each took.
+
+Not here yet (issue 14): ``admitted_ratio`` on a mesh.
 """
 
 from __future__ import annotations
@@ -334,6 +346,144 @@ def mesh_run(repeats: int, tokens: int, clients: int) -> dict[str, Any]:
     }
 
 
+MIGRATION_ARGS = [
+    "--max-memory",
+    "500MiB",
+    "--max-sessions",
+    "4",
+    "--max-context",
+    "1536",
+    "--block-step-ms",
+    "3",
+]
+
+
+def _find(record: Any, key: str) -> Any:
+    """The first value of ``key`` anywhere in a nested status record (None: absent)."""
+    if isinstance(record, dict):
+        if key in record:
+            return record[key]
+        values: Any = record.values()
+    elif isinstance(record, list | tuple):
+        values = record
+    else:
+        return None
+    for value in values:
+        found = _find(value, key)
+        if found is not None:
+            return found
+    return None
+
+
+def _moved_stream(
+    migrate: bool, prompt_ids: list[int], tokens: int, move_after: int
+) -> dict[str, Any]:
+    """One stream whose serving replica is stopped (SIGTERM) after ``move_after`` tokens."""
+    import signal
+
+    import trio
+
+    from hetmesh.client.mesh import TokenEvent, open_mesh_client
+    from hetmesh.discovery.status import fetch_status
+    from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.scheduler.replan import newest_in_view
+
+    args = MIGRATION_ARGS + ([] if migrate else ["--no-migrate"])
+    with local_mesh(4, node_args=args) as mesh:
+        plan = newest_in_view(wait_serving(mesh, pipelines=2, timeout_s=900))
+        assert plan is not None
+        primary, replica = plan.pipelines[0], plan.pipelines[1]
+        (pair,) = [
+            (a.peer_id, b.peer_id)
+            for a, b in zip(primary.stages, replica.stages, strict=True)
+            if a.peer_id != b.peer_id
+        ]
+        gateway = next(n for n in mesh.nodes if n.peer_id not in pair)
+        by_peer = {n.peer_id: n for n in mesh.nodes}
+        out: dict[str, Any] = {"ids": [], "gaps": []}
+
+        async def sessions_on(peer: str) -> int:
+            view = await fetch_status(gateway.addr, mesh_secret=mesh.secret)
+            for entry in view["peers"]:
+                if entry["peer_id"] == peer:
+                    return int(entry["record"]["load"]["active_sessions"])
+            return 0
+
+        async def run() -> None:
+            ids: list[int] = out["ids"]
+            last = 0.0
+            signalled = False
+            async with open_mesh_client(gateway.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
+                async for event in c.stream(prompt_ids=prompt_ids, max_new_tokens=tokens):
+                    if not isinstance(event, TokenEvent) or event.token_id < 0:
+                        continue
+                    now = time.perf_counter()
+                    if signalled:
+                        out["gaps"].append(now - last)
+                    last = now
+                    ids.append(event.token_id)
+                    if len(ids) == move_after:
+                        loads = {p: await sessions_on(p) for p in pair}
+                        victim = max(pair, key=lambda p: loads[p])
+                        by_peer[victim].proc.send_signal(signal.SIGTERM)
+                        out["victim"] = victim
+                        signalled = True
+                        last = time.perf_counter()  # the status call is not the stream's pause
+            await trio.sleep(1.5)  # the gateway's next announcement carries its counters
+            view = await fetch_status(gateway.addr, mesh_secret=mesh.secret)
+            mine = next(e for e in view["peers"] if e["peer_id"] == gateway.peer_id)
+            for key in ("migrations", "migration_fallbacks", "move_replays", "recoveries"):
+                out[key] = int(_find(mine["record"], key) or 0)
+            migrated = [
+                int(_find(e["record"], "kv_migrated_bytes") or 0)
+                for e in view["peers"]
+                if e["peer_id"] in pair
+            ]
+            out["kv_migrated_bytes"] = sum(migrated)
+
+        trio.run(run)
+    return out
+
+
+def migration_run(context: int, tokens: int, move_after: int) -> dict[str, Any]:
+    """``migration_pause_ratio`` (see the module docstring)."""
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.text import encode_prompt, eos_token_ids, load_tokenizer
+
+    model_dir = resolve_model()
+    tokenizer = load_tokenizer(model_dir)
+    text = "The keeper wrote the weather in the log each night, and the lamp burned on. " * 80
+    prompt = list(encode_prompt(tokenizer, text))[:context]
+    moved = _moved_stream(True, prompt, tokens, move_after)
+    print(f"migrated: {moved}", file=sys.stderr, flush=True)
+    replayed = _moved_stream(False, prompt, tokens, move_after)
+    print(f"replayed: {replayed}", file=sys.stderr, flush=True)
+    torch.set_num_threads(1)
+    pipeline = LocalPipeline.load(model_dir, 1)
+    eos = eos_token_ids(model_dir, tokenizer)
+    expected = list(
+        pipeline.generate_ids(prompt, SamplingParams(max_new_tokens=tokens), eos_ids=eos)
+    )
+    pause_moved = max(moved["gaps"], default=0.0)
+    pause_replayed = max(replayed["gaps"], default=0.0)
+    steady = statistics.median(moved["gaps"]) if moved["gaps"] else 0.0
+    return {
+        "migration_context_tokens": len(prompt) + move_after,
+        "migration_pause_s": round(pause_moved, 3),
+        "migration_replay_pause_s": round(pause_replayed, 3),
+        "migration_step_s_median": round(steady, 3),
+        "migration_pause_ratio": round(pause_moved / pause_replayed, 3) if pause_replayed else None,
+        "migration_migrations": moved["migrations"],
+        "migration_kv_bytes": moved["kv_migrated_bytes"],
+        "migration_replay_runs_migrations": replayed["migrations"],
+        "migration_replay_runs_move_replays": replayed["move_replays"],
+        "migration_recoveries": moved["recoveries"] + moved["migration_fallbacks"],
+        "migration_outputs_identical": moved["ids"] == expected == replayed["ids"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -344,13 +494,27 @@ def main() -> None:
     parser.add_argument("--mesh-repeats", type=int, default=3)
     parser.add_argument("--mesh-tokens", type=int, default=16, help="tokens per stream")
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument(
+        "--migration", action="store_true", help="add migration_pause_ratio (two 4-node meshes)"
+    )
+    parser.add_argument("--migration-context", type=int, default=1000)
+    parser.add_argument("--migration-tokens", type=int, default=40)
     args = parser.parse_args()
     result = run(args.contexts, args.repeats, args.budget_tokens)
     if args.mesh:
         result.update(mesh_run(args.mesh_repeats, args.mesh_tokens, args.clients))
+    if args.migration:
+        result.update(migration_run(args.migration_context, args.migration_tokens, 4))
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return
+    if args.migration:
+        print(
+            f"stage moved at {result['migration_context_tokens']} tokens of context: pause "
+            f"{result['migration_pause_s']} s migrated vs {result['migration_replay_pause_s']} s "
+            f"replayed: ratio {result['migration_pause_ratio']} (target <= 0.3); outputs "
+            f"identical: {result['migration_outputs_identical']}"
+        )
     print(f"{'context':>8} {'view µs':>10} {'gather µs':>10} {'ratio':>6}")
     for t in args.contexts:
         print(

@@ -191,6 +191,14 @@ def start(
             "(default), or always prefill their whole prompt (for comparisons).",
         ),
     ] = None,
+    migrate: Annotated[
+        bool | None,
+        typer.Option(
+            "--migrate/--no-migrate",
+            help="A request entering here whose stage leaves alive (re-plan, a node "
+            "stopping) moves with its KV (default), or replays its history (for comparisons).",
+        ),
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
     block_step_ms: Annotated[
         float | None,
@@ -269,7 +277,7 @@ def limit_cpu_threads(threads: int) -> None:
 def build_node_config(settings: dict[str, Any]) -> Any:
     """A NodeConfig from merged settings (flags, environment, file)."""
     from hetmesh.errors import InvalidRequest
-    from hetmesh.node.config import ServingConfig
+    from hetmesh.node.config import STOP_DRAIN_S, ServingConfig
     from hetmesh.node.daemon import NodeConfig, default_data_dir
 
     def path(key: str) -> Path | None:
@@ -301,6 +309,8 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             max_sessions=settings.get("max_sessions") or base.max_sessions,
             kv_pool_tokens=settings.get("kv_pool_tokens") or base.kv_pool_tokens,
             prefix_cache=bool(settings.get("prefix_cache", base.prefix_cache)),
+            migrate=bool(settings.get("migrate", base.migrate)),
+            drain_s=STOP_DRAIN_S,  # SIGTERM: sessions move away before the node leaves
             threads=settings.get("threads") or base.threads,
             block_step_s=None if block_step_ms is None else block_step_ms / 1e3,
             require_encryption=bool(settings.get("require_encryption")),

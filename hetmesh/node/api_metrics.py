@@ -95,7 +95,8 @@ _KV_METRICS = {
     "kv_prefix_hit_rate": ("hetmesh_prefix_cache_hit_rate", "Prompt tokens found cached", "g"),
     "kv_prefix_hit_tokens": ("hetmesh_prefix_cache_hit_tokens", "Prompt tokens not prefilled", "c"),
     "kv_preempted": ("hetmesh_kv_preemptions", "Sessions preempted for KV room", "c"),
-    "kv_migrations": ("hetmesh_kv_migrations", "Sessions whose KV moved away", "c"),
+    "kv_migrations": ("hetmesh_kv_migrations", "Sessions whose KV moved here", "c"),
+    "kv_migrated_bytes": ("hetmesh_kv_migrated_bytes", "Bytes of KV moved here", "c"),
 }
 
 

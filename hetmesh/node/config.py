@@ -30,6 +30,7 @@ PLAN_STRATEGIES: tuple[str, ...] = ("hetmesh", "even", "memory-proportional", "g
 # full-context sessions the planner budgets KV memory for on each stage when
 # --max-sessions is not given; the stage then admits by KV blocks alone
 PLANNED_SESSIONS = 8
+STOP_DRAIN_S = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +57,11 @@ class ServingConfig:
     # each stage's KV pool in tokens; None: the KV memory the planner budgets for the stage
     kv_pool_tokens: int | None = None
     prefix_cache: bool = True  # stages share the KV blocks of common prompt prefixes
+    # a session whose stage leaves alive (re-plan, drain) moves with its KV (False: replay)
+    migrate: bool = True
+    # a stopping node waits up to this long for its sessions to move away (0: it leaves at
+    # once and they replay); nodes started by the CLI wait STOP_DRAIN_S (SIGTERM drains)
+    drain_s: float = 0.0
     route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False
@@ -82,6 +88,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "max_sessions": (int, None),
     "kv_pool_tokens": (int, None),
     "prefix_cache": (bool, None),
+    "migrate": (bool, None),
     "threads": (int, None),
     "block_step_ms": ((int, float), None),
     "serve": (bool, None),

@@ -38,6 +38,9 @@ class OpenSession(WireRecord):
     # chained hashes of the prompt's full blocks (partition.prefix.block_hashes): the
     # stage starts from the blocks it has cached and names its own once computed
     prefix_hashes: tuple[int, ...] = ()
+    # a migration (hetmesh.node.migration): the peer whose KV of ``prompt_tokens`` tokens
+    # this stage takes instead of computing them; "" for a session that starts here
+    migrate_from: PeerId = ""
     op: str = "open"
 
 
@@ -48,6 +51,23 @@ class CloseSession(WireRecord):
     # the stage keeps those it holds in its prefix cache (a conversation's next turn)
     block_hashes: tuple[int, ...] = ()
     op: str = "close"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoveSession(WireRecord):
+    """From a session's gateway, between two steps: the session's route changes.
+
+    With ``kv_to`` this stage sends the session's KV to that peer (opened
+    there with ``migrate_from``) and lets the session go; without, it keeps
+    the session and takes its activations from ``previous_peer`` and sends
+    its outputs to ``next_peer`` from now on.
+    """
+
+    session_id: str
+    kv_to: PeerId = ""
+    next_peer: PeerId = ""
+    previous_peer: PeerId = ""
+    op: str = "move"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,7 +101,10 @@ class Reply(WireRecord):
             raise error
 
 
-def parse_request(data: dict[str, Any]) -> OpenSession | CloseSession:
+Request = OpenSession | CloseSession | MoveSession
+
+
+def parse_request(data: dict[str, Any]) -> Request:
     """Decode a control request map, or raise :class:`RemoteProtocolError`."""
     op = data.get("op")
     try:
@@ -89,6 +112,8 @@ def parse_request(data: dict[str, Any]) -> OpenSession | CloseSession:
             return OpenSession.from_wire(data)
         if op == "close":
             return CloseSession.from_wire(data)
+        if op == "move":
+            return MoveSession.from_wire(data)
     except ValueError as exc:
         raise RemoteProtocolError(f"malformed session request: {exc}") from exc
     raise RemoteProtocolError(f"unknown session operation {op!r}")

@@ -165,6 +165,8 @@ async def run_node(
             log.info("node ready")
             task_status.started(node)
             await node.stop_requested.wait()
+            if node.serving is not None:  # its sessions move away first (KV migration)
+                await node.serving.drain()
             await discovery.say_goodbye()
             nursery.cancel_scope.cancel()
 

@@ -17,6 +17,14 @@ Frames for a session are taken from its route only: its tokens from the last
 stage, its errors from any of its stages. What another member sends for it is
 dropped (and counted as ``foreign_frames``).
 
+Migration: when a stage of a session's route is to go away while alive (a
+re-plan gave its units to another peer, it drains: :meth:`Gateway.move_off`),
+the gateway, between two steps, moves the session's KV from the old peer to
+the new one and carries on without replaying anything (see
+:mod:`hetmesh.node.migration`). When the move fails — refused, the source or
+the target gone — it replays, as for a stage that died. When no route with
+the same stage boundaries is ready, the session finishes where it is.
+
 Prefix cache: the gateway names the history's full blocks by their chained
 hashes (:func:`~hetmesh.partition.prefix.block_hashes`) when it opens a
 session; each stage answers how many tokens it holds cached, and the prefill
@@ -50,7 +58,8 @@ from hetmesh.errors import (
     RequestTimeout,
     TransportError,
 )
-from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
+from hetmesh.node.migration import moves
 from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
@@ -69,7 +78,7 @@ class Hop:
     end: int
 
 
-Control = Callable[[PeerId, OpenSession | CloseSession], Awaitable[Reply]]
+Control = Callable[[PeerId, OpenSession | CloseSession | MoveSession], Awaitable[Reply]]
 Send = Callable[[PeerId, Frame], Awaitable[None]]
 """Sends a data-plane frame to a peer (one's own id included); a ``TransportError`` if it cannot."""
 Choose = Callable[[str, frozenset[PeerId]], Awaitable[Sequence[Hop]]]
@@ -112,6 +121,9 @@ class GatewayStatistics:
     early_recoveries: int = 0
     early_recovery_s: float = 0.0
     foreign_frames: int = 0  # frames for a session from a peer not on its route
+    migrations: int = 0  # sessions moved to a new route with their KV (no replay)
+    migration_fallbacks: int = 0  # moves that failed: those sessions were replayed
+    move_replays: int = 0  # sessions moved by replay because migration is off
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +134,32 @@ class _PeerGone:
 
 
 _Inbound = Tokens | Error | _PeerGone
+# how long a move waits for a route: the stream pauses meanwhile, and the plan loop asks
+# again every second while a stage is unready (e.g. its replacement still loading)
+MOVE_ROUTE_WAIT_S = 0.05
 INBOX_FRAMES = 16  # a session's inbox: one token per step is expected; more are dropped
 
 
 class _Preempted(Exception):
     """A stage evicted the session's KV to make room: resume it by replay (internal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """What a session was opened with (internal): a migration opens it again elsewhere."""
+
+    base: str
+    max_tokens: int
+    sampling: SamplingParams
+    avoid: set[PeerId]
+
+
+class _Replay(Exception):
+    """Move the session by replaying it on a new route (internal: migration is off)."""
+
+    def __init__(self, leaving: frozenset[PeerId]) -> None:
+        super().__init__(f"moving off {sorted(leaving)} by replay")
+        self.leaving = leaving
 
 
 class _StepFailed(Exception):
@@ -152,6 +185,7 @@ class Gateway:
         max_context: int,
         timeouts: GatewayTimeouts | None = None,
         prefix_cache: bool = True,
+        migrate: bool = True,
     ) -> None:
         self.peer_id = peer_id
         self._control = control
@@ -162,8 +196,14 @@ class Gateway:
         self.max_context = max_context
         self.timeouts = timeouts or GatewayTimeouts()
         self.prefix_cache = prefix_cache
+        self.migrate = migrate  # False: a session leaving a stage replays (for comparisons)
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
+        # session id -> peers it should move off at its next step (a planned change)
+        self._leaving: dict[str, frozenset[PeerId]] = {}
+        # session id -> the other peers of a move not yet confirmed by a step (source, target)
+        self._moving: dict[str, tuple[Hop, ...]] = {}
+        self._migrations = self._migration_fallbacks = self._move_replays = 0
         self._step_s = 0.0  # moving average of decode step time
         self._started = self._finished = self._failed = 0
         self._recoveries = self._tokens = self._stale = self._busy = 0
@@ -203,9 +243,31 @@ class Gateway:
         (replays on a route that avoids it) instead of waiting for its step timeout."""
         for session_id, hops in list(self._routes.items()):
             inbox = self._inboxes.get(session_id)
+            # not the source of a move: a drained node leaves once its KV is sent (a
+            # source dead before it sent the KV shows as a step that times out)
             if inbox is not None and any(h.peer_id == peer_id for h in hops):
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                     inbox.send_nowait(_PeerGone(peer_id))  # full: its timeout still fires
+
+    def move_off(self, peer_id: PeerId) -> int:
+        """Sessions whose route uses ``peer_id`` (alive, but leaving: re-planned, draining)
+        move off it at their next step, with their KV; returns how many were asked."""
+        asked = 0
+        for session_id, hops in self._routes.items():
+            if any(h.peer_id == peer_id for h in hops):
+                self._leaving[session_id] = self._leaving.get(session_id, frozenset()) | {peer_id}
+                asked += 1
+        return asked
+
+    def move_unready(self, ready: set[tuple[PeerId, int, int]]) -> int:
+        """:meth:`move_off` every peer of a running route whose stage is not in ``ready``."""
+        gone = {
+            h.peer_id
+            for hops in self._routes.values()
+            for h in hops
+            if (h.peer_id, h.start, h.end) not in ready
+        }
+        return sum(self.move_off(peer) for peer in sorted(gone))
 
     # -- requests -----------------------------------------------------------------
 
@@ -239,11 +301,14 @@ class Gateway:
         self._started += 1
         finished = False
         recoveries = preemptions = 0
+        # peers the next route should not use (a move by replay), still closed like any
+        leaving: frozenset[PeerId] = frozenset()
         admission_s = self.timeouts.admission_s
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
-                hops = tuple(await self._choose(base, frozenset(avoid)))
+                hops = tuple(await self._choose(base, frozenset(avoid) | leaving))
+                leaving = frozenset()
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
@@ -259,8 +324,17 @@ class Gateway:
                         admission_s,
                     )
                     self._skipped += cached
+                    request = _Request(
+                        base, len(prompt_ids) + params.max_new_tokens, sampling, avoid
+                    )
                     async for token in self._run(
-                        session_id, hops, inbox, history, generated, params.max_new_tokens, cached
+                        session_id,
+                        request,
+                        inbox,
+                        history,
+                        generated,
+                        params.max_new_tokens,
+                        cached,
                     ):
                         yield token
                     finished = True
@@ -277,13 +351,21 @@ class Gateway:
                         raise Rejected(
                             f"busy: the session was preempted {preemptions} times"
                         ) from None
+                except _Replay as exc:
+                    leaving = exc.leaving
+                    self._move_replays += 1
+                    log.info("session %s: moved by replay after %d tokens", base, len(generated))
                 except _StepFailed as exc:
+                    if session_id in self._moving:  # a move that failed: replay instead
+                        self._migration_fallbacks += 1
                     recoveries += 1
                     if recoveries > self.timeouts.max_recoveries:
                         raise RequestTimeout(
                             f"session gave up after {self.timeouts.max_recoveries} recoveries"
                         ) from None
-                    suspects = exc.suspects or await self._find_silent(hops)
+                    # the route it failed on (a move may have changed it) and a move's ends
+                    current = self._routes[session_id] + self._moving.get(session_id, ())
+                    suspects = exc.suspects or await self._find_silent(current)
                     if not exc.suspects and not suspects:
                         await trio.sleep(self.timeouts.replan_pause_s)  # let the plan settle
                     avoid |= suspects
@@ -297,7 +379,9 @@ class Gateway:
                     )
                 finally:
                     del self._inboxes[session_id]
-                    del self._routes[session_id]
+                    # the route it ended on, and the other end of a move in progress
+                    hops = self._routes.pop(session_id) + self._moving.pop(session_id, ())
+                    self._leaving.pop(session_id, None)
                     # not on a peer to avoid: dead or stuck, it would hold the recovery
                     alive = [h for h in hops if h.peer_id not in avoid]
                     with trio.CancelScope(shield=True):
@@ -368,7 +452,9 @@ class Gateway:
             await trio.sleep(delay)  # back off while busy stages drain
             delay = min(delay * 2, 1.0)
 
-    async def _ask_all(self, hops: Sequence[Hop], requests: Sequence[OpenSession]) -> list[Reply]:
+    async def _ask_all(
+        self, hops: Sequence[Hop], requests: Sequence[OpenSession | MoveSession]
+    ) -> list[Reply]:
         """Send each hop its request concurrently; a failure becomes an error reply."""
         replies = [Reply.failed(PeerUnreachable("no answer"))] * len(hops)
 
@@ -388,18 +474,21 @@ class Gateway:
     async def _run(
         self,
         session_id: str,
-        hops: Sequence[Hop],
+        request: _Request,
         inbox: trio.MemoryReceiveChannel[_Inbound],
         history: list[int],
         generated: list[int],
         max_new_tokens: int,
         cached: int = 0,
     ) -> AsyncGenerator[int, None]:
-        first = hops[0].peer_id
         # the whole history (a first prefill or a replay) but what every stage holds cached
         feed = list(history[cached:])
         position = cached
         while len(generated) < max_new_tokens:
+            if session_id in self._leaving and len(feed) == 1:  # between steps: nothing in flight
+                await self._migrate(session_id, request, position)
+            hops = self._routes[session_id]
+            first = hops[0].peer_id
             step = len(generated)
             ids = torch.tensor(feed, dtype=torch.int64)
             frame = Activations(
@@ -415,7 +504,10 @@ class Gateway:
                 raise _StepFailed(
                     f"cannot reach the first stage: {exc}", frozenset({first})
                 ) from exc
-            token = await self._await_token(inbox, step, len(feed), hops)
+            token = await self._await_token(
+                inbox, step, len(feed), hops, self._moving.get(session_id, ())
+            )
+            self._moving.pop(session_id, None)  # a step on the new route: the move is done
             self._note_step(time.perf_counter() - started, len(feed))
             position += len(feed)
             if token in self._eos:
@@ -426,12 +518,87 @@ class Gateway:
             yield token
             feed = [token]
 
+    async def _migrate(self, session_id: str, request: _Request, position: int) -> None:
+        """Move the session's stages off the peers it is leaving, KV and all, or
+        raise ``_StepFailed`` (the caller replays). Keeps the route when no ready
+        route cuts the model the same way (the session finishes where it is)."""
+        leaving = self._leaving.pop(session_id)
+        old = self._routes[session_id]
+        new: tuple[Hop, ...] = ()
+        # a ready route is found at once; none now: stay (asked again at the next re-plan)
+        with trio.move_on_after(MOVE_ROUTE_WAIT_S):
+            with contextlib.suppress(MeshError):
+                new = tuple(await self._choose(request.base, frozenset(request.avoid | leaving)))
+        changes = moves(old, new) if new else None
+        if changes is None:
+            log.info(
+                "session %s: no route to move to off %s; it stays", session_id, sorted(leaving)
+            )
+            return
+        if not self.migrate:
+            raise _Replay(leaving)
+        targets = [new[i] for i, _, _ in changes]
+        self._moving[session_id] = tuple(targets)
+        opens = [
+            OpenSession(
+                session_id=session_id,
+                start=new[i].start,
+                end=new[i].end,
+                next_peer=new[i + 1].peer_id if i + 1 < len(new) else self.peer_id,
+                gateway=self.peer_id,
+                previous_peer=new[i - 1].peer_id if i > 0 else self.peer_id,
+                max_tokens=request.max_tokens,
+                prompt_tokens=position,
+                sampling=request.sampling,
+                migrate_from=source,
+            )
+            for i, source, _ in changes
+        ]
+        self._check_replies(targets, await self._ask_all(targets, opens), "open on")
+        self._moving[session_id] = tuple(targets) + tuple(old[i] for i, _, _ in changes)
+        moved = {i: target for i, _, target in changes}
+        requests = [
+            MoveSession(
+                session_id=session_id,
+                kv_to=moved.get(i, ""),
+                next_peer=new[i + 1].peer_id if i + 1 < len(new) else self.peer_id,
+                previous_peer=new[i - 1].peer_id if i > 0 else self.peer_id,
+            )
+            for i in range(len(old))
+        ]
+        self._check_replies(old, await self._ask_all(old, requests), "move from")
+        self._routes[session_id] = new
+        self._migrations += 1
+        log.info(
+            "session %s: moved at %d tokens from %s to %s",
+            session_id,
+            position,
+            [old[i].peer_id for i in moved],
+            [new[i].peer_id for i in moved],
+        )
+
+    @staticmethod
+    def _check_replies(hops: Sequence[Hop], replies: Sequence[Reply], what: str) -> None:
+        """``_StepFailed`` when a stage refused or did not answer its part of a move."""
+        failed = [(hop, r.error()) for hop, r in zip(hops, replies, strict=True) if not r.ok]
+        if not failed:
+            return
+        # refused (busy, full, the plan changed): a replay; silent: avoid the peer too
+        silent = frozenset(
+            hop.peer_id
+            for hop, error in failed
+            if not isinstance(error, Rejected | InvalidRequest | NoRoute)
+        )
+        reasons = "; ".join(f"{hop.peer_id}: {error}" for hop, error in failed)
+        raise _StepFailed(f"the move failed to {what} a stage ({reasons})", silent)
+
     async def _await_token(
         self,
         inbox: trio.MemoryReceiveChannel[_Inbound],
         step: int,
         fed: int,
         hops: Sequence[Hop],
+        moving: Sequence[Hop] = (),
     ) -> int:
         """The token of ``step``; ``_StepFailed`` when a stage is gone or stuck.
 
@@ -474,7 +641,7 @@ class Gateway:
                     if frame.step == step and frame.token_ids:
                         return int(frame.token_ids[0])
                     self._stale += 1
-            silent = await self._find_silent(hops)
+            silent = await self._find_silent([*hops, *moving])  # a move's source too
             if silent:
                 raise _StepFailed(f"no token for step {step} within {timeout:.1f} s", silent)
             self._slow_steps += 1
@@ -534,5 +701,8 @@ class Gateway:
             early_recoveries=self._early,
             early_recovery_s=self._early_s,
             foreign_frames=self._foreign,
+            migrations=self._migrations,
+            migration_fallbacks=self._migration_fallbacks,
+            move_replays=self._move_replays,
             prefix_tokens_skipped=self._skipped,
         )

@@ -127,7 +127,9 @@ class KVStatistics:
     blocks_cached: int = 0  # named in the prefix cache (held by sessions or idle)
     prefix_queried_tokens: int = 0  # prompt tokens new sessions looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, found cached (their prefill skipped)
-    migrations: int = 0  # sessions whose KV moved to another stage (not built yet: 0)
+    migrations: int = 0  # sessions whose KV moved here from another stage (no replay)
+    migrated_bytes: int = 0  # bytes of KV those migrations brought
+    migrations_out: int = 0  # sessions whose KV this stage sent to another
 
     @property
     def blocks_in_use(self) -> int:
@@ -150,6 +152,8 @@ KV_COUNTERS = (
     "prefix_hit_rate",
     "preempted",
     "migrations",
+    "migrated_bytes",
+    "migrations_out",
 )
 
 
@@ -185,6 +189,7 @@ class KVManager(Generic[KV]):
         self._preempted = 0
         self._queried_tokens = 0
         self._hit_tokens = 0
+        self._migrations = self._migrated_bytes = self._migrations_out = 0
 
     @property
     def reserve_blocks(self) -> int:
@@ -326,6 +331,15 @@ class KVManager(Generic[KV]):
     def note_expired(self, count: int) -> None:
         self._expired += count
 
+    def note_migration_in(self, nbytes: int) -> None:
+        """A session's KV of ``nbytes`` arrived here from another stage (a migration)."""
+        self._migrations += 1
+        self._migrated_bytes += nbytes
+
+    def note_migration_out(self) -> None:
+        """A session's KV left this stage for another one."""
+        self._migrations_out += 1
+
     @property
     def bytes_reserved(self) -> int:
         """Bytes of the blocks sessions hold."""
@@ -345,4 +359,7 @@ class KVManager(Generic[KV]):
             blocks_cached=self._pool.cached_blocks,
             prefix_queried_tokens=self._queried_tokens,
             prefix_hit_tokens=self._hit_tokens,
+            migrations=self._migrations,
+            migrated_bytes=self._migrated_bytes,
+            migrations_out=self._migrations_out,
         )

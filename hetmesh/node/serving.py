@@ -57,8 +57,9 @@ from hetmesh.node.control import (
     MAX_CONTROL_BYTES,
     SESSION_PROTOCOL,
     CloseSession,
-    OpenSession,
+    MoveSession,
     Reply,
+    Request,
     parse_request,
 )
 from hetmesh.node.gateway import Gateway, Hop
@@ -110,7 +111,16 @@ from hetmesh.scheduler.replan import MeshSnapshot, coordinator
 from hetmesh.scheduler.router import route
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
-from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Frame, Link, Tokens
+from hetmesh.transport import (
+    Activations,
+    DataPlane,
+    DataPlaneConfig,
+    Error,
+    Frame,
+    KVBlock,
+    Link,
+    Tokens,
+)
 from hetmesh.transport.frames import Cancel
 
 if TYPE_CHECKING:
@@ -192,6 +202,7 @@ class Serving:
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
         self._mine: set[tuple[int, int]] = set()  # the stages the followed plan gives us
+        self._draining = False  # stopping: every stage retires, its sessions move away
         self._changed = trio.Event()
         self._started_at = trio.current_time()
         self.tokenizer: Any = None
@@ -242,6 +253,7 @@ class Serving:
                 max_context=self.constraints.max_context_tokens,
                 timeouts=self.config.timeouts,
                 prefix_cache=self.config.prefix_cache,
+                migrate=self.config.migrate,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
@@ -575,6 +587,8 @@ class Serving:
         self._mine = mine
         assert self._nursery is not None
         for key in sorted(mine - self._served.keys() - self._loading):
+            if self._draining:
+                break
             self._loading.add(key)
             self._nursery.start_soon(self._load_stage, *key)
         self._swap()
@@ -582,10 +596,12 @@ class Serving:
     def _swap(self) -> None:
         """Retire the stages the followed plan no longer gives us, but only once every stage
         it does give us is loaded: until then the old ones keep serving (and admitting),
-        also when a new stage's fetch or load fails for good."""
+        also when a new stage's fetch or load fails for good. Draining retires them all."""
         loaded = self._mine <= self._served.keys()
         for key, served in self._served.items():
-            served.retiring = key not in self._mine and (loaded or served.retiring)
+            served.retiring = self._draining or (
+                key not in self._mine and (loaded or served.retiring)
+            )
 
     async def _load_stage(self, start: int, end: int) -> None:
         from hetmesh.partition.stage import load_stage
@@ -670,9 +686,39 @@ class Serving:
         )
         self._publish()
 
+    async def drain(self) -> None:
+        """Stop taking sessions and give the running ones up to ``drain_s`` to move away
+        (their gateways migrate them, KV and all, once they see the stages retiring);
+        what is left then is cut off by the stop, and its gateways replay it."""
+        if self.config.drain_s <= 0:
+            return
+        self._draining = True
+        for served in self._served.values():
+            served.retiring = True
+        self._publish()
+
+        def held() -> int:
+            return sum(s.server.kv.statistics().sessions for s in self._served.values())
+
+        def busy() -> bool:  # sessions left, or moved ones' KV still on its way out
+            return bool(held()) or any(s.server.sending() for s in self._served.values())
+
+        if held():
+            log.info("draining: %d sessions to move off this node", held())
+        with trio.move_on_after(self.config.drain_s):
+            while busy():
+                if self.gateway is not None:  # sessions entering here move too
+                    self.gateway.move_unready(self.ready_stages())
+                await trio.sleep(0.05)
+        if held():
+            log.warning(
+                "drained for %.1f s: %d sessions left to replay", self.config.drain_s, held()
+            )
+
     def _retire_idle(self) -> None:
         for key, served in list(self._served.items()):
-            if served.retiring and served.server.kv.statistics().sessions == 0:
+            server = served.server  # idle, and no moved session's KV still leaving
+            if served.retiring and server.kv.statistics().sessions == 0 and not server.sending():
                 served.scope.cancel()
                 del self._served[key]
                 log.info("stage [%d, %d) retired", *key)
@@ -720,6 +766,8 @@ class Serving:
     async def _plan_loop(self) -> None:
         while True:
             self._step(self._members())
+            if self.gateway is not None:  # sessions on stages leaving alive move, KV and all
+                self.gateway.move_unready(self.ready_stages())
             self._retire_idle()
             self._publish()
             self._changed.set()
@@ -811,6 +859,13 @@ class Serving:
                         return
                 release()
                 raise InvalidRequest(f"unknown session {frame.session_id}")
+            if isinstance(frame, KVBlock):  # a session migrating here (node.migration)
+                for served in self._served.values():
+                    if frame.session_id in served.server.kv:
+                        served.server.receive_kv(frame, release, sender)
+                        return
+                release()
+                raise InvalidRequest(f"no KV of session {frame.session_id} is expected here")
             release()
             if isinstance(frame, Tokens | Error) and self.gateway is not None:
                 self.gateway.on_frame(frame, sender)
@@ -837,7 +892,7 @@ class Serving:
         except MeshError as exc:
             log.debug("could not tell %s: %s", peer, exc)
 
-    async def _control(self, peer: PeerId, request: OpenSession | CloseSession) -> Reply:
+    async def _control(self, peer: PeerId, request: Request) -> Reply:
         if peer == self.node.peer_id:
             return self._apply_control(request)
         raw = await call(
@@ -864,11 +919,14 @@ class Serving:
         )
         return bool(raw.get("ok"))
 
-    def _apply_control(
-        self, request: OpenSession | CloseSession, sender: PeerId | None = None
-    ) -> Reply:
+    def _apply_control(self, request: Request, sender: PeerId | None = None) -> Reply:
         """Apply a session request from ``sender`` (None: this node); only a session's
-        gateway may close it (see :class:`StageServer`)."""
+        gateway may close or move it (see :class:`StageServer`)."""
+        if isinstance(request, MoveSession):
+            for served in self._served.values():
+                if request.session_id in served.server.kv:
+                    return served.server.move(request, sender)
+            return Reply.failed(InvalidRequest(f"unknown session {request.session_id}"))
         if isinstance(request, CloseSession):
             for served in self._served.values():
                 try:

@@ -9,6 +9,10 @@ the next stage, or, on the last stage, are sampled and sent to the session's
 gateway as a token. Sessions join and leave between rounds; a bad item fails
 alone (its gateway gets an ``Error`` frame) while the rest of the batch runs.
 
+A session can move here from another peer with its KV (see
+:mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
+activations until the KV arrives from that peer, and then runs like any other.
+
 A session belongs to the peers of its route: only its gateway (the peer that
 opened it) may close it, and only the stage before this one (the gateway, for
 the first stage) may feed it. A member sending anything else for it gets
@@ -23,6 +27,7 @@ the others.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -35,15 +40,16 @@ import trio
 
 from hetmesh.error_codec import error_code
 from hetmesh.errors import ComputeError, InvalidRequest, MeshError, NoRoute, Rejected
-from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
+from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
 from hetmesh.resources import PeerId
-from hetmesh.transport.frames import Activations, Error, Frame, Tokens
+from hetmesh.transport.frames import Activations, Error, Frame, KVBlock, Tokens
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -56,10 +62,20 @@ OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
 
 
 @dataclass(slots=True)
+class _Awaiting:
+    """A session migrating here: whose KV of how many tokens it waits for."""
+
+    source: PeerId
+    length: int
+    held: list[_Item] = field(default_factory=list)  # activations that came before the KV
+
+
+@dataclass(slots=True)
 class _Session:
     request: OpenSession
     kv: SessionKV
     sampler: Sampler | None
+    awaiting: _Awaiting | None = None
 
 
 @dataclass(slots=True)
@@ -133,15 +149,21 @@ class StageServer:
         self._counters = _Counters()
         self._outboxes: dict[PeerId, trio.MemorySendChannel[Frame]] = {}
         self._senders: trio.Nursery | None = None
+        self._sending = 0  # frames being sent by the outbox tasks right now
 
     # -- control ----------------------------------------------------------------
 
-    def handle(self, request: OpenSession | CloseSession, sender: PeerId | None = None) -> Reply:
+    def handle(
+        self, request: OpenSession | CloseSession | MoveSession, sender: PeerId | None = None
+    ) -> Reply:
         """Apply a control request from ``sender`` (None: this node itself); never raises
         for the peer's mistakes.
 
-        Only a session's gateway may close it, and a peer opens sessions for itself only.
+        Only a session's gateway may close or move it, and a peer opens sessions for
+        itself only.
         """
+        if isinstance(request, MoveSession):
+            return self.move(request, sender)
         if isinstance(request, CloseSession):
             try:
                 self.check_control(request.session_id, sender)
@@ -163,19 +185,93 @@ class StageServer:
                     f"not [{request.start}, {request.end})"
                 )
             )
+        migrating = bool(request.migrate_from)
         try:
             kv = self.kv.open(
                 request.session_id,
                 request.max_tokens,
                 request.prompt_tokens,
-                request.prefix_hashes,
+                () if migrating else request.prefix_hashes,  # its KV comes whole
             )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
         sampler = Sampler(request.sampling) if self.stage.has_head else None
-        self._sessions[request.session_id] = _Session(request, kv, sampler)
+        awaiting = _Awaiting(request.migrate_from, request.prompt_tokens) if migrating else None
+        self._sessions[request.session_id] = _Session(request, kv, sampler, awaiting)
         # the gateway starts the prompt at the fewest tokens any stage has cached
         return Reply(ok=True, cached_tokens=kv.length)
+
+    def move(self, request: MoveSession, sender: PeerId | None = None) -> Reply:
+        """Send the session's KV to ``request.kv_to`` and let it go, or (without
+        ``kv_to``) take its new neighbours; from its gateway only, between steps."""
+        sid = request.session_id
+        session = self._sessions.get(sid)
+        if session is None:
+            return Reply.failed(InvalidRequest(f"unknown session {sid}"))
+        try:
+            self.check_control(sid, sender)
+        except InvalidRequest as exc:
+            return Reply.failed(exc)
+        if not request.kv_to:
+            session.request = dataclasses.replace(
+                session.request,
+                next_peer=request.next_peer or session.request.next_peer,
+                previous_peer=request.previous_peer or session.request.previous_peer,
+            )
+            return Reply(ok=True)
+        if sid in self._inflight or self._queued.get(sid) or session.awaiting is not None:
+            # mid-step (or still arriving itself): the gateway replays it instead
+            return Reply.failed(Rejected(f"busy: session {sid} is mid-step here"))
+        keys, values = session.kv.export()  # a copy: the blocks are freed below
+        if not self._post(request.kv_to, kv_frame(sid, keys, values)):
+            return Reply.failed(Rejected(f"busy: the link to {request.kv_to} is full"))
+        self._sessions.pop(sid)
+        self.kv.close(sid)
+        self.kv.note_migration_out()
+        log.info("session %s: %d tokens of KV sent to %s", sid, keys.shape[2], request.kv_to)
+        return Reply(ok=True)
+
+    def receive_kv(
+        self, frame: KVBlock, release: Callable[[], None], sender: PeerId | None = None
+    ) -> None:
+        """Load a migrating session's KV sent by ``sender`` (None: this node) and let its
+        held activations run; ``InvalidRequest`` when it was not expected from that peer.
+
+        A bad frame from the session's source fails the session (its gateway
+        replays it); one from any other peer leaves the session untouched.
+        """
+        sid = frame.session_id
+        session = self._sessions.get(sid)
+        try:
+            awaiting = session.awaiting if session is not None else None
+            if session is None or awaiting is None:
+                raise InvalidRequest(f"no KV of session {sid} is expected here")
+            if sender is not None and sender != awaiting.source:
+                raise InvalidRequest(
+                    f"session {sid} takes its KV from {awaiting.source} only, not {sender}"
+                )
+            try:
+                keys, values = check_kv(
+                    frame,
+                    num_layers=self.pool.num_layers,
+                    kv_heads=self.pool.kv_heads,
+                    head_dim=self.pool.head_dim,
+                    dtype=self.pool.dtype,
+                    length=awaiting.length,
+                )
+                session.kv.load(keys, values)
+            except (InvalidRequest, Rejected) as exc:
+                log.warning("session %s: migrated KV refused: %s", sid, exc)
+                self._fail(session, sid, InvalidRequest(f"migrated KV refused: {exc}"))
+                self.close(sid)
+                raise
+        finally:
+            release()  # loaded (copied into the pool) or refused
+        session.awaiting = None
+        self.kv.note_migration_in(keys.nbytes + values.nbytes)
+        self.kv.get(sid)
+        for item in awaiting.held:
+            self._enqueue(item)
 
     def check_control(self, session_id: str, sender: PeerId | None) -> None:
         """``InvalidRequest`` unless ``sender`` (None: this node) may close or cancel the
@@ -207,7 +303,10 @@ class StageServer:
             self._closing[session_id] = block_hashes
             return
         session = self._sessions.pop(session_id, None)
-        if session is not None and block_hashes:
+        if session is not None and session.awaiting is not None:
+            for item in session.awaiting.held:  # the KV never came
+                item.release()
+        elif session is not None and block_hashes:
             session.kv.publish(block_hashes)
         self.kv.close(session_id)  # its blocks return to the pool (named ones stay cached)
 
@@ -224,8 +323,10 @@ class StageServer:
         self, frame: Activations, release: Callable[[], None], sender: PeerId | None = None
     ) -> None:
         """Queue an activation frame from ``sender`` (None: this node); ``InvalidRequest``
-        for an unknown session or a sender that does not feed it."""
-        if frame.session_id not in self._sessions:
+        for an unknown session or a sender that does not feed it. A session whose KV is
+        still on its way here holds the frame until it arrives."""
+        session = self._sessions.get(frame.session_id)
+        if session is None:
             release()
             raise InvalidRequest(f"unknown session {frame.session_id}")
         try:
@@ -235,6 +336,8 @@ class StageServer:
                     f"expected one tensor per activation, got {len(frame.tensors)}"
                 )
             queued = self._queued.get(frame.session_id, 0)
+            if session.awaiting is not None:
+                queued = len(session.awaiting.held)
             if queued >= QUEUED_PER_SESSION:  # one step at a time: this is a flood
                 raise InvalidRequest(
                     f"session {frame.session_id} already has {queued} activations waiting here"
@@ -243,15 +346,21 @@ class StageServer:
             release()
             raise
         item = _Item(frame.session_id, frame.step, frame.positions, frame.tensors[0], release)
+        if session.awaiting is not None:
+            session.awaiting.held.append(item)
+            return
+        self._enqueue(item)
+
+    def _enqueue(self, item: _Item) -> None:
         try:
             self._inbox_send.send_nowait(item)
         except trio.WouldBlock:  # not reached while each session keeps to its share
-            release()
+            item.release()
             raise Rejected(
                 f"busy: stage [{self.stage.start}, {self.stage.end}) inbox is full"
             ) from None
-        self._queued[frame.session_id] = self._queued.get(frame.session_id, 0) + 1
-        self.kv.get(frame.session_id)  # marks it in use: a generating session is never idle
+        self._queued[item.session_id] = self._queued.get(item.session_id, 0) + 1
+        self.kv.get(item.session_id)  # marks it in use: a generating session is never idle
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The batching loop; never returns, whatever one batch does."""
@@ -369,11 +478,19 @@ class StageServer:
                 except trio.WouldBlock:
                     del self._outboxes[peer]
                     return
+            self._sending += 1
             try:
                 await self._send(peer, frame)  # the link gives each send a deadline
             except MeshError as exc:  # the gateway recovers the session (death or timeout)
                 session = getattr(frame, "session_id", "")
                 log.warning("session %s: cannot send to %s: %s", session, peer, exc)
+            finally:
+                self._sending -= 1
+
+    def sending(self) -> bool:
+        """Whether frames wait in an outbox or are being sent (a migration's KV among them)."""
+        queued = any(o.statistics().current_buffer_used for o in self._outboxes.values())
+        return queued or self._sending > 0
 
     @property
     def _units(self) -> tuple[int, int]:

@@ -250,6 +250,62 @@ class SessionKV:
             raise InvalidRequest("cannot truncate into a block of the prefix cache; rewind instead")
         self._length = length
 
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the ``length`` tokens held, in the pool's dtype.
+
+        Two contiguous tensors ``(layers, kv_heads, length, head_dim)``: what a
+        migration sends (only the filled part of the blocks). A copy, so the
+        blocks can be freed while the tensors are on their way.
+        """
+        if self._freed:
+            raise InvalidRequest("the session's KV cache was freed")
+        n = self._length
+        if self.num_layers == 0 or n == 0:
+            empty = (self.num_layers, self.pool.kv_heads, n, self.pool.head_dim)
+            return (
+                torch.empty(empty, dtype=self.pool.dtype),
+                torch.empty(empty, dtype=self.pool.dtype),
+            )
+        if self._base is not None:  # one run: a slice of the pool, copied once
+            lo = self._base
+            return (
+                self.pool.keys[:, :, lo : lo + n].contiguous().cpu(),
+                self.pool.values[:, :, lo : lo + n].contiguous().cpu(),
+            )
+        assert self._slots is not None  # set with the blocks
+        held = self._slots[:n]
+        return (
+            self.pool.keys.index_select(2, held).cpu(),
+            self.pool.values.index_select(2, held).cpu(),
+        )
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Fill a new, empty session with another stage's ``export()`` of the same layers.
+
+        The caller (the stage server) has checked shapes and dtype and
+        reserved the blocks; this only copies into them.
+        """
+        if self._freed or self._length:
+            raise InvalidRequest("migrated KV loads only into a new, empty session")
+        n = int(keys.shape[2])
+        if self.num_layers and n:
+            if not self.reserve(n):
+                raise Rejected("the stage's KV pool is full")
+            with torch.inference_mode():  # the pool's tensors may be inference tensors
+                self._copy_in(keys, values, n)
+        self._length = n
+
+    def _copy_in(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        if self._base is not None:  # one run: two slice copies
+            lo = self._base
+            self.pool.keys[:, :, lo : lo + n] = keys.to(self.pool.device)
+            self.pool.values[:, :, lo : lo + n] = values.to(self.pool.device)
+            return
+        assert self._slots is not None  # set with the blocks
+        slots = self._slots[:n]
+        self.pool.keys.index_copy_(2, slots, keys.to(self.pool.device))
+        self.pool.values.index_copy_(2, slots, values.to(self.pool.device))
+
     def __repr__(self) -> str:
         return (
             f"SessionKV(length={self._length}, layers={self.num_layers}, "

@@ -1,0 +1,321 @@
+"""KV migration on the in-process tiny mesh: real stage servers, hops as function calls.
+
+A stream whose middle stage is moved mid-generation (``Gateway.move_off``, as
+the plan loop does for a stage leaving alive) carries on from the moved KV:
+its output equals the single-process reference and the new stage computes
+only the steps after the move (no replay). A move whose target or source
+dies falls back to replay, with the same output. The stage checks what it
+receives. The same path over real libp2p and the data plane is in
+``test_kv_migration_mesh.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from hetmesh.error_codec import error_code
+from hetmesh.errors import InvalidRequest, MeshError, PeerUnreachable
+from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
+from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
+from hetmesh.node.kvcache import KVLimits
+from hetmesh.node.migration import kv_frame
+from hetmesh.node.stage_server import StageServer
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.partition.stage import load_stage
+from hetmesh.transport.frames import Error, Frame, KVBlock
+from tests.integration.node.test_serving_inprocess import (  # the tiny model and helpers
+    PROMPTS,
+    collect,
+    reference,
+    tiny_model,
+)
+
+__all__ = ["tiny_model"]  # a fixture, used by name
+
+GATEWAY = "gw"
+LAYOUT = {"a": (0, 2), "b1": (2, 4), "b2": (2, 4), "c": (4, 6)}
+FIRST = (Hop("a", 0, 2), Hop("b1", 2, 4), Hop("c", 4, 6))
+SECOND = (Hop("a", 0, 2), Hop("b2", 2, 4), Hop("c", 4, 6))
+
+
+class MovingMesh:
+    """Stage servers keyed by peer id; every frame and request carries its sender."""
+
+    def __init__(self, model_dir, pool_tokens: int = 8 * 200) -> None:
+        self.servers: dict[str, StageServer] = {}
+        for peer, (a, b) in LAYOUT.items():
+            stage = load_stage(model_dir, a, b)
+            budget = pool_tokens * stage.kv_bytes_per_token()
+            self.servers[peer] = StageServer(
+                stage,
+                limits=KVLimits(max_sessions=8, max_tokens_per_session=200, budget_bytes=budget),
+                send=functools.partial(self.send, peer),
+            )
+        self.dead: set[str] = set()
+        self.gateway: Gateway | None = None
+        self.kill_on_kv = ""  # a peer that dies as the KV is sent to it
+        self.kill_on_move = ""  # a peer that dies as it is asked to send its KV
+
+    async def send(self, sender: str, peer: str, frame: Frame) -> None:
+        if peer in self.dead or sender in self.dead:
+            raise PeerUnreachable(peer)
+        assert self.gateway is not None
+        if peer == GATEWAY:
+            self.gateway.on_frame(frame, sender)  # type: ignore[arg-type]
+            return
+        if isinstance(frame, KVBlock) and peer == self.kill_on_kv:
+            self.dead.add(peer)
+            raise PeerUnreachable(peer)
+        server = self.servers[peer]
+        try:
+            if isinstance(frame, KVBlock):
+                server.receive_kv(frame, lambda: None, sender)
+            else:
+                server.submit(frame, lambda: None, sender)  # type: ignore[arg-type]
+        except MeshError as exc:  # the daemon tells the sender; here the gateway hears it
+            error = Error(code=error_code(exc), message=str(exc), session_id=frame.session_id)
+            self.gateway.on_frame(error, peer)
+
+    async def control(self, peer: str, request: OpenSession | CloseSession | MoveSession) -> Reply:
+        if peer in self.dead:
+            raise PeerUnreachable(peer)
+        if isinstance(request, MoveSession) and request.kv_to and peer == self.kill_on_move:
+            self.dead.add(peer)
+            raise PeerUnreachable(peer)
+        return self.servers[peer].handle(request, GATEWAY)
+
+    async def ping(self, peer: str) -> bool:
+        if peer in self.dead:
+            raise PeerUnreachable(peer)
+        return True
+
+    def make_gateway(self, *, migrate: bool = True, **timeouts) -> Gateway:
+        async def choose(session_id, avoid):
+            return next((h for h in (FIRST, SECOND) if not {x.peer_id for x in h} & avoid), ())
+
+        self.gateway = Gateway(
+            peer_id=GATEWAY,
+            control=self.control,
+            send=functools.partial(self.send, GATEWAY),
+            choose=choose,
+            ping=self.ping,
+            eos_token_ids=frozenset(),
+            max_context=256,
+            timeouts=GatewayTimeouts(**timeouts),
+            migrate=migrate,
+        )
+        return self.gateway
+
+
+async def run_moved(mesh: MovingMesh, gateway: Gateway, move_at: int, tokens: int) -> list[int]:
+    """One stream of ``tokens`` greedy tokens, asked to move off b1 after ``move_at``."""
+
+    def move(n: int) -> None:
+        if n == move_at:
+            assert gateway.move_off("b1") == 1
+
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+        out = await collect(
+            gateway, PROMPTS[0], SamplingParams(max_new_tokens=tokens), on_token=move
+        )
+        nursery.cancel_scope.cancel()
+    return out
+
+
+async def test_a_moved_stage_continues_from_its_kv_without_replay(tiny_model):
+    mesh = MovingMesh(tiny_model)
+    gateway = mesh.make_gateway()
+    initial = {peer: s.pool.free_blocks for peer, s in mesh.servers.items()}
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert (g.migrations, g.migration_fallbacks, g.recoveries, g.preemptions) == (1, 0, 0, 0)
+    stats = {peer: s.statistics() for peer, s in mesh.servers.items()}
+    held = len(PROMPTS[0]) + 5  # the prompt and five fed tokens: the sixth is not fed yet
+    per_token = mesh.servers["b2"].stage.kv_bytes_per_token()
+    assert stats["b2"].kv.migrations == 1
+    assert stats["b2"].kv.migrated_bytes == held * per_token
+    assert stats["b1"].kv.migrations_out == 1
+    # no replay: b2 computed the ten steps after the move only, the first stage every
+    # token once (the prompt, then one per step)
+    assert stats["b2"].tokens == 10
+    assert stats["b1"].tokens == held
+    assert stats["a"].tokens == len(PROMPTS[0]) + 15
+    for peer, s in stats.items():
+        assert s.kv.sessions == 0, peer
+        assert s.kv.blocks_free == initial[peer], peer
+
+
+async def test_without_migration_a_move_replays_the_history(tiny_model):
+    mesh = MovingMesh(tiny_model)
+    gateway = mesh.make_gateway(migrate=False)  # what --no-migrate does (for comparisons)
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert (g.migrations, g.move_replays, g.recoveries) == (0, 1, 0)
+    b2 = mesh.servers["b2"].statistics()
+    assert b2.kv.migrations == 0
+    assert b2.tokens == len(PROMPTS[0]) + 5 + 10  # the history replayed, then ten steps
+
+
+async def test_a_move_whose_target_dies_falls_back_to_replay(tiny_model):
+    mesh = MovingMesh(tiny_model)
+    mesh.kill_on_kv = "b2"
+    gateway = mesh.make_gateway(step_floor_s=0.5, ping_s=0.3)
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert g.migration_fallbacks == 1
+    assert g.recoveries >= 1
+    assert mesh.servers["b2"].statistics().kv.migrations == 0  # its KV never arrived
+
+
+async def test_a_move_whose_source_dies_falls_back_to_replay(tiny_model):
+    mesh = MovingMesh(tiny_model)
+    mesh.kill_on_move = "b1"
+    gateway = mesh.make_gateway(step_floor_s=0.5, ping_s=0.3)
+    initial = mesh.servers["b2"].pool.free_blocks
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert (g.migrations, g.migration_fallbacks) == (0, 1)
+    b2 = mesh.servers["b2"].statistics()
+    assert b2.kv.migrations == 0
+    assert b2.tokens > 10  # the history was replayed through it
+    assert (b2.kv.sessions, b2.kv.blocks_free) == (0, initial)  # its half-open move was closed
+
+
+async def test_a_move_that_does_not_fit_the_target_is_refused_and_replayed(tiny_model):
+    mesh = MovingMesh(tiny_model, pool_tokens=400)  # 25 blocks, one kept in reserve
+    gateway = mesh.make_gateway(step_floor_s=0.5, ping_s=0.3)
+    b2 = mesh.servers["b2"]
+    for i, tokens in enumerate((200, 160, 16)):  # 24 of b2's blocks held by others
+        assert b2.handle(migrating_open(f"filler{i}", tokens, source="x"), GATEWAY).ok
+    assert b2.pool.free_blocks == 1  # the move's block and the reserve do not fit
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert (g.migrations, g.migration_fallbacks) == (0, 1)
+
+
+def migrating_open(session_id: str, tokens: int, source: str = "b1") -> OpenSession:
+    return OpenSession(
+        session_id=session_id,
+        start=2,
+        end=4,
+        next_peer="c",
+        gateway=GATEWAY,
+        previous_peer="a",
+        max_tokens=max(64, tokens),
+        prompt_tokens=tokens,
+        sampling=SamplingParams(),
+        migrate_from=source,
+    )
+
+
+async def test_the_new_stage_takes_the_kv_from_the_previous_owner_only(tiny_model):
+    mesh = MovingMesh(tiny_model)
+    mesh.make_gateway()
+    b2 = mesh.servers["b2"]
+    pool = b2.pool
+    initial = pool.free_blocks
+    assert b2.handle(migrating_open("s", 20), GATEWAY).ok
+    assert pool.free_blocks == initial - 2  # admitted through the pool like any session
+    shape = (pool.num_layers, pool.kv_heads, 20, pool.head_dim)
+    good = kv_frame("s", torch.ones(shape), torch.ones(shape))
+    with pytest.raises(InvalidRequest, match="from b1 only"):
+        b2.receive_kv(good, lambda: None, "c")  # a member that does not own the session
+    with pytest.raises(InvalidRequest, match="expected here"):
+        b2.receive_kv(kv_frame("other", *good.tensors), lambda: None, "b1")
+    assert b2.statistics().kv.sessions == 1  # untouched by either
+    released: list[int] = []
+    b2.receive_kv(good, lambda: released.append(1), "b1")
+    assert released == [1]
+    kv = b2.statistics().kv
+    assert (kv.migrations, kv.migrated_bytes) == (1, 2 * torch.ones(shape).nbytes)
+    with pytest.raises(InvalidRequest, match="expected here"):  # once only
+        b2.receive_kv(good, lambda: None, "b1")
+    # only the gateway may move a session
+    assert not b2.handle(MoveSession(session_id="s", kv_to="b1"), "c").ok
+
+
+async def test_a_bad_kv_from_the_owner_fails_the_session_and_frees_its_blocks(tiny_model):
+    mesh = MovingMesh(tiny_model)
+    gateway = mesh.make_gateway()
+    b2 = mesh.servers["b2"]
+    initial = b2.pool.free_blocks
+    pool = b2.pool
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b2.serve)
+        assert b2.handle(migrating_open("s", 20), GATEWAY).ok
+        wrong = (pool.num_layers, pool.kv_heads, 19, pool.head_dim)
+        with pytest.raises(InvalidRequest, match="shape"):
+            b2.receive_kv(kv_frame("s", torch.ones(wrong), torch.ones(wrong)), lambda: None, "b1")
+        half = torch.ones((pool.num_layers, pool.kv_heads, 20, pool.head_dim), dtype=torch.half)
+        assert b2.handle(migrating_open("t", 20), GATEWAY).ok
+        with pytest.raises(InvalidRequest, match="float16"):
+            b2.receive_kv(kv_frame("t", half, half), lambda: None, "b1")
+        # each failure is reported to the session's gateway (which runs no such session)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    kv = b2.statistics().kv
+    assert (kv.sessions, kv.blocks_free, kv.migrations) == (0, initial, 0)
+    assert gateway.statistics().stale_frames == 2
+
+
+async def test_no_block_leaks_after_mixed_sessions_with_migrations(tiny_model):
+    """Finished, cancelled, preempted and migrated sessions (both ways between b1 and b2)
+    on small pools: every stream equals the reference and every pool ends where it began."""
+    from contextlib import aclosing
+    from random import Random
+
+    mesh = MovingMesh(tiny_model, pool_tokens=160)  # 10 blocks a stage: they preempt
+    gateway = mesh.make_gateway(admission_s=120.0)
+    initial = {peer: s.pool.free_blocks for peer, s in mesh.servers.items()}
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0][:3] + [60] * 20]
+    expected = [reference(tiny_model, p, 24) for p in prompts]
+    rng = Random(7)
+    # (prompt, tokens, cancel after the first token, move after this many tokens or 0)
+    jobs = [
+        (rng.randrange(len(prompts)), rng.randint(2, 24), rng.random() < 0.15, rng.randint(0, 12))
+        for _ in range(64)
+    ]
+    wrong: list[int] = []
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+
+        async def run(job: int) -> None:
+            which, tokens, cancel, move_at = jobs[job]
+            params = SamplingParams(max_new_tokens=tokens)
+            out: list[int] = []
+            async with aclosing(gateway.generate(prompts[which], params)) as stream:
+                async for token in stream:
+                    out.append(token)
+                    if cancel:
+                        return
+                    if len(out) == move_at:  # off whichever replica it runs on now
+                        gateway.move_off("b1" if job % 2 else "b2")
+            if out != expected[which][:tokens]:
+                wrong.append(job)
+
+        for wave in range(0, len(jobs), 8):
+            async with trio.open_nursery() as clients:
+                for job in range(wave, wave + 8):
+                    clients.start_soon(run, job)
+        nursery.cancel_scope.cancel()
+    assert wrong == []
+    stats = {peer: s.statistics().kv for peer, s in mesh.servers.items()}
+    assert sum(k.preempted for k in stats.values()) >= 1
+    assert stats["b1"].migrations + stats["b2"].migrations >= 1
+    assert gateway.statistics().migrations >= 1
+    for peer, kv in stats.items():
+        assert kv.sessions == 0, peer
+        assert kv.blocks_free == initial[peer] == kv.blocks_total, peer
