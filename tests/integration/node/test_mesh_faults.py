@@ -55,11 +55,11 @@ GIVEN_STEP = ("--block-step-ms", "3")
     ],
 )
 async def test_generation_survives_losing_the_serving_replica(
-    tmp_path, default_model_dir, fault, step_args
+    tmp_path, tiny_model_dir, fault, step_args
 ):
-    ids = encode(default_model_dir, "Tell me a story about a lighthouse keeper.", chat=True)
-    expected = reference_ids(default_model_dir, ids, NEW_TOKENS)
-    with running_mesh(tmp_path, 4, *step_args) as nodes:
+    ids = encode(tiny_model_dir, "Tell me a story about a lighthouse keeper.", chat=True)
+    expected = reference_ids(tiny_model_dir, ids, NEW_TOKENS)
+    with running_mesh(tmp_path, 4, *step_args, model=tiny_model_dir) as nodes:
         # calibrating nodes replan as their measurements arrive: allow for that
         await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], pipelines=2, timeout_s=360))
         plan = newest_in_view(await view_of(nodes[0]))
