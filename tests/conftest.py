@@ -55,6 +55,21 @@ def default_model_dir() -> Path:
     return resolve_model()
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(default_model_dir: Path) -> Path:
+    """A tiny random Llama shaped like the default model, with its tokenizer (tests/tiny_model.py).
+
+    For tests of a mechanism rather than of the default model's weights: node
+    processes take it as ``--model`` (``running_mesh(..., model=tiny_model_dir)``),
+    and its own single-process reference (``reference_ids(tiny_model_dir, ...)``)
+    is what a mesh serving it must return. Built once into the hetmesh cache.
+    """
+    from hetmesh.partition.store import default_cache_dir
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(default_model_dir, default_cache_dir())
+
+
 def time_limit_s(item: pytest.Item, default_s: float) -> float:
     """The time limit of ``item``: its own timeout marker, else by its kind, else the default."""
     explicit = item.get_closest_marker("timeout")

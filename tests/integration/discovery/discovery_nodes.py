@@ -97,11 +97,40 @@ class NodeProc(LocalNode):
             self.proc.wait(timeout=10)
 
 
-class NodeFactory:
-    """Starts nodes (optionally through a testbed's ``popen``) and reaps them all."""
+_PROFILE_CACHE: list[str] = []
 
-    def __init__(self, tmp_path: Path) -> None:
+
+def measured_profile_cache() -> str:
+    """A node's benchmark cache file (``profile-cache.json``), measured once per test process.
+
+    Every node of the suite starts in a fresh data directory, so each would run the
+    CPU benchmark (1.5 s of both cores) before it is ready; dozens of node starts made
+    that minutes of the suite's CPU. Nodes given this file read this machine's
+    figures as a restarted node does. The cache is keyed by the CPU allowance: a node
+    in a CPU-limited namespace (the testbed) still measures its own.
+    """
+    if not _PROFILE_CACHE:
+        import tempfile
+
+        from hetmesh.discovery.profiling import CACHE_FILE, benchmark_cpu
+
+        with tempfile.TemporaryDirectory() as folder:
+            benchmark_cpu(Path(folder))
+            _PROFILE_CACHE.append((Path(folder) / CACHE_FILE).read_text())
+    return _PROFILE_CACHE[0]
+
+
+class NodeFactory:
+    """Starts nodes (optionally through a testbed's ``popen``) and reaps them all.
+
+    Nodes reuse one benchmark measured in the test process
+    (:func:`measured_profile_cache`) unless ``measure`` is set: then each runs its own,
+    as a first start in production does.
+    """
+
+    def __init__(self, tmp_path: Path, *, measure: bool = False) -> None:
         self.tmp_path = tmp_path
+        self.measure = measure
         self.nodes: list[NodeProc] = []
 
     def start(
@@ -115,6 +144,9 @@ class NodeFactory:
         data_dir = self.tmp_path / name
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / "node.json").unlink(missing_ok=True)
+        cache_file = data_dir / "profile-cache.json"
+        if not self.measure and not cache_file.exists():
+            cache_file.write_text(measured_profile_cache())
         log_path = self.tmp_path / f"{name}.log"
         argv = node_argv(data_dir, *args, secret=secret)
         log_file = log_path.open("ab")

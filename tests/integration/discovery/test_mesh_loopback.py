@@ -39,7 +39,8 @@ SLACK_S = 2.0  # on top of each liveness target: a loaded machine delays the nod
 
 @pytest.fixture(scope="module")
 def factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeFactory]:
-    f = NodeFactory(tmp_path_factory.mktemp("mesh"))
+    # each node runs its own CPU benchmark, as on a first start: the profiles below
+    f = NodeFactory(tmp_path_factory.mktemp("mesh"), measure=True)
     try:
         yield f
     finally:

@@ -3,12 +3,15 @@
 Real libp2p hosts, the real data plane and the real default model, but no
 process per node: settings the CLI does not expose (the gateway's admission
 wait, the idle-session limit) can be set short, and the test reads each
-node's statistics directly.
+node's statistics directly. ``open_mesh(..., model=tiny_model_dir)`` serves the
+tiny test model instead (tests/tiny_model.py), where the test is about a
+mechanism rather than the default model's weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -27,6 +30,9 @@ SECRET = "in-process-mesh"
 # Neither node alone can hold the weights (~0.54 GB) with its reserve and KV budget:
 # two of them must split the model.
 NODE_MEMORY_BYTES = 500 << 20
+# The same for the tiny test model (max_context_tokens=512, one to four sessions): one
+# node cannot hold it (the head's prefill logits alone are ~200 MB), two can.
+TINY_NODE_MEMORY_BYTES = 200 << 20
 PROMPT_IDS = [1, 504, 3458, 282, 1029, 314, 253]  # arbitrary in-vocabulary ids
 
 
@@ -36,13 +42,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def node_config(tmp_path: Path, name: str, serving: ServingConfig, **extra: Any) -> NodeConfig:
+def node_config(
+    tmp_path: Path,
+    name: str,
+    serving: ServingConfig,
+    *,
+    memory_bytes: int = NODE_MEMORY_BYTES,
+    **extra: Any,
+) -> NodeConfig:
     return NodeConfig(
         listen=("/ip4/127.0.0.1/tcp/0",),
         mesh_secret=SECRET,
         mdns=False,
         data_dir=tmp_path / name,
-        max_memory_bytes=NODE_MEMORY_BYTES,
+        max_memory_bytes=memory_bytes,
         benchmark_budget_s=0.2,
         serving=serving,
         **extra,
@@ -78,16 +91,30 @@ async def wait_ready(node: Node, pipelines: int = 1, timeout_s: float = 180) -> 
 class InProcessMesh:
     """Serving daemons of one nursery; more can join with :meth:`join`."""
 
-    def __init__(self, tmp_path: Path, serving: ServingConfig, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        serving: ServingConfig,
+        nursery: trio.Nursery,
+        memory_bytes: int = NODE_MEMORY_BYTES,
+    ) -> None:
         self.tmp_path = tmp_path
         self.serving = serving
         self.nursery = nursery
+        self.memory_bytes = memory_bytes
         self.nodes: list[Node] = []
 
     async def join(self, **extra: Any) -> Node:
         bootstrap = (self.nodes[0].discovery.addrs[0],) if self.nodes else ()
         name = f"n{len(self.nodes)}"
-        config = node_config(self.tmp_path, name, self.serving, bootstrap=bootstrap, **extra)
+        config = node_config(
+            self.tmp_path,
+            name,
+            self.serving,
+            memory_bytes=self.memory_bytes,
+            bootstrap=bootstrap,
+            **extra,
+        )
         node: Node = await self.nursery.start(run_node, config)
         self.nodes.append(node)
         return node
@@ -99,11 +126,24 @@ class InProcessMesh:
 
 @contextlib.asynccontextmanager
 async def open_mesh(
-    tmp_path: Path, serving: ServingConfig, count: int, *, first: dict[str, Any] | None = None
+    tmp_path: Path,
+    serving: ServingConfig,
+    count: int,
+    *,
+    first: dict[str, Any] | None = None,
+    model: Path | None = None,
 ) -> AsyncIterator[InProcessMesh]:
-    """``count`` serving daemons bootstrapped from the first, serving; stopped on exit."""
+    """``count`` serving daemons bootstrapped from the first, serving; stopped on exit.
+
+    ``model``: the tiny test model's folder (the ``tiny_model_dir`` fixture) to serve
+    instead of the default model, with a node memory that makes two nodes split it.
+    """
+    memory_bytes = NODE_MEMORY_BYTES
+    if model is not None:
+        serving = dataclasses.replace(serving, model=str(model))
+        memory_bytes = TINY_NODE_MEMORY_BYTES
     async with trio.open_nursery() as nursery:
-        mesh = InProcessMesh(tmp_path, serving, nursery)
+        mesh = InProcessMesh(tmp_path, serving, nursery, memory_bytes)
         try:
             await mesh.join(**(first or {}))
             for _ in range(count - 1):

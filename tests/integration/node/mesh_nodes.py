@@ -37,15 +37,32 @@ SERVE_ARGS = (
 )
 
 
+def serve_args(model: Path | None = None) -> tuple[str, ...]:
+    """:data:`SERVE_ARGS` for the default model, or for ``model`` (the tiny test model:
+    its ``--model`` path and a node memory that splits it as NODE_MEMORY does the default)."""
+    if model is None:
+        return SERVE_ARGS
+    from tests.tiny_model import TINY_NODE_MEMORY
+
+    args = list(SERVE_ARGS)
+    args[args.index("--max-memory") + 1] = TINY_NODE_MEMORY
+    return ("--model", str(model), *args)
+
+
 @contextlib.contextmanager
-def running_mesh(tmp_path: Path, count: int, *extra: str) -> Iterator[list[NodeProc]]:
-    """``count`` serving nodes bootstrapped from the first; all reaped on exit."""
+def running_mesh(
+    tmp_path: Path, count: int, *extra: str, model: Path | None = None
+) -> Iterator[list[NodeProc]]:
+    """``count`` serving nodes bootstrapped from the first; all reaped on exit.
+
+    ``model``: serve this folder instead of the default model (see :func:`serve_args`);
+    pass the ``tiny_model_dir`` fixture where the test is about a mechanism.
+    """
     factory = NodeFactory(tmp_path)
+    args = serve_args(model)
     try:
-        first = factory.start(*SERVE_ARGS, *extra).wait_ready(90)
-        others = [
-            factory.start(*SERVE_ARGS, *extra, "--bootstrap", first.addr) for _ in range(count - 1)
-        ]
+        first = factory.start(*args, *extra).wait_ready(90)
+        others = [factory.start(*args, *extra, "--bootstrap", first.addr) for _ in range(count - 1)]
         nodes = [first, *(n.wait_ready(90) for n in others)]
         yield nodes
     finally:
@@ -115,6 +132,7 @@ __all__ = [
     "open_probe_peer",
     "reference_ids",
     "running_mesh",
+    "serve_args",
     "view_of",
     "wait_for",
     "wait_serving",

@@ -370,9 +370,16 @@ async def test_a_hostile_member_cannot_replan_or_stop_the_mesh(mesh3, default_mo
     view = await view_of(mesh3[0])
     after = {p["peer_id"]: p for p in view["peers"] if p["peer_id"] in before}
     assert {p["health"] for p in after.values()} <= {"self", "alive"}
-    for peer, extra in before.items():  # each node still follows the plan it did
-        assert after[peer]["record"]["extra"]["plan"] == extra["plan"], peer
-        assert after[peer]["record"]["extra"]["plan_signature"]["signer"] == boss
+    logs = "".join(n.log() for n in mesh3)
+    for peer, extra in before.items():  # each node still follows the plan it did ...
+        now = after[peer]["record"]["extra"]
+        assert now["plan_signature"]["signer"] == boss
+        if now["plan"] != extra["plan"]:
+            # ... or one its coordinator made on its own evidence: on a loaded machine a
+            # stage's served steps can fall far behind its claim, and the coordinator
+            # replans on the measured times (logged). Never a plan with the hostile in it.
+            assert "on measured step times" in logs, (peer, extra["plan"], now["plan"])
+            assert hostile not in str(now["plan"]), now["plan"]
 
 
 async def test_the_prefix_cache_skips_shared_prefixes_and_keeps_the_reference_output(

@@ -1,8 +1,11 @@
-"""KV admission and idle expiry through a real two-node mesh serving the default model.
+"""KV admission and idle expiry through a real two-node mesh.
 
 Both daemons run in this test's trio run (:mod:`inprocess_mesh`), so the
 gateway's admission wait and the idle-session limit, which the CLI does not
-expose, can be short.
+expose, can be short. Admission and preemption are mechanisms: those meshes
+serve the tiny test model (tests/tiny_model.py) and compare with its reference;
+the idle-expiry test keeps the default model, whose generation must outlast the
+idle limit.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(300)]
 
 
 async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
-    tmp_path: Path, default_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    expected = reference_ids(default_model_dir, PROMPT_IDS, 8)
+    expected = reference_ids(tiny_model_dir, PROMPT_IDS, 8)
     port = free_port()
     serving = ServingConfig(
         max_sessions=1,
@@ -42,7 +45,9 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         block_step_s=0.002,
         timeouts=GatewayTimeouts(admission_s=10.0),
     )
-    async with open_mesh(tmp_path, serving, 2, first={"api_port": port}) as mesh:
+    async with open_mesh(
+        tmp_path, serving, 2, first={"api_port": port}, model=tiny_model_dir
+    ) as mesh:
         gateway = mesh.nodes[0].serving.gateway
         first = stage_servers(mesh.nodes)[0]
 
@@ -86,7 +91,7 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
             async with httpx.AsyncClient(timeout=120) as client:
                 outcome["http"] = await client.post(
                     f"http://127.0.0.1:{port}/v1/completions",
-                    json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 4},
+                    json={"model": tiny_model_dir.name, "prompt": "Hi", "max_tokens": 4},
                 )
 
         async with trio.open_nursery() as nursery:
@@ -128,7 +133,7 @@ async def test_idle_sessions_expire_but_a_generating_one_never_does(
 
 
 async def test_a_small_kv_pool_preempts_and_resumes_with_reference_output(
-    tmp_path: Path, default_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """Each stage has 96 tokens of KV (6 blocks); four generations of 7 + 40 tokens
     (3 blocks each) are admitted by their prompts and outgrow the pool together: the
@@ -136,7 +141,7 @@ async def test_a_small_kv_pool_preempts_and_resumes_with_reference_output(
     reference. A request larger than the pool gets a 400 naming the KV limit, and
     afterwards every stage's pool is whole."""
     tokens = 40
-    expected = reference_ids(default_model_dir, PROMPT_IDS, tokens)
+    expected = reference_ids(tiny_model_dir, PROMPT_IDS, tokens)
     port = free_port()
     serving = ServingConfig(
         max_sessions=4,
@@ -145,7 +150,9 @@ async def test_a_small_kv_pool_preempts_and_resumes_with_reference_output(
         block_step_s=0.002,
         timeouts=GatewayTimeouts(admission_s=300.0),
     )
-    async with open_mesh(tmp_path, serving, 2, first={"api_port": port}) as mesh:
+    async with open_mesh(
+        tmp_path, serving, 2, first={"api_port": port}, model=tiny_model_dir
+    ) as mesh:
         gateway = mesh.nodes[0].serving.gateway
         servers = stage_servers(mesh.nodes)
         results: list[list[int]] = []
@@ -163,7 +170,7 @@ async def test_a_small_kv_pool_preempts_and_resumes_with_reference_output(
         async with httpx.AsyncClient(timeout=120) as client:
             reply = await client.post(
                 f"http://127.0.0.1:{port}/v1/completions",
-                json={"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 200},
+                json={"model": tiny_model_dir.name, "prompt": "Hi", "max_tokens": 200},
             )
         assert reply.status_code == 400, reply.text
         assert "whole KV pool of 96 tokens" in reply.json()["error"]["message"]
