@@ -64,6 +64,9 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+# the membership clock's cadence; the core counts a tick much later than this as
+# a sign that this node is starved (local health, membership.py)
+_TICK_S = 0.2
 
 # peer exchange is bounded: candidates taken from one record, and pending at once
 MAX_CANDIDATES_PER_RECORD = 16
@@ -105,6 +108,10 @@ class DiscoveryStatistics:
     bytes_sent: int = 0
     records_published: int = 0
     pulls: int = 0
+    deaths: int = 0  # peers this node declared (or learnt were) dead
+    refuted: int = 0  # suspicions of this node it refuted
+    late_ticks: int = 0  # membership clock ticks that came late (this node was starved)
+    local_health: int = 0  # 0: keeping up; n: its timeouts stretched (1 + n) times
 
 
 class Discovery:
@@ -118,7 +125,9 @@ class Discovery:
         self.boot_id = time.time_ns()
         # the membership core holds the peer table (``entries``, ``members()``...)
         self.table = Membership(
-            self.peer_id, boot_id=self.boot_id, policy=SwimPolicy(liveness=config.policy)
+            self.peer_id,
+            boot_id=self.boot_id,
+            policy=SwimPolicy(liveness=config.policy, tick_s=_TICK_S),
         )
         self.addrs: tuple[str, ...] = ()
         self.probe_port = 0
@@ -391,6 +400,10 @@ class Discovery:
             bytes_sent=out.bytes_sent,
             records_published=self._published,
             pulls=self.table.stats.pulls,
+            deaths=self.table.stats.deaths,
+            refuted=self.table.stats.refuted,
+            late_ticks=self.table.stats.late_ticks,
+            local_health=self.table.local_health,
         )
 
     def statistics_dict(self) -> dict[str, int]:
@@ -575,7 +588,7 @@ class Discovery:
 
     async def _serve_membership(self) -> None:
         """The membership clock: probes, suspicions, record versions, tombstones."""
-        tick_s = 0.2
+        tick_s = _TICK_S
         last = trio.current_time()
         next_sweep = last + 10.0
         while True:
