@@ -72,6 +72,7 @@ _TICK_S = 0.2
 MAX_CANDIDATES_PER_RECORD = 16
 MAX_PENDING_CANDIDATES = 256
 MAX_LINK_REQUESTS = 256  # links one record asks others to measure
+BOOTSTRAP_ATTEMPTS = 3  # dial limits dial_timeout_s x 1, 2, 3
 MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
 
@@ -695,20 +696,34 @@ class Discovery:
 
         if not self.config.bootstrap:
             return
-        failures: list[MeshError] = []
         log.info("joining the mesh through %d bootstrap peer(s)", len(self.config.bootstrap))
-        for addr in self.config.bootstrap:
-            info = parse_peer_addr(addr)
-            try:
-                await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
-            except MeshError as exc:
-                log.warning("bootstrap peer %s: %s", addr, exc)
-                failures.append(exc)
-                continue
-            self._offer_candidate(str(info.peer_id), (addr,))
-        if len(failures) == len(self.config.bootstrap) and self.config.require_bootstrap:
-            auth = [f for f in failures if isinstance(f, AuthenticationFailed)]
-            raise (auth or failures)[0]
+        # a starved machine answers a handshake late, which reads like a wrong secret:
+        # try again with a longer limit before giving up (the first failure is logged
+        # at once, so a real wrong secret is still reported within one dial timeout)
+        for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+            failures: list[MeshError] = []
+            timeout_s = self.config.dial_timeout_s * attempt
+            for addr in self.config.bootstrap:
+                info = parse_peer_addr(addr)
+                try:
+                    await dial(self.host, info, timeout_s=timeout_s)
+                except MeshError as exc:
+                    log.warning(
+                        "bootstrap peer %s: %s (attempt %d of %d)",
+                        addr,
+                        exc,
+                        attempt,
+                        BOOTSTRAP_ATTEMPTS,
+                    )
+                    failures.append(exc)
+                    continue
+                self._offer_candidate(str(info.peer_id), (addr,))
+            if len(failures) < len(self.config.bootstrap) or not self.config.require_bootstrap:
+                return
+            if attempt < BOOTSTRAP_ATTEMPTS:
+                await trio.sleep(1.0)
+        auth = [f for f in failures if isinstance(f, AuthenticationFailed)]
+        raise (auth or failures)[0]
 
     def _start_mdns(self) -> MdnsHandle:
         token = trio.lowlevel.current_trio_token()
