@@ -72,7 +72,9 @@ class Hop:
 Control = Callable[[PeerId, OpenSession | CloseSession], Awaitable[Reply]]
 Send = Callable[[PeerId, Frame], Awaitable[None]]
 """Sends a data-plane frame to a peer (one's own id included); a ``TransportError`` if it cannot."""
-Choose = Callable[[str, frozenset[PeerId]], Awaitable[Sequence[Hop]]]
+Choose = Callable[[str, frozenset[PeerId], Sequence[int]], Awaitable[Sequence[Hop]]]
+"""Picks the hops of a request: its id, the peers to avoid, its history's block hashes
+(empty without the prefix cache; the router prefers where they are cached)."""
 Ping = Callable[[PeerId], Awaitable[bool]]
 
 
@@ -207,6 +209,10 @@ class Gateway:
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                     inbox.send_nowait(_PeerGone(peer_id))  # full: its timeout still fires
 
+    def routes(self) -> list[tuple[Hop, ...]]:
+        """The hops of every session running now (the router's view of its own load)."""
+        return list(self._routes.values())
+
     # -- requests -----------------------------------------------------------------
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -243,7 +249,8 @@ class Gateway:
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
-                hops = tuple(await self._choose(base, frozenset(avoid)))
+                hashes = block_hashes(history) if self.prefix_cache else []
+                hops = tuple(await self._choose(base, frozenset(avoid), hashes))
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
