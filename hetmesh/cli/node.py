@@ -191,6 +191,15 @@ def start(
             "(default), or always prefill their whole prompt (for comparisons).",
         ),
     ] = None,
+    kv_reserve_whole: Annotated[
+        bool | None,
+        typer.Option(
+            "--kv-reserve-whole",
+            hidden=True,
+            help="Admit sessions the old way, reserving prompt + max tokens of KV up "
+            "front (bench/kv.py compares it with paged admission).",
+        ),
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
     block_step_ms: Annotated[
         float | None,
@@ -301,6 +310,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             max_sessions=settings.get("max_sessions") or base.max_sessions,
             kv_pool_tokens=settings.get("kv_pool_tokens") or base.kv_pool_tokens,
             prefix_cache=bool(settings.get("prefix_cache", base.prefix_cache)),
+            kv_reserve_whole=bool(settings.get("kv_reserve_whole", base.kv_reserve_whole)),
             threads=settings.get("threads") or base.threads,
             block_step_s=None if block_step_ms is None else block_step_ms / 1e3,
             require_encryption=bool(settings.get("require_encryption")),

@@ -56,6 +56,8 @@ class ServingConfig:
     # each stage's KV pool in tokens; None: the KV memory the planner budgets for the stage
     kv_pool_tokens: int | None = None
     prefix_cache: bool = True  # stages share the KV blocks of common prompt prefixes
+    # admit the old way (prompt + max tokens reserved up front): for bench/kv.py only
+    kv_reserve_whole: bool = False
     route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False
@@ -82,6 +84,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "max_sessions": (int, None),
     "kv_pool_tokens": (int, None),
     "prefix_cache": (bool, None),
+    "kv_reserve_whole": (bool, None),
     "threads": (int, None),
     "block_step_ms": ((int, float), None),
     "serve": (bool, None),

@@ -605,16 +605,19 @@ class Serving:
             log.error("loading units [%d, %d) failed: %s", start, end, exc)
             self._loading.discard((start, end))
             return
+        limits = stage_kv_limits(
+            max_context_tokens=self.constraints.max_context_tokens,
+            max_sessions=self.config.max_sessions,
+            planned_sessions=self.constraints.max_sessions,
+            pool_tokens=self.config.kv_pool_tokens,
+            kv_bytes_per_token=stage.kv_bytes_per_token(),
+            idle_timeout_s=self.config.idle_session_s,
+        )
+        if self.config.kv_reserve_whole:  # the old admission, for comparisons
+            limits = dataclasses.replace(limits, reserve_whole=True)
         server = StageServer(
             stage,
-            limits=stage_kv_limits(
-                max_context_tokens=self.constraints.max_context_tokens,
-                max_sessions=self.config.max_sessions,
-                planned_sessions=self.constraints.max_sessions,
-                pool_tokens=self.config.kv_pool_tokens,
-                kv_bytes_per_token=stage.kv_bytes_per_token(),
-                idle_timeout_s=self.config.idle_session_s,
-            ),
+            limits=limits,
             send=self._send,
             device_limiter=self.node.device_limiter,
             threads=self.config.threads,
