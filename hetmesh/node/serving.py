@@ -725,23 +725,27 @@ class Serving:
             return ()
         # ready_stages holds live peers' stages only: a dead peer's stages are unready
         unhealthy = set(avoid) | unready_peers(plan, self.ready_stages())
+        # one pipeline: nothing to choose between, so no cache or load to weigh
+        several = len(plan.pipelines) > 1
         cached: dict[str, int] = {}
-        if hashes:
+        if hashes and several:
             summary = self._summary_of()
             cached = {
                 p.key: max(cached_blocks(p, hashes, summary), self._routed.matched(hashes, p.key))
                 for p in plan.pipelines
             }
+        loads = self._loads(plan) if several else {}
         try:
             chosen = route(
                 plan,
-                MeshLoad(pipelines=self._loads(plan), unhealthy_peers=tuple(sorted(unhealthy))),
+                MeshLoad(pipelines=loads, unhealthy_peers=tuple(sorted(unhealthy))),
                 RouteRequest(session_id=session_id),
                 cached,
             )
         except NoRoute:
             return ()
-        self._routed.remember(hashes, chosen.key)
+        if several:
+            self._routed.remember(hashes, chosen.key)
         return tuple(Hop(s.peer_id, s.start, s.end) for s in chosen.stages)
 
     def _summary_of(self) -> Callable[[Stage], frozenset[int]]:
