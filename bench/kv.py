@@ -54,7 +54,8 @@ without ``max_tokens``: they ask for up to the context, 1,536, and the client
 stops reading at its drawn length, as at an end of sequence). Every 0.5 s after
 the first ``--admitted-warmup-s`` it reads the sessions each stage holds (the
 nodes' announced load) and reports their mean: paged ÷ reserve-whole. The first
-``--admitted-check`` finished streams of each mesh are compared with the
+``--admitted-check`` streams of each mesh (finished ones, then the tokens that
+streams cut off by the window's end had received) are compared with the
 single-process reference (``outputs_identical``). Target ≥ 3.
 
 Not here yet (issue 14): ``migration_pause_ratio``.
@@ -379,6 +380,7 @@ def admitted_mesh(
     mix = admit_mix(seed, 4000)
     samples: list[float] = []
     done: list[tuple[list[int], int, list[int]]] = []
+    partial: list[tuple[list[int], list[int]]] = []  # streams cut off by the window's end
     counts = {"streams": 0, "rejected": 0}
     with local_mesh(3, node_args=args) as mesh:
         wait_serving(mesh, timeout_s=300)
@@ -390,23 +392,35 @@ def admitted_mesh(
 
                 async def client() -> None:
                     for prompt, asked, output in turn:
-                        got: list[int] = []
-                        try:
-                            events = c.stream(prompt_ids=prompt, max_new_tokens=asked)
-                            async with contextlib.aclosing(events) as stream:
-                                async for event in stream:
-                                    if isinstance(event, TokenEvent) and event.token_id >= 0:
-                                        got.append(event.token_id)
-                                        if len(got) >= output:
-                                            break  # an end of sequence, as far as we care
-                        except MeshError as exc:  # busy past the admission wait (or a
-                            # stage too slow to answer pings on a loaded box): the next one
-                            counts["rejected"] += 1
-                            print(f"stream: {exc!r}", file=sys.stderr)
-                            await trio.sleep(1.0)  # a loaded machine: let the mesh breathe
-                            continue
-                        counts["streams"] += 1
-                        done.append((prompt, output, got))
+                        for _attempt in range(1000):  # the same request again, as a queue would
+                            if await one(prompt, asked, output):
+                                break
+                            await trio.sleep(1.0)
+
+                async def one(prompt: list[int], asked: int, output: int) -> bool:
+                    """One stream; False when refused (busy past the admission wait, or a stage
+                    too slow to answer pings on a loaded box)."""
+                    got: list[int] = []
+                    partial.append((prompt, got))  # what arrived when the window closes
+                    try:
+                        events = c.stream(prompt_ids=prompt, max_new_tokens=asked)
+                        async with contextlib.aclosing(events) as stream:
+                            async for event in stream:
+                                if isinstance(event, TokenEvent) and event.token_id >= 0:
+                                    got.append(event.token_id)
+                                    if len(got) >= output:
+                                        break  # an end of sequence, as far as we care
+                    except MeshError as exc:
+                        counts["rejected"] += 1
+                        print(f"stream: {exc!r}", file=sys.stderr)
+                        partial.remove((prompt, got))
+                        if got:  # failed mid-stream: what arrived still counts
+                            done.append((prompt, len(got), got))
+                        return False
+                    counts["streams"] += 1
+                    partial.remove((prompt, got))
+                    done.append((prompt, output, got))
+                    return True
 
                 async def sample() -> None:
                     await trio.sleep(warmup_s)
@@ -426,7 +440,8 @@ def admitted_mesh(
         trio.run(measure)
     running = statistics.fmean(samples) if samples else 0.0
     print(f"{'reserve-whole' if whole else 'paged'}: {running:.2f} sessions", file=sys.stderr)
-    return {"running": running, "samples": len(samples), "done": done, **counts}
+    cut = [(p, len(got), got) for p, got in partial if got]  # their tokens so far count too
+    return {"running": running, "samples": len(samples), "done": done + cut, **counts}
 
 
 def admitted_run(
