@@ -96,6 +96,7 @@ class KVLimits:
     # retries (it backs off to 1 s between tries) and for the gateway's admission wait
     waiter_stale_s: float = 5.0
     waiter_max_s: float = 30.0
+    fcfs: bool = True  # False: no wait queue (a caller that orders its requests itself)
 
 
 MAX_WAITERS = 64  # refused sessions whose place is kept, per stage
@@ -296,6 +297,8 @@ class KVManager(Generic[KV]):
     def _ahead_of(self, session_id: str) -> tuple[int, int]:
         """Blocks and session slots kept for the live waiters that came before
         ``session_id`` (all of them when it is not waiting)."""
+        if not self._limits.fcfs:
+            return 0, 0
         now = self._clock()
         for sid in [
             sid
@@ -314,7 +317,7 @@ class KVManager(Generic[KV]):
 
     def _wait(self, session_id: str, admissible: bool, blocks: int) -> None:
         """Keep (or refresh) a refused session's place, if it could ever be admitted."""
-        if not admissible:
+        if not self._limits.fcfs or not admissible:
             return
         now = self._clock()
         waiter = self._waiters.get(session_id)

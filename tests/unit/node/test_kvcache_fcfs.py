@@ -97,3 +97,16 @@ def test_the_wait_queue_is_bounded():
     for i in range(MAX_WAITERS + 5):
         assert refused(kv, f"w{i}", 16, 16)
     assert kv.waiting == MAX_WAITERS
+
+
+def test_without_fcfs_a_later_request_may_overtake():
+    from hetmesh.node.kvcache import KVLimits, KVManager
+    from tests.unit.node.test_kvcache import Cache, Clock, Pool
+
+    pool = Pool(10)
+    limits = KVLimits(4, 160, 1000, 10.0, 1, fcfs=False)
+    kv = KVManager(limits, pool=pool, factory=lambda: Cache(pool), clock=Clock())
+    kv.open("a", 80, prompt_tokens=80)
+    assert refused(kv, "large", 128, 128)
+    kv.open("small", 16, prompt_tokens=16)
+    assert kv.waiting == 0
