@@ -58,7 +58,7 @@ pytestmark = [
 # a long first turn (arbitrary in-vocabulary ids): 12 full blocks and a tail
 FIRST_TURN = [(17 * i + 5) % 40000 + 100 for i in range(12 * BLOCK_TOKENS + 5)]
 TURN_TOKENS = 6
-BUSY_TOKENS = 1500  # the stream that keeps the idle choice busy (cancelled when done)
+BUSY_TOKENS = 400  # keeps a replica busy: ~4x what the first turn needs (it runs on when cancelled)
 MOVE_TOKENS = 320  # long enough that the serving replica is stopped while it runs
 STOP_AFTER = 16
 
