@@ -155,7 +155,8 @@ def simulate(
         device=torch.device("cpu"),
     )
     manager: KVManager[SessionKV] = KVManager(
-        KVLimits(10_000, context, budget_tokens, reserve_whole=whole),
+        # the loop below admits strictly in arrival order itself (preempted ones first)
+        KVLimits(10_000, context, budget_tokens, reserve_whole=whole, fcfs=False),
         pool=pool,
         factory=lambda: SessionKV(owner=0, pool=pool, max_length=context),
     )

@@ -16,6 +16,15 @@ this stage could ever hold (named against the KV limit), and
 :class:`~hetmesh.errors.Rejected` ("busy") when the stage is merely full
 right now — the gateway waits and retries.
 
+First come, first served: a session refused for want of blocks or of a
+session slot keeps its place in a bounded wait queue (arrival order, at most
+:data:`MAX_WAITERS`), and a later session is admitted only if it leaves
+free the blocks and slots of every waiter ahead of it — so small requests
+cannot overtake and starve a large one, as the gateway retries them all. A
+waiter cannot wedge the stage: it leaves the queue when admitted, when its
+gateway stops retrying (not seen for ``waiter_stale_s``), or after
+``waiter_max_s`` in all (the gateway's admission wait).
+
 Pure bookkeeping: the caches come from a factory (the stage's ``SessionKV``
 over its pool), the clock is injected, nothing here does I/O. Called from the
 trio thread only.
@@ -83,6 +92,14 @@ class KVLimits:
     # (at least one block), which cut preemptions 6x for 2 % fewer sessions (bench/kv.py)
     reserve_blocks: int | None = None
     reserve_whole: bool = False  # the old policy: hold prompt + max_tokens up front
+    # first come, first served: a refused session's place is kept while its gateway
+    # retries (it backs off to 1 s between tries) and for the gateway's admission wait
+    waiter_stale_s: float = 5.0
+    waiter_max_s: float = 30.0
+    fcfs: bool = True  # False: no wait queue (a caller that orders its requests itself)
+
+
+MAX_WAITERS = 64  # refused sessions whose place is kept, per stage
 
 
 def stage_kv_limits(
@@ -168,6 +185,13 @@ class _Entry(Generic[KV]):
     last_used_s: float
 
 
+@dataclass(slots=True)
+class _Waiter:
+    blocks: int  # fresh blocks it needed when last refused
+    first_s: float
+    last_s: float
+
+
 class KVManager(Generic[KV]):
     """Sessions' caches on one stage: bounded in count, admitted and grown by blocks."""
 
@@ -184,6 +208,7 @@ class KVManager(Generic[KV]):
         self._factory = factory
         self._clock = clock
         self._entries: dict[str, _Entry[KV]] = {}  # in admission order: oldest first
+        self._waiters: dict[str, _Waiter] = {}  # refused sessions, in arrival order
         self._rejected_busy = 0
         self._expired = 0
         self._preempted = 0
@@ -246,12 +271,14 @@ class KVManager(Generic[KV]):
         size = self._pool.block_tokens
         need = blocks_for(now, size) - blocks_for(cached, size)
         reserve = 0 if self._limits.reserve_whole else self.reserve_blocks
+        ahead_blocks, ahead_sessions = self._ahead_of(session_id)
         if (
-            len(self._entries) >= self._limits.max_sessions
-            or need + reserve > self._pool.free_blocks
+            len(self._entries) + ahead_sessions >= self._limits.max_sessions
+            or need + reserve + ahead_blocks > self._pool.free_blocks
         ):
             cache.free()
             self._rejected_busy += 1
+            self._wait(session_id, need + reserve <= self._pool.num_blocks, need)
             raise Rejected(
                 f"busy: {len(self._entries)} sessions hold "
                 f"{self._pool.num_blocks - self._pool.free_blocks} of "
@@ -263,8 +290,46 @@ class KVManager(Generic[KV]):
         if not cache.reserve(now):  # cannot happen: the blocks were counted free above
             cache.free()
             raise Rejected("busy: the KV pool is full")
+        self._waiters.pop(session_id, None)
         self._entries[session_id] = _Entry(cache, self._clock())
         return cache
+
+    def _ahead_of(self, session_id: str) -> tuple[int, int]:
+        """Blocks and session slots kept for the live waiters that came before
+        ``session_id`` (all of them when it is not waiting)."""
+        if not self._limits.fcfs:
+            return 0, 0
+        now = self._clock()
+        for sid in [
+            sid
+            for sid, w in self._waiters.items()
+            if now - w.last_s > self._limits.waiter_stale_s
+            or now - w.first_s > self._limits.waiter_max_s
+        ]:
+            del self._waiters[sid]
+        blocks = sessions = 0
+        for sid, waiter in self._waiters.items():
+            if sid == session_id:
+                break
+            blocks += waiter.blocks
+            sessions += 1
+        return blocks, sessions
+
+    def _wait(self, session_id: str, admissible: bool, blocks: int) -> None:
+        """Keep (or refresh) a refused session's place, if it could ever be admitted."""
+        if not self._limits.fcfs or not admissible:
+            return
+        now = self._clock()
+        waiter = self._waiters.get(session_id)
+        if waiter is not None:
+            waiter.blocks, waiter.last_s = blocks, now
+        elif len(self._waiters) < MAX_WAITERS:
+            self._waiters[session_id] = _Waiter(blocks, now, now)
+
+    @property
+    def waiting(self) -> int:
+        """Refused sessions whose place in line is kept now."""
+        return len(self._waiters)
 
     def grow(self, session_id: str, tokens: int) -> list[str]:
         """Give ``session_id`` blocks for ``tokens`` tokens in all, preempting others if needed.
