@@ -56,7 +56,19 @@ In the first mesh the gateway migrates the KV; in the second
 migrated pause ÷ replayed pause, target ≤ 0.3; both streams must equal the
 single-process reference, and the counters say which path each took.
 
-Not here yet (issue 14): ``admitted_ratio`` on a mesh.
+With ``--admitted`` it measures ``admitted_ratio`` on two 3-node loopback meshes
+started one after the other in the same run, alike but for admission: paged
+(the default) and the old reservation path (``--kv-reserve-whole``), each stage's
+pool ``--admitted-pool-tokens`` tokens. ``--admitted-clients`` clients each send
+the issue's mix back to back for ``--admitted-seconds`` (seeded; prompts of
+20–600 random in-vocabulary ids, outputs of 16–256 tokens, half the requests
+without ``max_tokens``: they ask for up to the context, 1,536, and the client
+stops reading at its drawn length, as at an end of sequence). Every 0.5 s after
+the first ``--admitted-warmup-s`` it reads the sessions each stage holds (the
+nodes' announced load) and reports their mean: paged ÷ reserve-whole. The first
+``--admitted-check`` streams of each mesh (finished ones, then the tokens that
+streams cut off by the window's end had received) are compared with the
+single-process reference (``outputs_identical``). Target ≥ 3.
 """
 
 from __future__ import annotations
@@ -484,6 +496,138 @@ def migration_run(context: int, tokens: int, move_after: int) -> dict[str, Any]:
     }
 
 
+ADMIT_CONTEXT = 1536  # MESH_ARGS' context: half the requests may run up to it
+
+
+def admit_mix(seed: int, count: int) -> list[tuple[list[int], int, int]]:
+    """The issue's mix: (prompt ids, max_new_tokens asked, tokens the client reads)."""
+    rng = random.Random(seed)
+    mix = []
+    for _ in range(count):
+        prompt = [rng.randrange(200, 20000) for _ in range(rng.randint(20, 600))]
+        output = rng.randint(16, 256)
+        asked = output if rng.random() < 0.5 else ADMIT_CONTEXT - len(prompt)
+        mix.append((prompt, asked, output))
+    return mix
+
+
+def admitted_mesh(
+    whole: bool, pool_tokens: int, clients: int, seconds: float, warmup_s: float, seed: int
+) -> dict[str, Any]:
+    """Mean sessions held per stage under the mix, on a fresh 3-node mesh; its streams."""
+    import contextlib
+
+    import trio
+
+    from hetmesh.client.mesh import TokenEvent, open_mesh_client
+    from hetmesh.node.local import local_mesh, wait_serving
+
+    args = [*MESH_ARGS[:4], "--kv-pool-tokens", str(pool_tokens)]
+    if whole:
+        args.append("--kv-reserve-whole")
+    mix = admit_mix(seed, 4000)
+    samples: list[float] = []
+    done: list[tuple[list[int], int, list[int]]] = []
+    partial: list[tuple[list[int], list[int]]] = []  # streams cut off by the window's end
+    counts = {"streams": 0, "rejected": 0}
+    with local_mesh(3, node_args=args) as mesh:
+        wait_serving(mesh, timeout_s=300)
+
+        async def measure() -> None:
+            async with open_mesh_client(mesh.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
+                await _stream(c, [1, 504, 3458, 282], 2)  # warm up links and forwards
+                turn = iter(mix)
+
+                async def client() -> None:
+                    for prompt, asked, output in turn:
+                        for _attempt in range(1000):  # the same request again, as a queue would
+                            if await one(prompt, asked, output):
+                                break
+                            await trio.sleep(1.0)
+
+                async def one(prompt: list[int], asked: int, output: int) -> bool:
+                    """One stream; False when refused (busy past the admission wait, or a stage
+                    too slow to answer pings on a loaded box)."""
+                    got: list[int] = []
+                    partial.append((prompt, got))  # what arrived when the window closes
+                    try:
+                        events = c.stream(prompt_ids=prompt, max_new_tokens=asked)
+                        async with contextlib.aclosing(events) as stream:
+                            async for event in stream:
+                                if isinstance(event, TokenEvent) and event.token_id >= 0:
+                                    got.append(event.token_id)
+                                    if len(got) >= output:
+                                        break  # an end of sequence, as far as we care
+                    except MeshError as exc:
+                        counts["rejected"] += 1
+                        print(f"stream: {exc!r}", file=sys.stderr)
+                        partial.remove((prompt, got))
+                        if got:  # failed mid-stream: what arrived still counts
+                            done.append((prompt, len(got), got))
+                        return False
+                    counts["streams"] += 1
+                    partial.remove((prompt, got))
+                    done.append((prompt, output, got))
+                    return True
+
+                async def sample() -> None:
+                    await trio.sleep(warmup_s)
+                    while True:
+                        with contextlib.suppress(MeshError):
+                            view = await c.status()
+                            held = [p["record"]["load"]["active_sessions"] for p in view["peers"]]
+                            samples.append(statistics.fmean(held))
+                        await trio.sleep(0.5)
+
+                with trio.move_on_after(warmup_s + seconds):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(sample)
+                        for _ in range(clients):
+                            nursery.start_soon(client)
+
+        trio.run(measure)
+    running = statistics.fmean(samples) if samples else 0.0
+    print(f"{'reserve-whole' if whole else 'paged'}: {running:.2f} sessions", file=sys.stderr)
+    cut = [(p, len(got), got) for p, got in partial if got]  # their tokens so far count too
+    return {"running": running, "samples": len(samples), "done": done + cut, **counts}
+
+
+def admitted_run(
+    pool_tokens: int, clients: int, seconds: float, warmup_s: float, check: int
+) -> dict[str, Any]:
+    """``admitted_ratio`` on the mesh (see the module docstring)."""
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.text import eos_token_ids, load_tokenizer
+
+    paged = admitted_mesh(False, pool_tokens, clients, seconds, warmup_s, seed=1)
+    old = admitted_mesh(True, pool_tokens, clients, seconds, warmup_s, seed=1)
+    model_dir = resolve_model()
+    torch.set_num_threads(1)
+    pipeline = LocalPipeline.load(model_dir, 1)
+    eos = eos_token_ids(model_dir, load_tokenizer(model_dir))
+    checked = paged["done"][:check] + old["done"][:check]
+    # nothing finished (a saturated machine): nothing shown identical either
+    identical = bool(checked) and all(
+        list(pipeline.generate_ids(p, SamplingParams(max_new_tokens=n), eos_ids=eos)) == got
+        for p, n, got in checked
+    )
+    return {
+        "admitted_running_paged": round(paged["running"], 2),
+        "admitted_running_reserve_whole": round(old["running"], 2),
+        "admitted_ratio": round(paged["running"] / old["running"], 2) if old["running"] else 0.0,
+        "admitted_streams_paged": paged["streams"],
+        "admitted_streams_reserve_whole": old["streams"],
+        "admitted_rejected_paged": paged["rejected"],
+        "admitted_rejected_reserve_whole": old["rejected"],
+        "admitted_samples": min(paged["samples"], old["samples"]),
+        "admitted_pool_tokens": pool_tokens,
+        "admitted_checked_streams": len(checked),
+        "admitted_outputs_identical": bool(identical),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -499,12 +643,28 @@ def main() -> None:
     )
     parser.add_argument("--migration-context", type=int, default=1000)
     parser.add_argument("--migration-tokens", type=int, default=40)
+    parser.add_argument("--admitted", action="store_true", help="add the mesh admitted_ratio")
+    parser.add_argument("--admitted-pool-tokens", type=int, default=6144)
+    parser.add_argument("--admitted-clients", type=int, default=24)
+    parser.add_argument("--admitted-seconds", type=float, default=60.0)
+    parser.add_argument("--admitted-warmup-s", type=float, default=20.0)
+    parser.add_argument("--admitted-check", type=int, default=4, help="streams checked per mesh")
     args = parser.parse_args()
     result = run(args.contexts, args.repeats, args.budget_tokens)
     if args.mesh:
         result.update(mesh_run(args.mesh_repeats, args.mesh_tokens, args.clients))
     if args.migration:
         result.update(migration_run(args.migration_context, args.migration_tokens, 4))
+    if args.admitted:
+        result.update(
+            admitted_run(
+                args.admitted_pool_tokens,
+                args.admitted_clients,
+                args.admitted_seconds,
+                args.admitted_warmup_s,
+                args.admitted_check,
+            )
+        )
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return
@@ -528,6 +688,14 @@ def main() -> None:
         f"ratio {result['sim_admitted_ratio']}; {result['sim_preemptions']} preemptions "
         f"replaying {result['sim_replayed_tokens']} tokens"
     )
+    if args.admitted:
+        print(
+            f"sessions held per stage on the mesh, {args.admitted_pool_tokens} tokens of KV: "
+            f"{result['admitted_running_paged']} (paged) vs "
+            f"{result['admitted_running_reserve_whole']} (reserve whole): ratio "
+            f"{result['admitted_ratio']} (target >= 3); outputs identical: "
+            f"{result['admitted_outputs_identical']}"
+        )
     if args.mesh:
         print(
             f"TTFT with a cached 1,000-token prefix: {result['prefix_ttft_shared_s']} s vs "

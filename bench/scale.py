@@ -22,7 +22,10 @@ converged mesh, then measures, in this order:
 processes on loopback, bootstrapped from the first: seconds from launch (and
 from the last node being ready) until every node sees all others alive, then
 idle CPU per node (``/proc``, over ``--idle-s``) and bytes sent per node per
-second (the node's own counter; absent in a baseline without it). With
+second (the node's own counter; absent in a baseline without it), the
+machine's load average when the size started, and false deaths: death
+verdicts the nodes reached (their ``deaths`` counter) although no node was
+stopped, with the late ticks that show how starved they were. With
 ``--baseline-src DIR`` the same sizes run again with ``DIR`` first on
 ``PYTHONPATH`` (e.g. the main checkout: the full-record-every-second path).
 This machine is shared: real-process figures are as measured, not ideal.
@@ -226,6 +229,7 @@ def real_mesh(
         return info
 
     try:
+        load_at_start = os.getloadavg()[0]
         launched = time.monotonic()
         start(0, None)
         infos.append(wait_info(0))
@@ -256,6 +260,10 @@ def real_mesh(
             if b and a and "bytes_sent" in a["statistics"]:
                 sent.append(a["statistics"]["bytes_sent"] - b["statistics"]["bytes_sent"])
         cores = [(c1 - c0) / elapsed for c0, c1 in zip(cpu0, cpu1, strict=True)]
+        stats = [v["statistics"] for v in after if v is not None]
+        # nobody was stopped: every death verdict is a false one (None: a baseline
+        # without the counter)
+        counted = bool(stats) and all("deaths" in st for st in stats)
         return {
             "nodes": n,
             "src": str(src),
@@ -267,6 +275,10 @@ def real_mesh(
             "idle_cores_mesh": round(sum(cores), 3),
             "bytes_sent_per_node_s": round(sum(sent) / len(sent) / elapsed) if sent else None,
             "idle_window_s": round(elapsed, 1),
+            "load_average_at_start": round(load_at_start, 1),
+            "false_deaths": sum(st["deaths"] for st in stats) if counted else None,
+            "late_ticks": sum(st["late_ticks"] for st in stats) if counted else None,
+            "max_local_health": max(st["local_health"] for st in stats) if counted else None,
         }
     finally:
         for p in procs:
@@ -323,7 +335,9 @@ def main() -> None:
         out["real"] = real
         for r in real:
             out[f"converged_s_{r['nodes']}"] = r.get("converged_s_from_launch")
+            out[f"converged_s_from_ready_{r['nodes']}"] = r.get("converged_s_from_ready")
             out[f"idle_cores_per_node_{r['nodes']}"] = r.get("idle_cores_per_node")
+            out[f"false_deaths_{r['nodes']}"] = r.get("false_deaths")
         if args.baseline_src is not None:
             out["baseline"] = [
                 real_mesh_or_error(n, src=args.baseline_src, **kw) for n in args.real_sizes

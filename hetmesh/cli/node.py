@@ -199,6 +199,15 @@ def start(
             "stopping) moves with its KV (default), or replays its history (for comparisons).",
         ),
     ] = None,
+    kv_reserve_whole: Annotated[
+        bool | None,
+        typer.Option(
+            "--kv-reserve-whole",
+            hidden=True,
+            help="Admit sessions the old way, reserving prompt + max tokens of KV up "
+            "front (bench/kv.py compares it with paged admission).",
+        ),
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
     block_step_ms: Annotated[
         float | None,
@@ -311,6 +320,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             prefix_cache=bool(settings.get("prefix_cache", base.prefix_cache)),
             migrate=bool(settings.get("migrate", base.migrate)),
             drain_s=STOP_DRAIN_S,  # SIGTERM: sessions move away before the node leaves
+            kv_reserve_whole=bool(settings.get("kv_reserve_whole", base.kv_reserve_whole)),
             threads=settings.get("threads") or base.threads,
             block_step_s=None if block_step_ms is None else block_step_ms / 1e3,
             require_encryption=bool(settings.get("require_encryption")),

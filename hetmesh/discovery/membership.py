@@ -23,6 +23,19 @@ The protocol, per node and per ``interval_s``:
   deaths, suspicions and departures are also pushed at once to ``fanout``
   members, so they spread in a few network hops, not a few periods.
 
+**Local health** (Lifeguard's idea, in our own shape): a node that is itself
+slow must not blame its peers. Signs that we are the slow one (a ``tick`` that
+comes much later than the driver's promised ``tick_s``, an ack that arrives
+after we gave its probe up, a suspicion of ourselves to refute) raise
+``local_health`` by one, to ``max_local_health``; each direct ack in time takes
+one off. Our ack, probe and suspicion timeouts and our probe interval stretch
+``1 + local_health`` times, and the time a late tick shows we were not running
+does not count against pending probes and suspicions. Each suspicion names its
+accuser; independent accusers pull a stretched suspicion back towards today's
+window (never below it by default). Whatever we send a suspect leads with its
+suspicion, so a merely slow peer refutes (a higher incarnation) as soon as it
+reads its inbox. On a machine that keeps up nothing changes: today's bounds.
+
 Records (the node's announcement) are versioned: ``(boot_id, seq)``. A record
 travels whole only when asked for (``PULL`` → ``RECORD``): a node that hears of
 a newer version than it holds (from a message header or an alive rumor) pulls
@@ -83,6 +96,9 @@ class MembershipStatistics:
     pulls: int = 0
     suspicions: int = 0
     refuted: int = 0
+    deaths: int = 0  # members we declared (or learnt were) dead
+    late_ticks: int = 0  # our own clock ran late: we were starved
+    late_acks: int = 0  # an ack came after we had given its probe up
 
 
 _LIVE = (Health.ALIVE, Health.SUSPECT, Health.JOINING)
@@ -128,6 +144,13 @@ class Membership:
         self._live: list[PeerId] = []
         self._live_at: dict[PeerId, int] = {}
         self._candidates: dict[PeerId, tuple[float, int]] = {}  # -> (last try, tries)
+        # local health (Lifeguard): 0 when we keep up; each sign that we are the slow
+        # one (a late tick, a late ack, a suspicion of ourselves) adds one, each ack
+        # in time takes one off; every timeout of ours stretches (1 + it) times
+        self.local_health = 0
+        self._last_tick: float | None = None
+        self._accusers: dict[PeerId, set[PeerId]] = {}  # suspect -> who suspects it
+        self._expired: dict[int, PeerId] = {}  # recent probes given up (seq -> target)
 
     # -- local state -----------------------------------------------------------
 
@@ -158,6 +181,13 @@ class Membership:
     def _message(self, kind: Kind, dst: PeerId, **kw: Any) -> Message:
         self.stats.messages_out += 1
         intro = self.addrs if dst not in self._knows_us else ()
+        updates = self._piggyback()
+        entry = self.entries.get(dst)
+        if entry is not None and entry.health is Health.SUSPECT:
+            # Lifeguard's buddy system: whatever we send a suspect tells it so, so a
+            # merely slow peer refutes as soon as it reads its inbox
+            notice = self._suspicion(entry, self.self_id)
+            updates = (notice, *(u for u in updates if u.peer_id != dst))
         return Message(
             kind,
             self.self_id,
@@ -165,7 +195,7 @@ class Membership:
             self.boot_id,
             self.incarnation,
             self.record_seq,
-            updates=self._piggyback(),
+            updates=updates,
             src_addrs=intro,
             **kw,
         )
@@ -265,6 +295,9 @@ class Membership:
         """We were not running for ``gap_s``: restart our timers instead of blaming peers."""
         self._probes.clear()
         self._relays.clear()
+        self._worse()  # a stall is the plainest sign that we are the slow one
+        if self._last_tick is not None:
+            self._last_tick += gap_s  # tick must not count the same gap as late again
         for peer_id in self._suspects:
             self._suspects[peer_id] += gap_s
         for entry in self.entries.values():
@@ -320,37 +353,45 @@ class Membership:
         """Probe, time out probes, conclude suspicions; call every ~0.2 s."""
         out: list[Message] = []
         p = self.policy
+        self._late_tick(now)
+        stretch = self._stretch
         if self._next_probe_at is None:
             self._next_probe_at = now
         if now >= self._next_probe_at:
-            self._next_probe_at += p.interval_s
+            self._next_probe_at += p.interval_s * stretch
             if self._next_probe_at < now:  # we fell behind (a loaded machine): do not catch up
-                self._next_probe_at = now + p.interval_s
+                self._next_probe_at = now + p.interval_s * stretch
             out += self._probe_round(now)
             out += self._retry_candidates(now)
         for seq, probe in list(self._probes.items()):
             age = now - probe.sent_at
-            if age >= p.probe_timeout_s:
+            if age >= p.probe_timeout_s * stretch:
                 del self._probes[seq]
+                self._expired[seq] = probe.target
+                if len(self._expired) > 64:  # remember only the recent ones
+                    del self._expired[next(iter(self._expired))]
                 entry = self.entries.get(probe.target)
                 if entry is None:
                     continue
                 if entry.health is Health.ALIVE:
-                    self._suspect(entry, now)
+                    self._suspect(entry, now, self.self_id)
                     out += self._push_urgent(now, ())
+                    out.append(self._message(Kind.GOSSIP, entry.peer_id))  # the buddy notice
+                elif entry.health is Health.SUSPECT:
+                    self._confirm(entry, self.self_id)  # our own evidence agrees
                 elif entry.health is Health.JOINING and entry.ever_alive:
                     out += self._declare_dead(entry, now)  # failed its probation
-            elif age >= p.ack_timeout_s and not probe.indirect_sent:
+            elif age >= p.ack_timeout_s * stretch and not probe.indirect_sent:
                 probe.indirect_sent = True
                 out += self._indirect(probe, seq)
         for seq, relay in list(self._relays.items()):
-            if now - relay.sent_at > p.probe_timeout_s:
+            if now - relay.sent_at > p.probe_timeout_s * stretch:
                 del self._relays[seq]
         for peer_id, since in list(self._suspects.items()):
             entry = self.entries.get(peer_id)
             if entry is None or entry.health is not Health.SUSPECT:
                 del self._suspects[peer_id]
-            elif now - since >= p.suspicion_s:
+            elif now - since >= self.suspicion_timeout_s(peer_id):
                 out += self._declare_dead(entry, now)
         for peer_id in list(self._joining):
             entry = self.entries.get(peer_id)
@@ -533,6 +574,7 @@ class Membership:
             ):
                 self.incarnation = update.incarnation + 1 if update.boot_id == self.boot_id else 1
                 self.stats.refuted += 1
+                self._worse()  # others waited for us in vain: we answer late
                 self._spread(self._self_update(), urgent=True)
                 return self._push_urgent(now, ())
             return []
@@ -567,12 +609,15 @@ class Membership:
         if update.key < known or entry.health is Health.LEFT:
             return []
         if h is Health.SUSPECT:
+            accuser = update.accuser or via
             if entry.health is Health.ALIVE:
-                self._suspect(entry, now)
                 _rekey(entry, update.key)
+                self._suspect(entry, now, accuser)
                 return self._push_urgent(now, ())
             if entry.health is Health.SUSPECT and update.key > known:
                 _rekey(entry, update.key)
+            if entry.health is Health.SUSPECT and update.key == (entry.boot_id, entry.incarnation):
+                self._confirm(entry, accuser)
             if entry.health is Health.JOINING:  # suspected while on probation: out again
                 return self._declare_dead(entry, now)
             return []
@@ -592,13 +637,76 @@ class Membership:
         self._joining.add(entry.peer_id)
         self._set(entry, Health.JOINING, now)
 
-    def _suspect(self, entry: PeerEntry, now: float) -> None:
+    def _suspect(self, entry: PeerEntry, now: float, accuser: PeerId) -> None:
         self.stats.suspicions += 1
         self._suspects[entry.peer_id] = now
+        self._accusers[entry.peer_id] = {accuser}
         self._set(entry, Health.SUSPECT, now)
-        self._spread(
-            Update(entry.peer_id, Health.SUSPECT, entry.boot_id, entry.incarnation), urgent=True
+        self._spread(self._suspicion(entry, accuser), urgent=True)
+
+    def _confirm(self, entry: PeerEntry, accuser: PeerId) -> None:
+        """Another member suspects ``entry`` on its own evidence: the suspicion shortens."""
+        accusers = self._accusers.setdefault(entry.peer_id, set())
+        if accuser in accusers or len(accusers) > self.policy.confirmations:
+            return
+        accusers.add(accuser)
+        self._spread(self._suspicion(entry, accuser), urgent=False)  # pass it on
+
+    def _suspicion(self, entry: PeerEntry, accuser: PeerId) -> Update:
+        return Update(
+            entry.peer_id, Health.SUSPECT, entry.boot_id, entry.incarnation, accuser=accuser
         )
+
+    def suspicion_timeout_s(self, peer_id: PeerId) -> float:
+        """How long a suspicion of ``peer_id`` lasts before it is a death, for us now.
+
+        Today's ``suspicion_s`` while we keep up; stretched ``1 + local_health`` times
+        when we do not, and pulled back towards ``min_suspicion_ratio * suspicion_s``
+        by each independent confirmation (Lifeguard: log-scaled, all the way at
+        ``confirmations``): many accusers are not all slow.
+        """
+        p = self.policy
+        longest = p.suspicion_s * self._stretch
+        shortest = min(longest, p.suspicion_s * p.min_suspicion_ratio)
+        others = len(self._accusers.get(peer_id, ())) - 1
+        if others <= 0:
+            return longest
+        share = math.log(others + 1) / math.log(p.confirmations + 1)
+        return max(shortest, longest - (longest - shortest) * share)
+
+    # -- local health --------------------------------------------------------------
+
+    @property
+    def _stretch(self) -> int:
+        return 1 + self.local_health
+
+    def _worse(self) -> None:
+        self.local_health = min(self.local_health + 1, self.policy.max_local_health)
+
+    def _better(self) -> None:
+        self.local_health = max(self.local_health - 1, 0)
+
+    def _late_tick(self, now: float) -> None:
+        """Notice that the driver called ``tick`` late (we were starved) and excuse it.
+
+        The time we were not running does not count against our probes and
+        suspicions: they are judged on the time we were awake to hear answers.
+        """
+        tick_s = self.policy.tick_s
+        last, self._last_tick = self._last_tick, now
+        if tick_s is None or last is None:
+            return
+        late_s = now - last - tick_s
+        if late_s <= 1.5 * tick_s:  # scheduling jitter, not starvation
+            return
+        self.stats.late_ticks += 1
+        self._worse()
+        for probe in self._probes.values():
+            probe.sent_at += late_s
+        for relay in self._relays.values():
+            relay.sent_at += late_s
+        for peer_id in self._suspects:
+            self._suspects[peer_id] += late_s
 
     def _declare_dead(self, entry: PeerEntry, now: float) -> list[Message]:
         self._set(entry, Health.DEAD, now)
@@ -620,6 +728,10 @@ class Membership:
         if new in (Health.DEAD, Health.LEFT):
             entry.refusals = 0
             self._joining.discard(entry.peer_id)
+        if new is Health.DEAD:
+            self.stats.deaths += 1
+        if old is Health.SUSPECT:
+            self._accusers.pop(entry.peer_id, None)
         self._track_live(entry.peer_id, new in _LIVE and entry.ever_alive)
         self._events.append(TableEvent(entry.peer_id, old, new))
 
@@ -713,8 +825,13 @@ class Membership:
                 self._message(Kind.ACK, relay.requester, seq=relay.requester_seq, target=msg.src)
             ]
         probe = self._probes.get(msg.seq)
+        if probe is None and self._expired.pop(msg.seq, None) == msg.target:
+            self.stats.late_acks += 1
+            self._worse()  # we gave up too soon: our clock or our inbox is behind
         if probe is not None and probe.target == msg.target:
             del self._probes[msg.seq]
+            if msg.target == msg.src:
+                self._better()  # a direct answer in time: we keep up
             if msg.target != msg.src:  # an indirect ack vouches for the target
                 entry = self.entries.get(msg.target)
                 if entry is not None and entry.health is Health.SUSPECT:

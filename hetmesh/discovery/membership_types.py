@@ -36,6 +36,7 @@ class Update:
     incarnation: int
     record_seq: int = 0  # the newest record version the teller holds (ALIVE only)
     addrs: tuple[str, ...] = ()
+    accuser: PeerId = ""  # SUSPECT only: whose own probe failed (independent confirmations)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -76,6 +77,17 @@ class SwimPolicy:
     max_updates: int = 8  # rumors per message
     pull_retry_s: float = 2.0
     exchange_size: int = 16  # members told to a newcomer in one reply
+    # local health (Lifeguard): the cadence the driver promises to call ``tick`` at;
+    # a tick much later than that means we were starved, not that peers went quiet.
+    # None (the default for hand-driven tests): no late-timer detection
+    tick_s: float | None = None
+    max_local_health: int = 4  # our timeouts stretch up to (1 + this) times
+    # a stretched suspicion shrinks back towards min_suspicion_ratio * suspicion_s as up
+    # to ``confirmations`` other members independently suspect the same peer; below 1.0
+    # it would also cut today's window (in the simulator, 0.5 turned 4-5 s stalls into
+    # false deaths: every member that probes a stalled peer is an accuser)
+    confirmations: int = 3
+    min_suspicion_ratio: float = 1.0
 
     @property
     def interval_s(self) -> float:

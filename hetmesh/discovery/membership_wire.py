@@ -2,7 +2,8 @@
 
 A message is one map with one-letter keys (short on purpose:
 they travel several times a second). Rumors are lists, not maps:
-``[peer_id, health, boot_id, incarnation, record_seq, addrs]``. Decoding is
+``[peer_id, health, boot_id, incarnation, record_seq, addrs]``, and a seventh
+item, the accuser, on suspicions that name one. Decoding is
 strict: anything malformed raises :class:`~hetmesh.errors.RemoteProtocolError`.
 """
 
@@ -38,10 +39,7 @@ def encode_message(msg: Message) -> bytes:
     if msg.target:
         data["t"] = msg.target
     if msg.updates:
-        data["u"] = [
-            [u.peer_id, _HEALTH[u.health], u.boot_id, u.incarnation, u.record_seq, list(u.addrs)]
-            for u in msg.updates
-        ]
+        data["u"] = [_rumor(u) for u in msg.updates]
     if msg.src_addrs:
         data["a"] = list(msg.src_addrs)
     if msg.record_blob:  # signed: the origin's exact bytes travel, so the signature holds
@@ -52,6 +50,11 @@ def encode_message(msg: Message) -> bytes:
     out = msgpack.packb(data, use_bin_type=True)
     assert isinstance(out, bytes)
     return out
+
+
+def _rumor(u: Update) -> list[Any]:
+    item = [u.peer_id, _HEALTH[u.health], u.boot_id, u.incarnation, u.record_seq, list(u.addrs)]
+    return [*item, u.accuser] if u.accuser else item
 
 
 def _int(value: Any, where: str) -> int:
@@ -73,9 +76,10 @@ def _addrs(value: Any, where: str) -> tuple[str, ...]:
 
 
 def _update(item: Any) -> Update:
-    if not isinstance(item, list) or len(item) != 6:
-        raise RemoteProtocolError("membership message: a rumor is not a 6-item list")
-    peer, health, boot, inc, seq, addrs = item
+    if not isinstance(item, list) or len(item) not in (6, 7):
+        raise RemoteProtocolError("membership message: a rumor is not a 6- or 7-item list")
+    peer, health, boot, inc, seq, addrs = item[:6]
+    accuser = _str(item[6], "rumor accuser") if len(item) == 7 else ""
     if health not in _HEALTH_OF:
         raise RemoteProtocolError(f"membership message: unknown health {health!r}")
     return Update(
@@ -85,6 +89,7 @@ def _update(item: Any) -> Update:
         _int(inc, "rumor incarnation"),
         _int(seq, "rumor record seq"),
         _addrs(addrs, "rumor addrs"),
+        accuser,
     )
 
 

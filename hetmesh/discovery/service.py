@@ -64,11 +64,15 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+# the membership clock's cadence; the core counts a tick much later than this as
+# a sign that this node is starved (local health, membership.py)
+_TICK_S = 0.2
 
 # peer exchange is bounded: candidates taken from one record, and pending at once
 MAX_CANDIDATES_PER_RECORD = 16
 MAX_PENDING_CANDIDATES = 256
 MAX_LINK_REQUESTS = 256  # links one record asks others to measure
+BOOTSTRAP_ATTEMPTS = 3  # dial limits dial_timeout_s x 1, 2, 3
 MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
 
@@ -105,6 +109,10 @@ class DiscoveryStatistics:
     bytes_sent: int = 0
     records_published: int = 0
     pulls: int = 0
+    deaths: int = 0  # peers this node declared (or learnt were) dead
+    refuted: int = 0  # suspicions of this node it refuted
+    late_ticks: int = 0  # membership clock ticks that came late (this node was starved)
+    local_health: int = 0  # 0: keeping up; n: its timeouts stretched (1 + n) times
 
 
 class Discovery:
@@ -118,7 +126,9 @@ class Discovery:
         self.boot_id = time.time_ns()
         # the membership core holds the peer table (``entries``, ``members()``...)
         self.table = Membership(
-            self.peer_id, boot_id=self.boot_id, policy=SwimPolicy(liveness=config.policy)
+            self.peer_id,
+            boot_id=self.boot_id,
+            policy=SwimPolicy(liveness=config.policy, tick_s=_TICK_S),
         )
         self.addrs: tuple[str, ...] = ()
         self.probe_port = 0
@@ -391,6 +401,10 @@ class Discovery:
             bytes_sent=out.bytes_sent,
             records_published=self._published,
             pulls=self.table.stats.pulls,
+            deaths=self.table.stats.deaths,
+            refuted=self.table.stats.refuted,
+            late_ticks=self.table.stats.late_ticks,
+            local_health=self.table.local_health,
         )
 
     def statistics_dict(self) -> dict[str, int]:
@@ -575,7 +589,7 @@ class Discovery:
 
     async def _serve_membership(self) -> None:
         """The membership clock: probes, suspicions, record versions, tombstones."""
-        tick_s = 0.2
+        tick_s = _TICK_S
         last = trio.current_time()
         next_sweep = last + 10.0
         while True:
@@ -682,20 +696,34 @@ class Discovery:
 
         if not self.config.bootstrap:
             return
-        failures: list[MeshError] = []
         log.info("joining the mesh through %d bootstrap peer(s)", len(self.config.bootstrap))
-        for addr in self.config.bootstrap:
-            info = parse_peer_addr(addr)
-            try:
-                await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
-            except MeshError as exc:
-                log.warning("bootstrap peer %s: %s", addr, exc)
-                failures.append(exc)
-                continue
-            self._offer_candidate(str(info.peer_id), (addr,))
-        if len(failures) == len(self.config.bootstrap) and self.config.require_bootstrap:
-            auth = [f for f in failures if isinstance(f, AuthenticationFailed)]
-            raise (auth or failures)[0]
+        # a starved machine answers a handshake late, which reads like a wrong secret:
+        # try again with a longer limit before giving up (the first failure is logged
+        # at once, so a real wrong secret is still reported within one dial timeout)
+        for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+            failures: list[MeshError] = []
+            timeout_s = self.config.dial_timeout_s * attempt
+            for addr in self.config.bootstrap:
+                info = parse_peer_addr(addr)
+                try:
+                    await dial(self.host, info, timeout_s=timeout_s)
+                except MeshError as exc:
+                    log.warning(
+                        "bootstrap peer %s: %s (attempt %d of %d)",
+                        addr,
+                        exc,
+                        attempt,
+                        BOOTSTRAP_ATTEMPTS,
+                    )
+                    failures.append(exc)
+                    continue
+                self._offer_candidate(str(info.peer_id), (addr,))
+            if len(failures) < len(self.config.bootstrap) or not self.config.require_bootstrap:
+                return
+            if attempt < BOOTSTRAP_ATTEMPTS:
+                await trio.sleep(1.0)
+        auth = [f for f in failures if isinstance(f, AuthenticationFailed)]
+        raise (auth or failures)[0]
 
     def _start_mdns(self) -> MdnsHandle:
         token = trio.lowlevel.current_trio_token()

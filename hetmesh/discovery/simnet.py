@@ -4,7 +4,9 @@ The same :class:`~hetmesh.discovery.membership.Membership` code the node runs,
 driven by a discrete-event loop instead of trio and libp2p: messages arrive
 after a random latency, a fraction is lost, a *crashed* node refuses
 connections (the sender hears so, as a refused dial), a *frozen* one swallows
-everything and stops ticking. Used by the unit tests and ``bench/scale.py``.
+everything and stops ticking, and a *stalled* one (a starved event loop) runs
+nothing for a while and then, as trio would, fires its overdue timer before it
+reads what queued up meanwhile. Used by the unit tests and ``bench/scale.py``.
 Pure: no trio, no sockets, one explicit ``random.Random``.
 """
 
@@ -14,7 +16,7 @@ import heapq
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hetmesh.discovery.membership import Membership, Message, SwimPolicy
 from hetmesh.discovery.membership_wire import encode_message
@@ -53,7 +55,10 @@ class SimNet:
         tick_s: float = 0.2,
         measure_bytes: bool = True,
     ) -> None:
-        self.policy = policy or SwimPolicy()
+        policy = policy or SwimPolicy()
+        if policy.tick_s is None:  # we keep the cadence: let the nodes notice a late tick
+            policy = replace(policy, tick_s=tick_s)
+        self.policy = policy
         self.rng = random.Random(seed)
         self.loss = loss
         self.latency_s = latency_s
@@ -70,6 +75,7 @@ class SimNet:
         self._n = 0
         self._boot = 1
         self._frozen_at: dict[PeerId, float] = {}
+        self._stalled_until: dict[PeerId, float] = {}
 
     # -- building ------------------------------------------------------------------
 
@@ -116,6 +122,22 @@ class SimNet:
         self.frozen.add(peer_id)
         self._frozen_at[peer_id] = self.now
 
+    def stall(self, peer_id: PeerId, duration_s: float) -> None:
+        """Starve ``peer_id``'s event loop for ``duration_s`` from now.
+
+        Nothing it should have done meanwhile is lost: its next tick comes late,
+        then it reads the messages that queued up (in their order).
+        """
+        until = self.now + duration_s
+        self._stalled_until[peer_id] = max(self._stalled_until.get(peer_id, 0.0), until)
+
+    def _stalled(self, peer_id: PeerId) -> float | None:
+        until = self._stalled_until.get(peer_id)
+        if until is None or until <= self.now:
+            self._stalled_until.pop(peer_id, None)
+            return None
+        return until
+
     def thaw(self, peer_id: PeerId) -> None:
         """Resume a frozen node; like the service, it notices its own stall."""
         self.frozen.discard(peer_id)
@@ -136,13 +158,18 @@ class SimNet:
             else:  # a refused dial comes back to its sender
                 assert isinstance(payload, Message)
                 node = self.nodes.get(payload.src)
-                if node is not None and payload.src not in self.crashed | self.frozen:
+                if (until := self._stalled(payload.src)) is not None:
+                    self._schedule(until + 1e-6, 3, payload)
+                elif node is not None and payload.src not in self.crashed | self.frozen:
                     self._send_all(node.note_unreachable(payload.dst, self.now))
                     self._collect(node)
         self.now = t_s
 
     def _tick(self, peer_id: PeerId) -> None:
         if peer_id in self.crashed:
+            return
+        if (until := self._stalled(peer_id)) is not None:
+            self._schedule(until, 1, peer_id)  # one late tick when it wakes
             return
         self._schedule(self.now + self.tick_s, 1, peer_id)
         if peer_id in self.frozen:
@@ -153,6 +180,9 @@ class SimNet:
 
     def _deliver(self, msg: Message) -> None:
         if msg.dst in self.frozen or msg.dst not in self.nodes:
+            return
+        if (until := self._stalled(msg.dst)) is not None:
+            self._schedule(until + 1e-6, 2, msg)  # read after the overdue tick
             return
         node = self.nodes[msg.dst]
         self._send_all(node.receive(msg, self.now))

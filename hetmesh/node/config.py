@@ -62,6 +62,8 @@ class ServingConfig:
     # a stopping node waits up to this long for its sessions to move away (0: it leaves at
     # once and they replay); nodes started by the CLI wait STOP_DRAIN_S (SIGTERM drains)
     drain_s: float = 0.0
+    # admit the old way (prompt + max tokens reserved up front): for bench/kv.py only
+    kv_reserve_whole: bool = False
     route_wait_s: float = 30.0  # a request waits this long for a serving pipeline
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False
@@ -89,6 +91,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "kv_pool_tokens": (int, None),
     "prefix_cache": (bool, None),
     "migrate": (bool, None),
+    "kv_reserve_whole": (bool, None),
     "threads": (int, None),
     "block_step_ms": ((int, float), None),
     "serve": (bool, None),

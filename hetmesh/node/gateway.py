@@ -81,7 +81,9 @@ class Hop:
 Control = Callable[[PeerId, OpenSession | CloseSession | MoveSession], Awaitable[Reply]]
 Send = Callable[[PeerId, Frame], Awaitable[None]]
 """Sends a data-plane frame to a peer (one's own id included); a ``TransportError`` if it cannot."""
-Choose = Callable[[str, frozenset[PeerId]], Awaitable[Sequence[Hop]]]
+Choose = Callable[[str, frozenset[PeerId], Sequence[int]], Awaitable[Sequence[Hop]]]
+"""Picks the hops of a request: its id, the peers to avoid, its history's block hashes
+(empty without the prefix cache; the router prefers where they are cached)."""
 Ping = Callable[[PeerId], Awaitable[bool]]
 
 
@@ -269,6 +271,10 @@ class Gateway:
         }
         return sum(self.move_off(peer) for peer in sorted(gone))
 
+    def routes(self) -> list[tuple[Hop, ...]]:
+        """The hops of every session running now (the router's view of its own load)."""
+        return list(self._routes.values())
+
     # -- requests -----------------------------------------------------------------
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -307,7 +313,8 @@ class Gateway:
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
-                hops = tuple(await self._choose(base, frozenset(avoid) | leaving))
+                hashes = block_hashes(history) if self.prefix_cache else []
+                hops = tuple(await self._choose(base, frozenset(avoid) | leaving, hashes))
                 leaving = frozenset()
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
@@ -528,7 +535,9 @@ class Gateway:
         # a ready route is found at once; none now: stay (asked again at the next re-plan)
         with trio.move_on_after(MOVE_ROUTE_WAIT_S):
             with contextlib.suppress(MeshError):
-                new = tuple(await self._choose(request.base, frozenset(request.avoid | leaving)))
+                new = tuple(
+                    await self._choose(request.base, frozenset(request.avoid | leaving), ())
+                )
         changes = moves(old, new) if new else None
         if changes is None:
             log.info(

@@ -106,9 +106,18 @@ from hetmesh.scheduler.plan_trust import (
     plan_message,
     plan_refusal,
 )
-from hetmesh.scheduler.records import MeshLoad, Plan, PlanConstraints, RouteRequest, WeightBytes
+from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, decode_summary, encode_summary
+from hetmesh.scheduler.records import (
+    MeshLoad,
+    PipelineLoad,
+    Plan,
+    PlanConstraints,
+    RouteRequest,
+    Stage,
+    WeightBytes,
+)
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator
-from hetmesh.scheduler.router import route
+from hetmesh.scheduler.router import RouteMemory, cached_blocks, route
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
 from hetmesh.transport import (
@@ -212,6 +221,7 @@ class Serving:
         self.gateway: Gateway | None = None
         self.shards: Shards | None = None
         self._nursery: trio.Nursery | None = None
+        self._routed = RouteMemory()  # prefix blocks this gateway sent where (cache routing)
 
     # -- wiring -------------------------------------------------------------------
 
@@ -652,16 +662,19 @@ class Serving:
                     exc,
                 )
                 await trio.sleep(STAGE_LOAD_RETRY_S * attempt)
+        limits = stage_kv_limits(
+            max_context_tokens=self.constraints.max_context_tokens,
+            max_sessions=self.config.max_sessions,
+            planned_sessions=self.constraints.max_sessions,
+            pool_tokens=self.config.kv_pool_tokens,
+            kv_bytes_per_token=stage.kv_bytes_per_token(),
+            idle_timeout_s=self.config.idle_session_s,
+        )
+        if self.config.kv_reserve_whole:  # the old admission, for comparisons
+            limits = dataclasses.replace(limits, reserve_whole=True)
         server = StageServer(
             stage,
-            limits=stage_kv_limits(
-                max_context_tokens=self.constraints.max_context_tokens,
-                max_sessions=self.config.max_sessions,
-                planned_sessions=self.constraints.max_sessions,
-                pool_tokens=self.config.kv_pool_tokens,
-                kv_bytes_per_token=stage.kv_bytes_per_token(),
-                idle_timeout_s=self.config.idle_session_s,
-            ),
+            limits=limits,
             send=self._send,
             device_limiter=self.node.device_limiter,
             threads=self.config.threads,
@@ -738,6 +751,7 @@ class Serving:
                     for s in stats
                 ),
                 shards=self.shards.counters() if self.shards is not None else {},
+                prefix_summaries=self._prefix_summaries(),
             )
         )
         self.node.discovery.set_load(
@@ -793,30 +807,98 @@ class Serving:
                     ready.add((entry.peer_id, st.start, st.end))
         return ready
 
-    def _route(self, session_id: str, avoid: frozenset[PeerId]) -> tuple[Hop, ...]:
+    def _route(
+        self, session_id: str, avoid: frozenset[PeerId], hashes: Sequence[int] = ()
+    ) -> tuple[Hop, ...]:
         plan = self.plan
         if plan is None:
             return ()
         # ready_stages holds live peers' stages only: a dead peer's stages are unready
         unhealthy = set(avoid) | unready_peers(plan, self.ready_stages())
+        # one pipeline: nothing to choose between, so no cache or load to weigh
+        several = len(plan.pipelines) > 1
+        cached: dict[str, int] = {}
+        if hashes and several:
+            summary = self._summary_of()
+            cached = {
+                p.key: max(cached_blocks(p, hashes, summary), self._routed.matched(hashes, p.key))
+                for p in plan.pipelines
+            }
+        loads = self._loads(plan) if several else {}
         try:
             chosen = route(
                 plan,
-                MeshLoad(unhealthy_peers=tuple(sorted(unhealthy))),
+                MeshLoad(pipelines=loads, unhealthy_peers=tuple(sorted(unhealthy))),
                 RouteRequest(session_id=session_id),
+                cached,
             )
         except NoRoute:
             return ()
+        if several:
+            self._routed.remember(hashes, chosen.key)
         return tuple(Hop(s.peer_id, s.start, s.end) for s in chosen.stages)
+
+    def _summary_of(self) -> Callable[[Stage], frozenset[int]]:
+        """A stage's announced prefix summary (our own stages': read from their pools)."""
+        mine = self._prefix_summaries()
+        read: dict[tuple[str, int, int], frozenset[int]] = {}
+
+        def summary(stage: Stage) -> frozenset[int]:
+            key = (stage.peer_id, stage.start, stage.end)
+            if key not in read:
+                if stage.peer_id == self.node.peer_id:
+                    text = mine.get((stage.start, stage.end))
+                    read[key] = decode_summary(text)
+                else:
+                    seen = self._served_by.get(stage.peer_id)
+                    read[key] = (
+                        seen[1].prefix_summary(stage.start, stage.end) if seen else frozenset()
+                    )
+            return read[key]
+
+        return summary
+
+    def _loads(self, plan: Plan) -> dict[str, PipelineLoad]:
+        """Each pipeline's sessions: the most any of its peers announces (ours: counted now),
+        and at least those this gateway runs on it now (announcements lag)."""
+        local = self.node.discovery.local_record(advance=False).load
+        mine = sum(s.server.kv.statistics().sessions for s in self._served.values())
+        busy: dict[PeerId, tuple[int, int]] = {self.node.peer_id: (mine, local.queue_depth)}
+        for peer, (record, _) in self._served_by.items():
+            busy[peer] = (record.load.active_sessions, record.load.queue_depth)
+        running: dict[str, int] = {}
+        routes = self.gateway.routes() if self.gateway is not None else []
+        for p in plan.pipelines:
+            hops = tuple(Hop(s.peer_id, s.start, s.end) for s in p.stages)
+            running[p.key] = sum(1 for r in routes if r == hops)
+        return {
+            p.key: PipelineLoad(
+                active_sessions=max(
+                    running[p.key], max(busy.get(s.peer_id, (0, 0))[0] for s in p.stages)
+                ),
+                queued_requests=max(busy.get(s.peer_id, (0, 0))[1] for s in p.stages),
+            )
+            for p in plan.pipelines
+        }
+
+    def _prefix_summaries(self) -> dict[tuple[int, int], str]:
+        """What each of our ready stages holds in its prefix cache, as announced."""
+        return {
+            key: encode_summary(s.server.pool.prefix.recent_hashes(SUMMARY_BLOCKS))
+            for key, s in sorted(self._served.items())
+            if not s.retiring
+        }
 
     def ready(self) -> bool:
         """Whether a pipeline of the adopted plan is fully ready (requests can enter)."""
         return bool(ready_pipelines(self.plan, self.ready_stages()))
 
-    async def _choose(self, session_id: str, avoid: frozenset[PeerId]) -> Sequence[Hop]:
+    async def _choose(
+        self, session_id: str, avoid: frozenset[PeerId], hashes: Sequence[int] = ()
+    ) -> Sequence[Hop]:
         with trio.move_on_after(self.config.route_wait_s):
             while True:
-                hops = self._route(session_id, avoid)
+                hops = self._route(session_id, avoid, hashes)
                 if hops:
                     return hops
                 verdict = self._insufficient or next(

@@ -11,6 +11,7 @@ Raises :class:`~hetmesh.errors.CorruptModel` for a missing or misshapen tensor.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,11 @@ from hetmesh.partition.quant import (
     quantize_groups_int4,
     quantize_rows_int8,
 )
+
+# Held while accelerate's init_empty_weights patches nn.Module.register_parameter for
+# the whole process, and while a parameter is assigned through it here: otherwise a
+# stage loading in another thread meanwhile gets its assigned parameter put on meta.
+META_PATCH_LOCK = threading.Lock()
 
 
 def materialise(stage: Any, folder: Path, config: dict[str, Any]) -> None:
@@ -64,11 +70,12 @@ def _tensors(stage: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _share_table(stage: Any) -> None:
     """A stage holding both ends of a tied model keeps one matrix for both."""
-    if isinstance(stage.embed_tokens, Int8Embedding):
-        stage.lm_head.weight_q = stage.embed_tokens.weight_q
-        stage.lm_head.weight_scale = stage.embed_tokens.weight_scale
-    else:
-        stage.lm_head.weight = stage.embed_tokens.weight
+    with META_PATCH_LOCK:  # the assignment registers a parameter: see META_PATCH_LOCK
+        if isinstance(stage.embed_tokens, Int8Embedding):
+            stage.lm_head.weight_q = stage.embed_tokens.weight_q
+            stage.lm_head.weight_scale = stage.embed_tokens.weight_scale
+        else:
+            stage.lm_head.weight = stage.embed_tokens.weight
 
 
 def _release_freed_memory() -> None:

@@ -71,6 +71,13 @@ class PrefixCache:
     def holds(self, block: int) -> bool:
         return block in self._hash_of
 
+    def recent_hashes(self, limit: int) -> list[int]:
+        """Up to ``limit`` cached hashes, those sessions hold first, then the idle ones
+        most recently used first (what a stage announces for cache-aware routing)."""
+        held = [h for b, h in self._hash_of.items() if self._refs[b] > 0]
+        idle = [self._hash_of[b] for b in reversed(self._idle)]
+        return (held + idle)[: max(0, limit)]
+
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """The blocks of the longest cached run of ``hashes``, each now held once more."""
         blocks: list[int] = []

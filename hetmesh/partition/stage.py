@@ -49,7 +49,7 @@ from hetmesh.partition.formats import (
     parse_weights,
 )
 from hetmesh.partition.kv import KVPool, SessionKV
-from hetmesh.partition.materialise import materialise
+from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
 from hetmesh.partition.store import brief_error, check_model_dir
@@ -150,7 +150,9 @@ class StageModule(nn.Module):
 
         # The skeleton lives on the meta device: nothing is allocated until
         # each tensor is materialised, already in its format, by _materialise.
-        with init_empty_weights():
+        # init_empty_weights patches nn.Module process-wide: two stages loading in
+        # one process (in-process test meshes) take turns (META_PATCH_LOCK).
+        with META_PATCH_LOCK, init_empty_weights():
             self.embed_tokens: nn.Module | None = None
             if self.has_embed:
                 self.embed_tokens = (

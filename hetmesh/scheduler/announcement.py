@@ -20,6 +20,8 @@ extra["stage_servers"]    one map of counters per stage server
 extra["manifest"]         the manifest id (sha256 hex) of the model's weights held
 extra["units_held"]       [[start, end), ...]: the units whose tensors it holds on disk
 extra["shards"]           its tensor transfer counters (bytes fetched/served, fetch progress)
+extra["prefix_summaries"] [[start, end, summary], ...]: per stage, the prefix-cache blocks it
+                          holds (scheduler.prefix_summary: a bounded hint for routing)
 stages                    ServedStage per unit range held, ready or retiring
 ```
 
@@ -37,6 +39,7 @@ from typing import TypeGuard, TypeVar
 
 from hetmesh.resources import WireRecord
 from hetmesh.scheduler.plan_trust import Offer, PlanSignature
+from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, decode_summary
 from hetmesh.scheduler.records import Plan
 
 SERVING_VERSION = 1
@@ -51,6 +54,7 @@ MAX_UNITS = 1 << 20  # unit indices: far above any model's layer count
 MIN_BLOCK_STEP_S = 1e-6
 MAX_BLOCK_STEP_S = 3600.0
 MAX_CONTEXT_TOKENS = 1 << 24
+MAX_SUMMARY_CHARS = 8 * SUMMARY_BLOCKS  # one stage's prefix summary (hex)
 MAX_HELD_RANGES = 64  # runs of units held on disk (a node holds a few runs at most)
 
 R = TypeVar("R", bound=WireRecord)
@@ -109,6 +113,12 @@ class ServingAnnouncement:
     manifest: str = ""
     units_held: tuple[tuple[int, int], ...] = ()
     shards: Mapping[str, float] = field(default_factory=dict)
+    # (start, end) of a stage -> its summary (prefix_summary.encode_summary) as announced
+    prefix_summaries: Mapping[tuple[int, int], str] = field(default_factory=dict)
+
+    def prefix_summary(self, start: int, end: int) -> frozenset[int]:
+        """The truncated block hashes stage ``[start, end)`` announces it holds."""
+        return decode_summary(self.prefix_summaries.get((start, end)))
 
 
 def parse_plan(raw: Mapping[str, object]) -> Plan | None:
@@ -155,6 +165,7 @@ def read_serving(
         manifest=_manifest_id(extra.get("manifest")),
         units_held=_held(extra.get("units_held")),
         shards=_counters(extra.get("shards")),
+        prefix_summaries=_summaries(extra.get("prefix_summaries")),
     )
 
 
@@ -185,6 +196,7 @@ def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
         "manifest": state.manifest,
         "units_held": [list(r) for r in state.units_held],
         "shards": dict(state.shards),
+        "prefix_summaries": [[a, b, text] for (a, b), text in state.prefix_summaries.items()],
     }
 
 
@@ -220,6 +232,23 @@ def _held(value: object) -> tuple[tuple[int, int], ...]:
         ):
             out.append((int(run[0]), int(run[1])))
     return tuple(out)
+
+
+def _summaries(value: object) -> dict[tuple[int, int], str]:
+    """Per-stage summaries; an ill-formed entry is dropped. Decoded (and bounds-checked)
+    when a router asks for one: most readers never do."""
+    out: dict[tuple[int, int], str] = {}
+    for entry in _items(value, MAX_STAGES):
+        if (
+            isinstance(entry, list | tuple)
+            and len(entry) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in entry[:2])
+            and 0 <= entry[0] < entry[1] <= MAX_UNITS
+            and isinstance(entry[2], str)
+            and len(entry[2]) <= MAX_SUMMARY_CHARS
+        ):
+            out[(int(entry[0]), int(entry[1]))] = entry[2]
+    return out
 
 
 def _is_map(value: object) -> TypeGuard[Mapping[str, object]]:

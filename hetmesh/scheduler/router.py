@@ -6,6 +6,15 @@ pipeline's load and of peer health, and the request.
 - **Affinity**: a session already bound to a pipeline stays there while every
   peer of that pipeline is healthy (its KV cache lives there).
 - **Health**: a pipeline with any unhealthy peer is skipped.
+- **Cache** (like SGLang's cache-aware router): among the healthy pipelines,
+  the one whose every stage holds the longest leading run of the request's
+  prefix blocks (``cached``: pipeline key -> blocks, from the stages'
+  announced summaries and the gateway's own memory of where it sent what,
+  :class:`RouteMemory`) is chosen, unless the load is imbalanced: its
+  sessions exceed the least loaded pipeline's by more than
+  :attr:`CachePolicy.balance_abs` and by a factor over
+  :attr:`CachePolicy.balance_rel`. A conversation's next turn starts with its
+  earlier turns' blocks, so it goes back where its cache is.
 - **Least expected completion time** otherwise. With ``q`` sessions sharing a
   pipeline (the new one included), micro-batches of ``t`` tokens keep its stages
   busy, so each session gets a token every
@@ -19,9 +28,28 @@ turns it into a ``Rejected`` for the client or retries after the next plan.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from hetmesh.errors import NoRoute
-from hetmesh.scheduler.records import MeshLoad, Pipeline, PipelineLoad, Plan, RouteRequest
+from hetmesh.scheduler.prefix_summary import matched_blocks
+from hetmesh.scheduler.records import MeshLoad, Pipeline, PipelineLoad, Plan, RouteRequest, Stage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CachePolicy:
+    """When a cached prefix outweighs load (SGLang's two thresholds)."""
+
+    balance_abs: int = 4  # sessions more than the least loaded pipeline, at most ...
+    balance_rel: float = 1.5  # ... or at most this many times its sessions
+    min_blocks: int = 1  # a shorter cached prefix is not worth a detour
+
+    def imbalanced(self, sessions: int, least: int) -> bool:
+        return sessions - least > self.balance_abs and sessions > least * self.balance_rel
+
+
+DEFAULT_POLICY = CachePolicy()
 
 
 def expected_completion_s(
@@ -39,8 +67,56 @@ def healthy(pipeline: Pipeline, unhealthy: frozenset[str]) -> bool:
     return not (pipeline.peers & unhealthy)
 
 
-def route(plan: Plan, load: MeshLoad, request: RouteRequest) -> Pipeline:
-    """The pipeline that should serve ``request``."""
+def cached_blocks(
+    pipeline: Pipeline, hashes: Sequence[int], summary: Callable[[Stage], frozenset[int]]
+) -> int:
+    """Leading blocks of ``hashes`` every stage of ``pipeline`` holds, by the stages'
+    summaries (the prefill starts at the fewest any stage holds)."""
+    if not hashes:
+        return 0
+    return min(matched_blocks(hashes, summary(stage)) for stage in pipeline.stages)
+
+
+class RouteMemory:
+    """Where this gateway recently sent which prefix blocks: block hash -> pipeline key.
+
+    Known at once, where an announced summary arrives seconds later; bounded
+    (least recently routed hashes forgotten first). A hint like the summaries.
+    """
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self.capacity = capacity
+        self._where: OrderedDict[int, str] = OrderedDict()
+
+    def remember(self, hashes: Sequence[int], pipeline_key: str) -> None:
+        for h in hashes:
+            self._where[h] = pipeline_key
+            self._where.move_to_end(h)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def matched(self, hashes: Sequence[int], pipeline_key: str) -> int:
+        """Leading blocks of ``hashes`` last sent to ``pipeline_key``."""
+        count = 0
+        for h in hashes:
+            if self._where.get(h) != pipeline_key:
+                break
+            count += 1
+        return count
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def route(
+    plan: Plan,
+    load: MeshLoad,
+    request: RouteRequest,
+    cached: Mapping[str, int] | None = None,
+    policy: CachePolicy = DEFAULT_POLICY,
+) -> Pipeline:
+    """The pipeline that should serve ``request``; ``cached`` maps a pipeline key to the
+    leading blocks of the request its stages hold (absent: none)."""
     unhealthy = frozenset(load.unhealthy_peers)
     if request.session_id:
         bound = load.sessions.get(request.session_id)
@@ -49,13 +125,25 @@ def route(plan: Plan, load: MeshLoad, request: RouteRequest) -> Pipeline:
                 if pipeline.key == bound and healthy(pipeline, unhealthy):
                     return pipeline
     best: tuple[float, int] | None = None
+    cache_best: tuple[int, float, int] | None = None  # (-blocks, when, index)
+    sessions: dict[int, int] = {}
     for index, pipeline in enumerate(plan.pipelines):
         if not healthy(pipeline, unhealthy):
             continue
         state = load.pipelines.get(pipeline.key, PipelineLoad())
+        sessions[index] = state.active_sessions + state.queued_requests
         when = expected_completion_s(pipeline, state, request, plan.constraints.micro_batch_tokens)
         if best is None or (when, index) < best:
             best = (when, index)
+        blocks = (cached or {}).get(pipeline.key, 0)
+        if blocks >= policy.min_blocks and (
+            cache_best is None or (-blocks, when, index) < cache_best
+        ):
+            cache_best = (-blocks, when, index)
+    if cache_best is not None and not policy.imbalanced(
+        sessions[cache_best[2]], min(sessions.values())
+    ):
+        return plan.pipelines[cache_best[2]]
     if best is None:
         down = ", ".join(sorted(unhealthy)) or "none"
         raise NoRoute(
@@ -65,4 +153,12 @@ def route(plan: Plan, load: MeshLoad, request: RouteRequest) -> Pipeline:
     return plan.pipelines[best[1]]
 
 
-__all__ = ["expected_completion_s", "healthy", "route"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "CachePolicy",
+    "RouteMemory",
+    "cached_blocks",
+    "expected_completion_s",
+    "healthy",
+    "route",
+]

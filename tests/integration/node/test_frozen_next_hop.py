@@ -10,6 +10,7 @@ seeded tiny Llama and a real gateway (``tiny_hops``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import aclosing
 
 import pytest
@@ -38,7 +39,9 @@ class TwoRoutes(Hops):
         super().__init__(model_dir, layout, [PRIMARY, REPLICA], timeouts)
         self.first = ""
 
-    async def choose(self, session_id: str, avoid: frozenset[str]) -> tuple[Hop, ...]:
+    async def choose(
+        self, session_id: str, avoid: frozenset[str], hashes: Sequence[int] = ()
+    ) -> tuple[Hop, ...]:
         self.first = self.first or session_id
         return PRIMARY if session_id == self.first and "b" not in avoid else REPLICA
 

@@ -95,7 +95,7 @@ class MovingMesh:
         return True
 
     def make_gateway(self, *, migrate: bool = True, **timeouts) -> Gateway:
-        async def choose(session_id, avoid):
+        async def choose(session_id, avoid, hashes=()):
             return next((h for h in (FIRST, SECOND) if not {x.peer_id for x in h} & avoid), ())
 
         self.gateway = Gateway(

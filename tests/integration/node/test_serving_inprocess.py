@@ -98,7 +98,7 @@ class Mesh:
 
 
 def chooser(pipelines):
-    async def choose(session_id, avoid):
+    async def choose(session_id, avoid, hashes=()):
         for hops in pipelines:
             if not {h.peer_id for h in hops} & avoid:
                 return hops

@@ -6,6 +6,7 @@ returns, as to a frozen process whose socket is full)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -120,7 +121,9 @@ class Hops:
             await trio.sleep_forever()
         return self.servers[peer].handle(request, GATEWAY)
 
-    async def choose(self, session_id: str, avoid: frozenset[str]) -> tuple[Hop, ...]:
+    async def choose(
+        self, session_id: str, avoid: frozenset[str], hashes: Sequence[int] = ()
+    ) -> tuple[Hop, ...]:
         for hops in self.pipelines:
             if not {h.peer_id for h in hops} & avoid:
                 return hops
