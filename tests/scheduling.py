@@ -11,6 +11,9 @@ loaded by other work they also win the suite a larger share of the CPU.
   should not compete with a second testbed) and the LAN lane (mDNS and peers between
   namespaces). The controller knows a test by its id only, so a file joins a lane when
   its text applies the ``netns`` marker.
+- **Files that share one mesh run back to back** on one worker
+  (:data:`SHARED_MESH_FILES`, tests/integration/shared_mesh.py), in that order, so
+  its nodes start once; without xdist they are moved next to each other too.
 - **The heaviest files are handed out first**: the lanes, then files that start
   processes or load the model, then other slow ones, then the rest, so a long file never
   starts last. Each file's own order is kept.
@@ -37,6 +40,10 @@ WORKERS = 2
 HEAVY_MARKERS = ("multiprocess", "model")
 # test files whose namespaces carry cgroup limits or tc shaping (paths under tests/)
 TESTBED_FILES = ("integration/testbed/", "integration/discovery/test_netns_helper.py")
+# test files (paths under tests/) that use one shared three-node mesh, in the order they run:
+# the API's first (the daemon's hostile-member test leaves a stranger in the nodes' views)
+SHARED_MESH_FILES = ("integration/api/test_api_mesh.py", "integration/node/test_mesh_serving.py")
+SHARED_MESH_LANE = "shared-mesh3"
 # ``pytestmark = [..., pytest.mark.netns, ...]`` or ``@pytest.mark.netns`` on a test
 MODULE_MARKS = re.compile(r"^pytestmark\s*=\s*(\[[^\]]*\]|.*)$", re.MULTILINE)
 TEST_NETNS_MARK = re.compile(r"^\s*@pytest\.mark\.netns\b", re.MULTILINE)
@@ -53,12 +60,22 @@ def applies_netns(text: str) -> bool:
 
 
 def lane_of(path: str, netns: bool) -> str:
-    """The work unit of a test file: the file itself, or a shared lane for netns files."""
+    """The work unit of a test file: the file itself, or a shared lane (netns, one mesh)."""
+    if shared_slot(path) is not None:
+        return SHARED_MESH_LANE
     if not netns:
         return path
     if any(part in path for part in TESTBED_FILES):
         return "netns-testbed"
     return "netns-lan"
+
+
+def shared_slot(path: str) -> int | None:
+    """The place of ``path`` in :data:`SHARED_MESH_FILES`, or None."""
+    for index, name in enumerate(SHARED_MESH_FILES):
+        if path.endswith(name):
+            return index
+    return None
 
 
 def rank_of(markers: set[str]) -> int:
@@ -82,15 +99,25 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a worker: order the files heaviest kind first (xdist hands them out in this order)."""
-    if not hasattr(config, "workerinput"):  # not an xdist worker: collection order
-        return
+    """On a worker: order the files heaviest kind first (xdist hands them out in this order).
+
+    Everywhere: the files of :data:`SHARED_MESH_FILES` next to each other, in that order.
+    """
     markers: dict[str, set[str]] = defaultdict(set)
     first_seen: dict[str, int] = {}
     for index, item in enumerate(items):
         path = file_of(item.nodeid)
         markers[path].update(m.name for m in item.iter_markers())
         first_seen.setdefault(path, index)
+    shared = [first_seen[p] for p in first_seen if shared_slot(p) is not None]
+
+    def place(path: str) -> tuple[int, int]:
+        slot = shared_slot(path)
+        return (first_seen[path], 0) if slot is None else (min(shared), slot)
+
+    if not hasattr(config, "workerinput"):  # not an xdist worker: collection order
+        items.sort(key=lambda item: place(file_of(item.nodeid)))
+        return
     for path, names in markers.items():
         # the controller puts netns files in a lane by their text: it must see each one
         if "netns" in names and not applies_netns((config.rootpath / path).read_text()):
@@ -99,7 +126,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 "`@pytest.mark.netns` (tests/scheduling.py runs such files one at a time)"
             )
     items.sort(
-        key=lambda item: (rank_of(markers[file_of(item.nodeid)]), first_seen[file_of(item.nodeid)])
+        key=lambda item: (rank_of(markers[file_of(item.nodeid)]), *place(file_of(item.nodeid)))
     )
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scheduling import applies_netns, lane_of, rank_of
+from tests.scheduling import SHARED_MESH_FILES, applies_netns, lane_of, rank_of, shared_slot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +35,16 @@ def test_lanes_group_netns_files_and_keep_other_files_alone() -> None:
     assert lane_of("tests/integration/discovery/test_netns_helper.py", True) == "netns-testbed"
     assert lane_of("tests/integration/discovery/test_mesh_netns.py", True) == "netns-lan"
     assert lane_of("tests/integration/api/test_sdk_mdns.py", True) == "netns-lan"
+
+
+def test_the_files_of_one_shared_mesh_share_a_lane_in_a_fixed_order() -> None:
+    api = "tests/integration/api/test_api_mesh.py"
+    daemon = "tests/integration/node/test_mesh_serving.py"
+    assert lane_of(api, False) == lane_of(daemon, False) == "shared-mesh3"
+    assert (shared_slot(api), shared_slot(daemon)) == (0, 1)
+    assert shared_slot("tests/integration/node/test_mesh_faults.py") is None
+    for name in SHARED_MESH_FILES:  # each still exists and asks for the shared mesh
+        assert "shared_mesh3" in (ROOT / "tests" / name).read_text()
 
 
 def test_rank_puts_netns_then_processes_then_slow_then_the_rest() -> None:

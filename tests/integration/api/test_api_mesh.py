@@ -1,18 +1,17 @@
-"""The HTTP API and the SDK against one real three-node mesh (one mesh per module)."""
+"""The HTTP API and the SDK against one real three-node mesh (shared with test_mesh_serving.py)."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.api.api_mesh import SECRET, Mesh, running_mesh
+from tests.integration.api.api_mesh import SECRET, Mesh
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,27 +20,22 @@ CHAT = "Name a large animal."
 TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with running_mesh(tmp_path_factory.mktemp("api-mesh")) as running:
-        yield running
+@pytest.fixture
+def mesh(shared_mesh3: Mesh) -> Mesh:
+    """Three nodes, the first with the API: shared with test_mesh_serving.py."""
+    return shared_mesh3
 
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir: Path) -> dict[str, list[int]]:
-    """Single-process greedy token ids for PROMPT (plain) and CHAT (chat template)."""
-    import torch
+    """Single-process greedy token ids for PROMPT (plain) and CHAT (chat template); the
+    pipeline is the one test_mesh_serving.py's references use (loaded once)."""
+    from tests.integration.node.mesh_nodes import encode, reference_ids
 
-    from hetmesh.partition.generate import LocalPipeline
-    from hetmesh.partition.sampling import SamplingParams
-    from hetmesh.partition.text import encode_prompt
-
-    torch.set_num_threads(1)
-    pipeline = LocalPipeline.load(default_model_dir, 1)
     out = {}
     for key, text, chat in (("plain", PROMPT, False), ("chat", CHAT, True)):
-        ids = encode_prompt(pipeline.tokenizer, text, chat=chat)
-        out[key] = list(pipeline.generate_ids(ids, SamplingParams(max_new_tokens=TOKENS)))
+        ids = encode(default_model_dir, text, chat=chat)
+        out[key] = reference_ids(default_model_dir, ids, TOKENS)
     return out
 
 

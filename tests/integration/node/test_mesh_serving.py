@@ -11,9 +11,7 @@ from tests.integration.node.mesh_nodes import (
     generate_ids,
     open_probe_peer,
     reference_ids,
-    running_mesh,
     view_of,
-    wait_serving,
 )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.model]
@@ -25,11 +23,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def mesh3(tmp_path_factory, default_model_dir):
-    with running_mesh(tmp_path_factory.mktemp("mesh3"), 3) as nodes:
-        wait_serving(nodes[0])
-        yield nodes
+@pytest.fixture
+def mesh3(shared_mesh3):
+    """The three serving nodes, shared with test_api_mesh.py (tests/integration/shared_mesh.py)."""
+    return shared_mesh3.nodes
 
 
 async def test_three_nodes_split_the_model_and_match_the_reference(mesh3, default_model_dir):
@@ -247,9 +244,13 @@ async def test_two_hundred_strangers_cost_no_memory_and_stall_no_generation(
     probe_port = me["record"]["probe_port"]
     libp2p_port = int(target.addr.split("/")[4])
     listening = {
-        c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
+        c.laddr.port: c.fd
+        for c in proc.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port not in (probe_port, libp2p_port)
     }
-    (data_port,) = listening - {probe_port, libp2p_port}
+    # the data plane's listener opens at start-up; a torchdist link's rendezvous store
+    # (transport/torchdist.py) may listen too, later, so on a higher descriptor
+    data_port = min(listening, key=lambda port: listening[port])
 
     ids = encode(default_model_dir, "The capital of France is")
     expected = reference_ids(default_model_dir, ids, 16)
@@ -276,6 +277,7 @@ async def test_two_hundred_strangers_cost_no_memory_and_stall_no_generation(
         hold.set()
     print(
         f"stage node RSS {baseline / 2**20:.0f} MiB, +{grown / 2**20:.1f} MiB under 200 strangers"
+        f" (data port {data_port} of listeners {listening}, probe {probe_port})"
     )
     assert got == expected
     assert grown < 50 << 20, f"RSS grew {grown / 2**20:.0f} MiB"
