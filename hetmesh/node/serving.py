@@ -1076,20 +1076,26 @@ class Serving:
         payload = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=10.0)
         data = wire.decode_map(payload, max_bytes=MAX_REQUEST_BYTES)
         count = 0
-        try:
-            request = GenerateRequest.from_wire(data)
-            ids = await trio.to_thread.run_sync(self.encode, request)  # off the event loop
-            params = request.sampling
-            async with contextlib.aclosing(self.stream(ids, params)) as events:
-                async for token, text in events:
-                    if token >= 0:
-                        count += 1
-                    delta = Delta(text, token if token >= 0 else None)
-                    await wire.write_frame(stream, wire.encode(delta.to_wire()))
-            done = Finish(finish_reason(count, params.max_new_tokens), len(ids), count)
-            await wire.write_frame(stream, wire.encode(done.to_wire()))
-        except MeshError as exc:
-            await wire.write_frame(stream, wire.encode(error_reply(exc)))
+        async with trio.open_nursery() as nursery:
+            # the client sends nothing after its request: its stream ending (it closed or
+            # reset it, or its host went away) means nobody reads the tokens any more, so
+            # the generation stops there instead of running on to max_new_tokens
+            nursery.start_soon(_cancel_when_closed, stream, nursery.cancel_scope)
+            try:
+                request = GenerateRequest.from_wire(data)
+                ids = await trio.to_thread.run_sync(self.encode, request)  # off the event loop
+                params = request.sampling
+                async with contextlib.aclosing(self.stream(ids, params)) as events:
+                    async for token, text in events:
+                        if token >= 0:
+                            count += 1
+                        delta = Delta(text, token if token >= 0 else None)
+                        await wire.write_frame(stream, wire.encode(delta.to_wire()))
+                done = Finish(finish_reason(count, params.max_new_tokens), len(ids), count)
+                await wire.write_frame(stream, wire.encode(done.to_wire()))
+            except MeshError as exc:
+                await wire.write_frame(stream, wire.encode(error_reply(exc)))
+            nursery.cancel_scope.cancel()  # done: stop watching the stream
 
     def statistics(self) -> ServingStatistics:
         links = {}
@@ -1103,6 +1109,14 @@ class Serving:
             links=links,
             insufficient=self._insufficient,
         )
+
+
+async def _cancel_when_closed(stream: Any, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` once ``stream`` yields anything past the request: an end of
+    stream, a reset, or bytes the protocol does not allow."""
+    with contextlib.suppress(Exception):  # any failure to read is the client gone too
+        await stream.read(1)
+    scope.cancel()
 
 
 REFUSAL_LOG_INTERVAL_S = 60.0
