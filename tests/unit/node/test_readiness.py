@@ -10,20 +10,7 @@ from hetmesh.node.readiness import (
     unready_peers,
 )
 from hetmesh.scheduler.records import Pipeline, Plan, Stage
-
-
-def _stage(peer: str, start: int, end: int) -> Stage:
-    return Stage(
-        peer_id=peer,
-        device="cpu",
-        start=start,
-        end=end,
-        decode_step_s=0.01,
-        batch_step_s=0.01,
-        prefill_s_per_1k=0.1,
-        link_out_s=0.001,
-        memory_bytes=1,
-    )
+from tests.unit.scheduler.sched_helpers import hand_stage
 
 
 def _pipeline(*stages: Stage) -> Pipeline:
@@ -42,7 +29,10 @@ PLAN = Plan(
     model_name="m",
     objective="latency",
     strategy="exact",
-    pipelines=(_pipeline(_stage("A", 0, 4), _stage("B", 4, 8)), _pipeline(_stage("C", 0, 8))),
+    pipelines=(
+        _pipeline(hand_stage("A", 0, 4), hand_stage("B", 4, 8)),
+        _pipeline(hand_stage("C", 0, 8)),
+    ),
     objective_value=0.02,
     decode_latency_s=0.02,
     prefill_s_per_1k=0.2,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hetmesh.partition.profile import llama_like_config, model_profile
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
 from hetmesh.scheduler import PlanConstraints
+from hetmesh.scheduler.records import Stage
 
 GIB = 1024**3
 
@@ -80,3 +81,19 @@ def toy_cpu_model(layers: int = 6) -> ModelProfile:
 def cpu_device(peer: str, memory: int = 4 * GIB) -> DeviceProfile:
     """A modest CPU: 50 GFLOP/s, 20 GB/s."""
     return device(peer, memory=memory, flops=5e10, bandwidth=2e10, backend="cpu")
+
+
+def hand_stage(peer: str, start: int, end: int, device: str = "cpu") -> Stage:
+    """A planned stage with small fixed costs, for tests of what reads plans (routing,
+    readiness) rather than of the planner."""
+    return Stage(
+        peer_id=peer,
+        device=device,
+        start=start,
+        end=end,
+        decode_step_s=0.01,
+        batch_step_s=0.01,
+        prefill_s_per_1k=0.1,
+        link_out_s=0.001,
+        memory_bytes=1,
+    )

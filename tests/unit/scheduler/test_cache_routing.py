@@ -21,7 +21,7 @@ from hetmesh.scheduler.prefix_summary import (
 )
 from hetmesh.scheduler.records import Pipeline, Stage
 from hetmesh.scheduler.router import CachePolicy, RouteMemory, cached_blocks, route
-from tests.unit.scheduler.sched_helpers import BARE, device, full_links, toy_model
+from tests.unit.scheduler.sched_helpers import BARE, device, full_links, hand_stage, toy_model
 
 PROMPT = list(range(100, 100 + 16 * 6))  # six full blocks
 HASHES = block_hashes(PROMPT)
@@ -113,17 +113,7 @@ def test_announcement_drops_ill_formed_summary_entries() -> None:
 
 
 def stage(peer: str, start: int, end: int) -> Stage:
-    return Stage(
-        peer_id=peer,
-        device="cpu:0",
-        start=start,
-        end=end,
-        decode_step_s=0.01,
-        batch_step_s=0.01,
-        prefill_s_per_1k=0.1,
-        link_out_s=0.001,
-        memory_bytes=1,
-    )
+    return hand_stage(peer, start, end, device="cpu:0")
 
 
 def pipeline(*stages: Stage) -> Pipeline:
