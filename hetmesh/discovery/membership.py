@@ -53,10 +53,11 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from hetmesh.discovery.cow import CowDict, CowList, CowSet
 from hetmesh.discovery.membership_types import Kind, Message, SwimPolicy, Update
 from hetmesh.discovery.table import (
     Health,
@@ -122,7 +123,7 @@ class Membership:
         self.addrs = addrs
         self.policy = policy or SwimPolicy()
         self.rng = rng or random.Random(hash(self_id) ^ boot_id)
-        self.entries: dict[PeerId, PeerEntry] = {}
+        self.entries: MutableMapping[PeerId, PeerEntry] = {}
         self.record: Announcement | None = None
         self.stats = MembershipStatistics()
         self._events: list[TableEvent] = []
@@ -137,12 +138,13 @@ class Membership:
         self._pulls: dict[PeerId, float] = {}  # subject -> asked at
         # live members whose newest record we lack -> since when (or last repair)
         self._missing: dict[PeerId, float] = {}
-        self._knows_us: set[PeerId] = set()
+        self._knows_us: set[PeerId] | CowSet[PeerId] = set()
+        self._dead: set[PeerId] = set()  # members we hold dead (a set: no scan of N entries)
         self._dead_order: list[PeerId] = []
         # members believed up (alive, suspect, joining after having been alive), kept
         # as a list plus positions so adding, removing and sampling are O(1) at any N
-        self._live: list[PeerId] = []
-        self._live_at: dict[PeerId, int] = {}
+        self._live: list[PeerId] | CowList[PeerId] = []
+        self._live_at: MutableMapping[PeerId, int] = {}
         self._candidates: dict[PeerId, tuple[float, int]] = {}  # -> (last try, tries)
         # local health (Lifeguard): 0 when we keep up; each sign that we are the slow
         # one (a late tick, a late ack, a suspicion of ourselves) adds one, each ack
@@ -151,6 +153,24 @@ class Membership:
         self._last_tick: float | None = None
         self._accusers: dict[PeerId, set[PeerId]] = {}  # suspect -> who suspects it
         self._expired: dict[int, PeerId] = {}  # recent probes given up (seq -> target)
+
+    # -- a shared start (the simulator's large meshes) ----------------------------
+
+    def adopt_view(self, view: SharedView) -> None:
+        """Start from ``view``'s converged mesh, sharing its table copy-on-write.
+
+        What follows is exactly as if each member's record had reached us
+        directly at ``view``'s time (and the join news were old): the same
+        entries, live list and knowledge of who knows us. Only what this node
+        later touches is copied, so N nodes cost far less than N full tables.
+        """
+        entries: CowDict[PeerId, PeerEntry] = CowDict(view.entries)
+        live_at: CowDict[PeerId, int] = CowDict(view.live_at, copy_values=False)
+        self.entries, self._live, self._live_at = entries, CowList(view.live), live_at
+        self._knows_us = CowSet(view.knows_us)
+        if self.self_id in entries:  # we are in the view too: not our own member
+            self._track_live(self.self_id, False)
+            del entries[self.self_id]
 
     # -- local state -----------------------------------------------------------
 
@@ -431,6 +451,7 @@ class Membership:
             never = entry.record is None and not entry.ever_alive
             if (ended or never) and now - entry.state_since > limit:
                 del self.entries[entry.peer_id]
+                self._dead.discard(entry.peer_id)
                 self._rumors.pop(entry.peer_id, None)
                 self._candidates.pop(entry.peer_id, None)
 
@@ -730,6 +751,9 @@ class Membership:
             self._joining.discard(entry.peer_id)
         if new is Health.DEAD:
             self.stats.deaths += 1
+            self._dead.add(entry.peer_id)
+        elif old is Health.DEAD:
+            self._dead.discard(entry.peer_id)
         if old is Health.SUSPECT:
             self._accusers.pop(entry.peer_id, None)
         self._track_live(entry.peer_id, new in _LIVE and entry.ever_alive)
@@ -778,7 +802,7 @@ class Membership:
                 out.append(self._ping(target, now))
         # a buried peer gets one ping per interval, so a healed partition heals
         if not self._dead_order:
-            self._dead_order = [p for p, e in self.entries.items() if e.health is Health.DEAD]
+            self._dead_order = sorted(self._dead)
             self.rng.shuffle(self._dead_order)
         elif (peer := self._dead_order.pop()) in self.entries:
             entry = self.entries[peer]
@@ -868,6 +892,33 @@ class Membership:
         return [_with_notice(m, *extra) for m in msgs] if extra else msgs
 
 
+@dataclass(frozen=True, slots=True)
+class SharedView:
+    """A converged mesh's member table, shared read-only by nodes that adopt it."""
+
+    entries: dict[PeerId, PeerEntry]
+    live: list[PeerId]
+    live_at: dict[PeerId, int]
+    knows_us: frozenset[PeerId]
+
+
+def converged_view(records: Iterable[Announcement], now: float) -> SharedView:
+    """Every record's owner alive, as if each had reached us directly at ``now``.
+
+    Built by the protocol's own code (a scratch node hears each record), so a
+    node that adopts it is in the state a long-finished join would leave it in.
+    """
+    scratch = Membership("", boot_id=1)  # no real peer has the empty id
+    for record in records:
+        scratch.note_record(record, now, direct=True)
+    return SharedView(
+        entries=dict(scratch.entries),
+        live=list(scratch._live),
+        live_at=dict(scratch._live_at),
+        knows_us=frozenset(p for p in scratch.entries if p in scratch._knows_us),
+    )
+
+
 def _rekey(entry: PeerEntry, key: tuple[int, int]) -> None:
     """Adopt a member's incarnation; a new boot starts its record versions afresh."""
     if key[0] != entry.boot_id:
@@ -888,6 +939,8 @@ __all__ = [
     "Membership",
     "MembershipStatistics",
     "Message",
+    "SharedView",
     "SwimPolicy",
     "Update",
+    "converged_view",
 ]

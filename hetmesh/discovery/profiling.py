@@ -16,6 +16,7 @@ Everything here is blocking: the node calls it through ``trio.to_thread``.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -160,11 +161,11 @@ def effective_cores(logical: int, limits: CgroupLimits) -> float:
 def machine_key(limits: CgroupLimits) -> str:
     """Cache key: same machine, same CPU allowance, same torch."""
     machine = _read(Path("/etc/machine-id")) or socket.gethostname()
+    # the installed version, read without importing torch (seconds at start-up): a
+    # node whose benchmark is cached, or that serves nothing, never loads torch
     try:
-        import torch
-
-        torch_version = str(torch.__version__)
-    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a dependency
         torch_version = "none"
     cores = "max" if limits.cpu_cores is None else f"{limits.cpu_cores:.3f}"
     return f"{machine}|{platform.machine()}|cpu={cores}|torch={torch_version}"
@@ -366,8 +367,15 @@ def gpu_profiles(
     return profiles
 
 
+def _nvidia_driver_present() -> bool:
+    """Whether an NVIDIA driver is loaded (its device nodes exist); cheap, no torch."""
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()
+
+
 def measure_gpu_flops(budget_s: float = 0.5) -> dict[int, float]:
     """fp16 matmul FLOP/s per CUDA device; {} without CUDA."""
+    if not _nvidia_driver_present():
+        return {}  # no GPU to measure: spare a membership-only node the torch import
     try:
         import torch
 

@@ -20,10 +20,12 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hetmesh.errors import InvalidRequest
-from hetmesh.node.gateway import GatewayTimeouts
+
+if TYPE_CHECKING:
+    from hetmesh.node.gateway import GatewayTimeouts
 
 PlanStrategy = Literal["hetmesh", "even", "memory-proportional", "greedy"]
 PLAN_STRATEGIES: tuple[str, ...] = ("hetmesh", "even", "memory-proportional", "greedy")
@@ -31,6 +33,12 @@ PLAN_STRATEGIES: tuple[str, ...] = ("hetmesh", "even", "memory-proportional", "g
 # --max-sessions is not given; the stage then admits by KV blocks alone
 PLANNED_SESSIONS = 8
 STOP_DRAIN_S = 10.0
+
+
+def _default_timeouts() -> GatewayTimeouts:
+    from hetmesh.node.gateway import GatewayTimeouts
+
+    return GatewayTimeouts()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +76,8 @@ class ServingConfig:
     backends: tuple[str, ...] = ("shm", "torchdist", "tcp", "libp2p")
     require_encryption: bool = False
     tcp_host: str | None = None  # None: the address the node's libp2p host is reached at
-    timeouts: GatewayTimeouts = field(default_factory=GatewayTimeouts)
+    # the gateway (and torch with it) loads only when a serving config is built
+    timeouts: GatewayTimeouts = field(default_factory=lambda: _default_timeouts())
 
 
 # flag name -> (type, allowed values or None)

@@ -39,35 +39,52 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hetmesh.transport.credentials import Credential, CredentialBook
-from hetmesh.transport.frames import (
-    Activations,
-    Cancel,
-    Decoder,
-    Error,
-    Frame,
-    Goodbye,
-    KVBlock,
-    Limits,
-    Offer,
-    Tokens,
-    encode,
-)
-from hetmesh.transport.negotiation import Backend, Choice, choose_backend
-
 if TYPE_CHECKING:
+    from hetmesh.transport.credentials import Credential, CredentialBook
     from hetmesh.transport.dataplane import (
         DataPlane,
         DataPlaneConfig,
         DataPlaneStatistics,
         open_data_plane,
     )
+    from hetmesh.transport.frames import (
+        Activations,
+        Cancel,
+        Decoder,
+        Error,
+        Frame,
+        Goodbye,
+        KVBlock,
+        Limits,
+        Offer,
+        Tokens,
+        encode,
+    )
     from hetmesh.transport.links import Link, LinkMode, LinkStatistics
+    from hetmesh.transport.negotiation import Backend, Choice, choose_backend
     from hetmesh.transport.p2p import Libp2pStream
 
-# The I/O half (trio, sockets, libp2p) loads on first use, so that importing the
-# pure modules (frames, codec, negotiation, credentials) never pulls trio or libp2p.
+# Every name loads on first use: the I/O half (trio, sockets, libp2p) so that the
+# pure modules never pull trio or libp2p, and the frames (torch) so that a module of
+# this package that needs neither (gate, used by discovery's probes) does not pull
+# torch into a membership-only node
 _LAZY = {
+    "Credential": "credentials",
+    "CredentialBook": "credentials",
+    "Activations": "frames",
+    "Cancel": "frames",
+    "Decoder": "frames",
+    "Error": "frames",
+    "Frame": "frames",
+    "Goodbye": "frames",
+    "KVBlock": "frames",
+    "Limits": "frames",
+    "Offer": "frames",
+    "Tokens": "frames",
+    "encode": "frames",
+    "Backend": "negotiation",
+    "Choice": "negotiation",
+    "choose_backend": "negotiation",
     "DataPlane": "dataplane",
     "DataPlaneConfig": "dataplane",
     "DataPlaneStatistics": "dataplane",
