@@ -72,6 +72,10 @@ _TICK_S = 0.2
 MAX_CANDIDATES_PER_RECORD = 16
 MAX_PENDING_CANDIDATES = 256
 MAX_LINK_REQUESTS = 256  # links one record asks others to measure
+# free memory and utilisation move a little at every profile update (5 s), and each
+# record version is pulled whole by every member (N-1 pulls): small moves are
+# published at most this often, larger ones at once (_devices_moved)
+DEVICE_REFRESH_S = 60.0
 BOOTSTRAP_ATTEMPTS = 3  # dial limits dial_timeout_s x 1, 2, 3
 MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
@@ -134,6 +138,7 @@ class Discovery:
         self.probe_port = 0
         self._seq = 0
         self._devices: tuple[DeviceProfile, ...] = ()
+        self._devices_at = 0.0  # monotonic time the published device figures were taken
         self._links: dict[PeerId, LinkProfile] = {}
         self._data_plane: dict[str, Any] = {}
         self._stages: tuple[dict[str, Any], ...] = ()
@@ -171,7 +176,11 @@ class Discovery:
     # -- what the node publishes ----------------------------------------------
 
     def set_devices(self, devices: Sequence[DeviceProfile]) -> None:
-        self._devices = tuple(devices)
+        new, now = tuple(devices), time.monotonic()
+        fresh = now - self._devices_at < DEVICE_REFRESH_S
+        if self._devices and fresh and not _devices_moved(self._devices, new):
+            return  # keep the published figures: not worth a version every member pulls
+        self._devices, self._devices_at = new, now
 
     def set_data_plane(self, offer: dict[str, Any]) -> None:
         """The transport's data-plane offer (opaque to discovery)."""
@@ -778,6 +787,31 @@ class Discovery:
             async with trio.open_nursery() as nursery:
                 for entry in targets:  # once, to each live member: they drop us at once
                     nursery.start_soon(self._send_record, entry.peer_id, entry.addrs, payload)
+
+
+def _devices_moved(old: Sequence[DeviceProfile], new: Sequence[DeviceProfile]) -> bool:
+    """Whether device figures changed enough for a record version: anything but free
+    memory, utilisation and clock, free memory by 1 % of the total (at least 128 MiB),
+    utilisation by 0.1, or the clock (which idles and boosts) by a quarter."""
+    if len(old) != len(new):
+        return True
+    for a, b in zip(old, new, strict=True):
+        same_rest = replace(
+            b,
+            memory_free_bytes=a.memory_free_bytes,
+            utilisation=a.utilisation,
+            cpu_freq_hz=a.cpu_freq_hz,
+        )
+        if same_rest != a:
+            return True
+        if abs(b.cpu_freq_hz - a.cpu_freq_hz) > 0.25 * max(a.cpu_freq_hz, 1.0):
+            return True
+        margin = max(0.01 * a.memory_total_bytes, 128 * 2**20)
+        if abs(b.memory_free_bytes - a.memory_free_bytes) > margin:
+            return True
+        if abs(b.utilisation - a.utilisation) > 0.1:
+            return True
+    return False
 
 
 def _moved(old: LinkProfile, new: LinkProfile) -> bool:
