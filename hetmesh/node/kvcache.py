@@ -96,7 +96,10 @@ class KVLimits:
     # retries (it backs off to 1 s between tries) and for the gateway's admission wait
     waiter_stale_s: float = 5.0
     waiter_max_s: float = 30.0
-    fcfs: bool = True  # False: no wait queue (a caller that orders its requests itself)
+    # first come, first served across retries; off by default: with places kept on every
+    # stage of a multi-stage pipeline, two requests opened concurrently can each head the
+    # queue of one stage and wait on the other (a livelock until the places lapse)
+    fcfs: bool = False
 
 
 MAX_WAITERS = 64  # refused sessions whose place is kept, per stage

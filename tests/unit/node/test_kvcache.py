@@ -69,9 +69,9 @@ class Clock:
         return self.now
 
 
-def make(blocks=10, max_sessions=4, max_tokens=160, idle=10.0, reserve=1, whole=False):
+def make(blocks=10, max_sessions=4, max_tokens=160, idle=10.0, reserve=1, whole=False, fcfs=False):
     clock, pool = Clock(), Pool(blocks)
-    limits = KVLimits(max_sessions, max_tokens, blocks * 100, idle, reserve, whole)
+    limits = KVLimits(max_sessions, max_tokens, blocks * 100, idle, reserve, whole, fcfs=fcfs)
     manager = KVManager(limits, pool=pool, factory=lambda: Cache(pool), clock=clock)
     return manager, pool, clock
 

@@ -25,7 +25,7 @@ def refused(kv, session_id, max_tokens, prompt_tokens) -> bool:
 
 @pytest.mark.parametrize("whole", [False, True], ids=["paged", "reserve-whole"])
 def test_a_later_small_request_does_not_take_the_blocks_a_large_one_waits_for(whole):
-    kv, pool, clock = make(blocks=10, max_tokens=160, whole=whole)
+    kv, pool, clock = make(blocks=10, max_tokens=160, whole=whole, fcfs=True)
     kv.open("a", 80, prompt_tokens=80)  # 5 blocks either way
     assert refused(kv, "large", 128, 128)  # 8 blocks: refused, keeps its place
     assert kv.waiting == 1
@@ -41,7 +41,7 @@ def test_a_later_small_request_does_not_take_the_blocks_a_large_one_waits_for(wh
 
 
 def test_a_waiter_keeps_a_session_slot_too():
-    kv, _, _ = make(blocks=20, max_sessions=2)
+    kv, _, _ = make(blocks=20, max_sessions=2, fcfs=True)
     kv.open("a", 32, prompt_tokens=16)
     kv.open("b", 32, prompt_tokens=16)
     assert refused(kv, "c", 32, 16)
@@ -51,7 +51,7 @@ def test_a_waiter_keeps_a_session_slot_too():
 
 
 def test_waiters_are_served_in_arrival_order():
-    kv, _, clock = make(blocks=10, max_sessions=8)
+    kv, _, clock = make(blocks=10, max_sessions=8, fcfs=True)
     kv.open("a", 144, prompt_tokens=144)  # 9 blocks: nothing else fits
     assert refused(kv, "first", 96, 96)  # 6 blocks
     assert refused(kv, "second", 96, 96)
@@ -63,7 +63,7 @@ def test_waiters_are_served_in_arrival_order():
 
 
 def test_a_waiter_whose_gateway_stopped_retrying_lapses():
-    kv, _, clock = make(blocks=10)
+    kv, _, clock = make(blocks=10, fcfs=True)
     kv.open("a", 80, prompt_tokens=80)
     assert refused(kv, "large", 128, 128)
     clock.now += 6.0  # not retried for longer than waiter_stale_s
@@ -72,7 +72,7 @@ def test_a_waiter_whose_gateway_stopped_retrying_lapses():
 
 
 def test_a_waiter_cannot_wedge_the_stage_past_the_admission_wait():
-    kv, _, clock = make(blocks=10)
+    kv, _, clock = make(blocks=10, fcfs=True)
     kv.open("a", 80, prompt_tokens=80)
     for _ in range(31):  # retried every second: its place holds for 30 s
         assert refused(kv, "large", 128, 128)
@@ -83,7 +83,7 @@ def test_a_waiter_cannot_wedge_the_stage_past_the_admission_wait():
 
 
 def test_a_request_no_empty_pool_could_admit_keeps_no_place():
-    kv, _, _ = make(blocks=10, reserve=1)
+    kv, _, _ = make(blocks=10, reserve=1, fcfs=True)
     kv.open("a", 16, prompt_tokens=16)
     # 10 blocks + 1 of reserve can never be free at once: it must not block others
     assert refused(kv, "never", 160, 160)
@@ -92,7 +92,7 @@ def test_a_request_no_empty_pool_could_admit_keeps_no_place():
 
 
 def test_the_wait_queue_is_bounded():
-    kv, _, _ = make(blocks=10, max_sessions=1)
+    kv, _, _ = make(blocks=10, max_sessions=1, fcfs=True)
     kv.open("a", 16, prompt_tokens=16)
     for i in range(MAX_WAITERS + 5):
         assert refused(kv, f"w{i}", 16, 16)
