@@ -20,6 +20,7 @@ from rich.table import Table
 
 from hetmesh.cli._app import app
 from hetmesh.cli.status_view import kv_table, load_table, plan_table, summarize
+from hetmesh.nat.reachability import reach_of
 from hetmesh.scheduler.announcement import read_serving
 
 
@@ -56,6 +57,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
         "peer",
         "host",
         "health",
+        "reach",
         "devices",
         "weights",
         "memory used",
@@ -74,6 +76,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
             short_id(pid),
             _host_of(record),
             str(peer.get("health", "?")),
+            reach_of(record),
             ", ".join(str(d.get("device", "?")) for d in devices) or "(profiling)",
             read_serving(record.get("extra"), plan_of=None).weights or "-",
             ", ".join(

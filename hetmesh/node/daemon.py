@@ -7,6 +7,7 @@ run_node(config)
         ├── serve_discovery        announcements, membership, liveness, link probes,
         │                          status RPC (Discovery.serve)
         ├── serve_profiling        measured DeviceProfiles, refreshed when idle
+        ├── Reachability.serve     dial-backs: public / behind NAT (hetmesh.nat)
         └── serve_model            plans, stages, data-plane links, sessions
                                    (hetmesh.node.serving; absent with --no-serve)
 ```
@@ -34,6 +35,7 @@ import trio
 from hetmesh.discovery import profiling
 from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_host
 from hetmesh.discovery.service import Discovery, DiscoveryConfig
+from hetmesh.nat.dialback import Reachability
 from hetmesh.node.runtime import Node, NodeConfig, default_data_dir
 
 if TYPE_CHECKING:
@@ -144,6 +146,8 @@ async def run_node(
             log.info("peer id %s", node.peer_id)
             await nursery.start(serve_profiling, node)
             discovery.enable_link_probes()
+            # members dial us back: public / behind NAT, published in our record
+            await nursery.start(Reachability(discovery).serve)
             if config.serving is not None:
                 from hetmesh.node.serving import serve_model
 

@@ -1,0 +1,90 @@
+"""Real ``hetmesh node start`` processes on the NAT testbed (:mod:`hetmesh.testbed.nat`).
+
+:func:`open_nat_mesh` builds the public host and the homes, and gives a
+:class:`NatMesh` that starts a node in any of them (listening on the host's
+own address: a home node's is private, behind its router), reads
+``hetmesh status --json`` from inside a host, and tears everything down —
+node processes killed by PID, then the namespaces — also on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import subprocess
+import sys
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env
+from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
+
+
+@dataclass
+class NatMesh:
+    bed: NatTestbed
+    workdir: Path
+    secret: str
+    nodes: list[MeshNode] = field(default_factory=list)
+
+    def start_node(self, host: NatHost, *args: str, bootstrap: str | None = None) -> MeshNode:
+        """``hetmesh node start`` in ``host`` (not waited for: see ``MeshNode.wait_up``)."""
+        index = self.bed.hosts.index(host)
+        data_dir = self.workdir / host.name
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "node.json").unlink(missing_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "hetmesh",
+            "node",
+            "start",
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            f"/ip4/{host.ip}/tcp/{PORT}",
+            "--mesh-secret",
+            self.secret,
+            "--no-mdns",
+            *args,
+        ]
+        if bootstrap:
+            argv += ["--bootstrap", bootstrap]
+        log_path = self.workdir / f"{host.name}.log"
+        with log_path.open("ab") as log_file:
+            proc: subprocess.Popen[bytes] = self.bed.popen(
+                host, argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO
+            )
+        node = MeshNode(proc, data_dir, log_path, host=index)
+        self.nodes.append(node)
+        return node
+
+    def status(self, host: NatHost, node: MeshNode, *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """``hetmesh status --json`` of ``node``, asked from inside ``host``."""
+        argv = [sys.executable, "-m", "hetmesh", "status", "--mesh", node.addr, "--json"]
+        out = subprocess.run(
+            self.bed.argv(host, [*argv, "--mesh-secret", self.secret]),
+            capture_output=True,
+            env=child_env(),
+            cwd=REPO,
+            timeout=timeout_s,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"status in {host.name} failed: {out.stderr.decode()[-2000:]}")
+        view: dict[str, Any] = json.loads(out.stdout)
+        return view
+
+
+@contextlib.contextmanager
+def open_nat_mesh(
+    workdir: Path, homes: int = 2, *, symmetric: Collection[int] = (), rate: str | None = None
+) -> Iterator[NatMesh]:
+    """A NAT testbed (see :func:`open_nat_testbed`) to start nodes on; all torn down after."""
+    with open_nat_testbed(homes, symmetric=symmetric, rate=rate) as bed:
+        yield NatMesh(bed, workdir, f"nat-{secrets.token_hex(4)}")
+
+
+__all__ = ["NatMesh", "open_nat_mesh"]
