@@ -154,6 +154,13 @@ def start(
         bool | None,
         typer.Option("--serve/--no-serve", help="Serve the model (default) or only join."),
     ] = None,
+    relay: Annotated[
+        bool | None,
+        typer.Option(
+            "--relay/--no-relay",
+            help="While publicly reachable, relay for members behind NAT (default) or not.",
+        ),
+    ] = None,
     objective: Annotated[
         str | None, typer.Option(help="Plan for: latency (default) or throughput.")
     ] = None,
@@ -345,6 +352,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         api_port=_api_port(settings.get("api_port")),
         api_host=api_host,
         api_key=api_key,
+        relay=bool(settings.get("relay", True)),
     )
 
 

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from hetmesh.cli._app import app
 from hetmesh.cli.status_view import kv_table, load_table, plan_table, summarize
-from hetmesh.nat.reachability import reach_of
+from hetmesh.nat.reachability import link_kind, reach_text
 from hetmesh.scheduler.announcement import read_serving
 
 
@@ -67,16 +67,18 @@ def status_renderable(view: dict[str, Any]) -> Group:
     ):
         peers.add_column(col)
     ids: list[str] = []
+    records: dict[str, dict[str, Any]] = {}
     for peer in view.get("peers", []):
         record = peer.get("record") or {}
         pid = str(peer.get("peer_id", "?"))
         ids.append(pid)
+        records[pid] = record
         devices = record.get("devices") or []
         peers.add_row(
             short_id(pid),
             _host_of(record),
             str(peer.get("health", "?")),
-            reach_of(record),
+            reach_text(record),
             ", ".join(str(d.get("device", "?")) for d in devices) or "(profiling)",
             read_serving(record.get("extra"), plan_of=None).weights or "-",
             ", ".join(
@@ -95,7 +97,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
     matrix = Table(
         title="links (row → column): RTT, bandwidth",
         caption="measured by the row's peer; ≈ estimated from a measured link on the same "
-        "host or subnet; ? unknown",
+        "host or subnet; ? unknown; (relayed) through a relay",
     )
     matrix.add_column("from \\ to")
     for pid in ids:
@@ -115,6 +117,8 @@ def status_renderable(view: dict[str, Any]) -> Group:
                 rtt_ms = float(link["rtt_s"]) * 1e3
                 bandwidth = _si(float(link["bandwidth_bps"]), "B/s")
                 cells.append(f"{mark}{rtt_ms:.2f} ms, {bandwidth}")
+            if src != dst and link_kind(src, records[src], dst, records[dst]) == "relayed":
+                cells[-1] += " (relayed)"
         matrix.add_row(short_id(src), *cells)
     summary = view.get("summary")
     if not isinstance(summary, dict):

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import socket
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -216,11 +217,22 @@ def _reachable(endpoint: tuple[str, int], timeout_s: float) -> bool | None:
         return False
 
 
+DialFallback = Callable[[Any, float], Awaitable[bool]]
+# per host: how to reach a peer its addresses do not (hetmesh.nat.relay: through a relay)
+_dial_fallbacks: weakref.WeakKeyDictionary[Any, DialFallback] = weakref.WeakKeyDictionary()
+
+
+def set_dial_fallback(host: Any, fallback: DialFallback) -> None:
+    """Have :func:`dial` try ``fallback(peer_info, timeout_s)`` when a direct dial fails."""
+    _dial_fallbacks[host] = fallback
+
+
 async def dial(host: Any, peer_info: Any, *, timeout_s: float = DEFAULT_DIAL_TIMEOUT_S) -> None:
     """Connect to a peer within ``timeout_s``, translating failures into our errors.
 
     A TCP port that accepts but a libp2p handshake that does not complete means
     the two sides do not share the mesh secret: :class:`AuthenticationFailed`.
+    When the direct dial fails, the host's dial fallback (a relay) is tried.
     """
     who = str(peer_info.peer_id)
     try:
@@ -231,6 +243,14 @@ async def dial(host: Any, peer_info: Any, *, timeout_s: float = DEFAULT_DIAL_TIM
         failure: BaseException | None = None
     except Exception as exc:
         failure = exc
+    fallback = _dial_fallbacks.get(host)
+    if fallback is not None:
+        try:
+            if await fallback(peer_info, timeout_s):
+                return
+        except Exception as exc:  # libp2p's upgrade errors included: reported as ours below
+            log.debug("dial fallback to %s failed", who, exc_info=True)
+            failure = exc
     endpoints = [e for e in map(_tcp_endpoint, peer_info.addrs) if e is not None]
     verdicts = [await trio.to_thread.run_sync(_reachable, e, 1.0) for e in endpoints[:3]]
     if any(v is True for v in verdicts):
@@ -268,4 +288,5 @@ __all__ = [
     "new_mesh_host",
     "open_host",
     "parse_peer_addr",
+    "set_dial_fallback",
 ]

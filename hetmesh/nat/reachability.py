@@ -25,6 +25,10 @@ from hetmesh.errors import RemoteProtocolError
 
 DIALBACK_PROTOCOL = "/hetmesh/dialback/1.0.0"
 EXTRA_KEY = "reach"  # the record's extra field carrying the verdict
+# set by hetmesh.nat.relay in the record's extra:
+RELAY_KEY = "relay"  # 1 while the member offers relay slots
+VIA_KEY = "via"  # the relay a member behind NAT is reachable through
+RELAYED_KEY = "relayed"  # members its connection to runs through a relay
 
 PUBLIC = "public"
 BEHIND_NAT = "behind NAT"
@@ -152,9 +156,37 @@ def to_wire(reach: str) -> str:
 
 def reach_of(record: Mapping[str, Any]) -> str:
     """A record's announced reachability (``unknown`` when absent or unreadable)."""
-    extra = record.get("extra")
-    value = extra.get(EXTRA_KEY) if isinstance(extra, Mapping) else None
+    value = _extra(record).get(EXTRA_KEY)
     return _FROM_WIRE.get(value, UNKNOWN) if isinstance(value, str) else UNKNOWN
+
+
+def _extra(record: Mapping[str, Any]) -> Mapping[str, Any]:
+    extra = record.get("extra")
+    return extra if isinstance(extra, Mapping) else {}
+
+
+def reach_text(record: Mapping[str, Any]) -> str:
+    """A peer's reachability as ``hetmesh status`` shows it, with why where it matters."""
+    reach, extra = reach_of(record), _extra(record)
+    via = extra.get(VIA_KEY)
+    if reach == PUBLIC and extra.get(RELAY_KEY) == 1:
+        return "public, relays"
+    if reach == BEHIND_NAT:
+        if isinstance(via, str) and via:
+            return f"behind NAT, via {via[-8:]}"
+        return "behind NAT, no relay: unreachable from outside its network"
+    return reach
+
+
+def link_kind(
+    src: str, src_record: Mapping[str, Any], dst: str, dst_record: Mapping[str, Any]
+) -> str:
+    """``relayed`` when either end announces their connection runs through a relay."""
+    for peer, record in ((dst, src_record), (src, dst_record)):
+        relayed = _extra(record).get(RELAYED_KEY)
+        if isinstance(relayed, list) and peer in relayed:
+            return "relayed"
+    return "direct"
 
 
 def advice(reach: str, members_reach: Iterable[str], listen_port: int | None) -> str | None:
@@ -178,12 +210,17 @@ __all__ = [
     "DIALBACK_PROTOCOL",
     "EXTRA_KEY",
     "PUBLIC",
+    "RELAYED_KEY",
+    "RELAY_KEY",
     "UNKNOWN",
+    "VIA_KEY",
     "DialbackReply",
     "DialbackRequest",
     "advice",
     "dialable",
+    "link_kind",
     "reach_of",
+    "reach_text",
     "tcp_endpoint",
     "to_wire",
     "verdict",

@@ -104,6 +104,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "threads": (int, None),
     "block_step_ms": ((int, float), None),
     "serve": (bool, None),
+    "relay": (bool, None),
     "require_encryption": (bool, None),
     "backends": (list, None),
     "verbose": (bool, None),

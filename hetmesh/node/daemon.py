@@ -8,6 +8,7 @@ run_node(config)
         │                          status RPC (Discovery.serve)
         ├── serve_profiling        measured DeviceProfiles, refreshed when idle
         ├── Reachability.serve     dial-backs: public / behind NAT (hetmesh.nat)
+        ├── RelayClient.serve      relay slots: offered when public, held behind NAT
         └── serve_model            plans, stages, data-plane links, sessions
                                    (hetmesh.node.serving; absent with --no-serve)
 ```
@@ -36,6 +37,7 @@ from hetmesh.discovery import profiling
 from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_host
 from hetmesh.discovery.service import Discovery, DiscoveryConfig
 from hetmesh.nat.dialback import Reachability
+from hetmesh.nat.relay import RelayClient
 from hetmesh.node.runtime import Node, NodeConfig, default_data_dir
 
 if TYPE_CHECKING:
@@ -146,8 +148,11 @@ async def run_node(
             log.info("peer id %s", node.peer_id)
             await nursery.start(serve_profiling, node)
             discovery.enable_link_probes()
-            # members dial us back: public / behind NAT, published in our record
-            await nursery.start(Reachability(discovery).serve)
+            # members dial us back: public / behind NAT, published in our record; behind
+            # NAT we hold a slot on a public member's relay, public we offer slots
+            reachability = Reachability(discovery)
+            await nursery.start(reachability.serve)
+            await nursery.start(RelayClient(discovery, reachability, offer=config.relay).serve)
             if config.serving is not None:
                 from hetmesh.node.serving import serve_model
 

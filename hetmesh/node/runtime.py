@@ -45,6 +45,7 @@ class NodeConfig:
     api_port: int | None = None  # the HTTP API (hetmesh.node.api); None: off
     api_host: str = "127.0.0.1"  # beyond loopback only with an api_key
     api_key: str | None = None  # Bearer token the HTTP API requires (None: none)
+    relay: bool = True  # offer relay slots to members behind NAT while publicly reachable
 
 
 @dataclass(slots=True)

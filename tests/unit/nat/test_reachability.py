@@ -16,12 +16,17 @@ from hetmesh.nat.reachability import (
     EXTRA_KEY,
     MAX_DIALBACK_ADDRS,
     PUBLIC,
+    RELAY_KEY,
+    RELAYED_KEY,
     UNKNOWN,
+    VIA_KEY,
     DialbackReply,
     DialbackRequest,
     advice,
     dialable,
+    link_kind,
     reach_of,
+    reach_text,
     tcp_endpoint,
     to_wire,
     verdict,
@@ -138,17 +143,41 @@ def test_advice_only_behind_nat_without_a_public_member() -> None:
     assert advice(UNKNOWN, [], None) is None
 
 
-def test_status_shows_each_peers_reachability() -> None:
-    def peer(pid: str, reach: str) -> dict[str, object]:
-        record = {"addrs": [f"/ip4/10.0.0.2/tcp/4001/p2p/{pid}"], "extra": {EXTRA_KEY: reach}}
+def test_reach_text_says_why_a_peer_is_unreachable() -> None:
+    relay = PEER
+    assert reach_text({"extra": {EXTRA_KEY: "public", RELAY_KEY: 1}}) == "public, relays"
+    assert reach_text({"extra": {EXTRA_KEY: "public", RELAY_KEY: 0}}) == "public"
+    assert reach_text({"extra": {EXTRA_KEY: "nat", VIA_KEY: relay}}) == "behind NAT, via aaaa1111"
+    assert "no relay" in reach_text({"extra": {EXTRA_KEY: "nat", VIA_KEY: ""}})
+    assert reach_text({}) == "unknown"
+
+
+def test_link_kind_is_relayed_when_either_end_says_so() -> None:
+    a, b = "A", "B"
+    assert link_kind(a, {"extra": {RELAYED_KEY: ["B"]}}, b, {}) == "relayed"
+    assert link_kind(a, {}, b, {"extra": {RELAYED_KEY: ["A"]}}) == "relayed"
+    assert link_kind(a, {"extra": {RELAYED_KEY: ["C"]}}, b, {"extra": {RELAYED_KEY: "A"}}) == (
+        "direct"
+    )
+
+
+def test_status_shows_reachability_and_relayed_links() -> None:
+    home = PEER[:-4] + "2222"
+
+    def peer(pid: str, extra: dict[str, object]) -> dict[str, object]:
+        record = {"addrs": [f"/ip4/10.0.0.2/tcp/4001/p2p/{pid}"], "extra": extra}
         return {"peer_id": pid, "health": "alive", "record": record}
 
     view = {
         "self": PEER,
-        "peers": [peer(PEER, "public"), peer(PEER[:-4] + "2222", "nat")],
-        "links": [],
+        "peers": [
+            peer(PEER, {EXTRA_KEY: "public", RELAY_KEY: 1}),
+            peer(home, {EXTRA_KEY: "nat", VIA_KEY: PEER, RELAYED_KEY: [PEER]}),
+        ],
+        "links": [{"src": home, "dst": PEER, "rtt_s": 0.002, "bandwidth_bps": 1e7}],
     }
     text = render_status(view, width=250)
     assert "reach" in text
-    assert "public" in text
-    assert "behind NAT" in text
+    assert "public, relays" in text
+    assert "behind NAT, via aaaa1111" in text
+    assert "(relayed)" in text

@@ -1,4 +1,4 @@
-"""Reachability across NAT: members dial each other back; status says public / behind NAT.
+"""Across NAT: members learn public / behind NAT; homes meet through the public relay.
 
 One topology for the module: a public host and two homes behind masquerading
 routers (hetmesh/testbed/nat.py), one ``--no-serve`` node in each; the home
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from hetmesh.nat.reachability import BEHIND_NAT, PUBLIC, reach_of
+from hetmesh.nat.relay import RELAY_KEY, RELAYED_KEY, VIA_KEY
 from hetmesh.testbed.mesh import MeshNode
 from hetmesh.testbed.nat import nat_unavailable_reason
 from hetmesh.testbed.nat_mesh import NatMesh, open_nat_mesh
@@ -64,3 +65,38 @@ def test_members_learn_public_or_behind_nat(nat_mesh: tuple[NatMesh, list[MeshNo
     assert home_seen[home_nodes[0].peer_id] == BEHIND_NAT
     # with a public member in the mesh, nobody is told to go and find one
     assert all("no member of the mesh is publicly reachable" not in n.log() for n in nodes)
+
+
+def _records(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {str(p["peer_id"]): dict(p.get("record") or {}) for p in view.get("peers", [])}
+
+
+def test_homes_reach_each_other_through_the_public_relay(
+    nat_mesh: tuple[NatMesh, list[MeshNode]],
+) -> None:
+    mesh, nodes = nat_mesh
+    public_node, home0, home1 = nodes
+    deadline = time.monotonic() + 150
+    records: dict[str, dict[str, Any]] = {}
+    while time.monotonic() < deadline:
+        view = mesh.status(mesh.bed.homes[0], home0)
+        records = _records(view)
+        health = {str(p["peer_id"]): p.get("health") for p in view.get("peers", [])}
+        extra = {pid: r.get("extra") or {} for pid, r in records.items()}
+        # the homes' connection runs through the relay (each announces whom it reaches so)
+        relayed = home1.peer_id in (extra.get(home0.peer_id, {}).get(RELAYED_KEY) or ()) or (
+            home0.peer_id in (extra.get(home1.peer_id, {}).get(RELAYED_KEY) or ())
+        )
+        if (
+            extra.get(public_node.peer_id, {}).get(RELAY_KEY) == 1
+            and extra.get(home0.peer_id, {}).get(VIA_KEY) == public_node.peer_id
+            and extra.get(home1.peer_id, {}).get(VIA_KEY) == public_node.peer_id
+            and health.get(home1.peer_id) == "alive"
+            and relayed
+        ):
+            break
+        time.sleep(1.0)
+    else:
+        pytest.fail(f"no relayed link between the homes: {records}")
+    # the public node relays, it does not need one
+    assert not (records[public_node.peer_id].get("extra") or {}).get(VIA_KEY)
