@@ -60,6 +60,7 @@ from hetmesh.transport.links import (
     tune_tcp,
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
+from hetmesh.transport.p2p import connection_is_relayed
 from hetmesh.transport.shm import MAX_SEGMENTS, PeerMappings, ShmLink, packet_framer
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,11 @@ class DataPlane:
         )
         choice = choose_backend(self.offer(), theirs)
         reason = choice.reason
+        if connection_is_relayed(getattr(control, "stream", None)):
+            # the peer is behind NAT, reached through a relay: none of its direct
+            # endpoints is reachable from here, so the link rides the relayed stream
+            choice = choose_backend(self.offer(), _only_libp2p(theirs))
+            reason = f"{choice.reason}; the control connection is relayed"
         link: Link | None = None
         if choice.backend and choice.backend != "libp2p":
             try:

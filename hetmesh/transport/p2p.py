@@ -26,6 +26,31 @@ PROTOCOL_ID = "/hetmesh/dataplane/1"
 _CHUNK = 1 << 20
 
 
+# the attributes a libp2p stream's connection layers hold the layer below in
+_INNER = ("muxed_conn", "secured_conn", "conn", "_conn", "_wrapped", "stream")
+
+
+def connection_is_relayed(stream: Any) -> bool:
+    """Whether a libp2p stream's connection runs through a relay (hetmesh.nat.relay).
+
+    Walks the layers under the stream (yamux, noise, private network) down to
+    the raw connection, whose type says so; anything unexpected reads as direct.
+    """
+    seen: set[int] = set()
+    layer = stream
+    for _ in range(12):
+        if layer is None or id(layer) in seen:
+            return False
+        seen.add(id(layer))
+        kind = getattr(layer, "_connection_type", None)
+        if getattr(kind, "name", "") == "RELAYED":
+            return True
+        layer = next(
+            (getattr(layer, a) for a in _INNER if getattr(layer, a, None) is not None), None
+        )
+    return False
+
+
 class Libp2pStream:
     """A libp2p stream as a trio-style byte stream."""
 

@@ -1,12 +1,17 @@
-"""Across NAT: members learn public / behind NAT; homes meet through the public relay.
+"""Across NAT: members learn public / behind NAT; homes meet and serve through the relay.
 
 One topology for the module: a public host and two homes behind masquerading
-routers (hetmesh/testbed/nat.py), one ``--no-serve`` node in each; the home
-nodes bootstrap to the public one (the only address they can reach).
+routers (hetmesh/testbed/nat.py) with 100 Mbit/s uplinks; a ``--no-serve`` node
+on the public host and a serving node in each home, each home's memory too
+small for the whole default model, so the plan splits it across the homes.
+The home nodes bootstrap to the public one (the only address they can reach).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,24 +21,46 @@ import pytest
 
 from hetmesh.nat.reachability import BEHIND_NAT, PUBLIC, reach_of
 from hetmesh.nat.relay import RELAY_KEY, RELAYED_KEY, VIA_KEY
-from hetmesh.testbed.mesh import MeshNode
+from hetmesh.scheduler.records import Plan
+from hetmesh.testbed.mesh import REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import nat_unavailable_reason
 from hetmesh.testbed.nat_mesh import NatMesh, open_nat_mesh
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.multiprocess,
+    pytest.mark.model,
+    pytest.mark.timeout(600),
+]
+HOME_ARGS = ("--max-memory", "600MiB", "--max-sessions", "4", "--max-context", "256")
+NEW_TOKENS = 12
+_REFERENCE = """
+import json, sys, torch
+torch.set_num_threads(1)
+from hetmesh.partition.generate import LocalPipeline
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.partition.store import resolve_model
+pipe = LocalPipeline.load(resolve_model())
+ids = pipe.tokenizer.encode(sys.argv[1])
+tokens = list(pipe.generate_ids(ids, SamplingParams(max_new_tokens=int(sys.argv[2]))))
+print(json.dumps({"prompt": ids, "tokens": tokens}))
+"""
 
 
 @pytest.fixture(scope="module")
-def nat_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatMesh, list[MeshNode]]]:
-    reason = nat_unavailable_reason()
+def nat_mesh(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Iterator[tuple[NatMesh, list[MeshNode]]]:
+    reason = nat_unavailable_reason(need_tc=True)
     if reason:
         pytest.skip(reason)
     workdir: Path = tmp_path_factory.mktemp("nat")
-    with open_nat_mesh(workdir, homes=2) as mesh:
+    with open_nat_mesh(workdir, homes=2, rate="100mbit") as mesh:
         public, home0, home1 = mesh.bed.hosts
-        first = mesh.start_node(public, "--no-serve").wait_up(180)
-        homes = [mesh.start_node(h, "--no-serve", bootstrap=first.addr) for h in (home0, home1)]
-        nodes = [first, *(n.wait_up(180) for n in homes)]
+        first = mesh.start_node(public, "--no-serve").wait_up(240)
+        homes = [mesh.start_node(h, *HOME_ARGS, bootstrap=first.addr) for h in (home0, home1)]
+        nodes = [first, *(n.wait_up(300) for n in homes)]
         try:
             yield mesh, nodes
         except BaseException:
@@ -100,3 +127,65 @@ def test_homes_reach_each_other_through_the_public_relay(
         pytest.fail(f"no relayed link between the homes: {records}")
     # the public node relays, it does not need one
     assert not (records[public_node.peer_id].get("extra") or {}).get(VIA_KEY)
+
+
+def test_homes_serve_the_default_model_through_the_relay_like_one_process(
+    nat_mesh: tuple[NatMesh, list[MeshNode]],
+) -> None:
+    mesh, nodes = nat_mesh
+    _, home0, home1 = nodes
+    ref = subprocess.run(
+        [sys.executable, "-c", _REFERENCE, "The capital of France is", str(NEW_TOKENS)],
+        capture_output=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=240,
+        check=True,
+    )
+    reference = json.loads(ref.stdout)
+
+    def serving() -> Plan | None:
+        view = mesh.status(mesh.bed.homes[0], home0)
+        plan = plan_of(view)
+        if plan is None:
+            return None
+        ready = {
+            (str(p["peer_id"]), int(st["start"]), int(st["end"]))
+            for p in view["peers"]
+            for st in (p.get("record") or {}).get("stages") or ()
+            if st.get("ready")
+        }
+        stages = {(s.peer_id, s.start, s.end) for s in plan.pipelines[0].stages}
+        return plan if stages <= ready else None
+
+    plan = wait_for(serving, 300, "a plan over both homes to be ready", every_s=2.0)
+    # neither home holds the whole model: the pipeline crosses from one home to the other
+    assert {s.peer_id for s in plan.pipelines[0].stages} == {home0.peer_id, home1.peer_id}
+    argv = [
+        sys.executable,
+        "-m",
+        "hetmesh.testbed.client",
+        home0.addr,
+        "--secret",
+        mesh.secret,
+        "--prompt-ids",
+        ",".join(str(t) for t in reference["prompt"]),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+    ]
+    out = subprocess.run(
+        mesh.bed.argv(mesh.bed.homes[0], argv),
+        capture_output=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    lines = [json.loads(x) for x in out.stdout.decode().splitlines() if x.startswith("{")]
+    assert lines, out.stderr.decode()[-3000:]
+    assert "error" not in lines[0], lines[0]
+    assert lines[0]["tokens"] == reference["tokens"]
+    # the data-plane link between the homes rode the relayed connection from the start:
+    # no direct endpoint of the other home was dialled
+    logs = home0.log() + home1.log()
+    assert "the control connection is relayed" in logs
+    assert "fell back after" not in logs
