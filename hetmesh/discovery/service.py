@@ -164,6 +164,8 @@ class Discovery:
         self._record: Announcement | None = None
         self._signed: dict[PeerId, tuple[tuple[int, int], bytes, bytes]] = {}
         self._nursery: trio.Nursery | None = None
+        # measures a link no TCP probe reaches (hetmesh.nat: over the libp2p connection)
+        self.link_prober: Callable[[PeerId, int], Awaitable[LinkMeasurement]] | None = None
         self._outbox = Outbox(
             host,
             MEMBERSHIP_PROTOCOL,
@@ -668,9 +670,10 @@ class Discovery:
 
     async def _probe_one(self, entry: PeerEntry) -> None:
         record = entry.record
-        if record is None or not record.probe_port:
+        if record is None:
             return
-        hosts = [h for h in map(addr_host, record.addrs) if h]
+        hosts = [h for h in map(addr_host, record.addrs) if h] if record.probe_port else []
+        measured: list[LinkMeasurement] = []
         for host_ip in hosts[:2]:
             try:
                 m = await probe_link(
@@ -679,6 +682,15 @@ class Discovery:
             except (PeerUnreachable, RemoteProtocolError) as exc:
                 log.debug("link probe to %s at %s failed: %s", entry.peer_id, host_ip, exc)
                 continue
+            measured.append(m)
+            break
+        if not measured and self.link_prober is not None:
+            # no address of it answers (behind NAT): measure the path our connection takes
+            try:
+                measured.append(await self.link_prober(entry.peer_id, self.config.link_probe_bytes))
+            except MeshError as exc:
+                log.debug("link probe to %s over libp2p failed: %s", entry.peer_id, exc)
+        for m in measured:
             self._probes += 1
             samples = self._link_samples.setdefault(entry.peer_id, [])
             samples.append(m)

@@ -37,7 +37,9 @@ import trio
 
 from hetmesh.discovery import wire
 from hetmesh.discovery.host import dial, guarded_handler, set_dial_fallback
+from hetmesh.discovery.probe import LinkMeasurement
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
+from hetmesh.nat.p2p_probe import P2P_PROBE_PROTOCOL, handle_p2p_probe, probe_over_libp2p
 from hetmesh.nat.reachability import (
     BEHIND_NAT,
     PUBLIC,
@@ -347,6 +349,9 @@ class RelayClient:
         log.debug("connected to %s through relay %s", peer_id, relay)
         return True
 
+    async def _probe_link(self, peer_id: str, nbytes: int) -> LinkMeasurement:
+        return await probe_over_libp2p(self.discovery, peer_id, nbytes=nbytes)
+
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve relay requests (when offering) and keep our own slot; never returns."""
         from libp2p.custom_types import TProtocol
@@ -359,6 +364,11 @@ class RelayClient:
             TProtocol(STOP_PROTOCOL), guarded_handler(STOP_PROTOCOL, self._handle_stop)
         )
         set_dial_fallback(host, self.dial_via_relay)
+        # links no TCP probe reaches (a member behind NAT) are measured over libp2p
+        host.set_stream_handler(
+            TProtocol(P2P_PROBE_PROTOCOL), guarded_handler(P2P_PROBE_PROTOCOL, handle_p2p_probe)
+        )
+        self.discovery.link_prober = self._probe_link
         task_status.started()
         while True:
             offering = self.offer and self.reachability.reach == PUBLIC

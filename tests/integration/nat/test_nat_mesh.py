@@ -189,3 +189,22 @@ def test_homes_serve_the_default_model_through_the_relay_like_one_process(
     logs = home0.log() + home1.log()
     assert "the control connection is relayed" in logs
     assert "fell back after" not in logs
+
+
+def test_the_relayed_link_is_measured_over_the_relayed_path(
+    nat_mesh: tuple[NatMesh, list[MeshNode]],
+) -> None:
+    mesh, nodes = nat_mesh
+    _, home0, home1 = nodes
+    pair = {(home0.peer_id, home1.peer_id), (home1.peer_id, home0.peer_id)}
+
+    def measured() -> list[dict[str, Any]]:
+        view = mesh.status(mesh.bed.homes[0], home0)
+        return [lk for lk in view.get("links", []) if (lk["src"], lk["dst"]) in pair]
+
+    links = wait_for(measured, 180, "a measured link between the homes", every_s=3.0)
+    # the path crosses two 100 Mbit/s (12.5 MB/s) uplinks and the relay: the probe sees
+    # the shaped rate at most (a token bucket's burst allowed for), not a LAN's
+    for link in links:
+        assert 0 < float(link["bandwidth_bps"]) < 1.3 * 12.5e6, link
+        assert float(link["rtt_s"]) > 0
