@@ -43,6 +43,7 @@ from hetmesh.nat.reachability import (
     DialbackRequest,
     advice,
     dialable,
+    no_member_advice,
     reach_of,
     tcp_endpoint,
     to_wire,
@@ -113,6 +114,9 @@ class Reachability:
         self._reached_by: tuple[str, ...] = ()
         self._advised: str | None = None
         self._nat_rounds = 0  # consecutive rounds that found us behind NAT
+        self.alone_after_s = 30.0  # no member this long (after joining through bootstrap): say so
+        self._alone_since: float | None = None
+        self._said_alone = False
         self._answering = trio.Semaphore(MAX_CONCURRENT_ANSWERS)
         self._rng = random.Random()
 
@@ -164,6 +168,7 @@ class Reachability:
         """Ask up to ``ask`` alive members; publish and return the verdict."""
         me = self.discovery.peer_id
         members = [e.peer_id for e in self.discovery.alive() if e.peer_id != me]
+        self._check_alone(len(members))
         self._rng.shuffle(members)
         request = DialbackRequest(
             tuple(a for a in self.discovery.addrs if tcp_endpoint(a) is not None)[:8],
@@ -183,6 +188,20 @@ class Reachability:
         self.discovery.set_extra(EXTRA_KEY, to_wire(reach))
         self._advise()
         return reach
+
+    def _check_alone(self, members: int) -> None:
+        """Say once (until members return) that a node that joined through bootstrap
+        reaches nobody any more."""
+        bootstrap = self.discovery.config.bootstrap
+        now = trio.current_time()
+        if members or not bootstrap:
+            self._alone_since, self._said_alone = None, False
+            return
+        if self._alone_since is None:
+            self._alone_since = now
+        if not self._said_alone and now - self._alone_since >= self.alone_after_s:
+            log.warning("%s", no_member_advice(bootstrap))
+            self._said_alone = True
 
     def _advise(self) -> None:
         others = [
@@ -210,7 +229,11 @@ class Reachability:
             reach = await self.check_once()
             # behind NAT: ask again sooner (a port may be opened, a public member join)
             wait = {UNKNOWN: self.retry_s, BEHIND_NAT: self.nat_every_s}.get(reach, self.every_s)
-            await trio.sleep(wait)
+            deadline = trio.current_time() + wait
+            while trio.current_time() < deadline:  # losing every member is noticed sooner
+                await trio.sleep(min(10.0, max(deadline - trio.current_time(), 0.0)))
+                me = self.discovery.peer_id
+                self._check_alone(sum(e.peer_id != me for e in self.discovery.alive()))
 
 
 __all__ = ["Reachability", "ReachabilityStatistics", "reaches"]

@@ -205,6 +205,16 @@ def advice(reach: str, members_reach: Iterable[str], listen_port: int | None) ->
     )
 
 
+def no_member_advice(bootstrap: Sequence[str]) -> str:
+    """The one line a node that joined through ``bootstrap`` logs once it reaches no member."""
+    return (
+        f"this node reaches no member of the mesh (bootstrap: {', '.join(bootstrap[:3])}): "
+        "check that those members run and share this node's mesh secret; from another "
+        "network, --bootstrap a member with a public address (hetmesh status shows which "
+        "members are public), or open a port on that member's router"
+    )
+
+
 __all__ = [
     "BEHIND_NAT",
     "DIALBACK_PROTOCOL",
@@ -219,6 +229,7 @@ __all__ = [
     "advice",
     "dialable",
     "link_kind",
+    "no_member_advice",
     "reach_of",
     "reach_text",
     "tcp_endpoint",
