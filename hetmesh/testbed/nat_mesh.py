@@ -14,13 +14,16 @@ import json
 import secrets
 import subprocess
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env
+from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
+
+if TYPE_CHECKING:
+    from hetmesh.scheduler.records import Plan
 
 
 @dataclass
@@ -76,6 +79,63 @@ class NatMesh:
             raise RuntimeError(f"status in {host.name} failed: {out.stderr.decode()[-2000:]}")
         view: dict[str, Any] = json.loads(out.stdout)
         return view
+
+    def generate(
+        self,
+        host: NatHost,
+        node: MeshNode,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        """One greedy generation entering at ``node``, from inside ``host``
+        (``hetmesh/testbed/client.py``): ``tokens``, ``times_s``... or ``error``."""
+        argv = [
+            sys.executable,
+            "-m",
+            "hetmesh.testbed.client",
+            node.addr,
+            "--secret",
+            self.secret,
+            "--prompt-ids",
+            ",".join(str(t) for t in prompt_ids),
+            "--max-new-tokens",
+            str(max_new_tokens),
+        ]
+        out = subprocess.run(
+            self.bed.argv(host, argv),
+            capture_output=True,
+            env=child_env(),
+            cwd=REPO,
+            timeout=timeout_s,
+        )
+        lines = [json.loads(x) for x in out.stdout.decode().splitlines() if x.startswith("{")]
+        if not lines:
+            return {"error": out.stderr.decode()[-3000:]}
+        result: dict[str, Any] = lines[0]
+        return result
+
+    def wait_serving(
+        self, host: NatHost, node: MeshNode, *, timeout_s: float = 300.0
+    ) -> tuple[Plan, dict[str, Any]]:
+        """Until ``node``'s view holds a plan whose every stage is ready: the plan, the view."""
+
+        def ready() -> tuple[Plan, dict[str, Any]] | None:
+            view = self.status(host, node)
+            plan = plan_of(view)
+            if plan is None:
+                return None
+            served = {
+                (str(p["peer_id"]), int(st["start"]), int(st["end"]))
+                for p in view["peers"]
+                for st in (p.get("record") or {}).get("stages") or ()
+                if st.get("ready")
+            }
+            stages = {(s.peer_id, s.start, s.end) for s in plan.pipelines[0].stages}
+            return (plan, view) if stages <= served else None
+
+        return wait_for(ready, timeout_s, "the mesh to serve", every_s=2.0)
 
 
 @contextlib.contextmanager
