@@ -3,7 +3,8 @@
 :class:`Reachability` runs beside discovery, on its authenticated control
 plane (only members holding the mesh secret can open a stream):
 
-- it answers :data:`~hetmesh.nat.reachability.DIALBACK_PROTOCOL` requests: the
+- it answers :data:`~hetmesh.nat.reachability.DIALBACK_PROTOCOL` requests (not
+  over a relayed connection, where it would see the relay's address): the
   requester's announced TCP addresses at the IP the request came from are
   dialled, and the requester's link-probe port there must then prove the mesh
   secret (:func:`hetmesh.discovery.probe.probe_link`, a few KiB), so an
@@ -49,6 +50,7 @@ from hetmesh.nat.reachability import (
     to_wire,
     verdict,
 )
+from hetmesh.transport.p2p import connection_is_relayed
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -132,6 +134,10 @@ class Reachability:
     # -- answering members --------------------------------------------------------
 
     async def _handle(self, stream: Any) -> None:
+        if connection_is_relayed(stream):
+            # over a relay we see the relay's address, not the asker's: no answer, so
+            # the asker counts nothing (rather than a false "behind NAT")
+            return
         remote = stream.get_remote_address()
         observed = str(remote[0]) if remote else None
         blob = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=5.0)
