@@ -60,7 +60,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_ANSWERS = 4
-DIAL_TIMEOUT_S = 3.0
+DIAL_TIMEOUT_S = 3.0  # a TCP connect to a reachable address
+# the probe port's proof: its server runs one bulk transfer at a time, so a dial-back
+# may wait behind a link probe on a busy member (not a sign of NAT)
+PROOF_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,20 +77,21 @@ class ReachabilityStatistics:
 
 async def reaches(ip: str, port: int, probe_port: int, psk: str) -> bool:
     """True if ``ip:port`` accepts a TCP connection and ``ip:probe_port`` proves the secret."""
-    with trio.move_on_after(DIAL_TIMEOUT_S):
+    with trio.move_on_after(DIAL_TIMEOUT_S) as connect:
         try:
             stream = await trio.open_tcp_stream(ip, port)
         except OSError:
             return False
         await stream.aclose()
-        if not probe_port:
-            return True
-        try:
-            await probe_link(ip, probe_port, psk, nbytes=4096, timeout_s=DIAL_TIMEOUT_S)
-        except (PeerUnreachable, MeshError):
-            return False
+    if connect.cancelled_caught:
+        return False
+    if not probe_port:
         return True
-    return False
+    try:
+        await probe_link(ip, probe_port, psk, nbytes=4096, timeout_s=PROOF_TIMEOUT_S)
+    except (PeerUnreachable, MeshError):
+        return False
+    return True
 
 
 class Reachability:
@@ -163,7 +167,7 @@ class Reachability:
                 DIALBACK_PROTOCOL,
                 request,
                 max_reply_bytes=MAX_REPLY_BYTES,
-                timeout_s=4 * DIAL_TIMEOUT_S,
+                timeout_s=2 * (DIAL_TIMEOUT_S + PROOF_TIMEOUT_S),
             )
             replies[peer_id] = DialbackReply.decode(blob)
             self._answered += 1
