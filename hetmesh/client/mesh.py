@@ -168,7 +168,11 @@ async def discover_mdns(mesh_secret: str | None, *, timeout_s: float = 5.0) -> s
             with trio.move_on_after(timeout_s):
                 await heard.wait()
         finally:
-            await trio.to_thread.run_sync(stop_mdns, handle)
+            # in this thread, as the daemon does: the mDNS service cancels its trio cleanup
+            # task here, and a cancel from a worker thread can go unseen until that task's
+            # 60 s sleep ends, holding the client's trio.run open (zeroconf's close blocks
+            # a moment, with nothing else for this loop to do)
+            stop_mdns(handle)
     if not found:
         raise ConnectTimeout(f"no hetmesh node answered over mDNS within {timeout_s:.1f} s")
     return found[0]

@@ -139,13 +139,15 @@ class NodeFactory:
         secret: str | None = SECRET,
         popen: Callable[..., subprocess.Popen[bytes]] | None = None,
         name: str | None = None,
+        measure: bool | None = None,
     ) -> NodeProc:
+        """Start a node; ``measure`` overrides the factory's choice for this one."""
         name = name or f"node{len(self.nodes)}"
         data_dir = self.tmp_path / name
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / "node.json").unlink(missing_ok=True)
         cache_file = data_dir / "profile-cache.json"
-        if not self.measure and not cache_file.exists():
+        if not (self.measure if measure is None else measure) and not cache_file.exists():
             cache_file.write_text(measured_profile_cache())
         log_path = self.tmp_path / f"{name}.log"
         argv = node_argv(data_dir, *args, secret=secret)

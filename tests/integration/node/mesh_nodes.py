@@ -70,13 +70,31 @@ def running_mesh(
 
 
 def wait_serving(node: NodeProc, pipelines: int = 1, timeout_s: float = 90) -> dict[str, Any]:
-    """Block until ``node`` sees ``pipelines`` fully ready pipelines; its view then."""
+    """Block until ``node`` sees ``pipelines`` fully ready pipelines; its view then.
+
+    Each poll dials the node afresh; a node starved of CPU can answer that handshake
+    too late (``AuthenticationFailed``/``ConnectTimeout``), which is polled again, not
+    taken as the answer. A node that exits fails the wait at once.
+    """
+    from hetmesh.errors import TransportError
+
+    dial_failures: list[str] = []
 
     def serving() -> dict[str, Any] | None:
-        view = fetch_view(node.addr)
+        if node.proc.poll() is not None:
+            raise AssertionError(f"the node exited ({node.proc.returncode}):\n{node.log()[-3000:]}")
+        try:
+            view = fetch_view(node.addr)
+        except TransportError as exc:
+            dial_failures.append(repr(exc))
+            return None
         return view if ready_pipelines(view) >= pipelines else None
 
-    return wait_for(serving, timeout_s, f"{pipelines} ready pipeline(s)", every_s=0.5)
+    try:
+        return wait_for(serving, timeout_s, f"{pipelines} ready pipeline(s)", every_s=0.5)
+    except AssertionError as exc:
+        tail = f" ({len(dial_failures)} polls failed to dial, the last: {dial_failures[-1]})"
+        raise AssertionError(f"{exc}{tail if dial_failures else ''}") from None
 
 
 async def view_of(node: NodeProc) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from hetmesh.errors import InvalidRequest, MeshError
+from hetmesh.errors import InvalidRequest
 from hetmesh.node.control import CloseSession, OpenSession
 from hetmesh.node.gateway import Hop
 from hetmesh.partition.sampling import SamplingParams
@@ -139,5 +139,5 @@ async def test_the_sessions_own_route_is_obeyed(tiny_model):
     server.check_control("s", None)
     assert server.handle(CloseSession(session_id="s"), GATEWAY).ok
     assert server.statistics().kv.sessions == 0
-    with pytest.raises(MeshError, match="unknown session"):
+    with pytest.raises(InvalidRequest, match="unknown session"):
         server.submit(frame, release=lambda: None, sender=GATEWAY)
