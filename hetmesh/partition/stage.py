@@ -48,6 +48,7 @@ from hetmesh.partition.formats import (
     format_of_dtype,
     parse_weights,
 )
+from hetmesh.partition.fused import SharedProjection, fuse_layer, fusion_default
 from hetmesh.partition.kv import KVPool, SessionKV
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
@@ -182,6 +183,21 @@ class StageModule(nn.Module):
                 )
         self.rotary_emb = rotary_cls(config=config).to(device) if self.layers else None
         self.windows = [_sliding_window(config, g) for g in self.layer_range]
+        self._shared: list[SharedProjection] = []  # fused products (fuse_projections)
+
+    def fuse_projections(self) -> int:
+        """Stack q/k/v and gate/up into one product each (:mod:`~hetmesh.partition.fused`).
+
+        Called once the weights are loaded; returns the groups fused.
+        """
+        with META_PATCH_LOCK:  # new parameters must not land on another load's meta patch
+            fused = sum(fuse_layer(layer) for layer in self.layers)
+        self._shared = [m for m in self.modules() if isinstance(m, SharedProjection)]
+        return fused
+
+    @property
+    def fused(self) -> bool:
+        return bool(self._shared)
 
     # -- introspection ------------------------------------------------------------------
 
@@ -291,6 +307,9 @@ class StageModule(nn.Module):
             raise ComputeError(
                 f"stage [{self.start}, {self.end}) failed: {brief_error(exc)}"
             ) from exc
+        finally:
+            for shared in self._shared:  # hold no activations between forwards
+                shared.release()
         for kv, x in zip(sessions, prepared, strict=True):
             kv._commit(x.shape[0])
         return outputs
@@ -412,6 +431,7 @@ def load_stage(
     weights: WeightFormat | str = WeightFormat.FLOAT32,
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
+    fuse: bool | None = None,
 ) -> StageModule:
     """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
@@ -420,6 +440,10 @@ def load_stage(
     ``ModelNotFound``/``UnsupportedModel``/``CorruptModel`` for a bad folder
     and ``InvalidRequest`` for a range outside the model or a format the
     device or model cannot hold.
+
+    ``fuse`` stacks the projections that share an input into one product each
+    (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
+    ``HETMESH_FUSED_PROJECTIONS`` switch, on unless it is ``0``.
     """
     import transformers
 
@@ -455,6 +479,8 @@ def load_stage(
             )
     stage = StageModule(config, profile, start, end, device=torch_device, weights=fmt)
     materialise(stage, folder, config_dict)
+    if fusion_default() if fuse is None else fuse:
+        stage.fuse_projections()
     stage.eval()
     return stage
 
