@@ -48,7 +48,7 @@ from hetmesh.partition.formats import (
     format_of_dtype,
     parse_weights,
 )
-from hetmesh.partition.fused import SharedProjection, fuse_layer, fusion_default
+from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kv import KVPool, SessionKV
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
@@ -183,17 +183,11 @@ class StageModule(nn.Module):
                 )
         self.rotary_emb = rotary_cls(config=config).to(device) if self.layers else None
         self.windows = [_sliding_window(config, g) for g in self.layer_range]
-        self._shared: list[SharedProjection] = []  # fused products (fuse_projections)
+        self._shared: list[SharedProjection] = []  # fused products (_found_fused)
 
-    def fuse_projections(self) -> int:
-        """Stack q/k/v and gate/up into one product each (:mod:`~hetmesh.partition.fused`).
-
-        Called once the weights are loaded; returns the groups fused.
-        """
-        with META_PATCH_LOCK:  # new parameters must not land on another load's meta patch
-            fused = sum(fuse_layer(layer) for layer in self.layers)
+    def _found_fused(self) -> None:
+        """Note the fused products that :func:`materialise` made (released after each forward)."""
         self._shared = [m for m in self.modules() if isinstance(m, SharedProjection)]
-        return fused
 
     @property
     def fused(self) -> bool:
@@ -478,9 +472,8 @@ def load_stage(
                 f"{sorted(w for w in widths if w)}"
             )
     stage = StageModule(config, profile, start, end, device=torch_device, weights=fmt)
-    materialise(stage, folder, config_dict)
-    if fusion_default() if fuse is None else fuse:
-        stage.fuse_projections()
+    materialise(stage, folder, config_dict, fuse=fusion_default() if fuse is None else fuse)
+    stage._found_fused()
     stage.eval()
     return stage
 
