@@ -54,20 +54,22 @@ class SharedProjection(nn.Module):
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()
         self.linear = linear
-        # The last input and its product. Holding the input keeps its identity
-        # unique while cached; a new tensor (the next layer call) recomputes.
-        self._input: torch.Tensor | None = None
-        self._output: torch.Tensor | None = None
+        # The last input and its product, as one tuple: read and replaced whole, so
+        # a forward in another thread can only cause a recomputation, never a wrong
+        # product. Holding the input keeps its identity unique while cached.
+        self._cached: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._input is not x or self._output is None:
-            self._output = self.linear(x)
-            self._input = x
-        return self._output
+        cached = self._cached
+        if cached is not None and cached[0] is x:
+            return cached[1]
+        product: torch.Tensor = self.linear(x)
+        self._cached = (x, product)
+        return product
 
     def release(self) -> None:
         """Drop the cached input and product (after a forward: no tensors held between steps)."""
-        self._input = self._output = None
+        self._cached = None
 
 
 class ProjectionSlice(nn.Module):

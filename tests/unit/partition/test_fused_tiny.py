@@ -61,7 +61,7 @@ def test_fused_stage_outputs_bit_identical(tiny_dir: Path, fmt: str) -> None:
         assert torch.equal(a, b)
     assert fused.param_count() == separate.param_count()
     # nothing cached between forwards: a later forward cannot see a stale product
-    assert all(m._input is None and m._output is None for m in fused._shared)
+    assert all(m._cached is None for m in fused._shared)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8"])
@@ -108,11 +108,12 @@ def test_fuse_layer_leaves_mixed_kinds_alone() -> None:
         assert torch.equal(mlp.up_proj(x), up)
         shared = mlp.fused_gate_up
         assert isinstance(shared, SharedProjection)
-        first = shared._output
+        assert shared._cached is not None
+        first = shared._cached[1]
         mlp.up_proj(x)  # same input: the product is reused, not recomputed
-        assert shared._output is first
+        assert shared._cached[1] is first
         mlp.gate_proj(x.clone())  # a new input tensor: recomputed
-        assert shared._output is not first
+        assert shared._cached[1] is not first
 
 
 def test_fusion_switch_follows_the_environment(
