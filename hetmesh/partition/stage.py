@@ -7,7 +7,8 @@ device (``accelerate.init_empty_weights``) and then materialises only its own
 tensors, each already in the stage's :class:`~hetmesh.partition.formats.WeightFormat`
 (:mod:`hetmesh.partition.materialise`), so a third of a model costs about a
 third of its memory and a compact format never passes through a float copy
-of the stage.
+of the stage. Each layer's q/k/v and gate/up weights are stacked into one
+product each as it loads (:mod:`hetmesh.partition.fused`; outputs unchanged).
 
 The node daemon calls::
 
