@@ -2,9 +2,9 @@
 
 One process, one stage holding the whole default model, greedy decoding
 through :class:`~hetmesh.partition.generate.LocalPipeline`, the same torch
-thread count for every path. The paths, loaded side by side and timed in
-turns (each repeat times every path once, so load on the machine hurts all
-alike):
+thread count for every path. The paths are loaded side by side and decode in
+lockstep, one step of each in turn (so load on a shared machine hurts all
+alike); a path's figure is its mean decode-step time, median over repeats:
 
 - ``old``: fp32, a separate matrix product per projection (``fuse=False``):
   the single process before issue 16.
@@ -58,17 +58,40 @@ def _num_units(model_dir: Path) -> int:
     return model_profile(check_model_dir(model_dir)).num_units
 
 
-def decode_tpot_s(pipeline: Any, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
-    """Seconds per decode token (first token excluded: it is the prefill) and the tokens."""
+def lockstep_tpots(
+    paths: dict[str, Any], prompt_ids: list[int], tokens: int
+) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """Greedy-decode ``tokens`` tokens on every path, one step of each in turn.
+
+    Returns each path's mean seconds per decode step (the prefill excluded)
+    and its tokens. Stepping the paths in turn, rather than one whole
+    generation after another, spreads the load of a shared machine over all
+    of them alike.
+    """
+    import torch
+
     from hetmesh.partition.sampling import SamplingParams
 
-    stamps, out = [], []
-    for token in pipeline.generate_ids(
-        prompt_ids, SamplingParams(max_new_tokens=tokens), eos_ids=set()
-    ):
-        stamps.append(time.perf_counter())
-        out.append(token)
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1), out
+    sessions = {
+        name: p.new_session(SamplingParams(max_new_tokens=tokens)) for name, p in paths.items()
+    }
+    spent = dict.fromkeys(paths, 0.0)
+    out: dict[str, list[int]] = {name: [] for name in paths}
+    try:
+        with torch.inference_mode():
+            for step in range(tokens):
+                for name, pipeline in paths.items():
+                    x = torch.tensor(out[name][-1:] if step else prompt_ids, dtype=torch.int64)
+                    began = time.perf_counter()
+                    logits = pipeline.forward(x, sessions[name].kvs, last_only=True)
+                    token = int(logits[-1].argmax())  # greedy
+                    if step:
+                        spent[name] += time.perf_counter() - began
+                    out[name].append(token)
+    finally:
+        for session in sessions.values():
+            session.free()
+    return {name: total / (tokens - 1) for name, total in spent.items()}, out
 
 
 def measure(
@@ -85,16 +108,14 @@ def measure(
 
     torch.set_num_threads(threads)
     paths = load_paths(model_dir, weights)
+    lockstep_tpots(paths, prompt_ids, 4)  # warm up every path
     tpots: dict[str, list[float]] = {name: [] for name in paths}
-    outputs: dict[str, list[int]] = {}
-    for name, pipeline in paths.items():  # warm up every path once
-        _, outputs[name] = decode_tpot_s(pipeline, prompt_ids, tokens)
-    if outputs["fused_float32"] != outputs["old"]:
-        raise RuntimeError("fused fp32 decoded other tokens than the separate products")
     for _ in range(repeats):
-        for name, pipeline in paths.items():
-            tpot, _ = decode_tpot_s(pipeline, prompt_ids, tokens)
-            tpots[name].append(tpot)
+        tpot, outputs = lockstep_tpots(paths, prompt_ids, tokens)
+        if outputs["fused_float32"] != outputs["old"]:
+            raise RuntimeError("fused fp32 decoded other tokens than the separate products")
+        for name, value in tpot.items():
+            tpots[name].append(value)
     rate = {name: 1.0 / statistics.median(values) for name, values in tpots.items()}
     pairs = zip(outputs["new"], outputs["old"], strict=True)
     agree = next((i for i, (a, b) in enumerate(pairs) if a != b), tokens)  # common prefix
