@@ -11,8 +11,9 @@ alike); a path's figure is its mean decode-step time, median over repeats:
 - ``fused_float32``: fp32 with fused q/k/v and gate/up products
   (:mod:`hetmesh.partition.fused`): bit-identical logits, checked here over
   ``--tokens`` greedy tokens on every run.
-- ``new``: fused, in ``--weights`` (default ``int4``: the shipped Q4_1
-  levels in torch's bf16 int4 kernel, perplexity 0.997x fp32, docs/weights.md).
+- ``new``: ``--weights`` (default ``int4``: the shipped Q4_1 levels in
+  torch's bf16 int4 kernel, perplexity 0.997x fp32, docs/weights.md), fused
+  only with ``--fuse`` (fusion is off by default: not measured faster here).
 
 Keys: ``single_process_tokens_per_s`` (new), ``single_process_tokens_per_s_old``,
 ``single_process_speedup`` (new / old, issue 16's target >= 2),
@@ -20,7 +21,7 @@ Keys: ``single_process_tokens_per_s`` (new), ``single_process_tokens_per_s_old``
 ``--profile`` prints torch.profiler's top operators of each path.
 
 Usage: ``python bench/decode.py [--json] [--tokens 64] [--repeats 3] [--weights int4]``
-``[--threads 1] [--profile]``
+``[--threads 1] [--fuse] [--profile]``
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 PATHS = ("old", "fused_float32", "new")
 
 
-def load_paths(model_dir: Path, weights: str) -> dict[str, Any]:
+def load_paths(model_dir: Path, weights: str, fuse_new: bool = False) -> dict[str, Any]:
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.stage import load_stage
 
@@ -47,7 +48,7 @@ def load_paths(model_dir: Path, weights: str) -> dict[str, Any]:
     return {
         "old": one("float32", False),
         "fused_float32": one("float32", True),
-        "new": one(weights, True),
+        "new": one(weights, fuse_new),
     }
 
 
@@ -102,12 +103,13 @@ def measure(
     repeats: int = 3,
     weights: str = "int4",
     threads: int = 1,
+    fuse_new: bool = False,
 ) -> dict[str, Any]:
     """The figures in the module docstring; raises if fused fp32 changes a token."""
     import torch
 
     torch.set_num_threads(threads)
-    paths = load_paths(model_dir, weights)
+    paths = load_paths(model_dir, weights, fuse_new)
     lockstep_tpots(paths, prompt_ids, 4)  # warm up every path
     tpots: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
@@ -127,6 +129,7 @@ def measure(
         "fused_speedup_float32": rate["fused_float32"] / rate["old"],
         "fused_float32_tokens_identical": True,  # checked above, over `tokens` tokens
         "new_weights": weights,
+        "new_fused": fuse_new,
         "new_tokens_before_differing_from_fp32": agree,
         "tokens": tokens,
         "repeats": repeats,
@@ -163,6 +166,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--weights", default="int4", help="weight format of the new path")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fuse", action="store_true", help="fuse the new path's products")
     parser.add_argument("--profile", action="store_true", help="print each path's top operators")
     args = parser.parse_args()
 
@@ -178,12 +182,13 @@ def main() -> None:
         repeats=args.repeats,
         weights=args.weights,
         threads=args.threads,
+        fuse_new=args.fuse,
     )
     if args.profile:
         import torch
 
         torch.set_num_threads(args.threads)
-        for name, pipeline in load_paths(model_dir, args.weights).items():
+        for name, pipeline in load_paths(model_dir, args.weights, args.fuse).items():
             print(f"== {name}\n{profile_table(pipeline, prompt_ids)}")
     if args.json:
         print(json.dumps(result, indent=2))
@@ -192,8 +197,9 @@ def main() -> None:
         f"single process ({args.threads} thread(s)): old (fp32, separate) "
         f"{result['single_process_tokens_per_s_old']:.1f} tok/s, fused fp32 "
         f"{result['single_process_tokens_per_s_fused_float32']:.1f} tok/s "
-        f"(x{result['fused_speedup_float32']:.2f}, tokens identical), new (fused "
-        f"{args.weights}) {result['single_process_tokens_per_s']:.1f} tok/s: "
+        f"(x{result['fused_speedup_float32']:.2f}, tokens identical), new ("
+        f"{args.weights}{', fused' if args.fuse else ''}) "
+        f"{result['single_process_tokens_per_s']:.1f} tok/s: "
         f"speedup {result['single_process_speedup']:.2f} (target >= 2); {args.weights} "
         f"follows fp32 for {result['new_tokens_before_differing_from_fp32']}/{args.tokens} tokens"
     )

@@ -7,8 +7,8 @@ device (``accelerate.init_empty_weights``) and then materialises only its own
 tensors, each already in the stage's :class:`~hetmesh.partition.formats.WeightFormat`
 (:mod:`hetmesh.partition.materialise`), so a third of a model costs about a
 third of its memory and a compact format never passes through a float copy
-of the stage. Each layer's q/k/v and gate/up weights are stacked into one
-product each as it loads (:mod:`hetmesh.partition.fused`; outputs unchanged).
+of the stage. With ``fuse`` each layer's q/k/v and gate/up weights are stacked
+into one product each as it loads (:mod:`hetmesh.partition.fused`; outputs unchanged).
 
 The node daemon calls::
 
@@ -438,7 +438,7 @@ def load_stage(
 
     ``fuse`` stacks the projections that share an input into one product each
     (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
-    ``HETMESH_FUSED_PROJECTIONS`` switch, on unless it is ``0``.
+    ``HETMESH_FUSED_PROJECTIONS`` switch (off unless it is ``1``).
     """
     import transformers
 

@@ -120,9 +120,9 @@ def test_fusion_switch_follows_the_environment(
     monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
 ) -> None:
     monkeypatch.delenv(FUSE_ENV, raising=False)
+    assert not fusion_default()  # off unless asked for (docs/benchmarks.md)
+    assert not load_stage(tiny_dir, 1, 2).fused
+    monkeypatch.setenv(FUSE_ENV, "1")
     assert fusion_default()
     assert load_stage(tiny_dir, 1, 2).fused
-    monkeypatch.setenv(FUSE_ENV, "0")
-    assert not fusion_default()
-    assert not load_stage(tiny_dir, 1, 2).fused
-    assert load_stage(tiny_dir, 1, 2, fuse=True).fused  # the argument wins
+    assert not load_stage(tiny_dir, 1, 2, fuse=False).fused  # the argument wins
