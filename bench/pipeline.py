@@ -5,6 +5,8 @@ Measured in one run, on the same machine and with the same torch thread count:
 - single-stream decode tokens/s (mesh ÷ reference) -> ``decode_ratio_single_stream``
 - time to first token for a 512-token prompt (mesh ÷ reference) -> ``ttft_ratio_512``
 - aggregate tokens/s of 8 concurrent streams ÷ 1 stream on the mesh -> ``concurrency_gain_8``
+- the single process today against its path before issue 16 -> ``single_process_speedup``
+  (``bench/decode.py``, after the mesh has stopped; ``--no-single-process`` skips it)
 
 Usage: ``python bench/pipeline.py [--json] [--tokens 64] [--repeats 3]``
 """
@@ -124,6 +126,11 @@ def main() -> None:
     parser.add_argument(
         "--weights", default="float32", help="weight format of every node and the reference"
     )
+    parser.add_argument(
+        "--no-single-process",
+        action="store_true",
+        help="skip bench/decode.py's single-process speedup",
+    )
     args = parser.parse_args()
 
     from hetmesh.node.local import local_mesh, wait_serving
@@ -153,6 +160,11 @@ def main() -> None:
         "tokens": args.tokens,
         "repeats": args.repeats,
     }
+    if not args.no_single_process:
+        import decode  # bench/decode.py, beside this file
+
+        single = decode.measure(model_dir, prompt_ids, tokens=args.tokens, repeats=args.repeats)
+        result.update({k: v for k, v in single.items() if k.startswith(("single_", "fused_"))})
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -171,6 +183,12 @@ def main() -> None:
         f"{result['tokens_per_s_1_stream']:.1f} tok/s, "
         f"gain {result['concurrency_gain_8']:.2f} (target >= 2.5)"
     )
+    if "single_process_speedup" in result:
+        print(
+            f"single process         {result['single_process_tokens_per_s']:.1f} vs "
+            f"{result['single_process_tokens_per_s_old']:.1f} tok/s before issue 16, "
+            f"speedup {result['single_process_speedup']:.2f} (target >= 2)"
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch import nn
 
 from hetmesh.errors import CorruptModel
 from hetmesh.partition.checkpoint import ROW_CHUNK, CheckpointReader
+from hetmesh.partition.fused import fuse_layer
 from hetmesh.partition.quant import (
     Int4Linear,
     Int8Embedding,
@@ -34,8 +35,14 @@ from hetmesh.partition.quant import (
 META_PATCH_LOCK = threading.Lock()
 
 
-def materialise(stage: Any, folder: Path, config: dict[str, Any]) -> None:
-    """Load ``stage``'s tensors from ``folder`` (see the module docstring)."""
+def materialise(stage: Any, folder: Path, config: dict[str, Any], *, fuse: bool = False) -> None:
+    """Load ``stage``'s tensors from ``folder`` (see the module docstring).
+
+    With ``fuse``, each decoder layer's projection groups are stacked
+    (:func:`~hetmesh.partition.fused.fuse_layer`) as soon as the layer is
+    loaded: the copies made then cost one layer, and the freed pieces are
+    reused by the next layer's tensors.
+    """
     tied = bool(config.get("tie_word_embeddings", False))
     with CheckpointReader(folder) as reader:
         loader = _Loader(stage, reader, folder)
@@ -47,6 +54,10 @@ def materialise(stage: Any, folder: Path, config: dict[str, Any]) -> None:
                 path = f"layers.{local}.{sub}" if sub else f"layers.{local}"
                 source = f"model.layers.{global_index}.{sub}" if sub else ""
                 loader.module(path, module, source)
+            if fuse:
+                with META_PATCH_LOCK:  # new parameters: see META_PATCH_LOCK
+                    fuse_layer(layer)
+                _release_freed_memory()
         if stage.norm is not None:
             loader.module("norm", stage.norm, "model.norm")
         if stage.lm_head is not None:

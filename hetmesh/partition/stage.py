@@ -7,7 +7,8 @@ device (``accelerate.init_empty_weights``) and then materialises only its own
 tensors, each already in the stage's :class:`~hetmesh.partition.formats.WeightFormat`
 (:mod:`hetmesh.partition.materialise`), so a third of a model costs about a
 third of its memory and a compact format never passes through a float copy
-of the stage.
+of the stage. With ``fuse`` each layer's q/k/v and gate/up weights are stacked
+into one product each as it loads (:mod:`hetmesh.partition.fused`; outputs unchanged).
 
 The node daemon calls::
 
@@ -48,6 +49,7 @@ from hetmesh.partition.formats import (
     format_of_dtype,
     parse_weights,
 )
+from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kv import KVPool, SessionKV
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
@@ -182,6 +184,15 @@ class StageModule(nn.Module):
                 )
         self.rotary_emb = rotary_cls(config=config).to(device) if self.layers else None
         self.windows = [_sliding_window(config, g) for g in self.layer_range]
+        self._shared: list[SharedProjection] = []  # fused products (_found_fused)
+
+    def _found_fused(self) -> None:
+        """Note the fused products that :func:`materialise` made (released after each forward)."""
+        self._shared = [m for m in self.modules() if isinstance(m, SharedProjection)]
+
+    @property
+    def fused(self) -> bool:
+        return bool(self._shared)
 
     # -- introspection ------------------------------------------------------------------
 
@@ -291,6 +302,9 @@ class StageModule(nn.Module):
             raise ComputeError(
                 f"stage [{self.start}, {self.end}) failed: {brief_error(exc)}"
             ) from exc
+        finally:
+            for shared in self._shared:  # hold no activations between forwards
+                shared.release()
         for kv, x in zip(sessions, prepared, strict=True):
             kv._commit(x.shape[0])
         return outputs
@@ -412,6 +426,7 @@ def load_stage(
     weights: WeightFormat | str = WeightFormat.FLOAT32,
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
+    fuse: bool | None = None,
 ) -> StageModule:
     """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
@@ -420,6 +435,10 @@ def load_stage(
     ``ModelNotFound``/``UnsupportedModel``/``CorruptModel`` for a bad folder
     and ``InvalidRequest`` for a range outside the model or a format the
     device or model cannot hold.
+
+    ``fuse`` stacks the projections that share an input into one product each
+    (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
+    ``HETMESH_FUSED_PROJECTIONS`` switch (off unless it is ``1``).
     """
     import transformers
 
@@ -454,7 +473,8 @@ def load_stage(
                 f"{sorted(w for w in widths if w)}"
             )
     stage = StageModule(config, profile, start, end, device=torch_device, weights=fmt)
-    materialise(stage, folder, config_dict)
+    materialise(stage, folder, config_dict, fuse=fusion_default() if fuse is None else fuse)
+    stage._found_fused()
     stage.eval()
     return stage
 

@@ -1,0 +1,209 @@
+"""Single-process decode: today's path against the old one, measured in the same run.
+
+One process, one stage holding the whole default model, greedy decoding
+through :class:`~hetmesh.partition.generate.LocalPipeline`, the same torch
+thread count for every path. The paths are loaded side by side and decode in
+lockstep, one step of each in turn (so load on a shared machine hurts all
+alike); a path's figure is its mean decode-step time, median over repeats:
+
+- ``old``: fp32, a separate matrix product per projection (``fuse=False``):
+  the single process before issue 16.
+- ``fused_float32``: fp32 with fused q/k/v and gate/up products
+  (:mod:`hetmesh.partition.fused`): bit-identical logits, checked here over
+  ``--tokens`` greedy tokens on every run.
+- ``new``: ``--weights`` (default ``int4``: the shipped Q4_1 levels in
+  torch's bf16 int4 kernel, perplexity 0.997x fp32, docs/weights.md), fused
+  only with ``--fuse`` (fusion is off by default: not measured faster here).
+
+Keys: ``single_process_tokens_per_s`` (new), ``single_process_tokens_per_s_old``,
+``single_process_speedup`` (new / old, issue 16's target >= 2),
+``fused_speedup_float32`` (fused fp32 / old: the exact lever alone).
+``--profile`` prints torch.profiler's top operators of each path.
+
+Usage: ``python bench/decode.py [--json] [--tokens 64] [--repeats 3] [--weights int4]``
+``[--threads 1] [--fuse] [--profile]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+PATHS = ("old", "fused_float32", "new")
+
+
+def load_paths(model_dir: Path, weights: str, fuse_new: bool = False) -> dict[str, Any]:
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.stage import load_stage
+
+    def one(fmt: str, fuse: bool) -> LocalPipeline:
+        stage = load_stage(model_dir, 0, _num_units(model_dir), weights=fmt, fuse=fuse)
+        return LocalPipeline([stage], model_dir=model_dir)
+
+    return {
+        "old": one("float32", False),
+        "fused_float32": one("float32", True),
+        "new": one(weights, fuse_new),
+    }
+
+
+def _num_units(model_dir: Path) -> int:
+    from hetmesh.partition.profile import model_profile
+    from hetmesh.partition.store import check_model_dir
+
+    return model_profile(check_model_dir(model_dir)).num_units
+
+
+def lockstep_tpots(
+    paths: dict[str, Any], prompt_ids: list[int], tokens: int
+) -> tuple[dict[str, float], dict[str, list[int]]]:
+    """Greedy-decode ``tokens`` tokens on every path, one step of each in turn.
+
+    Returns each path's mean seconds per decode step (the prefill excluded)
+    and its tokens. Stepping the paths in turn, rather than one whole
+    generation after another, spreads the load of a shared machine over all
+    of them alike.
+    """
+    import torch
+
+    from hetmesh.partition.sampling import SamplingParams
+
+    sessions = {
+        name: p.new_session(SamplingParams(max_new_tokens=tokens)) for name, p in paths.items()
+    }
+    spent = dict.fromkeys(paths, 0.0)
+    out: dict[str, list[int]] = {name: [] for name in paths}
+    try:
+        with torch.inference_mode():
+            for step in range(tokens):
+                for name, pipeline in paths.items():
+                    x = torch.tensor(out[name][-1:] if step else prompt_ids, dtype=torch.int64)
+                    began = time.perf_counter()
+                    logits = pipeline.forward(x, sessions[name].kvs, last_only=True)
+                    token = int(logits[-1].argmax())  # greedy
+                    if step:
+                        spent[name] += time.perf_counter() - began
+                    out[name].append(token)
+    finally:
+        for session in sessions.values():
+            session.free()
+    return {name: total / (tokens - 1) for name, total in spent.items()}, out
+
+
+def measure(
+    model_dir: Path,
+    prompt_ids: list[int],
+    *,
+    tokens: int = 64,
+    repeats: int = 3,
+    weights: str = "int4",
+    threads: int = 1,
+    fuse_new: bool = False,
+) -> dict[str, Any]:
+    """The figures in the module docstring; raises if fused fp32 changes a token."""
+    import torch
+
+    torch.set_num_threads(threads)
+    paths = load_paths(model_dir, weights, fuse_new)
+    lockstep_tpots(paths, prompt_ids, 4)  # warm up every path
+    tpots: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        tpot, outputs = lockstep_tpots(paths, prompt_ids, tokens)
+        if outputs["fused_float32"] != outputs["old"]:
+            raise RuntimeError("fused fp32 decoded other tokens than the separate products")
+        for name, value in tpot.items():
+            tpots[name].append(value)
+    rate = {name: 1.0 / statistics.median(values) for name, values in tpots.items()}
+    pairs = zip(outputs["new"], outputs["old"], strict=True)
+    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), tokens)  # common prefix
+    return {
+        "single_process_tokens_per_s": rate["new"],
+        "single_process_tokens_per_s_old": rate["old"],
+        "single_process_tokens_per_s_fused_float32": rate["fused_float32"],
+        "single_process_speedup": rate["new"] / rate["old"],
+        "fused_speedup_float32": rate["fused_float32"] / rate["old"],
+        "fused_float32_tokens_identical": True,  # checked above, over `tokens` tokens
+        "new_weights": weights,
+        "new_fused": fuse_new,
+        "new_tokens_before_differing_from_fp32": agree,
+        "tokens": tokens,
+        "repeats": repeats,
+        "threads": threads,
+    }
+
+
+def profile_table(pipeline: Any, prompt_ids: list[int], steps: int = 16, rows: int = 10) -> str:
+    """torch.profiler's top operators over ``steps`` decode steps (self CPU time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hetmesh.partition.sampling import SamplingParams
+
+    session = pipeline.new_session(SamplingParams(max_new_tokens=steps))
+    try:
+        x = torch.tensor(prompt_ids, dtype=torch.int64)
+        token = torch.tensor([int(pipeline.forward(x, session.kvs, last_only=True)[-1].argmax())])
+        for _ in range(2):  # warm
+            pipeline.forward(token, session.kvs, last_only=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                pipeline.forward(token, session.kvs, last_only=True)
+    finally:
+        session.free()
+    table: str = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", default="int4", help="weight format of the new path")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fuse", action="store_true", help="fuse the new path's products")
+    parser.add_argument("--profile", action="store_true", help="print each path's top operators")
+    args = parser.parse_args()
+
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.text import encode_prompt, load_tokenizer
+
+    model_dir = resolve_model()
+    prompt_ids = encode_prompt(load_tokenizer(model_dir), PROMPT, chat=True)
+    result = measure(
+        model_dir,
+        prompt_ids,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        weights=args.weights,
+        threads=args.threads,
+        fuse_new=args.fuse,
+    )
+    if args.profile:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        for name, pipeline in load_paths(model_dir, args.weights, args.fuse).items():
+            print(f"== {name}\n{profile_table(pipeline, prompt_ids)}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(
+        f"single process ({args.threads} thread(s)): old (fp32, separate) "
+        f"{result['single_process_tokens_per_s_old']:.1f} tok/s, fused fp32 "
+        f"{result['single_process_tokens_per_s_fused_float32']:.1f} tok/s "
+        f"(x{result['fused_speedup_float32']:.2f}, tokens identical), new ("
+        f"{args.weights}{', fused' if args.fuse else ''}) "
+        f"{result['single_process_tokens_per_s']:.1f} tok/s: "
+        f"speedup {result['single_process_speedup']:.2f} (target >= 2); {args.weights} "
+        f"follows fp32 for {result['new_tokens_before_differing_from_fp32']}/{args.tokens} tokens"
+    )
+
+
+if __name__ == "__main__":
+    main()
