@@ -154,6 +154,7 @@ class _Request:
     max_tokens: int
     sampling: SamplingParams
     avoid: set[PeerId]
+    order_s: float  # its place in the stages' admission queues (with ``base``)
 
 
 class _Replay(Exception):
@@ -310,6 +311,9 @@ class Gateway:
         # peers the next route should not use (a move by replay), still closed like any
         leaving: frozenset[PeerId] = frozenset()
         admission_s = self.timeouts.admission_s
+        # its place in line on every stage, kept on every retry and resume: the same
+        # request heads every stage's queue (no two requests each head one)
+        order_s = time.time()
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
@@ -318,22 +322,15 @@ class Gateway:
                 leaving = frozenset()
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
+                request = _Request(
+                    base, len(prompt_ids) + params.max_new_tokens, sampling, avoid, order_s
+                )
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
                 self._inboxes[session_id] = inbox_send
                 self._routes[session_id] = hops
                 try:
-                    cached = await self._open(
-                        session_id,
-                        hops,
-                        len(prompt_ids) + params.max_new_tokens,
-                        history,
-                        sampling,
-                        admission_s,
-                    )
+                    cached = await self._open(session_id, hops, request, history, admission_s)
                     self._skipped += cached
-                    request = _Request(
-                        base, len(prompt_ids) + params.max_new_tokens, sampling, avoid
-                    )
                     async for token in self._run(
                         session_id,
                         request,
@@ -406,9 +403,8 @@ class Gateway:
         self,
         session_id: str,
         hops: Sequence[Hop],
-        max_tokens: int,
+        request: _Request,
         history: Sequence[int],
-        sampling: SamplingParams,
         admission_s: float,
     ) -> int:
         """Open the session on every stage, waiting (with back-off) while they are busy.
@@ -424,10 +420,12 @@ class Gateway:
                 next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
                 gateway=self.peer_id,
                 previous_peer=hops[i - 1].peer_id if i > 0 else self.peer_id,
-                max_tokens=max_tokens,
+                max_tokens=request.max_tokens,
                 prompt_tokens=len(history),
-                sampling=sampling,
+                sampling=request.sampling,
                 prefix_hashes=hashes,
+                order_s=request.order_s,
+                order_id=request.base,
             )
             for i, hop in enumerate(hops)
         ]
@@ -560,6 +558,8 @@ class Gateway:
                 prompt_tokens=position,
                 sampling=request.sampling,
                 migrate_from=source,
+                order_s=request.order_s,
+                order_id=request.base,
             )
             for i, source, _ in changes
         ]
