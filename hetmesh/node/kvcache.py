@@ -173,6 +173,7 @@ class KVStatistics:
     migrations: int = 0  # sessions whose KV moved here from another stage (no replay)
     migrated_bytes: int = 0  # bytes of KV those migrations brought
     migrations_out: int = 0  # sessions whose KV this stage sent to another
+    waiting: int = 0  # refused sessions keeping their place in the admission queue
 
     @property
     def blocks_in_use(self) -> int:
@@ -197,6 +198,7 @@ KV_COUNTERS = (
     "migrations",
     "migrated_bytes",
     "migrations_out",
+    "waiting",
 )
 
 
@@ -397,8 +399,14 @@ class KVManager(Generic[KV]):
 
     @property
     def waiting(self) -> int:
-        """Refused sessions whose place in line is kept now."""
-        return len(self._waiters)
+        """Refused sessions whose place in line is kept now (lapsed ones not counted)."""
+        now = self._clock()
+        return sum(
+            1
+            for w in self._waiters.values()
+            if now - w.last_s <= self._limits.waiter_stale_s
+            and now - w.first_s <= self._limits.waiter_max_s
+        )
 
     def grow(self, session_id: str, tokens: int) -> list[str]:
         """Give ``session_id`` blocks for ``tokens`` tokens in all, preempting others if needed.
@@ -496,4 +504,5 @@ class KVManager(Generic[KV]):
             migrations=self._migrations,
             migrated_bytes=self._migrated_bytes,
             migrations_out=self._migrations_out,
+            waiting=self.waiting,
         )
