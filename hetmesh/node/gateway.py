@@ -18,7 +18,8 @@ stage, its errors from any of its stages. What another member sends for it is
 dropped (and counted as ``foreign_frames``).
 
 Migration: when a stage of a session's route is to go away while alive (a
-re-plan gave its units to another peer, it drains: :meth:`Gateway.move_off`),
+re-plan gave its units to another peer, a standby took its place in the primary
+pipeline, it drains: :meth:`Gateway.move_off`, :meth:`Gateway.move_replaced`),
 the gateway, between two steps, moves the session's KV from the old peer to
 the new one and carries on without replaying anything (see
 :mod:`hetmesh.node.migration`). When the move fails — refused, the source or
@@ -64,6 +65,8 @@ from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
+from hetmesh.scheduler.records import Plan
+from hetmesh.scheduler.standby import standby_takeovers
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
@@ -261,6 +264,13 @@ class Gateway:
                 self._leaving[session_id] = self._leaving.get(session_id, frozenset()) | {peer_id}
                 asked += 1
         return asked
+
+    def move_replaced(self, old: Plan | None, new: Plan) -> int:
+        """:meth:`move_off` every peer ``new`` demotes from the primary pipeline to a
+        standby (:func:`~hetmesh.scheduler.standby.standby_takeovers`): alive but
+        replaced, it keeps its stage, so the sessions on it move to the standby that
+        took its place, KV and all. Returns the sessions asked to move."""
+        return sum(self.move_off(peer) for peer in sorted(standby_takeovers(old, new)))
 
     def move_unready(self, ready: set[tuple[PeerId, int, int]]) -> int:
         """:meth:`move_off` every peer of a running route whose stage is not in ``ready``."""
