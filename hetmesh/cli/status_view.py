@@ -249,6 +249,8 @@ def _kv_rows(records: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
                     "prefix_hit_rate": number("kv_prefix_hit_rate"),
                     "preempted": int(number("kv_preempted")),
                     "migrations": int(number("kv_migrations")),
+                    "migrated_bytes": int(number("kv_migrated_bytes")),
+                    "waiting": int(number("kv_waiting")),
                 }
             )
     return sorted(rows, key=lambda r: (r["start"], r["peer_id"]))
@@ -263,9 +265,20 @@ def _number(entry: Mapping[str, object], key: str) -> float:
 
 
 def kv_table(summary: Mapping[str, Any]) -> Table:
-    """KV per stage: blocks in use / free / cached, prefix-cache hit rate, preemptions."""
+    """KV per stage: blocks in use / free / cached, prefix-cache hit rate, preemptions,
+    migrations in (and their bytes), sessions waiting for admission."""
     table = Table(title="KV cache per stage (16-token blocks; cached blocks count free)")
-    columns = ("peer", "units", "in use", "free", "cached", "prefix hits", "preempted", "migrated")
+    columns = (
+        "peer",
+        "units",
+        "in use",
+        "free",
+        "cached",
+        "prefix hits",
+        "preempted",
+        "migrated",
+        "waiting",
+    )
     for col in columns:
         table.add_column(col)
     for r in summary.get("kv") or ():
@@ -277,7 +290,8 @@ def kv_table(summary: Mapping[str, Any]) -> Table:
             str(r["blocks_cached"]),
             f"{100 * r['prefix_hit_rate']:.0f} %",
             str(r["preempted"]),
-            str(r["migrations"]),
+            f"{r['migrations']} ({r['migrated_bytes'] / 2**20:.1f} MiB)",
+            str(r["waiting"]),
         )
     return table
 

@@ -97,6 +97,8 @@ _KV_METRICS = {
     "kv_preempted": ("hetmesh_kv_preemptions", "Sessions preempted for KV room", "c"),
     "kv_migrations": ("hetmesh_kv_migrations", "Sessions whose KV moved here", "c"),
     "kv_migrated_bytes": ("hetmesh_kv_migrated_bytes", "Bytes of KV moved here", "c"),
+    "kv_migrations_out": ("hetmesh_kv_migrations_out", "Sessions whose KV moved away", "c"),
+    "kv_waiting": ("hetmesh_kv_waiting", "Refused sessions keeping their place in line", "g"),
 }
 
 

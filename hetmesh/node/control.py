@@ -41,6 +41,11 @@ class OpenSession(WireRecord):
     # a migration (hetmesh.node.migration): the peer whose KV of ``prompt_tokens`` tokens
     # this stage takes instead of computing them; "" for a session that starts here
     migrate_from: PeerId = ""
+    # the request's place in every stage's admission queue (kvcache.Stamp): the wall
+    # time of its gateway's first try and a tie-break id, the same on every try and
+    # resume; "" for none (the stage orders it by arrival)
+    order_s: float = 0.0
+    order_id: str = ""
     op: str = "open"
 
 

@@ -18,7 +18,8 @@ stage, its errors from any of its stages. What another member sends for it is
 dropped (and counted as ``foreign_frames``).
 
 Migration: when a stage of a session's route is to go away while alive (a
-re-plan gave its units to another peer, it drains: :meth:`Gateway.move_off`),
+re-plan gave its units to another peer, a standby took its place in the primary
+pipeline, it drains: :meth:`Gateway.move_off`, :meth:`Gateway.move_replaced`),
 the gateway, between two steps, moves the session's KV from the old peer to
 the new one and carries on without replaying anything (see
 :mod:`hetmesh.node.migration`). When the move fails — refused, the source or
@@ -64,6 +65,8 @@ from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
+from hetmesh.scheduler.records import Plan
+from hetmesh.scheduler.standby import standby_takeovers
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
@@ -154,6 +157,7 @@ class _Request:
     max_tokens: int
     sampling: SamplingParams
     avoid: set[PeerId]
+    order_s: float  # its place in the stages' admission queues (with ``base``)
 
 
 class _Replay(Exception):
@@ -261,6 +265,13 @@ class Gateway:
                 asked += 1
         return asked
 
+    def move_replaced(self, old: Plan | None, new: Plan) -> int:
+        """:meth:`move_off` every peer ``new`` demotes from the primary pipeline to a
+        standby (:func:`~hetmesh.scheduler.standby.standby_takeovers`): alive but
+        replaced, it keeps its stage, so the sessions on it move to the standby that
+        took its place, KV and all. Returns the sessions asked to move."""
+        return sum(self.move_off(peer) for peer in sorted(standby_takeovers(old, new)))
+
     def move_unready(self, ready: set[tuple[PeerId, int, int]]) -> int:
         """:meth:`move_off` every peer of a running route whose stage is not in ``ready``."""
         gone = {
@@ -310,6 +321,9 @@ class Gateway:
         # peers the next route should not use (a move by replay), still closed like any
         leaving: frozenset[PeerId] = frozenset()
         admission_s = self.timeouts.admission_s
+        # its place in line on every stage, kept on every retry and resume: the same
+        # request heads every stage's queue (no two requests each head one)
+        order_s = time.time()
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
@@ -318,22 +332,15 @@ class Gateway:
                 leaving = frozenset()
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
+                request = _Request(
+                    base, len(prompt_ids) + params.max_new_tokens, sampling, avoid, order_s
+                )
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
                 self._inboxes[session_id] = inbox_send
                 self._routes[session_id] = hops
                 try:
-                    cached = await self._open(
-                        session_id,
-                        hops,
-                        len(prompt_ids) + params.max_new_tokens,
-                        history,
-                        sampling,
-                        admission_s,
-                    )
+                    cached = await self._open(session_id, hops, request, history, admission_s)
                     self._skipped += cached
-                    request = _Request(
-                        base, len(prompt_ids) + params.max_new_tokens, sampling, avoid
-                    )
                     async for token in self._run(
                         session_id,
                         request,
@@ -406,9 +413,8 @@ class Gateway:
         self,
         session_id: str,
         hops: Sequence[Hop],
-        max_tokens: int,
+        request: _Request,
         history: Sequence[int],
-        sampling: SamplingParams,
         admission_s: float,
     ) -> int:
         """Open the session on every stage, waiting (with back-off) while they are busy.
@@ -424,10 +430,12 @@ class Gateway:
                 next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
                 gateway=self.peer_id,
                 previous_peer=hops[i - 1].peer_id if i > 0 else self.peer_id,
-                max_tokens=max_tokens,
+                max_tokens=request.max_tokens,
                 prompt_tokens=len(history),
-                sampling=sampling,
+                sampling=request.sampling,
                 prefix_hashes=hashes,
+                order_s=request.order_s,
+                order_id=request.base,
             )
             for i, hop in enumerate(hops)
         ]
@@ -560,6 +568,8 @@ class Gateway:
                 prompt_tokens=position,
                 sampling=request.sampling,
                 migrate_from=source,
+                order_s=request.order_s,
+                order_id=request.base,
             )
             for i, source, _ in changes
         ]

@@ -17,13 +17,22 @@ this stage could ever hold (named against the KV limit), and
 right now — the gateway waits and retries.
 
 First come, first served: a session refused for want of blocks or of a
-session slot keeps its place in a bounded wait queue (arrival order, at most
-:data:`MAX_WAITERS`), and a later session is admitted only if it leaves
-free the blocks and slots of every waiter ahead of it — so small requests
-cannot overtake and starve a large one, as the gateway retries them all. A
-waiter cannot wedge the stage: it leaves the queue when admitted, when its
-gateway stops retrying (not seen for ``waiter_stale_s``), or after
-``waiter_max_s`` in all (the gateway's admission wait).
+session slot keeps its place in a bounded wait queue (at most
+:data:`MAX_WAITERS`), and a session is admitted only if it leaves free the
+blocks and slots of every waiter ahead of it — so small requests cannot
+overtake and starve a large one, as the gateway retries them all. The queue
+is ordered by the request's :class:`Stamp`, not by arrival here: the gateway
+stamps a request once (the wall time of its first attempt and a tie-break
+id) and sends the same stamp to every stage on every try, so every stage of
+a pipeline puts the same request first. Ordered by arrival, two requests
+opened at once on two stages could each head one stage's queue and wait on
+the other, round after round (a livelock). A stamp cannot buy a place
+without bound: one from the future (beyond :data:`STAMP_SLACK_S`) counts as
+now, one older than ``stamp_max_age_s`` as that old. A waiter cannot wedge
+the stage: it leaves the queue when admitted, when its gateway stops
+retrying (not seen for ``waiter_stale_s``), or after ``waiter_max_s`` in
+line (the gateway's admission wait) — after which it queues again as a
+newcomer, its stamp ignored.
 
 Pure bookkeeping: the caches come from a factory (the stage's ``SessionKV``
 over its pool), the clock is injected, nothing here does I/O. Called from the
@@ -32,7 +41,9 @@ trio thread only.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -96,13 +107,25 @@ class KVLimits:
     # retries (it backs off to 1 s between tries) and for the gateway's admission wait
     waiter_stale_s: float = 5.0
     waiter_max_s: float = 30.0
-    # first come, first served across retries; off by default: with places kept on every
-    # stage of a multi-stage pipeline, two requests opened concurrently can each head the
-    # queue of one stage and wait on the other (a livelock until the places lapse)
-    fcfs: bool = False
+    # the oldest a request's stamp counts as: past the gateway's wait to resume a
+    # preempted session (300 s), so only a forged stamp is clamped
+    stamp_max_age_s: float = 600.0
+    # first come, first served across retries, in the order of the gateway's stamps
+    # (False: no wait queue, a later request may overtake a waiting one)
+    fcfs: bool = True
 
 
 MAX_WAITERS = 64  # refused sessions whose place is kept, per stage
+STAMP_SLACK_S = 1.0  # how far a stamp may lie in the future (clock skew) before it is now
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """A request's place in every stage's queue: when its gateway first tried it
+    (wall-clock seconds) and a tie-break id, the same on every open and retry."""
+
+    at_s: float
+    ticket: str
 
 
 def stage_kv_limits(
@@ -150,6 +173,7 @@ class KVStatistics:
     migrations: int = 0  # sessions whose KV moved here from another stage (no replay)
     migrated_bytes: int = 0  # bytes of KV those migrations brought
     migrations_out: int = 0  # sessions whose KV this stage sent to another
+    waiting: int = 0  # refused sessions keeping their place in the admission queue
 
     @property
     def blocks_in_use(self) -> int:
@@ -174,6 +198,7 @@ KV_COUNTERS = (
     "migrations",
     "migrated_bytes",
     "migrations_out",
+    "waiting",
 )
 
 
@@ -193,6 +218,10 @@ class _Waiter:
     blocks: int  # fresh blocks it needed when last refused
     first_s: float
     last_s: float
+    key: tuple[float, int, str]  # its place: the stamp as this stage bounds it
+
+
+LAPSED_MEMORY = 4 * MAX_WAITERS  # tickets that waited out waiter_max_s, remembered
 
 
 class KVManager(Generic[KV]):
@@ -205,13 +234,18 @@ class KVManager(Generic[KV]):
         pool: BlockPool,
         factory: Callable[[], KV],
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._limits = limits
         self._pool = pool
         self._factory = factory
         self._clock = clock
+        self._wall = wall  # the clock stamps are read against (gateways' wall clocks)
         self._entries: dict[str, _Entry[KV]] = {}  # in admission order: oldest first
-        self._waiters: dict[str, _Waiter] = {}  # refused sessions, in arrival order
+        self._waiters: dict[str, _Waiter] = {}  # refused requests by ticket
+        # tickets whose place lapsed after waiter_max_s: they queue again as newcomers
+        self._lapsed: OrderedDict[str, None] = OrderedDict()
+        self._arrivals = 0  # orders unstamped requests first seen in the same instant
         self._rejected_busy = 0
         self._expired = 0
         self._preempted = 0
@@ -236,8 +270,12 @@ class KVManager(Generic[KV]):
         max_tokens: int,
         prompt_tokens: int = 0,
         prefix_hashes: Sequence[int] = (),
+        stamp: Stamp | None = None,
     ) -> KV:
         """Admit a session of ``prompt_tokens`` that will hold at most ``max_tokens``.
+
+        ``stamp`` is the request's place in line (the same on every stage and
+        retry); without one it is the session id, first seen now.
 
         Holds the prompt's blocks at once: first the cached blocks its
         ``prefix_hashes`` (:func:`~hetmesh.partition.prefix.block_hashes` of
@@ -274,14 +312,18 @@ class KVManager(Generic[KV]):
         size = self._pool.block_tokens
         need = blocks_for(now, size) - blocks_for(cached, size)
         reserve = 0 if self._limits.reserve_whole else self.reserve_blocks
-        ahead_blocks, ahead_sessions = self._ahead_of(session_id)
+        ticket = stamp.ticket if stamp is not None else session_id
+        if self._limits.fcfs:
+            self._purge()
+        key = self._key(ticket, stamp)
+        ahead_blocks, ahead_sessions = self._ahead_of(ticket, key)
         if (
             len(self._entries) + ahead_sessions >= self._limits.max_sessions
             or need + reserve + ahead_blocks > self._pool.free_blocks
         ):
             cache.free()
             self._rejected_busy += 1
-            self._wait(session_id, need + reserve <= self._pool.num_blocks, need)
+            self._wait(ticket, key, need + reserve <= self._pool.num_blocks, need)
             raise Rejected(
                 f"busy: {len(self._entries)} sessions hold "
                 f"{self._pool.num_blocks - self._pool.free_blocks} of "
@@ -293,46 +335,78 @@ class KVManager(Generic[KV]):
         if not cache.reserve(now):  # cannot happen: the blocks were counted free above
             cache.free()
             raise Rejected("busy: the KV pool is full")
-        self._waiters.pop(session_id, None)
+        self._waiters.pop(ticket, None)
         self._entries[session_id] = _Entry(cache, self._clock())
         return cache
 
-    def _ahead_of(self, session_id: str) -> tuple[int, int]:
-        """Blocks and session slots kept for the live waiters that came before
-        ``session_id`` (all of them when it is not waiting)."""
+    def _key(self, ticket: str, stamp: Stamp | None) -> tuple[float, int, str]:
+        """The place in line of ``ticket``: kept if it waits already, else its stamp
+        bounded to [now - stamp_max_age_s, now + STAMP_SLACK_S] (now when unstamped,
+        forged beyond the slack, not a number, or its earlier place lapsed)."""
+        waiter = self._waiters.get(ticket)
+        if waiter is not None:
+            return waiter.key
+        now = self._wall()
+        if stamp is None or ticket in self._lapsed:
+            self._arrivals += 1
+            return now, self._arrivals, ticket
+        at = stamp.at_s
+        if not math.isfinite(at) or at > now + STAMP_SLACK_S:
+            at = now
+        return max(at, now - self._limits.stamp_max_age_s), 0, ticket
+
+    def _purge(self) -> None:
+        """Drop the places of waiters not retried lately or in line too long."""
+        now = self._clock()
+        for sid, waiter in list(self._waiters.items()):
+            if now - waiter.last_s > self._limits.waiter_stale_s:
+                del self._waiters[sid]
+            elif now - waiter.first_s > self._limits.waiter_max_s:
+                del self._waiters[sid]
+                self._lapsed[sid] = None
+                if len(self._lapsed) > LAPSED_MEMORY:
+                    self._lapsed.popitem(last=False)
+
+    def _ahead_of(self, ticket: str, key: tuple[float, int, str]) -> tuple[int, int]:
+        """Blocks and session slots kept for the live waiters ahead of ``key``."""
         if not self._limits.fcfs:
             return 0, 0
-        now = self._clock()
-        for sid in [
-            sid
-            for sid, w in self._waiters.items()
-            if now - w.last_s > self._limits.waiter_stale_s
-            or now - w.first_s > self._limits.waiter_max_s
-        ]:
-            del self._waiters[sid]
         blocks = sessions = 0
         for sid, waiter in self._waiters.items():
-            if sid == session_id:
-                break
-            blocks += waiter.blocks
-            sessions += 1
+            if sid != ticket and waiter.key < key:
+                blocks += waiter.blocks
+                sessions += 1
         return blocks, sessions
 
-    def _wait(self, session_id: str, admissible: bool, blocks: int) -> None:
-        """Keep (or refresh) a refused session's place, if it could ever be admitted."""
+    def _wait(
+        self, ticket: str, key: tuple[float, int, str], admissible: bool, blocks: int
+    ) -> None:
+        """Keep (or refresh) a refused request's place, if it could ever be admitted;
+        a full queue keeps the places that come first."""
         if not self._limits.fcfs or not admissible:
             return
         now = self._clock()
-        waiter = self._waiters.get(session_id)
+        waiter = self._waiters.get(ticket)
         if waiter is not None:
             waiter.blocks, waiter.last_s = blocks, now
-        elif len(self._waiters) < MAX_WAITERS:
-            self._waiters[session_id] = _Waiter(blocks, now, now)
+            return
+        if len(self._waiters) >= MAX_WAITERS:
+            last = max(self._waiters, key=lambda sid: self._waiters[sid].key)
+            if self._waiters[last].key < key:
+                return
+            del self._waiters[last]
+        self._waiters[ticket] = _Waiter(blocks, now, now, key)
 
     @property
     def waiting(self) -> int:
-        """Refused sessions whose place in line is kept now."""
-        return len(self._waiters)
+        """Refused sessions whose place in line is kept now (lapsed ones not counted)."""
+        now = self._clock()
+        return sum(
+            1
+            for w in self._waiters.values()
+            if now - w.last_s <= self._limits.waiter_stale_s
+            and now - w.first_s <= self._limits.waiter_max_s
+        )
 
     def grow(self, session_id: str, tokens: int) -> list[str]:
         """Give ``session_id`` blocks for ``tokens`` tokens in all, preempting others if needed.
@@ -430,4 +504,5 @@ class KVManager(Generic[KV]):
             migrations=self._migrations,
             migrated_bytes=self._migrated_bytes,
             migrations_out=self._migrations_out,
+            waiting=self.waiting,
         )

@@ -207,6 +207,7 @@ class Serving:
         self._verified: dict[tuple[str, str, bytes], bool] = {}  # (signer, sig, message)
         self._refusal_logged: dict[PeerId, float] = {}  # peer -> when we last said so
         self._corrected: frozenset[str] = frozenset()  # devices planned on measured steps
+        self._applied: Plan | None = None  # the plan _apply last acted on
         self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self._served: dict[tuple[int, int], _Served] = {}
         self._loading: set[tuple[int, int]] = set()
@@ -588,6 +589,11 @@ class Serving:
         return self._coordination.planned_on
 
     def _apply(self, plan: Plan) -> None:
+        if self.gateway is not None:  # a slow peer a standby replaced keeps its stage
+            moved = self.gateway.move_replaced(self._applied, plan)
+            if moved:
+                log.info("%d sessions move off peers a standby replaced", moved)
+        self._applied = plan
         mine = {
             (s.start, s.end)
             for p in plan.pipelines

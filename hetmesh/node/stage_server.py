@@ -42,7 +42,7 @@ from hetmesh.error_codec import error_code
 from hetmesh.errors import ComputeError, InvalidRequest, MeshError, NoRoute, Rejected
 from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.gateway import Send
-from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics
+from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.kv import SessionKV
@@ -186,12 +186,19 @@ class StageServer:
                 )
             )
         migrating = bool(request.migrate_from)
+        # its place in line is its gateway's to give: one gateway cannot take another's
+        stamp = (
+            Stamp(request.order_s, f"{request.gateway}/{request.order_id}")
+            if request.order_id
+            else None
+        )
         try:
             kv = self.kv.open(
                 request.session_id,
                 request.max_tokens,
                 request.prompt_tokens,
                 () if migrating else request.prefix_hashes,  # its KV comes whole
+                stamp=stamp,
             )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)

@@ -139,4 +139,27 @@ def add_standby_replicas(
     return combined if combined is not None else plan
 
 
-__all__ = ["STANDBY_MAX_COST", "add_standby_replicas", "with_standby"]
+def standby_takeovers(old: Plan | None, new: Plan) -> frozenset[str]:
+    """Peers a new latency plan demotes from its primary pipeline to standby.
+
+    A peer of ``old``'s primary that is not in ``new``'s primary but still
+    holds the same stage in ``new`` (a standby replica of it): a standby took
+    its place while it is alive — typically a re-plan on measured step times
+    found it slow. Its stage stays loaded and ready, so nothing retires it and
+    its running sessions would stay on the slow peer: the gateway moves them
+    off it, KV and all (:meth:`~hetmesh.node.gateway.Gateway.move_off`).
+    Peers whose stage the new plan drops are not named: their stage retires
+    once the new ones are loaded, and that moves its sessions.
+    """
+    if old is None or old.objective != "latency" or new.objective != "latency":
+        return frozenset()
+    kept = {(s.peer_id, s.start, s.end) for p in new.pipelines for s in p.stages}
+    primary = new.pipelines[0].peers
+    return frozenset(
+        s.peer_id
+        for s in old.pipelines[0].stages
+        if s.peer_id not in primary and (s.peer_id, s.start, s.end) in kept
+    )
+
+
+__all__ = ["STANDBY_MAX_COST", "add_standby_replicas", "standby_takeovers", "with_standby"]
