@@ -180,7 +180,7 @@ async def _views(host: Any, addrs: list[str]) -> list[dict[str, Any] | None]:
 
     async def one(i: int) -> None:
         with contextlib.suppress(Exception):
-            out[i] = await request_status(host, addrs[i], timeout_s=5.0)
+            out[i] = await request_status(host, addrs[i], timeout_s=10.0, dial_timeout_s=10.0)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(addrs)):
@@ -205,7 +205,9 @@ async def _watch(
 
     from hetmesh.discovery.status import open_status_client
 
-    async with open_status_client(mesh_secret=SECRET) as host:
+    # generous limits: on a loaded machine a node negotiates a stream in seconds, and a
+    # view that times out would read as "not converged"
+    async with open_status_client(mesh_secret=SECRET, dial_timeout_s=10.0) as host:
         converged = None
         while time.monotonic() - ready < timeout_s:
             views = await _views(host, addrs)

@@ -135,6 +135,18 @@ def new_mesh_host(
             return None
 
         auto.run_background_task = _no_background
+
+    # libp2p identifies both ends of every new connection (a stream each way and a
+    # signed peer record); our members learn addresses and protocols from their
+    # records, and at start-up on a loaded machine N nodes meeting at once spent
+    # seconds in it (the 3 s identify timeouts in their logs) while probes ran.
+    # The identify handler stays: a peer that asks is answered.
+    if hasattr(host, "_schedule_identify"):
+
+        def _no_identify(*_args: Any, **_kwargs: Any) -> None:
+            return None
+
+        host._schedule_identify = _no_identify
     return host
 
 

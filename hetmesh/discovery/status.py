@@ -28,28 +28,32 @@ async def fetch_status(
     for a wrong mesh secret, :class:`PeerUnreachable` / :class:`ConnectTimeout`
     when the node cannot be reached, :class:`RemoteProtocolError` for a bad reply.
     """
-    async with open_status_client(mesh_secret=mesh_secret, timeout_s=timeout_s) as host:
-        return await request_status(host, addr, timeout_s=timeout_s)
+    limit_s = min(timeout_s, 3.0)
+    async with open_status_client(mesh_secret=mesh_secret, dial_timeout_s=limit_s) as host:
+        return await request_status(host, addr, timeout_s=timeout_s, dial_timeout_s=limit_s)
 
 
 @contextlib.asynccontextmanager
 async def open_status_client(
-    *, mesh_secret: str | None = None, timeout_s: float = 5.0
+    *, mesh_secret: str | None = None, dial_timeout_s: float = 3.0
 ) -> AsyncIterator[Any]:
     """A throw-away host to ask nodes for their views with :func:`request_status`
-    (one host for many requests: a watcher polling a mesh dials each node once)."""
+    (one host for many requests: a watcher polling a mesh dials each node once).
+    ``dial_timeout_s`` also bounds each stream's protocol negotiation."""
     from libp2p import generate_new_ed25519_identity
 
     async with open_host(
         generate_new_ed25519_identity(),
         psk=derive_psk(mesh_secret),
         listen=["/ip4/127.0.0.1/tcp/0"],
-        dial_timeout_s=min(timeout_s, 3.0),
+        dial_timeout_s=dial_timeout_s,
     ) as host:
         yield host
 
 
-async def request_status(host: Any, addr: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
+async def request_status(
+    host: Any, addr: str, *, timeout_s: float = 5.0, dial_timeout_s: float = 3.0
+) -> dict[str, Any]:
     """The view of the node at ``addr``, asked through ``host`` (from
     :func:`open_status_client`), dialling only if not connected; raises as
     :func:`fetch_status` does."""
@@ -57,7 +61,7 @@ async def request_status(host: Any, addr: str, *, timeout_s: float = 5.0) -> dic
 
     info = parse_peer_addr(addr)
     if info.peer_id not in host.get_network().connections:
-        await dial(host, info, timeout_s=min(timeout_s, 3.0))
+        await dial(host, info, timeout_s=dial_timeout_s)
     try:
         with trio.fail_after(timeout_s):
             stream = await host.new_stream(info.peer_id, [TProtocol(wire.STATUS_PROTOCOL)])
