@@ -309,6 +309,15 @@ def real_mesh(
             if b and a and "bytes_sent" in a["statistics"]:
                 sent.append(a["statistics"]["bytes_sent"] - b["statistics"]["bytes_sent"])
         cores = [(c1 - c0) / elapsed for c0, c1 in zip(cpu0, cpu1, strict=True)]
+
+        def rate(name: str) -> float | None:
+            """A node counter's mean increase per node per second over the idle window."""
+            pairs = [(b, a) for b, a in zip(before, after, strict=True) if b and a]
+            if not pairs or any(name not in a["statistics"] for _, a in pairs):
+                return None
+            total = sum(a["statistics"][name] - b["statistics"][name] for b, a in pairs)
+            return round(total / len(pairs) / elapsed, 3)
+
         stats = [v["statistics"] for v in after if v is not None]
         # nobody was stopped: every death verdict is a false one (None: a baseline
         # without the counter)
@@ -325,6 +334,10 @@ def real_mesh(
             "idle_cores_mesh": round(sum(cores), 3),
             "bytes_sent_per_node_s": round(sum(sent) / len(sent) / elapsed) if sent else None,
             "idle_window_s": round(elapsed, 1),
+            # what the bytes were: messages, own record versions, records pulled
+            "messages_per_node_s": rate("announcements_sent"),
+            "records_published_per_node_s": rate("records_published"),
+            "pulls_per_node_s": rate("pulls"),
             "load_average_at_start": round(load_at_start, 1),
             "false_deaths": sum(st["deaths"] for st in stats) if counted else None,
             "late_ticks": sum(st["late_ticks"] for st in stats) if counted else None,

@@ -79,7 +79,7 @@ MAX_LINK_REQUESTS = 256  # links one record asks others to measure
 DEVICE_REFRESH_S = 60.0
 DEVICE_MOVE_EVERY_S = 30.0
 BOOTSTRAP_ATTEMPTS = 3  # dial limits dial_timeout_s x 1, 2, 3
-HANG_UP_GRACE_S = 20.0  # a dead peer's connection is closed after this, if still dead
+HANG_UP_GRACE_S = 20.0  # a dead peer is forgotten (link, connection) after this, if still dead
 MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
 
@@ -572,13 +572,13 @@ class Discovery:
             log.info("peer %s: %s -> %s", event.peer_id, event.old, event.new)
             if event.new is Health.ALIVE and event.old is not Health.SUSPECT:
                 self._probe_wanted.set()
-            if event.new in (Health.DEAD, Health.LEFT):
-                self._links.pop(event.peer_id, None)
-                self._link_samples.pop(event.peer_id, None)
-                self._signed.pop(event.peer_id, None)
-                self._links_wanted.discard(event.peer_id)
-                if self._nursery is not None and event.new is Health.DEAD:
-                    self._nursery.start_soon(self._hang_up, event.peer_id)
+            if event.new is Health.LEFT:
+                self._forget(event.peer_id)
+            elif event.new is Health.DEAD and self._nursery is not None:
+                # forgotten only if still dead after a grace: dropping its link at
+                # once made a new record version (pulled by every member) at each
+                # false death, and another when the link was measured again
+                self._nursery.start_soon(self._hang_up, event.peer_id)
             for send in list(self._subscribers):
                 try:
                     send.send_nowait(event)
@@ -635,17 +635,24 @@ class Discovery:
             self._read_link_requests()
             await trio.sleep(tick_s)
 
+    def _forget(self, peer_id: PeerId) -> None:
+        """Drop our link to a peer gone for good, and what we held to relay its record."""
+        self._links.pop(peer_id, None)
+        self._link_samples.pop(peer_id, None)
+        self._signed.pop(peer_id, None)
+        self._links_wanted.discard(peer_id)
+
     async def _hang_up(self, peer_id: PeerId) -> None:
-        """Close the connection of a peer still dead after ``HANG_UP_GRACE_S``: one
-        buried while merely starved comes back on the connection it has, without a
-        new handshake on both (loaded) sides."""
+        """Forget a peer still dead after ``HANG_UP_GRACE_S`` and close its connection:
+        one buried while merely starved comes back on the connection it has (no new
+        handshake on two loaded ends) and with the link figures we published."""
         from libp2p.peer.id import ID
 
         await trio.sleep(HANG_UP_GRACE_S)
-        if self.table.entries.get(peer_id) is not None and (
-            self.table.entries[peer_id].health is not Health.DEAD
-        ):
+        entry = self.table.entries.get(peer_id)
+        if entry is not None and entry.health is not Health.DEAD:
             return
+        self._forget(peer_id)
         with trio.move_on_after(1.0), contextlib.suppress(Exception):
             await self.host.disconnect(ID.from_base58(peer_id))
 
