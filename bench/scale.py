@@ -27,7 +27,9 @@ from the last node being ready) until every node sees all others alive (every
 node's view asked once a second through one watcher host that dials each node
 once), then
 idle CPU per node (``/proc``, over ``--idle-s``) and bytes sent per node per
-second (the node's own counter; absent in a baseline without it), the
+second (the node's own counter; absent in a baseline without it) with what
+they were (messages, the node's own record versions and records pulled, per
+node per second), the
 machine's load average when the size started, and false deaths: death
 verdicts the nodes reached (their ``deaths`` counter) although no node was
 stopped, with the late ticks that show how starved they were. Each node
