@@ -23,9 +23,13 @@ measures, in this order:
 
 **Real processes** (``--part real``): N ``hetmesh node start --no-serve``
 processes on loopback, bootstrapped from the first: seconds from launch (and
-from the last node being ready) until every node sees all others alive, then
+from the last node being ready) until every node sees all others alive (every
+node's view asked once a second through one watcher host that dials each node
+once), then
 idle CPU per node (``/proc``, over ``--idle-s``) and bytes sent per node per
-second (the node's own counter; absent in a baseline without it), the
+second (the node's own counter; absent in a baseline without it) with what
+they were (messages, the node's own record versions and records pulled, per
+node per second), the
 machine's load average when the size started, and false deaths: death
 verdicts the nodes reached (their ``deaths`` counter) although no node was
 stopped, with the late ticks that show how starved they were. Each node
@@ -168,23 +172,22 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _views(addrs: list[str]) -> list[dict[str, Any] | None]:
+async def _views(host: Any, addrs: list[str]) -> list[dict[str, Any] | None]:
+    """Every node's view, asked at once through the watcher's one host."""
     import trio
 
-    from hetmesh.discovery.status import fetch_status
+    from hetmesh.discovery.status import request_status
 
-    async def one(addr: str, out: list[dict[str, Any] | None], i: int) -> None:
+    out: list[dict[str, Any] | None] = [None] * len(addrs)
+
+    async def one(i: int) -> None:
         with contextlib.suppress(Exception):
-            out[i] = await fetch_status(addr, mesh_secret=SECRET, timeout_s=5.0)
+            out[i] = await request_status(host, addrs[i], timeout_s=10.0, dial_timeout_s=10.0)
 
-    async def all_of() -> list[dict[str, Any] | None]:
-        out: list[dict[str, Any] | None] = [None] * len(addrs)
-        async with trio.open_nursery() as nursery:
-            for i, addr in enumerate(addrs):
-                nursery.start_soon(one, addr, out, i)
-        return out
-
-    return trio.run(all_of)
+    async with trio.open_nursery() as nursery:
+        for i in range(len(addrs)):
+            nursery.start_soon(one, i)
+    return out
 
 
 def _sees_all(view: dict[str, Any] | None, ids: set[str]) -> bool:
@@ -192,6 +195,37 @@ def _sees_all(view: dict[str, Any] | None, ids: set[str]) -> bool:
         return False
     health = {p["peer_id"]: p["health"] for p in view["peers"]}
     return all(health.get(i) == "alive" for i in ids - {view["self"]})
+
+
+async def _watch(
+    addrs: list[str], ids: set[str], pids: list[int], ready: float, timeout_s: float, idle_s: float
+) -> tuple[float | None, list[Any], list[Any], list[float], list[float], float]:
+    """Poll every node's view (once a second, one host dialling each node once: a
+    fresh host per poll would cost every node a handshake a second) until all see
+    all alive; then idle CPU and the nodes' sent-byte counters over ``idle_s``."""
+    import trio
+
+    from hetmesh.discovery.status import open_status_client
+
+    # generous limits: on a loaded machine a node negotiates a stream in seconds, and a
+    # view that times out would read as "not converged"
+    async with open_status_client(mesh_secret=SECRET, dial_timeout_s=10.0) as host:
+        converged = None
+        while time.monotonic() - ready < timeout_s:
+            views = await _views(host, addrs)
+            if all(_sees_all(v, ids) for v in views):
+                converged = time.monotonic()
+                break
+            await trio.sleep(1.0)
+        await trio.sleep(5.0)  # let the link probes that follow a join finish
+        before = await _views(host, addrs)
+        cpu0 = [_cpu_s(p) for p in pids]
+        t0 = time.monotonic()
+        await trio.sleep(idle_s)
+        cpu1 = [_cpu_s(p) for p in pids]
+        elapsed = time.monotonic() - t0
+        after = await _views(host, addrs)
+    return converged, before, after, cpu0, cpu1, elapsed
 
 
 def real_mesh_or_error(n: int, **kw: Any) -> dict[str, Any]:
@@ -266,26 +300,26 @@ def real_mesh(
         ready = time.monotonic()
         ids = {str(info["peer_id"]) for info in infos}
         addrs = [str(info["addrs"][0]) for info in infos]
-        converged = None
-        while time.monotonic() - ready < timeout_s:
-            views = _views(addrs)
-            if all(_sees_all(v, ids) for v in views):
-                converged = time.monotonic()
-                break
-            time.sleep(0.5)
-        time.sleep(5.0)  # let the link probes that follow a join finish
-        before = [_views([a])[0] for a in addrs]
-        cpu0 = [_cpu_s(p.pid) for p in procs]
-        t0 = time.monotonic()
-        time.sleep(idle_s)
-        cpu1 = [_cpu_s(p.pid) for p in procs]
-        elapsed = time.monotonic() - t0
-        after = [_views([a])[0] for a in addrs]
+        pids = [p.pid for p in procs]
+        import trio
+
+        converged, before, after, cpu0, cpu1, elapsed = trio.run(
+            _watch, addrs, ids, pids, ready, timeout_s, idle_s
+        )
         sent = []
         for b, a in zip(before, after, strict=True):
             if b and a and "bytes_sent" in a["statistics"]:
                 sent.append(a["statistics"]["bytes_sent"] - b["statistics"]["bytes_sent"])
         cores = [(c1 - c0) / elapsed for c0, c1 in zip(cpu0, cpu1, strict=True)]
+
+        def rate(name: str) -> float | None:
+            """A node counter's mean increase per node per second over the idle window."""
+            pairs = [(b, a) for b, a in zip(before, after, strict=True) if b and a]
+            if not pairs or any(name not in a["statistics"] for _, a in pairs):
+                return None
+            total = sum(a["statistics"][name] - b["statistics"][name] for b, a in pairs)
+            return round(total / len(pairs) / elapsed, 3)
+
         stats = [v["statistics"] for v in after if v is not None]
         # nobody was stopped: every death verdict is a false one (None: a baseline
         # without the counter)
@@ -302,6 +336,10 @@ def real_mesh(
             "idle_cores_mesh": round(sum(cores), 3),
             "bytes_sent_per_node_s": round(sum(sent) / len(sent) / elapsed) if sent else None,
             "idle_window_s": round(elapsed, 1),
+            # what the bytes were: messages, own record versions, records pulled
+            "messages_per_node_s": rate("announcements_sent"),
+            "records_published_per_node_s": rate("records_published"),
+            "pulls_per_node_s": rate("pulls"),
             "load_average_at_start": round(load_at_start, 1),
             "false_deaths": sum(st["deaths"] for st in stats) if counted else None,
             "late_ticks": sum(st["late_ticks"] for st in stats) if counted else None,

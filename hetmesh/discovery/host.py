@@ -101,6 +101,11 @@ def new_mesh_host(
     from libp2p.security.noise.transport import Transport as NoiseTransport
 
     configure_libp2p_logging()
+    # py-libp2p's yamux answers every read with a window update (a frame of its
+    # own, encrypted and sent) unless told to batch them as go-yamux does (one per
+    # half window consumed); membership traffic is many small frames, and the
+    # per-read updates were ~a fifth of an idle node's CPU (py-spy, 16 nodes)
+    os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519().private_key)
     config = ConnectionConfig(
         max_connections_per_peer=1,
@@ -131,6 +136,18 @@ def new_mesh_host(
             return None
 
         auto.run_background_task = _no_background
+
+    # libp2p identifies both ends of every new connection (a stream each way and a
+    # signed peer record); our members learn addresses and protocols from their
+    # records, and at start-up on a loaded machine N nodes meeting at once spent
+    # seconds in it (the 3 s identify timeouts in their logs) while probes ran.
+    # The identify handler stays: a peer that asks is answered.
+    if hasattr(host, "_schedule_identify"):
+
+        def _no_identify(*_args: Any, **_kwargs: Any) -> None:
+            return None
+
+        host._schedule_identify = _no_identify
     return host
 
 

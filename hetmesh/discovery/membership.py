@@ -20,8 +20,11 @@ The protocol, per node and per ``interval_s``:
   times in a row is dead at once (a killed process refuses at once);
 - news (joins, suspicions, deaths, departures, record versions) rides
   piggybacked on every message, each rumor ``retransmit_mult * log N`` times;
-  deaths, suspicions and departures are also pushed at once to ``fanout``
-  members, so they spread in a few network hops, not a few periods.
+  deaths and departures are also pushed at once to ``fanout`` members by
+  each node that learns of them, so they spread in a few network hops, not a
+  few periods; a suspicion is pushed by its accuser only (the suspect has
+  ``suspicion_s`` to refute it, and an epidemic of pushes per suspicion fed
+  more suspicions on a starved machine).
 
 **Local health** (Lifeguard's idea, in our own shape): a node that is itself
 slow must not blame its peers. Signs that we are the slow one (a ``tick`` that
@@ -284,6 +287,18 @@ class Membership:
 
     def note_rejected(self) -> None:
         self.stats.rejected += 1
+
+    def note_sent(self, seq: int, now: float) -> None:
+        """Our PING ``seq`` left only at ``now`` (the driver first had to dial the
+        peer or open a stream to it): its timers count from then. Setting up our own
+        connection is not the peer's silence; a peer that never accepts it (frozen)
+        is never reported sent, and its probe times out as before."""
+        probe = self._probes.get(seq)
+        if probe is not None and now > probe.sent_at:
+            probe.sent_at = now
+        relay = self._relays.get(seq)
+        if relay is not None and now > relay.sent_at:
+            relay.sent_at = now
 
     def check(self, peer_id: PeerId, now: float) -> list[Message]:
         """Probe a live member now (e.g. its connection just dropped: killed, or not)."""
@@ -597,7 +612,14 @@ class Membership:
                 self.stats.refuted += 1
                 self._worse()  # others waited for us in vain: we answer late
                 self._spread(self._self_update(), urgent=True)
-                return self._push_urgent(now, ())
+                out = self._push_urgent(now, ())
+                # and straight to whoever accused us and whoever told us: the accuser's
+                # timer is the one running out, and a random push may miss it
+                told = {m.dst for m in out}
+                for peer in dict.fromkeys((update.accuser, via)):
+                    if peer and peer != self.self_id and peer not in told and peer in self._live_at:
+                        out.append(self._message(Kind.GOSSIP, peer))
+                return out
             return []
         entry = self.entries.get(update.peer_id)
         if entry is None:
@@ -634,7 +656,10 @@ class Membership:
             if entry.health is Health.ALIVE:
                 _rekey(entry, update.key)
                 self._suspect(entry, now, accuser)
-                return self._push_urgent(now, ())
+                # no push of our own: the accuser pushed it, and it rides on our
+                # messages; re-pushed by every adopter, one suspicion cost N x fanout
+                # messages, which on a starved machine bred the next suspicions
+                return []
             if entry.health is Health.SUSPECT and update.key > known:
                 _rekey(entry, update.key)
             if entry.health is Health.SUSPECT and update.key == (entry.boot_id, entry.incarnation):

@@ -29,6 +29,8 @@ from hetmesh.resources import PeerId
 
 log = logging.getLogger(__name__)
 
+_Item = tuple[bytes, Callable[[], None] | None]  # a frame, and what to call once written
+
 
 @dataclass(frozen=True, slots=True)
 class OutboxStatistics:
@@ -63,18 +65,25 @@ class Outbox:
         self.send_timeout_s = send_timeout_s
         self.idle_s = idle_s
         self.queue = queue
-        self._lanes: dict[PeerId, trio.MemorySendChannel[bytes]] = {}
+        self._lanes: dict[PeerId, trio.MemorySendChannel[_Item]] = {}
         self._sent = self._bytes = self._failures = self._dropped = self._opened = 0
 
-    def send(self, nursery: trio.Nursery, peer_id: PeerId, payload: bytes) -> None:
-        """Queue one frame for ``peer_id`` (never blocks)."""
+    def send(
+        self,
+        nursery: trio.Nursery,
+        peer_id: PeerId,
+        payload: bytes,
+        on_sent: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue one frame for ``peer_id`` (never blocks); ``on_sent`` runs once it is
+        written (after the dial and stream set-up a new lane needs), never if it fails."""
         lane = self._lanes.get(peer_id)
         if lane is None:
-            lane, recv = trio.open_memory_channel[bytes](self.queue)
+            lane, recv = trio.open_memory_channel[_Item](self.queue)
             self._lanes[peer_id] = lane
             nursery.start_soon(self._run, peer_id, lane, recv)
         try:
-            lane.send_nowait(payload)
+            lane.send_nowait((payload, on_sent))
         except trio.WouldBlock:
             self._dropped += 1
 
@@ -86,22 +95,25 @@ class Outbox:
     async def _run(
         self,
         peer_id: PeerId,
-        lane: trio.MemorySendChannel[bytes],
-        recv: trio.MemoryReceiveChannel[bytes],
+        lane: trio.MemorySendChannel[_Item],
+        recv: trio.MemoryReceiveChannel[_Item],
     ) -> None:
         stream: Any = None
         try:
             while True:
-                payload = b""
+                item: _Item | None = None
                 with trio.move_on_after(self.idle_s):
-                    payload = await recv.receive()
-                if not payload:
+                    item = await recv.receive()
+                if item is None:
                     # idle: retire the lane before any await, so no message is queued
                     # on it after this point (a later send opens a new lane)
                     if self._lanes.get(peer_id) is lane:
                         del self._lanes[peer_id]
                     return
+                payload, on_sent = item
                 stream = await self._write(peer_id, stream, payload)
+                if stream is not None and on_sent is not None:
+                    on_sent()
         finally:
             if self._lanes.get(peer_id) is lane:
                 del self._lanes[peer_id]

@@ -25,6 +25,7 @@ it reads comes from :meth:`Discovery.members`, :meth:`Discovery.view` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -76,7 +77,9 @@ MAX_LINK_REQUESTS = 256  # links one record asks others to measure
 # record version is pulled whole by every member (N-1 pulls): small moves are
 # published at most this often, larger ones at once (_devices_moved)
 DEVICE_REFRESH_S = 60.0
+DEVICE_MOVE_EVERY_S = 30.0
 BOOTSTRAP_ATTEMPTS = 3  # dial limits dial_timeout_s x 1, 2, 3
+HANG_UP_GRACE_S = 20.0  # a dead peer is forgotten (link, connection) after this, if still dead
 MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
 
@@ -179,9 +182,17 @@ class Discovery:
 
     def set_devices(self, devices: Sequence[DeviceProfile]) -> None:
         new, now = tuple(devices), time.monotonic()
-        fresh = now - self._devices_at < DEVICE_REFRESH_S
-        if self._devices and fresh and not _devices_moved(self._devices, new):
-            return  # keep the published figures: not worth a version every member pulls
+        age = now - self._devices_at
+        # only drifting figures moved: not worth a version every member pulls unless
+        # they moved far, and even then at most every DEVICE_MOVE_EVERY_S (a shared
+        # machine's utilisation swings by more than the margin at every update)
+        drift = bool(self._devices) and not _devices_reshaped(self._devices, new)
+        if (
+            drift
+            and age < DEVICE_REFRESH_S
+            and (age < DEVICE_MOVE_EVERY_S or not _devices_moved(self._devices, new))
+        ):
+            return
         self._devices, self._devices_at = new, now
 
     def set_data_plane(self, offer: dict[str, Any]) -> None:
@@ -550,20 +561,26 @@ class Discovery:
                 if held is None or held[0] != msg.record.order:
                     continue  # never relay a record we cannot show its origin signed
                 msg = replace(msg, record_blob=held[1], signature=held[2])
-            self._outbox.send(self._nursery, msg.dst, encode_message(msg))
+            on_sent = None
+            if msg.kind is Kind.PING:  # its timers start once it is on the wire
+                on_sent = functools.partial(self._ping_sent, msg.seq)
+            self._outbox.send(self._nursery, msg.dst, encode_message(msg), on_sent)
+
+    def _ping_sent(self, seq: int) -> None:
+        self.table.note_sent(seq, trio.current_time())
 
     def _emit(self, events: list[TableEvent]) -> None:
         for event in events:
             log.info("peer %s: %s -> %s", event.peer_id, event.old, event.new)
             if event.new is Health.ALIVE and event.old is not Health.SUSPECT:
                 self._probe_wanted.set()
-            if event.new in (Health.DEAD, Health.LEFT):
-                self._links.pop(event.peer_id, None)
-                self._link_samples.pop(event.peer_id, None)
-                self._signed.pop(event.peer_id, None)
-                self._links_wanted.discard(event.peer_id)
-                if self._nursery is not None and event.new is Health.DEAD:
-                    self._nursery.start_soon(self._hang_up, event.peer_id)
+            if event.new is Health.LEFT:
+                self._forget(event.peer_id)
+            elif event.new is Health.DEAD and self._nursery is not None:
+                # forgotten only if still dead after a grace: dropping its link at
+                # once made a new record version (pulled by every member) at each
+                # false death, and another when the link was measured again
+                self._nursery.start_soon(self._hang_up, event.peer_id)
             for send in list(self._subscribers):
                 try:
                     send.send_nowait(event)
@@ -620,9 +637,24 @@ class Discovery:
             self._read_link_requests()
             await trio.sleep(tick_s)
 
+    def _forget(self, peer_id: PeerId) -> None:
+        """Drop our link to a peer gone for good, and what we held to relay its record."""
+        self._links.pop(peer_id, None)
+        self._link_samples.pop(peer_id, None)
+        self._signed.pop(peer_id, None)
+        self._links_wanted.discard(peer_id)
+
     async def _hang_up(self, peer_id: PeerId) -> None:
+        """Forget a peer still dead after ``HANG_UP_GRACE_S`` and close its connection:
+        one buried while merely starved comes back on the connection it has (no new
+        handshake on two loaded ends) and with the link figures we published."""
         from libp2p.peer.id import ID
 
+        await trio.sleep(HANG_UP_GRACE_S)
+        entry = self.table.entries.get(peer_id)
+        if entry is not None and entry.health is not Health.DEAD:
+            return
+        self._forget(peer_id)
         with trio.move_on_after(1.0), contextlib.suppress(Exception):
             await self.host.disconnect(ID.from_base58(peer_id))
 
@@ -659,14 +691,20 @@ class Discovery:
             wait_s = (
                 self.config.link_probe_settle_s if follow_up else self.config.link_probe_interval_s
             )
+            changed = False
             with trio.move_on_after(wait_s):
                 await self._probe_wanted.wait()
                 await trio.sleep(0.5)  # let a burst of joins settle
-                follow_up = 2
+                follow_up, changed = 2, True
             self._probe_wanted = trio.Event()
+            periodic = not changed and not follow_up
             follow_up = max(follow_up - 1, 0)
             for entry in self.link_targets():
-                await self._probe_one(entry)
+                # a membership change measures only the links still new to us (two
+                # samples: one now, one once things settle); a peer that flaps back
+                # to alive keeps its figures until the periodic round
+                if periodic or len(self._link_samples.get(entry.peer_id, ())) < 2:
+                    await self._probe_one(entry)
 
     async def _probe_one(self, entry: PeerEntry) -> None:
         record = entry.record
@@ -804,18 +842,27 @@ class Discovery:
 _DRIFTING = frozenset({"memory_free_bytes", "utilisation", "cpu_freq_hz"})
 
 
+def _devices_reshaped(old: Sequence[DeviceProfile], new: Sequence[DeviceProfile]) -> bool:
+    """Whether anything but the drifting figures (free memory, utilisation, clock)
+    changed: another device list, a new benchmark."""
+    if len(old) != len(new):
+        return True
+    # field by field: a copy through dataclasses.replace would validate again
+    return any(
+        getattr(a, f.name) != getattr(b, f.name)
+        for a, b in zip(old, new, strict=True)
+        for f in fields(a)
+        if f.name not in _DRIFTING
+    )
+
+
 def _devices_moved(old: Sequence[DeviceProfile], new: Sequence[DeviceProfile]) -> bool:
     """Whether device figures changed enough for a record version: anything but free
     memory, utilisation and clock, free memory by 1 % of the total (at least 128 MiB),
     utilisation by 0.1, or the clock (which idles and boosts) by a quarter."""
-    if len(old) != len(new):
+    if _devices_reshaped(old, new):
         return True
     for a, b in zip(old, new, strict=True):
-        # field by field: a copy through dataclasses.replace would validate again
-        if any(
-            getattr(a, f.name) != getattr(b, f.name) for f in fields(a) if f.name not in _DRIFTING
-        ):
-            return True
         if abs(b.cpu_freq_hz - a.cpu_freq_hz) > 0.25 * max(a.cpu_freq_hz, 1.0):
             return True
         margin = max(0.01 * a.memory_total_bytes, 128 * 2**20)
