@@ -67,6 +67,7 @@ from hetmesh.transport.punch_plan import (
     PUNCH_KEY,
     AttemptSchedule,
     Candidate,
+    candidate_of,
     punch_pair,
 )
 from hetmesh.transport.shm import MAX_SEGMENTS, PeerMappings, ShmLink, packet_framer
@@ -267,7 +268,7 @@ class DataPlane:
         credential = Credential(
             theirs.credential_id, theirs.credential_secret, self.config.peer_id, theirs.peer_id
         )
-        choice = choose_backend(mine, theirs)
+        choice = _choose(relayed, mine, theirs)
         reason = choice.reason
         link: Link | None = None
         pair = punch_pair(relayed, choice.backend, mine.endpoints, theirs.endpoints)
@@ -285,6 +286,10 @@ class DataPlane:
                 reason = f"{choice.reason}; the control connection is relayed"
                 if pair is not None:
                     reason += "; hole punching failed"
+                elif reservation is None:
+                    reason += "; no hole punch (no public mapping known here)"
+                else:
+                    reason += "; no hole punch (the peer offered no candidate)"
         if link is None and choice.backend and choice.backend != "libp2p":
             try:
                 with trio.fail_after(timeout + self.config.torchdist_timeout_s):
@@ -443,7 +448,7 @@ class DataPlane:
         relayed = connection_is_relayed(getattr(control, "stream", None))
         reservation = self._reserve_punch(relayed)
         mine = self.offer(credential, punch=reservation[1] if reservation else None)
-        choice = choose_backend(theirs, mine)
+        choice = _choose(relayed, theirs, mine)
         pair = punch_pair(relayed, choice.backend, mine.endpoints, theirs.endpoints)
         send, receive = trio.open_memory_channel[Link](1)
         self._waiting[credential.credential_id] = _Waiting(choice, theirs.peer_id, receive, send)
@@ -700,6 +705,18 @@ def link_start(link: Link, blocking: bool, spin_us: float = 0.0) -> None:
         start(blocking, spin_us)
     elif blocking:
         raise LocalProtocolError(f"{link.backend} links have no blocking mode")
+
+
+def _choose(relayed: bool, dialer: Offer, listener: Offer) -> Choice:
+    """The backend rule, except that a link both ends would hole-punch is plain tcp
+    (a punched socket carries no shm doorbell nor torchdist store)."""
+    both = candidate_of(dialer.endpoints) and candidate_of(listener.endpoints)
+    if relayed and both:
+        from dataclasses import replace
+
+        dialer = replace(dialer, deny=(*dialer.deny, "shm", "torchdist"))
+        listener = replace(listener, deny=(*listener.deny, "shm", "torchdist"))
+    return choose_backend(dialer, listener)
 
 
 def _only_libp2p(offer: Offer) -> Offer:

@@ -184,11 +184,14 @@ def test_homes_serve_the_default_model_through_the_relay_like_one_process(
     assert lines, out.stderr.decode()[-3000:]
     assert "error" not in lines[0], lines[0]
     assert lines[0]["tokens"] == reference["tokens"]
-    # the data-plane link between the homes rode the relayed connection from the start:
-    # no direct endpoint of the other home was dialled
+    # the homes met over the relayed connection and the data-plane link between them
+    # was hole-punched through both (cone) routers: no direct endpoint of the other
+    # home was dialled blindly, and no link stayed on the relayed stream
     logs = home0.log() + home1.log()
     assert "the control connection is relayed" in logs
     assert "fell back after" not in logs
+    assert "hole-punched" in logs
+    assert "hole punching failed" not in logs
 
 
 def test_the_relayed_link_is_measured_over_the_relayed_path(

@@ -113,15 +113,19 @@ def test_simultaneous_open_gives_up_after_the_schedule() -> None:
         nobody.close()
 
 
+def _loose_candidate(endpoints: Any) -> Candidate | None:
+    # loopback stands in for two routers' public addresses here
+    text = dict(endpoints).get(PUNCH_KEY)
+    if not text:
+        return None
+    ip, _, port = text.rpartition(":")
+    return Candidate(ip, int(port))
+
+
 def _loose_pair(
     relayed: bool, backend: str, mine: tuple[tuple[str, str], ...], theirs: Any
 ) -> tuple[Candidate, Candidate] | None:
-    # loopback stands in for two routers' public addresses here
-    def cand(endpoints: Any) -> Candidate | None:
-        text = dict(endpoints).get(PUNCH_KEY)
-        return Candidate(*text.split(":")[:1], int(text.split(":")[1])) if text else None
-
-    ours, other = cand(mine), cand(theirs)
+    ours, other = _loose_candidate(mine), _loose_candidate(theirs)
     return (ours, other) if relayed and backend == "tcp" and ours and other else None
 
 
@@ -165,10 +169,13 @@ async def test_a_relayed_link_is_hole_punched_sealed_tcp_or_stays_on_the_stream(
     monkeypatch.setattr(dataplane_module, "punchable_host", lambda _host: True)
     monkeypatch.setattr(dataplane_module, "public_ip", lambda: "127.0.0.1" if punchable else None)
     monkeypatch.setattr(dataplane_module, "punch_pair", _loose_pair)
+    monkeypatch.setattr(dataplane_module, "candidate_of", _loose_candidate)
     monkeypatch.setattr(dataplane_module, "simultaneous_open", _loopback_open)
     schedule = AttemptSchedule(attempts=20, timeout_s=0.5)
     common: dict[str, Any] = {
-        "backends": ("tcp", "libp2p"),
+        # torchdist (gloo) would win a direct link: a punched one is plain tcp
+        "backends": ("torchdist", "tcp", "libp2p"),
+        "gloo": True,
         "tcp_encryption": "always",
         "punch_schedule": schedule,
     }
