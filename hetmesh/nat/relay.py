@@ -43,12 +43,14 @@ from hetmesh.nat.p2p_probe import P2P_PROBE_PROTOCOL, handle_p2p_probe, probe_ov
 from hetmesh.nat.reachability import (
     BEHIND_NAT,
     PUBLIC,
+    PUNCHED_KEY,
     RELAY_KEY,
     RELAYED_KEY,
     VIA_KEY,
     reach_of,
 )
 from hetmesh.nat.relay_limits import RelayBook, RelayLimits
+from hetmesh.transport.punch import punched_peers
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -314,6 +316,8 @@ class RelayClient:
                 del self._relayed[peer]
         relayed = sorted(self._relayed)[:MAX_RELAYED_ANNOUNCED]
         self.discovery.set_extra(RELAYED_KEY, relayed)
+        # whose relayed connection carries a hole-punched data plane beside it
+        self.discovery.set_extra(PUNCHED_KEY, punched_peers()[:MAX_RELAYED_ANNOUNCED])
 
     async def dial_via_relay(self, peer_info: Any, timeout_s: float) -> bool:
         """Connect to a member through the relay it announces; False if it has none."""

@@ -61,7 +61,13 @@ from hetmesh.transport.links import (
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
 from hetmesh.transport.p2p import connection_is_relayed
-from hetmesh.transport.punch import public_ip, punchable_host, reserve_port, simultaneous_open
+from hetmesh.transport.punch import (
+    note_punched,
+    public_ip,
+    punchable_host,
+    reserve_port,
+    simultaneous_open,
+)
 from hetmesh.transport.punch_plan import (
     DEFAULT_SCHEDULE,
     PUNCH_KEY,
@@ -210,6 +216,8 @@ class DataPlane:
         link.reason = reason
         self._opened[link.backend.value] = self._opened.get(link.backend.value, 0) + 1
         self._choices.append(f"{link.remote_peer_id}: {reason}")
+        if "hole-punched" in reason:  # status marks the link (hetmesh.nat.relay publishes it)
+            note_punched(link.remote_peer_id, lambda: not link.statistics().closed)
         log.info("data-plane link to %s: %s", link.remote_peer_id, reason)
         return link
 

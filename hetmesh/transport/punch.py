@@ -19,12 +19,15 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 from hetmesh.transport.punch_plan import AttemptSchedule, Candidate
 
 log = logging.getLogger(__name__)
 
 _public_ip: str | None = None
+# the hole-punched links this process holds: (peer id, "is it still open?")
+_punched: list[tuple[str, Callable[[], bool]]] = []
 
 
 def set_public_ip(ip: str | None) -> None:
@@ -35,6 +38,17 @@ def set_public_ip(ip: str | None) -> None:
 
 def public_ip() -> str | None:
     return _public_ip
+
+
+def note_punched(peer_id: str, is_open: Callable[[], bool]) -> None:
+    """Remember a hole-punched link to ``peer_id`` while ``is_open()`` (for status)."""
+    _punched.append((peer_id, is_open))
+
+
+def punched_peers() -> list[str]:
+    """The peers this node holds an open hole-punched data-plane link to, sorted."""
+    _punched[:] = [(peer, is_open) for peer, is_open in _punched if is_open()]
+    return sorted({peer for peer, _ in _punched})
 
 
 def punchable_host(host: str) -> bool:
@@ -96,4 +110,12 @@ def simultaneous_open(
     return None
 
 
-__all__ = ["public_ip", "punchable_host", "reserve_port", "set_public_ip", "simultaneous_open"]
+__all__ = [
+    "note_punched",
+    "public_ip",
+    "punchable_host",
+    "punched_peers",
+    "reserve_port",
+    "set_public_ip",
+    "simultaneous_open",
+]

@@ -11,10 +11,12 @@ import torch
 import trio
 import trio.testing
 
+from hetmesh.cli.status import render_status
+from hetmesh.nat.reachability import PUNCHED_KEY, RELAYED_KEY, link_kind
 from hetmesh.transport import Activations, DataPlaneConfig, open_data_plane
 from hetmesh.transport import dataplane as dataplane_module
 from hetmesh.transport.links import TcpLink
-from hetmesh.transport.punch import reserve_port, simultaneous_open
+from hetmesh.transport.punch import note_punched, punched_peers, reserve_port, simultaneous_open
 from hetmesh.transport.punch_plan import (
     PUNCH_KEY,
     AttemptSchedule,
@@ -136,21 +138,27 @@ def _loopback_open(
     connecting is refused at once instead of dropped: the lower port listens on its
     reserved port and the other connects to it (the real simultaneous open through
     routers: tests/integration/nat/test_punch_testbed.py)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(local)
-    sock.settimeout(schedule.total_s)
+
+    def bound() -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(local)
+        sock.settimeout(schedule.total_s)
+        return sock
+
     if local[1] < remote.port:
-        sock.listen(1)
-        with sock:
-            conn, _ = sock.accept()
+        with bound() as server:
+            server.listen(1)
+            conn, _ = server.accept()
         conn.settimeout(None)
         return conn
     for _ in range(schedule.attempts):
+        sock = bound()  # a socket whose connect failed cannot connect again
         try:
             sock.connect((remote.ip, remote.port))
         except ConnectionRefusedError:
+            sock.close()
             time.sleep(schedule.timeout_s)
             continue
         sock.settimeout(None)
@@ -214,3 +222,42 @@ async def test_a_relayed_link_is_hole_punched_sealed_tcp_or_stays_on_the_stream(
         finally:
             await link_a.aclose()
             await link_b.aclose()
+
+
+def test_link_kind_is_hole_punched_when_either_end_holds_a_punched_link() -> None:
+    relayed_both = {RELAYED_KEY: ["B"]}
+    assert link_kind("A", {"extra": {**relayed_both, PUNCHED_KEY: ["B"]}}, "B", {}) == (
+        "hole-punched"
+    )
+    assert link_kind("A", {}, "B", {"extra": {PUNCHED_KEY: ["A"]}}) == "hole-punched"
+    # punched towards someone else: this pair's connection is still relayed
+    assert link_kind("A", {"extra": {**relayed_both, PUNCHED_KEY: ["C"]}}, "B", {}) == "relayed"
+    assert link_kind("A", {"extra": {PUNCHED_KEY: "B"}}, "B", {}) == "direct"
+
+
+def test_status_marks_a_hole_punched_link() -> None:
+    home0, home1 = "12D3KooWhome0000", "12D3KooWhome1111"
+
+    def peer(pid: str, extra: dict[str, object]) -> dict[str, object]:
+        record = {"addrs": [f"/ip4/10.0.0.2/tcp/4001/p2p/{pid}"], "extra": extra}
+        return {"peer_id": pid, "health": "alive", "record": record}
+
+    view = {
+        "self": home0,
+        "peers": [
+            peer(home0, {RELAYED_KEY: [home1], PUNCHED_KEY: [home1]}),
+            peer(home1, {RELAYED_KEY: [home0], PUNCHED_KEY: [home0]}),
+        ],
+        "links": [{"src": home0, "dst": home1, "rtt_s": 0.002, "bandwidth_bps": 1e7}],
+    }
+    text = render_status(view, width=250)
+    assert "(hole-punched)" in text
+    assert text.count("(relayed)") == 1  # the caption's legend only, not the link
+
+
+def test_punched_peers_forgets_closed_links() -> None:
+    state = {"open": True}
+    note_punched("P1", lambda: state["open"])
+    assert "P1" in punched_peers()
+    state["open"] = False
+    assert "P1" not in punched_peers()
