@@ -40,6 +40,7 @@ from hetmesh.discovery.host import dial, guarded_handler, set_dial_fallback
 from hetmesh.discovery.probe import LinkMeasurement
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
 from hetmesh.nat.p2p_probe import P2P_PROBE_PROTOCOL, handle_p2p_probe, probe_over_libp2p
+from hetmesh.nat.punch_probe import PUNCH_PROBE_PROTOCOL, probe_over_punch, punch_probe_handler
 from hetmesh.nat.reachability import (
     BEHIND_NAT,
     PUBLIC,
@@ -140,6 +141,7 @@ class RelayClient:
         self._offering = False
         # peers our connection to runs through a relay -> when it was made
         self._relayed: dict[str, float] = {}
+        self._punch_measured: set[str] = set()  # peers whose link a punched probe measured
 
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(
@@ -354,6 +356,22 @@ class RelayClient:
         return True
 
     async def _probe_link(self, peer_id: str, nbytes: int) -> LinkMeasurement:
+        if peer_id in punched_peers():
+            # the data plane to it is hole-punched: measure that path, not the relay's
+            try:
+                measured = await probe_over_punch(self.discovery, peer_id, nbytes=nbytes)
+            except MeshError as exc:
+                log.info("punched link probe to %s failed (%r): probing over libp2p", peer_id, exc)
+            else:
+                if peer_id not in self._punch_measured:
+                    self._punch_measured.add(peer_id)
+                    log.info(
+                        "link to %s measured over the hole-punched path: %.3f ms, %.2f MB/s",
+                        peer_id,
+                        measured.rtt_s * 1e3,
+                        measured.bandwidth_bps / 1e6,
+                    )
+                return measured
         return await probe_over_libp2p(self.discovery, peer_id, nbytes=nbytes)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -371,6 +389,10 @@ class RelayClient:
         # links no TCP probe reaches (a member behind NAT) are measured over libp2p
         host.set_stream_handler(
             TProtocol(P2P_PROBE_PROTOCOL), guarded_handler(P2P_PROBE_PROTOCOL, handle_p2p_probe)
+        )
+        host.set_stream_handler(
+            TProtocol(PUNCH_PROBE_PROTOCOL),
+            guarded_handler(PUNCH_PROBE_PROTOCOL, punch_probe_handler(self.discovery)),
         )
         self.discovery.link_prober = self._probe_link
         task_status.started()

@@ -204,6 +204,14 @@ def test_homes_serve_the_default_model_through_the_relay_like_one_process(
         return kind == "hole-punched"
 
     wait_for(punched, 60, "status to mark the homes' link hole-punched", every_s=2.0)
+    # the link probe between them follows the data plane onto a punched path of its own
+    # (hetmesh.nat.punch_probe), so the planner prices the path the tensors take
+    wait_for(
+        lambda: "measured over the hole-punched path" in home0.log() + home1.log(),
+        150,
+        "a link probe over the hole-punched path",
+        every_s=2.0,
+    )
 
 
 def test_the_relayed_link_is_measured_over_the_relayed_path(

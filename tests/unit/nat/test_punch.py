@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import Any
 
@@ -12,6 +13,8 @@ import trio
 import trio.testing
 
 from hetmesh.cli.status import render_status
+from hetmesh.errors import RemoteProtocolError
+from hetmesh.nat.punch_probe import _answer, _measure, local_host
 from hetmesh.nat.reachability import PUNCHED_KEY, RELAYED_KEY, link_kind
 from hetmesh.transport import Activations, DataPlaneConfig, open_data_plane
 from hetmesh.transport import dataplane as dataplane_module
@@ -261,3 +264,44 @@ def test_punched_peers_forgets_closed_links() -> None:
     assert "P1" in punched_peers()
     state["open"] = False
     assert "P1" not in punched_peers()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname()[:2], timeout=30)
+        accepted, _ = server.accept()
+    return client, accepted
+
+
+def test_punch_probe_measures_over_a_socket_and_demands_the_token() -> None:
+    """The probe's two sides on a connected socket pair (what a punch hands them)."""
+    token = b"t" * 16
+    asker, answerer = _tcp_pair()
+    done: dict[str, BaseException | None] = {}
+
+    def answer() -> None:
+        try:
+            _answer(answerer, token)
+            done["error"] = None
+        except BaseException as exc:
+            done["error"] = exc
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    measured = _measure(asker, token, 1 << 20)
+    thread.join(30)
+    assert done == {"error": None}
+    assert measured.rtt_s > 0
+    assert measured.bandwidth_bps > 0
+    # a connection that does not open with the token is dropped before any measurement
+    stranger, answerer = _tcp_pair()
+    stranger.sendall(b"x" * 16)
+    with pytest.raises(RemoteProtocolError, match="token"):
+        _answer(answerer, token)
+    stranger.close()
+
+
+def test_punch_probe_binds_to_the_first_routable_announced_address() -> None:
+    addrs = ["/ip4/127.0.0.1/tcp/4001", "/ip4/0.0.0.0/tcp/4001", "/ip4/10.150.0.2/tcp/4001"]
+    assert local_host(addrs) == "10.150.0.2"
+    assert local_host(["/ip4/127.0.0.1/tcp/4001", "/dns4/x/tcp/1"]) is None
