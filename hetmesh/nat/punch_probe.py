@@ -50,6 +50,9 @@ _LEN = struct.Struct(">Q")
 _SECONDS = struct.Struct(">d")
 _CHUNK = 256 * 1024
 _IO_TIMEOUT_S = 30.0
+# punched probes answered at once (each holds a worker thread for up to ~10 s):
+# more are told "-" (no candidate), and the asker probes over libp2p instead
+MAX_CONCURRENT_ANSWERS = 2
 
 
 def local_host(addrs: Any) -> str | None:
@@ -171,7 +174,10 @@ async def probe_over_punch(
     Raises :class:`PeerUnreachable` (no candidate, a failed punch, a timeout)
     or :class:`RemoteProtocolError`.
     """
-    reservation = _reserve(discovery)
+    try:
+        reservation = _reserve(discovery)
+    except OSError as exc:
+        raise PeerUnreachable(f"no local port to punch from: {exc!r}") from exc
     if reservation is None:
         raise PeerUnreachable("no public mapping known here: nothing to punch from")
     reserved, mine = reservation
@@ -204,6 +210,7 @@ async def probe_over_punch(
 
 def punch_probe_handler(discovery: Discovery) -> Any:
     """The answerer's libp2p handler (wrap it with ``guarded_handler``)."""
+    busy = {"answers": 0}
 
     async def handle(stream: Any) -> None:
         with trio.fail_after(_IO_TIMEOUT_S + DEFAULT_SCHEDULE.total_s):
@@ -213,14 +220,20 @@ def punch_probe_handler(discovery: Discovery) -> Any:
                 token = bytes.fromhex(token_hex)
             except ValueError:
                 token = b""
-            reservation = _reserve(discovery) if theirs and len(token) == _TOKEN_BYTES else None
+            free = busy["answers"] < MAX_CONCURRENT_ANSWERS
+            wanted = theirs is not None and len(token) == _TOKEN_BYTES and free
+            reservation = _reserve(discovery) if wanted else None
             await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
             await stream.close()
             if reservation is None or theirs is None:
                 return
-            sock = await _punch(reservation[0], theirs)
-            if sock is not None:
-                await in_thread(_answer, sock, token)
+            busy["answers"] += 1
+            try:
+                sock = await _punch(reservation[0], theirs)
+                if sock is not None:
+                    await in_thread(_answer, sock, token)
+            finally:
+                busy["answers"] -= 1
 
     return handle
 
