@@ -142,6 +142,7 @@ class RelayClient:
         # peers our connection to runs through a relay -> when it was made
         self._relayed: dict[str, float] = {}
         self._punch_measured: set[str] = set()  # peers whose link a punched probe measured
+        self._punched_seen: set[str] = set()  # punched peers at the last publication
 
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(
@@ -319,7 +320,15 @@ class RelayClient:
         relayed = sorted(self._relayed)[:MAX_RELAYED_ANNOUNCED]
         self.discovery.set_extra(RELAYED_KEY, relayed)
         # whose relayed connection carries a hole-punched data plane beside it
-        self.discovery.set_extra(PUNCHED_KEY, punched_peers()[:MAX_RELAYED_ANNOUNCED])
+        punched = punched_peers()[:MAX_RELAYED_ANNOUNCED]
+        self.discovery.set_extra(PUNCHED_KEY, punched)
+        if set(punched) - self._punched_seen:
+            # a link just moved onto a punched path: measure it now rather than at the
+            # next periodic probe (discovery's membership-change trigger; no public hook)
+            wanted = getattr(self.discovery, "_probe_wanted", None)
+            if wanted is not None:
+                wanted.set()
+        self._punched_seen = set(punched)
 
     async def dial_via_relay(self, peer_info: Any, timeout_s: float) -> bool:
         """Connect to a member through the relay it announces; False if it has none."""
