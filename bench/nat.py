@@ -19,7 +19,11 @@ Reported (the flat mesh is the baseline, measured in the same run):
   uplink's 12.5 MB/s (report);
 - ``join_to_planned_s``: from starting the second home node to a ready plan
   over both homes (report);
-- ``punched_link_utilisation``: null — hole punching is not implemented.
+- ``punched_link_utilisation``: bytes/s between the two homes over a TCP
+  connection hole-punched through both routers (hetmesh.transport.punch, the
+  path a punched data-plane link takes; raw bytes, median of ``--punch-runs``
+  transfers of ``--punch-mib`` MiB) ÷ the uplink's 12.5 MB/s (target ≥ 0.8).
+  ``--punch-only`` measures just this (no model, seconds).
 
 Load on the machine (``os.getloadavg``) is printed with the figures.
 """
@@ -37,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from hetmesh.testbed.mesh import HostSpec, open_mesh_testbed, why_no_testbed
-from hetmesh.testbed.nat import nat_unavailable_reason
+from hetmesh.testbed.nat import nat_unavailable_reason, open_nat_testbed, try_punch
 from hetmesh.testbed.nat_mesh import open_nat_mesh
 
 RATE = "100mbit"
@@ -88,6 +92,20 @@ def run_nat(workdir: Path, tokens: int, runs: int) -> dict[str, Any]:
         }
 
 
+def run_punch(mib: int, runs: int) -> dict[str, Any]:
+    """Throughput from home 0 to home 1 over connections punched through both routers."""
+    nbytes = mib << 20
+    rates: list[float] = []
+    with open_nat_testbed(2, rate=RATE) as bed:
+        home0, home1 = bed.homes
+        for i in range(runs):
+            sent, got = try_punch(bed, home0, home1, port=41000 + i, nbytes=nbytes)
+            if not (sent.get("ok") and got.get("received") == nbytes):
+                raise RuntimeError(f"hole punching between the homes failed: {sent} {got}")
+            rates.append(nbytes / float(sent["seconds"]))
+    return {"punched_link_bps": statistics.median(rates), "punched_link_runs_bps": rates}
+
+
 def run_flat(workdir: Path, tokens: int, runs: int) -> dict[str, Any]:
     specs = [
         HostSpec(rate=RATE, args=("--no-serve",)),
@@ -113,6 +131,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--punch-mib", type=int, default=32)
+    parser.add_argument("--punch-runs", type=int, default=3)
+    parser.add_argument("--punch-only", action="store_true", help="only the punched link")
     args = parser.parse_args()
     reason = nat_unavailable_reason(need_tc=True) or why_no_testbed()
     if reason:
@@ -122,13 +143,25 @@ def main() -> int:
     (workdir / "nat").mkdir(parents=True, exist_ok=True)
     (workdir / "flat").mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
+    punch = run_punch(args.punch_mib, args.punch_runs)
+    if args.punch_only:
+        out = {
+            "punched_link_utilisation": punch["punched_link_bps"] / RATE_BPS,
+            **punch,
+            "punch_mib": args.punch_mib,
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        }
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        return 0
     nat = run_nat(workdir / "nat", args.tokens, args.runs)
     flat = run_flat(workdir / "flat", args.tokens, args.runs)
     relayed = nat["relayed_link_bps"]
     out = {
         "nat_decode_ratio": nat["decode_tps"] / flat["decode_tps"],
         "relayed_link_utilisation": None if relayed is None else relayed / RATE_BPS,
-        "punched_link_utilisation": None,  # no hole punching yet
+        "punched_link_utilisation": punch["punched_link_bps"] / RATE_BPS,
+        "punched_link_bps": punch["punched_link_bps"],
         "join_to_planned_s": nat["join_to_planned_s"],
         "nat_decode_tps": nat["decode_tps"],
         "flat_decode_tps": flat["decode_tps"],

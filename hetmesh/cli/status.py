@@ -97,7 +97,8 @@ def status_renderable(view: dict[str, Any]) -> Group:
     matrix = Table(
         title="links (row → column): RTT, bandwidth",
         caption="measured by the row's peer; ≈ estimated from a measured link on the same "
-        "host or subnet; ? unknown; (relayed) through a relay",
+        "host or subnet; ? unknown; (relayed) through a relay; (hole-punched) direct "
+        "through both NAT routers",
     )
     matrix.add_column("from \\ to")
     for pid in ids:
@@ -117,8 +118,9 @@ def status_renderable(view: dict[str, Any]) -> Group:
                 rtt_ms = float(link["rtt_s"]) * 1e3
                 bandwidth = _si(float(link["bandwidth_bps"]), "B/s")
                 cells.append(f"{mark}{rtt_ms:.2f} ms, {bandwidth}")
-            if src != dst and link_kind(src, records[src], dst, records[dst]) == "relayed":
-                cells[-1] += " (relayed)"
+            kind = "direct" if src == dst else link_kind(src, records[src], dst, records[dst])
+            if kind != "direct":
+                cells[-1] += f" ({kind})"
         matrix.add_row(short_id(src), *cells)
     summary = view.get("summary")
     if not isinstance(summary, dict):

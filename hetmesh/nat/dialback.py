@@ -51,6 +51,7 @@ from hetmesh.nat.reachability import (
     verdict,
 )
 from hetmesh.transport.p2p import connection_is_relayed
+from hetmesh.transport.punch import set_public_ip
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -190,8 +191,11 @@ class Reachability:
                 nursery.start_soon(self._ask, peer_id, request, replies)
         reach = verdict(list(replies.values()))
         self._reached_by = tuple(sorted(p for p, r in replies.items() if r.reached))
+        observed = sorted({r.observed for r in replies.values() if r.observed})
+        # behind NAT, the IP members see us from is our side of a hole punch
+        if reach != UNKNOWN:
+            set_public_ip(observed[0] if reach == BEHIND_NAT and len(observed) == 1 else None)
         if reach != self.reach:
-            observed = sorted({r.observed for r in replies.values() if r.observed})
             log.info("reachability: %s (members seeing us from %s)", reach, observed or "?")
         self.reach = reach
         self._nat_rounds = self._nat_rounds + 1 if reach == BEHIND_NAT else 0

@@ -29,6 +29,7 @@ EXTRA_KEY = "reach"  # the record's extra field carrying the verdict
 RELAY_KEY = "relay"  # 1 while the member offers relay slots
 VIA_KEY = "via"  # the relay a member behind NAT is reachable through
 RELAYED_KEY = "relayed"  # members its connection to runs through a relay
+PUNCHED_KEY = "punched"  # members it holds a hole-punched data-plane link to
 
 PUBLIC = "public"
 BEHIND_NAT = "behind NAT"
@@ -181,7 +182,13 @@ def reach_text(record: Mapping[str, Any]) -> str:
 def link_kind(
     src: str, src_record: Mapping[str, Any], dst: str, dst_record: Mapping[str, Any]
 ) -> str:
-    """``relayed`` when either end announces their connection runs through a relay."""
+    """``hole-punched`` when either end announces a hole-punched data-plane link to the
+    other, else ``relayed`` when either announces their connection runs through a
+    relay, else ``direct``."""
+    for peer, record in ((dst, src_record), (src, dst_record)):
+        punched = _extra(record).get(PUNCHED_KEY)
+        if isinstance(punched, list) and peer in punched:
+            return "hole-punched"
     for peer, record in ((dst, src_record), (src, dst_record)):
         relayed = _extra(record).get(RELAYED_KEY)
         if isinstance(relayed, list) and peer in relayed:
@@ -220,6 +227,7 @@ __all__ = [
     "DIALBACK_PROTOCOL",
     "EXTRA_KEY",
     "PUBLIC",
+    "PUNCHED_KEY",
     "RELAYED_KEY",
     "RELAY_KEY",
     "UNKNOWN",

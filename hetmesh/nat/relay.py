@@ -40,15 +40,18 @@ from hetmesh.discovery.host import dial, guarded_handler, set_dial_fallback
 from hetmesh.discovery.probe import LinkMeasurement
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
 from hetmesh.nat.p2p_probe import P2P_PROBE_PROTOCOL, handle_p2p_probe, probe_over_libp2p
+from hetmesh.nat.punch_probe import PUNCH_PROBE_PROTOCOL, probe_over_punch, punch_probe_handler
 from hetmesh.nat.reachability import (
     BEHIND_NAT,
     PUBLIC,
+    PUNCHED_KEY,
     RELAY_KEY,
     RELAYED_KEY,
     VIA_KEY,
     reach_of,
 )
 from hetmesh.nat.relay_limits import RelayBook, RelayLimits
+from hetmesh.transport.punch import punched_peers
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -138,6 +141,8 @@ class RelayClient:
         self._offering = False
         # peers our connection to runs through a relay -> when it was made
         self._relayed: dict[str, float] = {}
+        self._punch_measured: set[str] = set()  # peers whose link a punched probe measured
+        self._punched_seen: set[str] = set()  # punched peers at the last publication
 
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(
@@ -314,6 +319,16 @@ class RelayClient:
                 del self._relayed[peer]
         relayed = sorted(self._relayed)[:MAX_RELAYED_ANNOUNCED]
         self.discovery.set_extra(RELAYED_KEY, relayed)
+        # whose relayed connection carries a hole-punched data plane beside it
+        punched = punched_peers()[:MAX_RELAYED_ANNOUNCED]
+        self.discovery.set_extra(PUNCHED_KEY, punched)
+        if set(punched) - self._punched_seen:
+            # a link just moved onto a punched path: measure it now rather than at the
+            # next periodic probe (discovery's membership-change trigger; no public hook)
+            wanted = getattr(self.discovery, "_probe_wanted", None)
+            if wanted is not None:
+                wanted.set()
+        self._punched_seen = set(punched)
 
     async def dial_via_relay(self, peer_info: Any, timeout_s: float) -> bool:
         """Connect to a member through the relay it announces; False if it has none."""
@@ -350,6 +365,22 @@ class RelayClient:
         return True
 
     async def _probe_link(self, peer_id: str, nbytes: int) -> LinkMeasurement:
+        if peer_id in punched_peers():
+            # the data plane to it is hole-punched: measure that path, not the relay's
+            try:
+                measured = await probe_over_punch(self.discovery, peer_id, nbytes=nbytes)
+            except MeshError as exc:
+                log.info("punched link probe to %s failed (%r): probing over libp2p", peer_id, exc)
+            else:
+                if peer_id not in self._punch_measured:
+                    self._punch_measured.add(peer_id)
+                    log.info(
+                        "link to %s measured over the hole-punched path: %.3f ms, %.2f MB/s",
+                        peer_id,
+                        measured.rtt_s * 1e3,
+                        measured.bandwidth_bps / 1e6,
+                    )
+                return measured
         return await probe_over_libp2p(self.discovery, peer_id, nbytes=nbytes)
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -367,6 +398,10 @@ class RelayClient:
         # links no TCP probe reaches (a member behind NAT) are measured over libp2p
         host.set_stream_handler(
             TProtocol(P2P_PROBE_PROTOCOL), guarded_handler(P2P_PROBE_PROTOCOL, handle_p2p_probe)
+        )
+        host.set_stream_handler(
+            TProtocol(PUNCH_PROBE_PROTOCOL),
+            guarded_handler(PUNCH_PROBE_PROTOCOL, punch_probe_handler(self.discovery)),
         )
         self.discovery.link_prober = self._probe_link
         task_status.started()

@@ -37,13 +37,19 @@ from typing import Any
 
 from hetmesh.testbed.netns import NETNS_DIR, _kill, _run, unavailable_reason
 
-# new connections from the WAN never enter a home; replies to what a home host opened do
+# new connections from the WAN never enter a home; replies to what a home host opened do.
+# Like most home routers, an unsolicited SYN to the router itself is dropped, not
+# answered with a reset (a reset would abort a hole punch's first, early SYN)
 _ROUTER_RULES = """
 table ip hmnat {{
   chain forward {{
     type filter hook forward priority 0; policy drop;
     ct state established,related accept
     iifname "lan0" oifname "wan0" accept
+  }}
+  chain input {{
+    type filter hook input priority 0; policy accept;
+    iifname "wan0" ct state new tcp flags & (syn | ack) == syn drop
   }}
   chain postrouting {{
     type nat hook postrouting priority 100; policy accept;
@@ -197,6 +203,100 @@ def udp_mappings(bed: NatTestbed, src: NatHost, dst: NatHost) -> tuple[str, str]
     return first, second
 
 
+# One side of a hole punch (hetmesh.transport.punch) from a fixed local port: says
+# "ready" once imported, reads the shared start (a CLOCK_MONOTONIC time) on stdin,
+# punches, then sends (or receives) the given bytes and prints one JSON line
+_PUNCH = """
+import json, socket, sys, time
+from hetmesh.transport.punch import simultaneous_open
+from hetmesh.transport.punch_plan import AttemptSchedule, Candidate
+local_ip, local_port, remote_ip, remote_port, role, nbytes = sys.argv[1:7]
+nbytes = int(nbytes)
+print("ready", flush=True)
+start = float(sys.stdin.readline())
+schedule = AttemptSchedule()
+sock = simultaneous_open(
+    (local_ip, int(local_port)), Candidate(remote_ip, int(remote_port)), schedule, clock=start
+)
+if sock is None:
+    print(json.dumps({"ok": False}), flush=True)
+    sys.exit(0)
+result = {"ok": True, "local": sock.getsockname()[1], "peer": list(sock.getpeername())}
+sock.settimeout(120)
+chunk = bytearray(1 << 20)
+if role == "send":
+    t0 = time.monotonic()
+    left = nbytes
+    while left > 0:
+        left -= sock.send(memoryview(chunk)[: min(left, len(chunk))])
+    sock.recv(1)  # the receiver's acknowledgement: everything arrived
+    result["seconds"] = time.monotonic() - t0
+else:
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(chunk)
+        if not n:
+            break
+        got += n
+    result["received"] = got
+    sock.sendall(b"k")
+sock.close()
+print(json.dumps(result), flush=True)
+"""
+
+
+def try_punch(
+    bed: NatTestbed,
+    a: NatHost,
+    b: NatHost,
+    *,
+    port: int,
+    nbytes: int = 0,
+    timeout_s: float = 90.0,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both home hosts punch from local ``port`` to the other's router at that port at
+    once (the candidate a port-preserving router gives); ``a`` then sends ``nbytes`` to
+    ``b``. Returns each side's JSON report (``ok``, ``peer``, and ``seconds`` on ``a``)."""
+    import json
+    import time
+
+    procs = [
+        bed.popen(
+            host,
+            [
+                sys.executable,
+                "-c",
+                _PUNCH,
+                host.ip,
+                str(port),
+                other.public_ip,
+                str(port),
+                role,
+                str(nbytes),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for host, other, role in ((a, b, "send"), (b, a, "receive"))
+    ]
+    for proc in procs:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("a punch helper did not start")
+    start = time.monotonic() + 0.3  # one clock for both namespaces' processes
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{start}\n")
+        proc.stdin.flush()
+    reports = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=timeout_s)
+        lines = [x for x in out.splitlines() if x.startswith("{")]
+        reports.append(json.loads(lines[-1]) if lines else {"ok": False, "error": out[-500:]})
+    return reports[0], reports[1]
+
+
 @contextlib.contextmanager
 def open_nat_testbed(
     homes: int = 2,
@@ -315,5 +415,6 @@ __all__ = [
     "nat_unavailable_reason",
     "open_nat_testbed",
     "try_dial",
+    "try_punch",
     "udp_mappings",
 ]

@@ -61,6 +61,21 @@ from hetmesh.transport.links import (
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
 from hetmesh.transport.p2p import connection_is_relayed
+from hetmesh.transport.punch import (
+    note_punched,
+    public_ip,
+    punchable_host,
+    reserve_port,
+    simultaneous_open,
+)
+from hetmesh.transport.punch_plan import (
+    DEFAULT_SCHEDULE,
+    PUNCH_KEY,
+    AttemptSchedule,
+    Candidate,
+    candidate_of,
+    punch_pair,
+)
 from hetmesh.transport.shm import MAX_SEGMENTS, PeerMappings, ShmLink, packet_framer
 
 log = logging.getLogger(__name__)
@@ -119,6 +134,10 @@ class DataPlaneConfig:
     shm_budget_bytes: int = 2 << 30
     torchdist_timeout_s: float = 60.0
     spin_us: float = 50.0  # a wake-up from recv costs tens of µs on a shared VM
+    # over a relayed control connection, try a hole-punched direct tcp link first
+    # (hetmesh.transport.punch_plan); where it fails the link rides the relayed stream
+    punch: bool = True
+    punch_schedule: AttemptSchedule = DEFAULT_SCHEDULE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,15 +179,18 @@ class DataPlane:
         self._cuda = bool(config.device and config.device.startswith("cuda"))
 
     # --- offers ------------------------------------------------------------------
-    def offer(self, credential: Credential | None = None) -> Offer:
+    def offer(self, credential: Credential | None = None, punch: Candidate | None = None) -> Offer:
         from hetmesh.transport.torchdist import nccl_available
 
         c = self.config
+        endpoints = dict(self._endpoints)
+        if punch is not None:
+            endpoints[PUNCH_KEY] = str(punch)
         return Offer(
             peer_id=c.peer_id,
             host_id=self._host_id,
             backends=c.backends,
-            endpoints=tuple(sorted(self._endpoints.items())),
+            endpoints=tuple(sorted(endpoints.items())),
             cuda=self._cuda,
             nccl=self._cuda and nccl_available(),
             gloo=c.gloo,
@@ -194,6 +216,8 @@ class DataPlane:
         link.reason = reason
         self._opened[link.backend.value] = self._opened.get(link.backend.value, 0) + 1
         self._choices.append(f"{link.remote_peer_id}: {reason}")
+        if "hole-punched" in reason:  # status marks the link (hetmesh.nat.relay publishes it)
+            note_punched(link.remote_peer_id, lambda: not link.statistics().closed)
         log.info("data-plane link to %s: %s", link.remote_peer_id, reason)
         return link
 
@@ -218,11 +242,28 @@ class DataPlane:
         :class:`PeerUnreachable`, :class:`ConnectTimeout`,
         :class:`RemoteProtocolError`.
         """
+        relayed = connection_is_relayed(getattr(control, "stream", None))
+        reservation = self._reserve_punch(relayed)
+        try:
+            return await self._connect(control, reservation, relayed, expected_peer_id, blocking)
+        finally:
+            if reservation is not None:
+                reservation[0].close()
+
+    async def _connect(
+        self,
+        control: ByteStream,
+        reservation: tuple[socket.socket, Candidate] | None,
+        relayed: bool,
+        expected_peer_id: str | None,
+        blocking: bool,
+    ) -> Link:
         framed = FramedStream(control, self.config.limits)
         timeout = self.config.handshake_timeout_s
+        mine = self.offer(punch=reservation[1] if reservation else None)
         try:
             with trio.fail_after(timeout):
-                await framed.send(self.offer())
+                await framed.send(mine)
                 theirs = await framed.receive()
         except trio.TooSlowError:
             raise ConnectTimeout("no offer from the peer") from None
@@ -235,15 +276,29 @@ class DataPlane:
         credential = Credential(
             theirs.credential_id, theirs.credential_secret, self.config.peer_id, theirs.peer_id
         )
-        choice = choose_backend(self.offer(), theirs)
+        choice = _choose(relayed, mine, theirs)
         reason = choice.reason
-        if connection_is_relayed(getattr(control, "stream", None)):
+        link: Link | None = None
+        pair = punch_pair(relayed, choice.backend, mine.endpoints, theirs.endpoints)
+        if relayed:
             # the peer is behind NAT, reached through a relay: none of its direct
             # endpoints is reachable from here, so the link rides the relayed stream
-            choice = choose_backend(self.offer(), _only_libp2p(theirs))
-            reason = f"{choice.reason}; the control connection is relayed"
-        link: Link | None = None
-        if choice.backend and choice.backend != "libp2p":
+            # unless a hole punched through both routers gives a direct one
+            if reservation is not None and pair is not None:
+                link = await self._punch_dial(reservation[0], pair[1], credential, theirs.peer_id)
+            if link is not None and pair is not None:
+                reason = f"tcp: hole-punched {pair[0]} <-> {pair[1]} (the control connection"
+                reason += " is relayed)"
+            else:
+                choice = choose_backend(mine, _only_libp2p(theirs))
+                reason = f"{choice.reason}; the control connection is relayed"
+                if pair is not None:
+                    reason += "; hole punching failed"
+                elif reservation is None:
+                    reason += "; no hole punch (no public mapping known here)"
+                else:
+                    reason += "; no hole punch (the peer offered no candidate)"
+        if link is None and choice.backend and choice.backend != "libp2p":
             try:
                 with trio.fail_after(timeout + self.config.torchdist_timeout_s):
                     link = await self._dial(choice, credential, theirs.peer_id)
@@ -278,6 +333,69 @@ class DataPlane:
                 await handshake.dial_async(framed.send, framed.receive, credential)
             link = StreamLink(framed, theirs.peer_id)
         return self._record(link, reason, blocking)
+
+    def _reserve_punch(self, relayed: bool) -> tuple[socket.socket, Candidate] | None:
+        """A local port held for a punch and our candidate, when this link may punch."""
+        ip = public_ip()
+        c = self.config
+        if not (relayed and c.punch and ip and punchable_host(c.tcp_host)):
+            return None
+        try:
+            sock = reserve_port(c.tcp_host)
+        except OSError as exc:
+            log.warning("no local port for hole punching: %r", exc)
+            return None
+        # a port-preserving (cone) router maps our port to the same public port
+        return sock, Candidate(ip, sock.getsockname()[1])
+
+    async def _punch(self, reserved: socket.socket, remote: Candidate) -> socket.socket | None:
+        local = reserved.getsockname()[:2]
+        schedule = self.config.punch_schedule
+        with trio.move_on_after(schedule.total_s + schedule.timeout_s):
+            return await in_thread(simultaneous_open, local, remote, schedule)
+        return None
+
+    async def _punch_dial(
+        self, reserved: socket.socket, remote: Candidate, credential: Credential, peer: str
+    ) -> Link | None:
+        """The dialer's punch: a direct tcp link proven with the credential, or None."""
+        c = self.config
+        sock = await self._punch(reserved, remote)
+        if sock is None:
+            log.info("hole punching to %s (%s) failed: the link stays relayed", peer, remote)
+            return None
+        try:
+            with trio.fail_after(c.handshake_timeout_s):
+                reader, nonces = await in_thread(
+                    _prove_tcp,
+                    sock,
+                    credential,
+                    c.limits,
+                    c.socket_buffer_bytes,
+                    c.handshake_timeout_s,
+                )
+        except (TransportError, OSError, trio.TooSlowError) as exc:
+            # whoever answered at the candidate could not complete the handshake (even
+            # a wrong proof): the authenticated relayed stream is still there to use
+            sock.close()
+            log.warning("punched connection to %s failed its handshake: %r", peer, exc)
+            return None
+        to_listener, to_dialer = link_keys(credential, *nonces)
+        return TcpLink(sock, peer, c.limits, reader, (to_listener, to_dialer))
+
+    async def _punch_accept(self, reserved: socket.socket, remote: Candidate) -> None:
+        """The listener's punch: the connection is authenticated like an accepted one."""
+        try:
+            sock = await self._punch(reserved, remote)
+        finally:
+            reserved.close()
+        if sock is None:
+            return
+        if not self._gate.admit(remote.ip):
+            self._refused += 1
+            sock.close()
+            return
+        await self._handle(trio.socket.from_stdlib_socket(sock), remote.ip, True)
 
     async def _dial(self, choice: Choice, credential: Credential, peer: str) -> Link:
         c = self.config
@@ -335,12 +453,19 @@ class DataPlane:
             await framed.send(Error(code=ERROR_FALLBACK, message=message))
             raise TransportError(f"peer {theirs.peer_id!r} has {message}")
         credential = self.book.issue(theirs.peer_id)
-        mine = self.offer(credential)
-        choice = choose_backend(theirs, mine)
+        relayed = connection_is_relayed(getattr(control, "stream", None))
+        reservation = self._reserve_punch(relayed)
+        mine = self.offer(credential, punch=reservation[1] if reservation else None)
+        choice = _choose(relayed, theirs, mine)
+        pair = punch_pair(relayed, choice.backend, mine.endpoints, theirs.endpoints)
         send, receive = trio.open_memory_channel[Link](1)
         self._waiting[credential.credential_id] = _Waiting(choice, theirs.peer_id, receive, send)
         try:
             await framed.send(mine)
+            if reservation is not None and pair is not None:
+                # the dialer punches as soon as it has our offer: so do we
+                self._nursery.start_soon(self._punch_accept, reservation[0], pair[1])
+                reservation = None  # the punch task closes it
             with trio.fail_after(timeout + self.config.torchdist_timeout_s):
                 decision = await framed.receive()
                 if isinstance(decision, Error):
@@ -368,6 +493,8 @@ class DataPlane:
         except trio.TooSlowError:
             raise ConnectTimeout("the dialer did not complete the link in time") from None
         finally:
+            if reservation is not None:
+                reservation[0].close()
             self._waiting.pop(credential.credential_id, None)
             self.book.consume(credential.credential_id)
             while True:  # a link delivered after we gave up must not leak
@@ -588,6 +715,18 @@ def link_start(link: Link, blocking: bool, spin_us: float = 0.0) -> None:
         raise LocalProtocolError(f"{link.backend} links have no blocking mode")
 
 
+def _choose(relayed: bool, dialer: Offer, listener: Offer) -> Choice:
+    """The backend rule, except that a link both ends would hole-punch is plain tcp
+    (a punched socket carries no shm doorbell nor torchdist store)."""
+    both = candidate_of(dialer.endpoints) and candidate_of(listener.endpoints)
+    if relayed and both:
+        from dataclasses import replace
+
+        dialer = replace(dialer, deny=(*dialer.deny, "shm", "torchdist"))
+        listener = replace(listener, deny=(*listener.deny, "shm", "torchdist"))
+    return choose_backend(dialer, listener)
+
+
 def _only_libp2p(offer: Offer) -> Offer:
     """``offer`` with every backend but libp2p denied (the fallback after a failed dial)."""
     from dataclasses import replace
@@ -617,14 +756,23 @@ def _dial_tcp(
     except (OSError, ValueError) as exc:
         raise PeerUnreachable(f"tcp connect to {endpoint} failed: {exc}") from exc
     try:
-        tune_tcp(sock, buffer_bytes)
-        reader = BufferedReader(sock, limits, BufferPool())
-        nonces = handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
-        sock.settimeout(None)
+        reader, nonces = _prove_tcp(sock, credential, limits, buffer_bytes, timeout_s)
     except BaseException:
         sock.close()
         raise
     return sock, reader, nonces
+
+
+def _prove_tcp(
+    sock: socket.socket, credential: Credential, limits: Limits, buffer_bytes: int, timeout_s: float
+) -> tuple[BufferedReader, tuple[bytes, bytes]]:
+    """Blocking: the dialer's handshake on a connected socket (dialled or hole-punched)."""
+    sock.settimeout(timeout_s)
+    tune_tcp(sock, buffer_bytes)
+    reader = BufferedReader(sock, limits, BufferPool())
+    nonces = handshake.dial_blocking(*blocking_framer(sock, limits, reader), credential)
+    sock.settimeout(None)
+    return reader, nonces
 
 
 def _torchdist_dial(

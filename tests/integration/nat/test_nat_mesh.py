@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hetmesh.nat.reachability import BEHIND_NAT, PUBLIC, reach_of
+from hetmesh.nat.reachability import BEHIND_NAT, PUBLIC, link_kind, reach_of
 from hetmesh.nat.relay import RELAY_KEY, RELAYED_KEY, VIA_KEY
 from hetmesh.scheduler.records import Plan
 from hetmesh.testbed.mesh import REPO, MeshNode, child_env, plan_of, wait_for
@@ -184,11 +184,34 @@ def test_homes_serve_the_default_model_through_the_relay_like_one_process(
     assert lines, out.stderr.decode()[-3000:]
     assert "error" not in lines[0], lines[0]
     assert lines[0]["tokens"] == reference["tokens"]
-    # the data-plane link between the homes rode the relayed connection from the start:
-    # no direct endpoint of the other home was dialled
+    # the homes met over the relayed connection and the data-plane link between them
+    # was hole-punched through both (cone) routers: no direct endpoint of the other
+    # home was dialled blindly, and no link stayed on the relayed stream
     logs = home0.log() + home1.log()
     assert "the control connection is relayed" in logs
     assert "fell back after" not in logs
+    assert "hole-punched" in logs
+    assert "hole punching failed" not in logs
+
+    # and status marks the homes' link hole-punched (each home announces it)
+    def punched() -> bool:
+        records = _records(mesh.status(mesh.bed.homes[0], home0))
+        if not {home0.peer_id, home1.peer_id} <= records.keys():
+            return False
+        kind = link_kind(
+            home0.peer_id, records[home0.peer_id], home1.peer_id, records[home1.peer_id]
+        )
+        return kind == "hole-punched"
+
+    wait_for(punched, 60, "status to mark the homes' link hole-punched", every_s=2.0)
+    # the link probe between them follows the data plane onto a punched path of its own
+    # (hetmesh.nat.punch_probe), so the planner prices the path the tensors take
+    wait_for(
+        lambda: "measured over the hole-punched path" in home0.log() + home1.log(),
+        150,
+        "a link probe over the hole-punched path",
+        every_s=2.0,
+    )
 
 
 def test_the_relayed_link_is_measured_over_the_relayed_path(
