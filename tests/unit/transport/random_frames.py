@@ -38,7 +38,7 @@ _RANGES = ((0x20, 0x7E), (0x00, 0x1F), (0x80, 0xD7FF), (0xE000, 0xFFFF), (0x1000
 _DTYPE_NAMES = sorted(DTYPES)
 
 
-def _text(rng: random.Random, max_size: int = 20) -> str:
+def random_text(rng: random.Random, max_size: int = 20) -> str:
     out = []
     for _ in range(rng.randint(0, max_size)):
         lo, hi = _RANGES[0] if rng.random() < 0.7 else rng.choice(_RANGES[1:])
@@ -46,7 +46,7 @@ def _text(rng: random.Random, max_size: int = 20) -> str:
     return "".join(out)
 
 
-def _blob(rng: random.Random, max_size: int = 40) -> bytes:
+def random_blob(rng: random.Random, max_size: int = 40) -> bytes:
     return rng.randbytes(rng.randint(0, max_size))
 
 
@@ -74,37 +74,41 @@ def _tensors(rng: random.Random) -> tuple[torch.Tensor, ...]:
 
 
 def _texts(rng: random.Random, most: int) -> tuple[str, ...]:
-    return tuple(_text(rng) for _ in range(rng.randint(0, most)))
+    return tuple(random_text(rng) for _ in range(rng.randint(0, most)))
 
 
 FRAME_DRAWERS: dict[type[Frame], Callable[[random.Random], Frame]] = {
     Offer: lambda r: Offer(
-        peer_id=_text(r),
-        host_id=_text(r),
+        peer_id=random_text(r),
+        host_id=random_text(r),
         backends=_texts(r, 4),
-        endpoints=tuple((_text(r), _text(r)) for _ in range(r.randint(0, 3))),
+        endpoints=tuple((random_text(r), random_text(r)) for _ in range(r.randint(0, 3))),
         cuda=r.random() < 0.5,
         nccl=r.random() < 0.5,
         gloo=r.random() < 0.5,
         deny=_texts(r, 2),
         require_encryption=r.random() < 0.5,
-        credential_id=_blob(r),
-        credential_secret=_blob(r),
+        credential_id=random_blob(r),
+        credential_secret=random_blob(r),
     ),
-    Decision: lambda r: Decision(backend=_text(r), reason=_text(r), encrypted=r.random() < 0.5),
-    Hello: lambda r: Hello(peer_id=_text(r), credential_id=_blob(r), nonce=_blob(r)),
-    Challenge: lambda r: Challenge(nonce=_blob(r)),
-    Proof: lambda r: Proof(mac=_blob(r)),
+    Decision: lambda r: Decision(
+        backend=random_text(r), reason=random_text(r), encrypted=r.random() < 0.5
+    ),
+    Hello: lambda r: Hello(
+        peer_id=random_text(r), credential_id=random_blob(r), nonce=random_blob(r)
+    ),
+    Challenge: lambda r: Challenge(nonce=random_blob(r)),
+    Proof: lambda r: Proof(mac=random_blob(r)),
     Activations: lambda r: Activations(
-        session_id=_text(r), step=_uint(r), positions=_int_tuple(r), tensors=_tensors(r)
+        session_id=random_text(r), step=_uint(r), positions=_int_tuple(r), tensors=_tensors(r)
     ),
-    Tokens: lambda r: Tokens(session_id=_text(r), step=_uint(r), token_ids=_int_tuple(r)),
+    Tokens: lambda r: Tokens(session_id=random_text(r), step=_uint(r), token_ids=_int_tuple(r)),
     KVBlock: lambda r: KVBlock(
-        session_id=_text(r), first_layer=_uint(r), start=_uint(r), tensors=_tensors(r)
+        session_id=random_text(r), first_layer=_uint(r), start=_uint(r), tensors=_tensors(r)
     ),
-    Cancel: lambda r: Cancel(session_id=_text(r), reason=_text(r)),
-    Error: lambda r: Error(code=_uint(r), message=_text(r), session_id=_text(r)),
-    Goodbye: lambda r: Goodbye(reason=_text(r)),
+    Cancel: lambda r: Cancel(session_id=random_text(r), reason=random_text(r)),
+    Error: lambda r: Error(code=_uint(r), message=random_text(r), session_id=random_text(r)),
+    Goodbye: lambda r: Goodbye(reason=random_text(r)),
 }
 _KINDS = list(FRAME_DRAWERS.values())
 
@@ -114,10 +118,10 @@ def random_frame(rng: random.Random) -> Frame:
     return rng.choice(_KINDS)(rng)
 
 
-def mutate(rng: random.Random, data: bytes) -> bytes:
-    """``data`` after 1-4 random edits: a bit flipped, up to 8 bytes cut, or inserted."""
+def mutate(rng: random.Random, data: bytes, least: int = 1) -> bytes:
+    """``data`` after ``least``-4 random edits: a bit flipped, up to 8 bytes cut, or inserted."""
     out = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
+    for _ in range(rng.randint(least, 4)):
         op = rng.randrange(3)
         i = rng.randint(0, max(0, len(out) - 1))
         if op == 0 and out:

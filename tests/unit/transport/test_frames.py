@@ -312,7 +312,7 @@ def _feed(data: bytes, chunk: int) -> None:
         pass
 
 
-FUZZ_EXAMPLES = FUZZ.max_examples
+FUZZ_EXAMPLES = FUZZ.max_examples  # the decoder fuzz, the handshake and sealed fuzz
 
 
 def _fuzz(name: str, draw: Callable[[int], bytes]) -> None:
