@@ -53,5 +53,7 @@ def test_preauth_fuzz_parses_a_small_hello_or_proof_or_refuses() -> None:
             frame = parse_preauth(data)
         except RemoteProtocolError:
             continue
+        except Exception as exc:
+            raise AssertionError(f"seed {seed}: {exc!r}") from exc
         assert isinstance(frame, (Hello, Proof)), f"seed {seed}"
         assert len(data) <= 16 + PREAUTH_LIMITS.max_header_bytes, f"seed {seed}"
