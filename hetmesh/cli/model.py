@@ -108,11 +108,13 @@ def generate(
     """Generate text in one process (or on a mesh with --mesh), streaming it to stdout."""
     if not prompt.strip():
         raise InvalidRequest("empty prompt")
+    if stages < 1:  # before any model is fetched or torch imported
+        raise InvalidRequest(f"--stages must be at least 1, got {stages}")
     from hetmesh.partition.formats import auto_weights, check_supported, parse_weights
 
-    fmt = parse_weights(weights) or auto_weights("cpu")
-    check_supported(fmt, "cpu")
+    requested = parse_weights(weights)
     if mesh is not None:
+        check_supported(requested or auto_weights("cpu"), "cpu")
         from hetmesh.cli.node import resolve_secret
 
         request: dict[str, Any] = {
@@ -127,9 +129,10 @@ def generate(
         }
         _stream_mesh(mesh, resolve_secret(mesh_secret, mesh_secret_file), request)
         return
-    from hetmesh.partition.sampling import SamplingParams
     from hetmesh.partition.store import brief_error
+    from hetmesh.protocol.generate import SamplingParams
 
+    # bad sampling values and a missing model fail before torch loads (check_supported)
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -139,6 +142,8 @@ def generate(
         stop=tuple(stop or ()),
     )
     model_dir = _resolve(model, cache_dir)
+    fmt = requested or auto_weights("cpu")
+    check_supported(fmt, "cpu")
     try:
         _stream(model_dir, prompt, params, stages=stages, chat=chat, weights=fmt)
     except MeshError:

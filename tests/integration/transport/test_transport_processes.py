@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -18,34 +16,42 @@ import trio.testing
 
 from hetmesh.errors import MeshError, TransportError
 from hetmesh.transport import Activations, DataPlane, Goodbye, Link, open_data_plane
+from tests.integration.transport.peer_server import ForkedPeer, PeerServer
 from tests.integration.transport.transport_peer import config, payloads, reply
 
 REPO = Path(__file__).resolve().parents[3]
-PEER = "tests.integration.transport.transport_peer"  # run with -m from the repository root
 BACKENDS = ["tcp", "shm", "torchdist", "libp2p"]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
 class Peers:
-    """Child processes of one test; every one is killed and reaped at teardown."""
+    """Child processes of one test; every one is killed and reaped at teardown.
 
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
+    Forked by the module's peer server (``peer_server.py``), which imported torch,
+    trio and the transport once: each is still its own OS process, without the
+    ~2 CPU-s of imports a fresh interpreter spends.
+    """
 
-    def start(self, mode: str, backend: str, address: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", PEER, mode, backend, address],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+    def __init__(self, server: PeerServer) -> None:
+        self.server = server
+        self.procs: list[ForkedPeer] = []
+
+    def start(self, mode: str, backend: str, address: str) -> ForkedPeer:
+        proc = self.server.start(mode, backend, address)
         self.procs.append(proc)
         return proc
 
 
+@pytest.fixture(scope="module")
+def peer_server() -> Iterator[PeerServer]:
+    server = PeerServer(str(REPO))
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def peers() -> Iterator[Peers]:
-    p = Peers()
+def peers(peer_server: PeerServer) -> Iterator[Peers]:
+    p = Peers(peer_server)
     yield p
     for proc in p.procs:
         if proc.poll() is None:
@@ -55,7 +61,7 @@ def peers() -> Iterator[Peers]:
             proc.stdout.close()
 
 
-async def wait_exit(proc: subprocess.Popen[str]) -> int:
+async def wait_exit(proc: ForkedPeer) -> int:
     return await trio.to_thread.run_sync(proc.wait, 90)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 from typing import Any
@@ -11,8 +12,6 @@ import pytest
 import torch
 import trio
 import trio.testing
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from hetmesh.errors import RemoteProtocolError, StreamReset
 from hetmesh.transport import Activations, DataPlaneConfig, Tokens, open_data_plane
@@ -20,7 +19,7 @@ from hetmesh.transport.credentials import Credential, link_keys
 from hetmesh.transport.links import TcpLink, in_thread, sendmsg_all
 from hetmesh.transport.sealed import RECORD_BYTES, OpenedSocket, Sealer
 
-from .test_frames import FUZZ
+from .test_frames import FUZZ_EXAMPLES
 from .test_links import link_pair
 
 KEY = bytes(range(32))
@@ -39,13 +38,16 @@ def _read(opened: OpenedSocket, n: int) -> bytes:
     return bytes(out)
 
 
-def _tampered(plain: bytes, data: st.DataObject) -> bytes:
-    """A well-sealed record stream with a few bytes changed (or none)."""
+def _garbage(seed: int) -> bytes:
+    """Random bytes half the time, else a well-sealed record stream with 0-3 bits flipped."""
+    rng = random.Random(seed)
+    if rng.random() < 0.5:
+        return rng.randbytes(rng.randint(0, 300))
+    plain = rng.randbytes(rng.randint(0, 200))
     sealed = bytearray(Sealer(KEY).seal([plain])[0]) if plain else bytearray()
-    for _ in range(data.draw(st.integers(0, 3))):
+    for _ in range(rng.randint(0, 3)):
         if sealed:
-            i = data.draw(st.integers(0, len(sealed) - 1))
-            sealed[i] ^= 1 << data.draw(st.integers(0, 7))
+            sealed[rng.randrange(len(sealed))] ^= 1 << rng.randrange(8)
     return bytes(sealed)
 
 
@@ -194,18 +196,26 @@ def test_a_small_frame_is_one_record_and_a_poll_keeps_a_partial_one() -> None:
         assert bytes(target[:1216]) == b"head" * 4 + b"tensor bytes" * 100
 
 
-@pytest.mark.slow  # 2,000 examples: ~10 s on a loaded machine
-@settings(FUZZ, max_examples=min(2000, FUZZ.max_examples))
-@given(st.one_of(st.binary(max_size=300), st.builds(_tampered, st.binary(max_size=200), st.data())))
-def test_sealed_fuzz_garbage_is_refused_never_a_crash(data: bytes) -> None:
-    left, right = _pair()
-    with left, right:
-        left.sendall(data)
-        left.shutdown(socket.SHUT_WR)
-        opened = OpenedSocket(right, KEY)
-        target = bytearray(4096)
-        try:
-            while opened.recv_into(target):
+# 2,000, not FUZZ_EXAMPLES: each example is a real socket pair, whose kernel work (~0.5 ms
+# of system time an example on the loaded 2-core machine) is the cost, not the drawing
+SEALED_EXAMPLES = min(2000, FUZZ_EXAMPLES)
+
+
+@pytest.mark.slow  # 2,000 socket pairs: a few seconds on a loaded machine
+def test_sealed_fuzz_garbage_is_refused_never_a_crash() -> None:
+    first = random.SystemRandom().randrange(2**48)  # a failure names its seed
+    for seed in range(first, first + SEALED_EXAMPLES):
+        data = _garbage(seed)
+        left, right = _pair()
+        with left, right:
+            left.sendall(data)
+            left.shutdown(socket.SHUT_WR)
+            opened = OpenedSocket(right, KEY)
+            target = bytearray(4096)
+            try:
+                while opened.recv_into(target):
+                    pass
+            except (RemoteProtocolError, StreamReset):
                 pass
-        except (RemoteProtocolError, StreamReset):
-            pass
+            except Exception as exc:
+                raise AssertionError(f"seed {seed}: {exc!r}") from exc
