@@ -321,8 +321,9 @@ class Gateway:
         # peers the next route should not use (a move by replay), still closed like any
         leaving: frozenset[PeerId] = frozenset()
         admission_s = self.timeouts.admission_s
-        # its place in line on every stage, kept on every retry and resume: the same
-        # request heads every stage's queue (no two requests each head one)
+        # its place in line on every stage, kept on every retry (a resume after a
+        # preemption takes a new one): the same request heads every stage's queue
+        # (no two requests each head one)
         order_s = time.time()
         try:
             for attempt in itertools.count():
@@ -358,6 +359,9 @@ class Gateway:
                     # history; the open waits (Rejected: busy) until blocks are free.
                     preemptions += 1
                     self._preemptions += 1
+                    # behind the requests already waiting: with its old place it would
+                    # head every queue with its whole history and hold back smaller ones
+                    order_s = time.time()
                     # its client is mid-stream: wait longer for room than a new request
                     admission_s = max(self.timeouts.admission_s, self.timeouts.resume_s)
                     log.info("session %s: %s; resumes after %d tokens", base, exc, len(generated))
