@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +23,9 @@ from hetmesh.cli._app import app
 from hetmesh.cli.status_view import kv_table, load_table, plan_table, summarize
 from hetmesh.nat.reachability import link_kind, reach_text
 from hetmesh.scheduler.announcement import read_serving
+
+# columns of a status printed to a pipe or a file (a terminal uses its own width)
+PIPE_WIDTH = 200
 
 
 def _si(value: float, unit: str) -> str:
@@ -253,6 +257,8 @@ def status(
 
     configure_libp2p_logging()
     secret = resolve_secret(mesh_secret, mesh_secret_file)
+    if width is None and not sys.stdout.isatty():
+        width = PIPE_WIDTH  # piped or captured: never squeeze a column out of the text
     console = Console(width=width) if width else Console()
     try:
         if watch_:

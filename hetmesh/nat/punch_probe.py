@@ -33,9 +33,9 @@ import trio
 from hetmesh.discovery.probe import LinkMeasurement
 from hetmesh.discovery.rpc import open_stream
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
-from hetmesh.transport.links import in_thread
 from hetmesh.transport.punch import public_ip, punchable_host, reserve_port, simultaneous_open
 from hetmesh.transport.punch_plan import DEFAULT_SCHEDULE, Candidate, parse_candidate
+from hetmesh.transport.threads import in_thread
 
 if TYPE_CHECKING:
     from hetmesh.discovery.service import Discovery

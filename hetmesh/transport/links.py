@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import torch
 import trio
@@ -62,6 +62,7 @@ from hetmesh.transport.frames import (
 )
 from hetmesh.transport.negotiation import Backend
 from hetmesh.transport.sealed import OpenedSocket, Sealer
+from hetmesh.transport.threads import in_thread as in_thread
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -78,14 +79,6 @@ class ByteStream(Protocol):
     async def receive_some(self, max_bytes: int) -> bytes | bytearray: ...
 
     async def aclose(self) -> None: ...
-
-
-async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
-    """Run blocking ``fn`` in a worker thread; on cancellation the thread is abandoned."""
-    result: _T = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-        fn, *args, abandon_on_cancel=True
-    )
-    return result
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

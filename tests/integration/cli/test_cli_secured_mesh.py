@@ -337,7 +337,8 @@ def test_status_watch_redraws_in_place_on_a_terminal(mesh: SecuredMesh, tmp_path
     # the shell survives Ctrl-C (a no-op trap; the watch gets the default disposition
     # back on exec) to record the watch's own exit code
     command = " ".join(
-        ["trap : INT;", "env"]
+        # the pane's own size, not a COLUMNS/LINES inherited from whoever started tmux
+        ["trap : INT;", "env", "-u", "COLUMNS", "-u", "LINES"]
         + [f"{k}={shlex.quote(env[k])}" for k in ("PYTHONPATH", "OMP_NUM_THREADS")]
         + [shlex.quote(a) for a in _status_argv(mesh, "--watch", "--interval", "0.5")]
         + ["; echo $? >", shlex.quote(str(exit_file))]
