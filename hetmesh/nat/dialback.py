@@ -50,7 +50,7 @@ from hetmesh.nat.reachability import (
     to_wire,
     verdict,
 )
-from hetmesh.transport.p2p import connection_is_relayed
+from hetmesh.transport.p2p import control_path
 from hetmesh.transport.punch import set_public_ip
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class Reachability:
     # -- answering members --------------------------------------------------------
 
     async def _handle(self, stream: Any) -> None:
-        if connection_is_relayed(stream):
+        if control_path(stream) == "relayed":
             # over a relay we see the relay's address, not the asker's: no answer, so
             # the asker counts nothing (rather than a false "behind NAT")
             return

@@ -64,7 +64,7 @@ def local_host(addrs: Any) -> str | None:
     return None
 
 
-async def _read_line(stream: Any) -> str:
+async def read_line(stream: Any) -> str:
     data = b""
     while not data.endswith(b"\n"):
         chunk = await stream.read(1)
@@ -76,7 +76,7 @@ async def _read_line(stream: Any) -> str:
     return data[:-1].decode("ascii", "replace")
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -96,7 +96,7 @@ def _measure(sock: socket.socket, token: bytes, nbytes: int) -> LinkMeasurement:
         for _ in range(5):
             t0 = time.perf_counter()
             sock.sendall(b"P")
-            _recv_exact(sock, 1)
+            recv_exact(sock, 1)
             rtts.append(time.perf_counter() - t0)
         rtt = statistics.median(rtts)
         t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def _measure(sock: socket.socket, token: bytes, nbytes: int) -> LinkMeasurement:
             piece = payload[: min(remaining, _CHUNK)]
             sock.sendall(piece)
             remaining -= len(piece)
-        reply = _recv_exact(sock, 1 + _SECONDS.size)
+        reply = recv_exact(sock, 1 + _SECONDS.size)
         elapsed = time.perf_counter() - t0
     if reply[:1] != b"K":
         raise RemoteProtocolError("punched probe peer did not acknowledge")
@@ -121,14 +121,14 @@ def _answer(sock: socket.socket, token: bytes) -> None:
     with sock:
         sock.settimeout(_IO_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if not hmac.compare_digest(_recv_exact(sock, _TOKEN_BYTES), token):
+        if not hmac.compare_digest(recv_exact(sock, _TOKEN_BYTES), token):
             raise RemoteProtocolError("punched probe connection without the token")
         while True:
             op = sock.recv(1)
             if op == b"P":
                 sock.sendall(b"p")
             elif op == b"B":
-                (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+                (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
                 if n > MAX_PUNCH_PROBE_BYTES:
                     raise RemoteProtocolError(f"punched probe of {n} bytes")
                 remaining, mark = n, n - n // 4
@@ -148,7 +148,7 @@ def _answer(sock: socket.socket, token: bytes) -> None:
                 return
 
 
-def _reserve(discovery: Discovery) -> tuple[socket.socket, Candidate] | None:
+def reserve_candidate(discovery: Discovery) -> tuple[socket.socket, Candidate] | None:
     ip, host = public_ip(), local_host(discovery.addrs)
     if not ip or not host:
         return None
@@ -156,7 +156,7 @@ def _reserve(discovery: Discovery) -> tuple[socket.socket, Candidate] | None:
     return sock, Candidate(ip, sock.getsockname()[1])
 
 
-async def _punch(reserved: socket.socket, remote: Candidate) -> socket.socket | None:
+async def punch_from(reserved: socket.socket, remote: Candidate) -> socket.socket | None:
     local = reserved.getsockname()[:2]
     try:
         with trio.move_on_after(DEFAULT_SCHEDULE.total_s + DEFAULT_SCHEDULE.timeout_s):
@@ -175,7 +175,7 @@ async def probe_over_punch(
     or :class:`RemoteProtocolError`.
     """
     try:
-        reservation = _reserve(discovery)
+        reservation = reserve_candidate(discovery)
     except OSError as exc:
         raise PeerUnreachable(f"no local port to punch from: {exc!r}") from exc
     if reservation is None:
@@ -189,12 +189,12 @@ async def probe_over_punch(
             )
             try:
                 await stream.write(f"{mine} {token.hex()}\n".encode())
-                theirs = parse_candidate(await _read_line(stream))
+                theirs = parse_candidate(await read_line(stream))
             finally:
                 await stream.close()
             if theirs is None:
                 raise PeerUnreachable(f"{peer_id} offered no punch candidate")
-            sock = await _punch(reserved, theirs)
+            sock = await punch_from(reserved, theirs)
             if sock is None:
                 raise PeerUnreachable(f"hole punching to {peer_id} ({theirs}) failed")
             return await in_thread(_measure, sock, token, nbytes)
@@ -214,7 +214,7 @@ def punch_probe_handler(discovery: Discovery) -> Any:
 
     async def handle(stream: Any) -> None:
         with trio.fail_after(_IO_TIMEOUT_S + DEFAULT_SCHEDULE.total_s):
-            mine_text, _, token_hex = (await _read_line(stream)).partition(" ")
+            mine_text, _, token_hex = (await read_line(stream)).partition(" ")
             theirs = parse_candidate(mine_text)
             try:
                 token = bytes.fromhex(token_hex)
@@ -222,14 +222,14 @@ def punch_probe_handler(discovery: Discovery) -> Any:
                 token = b""
             free = busy["answers"] < MAX_CONCURRENT_ANSWERS
             wanted = theirs is not None and len(token) == _TOKEN_BYTES and free
-            reservation = _reserve(discovery) if wanted else None
+            reservation = reserve_candidate(discovery) if wanted else None
             await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
             await stream.close()
             if reservation is None or theirs is None:
                 return
             busy["answers"] += 1
             try:
-                sock = await _punch(reservation[0], theirs)
+                sock = await punch_from(reservation[0], theirs)
                 if sock is not None:
                     await in_thread(_answer, sock, token)
             finally:

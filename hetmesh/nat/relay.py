@@ -40,6 +40,7 @@ from hetmesh.discovery.host import dial, guarded_handler, set_dial_fallback
 from hetmesh.discovery.probe import LinkMeasurement
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
 from hetmesh.nat.p2p_probe import P2P_PROBE_PROTOCOL, handle_p2p_probe, probe_over_libp2p
+from hetmesh.nat.punch_control import PUNCH_CONTROL_PROTOCOL, ControlPuncher
 from hetmesh.nat.punch_probe import PUNCH_PROBE_PROTOCOL, probe_over_punch, punch_probe_handler
 from hetmesh.nat.reachability import (
     BEHIND_NAT,
@@ -143,6 +144,8 @@ class RelayClient:
         self._relayed: dict[str, float] = {}
         self._punch_measured: set[str] = set()  # peers whose link a punched probe measured
         self._punched_seen: set[str] = set()  # punched peers at the last publication
+        # moves relayed control connections onto hole-punched ones where the NATs allow
+        self.control = ControlPuncher(discovery)
 
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(
@@ -317,6 +320,8 @@ class RelayClient:
             # a few seconds to finish its upgrade)
             if peer not in connected and now - since > 10.0:
                 del self._relayed[peer]
+            elif self.control.is_direct(peer):
+                del self._relayed[peer]  # the connection now runs over a punched path
         relayed = sorted(self._relayed)[:MAX_RELAYED_ANNOUNCED]
         self.discovery.set_extra(RELAYED_KEY, relayed)
         # whose relayed connection carries a hole-punched data plane beside it
@@ -404,16 +409,24 @@ class RelayClient:
             guarded_handler(PUNCH_PROBE_PROTOCOL, punch_probe_handler(self.discovery)),
         )
         self.discovery.link_prober = self._probe_link
-        task_status.started()
-        while True:
-            offering = self.offer and self.reachability.reach == PUBLIC
-            if offering != self._offering:
-                log.info("relay slots %s", "offered" if offering else "withdrawn")
-            self._offering = offering
-            self.discovery.set_extra(RELAY_KEY, 1 if offering else 0)
-            await self._keep_slot()
-            self._publish_relayed()
-            await trio.sleep(self.check_every_s)
+        async with trio.open_nursery() as nursery:
+            # punched control connections are upgraded and held in this nursery
+            host.set_stream_handler(
+                TProtocol(PUNCH_CONTROL_PROTOCOL),
+                guarded_handler(PUNCH_CONTROL_PROTOCOL, self.control.handler(nursery)),
+            )
+            task_status.started()
+            while True:
+                offering = self.offer and self.reachability.reach == PUBLIC
+                if offering != self._offering:
+                    log.info("relay slots %s", "offered" if offering else "withdrawn")
+                self._offering = offering
+                self.discovery.set_extra(RELAY_KEY, 1 if offering else 0)
+                await self._keep_slot()
+                self._publish_relayed()
+                for peer in self.control.wanted(self._relayed, trio.current_time()):
+                    nursery.start_soon(self.control.upgrade, peer)
+                await trio.sleep(self.check_every_s)
 
 
 __all__ = [

@@ -60,7 +60,7 @@ from hetmesh.transport.links import (
     tune_tcp,
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
-from hetmesh.transport.p2p import connection_is_relayed
+from hetmesh.transport.p2p import control_path
 from hetmesh.transport.punch import (
     note_punched,
     public_ip,
@@ -242,10 +242,11 @@ class DataPlane:
         :class:`PeerUnreachable`, :class:`ConnectTimeout`,
         :class:`RemoteProtocolError`.
         """
-        relayed = connection_is_relayed(getattr(control, "stream", None))
-        reservation = self._reserve_punch(relayed)
+        # a relayed or hole-punched control connection: the peer is behind NAT
+        path = control_path(getattr(control, "stream", None))
+        reservation = self._reserve_punch(path != "direct")
         try:
-            return await self._connect(control, reservation, relayed, expected_peer_id, blocking)
+            return await self._connect(control, reservation, path, expected_peer_id, blocking)
         finally:
             if reservation is not None:
                 reservation[0].close()
@@ -254,10 +255,11 @@ class DataPlane:
         self,
         control: ByteStream,
         reservation: tuple[socket.socket, Candidate] | None,
-        relayed: bool,
+        path: str,
         expected_peer_id: str | None,
         blocking: bool,
     ) -> Link:
+        relayed = path != "direct"
         framed = FramedStream(control, self.config.limits)
         timeout = self.config.handshake_timeout_s
         mine = self.offer(punch=reservation[1] if reservation else None)
@@ -288,10 +290,10 @@ class DataPlane:
                 link = await self._punch_dial(reservation[0], pair[1], credential, theirs.peer_id)
             if link is not None and pair is not None:
                 reason = f"tcp: hole-punched {pair[0]} <-> {pair[1]} (the control connection"
-                reason += " is relayed)"
+                reason += f" is {path})"
             else:
                 choice = choose_backend(mine, _only_libp2p(theirs))
-                reason = f"{choice.reason}; the control connection is relayed"
+                reason = f"{choice.reason}; the control connection is {path}"
                 if pair is not None:
                     reason += "; hole punching failed"
                 elif reservation is None:
@@ -453,7 +455,7 @@ class DataPlane:
             await framed.send(Error(code=ERROR_FALLBACK, message=message))
             raise TransportError(f"peer {theirs.peer_id!r} has {message}")
         credential = self.book.issue(theirs.peer_id)
-        relayed = connection_is_relayed(getattr(control, "stream", None))
+        relayed = control_path(getattr(control, "stream", None)) != "direct"
         reservation = self._reserve_punch(relayed)
         mine = self.offer(credential, punch=reservation[1] if reservation else None)
         choice = _choose(relayed, theirs, mine)

@@ -30,25 +30,43 @@ _CHUNK = 1 << 20
 _INNER = ("muxed_conn", "secured_conn", "conn", "_conn", "_wrapped", "stream")
 
 
-def connection_is_relayed(stream: Any) -> bool:
-    """Whether a libp2p stream's connection runs through a relay (hetmesh.nat.relay).
+# set on the byte stream under a libp2p connection hole-punched through NAT
+# (hetmesh.nat.punch_control): like a relayed one, it reaches a peer whose
+# announced endpoints sit behind its router
+PUNCHED_MARK = "_hetmesh_punched"
+
+
+def control_path(stream: Any) -> str:
+    """How a libp2p stream's connection reaches the peer: ``relayed`` (through a relay,
+    hetmesh.nat.relay), ``hole-punched`` (a punched TCP connection,
+    hetmesh.nat.punch_control) or ``direct``.
 
     Walks the layers under the stream (yamux, noise, private network) down to
-    the raw connection, whose type says so; anything unexpected reads as direct.
+    the raw connection and the byte stream under it; anything unexpected reads
+    as direct.
     """
     seen: set[int] = set()
     layer = stream
     for _ in range(12):
         if layer is None or id(layer) in seen:
-            return False
+            return "direct"
         seen.add(id(layer))
         kind = getattr(layer, "_connection_type", None)
         if getattr(kind, "name", "") == "RELAYED":
-            return True
+            return "relayed"
+        if getattr(layer, PUNCHED_MARK, False) is True:
+            return "hole-punched"
         layer = next(
             (getattr(layer, a) for a in _INNER if getattr(layer, a, None) is not None), None
         )
-    return False
+    return "direct"
+
+
+def connection_is_relayed(stream: Any) -> bool:
+    """Whether a libp2p stream's connection crosses NAT (relayed or hole-punched): the
+    peer's announced endpoints are then not dialable, so the data plane punches a
+    link of its own or rides the stream (see :func:`control_path`)."""
+    return control_path(stream) != "direct"
 
 
 class Libp2pStream:

@@ -176,7 +176,7 @@ async def test_a_relayed_link_is_hole_punched_sealed_tcp_or_stays_on_the_stream(
     """Over a relayed control stream, both planes punch from their reserved ports, the
     dialer proves the one-time credential on the punched socket and both seal it; where
     no candidate is known the link rides the control stream, as before."""
-    monkeypatch.setattr(dataplane_module, "connection_is_relayed", lambda _stream: True)
+    monkeypatch.setattr(dataplane_module, "control_path", lambda _stream: "relayed")
     monkeypatch.setattr(dataplane_module, "punchable_host", lambda _host: True)
     monkeypatch.setattr(dataplane_module, "public_ip", lambda: "127.0.0.1" if punchable else None)
     monkeypatch.setattr(dataplane_module, "punch_pair", _loose_pair)
