@@ -79,6 +79,8 @@ class RelayStatistics:
     bytes_relayed: int
     via: str  # the relay we hold a slot on ("" when none)
     relayed_dials: int  # connections we opened through a relay
+    control_punched: int  # members whose control connection we moved onto a punched path
+    control_punch_failures: int  # punches of a control connection that failed (we asked)
 
 
 def _pack(**fields: Any) -> bytes:
@@ -156,6 +158,8 @@ class RelayClient:
             bytes_relayed=self._bytes,
             via=self.via,
             relayed_dials=self._relayed_dials,
+            control_punched=sum(self.control.is_direct(p) for p in list(self.control.direct)),
+            control_punch_failures=self.control.failures,
         )
 
     # -- the relay's side ---------------------------------------------------------

@@ -85,3 +85,19 @@ def test_a_punched_connection_counts_while_the_swarm_holds_it() -> None:
     network.connections["B"] = []  # closed: the relayed path is punched again later
     assert not puncher.is_direct("B")
     assert puncher.wanted({"B": -1e9}, 0.0) == ["B"]
+
+
+def test_relay_statistics_count_punched_control_connections() -> None:
+    from hetmesh.nat.relay import RelayClient
+
+    puncher = _puncher("A")
+    client = RelayClient(puncher.discovery, reachability=SimpleNamespace())  # type: ignore[arg-type]
+    conn = object()
+    client.control.direct["B"] = conn
+    client.control.failures = 2
+    network = client.discovery.host.get_network()
+    network.connections["B"] = [conn]
+    stats = client.statistics()
+    assert (stats.control_punched, stats.control_punch_failures) == (1, 2)
+    network.connections["B"] = []
+    assert client.statistics().control_punched == 0
