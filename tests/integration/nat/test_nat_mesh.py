@@ -1,10 +1,13 @@
 """Across NAT: members learn public / behind NAT; homes meet and serve through the relay.
 
-One topology for the module: a public host and two homes behind masquerading
+One topology for the module: a public host and three homes behind masquerading
 routers (hetmesh/testbed/nat.py) with 100 Mbit/s uplinks; a ``--no-serve`` node
-on the public host and a serving node in each home, each home's memory too
+on the public host and a serving node in homes 0 and 1, each home's memory too
 small for the whole default model, so the plan splits it across the homes.
-The home nodes bootstrap to the public one (the only address they can reach).
+Home 2's router is symmetric (a fresh public port per destination) and its
+node is ``--no-serve``: it shows where hole punching fails (a cheap node, no
+model). The home nodes bootstrap to the public one (the only address they can
+reach).
 """
 
 from __future__ import annotations
@@ -56,17 +59,24 @@ def nat_mesh(
     if reason:
         pytest.skip(reason)
     workdir: Path = tmp_path_factory.mktemp("nat")
-    with open_nat_mesh(workdir, homes=2, rate="100mbit") as mesh:
-        public, home0, home1 = mesh.bed.hosts
+    with open_nat_mesh(workdir, homes=3, symmetric={2}, rate="100mbit") as mesh:
+        public, home0, home1, home2 = mesh.bed.hosts
         first = mesh.start_node(public, "--no-serve").wait_up(240)
         homes = [mesh.start_node(h, *HOME_ARGS, bootstrap=first.addr) for h in (home0, home1)]
+        symmetric = mesh.start_node(home2, "--no-serve", bootstrap=first.addr)
         nodes = [first, *(n.wait_up(300) for n in homes)]
+        symmetric.wait_up(300)
         try:
             yield mesh, nodes
         except BaseException:
-            for node in nodes:
+            for node in mesh.nodes:
                 print(f"--- {node.host} ---\n{node.log()[-3000:]}")
             raise
+
+
+def _symmetric_home(mesh: NatMesh) -> MeshNode:
+    """The ``--no-serve`` node behind home 2's symmetric router (started last)."""
+    return mesh.nodes[3]
 
 
 def _reach_by_peer(view: dict[str, Any]) -> dict[str, str]:
@@ -74,8 +84,8 @@ def _reach_by_peer(view: dict[str, Any]) -> dict[str, str]:
 
 
 def test_members_learn_public_or_behind_nat(nat_mesh: tuple[NatMesh, list[MeshNode]]) -> None:
-    mesh, nodes = nat_mesh
-    public_node, *home_nodes = nodes
+    mesh, _ = nat_mesh
+    public_node, *home_nodes = mesh.nodes  # the symmetric home's node too
     want = {public_node.peer_id: PUBLIC, **{n.peer_id: BEHIND_NAT for n in home_nodes}}
     deadline = time.monotonic() + 120
     seen: dict[str, str] = {}
@@ -91,7 +101,7 @@ def test_members_learn_public_or_behind_nat(nat_mesh: tuple[NatMesh, list[MeshNo
     assert home_seen[public_node.peer_id] == PUBLIC
     assert home_seen[home_nodes[0].peer_id] == BEHIND_NAT
     # with a public member in the mesh, nobody is told to go and find one
-    assert all("no member of the mesh is publicly reachable" not in n.log() for n in nodes)
+    assert all("no member of the mesh is publicly reachable" not in n.log() for n in mesh.nodes)
 
 
 def _records(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -110,9 +120,14 @@ def test_homes_reach_each_other_through_the_public_relay(
         records = _records(view)
         health = {str(p["peer_id"]): p.get("health") for p in view.get("peers", [])}
         extra = {pid: r.get("extra") or {} for pid, r in records.items()}
-        # the homes' connection runs through the relay (each announces whom it reaches so)
-        relayed = home1.peer_id in (extra.get(home0.peer_id, {}).get(RELAYED_KEY) or ()) or (
-            home0.peer_id in (extra.get(home1.peer_id, {}).get(RELAYED_KEY) or ())
+        # the homes' connection runs through the relay (each announces whom it reaches
+        # so), or ran through it and has moved onto a punched path already (a control
+        # connection is punched only from a relayed one: hetmesh.nat.punch_control)
+        relayed = (
+            home1.peer_id in (extra.get(home0.peer_id, {}).get(RELAYED_KEY) or ())
+            or home0.peer_id in (extra.get(home1.peer_id, {}).get(RELAYED_KEY) or ())
+            or f"control connection to {home1.peer_id} moved" in home0.log()
+            or f"control connection to {home0.peer_id} moved" in home1.log()
         )
         if (
             extra.get(public_node.peer_id, {}).get(RELAY_KEY) == 1
@@ -235,6 +250,65 @@ def test_the_relayed_link_is_measured_over_the_relayed_path(
     for link in links:
         assert 0 < float(link["bandwidth_bps"]) < 1.3 * 12.5e6, link
         assert float(link["rtt_s"]) > 0
+
+
+def _punch_line(asker: MeshNode, answerer: MeshNode, *, moved: bool) -> str:
+    if moved:
+        return f"control connection to {answerer.peer_id} moved onto a hole-punched path"
+    return f"control connection to {answerer.peer_id} stays relayed"
+
+
+def test_cone_homes_punch_their_control_connection_a_symmetric_home_stays_relayed(
+    nat_mesh: tuple[NatMesh, list[MeshNode]],
+) -> None:
+    mesh, nodes = nat_mesh
+    _, home0, home1 = nodes
+    home2 = _symmetric_home(mesh)
+    # the lower peer id of each pair asks; between the cone homes the punch succeeds
+    low, high = sorted((home0, home1), key=lambda n: n.peer_id)
+    wait_for(
+        lambda: (
+            _punch_line(low, high, moved=True) in low.log()
+            and _punch_line(high, low, moved=True) in high.log()
+        ),
+        180,
+        "the cone homes' control connection to move onto a punched path",
+        every_s=2.0,
+    )
+    # every punch towards the symmetric home fails: its connections stay relayed
+    for other in (home0, home1):
+        asker, answerer = sorted((other, home2), key=lambda n: n.peer_id)
+        wait_for(
+            lambda a=asker, b=answerer: _punch_line(a, b, moved=False) in a.log(),
+            180,
+            f"a failed control punch between {asker.host} and {answerer.host}",
+            every_s=2.0,
+        )
+        assert _punch_line(asker, answerer, moved=True) not in asker.log()
+
+    # status: the symmetric home still reaches both homes through the relay, the cone
+    # homes no longer announce each other as relayed
+    def settled() -> dict[str, dict[str, Any]] | None:
+        records = _records(mesh.status(mesh.bed.homes[0], home0))
+        homes = (home0, home1, home2)
+        if not {n.peer_id for n in homes} <= records.keys():
+            return None
+        relayed = {
+            n.peer_id: set((records[n.peer_id].get("extra") or {}).get(RELAYED_KEY) or ())
+            for n in homes
+        }
+        if relayed[home2.peer_id] != {home0.peer_id, home1.peer_id}:
+            return None
+        if home1.peer_id in relayed[home0.peer_id] or home0.peer_id in relayed[home1.peer_id]:
+            return None
+        return records
+
+    records = wait_for(settled, 90, "status to show which homes stay relayed", every_s=2.0)
+    for other in (home0, home1):
+        kind = link_kind(
+            other.peer_id, records[other.peer_id], home2.peer_id, records[home2.peer_id]
+        )
+        assert kind == "relayed"
 
 
 _STREAM = """
