@@ -13,6 +13,7 @@ import functools
 from contextlib import aclosing
 from pathlib import Path
 
+import pytest
 import trio
 
 from hetmesh.errors import MeshError
@@ -24,6 +25,8 @@ from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 GATEWAY = "gw"
 LAYOUT = {"a": (0, 11), "b": (11, 21), "c": (21, 32)}
