@@ -78,6 +78,13 @@ class LinkPool:
                 ) from None
             raise
 
+    def send_now(self, peer: PeerId, frame: Frame) -> bool:
+        """Write ``frame`` to ``peer`` at once, from any thread, if its link is open and
+        takes it without waiting (:meth:`Link.send_nowait`); False otherwise (then
+        :meth:`send` it). ``TransportError`` if the write fails."""
+        link = self._links.get(peer)
+        return link is not None and link.send_nowait(frame)
+
     async def get(self, peer: PeerId) -> Link:
         link = self._links.get(peer)
         if link is not None:

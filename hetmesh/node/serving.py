@@ -684,6 +684,7 @@ class Serving:
             send=self._send,
             device_limiter=self.node.device_limiter,
             threads=self.config.threads,
+            send_now=self._send_now,
         )
         scope = trio.CancelScope()
         assert self._nursery is not None
@@ -932,6 +933,14 @@ class Serving:
             return
         assert self.pool is not None
         await self.pool.send(peer, frame)
+
+    def _send_now(self, peer: PeerId, frame: Frame) -> bool:
+        """From a stage's device thread: write ``frame`` to ``peer``'s open link if it
+        takes it at once; False for a hop to ourselves (it runs on trio) or a link
+        not open yet or busy."""
+        if peer == self.node.peer_id or self.pool is None:
+            return False
+        return self.pool.send_now(peer, frame)
 
     def _dispatch(self, peer: PeerId, link: Link | None, frame: Frame) -> None:
         def release() -> None:

@@ -8,6 +8,11 @@ is pending — any mix of prefill chunks and decode steps of different sessions
 the next stage, or, on the last stage, are sampled and sent to the session's
 gateway as a token. Sessions join and leave between rounds; a bad item fails
 alone (its gateway gets an ``Error`` frame) while the rest of the batch runs.
+A round takes at most half of the open sessions (``micro_batches``): many
+sessions then cycle through the pipeline as two micro-batches, and while the
+next stage computes one, this stage computes the other (one batch of all of
+them would leave every stage but one idle). Each micro-batch still shares one
+forward, and one frame per session and hop.
 
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
@@ -18,10 +23,13 @@ opened it) may close it, and only the stage before this one (the gateway, for
 the first stage) may feed it. A member sending anything else for it gets
 ``InvalidRequest`` and the session is untouched.
 
-Outputs leave through one outbox per destination peer, drained by its own
-task: the batching loop never waits on a send, so a frozen next hop holds up
-only the sessions routed through it (their frames wait, then fail), never
-the others.
+Outputs leave from the device thread itself as soon as the forward ends
+(``send_now``: a link write that cannot wait on the peer), with no hop through
+trio on the way; what cannot go at once — a busy or full link, a hop to this
+node — goes through one outbox per destination peer, drained by its own task.
+The batching loop never waits on a send, so a frozen next hop holds up only
+the sessions routed through it (their frames wait, then fail), never the
+others.
 """
 
 from __future__ import annotations
@@ -93,6 +101,12 @@ class _Outcome:
     session: _Session | None = None
     output: torch.Tensor | int | None = None
     error: MeshError | None = None
+    sent: bool = False  # its frame already left from the device thread
+
+
+SendNow = Callable[[PeerId, Frame], bool]
+"""Writes a frame to a peer at once from any thread if that cannot wait (True), or
+does nothing (False: it goes through the outbox); raises ``TransportError``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,13 +143,20 @@ class StageServer:
         max_batch: int = 32,
         device_limiter: trio.CapacityLimiter | None = None,
         threads: int | None = None,
+        send_now: SendNow | None = None,
+        micro_batches: int = 2,
     ) -> None:
+        """``send``: a frame to a peer, from trio; ``send_now``: the fast path from the
+        device thread (None: every frame goes through trio); ``micro_batches``: the
+        share of the open sessions one round may take (1: all of them at once)."""
         self.stage = stage
         self._threads = threads or torch.get_num_threads()
         self.pool = stage.new_pool(_pool_blocks(stage, limits))
         self.kv = KVManager(limits, pool=self.pool, factory=lambda: stage.new_kv(self.pool))
         self._send = send
+        self._send_now = send_now
         self._max_batch = max_batch
+        self._micro_batches = max(1, micro_batches)
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}
         # bounded: at most QUEUED_PER_SESSION items of each session it admitted
@@ -514,7 +535,11 @@ class StageServer:
         batch: list[_Item] = []
         seen: set[str] = set()
         deferred: deque[_Item] = deque()
-        while self._pending and len(batch) < self._max_batch:
+        # micro-batches: a round takes a share of the open sessions, so while the
+        # next stage computes this round's outputs, this stage computes the rest
+        share = -(-len(self._sessions) // self._micro_batches)
+        limit = min(self._max_batch, max(1, share))
+        while self._pending and len(batch) < limit:
             item = self._pending.popleft()
             if item.session_id in seen:  # a session's next step waits for the next round
                 deferred.append(item)
@@ -548,16 +573,37 @@ class StageServer:
             else:
                 ready.append(outcome)
         try:
-            self._forward(ready)
-        except MeshError:
-            for outcome in ready:  # isolate the culprit: run each alone
-                try:
-                    self._forward([outcome])
-                except MeshError as exc:
-                    outcome.error = exc
+            try:
+                self._forward(ready)
+            except MeshError:
+                for outcome in ready:  # isolate the culprit: run each alone
+                    try:
+                        self._forward([outcome])
+                    except MeshError as exc:
+                        outcome.error = exc
+            if self._send_now is not None:
+                self._send_outputs(ready, self._send_now)
         finally:
             for outcome in outcomes:
                 outcome.item.release()
+
+    def _send_outputs(self, outcomes: list[_Outcome], send_now: SendNow) -> None:
+        """On the device thread: send each output whose link takes it at once.
+
+        A session has one frame in flight at a time (its gateway feeds it one
+        step after another), so these never overtake an earlier frame of theirs
+        waiting in an outbox.
+        """
+        for outcome in outcomes:
+            if outcome.error is not None or outcome.session is None:
+                continue
+            frame = _output_frame(outcome.item, outcome.output)
+            if frame is None:
+                continue
+            try:
+                outcome.sent = send_now(outcome.session.request.next_peer, frame)
+            except MeshError as exc:  # the outbox's send meets it again and drops the link
+                log.info("session %s: direct send failed: %s", outcome.item.session_id, exc)
 
     def _forward(self, outcomes: list[_Outcome]) -> None:
         if not outcomes:
@@ -593,21 +639,14 @@ class StageServer:
                 outcome.error,
             )
             self._counters.errors += 1
-            frame: Frame = Error(code=code, message=str(failure), session_id=item.session_id)
-            if not self._post(request.gateway, frame):
+            error = Error(code=code, message=str(failure), session_id=item.session_id)
+            if not self._post(request.gateway, error):
                 log.warning("session %s: its gateway takes no frames", item.session_id)
             return
-        if isinstance(outcome.output, int):
-            frame = Tokens(session_id=item.session_id, step=item.step, token_ids=(outcome.output,))
-        elif outcome.output is not None:
-            end = item.positions[-1] + 1 if item.positions else 0
-            frame = Activations(
-                session_id=item.session_id,
-                step=item.step,
-                positions=tuple(range(end - outcome.output.shape[0], end)),
-                tensors=(outcome.output,),
-            )
-        else:
+        if outcome.sent:
+            return
+        frame = _output_frame(item, outcome.output)
+        if frame is None:
             return
         if not self._post(request.next_peer, frame):
             # the next hop takes nothing: fail the session here, its gateway replays it
@@ -628,6 +667,21 @@ class StageServer:
             recent_step_s=tuple(c.recent),
             kv=self.kv.statistics(),
         )
+
+
+def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | None:
+    """What a computed item sends on: a sampled token, or the hidden states."""
+    if isinstance(output, int):
+        return Tokens(session_id=item.session_id, step=item.step, token_ids=(output,))
+    if output is None:
+        return None
+    end = item.positions[-1] + 1 if item.positions else 0
+    return Activations(
+        session_id=item.session_id,
+        step=item.step,
+        positions=tuple(range(end - output.shape[0], end)),
+        tensors=(output,),
+    )
 
 
 def _pool_blocks(stage: StageModule, limits: KVLimits) -> int:

@@ -25,10 +25,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import fcntl
 import logging
 import math
 import os
 import socket
+import termios
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -145,6 +147,13 @@ class Link(abc.ABC):
         (:class:`~hetmesh.transport.p2p.Libp2pStream`), a cancelled receive
         fails the link: later receives raise :class:`StreamReset`, never
         return a frame with a gap in it.
+    ``send_nowait(frame) -> bool``
+        Synchronous, from any thread: writes the frame at once when that cannot
+        wait on the peer (the write lock is free and the backend can take the
+        whole frame without blocking) and returns True; returns False, having
+        written nothing, otherwise (the caller then uses :meth:`send`). Raises
+        like :meth:`send`. The stage loop sends from its device thread this
+        way, with no hop through trio per frame.
     ``release(frame)``
         Gives a received frame's buffers back. Never raises; tensors of other
         links or already released ones are ignored. Synchronous.
@@ -178,6 +187,11 @@ class Link(abc.ABC):
     @abc.abstractmethod
     async def receive(self) -> Frame:
         """The next frame from the peer (see the class docstring)."""
+
+    def send_nowait(self, frame: Frame) -> bool:
+        """Write ``frame`` now if that cannot wait (see the class docstring); a byte
+        stream (libp2p) is written from trio only: always False here."""
+        return False
 
     @abc.abstractmethod
     async def aclose(self) -> None:
@@ -530,6 +544,33 @@ class ThreadedLink(Link):
                 raise
         return self._count_received(frame)
 
+    def send_nowait(self, frame: Frame) -> bool:
+        """Write ``frame`` from the calling thread if the write lock is free and the
+        backend says the whole frame goes without waiting on the peer; else False."""
+        if self._failure is not None or self._closed:
+            return False  # send() reports why
+        if not self._write_lock.acquire(blocking=False):
+            return False  # another write is under way: keep the frames in order behind it
+        try:
+            if not self._writes_at_once(frame):
+                return False
+            n = self._write_blocking(frame)
+        except OSError as exc:
+            self._count_failure(exc, fatal=False)
+            raise StreamReset(f"send failed: {exc}") from exc
+        except TransportError as exc:
+            self._count_failure(exc, fatal=False)
+            raise
+        finally:
+            self._write_lock.release()
+        self._count_sent(n)
+        return True
+
+    def _writes_at_once(self, frame: Frame) -> bool:
+        """Whether :meth:`_write_blocking` of ``frame`` would not wait on the peer now
+        (the caller holds the write lock). Backends that can tell override it."""
+        return False
+
     def send_blocking(self, frame: Frame) -> None:
         """Like :meth:`send`, from a worker thread."""
         if self._failure is not None or self._closed:
@@ -626,6 +667,20 @@ class TcpLink(ThreadedLink):
     def _set_spin(self, spin_ns: int) -> None:
         self._reader_io.spin_ns = spin_ns
 
+    def _writes_at_once(self, frame: Frame) -> bool:
+        # a small frame into an empty send queue with room for twice its size: the
+        # kernel takes it whole, so the write never waits on a slow or frozen peer
+        nbytes = tensors_nbytes(frame.tensors_()) + (4 << 10)  # + a generous header
+        if nbytes > NOWAIT_MAX_BYTES:
+            return False
+        try:
+            queued = bytearray(4)
+            fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, queued)
+            room = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        except OSError:
+            return False  # closed meanwhile: send() says so
+        return int.from_bytes(queued, "little") == 0 and 2 * nbytes <= room
+
     def _read_frame_blocking(self) -> Frame:
         return self._reader_io.read_frame()
 
@@ -691,6 +746,9 @@ class TcpLink(ThreadedLink):
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+NOWAIT_MAX_BYTES = 64 << 10  # TcpLink.send_nowait writes frames up to this size
 
 
 def tune_tcp(sock: socket.socket, buffer_bytes: int) -> None:

@@ -348,19 +348,22 @@ class ShmLink(ThreadedLink):
         return total
 
     async def _write(self, frame: Frame) -> int:
-        copy = 0
-        for t in frame.tensors_():
-            if t.data_ptr() not in self._allocated:
-                copy += t.nbytes
         # inline only when it cannot wait: a peer that releases nothing (frozen) would
         # otherwise hold the event loop in _take_segment for up to wait_s
-        if copy < (1 << 20) and self._write_lock.acquire(blocking=False):
+        if self._write_lock.acquire(blocking=False):
             try:
-                if self._segments_free_now(frame):
+                if self._writes_at_once(frame):
                     return self._write_blocking(frame)
             finally:
                 self._write_lock.release()
         return await in_thread(self._write_blocking_locked, frame)
+
+    def _writes_at_once(self, frame: Frame) -> bool:
+        copy = 0
+        for t in frame.tensors_():
+            if t.data_ptr() not in self._allocated:
+                copy += t.nbytes
+        return copy < (1 << 20) and self._segments_free_now(frame)
 
     def _segments_free_now(self, frame: Frame) -> bool:
         """Whether every segment ``frame``'s copies need is free or within the budget

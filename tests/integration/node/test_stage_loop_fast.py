@@ -1,0 +1,153 @@
+"""The stage loop's fast path and micro-batches, on three real stages of the tiny model.
+
+Stage servers and a gateway in one trio run, wired by plain calls (no
+network: the data plane's ``send_nowait`` has its own tests): outputs leave
+from the device thread through ``send_now``, and concurrent sessions are
+split into micro-batches so the stages can work on different ones at once.
+Outputs must equal the single-process reference either way.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+import trio
+
+from hetmesh.errors import MeshError
+from hetmesh.node.control import CloseSession, OpenSession, Reply
+from hetmesh.node.gateway import Gateway, Hop
+from hetmesh.node.kvcache import KVLimits
+from hetmesh.node.stage_server import StageServer
+from hetmesh.partition.generate import LocalPipeline
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.partition.stage import load_stage
+from hetmesh.transport.frames import Activations, Error, Frame, Tokens
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+GATEWAY = "gw"
+LAYOUT = {"a": (0, 11), "b": (11, 21), "c": (21, 32)}
+PROMPTS = [[1, 504, 3458, 282], [1029, 314, 253], [77, 78, 79, 80, 81], [900, 901]]
+TOKENS = 6
+
+
+class Wiring:
+    """Three stage servers and a gateway; counts the frames each path carried."""
+
+    def __init__(self, model_dir: Path, *, fast: bool) -> None:
+        self.servers: dict[str, StageServer] = {}
+        self.batches: list[int] = []  # items of each forward, every stage
+        for peer, (start, end) in LAYOUT.items():
+            stage = load_stage(model_dir, start, end)
+            budget = 8 * 64 * stage.kv_bytes_per_token()
+            self.servers[peer] = StageServer(
+                stage,
+                limits=KVLimits(max_sessions=8, max_tokens_per_session=64, budget_bytes=budget),
+                send=self.send,
+                send_now=self.send_now if fast else None,
+            )
+            forward = stage.forward_batch
+
+            def counted(items, *, last_only=False, forward=forward):
+                self.batches.append(len(items))
+                return forward(items, last_only=last_only)
+
+            stage.forward_batch = counted
+        self.via_trio = self.via_thread = 0
+        self.gateway = Gateway(
+            peer_id=GATEWAY,
+            control=self.control,
+            send=self.send,
+            choose=self.choose,
+            ping=self.ping,
+            eos_token_ids=frozenset(),
+            max_context=64,
+        )
+
+    def deliver(self, peer: str, frame: Frame) -> None:
+        if peer == GATEWAY:
+            assert isinstance(frame, Tokens | Error)
+            self.gateway.on_frame(frame)
+            return
+        assert isinstance(frame, Activations)
+        try:
+            self.servers[peer].submit(frame, release=lambda: None)
+        except MeshError as exc:
+            self.gateway.on_frame(Error(code=1, message=str(exc), session_id=frame.session_id))
+
+    async def send(self, peer: str, frame: Frame) -> None:
+        if isinstance(frame, Tokens) or peer in ("b", "c"):  # a stage's output
+            self.via_trio += 1
+        self.deliver(peer, frame)
+
+    def send_now(self, peer: str, frame: Frame) -> bool:
+        """Called on a stage's device thread: the frame is handed over right there."""
+        self.via_thread += 1
+        trio.from_thread.run_sync(self.deliver, peer, frame)
+        return True
+
+    async def control(self, peer: str, request: OpenSession | CloseSession) -> Reply:
+        return self.servers[peer].handle(request)
+
+    async def choose(self, session_id: str, avoid: frozenset[str], hashes: object = ()):
+        return tuple(Hop(peer, *units) for peer, units in LAYOUT.items())
+
+    async def ping(self, peer: str) -> bool:
+        return True
+
+
+async def run_sessions(wiring: Wiring) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(i: int) -> None:
+        params = SamplingParams(max_new_tokens=TOKENS)
+        async with aclosing(wiring.gateway.generate(PROMPTS[i], params)) as tokens:
+            async for token in tokens:
+                results[i].append(token)
+
+    async with trio.open_nursery() as nursery:
+        for server in wiring.servers.values():
+            await nursery.start(server.serve)
+        async with trio.open_nursery() as clients:
+            for i in range(len(PROMPTS)):
+                clients.start_soon(one, i)
+        nursery.cancel_scope.cancel()
+    return results
+
+
+@functools.cache
+def reference(model_dir: Path) -> list[list[int]]:
+    pipeline = LocalPipeline.load(model_dir, 1)
+    params = SamplingParams(max_new_tokens=TOKENS)
+    return [list(pipeline.generate_ids(p, params, eos_ids=set())) for p in PROMPTS]
+
+
+async def test_stage_outputs_leave_from_the_device_thread_and_match_the_reference(
+    tiny_model_dir: Path,
+) -> None:
+    wiring = Wiring(tiny_model_dir, fast=True)
+    with trio.fail_after(120):
+        results = await run_sessions(wiring)
+    assert results == reference(tiny_model_dir)
+    # every stage output (activations to b and c, tokens to the gateway) took the
+    # device thread's path: one per session and step on each of the three stages
+    assert wiring.via_thread == 3 * len(PROMPTS) * TOKENS
+    assert wiring.via_trio == 0
+    for server in wiring.servers.values():
+        assert server.statistics().kv.sessions == 0
+
+
+async def test_concurrent_sessions_run_as_micro_batches_of_half_the_sessions(
+    tiny_model_dir: Path,
+) -> None:
+    wiring = Wiring(tiny_model_dir, fast=False)
+    with trio.fail_after(120):
+        results = await run_sessions(wiring)
+    assert results == reference(tiny_model_dir)
+    assert wiring.via_thread == 0  # without send_now, everything goes through trio
+    # four sessions open: no forward takes more than two, and some take two
+    assert max(wiring.batches) == 2
+    assert wiring.batches.count(2) > 0

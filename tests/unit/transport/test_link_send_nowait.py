@@ -1,0 +1,75 @@
+"""``Link.send_nowait``: the stage loop's write from its device thread, with no trio hop.
+
+It writes a frame whole at once or writes nothing and says so; the frames a
+peer receives are exactly those sent, in order, whichever way they went.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from hetmesh.transport import Activations, Tokens
+from hetmesh.transport.links import NOWAIT_MAX_BYTES, ThreadedLink, in_thread
+from tests.unit.transport.test_links import link_pair, planes, wait_until
+
+
+def _frame(step: int, elements: int) -> Activations:
+    tensor = torch.arange(elements, dtype=torch.float32) + step
+    return Activations(session_id="s", step=step, positions=(step,), tensors=(tensor,))
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_send_nowait_writes_small_frames_from_a_thread_and_refuses_large_ones(
+    backend: str,
+) -> None:
+    async with planes(backend) as (a, b):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ThreadedLink)
+        small = _frame(1, 576)  # one decode step's hidden state of the default model
+        assert await in_thread(la.send_nowait, small)
+        # too large to be sure it never waits on the peer: nothing written, send() it
+        large = _frame(2, 2 * NOWAIT_MAX_BYTES if backend == "tcp" else 1 << 19)
+        assert not la.send_nowait(large)
+        assert la.statistics().frames_sent == 1
+        await la.send(large)
+        for expected in (small, large):
+            frame = await lb.receive()
+            assert frame == expected
+            lb.release(frame)
+        after = Tokens(session_id="s", step=3, token_ids=(7,))
+        # tcp: once the peer has taken (and acknowledged) the large frame's bytes
+        await wait_until(lambda: la.send_nowait(after), seconds=30)
+        assert await lb.receive() == after
+        assert la.statistics().frames_sent == 3
+        await la.aclose()
+        await lb.aclose()
+
+
+async def test_send_nowait_waits_for_no_other_writer() -> None:
+    async with planes("tcp") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ThreadedLink)
+        with la._write_lock:  # another thread's write is under way
+            assert not la.send_nowait(_frame(1, 8))
+        assert la.statistics().frames_sent == 0
+        assert la.send_nowait(_frame(2, 8))
+        frame = await lb.receive()
+        assert frame == _frame(2, 8)  # the refused frame never went out, not even in part
+        lb.release(frame)
+        await la.aclose()
+        await lb.aclose()
+
+
+async def test_send_nowait_on_a_libp2p_link_leaves_it_to_send() -> None:
+    async with planes("libp2p") as (a, b):
+        la, lb = await link_pair(a, b)
+        assert la.backend == "libp2p"
+        assert not la.send_nowait(_frame(1, 8))
+        await la.send(_frame(2, 8))
+        with trio.fail_after(30):
+            frame = await lb.receive()
+        assert frame == _frame(2, 8)
+        await la.aclose()
+        await lb.aclose()
