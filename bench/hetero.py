@@ -78,14 +78,20 @@ def stage_steps_of(view: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def error_terms(stages: list[dict[str, Any]], measured_ms: float) -> dict[str, float]:
-    """Where a plan's prediction misses: stage compute, and everything else per token."""
+def error_terms(
+    stages: list[dict[str, Any]], measured_ms: float, overhead_ms: float
+) -> dict[str, float]:
+    """Where a plan's prediction misses: stage compute, and everything else per token.
+
+    ``overhead_ms``: the plan's ``stage_overhead_s`` (in its predicted steps; counted
+    here with the rest, as a stage server's measured step is its compute alone).
+    """
     steps = [s["measured_step_ms"] for s in stages]
     if any(x is None for x in steps):
         return {}
     compute_measured = sum(steps)
-    compute_predicted = sum(s["predicted_step_ms"] for s in stages)
-    links_predicted = sum(s["predicted_link_out_ms"] for s in stages)
+    compute_predicted = sum(s["predicted_step_ms"] - overhead_ms for s in stages)
+    links_predicted = sum(s["predicted_link_out_ms"] + overhead_ms for s in stages)
     from hetmesh.node.calibration import stage_overhead_from_tokens
 
     return {
@@ -158,7 +164,9 @@ def measure_strategy(
                 for k, v in calibration.items()
                 if k.split("/")[0] in hosts
             },
-            "error_terms": error_terms(stages, decode_s * 1e3),
+            "error_terms": error_terms(
+                stages, decode_s * 1e3, plan.constraints.stage_overhead_s * 1e3
+            ),
             "predicted_ms_per_token": round(plan.decode_latency_s * 1e3, 1),
             "measured_ms_per_token": round(decode_s * 1e3, 1),
             "runs_ms_per_token": [round(x * 1e3, 1) for x in per_token],
