@@ -427,6 +427,7 @@ def load_stage(
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     fuse: bool | None = None,
+    transpose_head: bool | None = None,
 ) -> StageModule:
     """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
@@ -439,6 +440,9 @@ def load_stage(
     ``fuse`` stacks the projections that share an input into one product each
     (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
     ``HETMESH_FUSED_PROJECTIONS`` switch (off unless it is ``1``).
+
+    ``transpose_head`` stores an fp32 LM head column-major (:func:`transpose_head_storage`);
+    ``None`` follows ``HETMESH_TRANSPOSED_HEAD`` (on unless it is ``0``).
     """
     import transformers
 
@@ -475,8 +479,47 @@ def load_stage(
     stage = StageModule(config, profile, start, end, device=torch_device, weights=fmt)
     materialise(stage, folder, config_dict, fuse=fusion_default() if fuse is None else fuse)
     stage._found_fused()
+    if transposed_head_default() if transpose_head is None else transpose_head:
+        transpose_head_storage(stage)
     stage.eval()
     return stage
+
+
+TRANSPOSED_HEAD_ENV = "HETMESH_TRANSPOSED_HEAD"
+
+
+def transposed_head_default() -> bool:
+    """Whether fp32 heads are stored column-major when the caller does not say (env switch)."""
+    return os.environ.get(TRANSPOSED_HEAD_ENV, "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+def transpose_head_storage(stage: StageModule) -> None:
+    """Keep an fp32 LM head's matrix column-major: ``weight`` becomes a view of ``(hidden, vocab)``.
+
+    Why: ``F.linear(x, W)`` multiplies by ``W.t()``; with ``W.t()`` contiguous the
+    CPU kernel streams the 49,152 x 576 head of the default model about twice as
+    fast for one decode row (docs/benchmarks.md, issue 16). The logits are not the
+    row-major product's to the last bit (another reduction order, ~1e-6 relative):
+    the real model's greedy tokens are checked against it by
+    ``tests/integration/partition/test_transposed_head.py`` and every run of
+    ``bench/decode.py``. A tied embedding keeps reading the same matrix (a row
+    lookup in the view): no second copy is held, and the bytes counted are the same.
+    """
+    head = stage.lm_head
+    if not isinstance(head, nn.Linear) or head.weight.dtype != torch.float32:
+        return
+    old = head.weight
+    columns = old.detach().t().contiguous()  # (hidden, vocab)
+    view = nn.Parameter(columns.t(), requires_grad=False)  # (vocab, hidden), column-major
+    head.weight = view
+    embed = stage.embed_tokens
+    if isinstance(embed, nn.Embedding) and embed.weight is old:
+        embed.weight = view  # tied: one matrix for both ends, as before
 
 
 def _quantize_linears(layer: nn.Module, fmt: WeightFormat) -> None:
@@ -502,4 +545,12 @@ def _quantize_linears(layer: nn.Module, fmt: WeightFormat) -> None:
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "SUPPORTED_ARCHITECTURES", "StageModule", "load_stage"]
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "SUPPORTED_ARCHITECTURES",
+    "TRANSPOSED_HEAD_ENV",
+    "StageModule",
+    "load_stage",
+    "transpose_head_storage",
+    "transposed_head_default",
+]
