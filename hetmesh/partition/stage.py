@@ -441,8 +441,9 @@ def load_stage(
     (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
     ``HETMESH_FUSED_PROJECTIONS`` switch (off unless it is ``1``).
 
-    ``transpose_head`` stores an fp32 LM head column-major (:func:`transpose_head_storage`);
-    ``None`` follows ``HETMESH_TRANSPOSED_HEAD`` (on unless it is ``0``).
+    ``transpose_head`` stores an fp32 LM head column-major (a tied embedding shared
+    with it too; the same bytes); ``None`` follows ``HETMESH_TRANSPOSED_HEAD`` (on
+    unless it is ``0``).
     """
     import transformers
 
@@ -477,10 +478,22 @@ def load_stage(
                 f"{sorted(w for w in widths if w)}"
             )
     stage = StageModule(config, profile, start, end, device=torch_device, weights=fmt)
-    materialise(stage, folder, config_dict, fuse=fusion_default() if fuse is None else fuse)
+    # Why column-major: F.linear(x, W) multiplies by W.t(); with W.t() contiguous
+    # the CPU kernel streams the default model's 49,152 x 576 head about twice as
+    # fast for one decode row (docs/benchmarks.md, issue 16). Not the row-major
+    # product's logits to the last bit (another reduction order, ~2e-6 relative):
+    # greedy tokens are checked against it by tests and every bench/decode.py run.
+    column_major = fmt is WeightFormat.FLOAT32 and (
+        transposed_head_default() if transpose_head is None else transpose_head
+    )
+    materialise(
+        stage,
+        folder,
+        config_dict,
+        fuse=fusion_default() if fuse is None else fuse,
+        column_major_head=column_major,
+    )
     stage._found_fused()
-    if transposed_head_default() if transpose_head is None else transpose_head:
-        transpose_head_storage(stage)
     stage.eval()
     return stage
 
@@ -496,30 +509,6 @@ def transposed_head_default() -> bool:
         "no",
         "off",
     )
-
-
-def transpose_head_storage(stage: StageModule) -> None:
-    """Keep an fp32 LM head's matrix column-major: ``weight`` becomes a view of ``(hidden, vocab)``.
-
-    Why: ``F.linear(x, W)`` multiplies by ``W.t()``; with ``W.t()`` contiguous the
-    CPU kernel streams the 49,152 x 576 head of the default model about twice as
-    fast for one decode row (docs/benchmarks.md, issue 16). The logits are not the
-    row-major product's to the last bit (another reduction order, ~1e-6 relative):
-    the real model's greedy tokens are checked against it by
-    ``tests/integration/partition/test_transposed_head.py`` and every run of
-    ``bench/decode.py``. A tied embedding keeps reading the same matrix (a row
-    lookup in the view): no second copy is held, and the bytes counted are the same.
-    """
-    head = stage.lm_head
-    if not isinstance(head, nn.Linear) or head.weight.dtype != torch.float32:
-        return
-    old = head.weight
-    columns = old.detach().t().contiguous()  # (hidden, vocab)
-    view = nn.Parameter(columns.t(), requires_grad=False)  # (vocab, hidden), column-major
-    head.weight = view
-    embed = stage.embed_tokens
-    if isinstance(embed, nn.Embedding) and embed.weight is old:
-        embed.weight = view  # tied: one matrix for both ends, as before
 
 
 def _quantize_linears(layer: nn.Module, fmt: WeightFormat) -> None:
@@ -551,6 +540,5 @@ __all__ = [
     "TRANSPOSED_HEAD_ENV",
     "StageModule",
     "load_stage",
-    "transpose_head_storage",
     "transposed_head_default",
 ]
