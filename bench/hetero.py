@@ -24,7 +24,11 @@ and compares it with the measured one.
 ``--json`` prints one object: ``vs_memory_proportional`` and ``vs_even``
 (hetmesh's decode tokens/s ÷ the baseline's; targets ≥ 1.3 for the first),
 ``prediction_error`` (|predicted − measured| ÷ measured for hetmesh's plan;
-target ≤ 0.25), and per strategy the plan, predicted and measured figures.
+target ≤ 0.10 since issue 16), and per strategy the plan, predicted and measured
+figures, with ``error_terms``: the prediction's miss split into the stages'
+compute (each stage server's own recent step times, read right after the
+generations) and the rest of a token (hops, the gateway). ``--strategies
+hetmesh`` measures hetmesh's plan alone (the ratios need all three).
 """
 
 from __future__ import annotations
