@@ -238,6 +238,25 @@ def measured_constraints(
     return dataclasses.replace(constraints, block_step_s_by_device=steps), frozenset(corrected)
 
 
+def stage_overhead_from_tokens(token_s: float, stage_steps_s: Sequence[float]) -> float:
+    """Seconds per stage per token that a pipeline spends outside its stages' compute.
+
+    ``token_s``: the measured time per decode token of one stream (the gateway's
+    or the client's view); ``stage_steps_s``: each stage's measured decode step
+    (its stage server's ``recent_step_s``). What is left of the token after the
+    steps is the hops (frame encode, send, the receiver's wake-up and decode),
+    the gateway and the stream, spread over the stages — one outgoing message
+    each, the last stage's being the token's return — as the cost model's
+    ``PlanConstraints.stage_overhead_s`` counts it. Never negative. Raises
+    ``ValueError`` for no stages or a non-positive time.
+    """
+    if not stage_steps_s:
+        raise ValueError("a pipeline has at least one stage")
+    if not token_s > 0 or any(not s > 0 for s in stage_steps_s):
+        raise ValueError("measured times must be positive")
+    return max(0.0, token_s - sum(stage_steps_s)) / len(stage_steps_s)
+
+
 __all__ = [
     "CALIBRATION_CONTEXT_TOKENS",
     "CALIBRATION_KEY",
@@ -247,4 +266,5 @@ __all__ = [
     "cpu_share",
     "measure_block_step_s",
     "measured_constraints",
+    "stage_overhead_from_tokens",
 ]

@@ -35,19 +35,37 @@ from hetmesh.partition.quant import (
 META_PATCH_LOCK = threading.Lock()
 
 
-def materialise(stage: Any, folder: Path, config: dict[str, Any], *, fuse: bool = False) -> None:
+def materialise(
+    stage: Any,
+    folder: Path,
+    config: dict[str, Any],
+    *,
+    fuse: bool = False,
+    column_major_head: bool = False,
+) -> None:
     """Load ``stage``'s tensors from ``folder`` (see the module docstring).
 
     With ``fuse``, each decoder layer's projection groups are stacked
     (:func:`~hetmesh.partition.fused.fuse_layer`) as soon as the layer is
     loaded: the copies made then cost one layer, and the freed pieces are
     reused by the next layer's tensors.
+
+    With ``column_major_head`` a float head matrix is written straight into
+    column-major storage (``weight.t()`` contiguous; see
+    :func:`hetmesh.partition.stage.load_stage`), and so is a tied embedding
+    the head will share: no second copy is ever made.
     """
     tied = bool(config.get("tie_word_embeddings", False))
     with CheckpointReader(folder) as reader:
         loader = _Loader(stage, reader, folder)
+        shared_head = tied and stage.lm_head is not None and reader.kind("lm_head.weight") is None
         if stage.embed_tokens is not None:
-            loader.table("embed_tokens", stage.embed_tokens, "model.embed_tokens.weight")
+            loader.table(
+                "embed_tokens",
+                stage.embed_tokens,
+                "model.embed_tokens.weight",
+                column_major=column_major_head and shared_head,
+            )
         for local, global_index in enumerate(stage.layer_range):
             layer = stage.layers[local]
             for sub, module in layer.named_modules():
@@ -69,7 +87,7 @@ def materialise(stage: Any, folder: Path, config: dict[str, Any], *, fuse: bool 
             if stage.embed_tokens is not None and head_source == "model.embed_tokens.weight":
                 _share_table(stage)
             else:
-                loader.table("lm_head", stage.lm_head, head_source)
+                loader.table("lm_head", stage.lm_head, head_source, column_major=column_major_head)
     left = [name for name, t in _tensors(stage) if t.is_meta]
     if left:
         raise CorruptModel(f"{folder}: no tensors for {left[:3]}")
@@ -151,12 +169,17 @@ class _Loader:
             if param.is_meta:
                 self.float_param(f"{path}.{name}", f"{source}.{name}", tuple(param.shape))
 
-    def float_param(self, path: str, source: str, shape: tuple[int, ...]) -> None:
+    def float_param(
+        self, path: str, source: str, shape: tuple[int, ...], *, column_major: bool = False
+    ) -> None:
         self.expect(source, shape)
         if len(shape) == 1:
             self.put(path, self.reader.tensor(source).to(self.dtype))
             return
-        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if column_major:  # a (rows, cols) view of (cols, rows) storage
+            out = torch.empty(shape[::-1], dtype=self.dtype, device=self.device).t()
+        else:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
         for start in range(0, shape[0], ROW_CHUNK):
             stop = min(start + ROW_CHUNK, shape[0])
             out[start:stop] = self.reader.rows(source, start, stop)
@@ -172,8 +195,11 @@ class _Loader:
         self.put(f"{path}.weight_packed", packed.to(self.device))
         self.put(f"{path}.scales_zeros", scales_zeros.to(self.device))
 
-    def table(self, path: str, module: nn.Module, source: str) -> None:
-        """The embedding or head matrix, a slice of rows at a time."""
+    def table(
+        self, path: str, module: nn.Module, source: str, *, column_major: bool = False
+    ) -> None:
+        """The embedding or head matrix, a slice of rows at a time (float: optionally
+        into column-major storage)."""
         if isinstance(module, (Int8Embedding, Int8Linear)):
             rows_n = module.weight_q.shape[0]
             self.expect(source, tuple(module.weight_q.shape))
@@ -190,7 +216,7 @@ class _Loader:
         weight = module.weight
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"{path} has no weight tensor")
-        self.float_param(f"{path}.weight", source, tuple(weight.shape))
+        self.float_param(f"{path}.weight", source, tuple(weight.shape), column_major=column_major)
 
 
 __all__ = ["materialise"]

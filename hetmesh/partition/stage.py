@@ -427,6 +427,7 @@ def load_stage(
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     fuse: bool | None = None,
+    transpose_head: bool | None = None,
 ) -> StageModule:
     """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
@@ -439,6 +440,10 @@ def load_stage(
     ``fuse`` stacks the projections that share an input into one product each
     (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
     ``HETMESH_FUSED_PROJECTIONS`` switch (off unless it is ``1``).
+
+    ``transpose_head`` stores an fp32 LM head column-major (a tied embedding shared
+    with it too; the same bytes); ``None`` follows ``HETMESH_TRANSPOSED_HEAD`` (on
+    unless it is ``0``).
     """
     import transformers
 
@@ -473,10 +478,37 @@ def load_stage(
                 f"{sorted(w for w in widths if w)}"
             )
     stage = StageModule(config, profile, start, end, device=torch_device, weights=fmt)
-    materialise(stage, folder, config_dict, fuse=fusion_default() if fuse is None else fuse)
+    # Why column-major: F.linear(x, W) multiplies by W.t(); with W.t() contiguous
+    # the CPU kernel streams the default model's 49,152 x 576 head about twice as
+    # fast for one decode row (docs/benchmarks.md, issue 16). Not the row-major
+    # product's logits to the last bit (another reduction order, ~2e-6 relative):
+    # greedy tokens are checked against it by tests and every bench/decode.py run.
+    column_major = fmt is WeightFormat.FLOAT32 and (
+        transposed_head_default() if transpose_head is None else transpose_head
+    )
+    materialise(
+        stage,
+        folder,
+        config_dict,
+        fuse=fusion_default() if fuse is None else fuse,
+        column_major_head=column_major,
+    )
     stage._found_fused()
     stage.eval()
     return stage
+
+
+TRANSPOSED_HEAD_ENV = "HETMESH_TRANSPOSED_HEAD"
+
+
+def transposed_head_default() -> bool:
+    """Whether fp32 heads are stored column-major when the caller does not say (env switch)."""
+    return os.environ.get(TRANSPOSED_HEAD_ENV, "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 def _quantize_linears(layer: nn.Module, fmt: WeightFormat) -> None:
@@ -502,4 +534,11 @@ def _quantize_linears(layer: nn.Module, fmt: WeightFormat) -> None:
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "SUPPORTED_ARCHITECTURES", "StageModule", "load_stage"]
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "SUPPORTED_ARCHITECTURES",
+    "TRANSPOSED_HEAD_ENV",
+    "StageModule",
+    "load_stage",
+    "transposed_head_default",
+]

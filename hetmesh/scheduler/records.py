@@ -85,7 +85,12 @@ class PlanConstraints(WireRecord):
     prefill_chunk_tokens: int = 512
     reserve_bytes: int = 256 * 1024 * 1024
     reserve_fraction: float = 0.05
-    stage_overhead_s: float = 5.0e-4  # per stage per step: frame decode, scheduling, send
+    # per stage per step, outside its compute: the frame in (receive, decode, the wake-up
+    # of the stage loop), the frame out (encode, send) and, for the last stage, the
+    # gateway turning the token round; measured (hetmesh.node.calibration.
+    # stage_overhead_from_tokens): 3.8-4.5 ms on the project's CPUs at load ~1-2
+    # (docs/benchmarks.md, "Prediction error"), against 0.5 ms assumed before
+    stage_overhead_s: float = 4.0e-3
     unit_overhead_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_UNIT_OVERHEAD_S))
     unit_overhead_s_by_device: dict[str, float] = field(default_factory=dict)
     # measured seconds of one decode step of one decoder block, per device key, at
