@@ -71,10 +71,14 @@ async def test_next_turn_goes_back_to_the_pipeline_holding_its_prefix(
     tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(inprocess_mesh, "NODE_MEMORY_BYTES", 2 << 30)  # each holds the model
-    # a block step that dwarfs the embedding and head (priced from each node's measured
-    # memory bandwidth, which a loaded machine can make 3x apart): two whole replicas
-    # beat one two-stage pipeline by ~15 %, whatever the load
-    serving = ServingConfig(objective="throughput", max_context_tokens=512, block_step_s=0.02)
+    # Under the throughput objective one two-stage pipeline of these nodes does about as
+    # many tokens/s as two whole replicas (each stage half the work, the head included:
+    # the calibration scales every unit alike), so at a long block step the choice was
+    # a coin toss on the nodes' measured flops and bandwidth. What a pipeline pays twice
+    # is the per-stage overhead of the cost model (4 ms); at a 0.5 ms block step that
+    # makes two replicas ~19 % ahead whatever the nodes measure (a 2-device sweep over
+    # 3x bandwidth and 10x flops gaps plans two replicas every time).
+    serving = ServingConfig(objective="throughput", max_context_tokens=512, block_step_s=0.0005)
     async with open_mesh(tmp_path, serving, 2) as mesh:
         await wait_ready(mesh.nodes[0], pipelines=2)
         nodes = mesh.nodes
