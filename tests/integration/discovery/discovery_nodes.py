@@ -121,6 +121,21 @@ def measured_profile_cache() -> str:
 
 
 _NODE_SERVER: list[Any] = []
+# environment variables that the server's imports read (threads, paths, torch/HF settings)
+_READ_AT_IMPORT = (
+    "PYTHON",
+    "OMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+)
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
 
 
 def node_server(env: dict[str, str]) -> Any:
@@ -140,8 +155,7 @@ def node_server(env: dict[str, str]) -> Any:
         atexit.register(server.close)
         _NODE_SERVER.append((server, dict(env)))
     server, server_env = _NODE_SERVER[0]
-    read_at_import = ("OMP_NUM_THREADS", "PYTHONPATH", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-    if any(env.get(k) != server_env.get(k) for k in read_at_import):
+    if _import_env(env) != _import_env(server_env):
         return None
     return server if server.threads == 1 and server.alive() else None
 
