@@ -99,7 +99,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredMesh]:
     first_toml.write_text(f'api-key = "{FILE_KEY}"\nmax-context = 256\nmax-sessions = 2\n')
     second_toml.write_text(f'api-key = "{FILE_KEY_2}"\nmax-context = 256\nmax-sessions = 2\n')
     ports = [_free_port(), _free_port()]
-    factory = NodeFactory(root)
+    factory = NodeFactory(root, exec_nodes=True)  # `hetmesh node start` as users run it
     try:
         first = factory.start(
             *NODE_ARGS,

@@ -120,17 +120,63 @@ def measured_profile_cache() -> str:
     return _PROFILE_CACHE[0]
 
 
+_NODE_SERVER: list[Any] = []
+# environment variables that the server's imports read (threads, paths, torch/HF settings)
+_READ_AT_IMPORT = (
+    "PYTHON",
+    "OMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+)
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)}
+
+
+def node_server(env: dict[str, str]) -> Any:
+    """This test process's fork server (tests/integration/node_server.py), started on
+    first use with ``env``; None where nodes must start the ordinary way: the server
+    could not fork safely (more than one thread after its imports), it has exited,
+    ``env`` differs from the server's where an import reads it, or
+    ``HETMESH_TEST_FORK=0`` asks for a new interpreter per node."""
+    if os.environ.get("HETMESH_TEST_FORK", "1") == "0":
+        return None
+    if not _NODE_SERVER:
+        import atexit
+
+        from tests.integration.node_server import NodeServer
+
+        server = NodeServer(str(REPO), env)
+        atexit.register(server.close)
+        _NODE_SERVER.append((server, dict(env)))
+    server, server_env = _NODE_SERVER[0]
+    if _import_env(env) != _import_env(server_env):
+        return None
+    return server if server.threads == 1 and server.alive() else None
+
+
 class NodeFactory:
     """Starts nodes (optionally through a testbed's ``popen``) and reaps them all.
 
     Nodes reuse one benchmark measured in the test process
     (:func:`measured_profile_cache`) unless ``measure`` is set: then each runs its own,
     as a first start in production does.
+
+    A node started without ``popen`` is forked from this test process's node server
+    (:func:`node_server`: its own process, only without a new interpreter's imports)
+    unless ``exec_nodes`` is set: then each is a new ``python -m hetmesh node start``
+    as users run it (the CLI tests).
     """
 
-    def __init__(self, tmp_path: Path, *, measure: bool = False) -> None:
+    def __init__(self, tmp_path: Path, *, measure: bool = False, exec_nodes: bool = False) -> None:
         self.tmp_path = tmp_path
         self.measure = measure
+        self.exec_nodes = exec_nodes
         self.nodes: list[NodeProc] = []
 
     def start(
@@ -158,7 +204,14 @@ class NodeFactory:
             "env": node_env(),
             "cwd": str(REPO),
         }
-        proc = popen(argv, **kwargs) if popen else subprocess.Popen(argv, **kwargs)
+        server = None if popen or self.exec_nodes else node_server(kwargs["env"])
+        if server is not None:
+            # argv after `python -m hetmesh`; the child takes this environment whole
+            proc: Any = server.start(argv[3:], log_file.fileno(), kwargs["env"])
+        elif popen:
+            proc = popen(argv, **kwargs)
+        else:
+            proc = subprocess.Popen(argv, **kwargs)
         log_file.close()
         node = NodeProc(proc, data_dir, log_path)
         self.nodes.append(node)
