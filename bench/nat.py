@@ -19,6 +19,10 @@ Reported (the flat mesh is the baseline, measured in the same run):
 - ``homes_link_utilisation``: the bandwidth of the homes' link as their link
   probe published it (the path the data plane takes: hole-punched where the
   routers allow, else relayed) ÷ the uplink's 12.5 MB/s (report);
+- ``relayed_link_utilisation``: the same link when home 1's router is symmetric
+  (a third mesh, after the other two: no punch, so the homes' link rides the
+  relay through host 0) ÷ 12.5 MB/s (report), with that mesh's decode rate and
+  whether its tokens equal the others' (``--no-relayed`` skips it);
 - ``join_to_planned_s``: from starting the second home node to a ready plan
   over both homes (report);
 - ``punched_link_utilisation``: tensors from home 0 to home 1 over a sealed
@@ -68,9 +72,12 @@ def decode_tps(gen: dict[str, Any]) -> float:
 
 
 @contextlib.contextmanager
-def nat_mesh(workdir: Path) -> Iterator[tuple[Callable[[int], dict[str, Any]], dict[str, Any]]]:
-    """The NAT mesh serving over both homes: (generate(tokens), figures measured on the way)."""
-    with open_nat_mesh(workdir, homes=2, rate=RATE) as mesh:
+def nat_mesh(
+    workdir: Path, symmetric: tuple[int, ...] = ()
+) -> Iterator[tuple[Callable[[int], dict[str, Any]], dict[str, Any]]]:
+    """The NAT mesh serving over both homes: (generate(tokens), figures measured on the way).
+    ``symmetric``: the homes whose router maps every destination to a new port (no punch)."""
+    with open_nat_mesh(workdir, homes=2, symmetric=symmetric, rate=RATE) as mesh:
         public, home0, home1 = mesh.bed.hosts
         first = mesh.start_node(public, "--no-serve").wait_up(300)
         node0 = mesh.start_node(home0, *HOME_ARGS, bootstrap=first.addr).wait_up(300)
@@ -126,11 +133,7 @@ def run_meshes(workdir: Path, tokens: int, runs: int) -> dict[str, Any]:
         errors = [g for g in nat_gens + flat_gens if "error" in g]
         if errors:
             raise RuntimeError(f"a generation failed: {errors[0]}")
-        deadline = time.monotonic() + 180
-        links: list[dict[str, Any]] = figures["links"]()
-        while not links and time.monotonic() < deadline:
-            time.sleep(3)
-            links = figures["links"]()
+        links = homes_links(figures)
         nat_tps = [decode_tps(g) for g in nat_gens]
         flat_tps = [decode_tps(g) for g in flat_gens]
         return {
@@ -139,6 +142,7 @@ def run_meshes(workdir: Path, tokens: int, runs: int) -> dict[str, Any]:
             "nat_decode_runs_tps": nat_tps,
             "flat_decode_runs_tps": flat_tps,
             "same_tokens": all(g["tokens"] == nat_gens[0]["tokens"] for g in nat_gens + flat_gens),
+            "tokens_generated": nat_gens[0]["tokens"],
             "join_to_planned_s": figures["join_to_planned_s"],
             "link_bps": max((float(lk["bandwidth_bps"]) for lk in links), default=None),
             "link_rtt_s": min((float(lk["rtt_s"]) for lk in links), default=None),
@@ -196,6 +200,34 @@ def _link_run(bed: Any, port: int, mib: int, rounds: int) -> dict[str, Any]:
     return sent
 
 
+def homes_links(figures: dict[str, Any], deadline_s: float = 180) -> list[dict[str, Any]]:
+    """The homes' links as their probes published them, once there are any."""
+    deadline = time.monotonic() + deadline_s
+    links: list[dict[str, Any]] = figures["links"]()
+    while not links and time.monotonic() < deadline:
+        time.sleep(3)
+        links = figures["links"]()
+    return links
+
+
+def run_relayed(workdir: Path, tokens: int) -> dict[str, Any]:
+    """The NAT mesh with home 1 behind a symmetric router: no punch, so the homes' link
+    rides the relay; its probed bandwidth and one generation's decode rate."""
+    with nat_mesh(workdir, symmetric=(1,)) as (gen, figures):
+        gen(2)
+        out = gen(tokens)
+        if "error" in out:
+            raise RuntimeError(f"a generation over the relay failed: {out}")
+        links = homes_links(figures)
+    return {
+        "relayed_link_bps": max((float(lk["bandwidth_bps"]) for lk in links), default=None),
+        "relayed_link_rtt_s": min((float(lk["rtt_s"]) for lk in links), default=None),
+        "relayed_links": links,
+        "relayed_decode_tps": decode_tps(out),
+        "relayed_tokens": out["tokens"],
+    }
+
+
 def run_punched_link(mib: int, rounds: int, runs: int) -> dict[str, Any]:
     """Tensors from home 0 to home 1 over a sealed data-plane link hole-punched through
     both routers, negotiated as over a relayed connection; median of ``runs``."""
@@ -220,6 +252,7 @@ def main() -> int:
     parser.add_argument("--punch-mib", type=int, default=32, help="MiB per punched transfer")
     parser.add_argument("--punch-runs", type=int, default=3)
     parser.add_argument("--punch-only", action="store_true", help="only the punched link")
+    parser.add_argument("--no-relayed", action="store_true", help="skip the relayed mesh")
     args = parser.parse_args()
     reason = nat_unavailable_reason(need_tc=True) or why_no_testbed()
     if reason:
@@ -228,6 +261,7 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hetmesh-nat-"))
     (workdir / "nat").mkdir(parents=True, exist_ok=True)
     (workdir / "flat").mkdir(parents=True, exist_ok=True)
+    (workdir / "relayed").mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     rounds = max(1, args.punch_mib // 4)  # 4 MiB activations
     link = run_punched_link(4, rounds, args.punch_runs)
@@ -241,6 +275,7 @@ def main() -> int:
     }
     if not args.punch_only:
         meshes = run_meshes(workdir, args.tokens, args.runs)
+        meshes_tokens = meshes.pop("tokens_generated")
         homes_bps = meshes.pop("link_bps")
         out = {
             "nat_decode_ratio": meshes["nat_decode_tps"] / meshes["flat_decode_tps"],
@@ -252,6 +287,12 @@ def main() -> int:
             "runs": args.runs,
             "workdir": str(workdir),
         }
+        if not args.no_relayed:
+            relayed = run_relayed(workdir / "relayed", args.tokens)
+            bps = relayed["relayed_link_bps"]
+            out["relayed_link_utilisation"] = None if bps is None else bps / RATE_BPS
+            out["relayed_same_tokens"] = relayed["relayed_tokens"] == meshes_tokens
+            out.update(relayed)
     out["loadavg_before"] = load_before
     out["loadavg_after"] = os.getloadavg()
     print(json.dumps(out) if args.json else json.dumps(out, indent=1))
