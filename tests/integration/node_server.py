@@ -15,13 +15,10 @@ way if it ever is more than one.
 The CLI and demo tests keep starting ``hetmesh node start`` as users do (a new
 interpreter): see :class:`~tests.integration.discovery.discovery_nodes.NodeFactory`.
 
-Protocol over the Unix socket ``FD``: the server first says ``"ready THREADS"``. Each
-request is one message, a JSON object ``{"argv": [...], "cwd": ..., "env": {...}}``
-(argv after ``hetmesh``; the node's whole environment) with the node's log file
-descriptor attached (SCM_RIGHTS); the server answers ``"pid PID"``, and ``"exit PID
-STATUS"`` when it reaps that node (STATUS as ``Popen.returncode`` reads it: negative
-for a signal). When the test process closes its end, the server kills whatever it
-still has and exits.
+Protocol (tests/integration/fork_server.py): the server says ``"ready THREADS"``; a
+request is a JSON object ``{"argv": [...], "cwd": ..., "env": {...}}`` (argv after
+``hetmesh``; the node's whole environment) with the node's log file descriptor
+attached.
 """
 
 from __future__ import annotations
@@ -30,13 +27,13 @@ import contextlib
 import importlib
 import json
 import os
-import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from typing import Any
+
+from tests.integration.fork_server import ForkedProcess, ForkServer, serve_forks
 
 # what a serving node imports on its way up (read off `python -X importtime -m hetmesh
 # node start --serve`); the first import of each costs the same in every node
@@ -139,130 +136,33 @@ def serve(fd: int) -> None:
         importlib.import_module(name)
     sock = socket.socket(fileno=fd)
     sock.sendall(f"ready {thread_count()}\n".encode())
-    children: set[int] = set()
-    while True:
-        readable, _, _ = select.select([sock], [], [], 0.1)
-        if readable:
-            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
-            if not msg:  # the test process closed its end: stop, killing what is left
-                for pid in children:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                return
-            request = json.loads(msg)
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                _run_node(request, fds[0])
-            os.close(fds[0])
-            children.add(pid)
-            sock.sendall(f"pid {pid}\n".encode())
-        for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                children.discard(pid)
-                sock.sendall(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+    serve_forks(
+        sock,
+        lambda msg, log_fd: _run_node(json.loads(msg), log_fd),
+        max_message=1 << 20,
+        poll_s=0.1,
+    )
 
 
-class NodeServer:
+class NodeServer(ForkServer):
     """The test side: starts the server process, forks nodes through it."""
 
     def __init__(self, cwd: str, env: dict[str, str]) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.node_server", str(theirs.fileno())],
-            cwd=cwd,
-            env=env,
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
-        self.cwd = cwd
-        self._sock = ours
-        self._lines = ours.makefile("r")
-        self._cond = threading.Condition()
-        self._lock = threading.Lock()
-        self._pids: list[int] = []
-        self._exits: dict[int, int] = {}
-        first = self._lines.readline().split()
-        if not first or first[0] != "ready":
-            raise RuntimeError(f"the node server did not start (said {first!r})")
-        self.threads = int(first[1])
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self._lines:
-            kind, pid, *rest = line.split()
-            with self._cond:
-                if kind == "pid":
-                    self._pids.append(int(pid))
-                else:
-                    self._exits[int(pid)] = int(rest[0])
-                self._cond.notify_all()
+        super().__init__("tests.integration.node_server", cwd, env)
+        self.threads = int(self.ready_words[0])
 
     def start(self, argv: list[str], log_fd: int, env: dict[str, str]) -> ForkedNode:
         """Fork a node running ``hetmesh *argv`` in ``env``, its output on ``log_fd``."""
         request = json.dumps({"argv": argv, "cwd": self.cwd, "env": env}).encode()
-        with self._lock, self._cond:
-            socket.send_fds(self._sock, [request], [log_fd])
-            if not self._cond.wait_for(lambda: self._pids, timeout=120):
-                raise RuntimeError("the node server did not fork")
-            pid = self._pids.pop(0)
-        return ForkedNode(self, pid, argv)
-
-    def returncode(self, pid: int, timeout: float | None) -> int | None:
-        with self._cond:
-            self._cond.wait_for(lambda: pid in self._exits, timeout=timeout)
-            return self._exits.get(pid)
-
-    def alive(self) -> bool:
-        return self._proc.poll() is None
-
-    def close(self) -> None:
-        """Stop the server (it kills any node left); the makefile holds the socket open,
-        so shut it down rather than just close it."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=30)
+        return ForkedNode(self, self.fork(request, log_fd, timeout=120), argv)
 
 
-class ForkedNode:
-    """What the tests use of ``subprocess.Popen``, for a node forked by the server."""
+class ForkedNode(ForkedProcess):
+    """A node forked by the server."""
 
     def __init__(self, server: NodeServer, pid: int, args: list[str]) -> None:
-        self._server = server
-        self.pid = pid
+        super().__init__(server, pid)
         self.args = args
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._server.returncode(self.pid, 0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            code = self._server.returncode(self.pid, timeout)
-            if code is None:
-                raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0)
-            self.returncode = code
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 if __name__ == "__main__":
