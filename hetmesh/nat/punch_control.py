@@ -38,7 +38,13 @@ import trio
 
 from hetmesh.discovery.rpc import open_stream
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
-from hetmesh.nat.punch_probe import punch_from, read_line, recv_exact, reserve_candidate
+from hetmesh.nat.punch_probe import (
+    punch_from,
+    read_line,
+    read_offer,
+    recv_exact,
+    reserve_candidate,
+)
 from hetmesh.transport.p2p import PUNCHED_MARK
 from hetmesh.transport.punch_plan import DEFAULT_SCHEDULE, parse_candidate
 from hetmesh.transport.threads import in_thread
@@ -225,22 +231,15 @@ class ControlPuncher:
         async def handle(stream: Any) -> None:
             asker = str(stream.muxed_conn.peer_id)
             with trio.fail_after(10.0):
-                mine_text, _, token_hex = (await read_line(stream)).partition(" ")
-            theirs = parse_candidate(mine_text)
-            try:
-                token = bytes.fromhex(token_hex)
-            except ValueError:
-                token = b""
+                offer = await read_offer(stream, _TOKEN_BYTES)
             wanted = (
-                theirs is not None
-                and len(token) == _TOKEN_BYTES
-                and asker < self.discovery.peer_id
-                and asker not in self._busy
+                offer is not None and asker < self.discovery.peer_id and asker not in self._busy
             )
             reservation = reserve_candidate(self.discovery) if wanted else None
             await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
             await stream.close()
-            if reservation is not None and theirs is not None:
+            if reservation is not None and offer is not None:
+                theirs, token = offer
                 self._busy.add(asker)
                 nursery.start_soon(self._answer, asker, reservation[0], theirs, token, nursery)
 

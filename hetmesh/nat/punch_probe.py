@@ -76,6 +76,18 @@ async def read_line(stream: Any) -> str:
     return data[:-1].decode("ascii", "replace")
 
 
+async def read_offer(stream: Any, token_bytes: int) -> tuple[Candidate, bytes] | None:
+    """The asker's line ``"CANDIDATE TOKENHEX"``: its candidate and a token of
+    ``token_bytes`` bytes, or None if either is malformed."""
+    mine_text, _, token_hex = (await read_line(stream)).partition(" ")
+    theirs = parse_candidate(mine_text)
+    try:
+        token = bytes.fromhex(token_hex)
+    except ValueError:
+        return None
+    return None if theirs is None or len(token) != token_bytes else (theirs, token)
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -214,19 +226,14 @@ def punch_probe_handler(discovery: Discovery) -> Any:
 
     async def handle(stream: Any) -> None:
         with trio.fail_after(_IO_TIMEOUT_S + DEFAULT_SCHEDULE.total_s):
-            mine_text, _, token_hex = (await read_line(stream)).partition(" ")
-            theirs = parse_candidate(mine_text)
-            try:
-                token = bytes.fromhex(token_hex)
-            except ValueError:
-                token = b""
+            offer = await read_offer(stream, _TOKEN_BYTES)
             free = busy["answers"] < MAX_CONCURRENT_ANSWERS
-            wanted = theirs is not None and len(token) == _TOKEN_BYTES and free
-            reservation = reserve_candidate(discovery) if wanted else None
+            reservation = reserve_candidate(discovery) if offer is not None and free else None
             await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
             await stream.close()
-            if reservation is None or theirs is None:
+            if reservation is None or offer is None:
                 return
+            theirs, token = offer
             busy["answers"] += 1
             try:
                 sock = await punch_from(reservation[0], theirs)

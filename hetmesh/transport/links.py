@@ -554,17 +554,22 @@ class ThreadedLink(Link):
         try:
             if not self._writes_at_once(frame):
                 return False
-            n = self._write_blocking(frame)
+            n = self._write_counted(frame)
+        finally:
+            self._write_lock.release()
+        self._count_sent(n)
+        return True
+
+    def _write_counted(self, frame: Frame) -> int:
+        """:meth:`_write_blocking`, its failures counted (the caller holds the write lock)."""
+        try:
+            return self._write_blocking(frame)
         except OSError as exc:
             self._count_failure(exc, fatal=False)
             raise StreamReset(f"send failed: {exc}") from exc
         except TransportError as exc:
             self._count_failure(exc, fatal=False)
             raise
-        finally:
-            self._write_lock.release()
-        self._count_sent(n)
-        return True
 
     def _writes_at_once(self, frame: Frame) -> bool:
         """Whether :meth:`_write_blocking` of ``frame`` would not wait on the peer now
@@ -575,15 +580,8 @@ class ThreadedLink(Link):
         """Like :meth:`send`, from a worker thread."""
         if self._failure is not None or self._closed:
             self._check_open()
-        try:
-            with self._write_lock:
-                n = self._write_blocking(frame)
-        except OSError as exc:
-            self._count_failure(exc, fatal=False)
-            raise StreamReset(f"send failed: {exc}") from exc
-        except TransportError as exc:
-            self._count_failure(exc, fatal=False)
-            raise
+        with self._write_lock:
+            n = self._write_counted(frame)
         self._count_sent(n)
 
     async def send(self, frame: Frame) -> None:
