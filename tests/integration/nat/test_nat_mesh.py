@@ -49,6 +49,22 @@ ids = pipe.tokenizer.encode(sys.argv[1])
 tokens = list(pipe.generate_ids(ids, SamplingParams(max_new_tokens=int(sys.argv[2]))))
 print(json.dumps({"prompt": ids, "tokens": tokens}))
 """
+LONG_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """The single process's greedy ``LONG_TOKENS`` for the prompt (a shorter greedy run
+    is a prefix of it)."""
+    ref = subprocess.run(
+        [sys.executable, "-c", _REFERENCE, "The capital of France is", str(LONG_TOKENS)],
+        capture_output=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=240,
+        check=True,
+    )
+    return dict(json.loads(ref.stdout))
 
 
 @pytest.fixture(scope="module")
@@ -145,19 +161,10 @@ def test_homes_reach_each_other_through_the_public_relay(
 
 
 def test_homes_serve_the_default_model_through_the_relay_like_one_process(
-    nat_mesh: tuple[NatMesh, list[MeshNode]],
+    nat_mesh: tuple[NatMesh, list[MeshNode]], reference: dict[str, Any]
 ) -> None:
     mesh, nodes = nat_mesh
     _, home0, home1 = nodes
-    ref = subprocess.run(
-        [sys.executable, "-c", _REFERENCE, "The capital of France is", str(NEW_TOKENS)],
-        capture_output=True,
-        env=child_env(),
-        cwd=REPO,
-        timeout=240,
-        check=True,
-    )
-    reference = json.loads(ref.stdout)
 
     def serving() -> Plan | None:
         view = mesh.status(mesh.bed.homes[0], home0)
@@ -198,7 +205,7 @@ def test_homes_serve_the_default_model_through_the_relay_like_one_process(
     lines = [json.loads(x) for x in out.stdout.decode().splitlines() if x.startswith("{")]
     assert lines, out.stderr.decode()[-3000:]
     assert "error" not in lines[0], lines[0]
-    assert lines[0]["tokens"] == reference["tokens"]
+    assert lines[0]["tokens"] == reference["tokens"][:NEW_TOKENS]
     # the homes met over the relayed connection and the data-plane link between them
     # was hole-punched through both (cone) routers: no direct endpoint of the other
     # home was dialled blindly, and no link stayed on the relayed stream
@@ -324,7 +331,6 @@ async def main():
                 print(json.dumps({"finished": event.finish_reason}), flush=True)
 trio.run(main)
 """
-LONG_TOKENS = 48
 
 
 def _health(view: dict[str, Any]) -> dict[str, str]:
@@ -332,20 +338,11 @@ def _health(view: dict[str, Any]) -> dict[str, str]:
 
 
 def test_killing_the_relay_mid_generation_keeps_the_homes_serving(
-    nat_mesh: tuple[NatMesh, list[MeshNode]],
+    nat_mesh: tuple[NatMesh, list[MeshNode]], reference: dict[str, Any]
 ) -> None:
     """Destructive (kills the public node): keep it last in the module."""
     mesh, nodes = nat_mesh
     public_node, home0, home1 = nodes
-    ref = subprocess.run(
-        [sys.executable, "-c", _REFERENCE, "The capital of France is", str(LONG_TOKENS)],
-        capture_output=True,
-        env=child_env(),
-        cwd=REPO,
-        timeout=240,
-        check=True,
-    )
-    reference = json.loads(ref.stdout)
     # the homes' control connection leaves the relay for a hole-punched path
     # (hetmesh.nat.punch_control), so the relay's death takes nothing with it
     for node in (home0, home1):
