@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from hetmesh.errors import InvalidRequest
+from hetmesh.errors import ComputeError, InvalidRequest
 
 
 class WeightFormat(StrEnum):
@@ -201,6 +201,13 @@ def check_supported(fmt: WeightFormat, device: str) -> None:
             raise InvalidRequest(f"no {fmt} kernel on mps; use float16 or float32")
         if kind == "cpu" and not hasattr(torch, "_int_mm"):
             raise InvalidRequest(f"this torch build has no int8 matmul for {fmt} on cpu")
+    if fmt is WeightFormat.INT4:
+        from hetmesh.partition.quant import int4_layout_name
+
+        try:
+            int4_layout_name()
+        except ComputeError as exc:
+            raise InvalidRequest(str(exc)) from exc
 
 
 def auto_weights(device: str) -> WeightFormat:

@@ -27,13 +27,18 @@ Activations in and out are fp32.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetmesh.errors import ComputeError
+
 INT4_GROUP = 32
 _INT_MM_MIN_ROWS = 17  # torch._int_mm rejects 16 rows or fewer
-_INT4_BLOCK_N = 64  # torch's CPU int4 packing pairs rows n and n + 32 of each 64
+_INT4_BLOCK_N = 64  # int4 matrices are padded to whole blocks of 64 rows (see _INT4_LAYOUTS)
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,17 +69,66 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)  # type: ignore[no-any-return]
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: (n, k/2) -> uint8 (n, k).
-
-    torch's CPU packing stores, per block of 64 rows and per input k, 32
-    bytes whose low nibbles are rows 0..31 and high nibbles rows 32..63.
-    """
+def _unpack_halves(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """Per block of ``block`` rows and per input k, ``block / 2`` bytes whose low
+    nibbles are the block's first half of rows and high nibbles its second."""
     n, half = packed.shape
     k = half * 2
-    flat = packed.reshape(n // _INT4_BLOCK_N, k, _INT4_BLOCK_N // 2)
-    rows = torch.cat([flat & 0xF, flat >> 4], dim=2)  # (blocks, k, 64)
+    flat = packed.reshape(n // block, k, block // 2)
+    rows = torch.cat([flat & 0xF, flat >> 4], dim=2)  # (blocks, k, block)
     return rows.permute(0, 2, 1).reshape(n, k)
+
+
+def _unpack_pairs(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """Per block of ``block`` rows and per input k, ``block / 2`` bytes each holding
+    rows 2j (low nibble) and 2j + 1 (high)."""
+    n, half = packed.shape
+    k = half * 2
+    flat = packed.reshape(n // block, k, block // 2, 1)
+    rows = torch.cat([flat & 0xF, flat >> 4], dim=3).reshape(n // block, k, block)
+    return rows.permute(0, 2, 1).reshape(n, k)
+
+
+# torch packs by the CPU's vector width (its int4mm kernel: AVX-512 pairs rows n
+# and n + 32 of each 64, AVX2 rows n and n + 16 of each 32, plain builds rows
+# 2j and 2j + 1); each candidate divides 64, so a matrix padded to 64 rows never
+# has a partial block, and packed matrices stack along their rows
+_INT4_LAYOUTS: tuple[tuple[str, Callable[[torch.Tensor, int], torch.Tensor], int], ...] = (
+    ("halves of 64", _unpack_halves, 64),
+    ("halves of 32", _unpack_halves, 32),
+    ("pairs in 32", _unpack_pairs, 32),
+    ("pairs in 64", _unpack_pairs, 64),
+)
+
+
+@functools.cache
+def _int4_layout() -> int:
+    """Which of :data:`_INT4_LAYOUTS` this process's torch packs in (probed once)."""
+    seeded = torch.Generator().manual_seed(0)
+    probe = torch.randint(0, 16, (2 * _INT4_BLOCK_N, 64), dtype=torch.uint8, generator=seeded)
+    packed = pack_int4(probe)
+    for index, (_name, unpack, block) in enumerate(_INT4_LAYOUTS):
+        if torch.equal(unpack(packed, block), probe):
+            return index
+    raise ComputeError(
+        f"torch {torch.__version__} packs int4 weights in a layout hetmesh does not know "
+        f"(CPU capability {torch.backends.cpu.get_cpu_capability()}); serve another format"
+    )
+
+
+def int4_layout_name() -> str:
+    """The int4 packing this process uses, e.g. ``"halves of 64"`` on AVX-512."""
+    return _INT4_LAYOUTS[_int4_layout()][0]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: (n, k/2) -> uint8 (n, k), n a multiple of 64.
+
+    The layout is the one this process's torch packs in (it follows the CPU's
+    vector width), found once by packing a probe.
+    """
+    _name, unpack, block = _INT4_LAYOUTS[_int4_layout()]
+    return unpack(packed, block)
 
 
 def _row_scale(rows: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -71,3 +75,41 @@ def test_int8_embedding_rows() -> None:
     assert out.shape == (2, 2, 16)
     assert torch.equal(out[0, 0], out[1, 1])
     assert torch.allclose(out, w[ids], atol=float(scale.max()) / 2 + 1e-6)
+
+
+_LAYOUT_CHECK = """
+import torch
+from hetmesh.partition.quant import Int4Linear, int4_layout_name, pack_int4, quantize_groups_int4
+from hetmesh.partition.quant import unpack_int4
+q = torch.randint(0, 16, (192, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+assert torch.equal(unpack_int4(pack_int4(q)), q)
+w = torch.randn(80, 64, generator=torch.Generator().manual_seed(4))
+layer = Int4Linear(64, 80, bias=False, device="cpu")
+packed, scales_zeros = Int4Linear.pack(*quantize_groups_int4(w))
+layer.weight_packed.copy_(packed)
+layer.scales_zeros.copy_(scales_zeros)
+x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+# the kernel multiplies by exactly the matrix dequantized() reads out of its packing
+reference = x.bfloat16().float() @ layer.dequantized().t()
+assert float((layer(x) - reference).abs().max() / reference.abs().max()) < 0.02
+print(torch.backends.cpu.get_cpu_capability(), int4_layout_name())
+"""
+
+
+@pytest.mark.parametrize(
+    ("capability", "layout"),
+    [("avx512", "halves of 64"), ("avx2", "halves of 32"), ("default", "pairs in 32")],
+)
+def test_int4_packing_is_read_back_on_every_cpu_capability(capability: str, layout: str) -> None:
+    """torch packs int4 by the CPU's vector width (CI once ran on an AVX2 machine
+    where the AVX-512 layout was assumed); each capability this CPU has is checked."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run(
+        [sys.executable, "-c", _LAYOUT_CHECK], env=env, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr
+    got_capability, got_layout = done.stdout.split(maxsplit=1)
+    if got_capability.lower() != capability:  # torch never goes above what the CPU has
+        assert capability == "avx512", got_capability
+        pytest.skip(f"this CPU has no AVX-512 (torch runs {got_capability})")
+    assert got_layout.strip() == layout
