@@ -12,7 +12,10 @@ A round takes at most half of the open sessions (``micro_batches``): many
 sessions then cycle through the pipeline as two micro-batches, and while the
 next stage computes one, this stage computes the other (one batch of all of
 them would leave every stage but one idle). Each micro-batch still shares one
-forward, and one frame per session and hop.
+forward, and one frame per session and hop. A round's frames leave one after
+another, so a stage gathers a burst before it starts (frames no more than
+``GATHER_S`` apart, until its share is in): otherwise it would start on the
+first frame of a micro-batch and the groups would crumble into single steps.
 
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
@@ -67,6 +70,8 @@ log = logging.getLogger(__name__)
 QUEUED_PER_SESSION = 4  # activations of one session waiting here (a gateway sends one a step)
 OUTBOX_FRAMES = 64  # frames waiting for one peer; past that its sessions fail here
 OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
+# the longest gap between two frames of one burst (a round's outputs upstream)
+GATHER_S = 0.005
 
 
 @dataclass(slots=True)
@@ -527,18 +532,14 @@ class StageServer:
     async def _next_batch(self) -> list[_Item]:
         if not self._pending:
             self._pending.append(await self._inbox.receive())
-        while True:
-            try:
-                self._pending.append(self._inbox.receive_nowait())
-            except trio.WouldBlock:
-                break
-        batch: list[_Item] = []
-        seen: set[str] = set()
-        deferred: deque[_Item] = deque()
         # micro-batches: a round takes a share of the open sessions, so while the
         # next stage computes this round's outputs, this stage computes the rest
         share = -(-len(self._sessions) // self._micro_batches)
         limit = min(self._max_batch, max(1, share))
+        await self._gather(limit)
+        batch: list[_Item] = []
+        seen: set[str] = set()
+        deferred: deque[_Item] = deque()
         while self._pending and len(batch) < limit:
             item = self._pending.popleft()
             if item.session_id in seen:  # a session's next step waits for the next round
@@ -551,6 +552,27 @@ class StageServer:
                     self._queued[item.session_id] = left
         self._pending.extendleft(reversed(deferred))
         return batch
+
+    async def _gather(self, limit: int) -> None:
+        """Take what the inbox holds; while fewer than ``limit`` sessions wait, keep
+        taking items that follow each other within :data:`GATHER_S`.
+
+        The previous stage sends a round's outputs one right after another: a
+        stage that started on the first of them would split the micro-batch in
+        two rounds, and the pipeline's groups would crumble into single steps.
+        """
+        while True:
+            try:
+                self._pending.append(self._inbox.receive_nowait())
+                continue
+            except trio.WouldBlock:
+                pass
+            if len({item.session_id for item in self._pending}) >= limit:
+                return
+            with trio.move_on_after(GATHER_S):
+                self._pending.append(await self._inbox.receive())
+                continue
+            return
 
     def _compute(self, outcomes: list[_Outcome]) -> None:
         """Runs on the device thread: one forward for the whole batch if it can.
