@@ -17,17 +17,21 @@ from typing import Any
 import trio
 
 
-async def _run(args: argparse.Namespace) -> None:
+async def generations(
+    addr: str, *, secret: str, prompt_ids: list[int], max_new_tokens: int, repeat: int = 1
+) -> list[dict[str, Any]]:
+    """``repeat`` greedy generations through the node at ``addr``, one dict each."""
     from hetmesh.client.mesh import Finished, TokenEvent, open_mesh_client
     from hetmesh.errors import MeshError
 
-    ids = [int(t) for t in args.prompt_ids.split(",") if t]
-    async with open_mesh_client(args.addr, mesh_secret=args.secret, timeout_s=120.0) as mesh:
-        for _ in range(args.repeat):
+    results = []
+    async with open_mesh_client(addr, mesh_secret=secret, timeout_s=120.0) as mesh:
+        for _ in range(repeat):
             began = time.perf_counter()
             out: dict[str, Any] = {"tokens": [], "times_s": []}
             try:
-                async for event in mesh.stream(prompt_ids=ids, max_new_tokens=args.max_new_tokens):
+                stream = mesh.stream(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens)
+                async for event in stream:
                     if isinstance(event, TokenEvent) and event.token_id >= 0:
                         out["tokens"].append(event.token_id)
                         out["times_s"].append(time.perf_counter() - began)
@@ -36,7 +40,20 @@ async def _run(args: argparse.Namespace) -> None:
             except MeshError as exc:
                 out = {"error": type(exc).__name__, "message": str(exc)}
             out["elapsed_s"] = time.perf_counter() - began
-            print(json.dumps(out), flush=True)
+            results.append(out)
+    return results
+
+
+async def _run(args: argparse.Namespace) -> None:
+    ids = [int(t) for t in args.prompt_ids.split(",") if t]
+    for out in await generations(
+        args.addr,
+        secret=args.secret,
+        prompt_ids=ids,
+        max_new_tokens=args.max_new_tokens,
+        repeat=args.repeat,
+    ):
+        print(json.dumps(out), flush=True)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hetmesh.node.local import LocalNode
+from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.cgroups import CPU, MEMORY
 from hetmesh.testbed.netns import NetnsTestbed, open_testbed, unavailable_reason
 
@@ -116,6 +117,7 @@ class MeshTestbed:
     workdir: Path
     secret: str
     nodes: list[MeshNode] = field(default_factory=list)
+    agents: HostAgents | None = None
 
     # -- processes ----------------------------------------------------------------
 
@@ -187,29 +189,16 @@ class MeshTestbed:
 
     # -- talking to the mesh from inside a host -----------------------------------
 
-    def _in_host(self, host: int, argv: Sequence[str], timeout_s: float) -> str:
-        out = subprocess.run(
-            self.net.argv(host, argv),
-            capture_output=True,
-            env=child_env(),
-            cwd=str(REPO),
-            timeout=timeout_s,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(
-                f"{argv[2:5]} in host {host} failed ({out.returncode}): "
-                + out.stderr.decode(errors="replace")[-3000:]
-            )
-        return out.stdout.decode()
+    def agent(self, host: int) -> HostAgent:
+        """The long-lived helper that asks the mesh from inside host ``host``."""
+        if self.agents is None:
+            self.agents = HostAgents(self.net.argv, env=child_env(), cwd=REPO)
+        return self.agents(host, f"host {host}")
 
     def status(self, node: int = 0, *, timeout_s: float = 30.0) -> dict[str, Any]:
-        """``hetmesh status --json`` as seen by node ``node``."""
+        """``hetmesh status --json`` as seen by node ``node``, asked from inside its host."""
         target = self.nodes[node]
-        argv = [sys.executable, "-m", "hetmesh", "status", "--mesh", target.addr, "--json"]
-        view: dict[str, Any] = json.loads(
-            self._in_host(target.host, [*argv, "--mesh-secret", self.secret], timeout_s)
-        )
-        return view
+        return self.agent(target.host).status(target.addr, self.secret, timeout_s=timeout_s)
 
     def generate(
         self,
@@ -222,22 +211,14 @@ class MeshTestbed:
     ) -> list[dict[str, Any]]:
         """Greedy generations entering at node ``node``; see ``hetmesh/testbed/client.py``."""
         target = self.nodes[node]
-        argv = [
-            sys.executable,
-            "-m",
-            "hetmesh.testbed.client",
+        return self.agent(target.host).generate(
             target.addr,
-            "--secret",
             self.secret,
-            "--prompt-ids",
-            ",".join(str(t) for t in prompt_ids),
-            "--max-new-tokens",
-            str(max_new_tokens),
-            "--repeat",
-            str(repeat),
-        ]
-        lines = self._in_host(target.host, argv, timeout_s).splitlines()
-        return [json.loads(line) for line in lines if line.startswith("{")]
+            prompt_ids,
+            max_new_tokens,
+            repeat=repeat,
+            timeout_s=timeout_s,
+        )
 
     def wait_serving(self, timeout_s: float = 240.0) -> dict[str, Any]:
         """Until a plan is adopted and every stage of it is ready; its status view."""
@@ -308,6 +289,8 @@ def open_mesh_testbed(
         try:
             yield bed
         finally:
+            if bed.agents is not None:
+                bed.agents.close()
             bed.stop_nodes()
 
 

@@ -10,7 +10,6 @@ node processes killed by PID, then the namespaces — also on failure.
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
 
@@ -32,6 +32,7 @@ class NatMesh:
     workdir: Path
     secret: str
     nodes: list[MeshNode] = field(default_factory=list)
+    agents: HostAgents | None = None
 
     def start_node(self, host: NatHost, *args: str, bootstrap: str | None = None) -> MeshNode:
         """``hetmesh node start`` in ``host`` (not waited for: see ``MeshNode.wait_up``)."""
@@ -65,20 +66,15 @@ class NatMesh:
         self.nodes.append(node)
         return node
 
+    def agent(self, host: NatHost) -> HostAgent:
+        """The long-lived helper that asks the mesh from inside ``host``."""
+        if self.agents is None:
+            self.agents = HostAgents(self.bed.argv, env=child_env(), cwd=REPO)
+        return self.agents(host, host.name)
+
     def status(self, host: NatHost, node: MeshNode, *, timeout_s: float = 60.0) -> dict[str, Any]:
         """``hetmesh status --json`` of ``node``, asked from inside ``host``."""
-        argv = [sys.executable, "-m", "hetmesh", "status", "--mesh", node.addr, "--json"]
-        out = subprocess.run(
-            self.bed.argv(host, [*argv, "--mesh-secret", self.secret]),
-            capture_output=True,
-            env=child_env(),
-            cwd=REPO,
-            timeout=timeout_s,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"status in {host.name} failed: {out.stderr.decode()[-2000:]}")
-        view: dict[str, Any] = json.loads(out.stdout)
-        return view
+        return self.agent(host).status(node.addr, self.secret, timeout_s=timeout_s)
 
     def generate(
         self,
@@ -91,29 +87,12 @@ class NatMesh:
     ) -> dict[str, Any]:
         """One greedy generation entering at ``node``, from inside ``host``
         (``hetmesh/testbed/client.py``): ``tokens``, ``times_s``... or ``error``."""
-        argv = [
-            sys.executable,
-            "-m",
-            "hetmesh.testbed.client",
-            node.addr,
-            "--secret",
-            self.secret,
-            "--prompt-ids",
-            ",".join(str(t) for t in prompt_ids),
-            "--max-new-tokens",
-            str(max_new_tokens),
-        ]
-        out = subprocess.run(
-            self.bed.argv(host, argv),
-            capture_output=True,
-            env=child_env(),
-            cwd=REPO,
-            timeout=timeout_s,
-        )
-        lines = [json.loads(x) for x in out.stdout.decode().splitlines() if x.startswith("{")]
-        if not lines:
-            return {"error": out.stderr.decode()[-3000:]}
-        result: dict[str, Any] = lines[0]
+        try:
+            (result,) = self.agent(host).generate(
+                node.addr, self.secret, prompt_ids, max_new_tokens, timeout_s=timeout_s
+            )
+        except RuntimeError as exc:
+            return {"error": str(exc)}
         return result
 
     def wait_serving(
@@ -144,7 +123,12 @@ def open_nat_mesh(
 ) -> Iterator[NatMesh]:
     """A NAT testbed (see :func:`open_nat_testbed`) to start nodes on; all torn down after."""
     with open_nat_testbed(homes, symmetric=symmetric, rate=rate) as bed:
-        yield NatMesh(bed, workdir, f"nat-{secrets.token_hex(4)}")
+        mesh = NatMesh(bed, workdir, f"nat-{secrets.token_hex(4)}")
+        try:
+            yield mesh
+        finally:
+            if mesh.agents is not None:
+                mesh.agents.close()
 
 
 __all__ = ["NatMesh", "open_nat_mesh"]

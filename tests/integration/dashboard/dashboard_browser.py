@@ -65,3 +65,13 @@ def css(driver: Any, selector: str) -> list[Any]:
     from selenium.webdriver.common.by import By
 
     return list(driver.find_elements(By.CSS_SELECTOR, selector))
+
+
+def read(driver: Any, selector: str, attribute: str | None = None) -> list[str]:
+    """The rendered text (or ``attribute``) of every element matching ``selector``, read
+    in the page in one step: never stale, though the page re-renders every snapshot."""
+    script = (
+        "return Array.from(document.querySelectorAll(arguments[0]))"
+        ".map(e => arguments[1] === null ? e.innerText : (e.getAttribute(arguments[1]) || ''))"
+    )
+    return list(driver.execute_script(script, selector, attribute))
