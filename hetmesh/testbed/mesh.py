@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from hetmesh.node.local import LocalNode
 from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.cgroups import CPU, MEMORY
-from hetmesh.testbed.netns import NetnsTestbed, open_testbed, unavailable_reason
+from hetmesh.testbed.netns import NetnsTestbed, Spawn, open_testbed, unavailable_reason
 
 if TYPE_CHECKING:
     from hetmesh.scheduler.records import Plan
@@ -118,6 +118,9 @@ class MeshTestbed:
     secret: str
     nodes: list[MeshNode] = field(default_factory=list)
     agents: HostAgents | None = None
+    # how a node starts on a host (None: ``nsenter`` and a new interpreter, as users do;
+    # the tests fork theirs from a server that has done the imports)
+    spawn: Spawn | None = None
 
     # -- processes ----------------------------------------------------------------
 
@@ -155,14 +158,15 @@ class MeshTestbed:
         argv += [*spec.args, *args]
         log_path = self.workdir / f"h{host}.log"
         with log_path.open("ab") as log_file:
-            proc: subprocess.Popen[bytes] = self.net.popen(
-                host,
-                argv,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=child_env(),
-                cwd=str(REPO),
-            )
+            kwargs: dict[str, Any] = {
+                "stdout": log_file,
+                "stderr": subprocess.STDOUT,
+                "env": child_env(),
+                "cwd": str(REPO),
+            }
+            proc = self.spawn(argv, self.net.placement(host), kwargs) if self.spawn else None
+            if proc is None:
+                proc = self.net.popen(host, argv, **kwargs)
         node = MeshNode(proc, data_dir, log_path, host=host)
         self.nodes.append(node)
         return node

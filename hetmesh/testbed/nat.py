@@ -35,7 +35,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetmesh.testbed.netns import NETNS_DIR, _kill, _run, unavailable_reason
+from hetmesh.testbed.netns import NETNS_DIR, Placement, _kill, _run, unavailable_reason
 
 # new connections from the WAN never enter a home; replies to what a home host opened do.
 # Like most home routers, an unsolicited SYN to the router itself is dropped, not
@@ -99,6 +99,9 @@ class NatTestbed:
         if shutil.which("nsenter"):
             return ["nsenter", f"--net={NETNS_DIR / host.namespace}", "--", *argv]
         return ["ip", "netns", "exec", host.namespace, *argv]
+
+    def placement(self, host: NatHost) -> Placement:
+        return Placement(NETNS_DIR / host.namespace)
 
     def popen(self, host: NatHost, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` in ``host``'s namespace; killed by PID when the testbed closes."""

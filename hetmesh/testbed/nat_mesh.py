@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
+from hetmesh.testbed.netns import Spawn
 
 if TYPE_CHECKING:
     from hetmesh.scheduler.records import Plan
@@ -33,6 +34,7 @@ class NatMesh:
     secret: str
     nodes: list[MeshNode] = field(default_factory=list)
     agents: HostAgents | None = None
+    spawn: Spawn | None = None  # how a node starts on a host (as MeshTestbed.spawn)
 
     def start_node(self, host: NatHost, *args: str, bootstrap: str | None = None) -> MeshNode:
         """``hetmesh node start`` in ``host`` (not waited for: see ``MeshNode.wait_up``)."""
@@ -59,9 +61,15 @@ class NatMesh:
             argv += ["--bootstrap", bootstrap]
         log_path = self.workdir / f"{host.name}.log"
         with log_path.open("ab") as log_file:
-            proc: subprocess.Popen[bytes] = self.bed.popen(
-                host, argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO
-            )
+            kwargs: dict[str, Any] = {
+                "stdout": log_file,
+                "stderr": subprocess.STDOUT,
+                "env": child_env(),
+                "cwd": REPO,
+            }
+            proc = self.spawn(argv, self.bed.placement(host), kwargs) if self.spawn else None
+            if proc is None:
+                proc = self.bed.popen(host, argv, **kwargs)
         node = MeshNode(proc, data_dir, log_path, host=index)
         self.nodes.append(node)
         return node
@@ -129,6 +137,11 @@ def open_nat_mesh(
         finally:
             if mesh.agents is not None:
                 mesh.agents.close()
+            for node in mesh.nodes:  # started by a spawn hook, the testbed does not know them
+                if node.proc.poll() is None:
+                    node.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    node.proc.wait(timeout=10)
 
 
 __all__ = ["NatMesh", "open_nat_mesh"]

@@ -27,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,23 @@ def unavailable_reason(
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a testbed host's processes run: its network namespace and its cgroups.
+
+    What a process must join to be "on" the host; a test's fork server joins them in
+    a forked child (hetmesh/testbed/mesh.py's ``spawn``) instead of exec'ing ``nsenter``.
+    """
+
+    netns: Path
+    cgroups: tuple[Path, ...] = ()
+
+
+# starts a node's argv (``python -m hetmesh ...``) on a host: (argv, placement, Popen
+# kwargs) -> a Popen-like process, or None to leave it to the testbed's own ``popen``
+Spawn = Callable[[Sequence[str], Placement, dict[str, Any]], Any]
+
+
+@dataclass(frozen=True, slots=True)
 class NetnsHost:
     index: int
     namespace: str
@@ -109,6 +126,9 @@ class NetnsTestbed:
         if shutil.which("nsenter"):
             return ["nsenter", f"--net={NETNS_DIR / namespace}", "--", *argv]
         return ["ip", "netns", "exec", namespace, *argv]
+
+    def placement(self, host: int) -> Placement:
+        return Placement(NETNS_DIR / self.hosts[host].namespace, self.hosts[host].cgroups)
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` in host ``host``: its namespace and cgroups (joined before exec)."""

@@ -16,9 +16,10 @@ The CLI and demo tests keep starting ``hetmesh node start`` as users do (a new
 interpreter): see :class:`~tests.integration.discovery.discovery_nodes.NodeFactory`.
 
 Protocol (tests/integration/fork_server.py): the server says ``"ready THREADS"``; a
-request is a JSON object ``{"argv": [...], "cwd": ..., "env": {...}}`` (argv after
-``hetmesh``; the node's whole environment) with the node's log file descriptor
-attached.
+request is a JSON object ``{"argv": [...], "cwd": ..., "env": {...}, "netns": ...,
+"cgroups": [...]}`` (argv after ``hetmesh``; the node's whole environment; a testbed
+host's network namespace and cgroups, or null and none) with the node's log file
+descriptor attached.
 """
 
 from __future__ import annotations
@@ -69,15 +70,38 @@ PRELOAD = (
 )
 
 
+CLONE_NEWNET = 0x40000000
+
+
 def thread_count() -> int:
     """Threads of this process as the kernel sees them (native ones included)."""
     return len(os.listdir("/proc/self/task"))
+
+
+def _enter(netns: str | None, cgroups: list[str]) -> None:
+    """Join a testbed host: its network namespace (``setns``, as ``nsenter --net`` does; a
+    forked child has one thread, and the threads it starts later inherit it) and cgroups."""
+    if netns:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(netns, os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"setns({netns}): {os.strerror(errno)}")
+        finally:
+            os.close(fd)
+    for cgroup in cgroups:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
+            procs.write(str(os.getpid()))
 
 
 def _run_node(request: dict[str, Any], log_fd: int) -> None:
     """In the forked child: become ``python -m hetmesh ARGV`` with output to ``log_fd``."""
     code = 1
     try:
+        _enter(request.get("netns"), request.get("cgroups") or ())
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -151,10 +175,20 @@ class NodeServer(ForkServer):
         super().__init__("tests.integration.node_server", cwd, env)
         self.threads = int(self.ready_words[0])
 
-    def start(self, argv: list[str], log_fd: int, env: dict[str, str]) -> ForkedNode:
-        """Fork a node running ``hetmesh *argv`` in ``env``, its output on ``log_fd``."""
-        request = json.dumps({"argv": argv, "cwd": self.cwd, "env": env}).encode()
-        return ForkedNode(self, self.fork(request, log_fd, timeout=120), argv)
+    def start(
+        self,
+        argv: list[str],
+        log_fd: int,
+        env: dict[str, str],
+        *,
+        netns: str | None = None,
+        cgroups: tuple[str, ...] = (),
+    ) -> ForkedNode:
+        """Fork a node running ``hetmesh *argv`` in ``env``, its output on ``log_fd``; with
+        ``netns`` and ``cgroups``, inside a testbed host (the child joins them first)."""
+        request = {"argv": argv, "cwd": self.cwd, "env": env, "netns": netns, "cgroups": cgroups}
+        message = json.dumps(request).encode()
+        return ForkedNode(self, self.fork(message, log_fd, timeout=120), argv)
 
 
 class ForkedNode(ForkedProcess):

@@ -43,7 +43,13 @@ def test_client_connects_by_mdns_and_reads_status(tmp_path: Path) -> None:
                 proc: subprocess.Popen[bytes] = testbed.popen(0, argv, **kwargs)
                 return proc
 
-            node = factory.start("--listen", f"/ip4/{ip}/tcp/4001", popen=popen, name="h0")
+            node = factory.start(
+                "--listen",
+                f"/ip4/{ip}/tcp/4001",
+                popen=popen,
+                placement=testbed.placement(0),
+                name="h0",
+            )
             node.wait_ready(60)
             done = subprocess.run(
                 testbed.argv(1, [sys.executable, "-c", CLIENT, SECRET]),

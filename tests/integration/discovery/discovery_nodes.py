@@ -27,6 +27,8 @@ def node_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("HETMESH_MESH_SECRET", None)
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "2")
+    # as hetmesh.testbed.mesh.child_env sets it: the fork server serves both alike
+    env["TOKENIZERS_PARALLELISM"] = "false"
     return env
 
 
@@ -160,6 +162,24 @@ def node_server(env: dict[str, str]) -> Any:
     return server if server.threads == 1 and server.alive() else None
 
 
+def forked_spawn(argv: Sequence[str], placement: Any, kwargs: dict[str, Any]) -> Any:
+    """A testbed's ``spawn`` (:data:`hetmesh.testbed.netns.Spawn`): the node forked from this
+    test process's node server straight into the host (its network namespace and cgroups),
+    or None (the testbed starts it with ``nsenter``) where the server cannot take it."""
+    if list(argv[:3]) != [sys.executable, "-m", "hetmesh"]:
+        return None
+    server = node_server(kwargs["env"])
+    if server is None:
+        return None
+    return server.start(
+        list(argv[3:]),
+        kwargs["stdout"].fileno(),
+        kwargs["env"],
+        netns=str(placement.netns),
+        cgroups=tuple(str(c) for c in placement.cgroups),
+    )
+
+
 class NodeFactory:
     """Starts nodes (optionally through a testbed's ``popen``) and reaps them all.
 
@@ -184,10 +204,16 @@ class NodeFactory:
         *args: str,
         secret: str | None = SECRET,
         popen: Callable[..., subprocess.Popen[bytes]] | None = None,
+        placement: Any = None,
         name: str | None = None,
         measure: bool | None = None,
     ) -> NodeProc:
-        """Start a node; ``measure`` overrides the factory's choice for this one."""
+        """Start a node; ``measure`` overrides the factory's choice for this one.
+
+        ``placement`` (a testbed host's :class:`~hetmesh.testbed.netns.Placement`): the
+        node is forked from the node server into that host, or started with ``popen``
+        (the testbed's, which enters the host itself) where the server cannot take it.
+        """
         name = name or f"node{len(self.nodes)}"
         data_dir = self.tmp_path / name
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -204,10 +230,17 @@ class NodeFactory:
             "env": node_env(),
             "cwd": str(REPO),
         }
-        server = None if popen or self.exec_nodes else node_server(kwargs["env"])
+        forkable = (popen is None or placement is not None) and not self.exec_nodes
+        server = node_server(kwargs["env"]) if forkable else None
         if server is not None:
             # argv after `python -m hetmesh`; the child takes this environment whole
-            proc: Any = server.start(argv[3:], log_file.fileno(), kwargs["env"])
+            proc: Any = server.start(
+                argv[3:],
+                log_file.fileno(),
+                kwargs["env"],
+                netns=str(placement.netns) if placement else None,
+                cgroups=tuple(str(c) for c in placement.cgroups) if placement else (),
+            )
         elif popen:
             proc = popen(argv, **kwargs)
         else:

@@ -49,7 +49,12 @@ def _start(factory: NodeFactory, testbed: NetnsTestbed, host: int, secret: str) 
     ip = testbed.hosts[host].ip
     # no --bootstrap: mDNS is the only way these nodes can meet
     return factory.start(
-        "--listen", f"/ip4/{ip}/tcp/4001", secret=secret, popen=popen, name=f"h{host}"
+        "--listen",
+        f"/ip4/{ip}/tcp/4001",
+        secret=secret,
+        popen=popen,
+        placement=testbed.placement(host),
+        name=f"h{host}",
     )
 
 

@@ -56,7 +56,14 @@ def _start(nodes: NodeFactory, testbed: NetnsTestbed, host: int, *args: str) -> 
         proc: subprocess.Popen[bytes] = testbed.popen(host, argv, **kwargs)
         return proc
 
-    return nodes.start("--listen", f"/ip4/{ip}/tcp/4001", *args, popen=popen, name=f"h{host}")
+    return nodes.start(
+        "--listen",
+        f"/ip4/{ip}/tcp/4001",
+        *args,
+        popen=popen,
+        placement=testbed.placement(host),
+        name=f"h{host}",
+    )
 
 
 def _view_in(testbed: NetnsTestbed, host: int, addr: str) -> dict[str, Any]:

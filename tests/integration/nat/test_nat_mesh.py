@@ -28,6 +28,7 @@ from hetmesh.scheduler.records import Plan
 from hetmesh.testbed.mesh import REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import nat_unavailable_reason
 from hetmesh.testbed.nat_mesh import NatMesh, open_nat_mesh
+from tests.integration.discovery.discovery_nodes import forked_spawn
 
 pytestmark = [
     pytest.mark.netns,
@@ -76,6 +77,7 @@ def nat_mesh(
         pytest.skip(reason)
     workdir: Path = tmp_path_factory.mktemp("nat")
     with open_nat_mesh(workdir, homes=3, symmetric={2}, rate="100mbit") as mesh:
+        mesh.spawn = forked_spawn  # nodes forked into their hosts: no interpreter start-up
         public, home0, home1, home2 = mesh.bed.hosts
         first = mesh.start_node(public, "--no-serve").wait_up(240)
         homes = [mesh.start_node(h, *HOME_ARGS, bootstrap=first.addr) for h in (home0, home1)]

@@ -22,6 +22,7 @@ from hetmesh.testbed.mesh import (
     open_mesh_testbed,
     why_no_testbed,
 )
+from tests.integration.discovery.discovery_nodes import forked_spawn
 
 
 @pytest.fixture
@@ -36,6 +37,7 @@ def mesh_testbed(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Mak
             workdir = tmp_path / f"bed{len(beds)}"
             workdir.mkdir()
             bed = stack.enter_context(open_mesh_testbed(workdir, specs))
+            bed.spawn = forked_spawn  # nodes forked into their hosts: no interpreter start-up
             beds.append(bed)
             return bed
 
