@@ -1,6 +1,8 @@
 """Pipeline benchmark: a three-node loopback mesh against the single-process reference.
 
-Measured in one run, on the same machine and with the same torch thread count:
+Measured in one run, on the same machine and with the same torch thread count, the
+mesh and the reference in turn (one mesh stream, then one reference stream, per
+repeat), so a machine whose speed drifts moves both alike:
 
 - single-stream decode tokens/s (mesh ÷ reference) -> ``decode_ratio_single_stream``
 - time to first token for a 512-token prompt (mesh ÷ reference) -> ``ttft_ratio_512``
@@ -34,35 +36,34 @@ NODE_ARGS = [
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
-def reference(
-    model_dir: Path,
-    prompt_ids: list[int],
-    long_ids: list[int],
-    tokens: int,
-    repeats: int,
-    weights: str = "float32",
-) -> dict[str, float]:
-    import torch
+class Reference:
+    """The single process: the whole model in one :class:`LocalPipeline`, one torch thread."""
 
-    from hetmesh.partition.generate import LocalPipeline
-    from hetmesh.partition.sampling import SamplingParams
+    def __init__(self, model_dir: Path, weights: str = "float32") -> None:
+        import torch
 
-    torch.set_num_threads(1)  # the nodes' default
-    pipeline = LocalPipeline.load(model_dir, 1, weights=weights)
-    params = SamplingParams(max_new_tokens=tokens)
-    list(pipeline.generate_ids(prompt_ids, SamplingParams(max_new_tokens=4), eos_ids=set()))
-    tpots, ttfts = [], []
-    for _ in range(repeats):
-        stamps = []
-        for _token in pipeline.generate_ids(prompt_ids, params, eos_ids=set()):
-            stamps.append(time.perf_counter())
-        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        from hetmesh.partition.generate import LocalPipeline
+        from hetmesh.partition.sampling import SamplingParams
+
+        torch.set_num_threads(1)  # the nodes' default
+        self.pipeline = LocalPipeline.load(model_dir, 1, weights=weights)
+        self._params = SamplingParams
+        self.decode_tpot([1, 2, 3], 4)  # warm up
+
+    def decode_tpot(self, prompt_ids: list[int], tokens: int) -> float:
+        """Mean time per token after the first, of one greedy stream."""
+        params = self._params(max_new_tokens=tokens)
+        tokens_out = self.pipeline.generate_ids(prompt_ids, params, eos_ids=set())
+        stamps = [time.perf_counter() for _ in tokens_out]
+        return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+    def ttft(self, long_ids: list[int]) -> float:
         began = time.perf_counter()
-        for _token in pipeline.generate_ids(
-            long_ids, SamplingParams(max_new_tokens=1), eos_ids=set()
+        for _token in self.pipeline.generate_ids(
+            long_ids, self._params(max_new_tokens=1), eos_ids=set()
         ):
-            ttfts.append(time.perf_counter() - began)
-    return {"tpot_s": statistics.median(tpots), "ttft_512_s": statistics.median(ttfts)}
+            return time.perf_counter() - began
+        raise AssertionError("no token")
 
 
 async def _stream(mesh: Any, prompt_ids: list[int], tokens: int) -> list[float]:
@@ -77,9 +78,16 @@ async def _stream(mesh: Any, prompt_ids: list[int], tokens: int) -> list[float]:
     return stamps
 
 
-def mesh_figures(
-    mesh: Any, prompt_ids: list[int], long_ids: list[int], tokens: int, repeats: int
+def figures(
+    mesh: Any,
+    reference: Reference,
+    prompt_ids: list[int],
+    long_ids: list[int],
+    tokens: int,
+    repeats: int,
 ) -> dict[str, float]:
+    """The mesh's figures and the reference's, measured in turn (a drifting machine
+    moves both alike): one mesh stream, then one reference stream, and so on."""
     import trio
 
     from hetmesh.client.mesh import open_mesh_client
@@ -87,12 +95,15 @@ def mesh_figures(
     async def measure() -> dict[str, float]:
         async with open_mesh_client(mesh.nodes[-1].addr, mesh_secret=mesh.secret) as client:
             await _stream(client, prompt_ids, 4)  # warm up: links, first forwards
-            tpots, ttfts = [], []
+            tpots, ttfts, ref_tpots, ref_ttfts = [], [], [], []
             for _ in range(repeats):
                 stamps = await _stream(client, prompt_ids, tokens)
                 tpots.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+                # the reference runs while the idle nodes wait, on the same cores
+                ref_tpots.append(reference.decode_tpot(prompt_ids, tokens))
                 stamps = await _stream(client, long_ids, 1)
                 ttfts.append(stamps[1] - stamps[0])
+                ref_ttfts.append(reference.ttft(long_ids))
 
             async def concurrent(streams: int) -> float:
                 spans: list[list[float]] = []
@@ -106,11 +117,15 @@ def mesh_figures(
                         nursery.start_soon(one)
                 return sum(len(s) - 1 for s in spans) / (time.perf_counter() - began)
 
-            singles = [await concurrent(1) for _ in range(repeats)]
-            eights = [await concurrent(8) for _ in range(repeats)]
+            singles, eights = [], []
+            for _ in range(repeats):  # in turn as well
+                singles.append(await concurrent(1))
+                eights.append(await concurrent(8))
         return {
             "tpot_s": statistics.median(tpots),
             "ttft_512_s": statistics.median(ttfts),
+            "reference_tpot_s": statistics.median(ref_tpots),
+            "reference_ttft_512_s": statistics.median(ref_ttfts),
             "tokens_per_s_1": statistics.median(singles),
             "tokens_per_s_8": statistics.median(eights),
         }
@@ -144,16 +159,16 @@ def main() -> None:
     long_ids = filler[:512]
     with local_mesh(3, node_args=[*NODE_ARGS, "--weights", args.weights]) as mesh:
         wait_serving(mesh)
-        ours = mesh_figures(mesh, prompt_ids, long_ids, args.tokens, args.repeats)
-        # the reference runs while the idle nodes wait, on the same cores
-        base = reference(model_dir, prompt_ids, long_ids, args.tokens, args.repeats, args.weights)
+        base = Reference(model_dir, args.weights)
+        ours = figures(mesh, base, prompt_ids, long_ids, args.tokens, args.repeats)
+        del base
     result = {
         "decode_tokens_per_s_mesh": 1.0 / ours["tpot_s"],
-        "decode_tokens_per_s_reference": 1.0 / base["tpot_s"],
-        "decode_ratio_single_stream": base["tpot_s"] / ours["tpot_s"],
+        "decode_tokens_per_s_reference": 1.0 / ours["reference_tpot_s"],
+        "decode_ratio_single_stream": ours["reference_tpot_s"] / ours["tpot_s"],
         "ttft_512_s_mesh": ours["ttft_512_s"],
-        "ttft_512_s_reference": base["ttft_512_s"],
-        "ttft_ratio_512": ours["ttft_512_s"] / base["ttft_512_s"],
+        "ttft_512_s_reference": ours["reference_ttft_512_s"],
+        "ttft_ratio_512": ours["ttft_512_s"] / ours["reference_ttft_512_s"],
         "tokens_per_s_1_stream": ours["tokens_per_s_1"],
         "tokens_per_s_8_streams": ours["tokens_per_s_8"],
         "concurrency_gain_8": ours["tokens_per_s_8"] / ours["tokens_per_s_1"],
@@ -171,17 +186,17 @@ def main() -> None:
     print(
         f"decode, one stream     mesh {result['decode_tokens_per_s_mesh']:.1f} tok/s, "
         f"reference {result['decode_tokens_per_s_reference']:.1f} tok/s, "
-        f"ratio {result['decode_ratio_single_stream']:.2f} (target >= 0.85)"
+        f"ratio {result['decode_ratio_single_stream']:.2f} (target >= 0.95)"
     )
     print(
         f"TTFT, 512-token prompt mesh {result['ttft_512_s_mesh'] * 1e3:.0f} ms, "
         f"reference {result['ttft_512_s_reference'] * 1e3:.0f} ms, "
-        f"ratio {result['ttft_ratio_512']:.2f} (target <= 1.3)"
+        f"ratio {result['ttft_ratio_512']:.2f} (target <= 1.0)"
     )
     print(
         f"8 streams vs 1         {result['tokens_per_s_8_streams']:.1f} vs "
         f"{result['tokens_per_s_1_stream']:.1f} tok/s, "
-        f"gain {result['concurrency_gain_8']:.2f} (target >= 2.5)"
+        f"gain {result['concurrency_gain_8']:.2f} (target >= 4)"
     )
     if "single_process_speedup" in result:
         print(

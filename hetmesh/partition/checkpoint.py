@@ -148,6 +148,35 @@ class CheckpointReader:
         except Exception as exc:  # safetensors raises its own error types
             raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
 
+    def rows_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows ``[start, stop)`` of a 2-D ``name`` written into ``out``, as :meth:`rows`
+        gives them (then cast to ``out``'s dtype).
+
+        A Q4_1 tensor into contiguous fp32 rows is dequantised in place, each 4-bit
+        half straight into its place (``d * q + m``, the same two fp32 roundings as
+        :meth:`rows`): no uint8, fp32 or product temporaries of the whole slice.
+        """
+        fast = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
+        if self.kind(name) != "q4_1" or not fast:
+            out.copy_(self.rows(name, start, stop))
+            return
+        try:
+            qs = self._slice(f"{name}.q4_1.qs")[start:stop]  # (n, k/2) uint8
+            d = self._slice(f"{name}.q4_1.d")[start:stop].float()[..., None, None]
+            m = self._slice(f"{name}.q4_1.m")[start:stop].float()[..., None, None]
+            n, half = qs.shape
+            if out.shape != (n, half * 2):
+                raise CorruptModel(f"{self.folder}: {name} rows have shape {tuple(out.shape)}")
+            blocks = qs.reshape(n, half // (BLOCK // 2), 1, BLOCK // 2)
+            halves = out.view(n, half // (BLOCK // 2), 2, BLOCK // 2)  # low nibbles, then high
+            torch.mul(blocks & 0xF, d, out=halves[:, :, :1])
+            torch.mul(blocks >> 4, d, out=halves[:, :, 1:])
+            halves.add_(m)
+        except CorruptModel:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
+
     def tensor(self, name: str) -> torch.Tensor:
         """All of ``name`` as fp32."""
         shape = self.shape(name)

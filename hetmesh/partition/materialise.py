@@ -182,7 +182,7 @@ class _Loader:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         for start in range(0, shape[0], ROW_CHUNK):
             stop = min(start + ROW_CHUNK, shape[0])
-            out[start:stop] = self.reader.rows(source, start, stop)
+            self.reader.rows_into(source, start, stop, out[start:stop])
         self.put(path, out)
 
     def int4(self, path: str, module: Int4Linear, source: str) -> None:
