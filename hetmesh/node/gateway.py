@@ -168,6 +168,15 @@ class _Replay(Exception):
         self.leaving = leaving
 
 
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """A step sent to the first stage whose token has not come back yet."""
+
+    step: int
+    started: float
+    hops: tuple[Hop, ...]
+
+
 class _StepFailed(Exception):
     """A step did not complete on the current pipeline (internal to the gateway)."""
 
@@ -500,42 +509,69 @@ class Gateway:
         max_new_tokens: int,
         cached: int = 0,
     ) -> AsyncGenerator[int, None]:
+        """The session's tokens, one step after another.
+
+        Each step after the first leaves for the first stage *before* its token is
+        handed on: the consumer (a client's stream over libp2p, an SSE response, the
+        text decoder) then works while the pipeline computes, instead of in front of
+        it. A step that cannot be sent fails only after its token has been yielded,
+        so the replay that follows loses nothing.
+        """
         # the whole history (a first prefill or a replay) but what every stage holds cached
         feed = list(history[cached:])
         position = cached
+        in_flight: _InFlight | None = None
         while len(generated) < max_new_tokens:
-            if session_id in self._leaving and len(feed) == 1:  # between steps: nothing in flight
-                await self._migrate(session_id, request, position)
-            hops = self._routes[session_id]
-            first = hops[0].peer_id
-            step = len(generated)
-            ids = torch.tensor(feed, dtype=torch.int64)
-            frame = Activations(
-                session_id=session_id,
-                step=step,
-                positions=tuple(range(position, position + len(feed))),
-                tensors=(ids,),
-            )
-            started = time.perf_counter()
-            try:
-                await self._send(first, frame)
-            except TransportError as exc:
-                raise _StepFailed(
-                    f"cannot reach the first stage: {exc}", frozenset({first})
-                ) from exc
+            if in_flight is None:
+                if session_id in self._leaving and len(feed) == 1:  # nothing in flight
+                    await self._migrate(session_id, request, position)
+                in_flight = await self._send_step(session_id, feed, position, len(generated))
             token = await self._await_token(
-                inbox, step, len(feed), hops, self._moving.get(session_id, ())
+                inbox,
+                in_flight.step,
+                len(feed),
+                in_flight.hops,
+                self._moving.get(session_id, ()),
             )
             self._moving.pop(session_id, None)  # a step on the new route: the move is done
-            self._note_step(time.perf_counter() - started, len(feed))
+            self._note_step(time.perf_counter() - in_flight.started, len(feed))
+            in_flight = None
             position += len(feed)
             if token in self._eos:
                 return
             generated.append(token)
             history.append(token)
             self._tokens += 1
-            yield token
             feed = [token]
+            failed: _StepFailed | None = None
+            # a session leaving its peers moves between steps, with nothing in flight
+            if len(generated) < max_new_tokens and session_id not in self._leaving:
+                try:
+                    in_flight = await self._send_step(session_id, feed, position, len(generated))
+                except _StepFailed as exc:
+                    failed = exc
+            yield token
+            if failed is not None:
+                raise failed
+
+    async def _send_step(
+        self, session_id: str, feed: Sequence[int], position: int, step: int
+    ) -> _InFlight:
+        """Send one step's token ids to the session's first stage."""
+        hops = self._routes[session_id]
+        first = hops[0].peer_id
+        frame = Activations(
+            session_id=session_id,
+            step=step,
+            positions=tuple(range(position, position + len(feed))),
+            tensors=(torch.tensor(list(feed), dtype=torch.int64),),
+        )
+        started = time.perf_counter()
+        try:
+            await self._send(first, frame)
+        except TransportError as exc:
+            raise _StepFailed(f"cannot reach the first stage: {exc}", frozenset({first})) from exc
+        return _InFlight(step, started, hops)
 
     async def _migrate(self, session_id: str, request: _Request, position: int) -> None:
         """Move the session's stages off the peers it is leaving, KV and all, or
