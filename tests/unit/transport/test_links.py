@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -503,15 +505,32 @@ async def test_torchdist_dialer_keeps_the_bytes_its_handshake_read_ahead(
             await link.aclose()
 
 
+def _store_threads_cpu_ticks() -> int:
+    """CPU ticks (user + system) used so far by this process's TCPStore server threads."""
+    ticks = 0
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().strip() == "pt_tcpstore_uv":
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])
+    return ticks
+
+
 async def test_torchdist_store_takes_no_connection_once_the_group_is_formed() -> None:
     """gloo's TCPStore listened on the data-plane address for the life of each link,
-    unauthenticated; now only until the link's group is formed."""
+    unauthenticated; now only until the link's group is formed. And its server thread
+    sleeps after that: a store whose listening socket was shut down spun a whole core."""
     async with planes("torchdist") as (a, b):
         la, lb = await link_pair(a, b)
         assert la.backend == lb.backend == "torchdist"
         port = lb._store.port  # type: ignore[attr-defined]  # b listened: rank 0 ran the store
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        with pytest.raises(TimeoutError):  # the store's socket answers no SYN
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        before, began = _store_threads_cpu_ticks(), time.monotonic()
+        await trio.sleep(1.0)
+        spent = _store_threads_cpu_ticks() - before
+        # spinning, the thread took ~100 ticks a second (10 ms each), ~30 on a loaded machine
+        assert spent <= 5, f"{spent} ticks in {time.monotonic() - began:.1f} s"
         t = torch.arange(1024, dtype=torch.float32)
         for step in range(3):  # the group carries on without it
             await la.send(Activations(session_id="s", step=step, positions=(), tensors=(t,)))
