@@ -7,9 +7,8 @@ to the dialer (rank 1) over the already-authenticated TCP connection, and
 stops taking connections as soon as the group is formed (a socket filter
 drops every new SYN; the store's connections already made, the authenticated
 peer's among them, carry on): the store takes no connection from anyone else
-for the life of the link. Both
-build ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (both ends CUDA)
-directly on a ``PrefixStore`` for this link.
+for the life of the link. Both build ``ProcessGroupGloo`` (CPU) or
+``ProcessGroupNCCL`` (both ends CUDA) directly on a ``PrefixStore`` for this link.
 
 Frame headers keep travelling on the authenticated TCP connection; each
 tensor's bytes go through ``pg.send`` / ``pg.recv`` into a pooled buffer
