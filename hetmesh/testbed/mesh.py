@@ -15,7 +15,6 @@ also on failure: node processes (killed by PID), cgroups, namespaces.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import secrets
@@ -30,13 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from hetmesh.node.local import LocalNode
 from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.cgroups import CPU, MEMORY
-from hetmesh.testbed.netns import (
-    NetnsTestbed,
-    Spawn,
-    open_testbed,
-    start_on_host,
-    unavailable_reason,
-)
+from hetmesh.testbed.netns import NetnsTestbed, Spawn, open_testbed, unavailable_reason
 
 if TYPE_CHECKING:
     from hetmesh.scheduler.records import Plan
@@ -171,13 +164,9 @@ class MeshTestbed:
                 "env": child_env(),
                 "cwd": str(REPO),
             }
-            proc = start_on_host(
-                self.spawn,
-                self.net.placement(host),
-                functools.partial(self.net.popen, host),
-                argv,
-                kwargs,
-            )
+            proc = self.spawn(argv, self.net.placement(host), kwargs) if self.spawn else None
+            if proc is None:
+                proc = self.net.popen(host, argv, **kwargs)
         node = MeshNode(proc, data_dir, log_path, host=host)
         self.nodes.append(node)
         return node

@@ -10,7 +10,6 @@ node processes killed by PID, then the namespaces — also on failure.
 from __future__ import annotations
 
 import contextlib
-import functools
 import secrets
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
-from hetmesh.testbed.netns import Spawn, start_on_host
+from hetmesh.testbed.netns import Spawn
 
 if TYPE_CHECKING:
     from hetmesh.scheduler.records import Plan
@@ -68,13 +67,9 @@ class NatMesh:
                 "env": child_env(),
                 "cwd": REPO,
             }
-            proc = start_on_host(
-                self.spawn,
-                self.bed.placement(host),
-                functools.partial(self.bed.popen, host),
-                argv,
-                kwargs,
-            )
+            proc = self.spawn(argv, self.bed.placement(host), kwargs) if self.spawn else None
+            if proc is None:
+                proc = self.bed.popen(host, argv, **kwargs)
         node = MeshNode(proc, data_dir, log_path, host=index)
         self.nodes.append(node)
         return node

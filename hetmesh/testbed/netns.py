@@ -100,19 +100,6 @@ class Placement:
 Spawn = Callable[[Sequence[str], Placement, dict[str, Any]], Any]
 
 
-def start_on_host(
-    spawn: Spawn | None,
-    placement: Placement,
-    popen: Callable[..., Any],
-    argv: Sequence[str],
-    kwargs: dict[str, Any],
-) -> Any:
-    """``argv`` started on a host by ``spawn`` where it takes it, else by the testbed's
-    ``popen(argv, **kwargs)``."""
-    proc = spawn(argv, placement, kwargs) if spawn is not None else None
-    return proc if proc is not None else popen(argv, **kwargs)
-
-
 @dataclass(frozen=True, slots=True)
 class NetnsHost:
     index: int
