@@ -33,10 +33,12 @@ from typing import Any
 
 import pytest
 
-# xdist workers for `-n auto` (addopts), unless PYTEST_XDIST_AUTO_NUM_WORKERS says. Two:
-# each worker may be starting a mesh of node processes, and on two cores a third meant
-# three meshes' start-ups at once; every test must stay correct at half its CPU share.
-WORKERS = 2
+# xdist workers for `-n auto` (addopts), unless PYTEST_XDIST_AUTO_NUM_WORKERS says. Three
+# on two cores: much of a worker's time is spent waiting (nodes starting, liveness and
+# expiry timers), and on a machine loaded by other work the suite's share of the CPU grows
+# with its runnable processes (two busy loops: 1,142-1,302 s with two workers, 939 s with
+# three). Every test must stay correct at a third of the CPU it has alone.
+WORKERS = 3
 HEAVY_MARKERS = ("multiprocess", "model")
 # test files whose namespaces carry cgroup limits or tc shaping (paths under tests/)
 TESTBED_FILES = ("integration/testbed/", "integration/discovery/test_netns_helper.py")

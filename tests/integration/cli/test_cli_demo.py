@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import psutil
 import pytest
 
 from hetmesh.cli.demo import DEMO_WEIGHTS
+from hetmesh.discovery.profiling import CACHE_FILE
 from hetmesh.errors import MeshError, RequestTimeout
 from hetmesh.node.local import local_mesh, wait_serving
 
@@ -92,9 +94,14 @@ def test_local_mesh_reports_a_node_that_cannot_start_and_reaps_it(tmp_path: Path
 def test_wait_serving_times_out_on_a_node_without_a_model_and_sees_it_die(
     tmp_path: Path,
 ) -> None:
-    with local_mesh(1, node_args=["--no-serve"], root=tmp_path) as mesh:
+    with local_mesh(2, node_args=["--no-serve"], root=tmp_path) as mesh:
         assert mesh.addr == mesh.nodes[0].addr
         assert mesh.addr.endswith(f"/p2p/{mesh.nodes[0].peer_id}")
+        # the second node started from the first one's CPU benchmark and kept it (a
+        # benchmark of its own would have stored a new measurement time)
+        first, second = (json.loads((n.data_dir / CACHE_FILE).read_text()) for n in mesh.nodes)
+        assert first
+        assert second == first
         with pytest.raises(RequestTimeout, match="did not serve within 3 s"):
             wait_serving(mesh, timeout_s=3)
         mesh.nodes[0].proc.kill()

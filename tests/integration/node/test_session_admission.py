@@ -10,6 +10,7 @@ idle limit.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         max_sessions=1,
         max_context_tokens=512,
         block_step_s=0.002,
-        timeouts=GatewayTimeouts(admission_s=10.0),
+        # long enough for the waits below on a loaded machine (a busy reply, then the
+        # holder's slot freed); the rejection phase shortens it
+        timeouts=GatewayTimeouts(admission_s=60.0),
     )
     async with open_mesh(
         tmp_path, serving, 2, first={"api_port": port}, model=tiny_model_dir
@@ -78,7 +81,9 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
             first.close("holder-1")
         assert got == [expected]
 
-        # a mesh that stays full past the admission wait: Rejected (SDK) and 429 (HTTP)
+        # a mesh that stays full past the admission wait: Rejected (SDK) and 429 (HTTP);
+        # the gateway reads its timeouts per request, so a short wait applies from here
+        gateway.timeouts = dataclasses.replace(gateway.timeouts, admission_s=5.0)
         hold_a_slot(first, "holder-2")
         outcome: dict[str, Any] = {}
 
@@ -102,6 +107,7 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         assert reply.status_code == 429, reply.text
         assert reply.json()["error"]["type"] == "rate_limit_error"
         first.close("holder-2")
+        gateway.timeouts = dataclasses.replace(gateway.timeouts, admission_s=60.0)
         assert await generate(mesh.addr, 8) == expected  # and it serves again
 
 
