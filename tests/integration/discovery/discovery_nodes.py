@@ -332,7 +332,7 @@ def status_json(addr: str, *, secret: str | None = SECRET, timeout_s: float = 20
 
 
 def run_status(
-    argv_tail: Sequence[str], *, timeout_s: float = 20
+    argv_tail: Sequence[str], *, timeout_s: float = 60
 ) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "hetmesh", "status", *argv_tail]
     return subprocess.run(
