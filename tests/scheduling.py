@@ -35,10 +35,10 @@ import pytest
 
 # xdist workers for `-n auto` (addopts), unless PYTEST_XDIST_AUTO_NUM_WORKERS says. Two:
 # each worker may be starting a mesh of node processes; every test must stay correct at
-# half its CPU share. Three were measured twice (docs/benchmarks.md, "Suite stability"):
-# under two busy loops they win the suite a larger share of the cores (939 and 1,085 s
-# against 1,142-1,302 s), but on a quiet machine they contend (717 s against 577-676 s),
-# and the loaded runs still miss 15 minutes.
+# half its CPU share. Three were measured (docs/benchmarks.md, "Suite stability"): under
+# two busy loops they win the suite a larger share of the cores (pytest 939 and 996 s
+# against 1,142-1,302 s with two), still over 15 minutes, and with more timing failures
+# seen at three (each hardened since); two stay.
 WORKERS = 2
 HEAVY_MARKERS = ("multiprocess", "model")
 # test files whose namespaces carry cgroup limits or tc shaping (paths under tests/)
