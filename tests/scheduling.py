@@ -36,9 +36,8 @@ import pytest
 # xdist workers for `-n auto` (addopts), unless PYTEST_XDIST_AUTO_NUM_WORKERS says. Two:
 # each worker may be starting a mesh of node processes; every test must stay correct at
 # half its CPU share. Three were measured (docs/benchmarks.md, "Suite stability"): under
-# two busy loops they win the suite a larger share of the cores (pytest 939 and 996 s
-# against 1,142-1,302 s with two), still over 15 minutes, and with more timing failures
-# seen at three (each hardened since); two stay.
+# two busy loops pytest took 939 and 996 s with three, 930 s with two in a clean run, and
+# three brought more timing failures (each hardened since); two stay.
 WORKERS = 2
 HEAVY_MARKERS = ("multiprocess", "model")
 # test files whose namespaces carry cgroup limits or tc shaping (paths under tests/)
