@@ -76,28 +76,26 @@ def _wait_info(node: LocalNode, timeout_s: float) -> None:
     raise RequestTimeout(f"node in {node.data_dir} did not start in {timeout_s:.0f} s")
 
 
-def _first_benchmark(node: LocalNode, timeout_s: float = 20.0) -> str | None:
-    """The first node's CPU benchmark cache, for the others to start from (None: it did
-    not store one in time).
+def _benchmark_of(node: LocalNode) -> str | None:
+    """A started node's CPU benchmark cache (stored before it wrote ``node.json``), for
+    the others to start from; None if it stored none.
 
     The nodes share this machine's cores: one benchmark is this machine's figure, where
     nodes measuring at once would each see part of the machine, and each would spend
     1.5 s of every core on it.
     """
-    path = node.data_dir / CACHE_FILE
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and node.proc.poll() is None:
-        with contextlib.suppress(OSError):
-            text = path.read_text()
-            if text:
-                return text
-        time.sleep(0.1)
+    with contextlib.suppress(OSError):
+        return (node.data_dir / CACHE_FILE).read_text() or None
     return None
 
 
-def _start(root: Path, name: str, args: Sequence[str], secret: str) -> LocalNode:
+def _start(
+    root: Path, name: str, args: Sequence[str], secret: str, benchmark: str | None = None
+) -> LocalNode:
     data_dir = root / name
     data_dir.mkdir(parents=True, exist_ok=True)
+    if benchmark is not None:
+        (data_dir / CACHE_FILE).write_text(benchmark)
     log_path = root / f"{name}.log"
     argv = [
         sys.executable,
@@ -185,14 +183,10 @@ def local_mesh(
             first = _start(root, "node1", [*node_args, *extra[0]], secret)
             nodes.append(first)
             _wait_info(first, start_timeout_s)
-            benchmark = _first_benchmark(first) if count > 1 else None
+            benchmark = _benchmark_of(first)
             for i in range(1, count):
                 args = [*node_args, *extra[i], "--bootstrap", first.addr]
-                name = f"node{i + 1}"
-                if benchmark is not None:
-                    (root / name).mkdir(parents=True, exist_ok=True)
-                    (root / name / CACHE_FILE).write_text(benchmark)
-                nodes.append(_start(root, name, args, secret))
+                nodes.append(_start(root, f"node{i + 1}", args, secret, benchmark))
             for node in nodes[1:]:
                 _wait_info(node, start_timeout_s)
             yield LocalMesh(nodes, secret, root)

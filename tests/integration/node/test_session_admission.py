@@ -34,6 +34,11 @@ from tests.integration.node.mesh_nodes import reference_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(300)]
 
+# the admission wait where a request must get through on a loaded machine (a busy
+# reply, then the holder's slot freed), and where it must be rejected
+ADMIT_S = 60.0
+REJECT_S = 5.0
+
 
 async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
     tmp_path: Path, tiny_model_dir: Path
@@ -44,9 +49,7 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         max_sessions=1,
         max_context_tokens=512,
         block_step_s=0.002,
-        # long enough for the waits below on a loaded machine (a busy reply, then the
-        # holder's slot freed); the rejection phase shortens it
-        timeouts=GatewayTimeouts(admission_s=60.0),
+        timeouts=GatewayTimeouts(admission_s=ADMIT_S),  # the rejection phase shortens it
     )
     async with open_mesh(
         tmp_path, serving, 2, first={"api_port": port}, model=tiny_model_dir
@@ -83,7 +86,7 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
 
         # a mesh that stays full past the admission wait: Rejected (SDK) and 429 (HTTP);
         # the gateway reads its timeouts per request, so a short wait applies from here
-        gateway.timeouts = dataclasses.replace(gateway.timeouts, admission_s=5.0)
+        gateway.timeouts = dataclasses.replace(gateway.timeouts, admission_s=REJECT_S)
         hold_a_slot(first, "holder-2")
         outcome: dict[str, Any] = {}
 
@@ -107,7 +110,7 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         assert reply.status_code == 429, reply.text
         assert reply.json()["error"]["type"] == "rate_limit_error"
         first.close("holder-2")
-        gateway.timeouts = dataclasses.replace(gateway.timeouts, admission_s=60.0)
+        gateway.timeouts = dataclasses.replace(gateway.timeouts, admission_s=ADMIT_S)
         assert await generate(mesh.addr, 8) == expected  # and it serves again
 
 
