@@ -87,18 +87,18 @@ _SO_TIMESTAMPNS = 35  # Linux (asm-generic); Python does not name it
 _TIMESPEC = struct.Struct("@qq")
 
 
-def _enable_timestamps(stream: trio.SocketStream) -> bool:
-    """Ask the kernel to timestamp what arrives on ``stream``; False where it cannot."""
+def enable_timestamps(sock: socket.socket | trio.socket.SocketType) -> bool:
+    """Ask the kernel to timestamp what arrives on ``sock``; False where it cannot."""
     if sys.platform != "linux":
         return False
     try:
-        stream.socket.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
     except OSError:
         return False
     return True
 
 
-def _arrival_s(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+def arrival_s(ancillary: list[tuple[int, int, bytes]]) -> float | None:
     """The kernel's arrival time of the last bytes of one ``recvmsg`` (seconds), if given."""
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
@@ -119,7 +119,7 @@ async def _authenticate(stream: trio.SocketStream, token: bytes, timeout_s: floa
 
 async def _handle(stream: trio.SocketStream, bulk_lock: trio.Lock) -> None:
     """One authenticated probe session: pings, then bulk transfers."""
-    stamped = _enable_timestamps(stream)
+    stamped = enable_timestamps(stream.socket)
     async with stream:
         with trio.move_on_after(30):
             while True:
@@ -136,34 +136,64 @@ async def _handle(stream: trio.SocketStream, bulk_lock: trio.Lock) -> None:
                     return
 
 
+class TailClock:
+    """The receiver's clock for one bulk transfer of ``n`` bytes: how long the last three
+    quarters took to arrive.
+
+    Feed it every read with the kernel's arrival time of the read's last byte where the
+    socket gives one (``SO_TIMESTAMPNS``, see :func:`arrival_s`), None where it does not.
+    Kernel arrival times are immune to a receiver that reads late and drains a backlog at
+    once; where a read comes without one, the clock in user space stands in.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.remaining = n
+        self._mark = n - n // 4  # the clock starts once a quarter has arrived
+        self._started = time.perf_counter()
+        self._kernel_start: tuple[float, int] | None = None  # (arrival, bytes still to come)
+        self._kernel_end: float | None = None
+
+    def read(self, nbytes: int, arrived: float | None) -> None:
+        before = self.remaining
+        self.remaining -= nbytes
+        if before > self._mark >= self.remaining:
+            self._started = time.perf_counter()
+            if arrived is not None and self.remaining:
+                self._kernel_start = (arrived, self.remaining)
+        self._kernel_end = arrived
+
+    def seconds(self) -> float:
+        """The tail's duration, scaled to the bytes the asker divides by (three quarters)."""
+        start, end = self._kernel_start, self._kernel_end
+        if start is not None and end is not None and end > start[0]:
+            return (end - start[0]) * (self.n - self.n // 4) / start[1]
+        return time.perf_counter() - self._started
+
+
+def tail_bandwidth(nbytes: int, tail_s: float, elapsed_s: float) -> float:
+    """Bytes/s of a bulk transfer of ``nbytes``: its last three quarters over the
+    receiver's ``tail_s`` (:class:`TailClock`), or the whole over the asker's
+    ``elapsed_s`` where the receiver timed no tail (a tiny transfer)."""
+    tail_bytes = nbytes - nbytes // 4
+    if tail_s > 0 and tail_bytes > 0:
+        return tail_bytes / tail_s
+    return nbytes / max(elapsed_s, 1e-6)
+
+
 async def _receive_bulk(stream: trio.SocketStream, n: int, *, stamped: bool) -> None:
     """Receive ``n`` bytes; answer with the time the last three quarters took to arrive."""
-    remaining = n
-    mark = n - n // 4  # start the clock once a quarter has arrived
-    started = time.perf_counter()
-    kernel_start: tuple[float, int] | None = None  # (arrival time, bytes still to come)
-    kernel_end: float | None = None
-    while remaining:
-        size = min(remaining, 1 << 20)
+    clock = TailClock(n)
+    while clock.remaining:
+        size = min(clock.remaining, 1 << 20)
         if stamped:
             chunk, ancillary, _, _ = await stream.socket.recvmsg(size, socket.CMSG_SPACE(16))
         else:
             chunk, ancillary = await stream.receive_some(size), []
         if not chunk:
             raise RemoteProtocolError("probe connection closed mid-transfer")
-        before = remaining
-        remaining -= len(chunk)
-        arrived = _arrival_s(ancillary)
-        if before > mark >= remaining:
-            started = time.perf_counter()
-            if arrived is not None and remaining:
-                kernel_start = (arrived, remaining)
-        kernel_end = arrived
-    elapsed = time.perf_counter() - started
-    if kernel_start is not None and kernel_end is not None and kernel_end > kernel_start[0]:
-        # scale to the bytes the client divides by (three quarters of n)
-        elapsed = (kernel_end - kernel_start[0]) * (n - n // 4) / kernel_start[1]
-    await stream.send_all(b"K" + _SECONDS.pack(elapsed))
+        clock.read(len(chunk), arrival_s(ancillary))
+    await stream.send_all(b"K" + _SECONDS.pack(clock.seconds()))
 
 
 async def serve_probe(
@@ -238,11 +268,7 @@ async def probe_link(
                 if reply[:1] != b"K":
                     raise RemoteProtocolError("probe server did not acknowledge")
                 (tail_s,) = _SECONDS.unpack(reply[1:])
-                tail_bytes = nbytes - nbytes // 4
-                if tail_s > 0 and tail_bytes > 0:
-                    bandwidth = tail_bytes / tail_s
-                else:  # tiny probe: fall back to the sender's view
-                    bandwidth = nbytes / max(time.perf_counter() - t0 - rtt, 1e-6)
+                bandwidth = tail_bandwidth(nbytes, tail_s, time.perf_counter() - t0 - rtt)
                 return LinkMeasurement(rtt_s=rtt, bandwidth_bps=bandwidth)
     except trio.TooSlowError as exc:
         raise PeerUnreachable(f"link probe to {host}:{port} timed out") from exc
@@ -257,4 +283,5 @@ __all__ = [
     "probe_link",
     "probe_token",
     "serve_probe",
+    "tail_bandwidth",
 ]

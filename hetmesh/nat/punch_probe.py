@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from hetmesh.discovery.probe import LinkMeasurement
+from hetmesh.discovery.probe import (
+    LinkMeasurement,
+    TailClock,
+    arrival_s,
+    enable_timestamps,
+    tail_bandwidth,
+)
 from hetmesh.discovery.rpc import open_stream
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
 from hetmesh.transport.punch import public_ip, punchable_host, reserve_port, simultaneous_open
@@ -123,9 +129,7 @@ def _measure(sock: socket.socket, token: bytes, nbytes: int) -> LinkMeasurement:
     if reply[:1] != b"K":
         raise RemoteProtocolError("punched probe peer did not acknowledge")
     (tail_s,) = _SECONDS.unpack(reply[1:])
-    tail_bytes = nbytes - nbytes // 4
-    bandwidth = tail_bytes / tail_s if tail_s > 0 and tail_bytes > 0 else nbytes / elapsed
-    return LinkMeasurement(rtt_s=rtt, bandwidth_bps=bandwidth)
+    return LinkMeasurement(rtt_s=rtt, bandwidth_bps=tail_bandwidth(nbytes, tail_s, elapsed))
 
 
 def _answer(sock: socket.socket, token: bytes) -> None:
@@ -135,6 +139,8 @@ def _answer(sock: socket.socket, token: bytes) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not hmac.compare_digest(recv_exact(sock, _TOKEN_BYTES), token):
             raise RemoteProtocolError("punched probe connection without the token")
+        # kernel arrival times: a thread that reads late must not make the link look fast
+        stamped = enable_timestamps(sock)
         while True:
             op = sock.recv(1)
             if op == b"P":
@@ -143,18 +149,13 @@ def _answer(sock: socket.socket, token: bytes) -> None:
                 (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
                 if n > MAX_PUNCH_PROBE_BYTES:
                     raise RemoteProtocolError(f"punched probe of {n} bytes")
-                remaining, mark = n, n - n // 4
-                started = time.perf_counter()
-                buf = bytearray(_CHUNK)
-                while remaining:
-                    got = sock.recv_into(buf, min(remaining, _CHUNK))
-                    if not got:
+                clock, cmsg = TailClock(n), socket.CMSG_SPACE(16) if stamped else 0
+                while clock.remaining:
+                    chunk, ancillary, _, _ = sock.recvmsg(min(clock.remaining, _CHUNK), cmsg)
+                    if not chunk:
                         raise RemoteProtocolError("punched probe closed mid-transfer")
-                    before = remaining
-                    remaining -= got
-                    if before > mark >= remaining:
-                        started = time.perf_counter()  # the first quarter is in
-                sock.sendall(b"K" + _SECONDS.pack(time.perf_counter() - started))
+                    clock.read(len(chunk), arrival_s(ancillary))
+                sock.sendall(b"K" + _SECONDS.pack(clock.seconds()))
                 return
             else:
                 return

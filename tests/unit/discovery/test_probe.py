@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import socket
-import struct
 import threading
 import time
 
@@ -13,42 +11,16 @@ import trio
 
 from hetmesh.discovery.probe import (
     CHALLENGE_BYTES,
-    _enable_timestamps,
     _receive_bulk,
+    enable_timestamps,
     probe_answer,
     probe_link,
     probe_token,
     serve_probe,
 )
+from tests.unit.discovery.pacing import NBYTES, backlog_listener, paced_sender
 
 SECRET = "probe-test-secret"
-RATE = 8e6  # bytes/s the paced sender keeps to (a shaped link)
-NBYTES = 4 * 1024 * 1024
-
-
-def paced_sender(port: int, out: dict[str, float]) -> None:
-    """Send ``NBYTES`` at ``RATE`` (like a token bucket: time lost is not made up).
-
-    A loaded machine can slow the sender below ``RATE``; ``out["sent_bps"]`` is
-    the rate it really kept over the three quarters the probe times.
-    """
-    chunk = bytes(64 * 1024)
-    count = NBYTES // len(chunk)
-    sent_at: list[float] = []
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        due = time.perf_counter()
-        for _ in range(count):
-            due = max(due, time.perf_counter()) + len(chunk) / RATE
-            sock.sendall(chunk)  # returns at once: the receive buffer holds it all
-            sent_at.append(time.perf_counter())
-            time.sleep(max(0.0, due - time.perf_counter()))
-        reply = b""
-        while len(reply) < 9:
-            reply += sock.recv(9 - len(reply))
-        assert reply[:1] == b"K"
-        (out["tail_s"],) = struct.unpack(">d", reply[1:])
-    first = count // 4  # the probe's clock starts once a quarter has arrived
-    out["sent_bps"] = (count - first) * len(chunk) / (sent_at[-1] - sent_at[first - 1])
 
 
 @pytest.mark.slow
@@ -57,17 +29,14 @@ async def test_a_starved_receiver_still_measures_the_link_rate() -> None:
     under a cgroup quota), while the kernel buffers what arrives; it then reads the
     backlog at once. Timing reads in user space made such a link look twice as fast
     (the CI testbed's 50 Mbit/s link); the kernel's arrival times do not."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)  # room for a backlog
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
+    listener = backlog_listener()
     out: dict[str, float] = {}
     sender = threading.Thread(target=paced_sender, args=(listener.getsockname()[1], out))
     sender.start()
     try:
         conn, _ = listener.accept()
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
-        assert _enable_timestamps(stream)
+        assert enable_timestamps(stream.socket)
         time.sleep(0.3)  # noqa: ASYNC251 - starved: nothing in this process runs
         await _receive_bulk(stream, NBYTES, stamped=True)
         await trio.to_thread.run_sync(sender.join)

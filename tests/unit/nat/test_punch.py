@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -13,7 +14,9 @@ import trio
 import trio.testing
 
 from hetmesh.cli.status import render_status
+from hetmesh.discovery.probe import TailClock
 from hetmesh.errors import RemoteProtocolError
+from hetmesh.nat.p2p_probe import stream_bandwidth
 from hetmesh.nat.punch_probe import _answer, _measure, local_host
 from hetmesh.nat.reachability import PUNCHED_KEY, RELAYED_KEY, link_kind
 from hetmesh.transport import Activations, DataPlaneConfig, open_data_plane
@@ -28,6 +31,7 @@ from hetmesh.transport.punch_plan import (
     parse_candidate,
     punch_pair,
 )
+from tests.unit.discovery.pacing import NBYTES, backlog_listener, paced_sender
 
 
 @pytest.mark.parametrize(
@@ -299,6 +303,51 @@ def test_punch_probe_measures_over_a_socket_and_demands_the_token() -> None:
     with pytest.raises(RemoteProtocolError, match="token"):
         _answer(answerer, token)
     stranger.close()
+
+
+@pytest.mark.slow
+def test_a_starved_punch_answerer_still_measures_the_link_rate() -> None:
+    """The answering thread gets no CPU for the first 0.3 s of a paced transfer while
+    the kernel buffers it, then drains the backlog at once: its kernel arrival times
+    still see the sender's pace (a clock in user space saw about twice it)."""
+    token = b"t" * 16
+    listener = backlog_listener()
+    out: dict[str, float] = {}
+    prefix = token + b"B" + struct.pack(">Q", NBYTES)
+    sender = threading.Thread(target=paced_sender, args=(listener.getsockname()[1], out, prefix))
+    sender.start()
+    try:
+        conn, _ = listener.accept()
+        time.sleep(0.3)  # starved: the backlog builds up in the kernel
+        _answer(conn, token)
+        sender.join(60)
+    finally:
+        listener.close()
+    bandwidth = (NBYTES - NBYTES // 4) / out["tail_s"]
+    sent = out["sent_bps"]
+    assert 0.75 * sent < bandwidth < 1.25 * sent, (bandwidth, sent)
+
+
+def test_a_stream_probe_never_reports_more_than_the_asker_saw_cross() -> None:
+    """Over a libp2p stream the receiver's clock is in user space: a late receiver's
+    tail (3 MiB in 0.1 s) is bounded by the asker's whole transfer (4 MiB in 0.32 s)."""
+    nbytes = 4 << 20
+    assert stream_bandwidth(nbytes, 0.1, 0.32) == pytest.approx(nbytes / 0.32)
+    # a timely receiver's tail keeps slow start out: it wins when it is the lower
+    assert stream_bandwidth(nbytes, 0.3, 0.35) == pytest.approx((nbytes - nbytes // 4) / 0.3)
+    assert stream_bandwidth(100, 0.0, 0.01) == pytest.approx(100 / 0.01)  # no tail timed
+
+
+def test_tail_clock_takes_the_kernel_arrivals_over_a_late_read() -> None:
+    clock = TailClock(400)
+    clock.read(100, 10.0)  # the first quarter, arrived at 10.0 s
+    clock.read(300, 10.3)  # the rest, read late and at once: arrived by 10.3 s
+    assert clock.remaining == 0
+    assert clock.seconds() == pytest.approx(0.3)
+    scaled = TailClock(400)
+    scaled.read(150, 10.0)  # the read that crossed the quarter held 250 bytes still to come
+    scaled.read(250, 10.25)
+    assert scaled.seconds() == pytest.approx(0.25 * 300 / 250)
 
 
 def test_punch_probe_binds_to_the_first_routable_announced_address() -> None:
