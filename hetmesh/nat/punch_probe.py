@@ -137,10 +137,11 @@ def _answer(sock: socket.socket, token: bytes) -> None:
     with sock:
         sock.settimeout(_IO_TIMEOUT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # kernel arrival times: a thread that reads late must not make the link look fast
+        # (asked for first: the kernel may switch its timestamps on a little later)
+        stamped = enable_timestamps(sock)
         if not hmac.compare_digest(recv_exact(sock, _TOKEN_BYTES), token):
             raise RemoteProtocolError("punched probe connection without the token")
-        # kernel arrival times: a thread that reads late must not make the link look fast
-        stamped = enable_timestamps(sock)
         while True:
             op = sock.recv(1)
             if op == b"P":

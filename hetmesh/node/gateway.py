@@ -701,8 +701,14 @@ class Gateway:
                         return int(frame.token_ids[0])
                     self._stale += 1
             silent = await self._find_silent([*hops, *moving])  # a move's source too
-            if silent:
+            if silent & {h.peer_id for h in hops}:
                 raise _StepFailed(f"no token for step {step} within {timeout:.1f} s", silent)
+            if silent:
+                # only a move's source is gone: it had its KV on the way when it answered
+                # the move (a drain waits for that before the node exits), so the new
+                # route is waited on like a slow one; a KV lost with it ends as a stall
+                log.info("step %d: the move's source %s is gone; waiting on", step, sorted(silent))
+                moving = ()
             self._slow_steps += 1
         raise _StepFailed(f"step {step} stalled although every stage answers pings")
 

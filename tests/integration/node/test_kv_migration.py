@@ -60,10 +60,16 @@ class MovingMesh:
         self.gateway: Gateway | None = None
         self.kill_on_kv = ""  # a peer that dies as the KV is sent to it
         self.kill_on_move = ""  # a peer that dies as it is asked to send its KV
+        self.exit_after_kv = ""  # a peer that exits once its KV is on the wire (a drain)
+        self.kv_delay_s = 0.0  # how long a KV frame takes to arrive
 
     async def send(self, sender: str, peer: str, frame: Frame) -> None:
         if peer in self.dead or sender in self.dead:
             raise PeerUnreachable(peer)
+        if isinstance(frame, KVBlock):
+            if sender == self.exit_after_kv:
+                self.dead.add(sender)  # gone, while its KV still travels
+            await trio.sleep(self.kv_delay_s)
         assert self.gateway is not None
         if peer == GATEWAY:
             self.gateway.on_frame(frame, sender)  # type: ignore[arg-type]
@@ -193,6 +199,23 @@ async def test_a_move_whose_source_dies_falls_back_to_replay(tiny_model):
     assert b2.kv.migrations == 0
     assert b2.tokens > 10  # the history was replayed through it
     assert (b2.kv.sessions, b2.kv.blocks_free) == (0, initial)  # its half-open move was closed
+
+
+async def test_a_source_that_exits_with_its_kv_on_the_way_is_no_reason_to_replay(tiny_model):
+    """A drained source exits once its KV is sent; the KV arrives after the step's
+    timeout. The source no longer answering pings must not fail the step (it did,
+    and the session replayed, in a loaded CI run): the stream finishes on the moved KV."""
+    mesh = MovingMesh(tiny_model)
+    mesh.exit_after_kv = "b1"
+    mesh.kv_delay_s = 0.8  # past the first timeout (0.5 s), within the extensions
+    gateway = mesh.make_gateway(step_floor_s=0.5, ping_s=0.3)
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert (g.migrations, g.migration_fallbacks, g.recoveries) == (1, 0, 0)
+    assert g.slow_steps >= 1  # the step did wait past its timeout
+    assert mesh.servers["b2"].statistics().kv.migrations == 1
+    assert mesh.servers["b2"].statistics().tokens == 9  # no replay through it
 
 
 async def test_a_move_that_does_not_fit_the_target_is_refused_and_replayed(tiny_model):
