@@ -65,6 +65,7 @@ from hetmesh.transport.frames import (
 from hetmesh.transport.negotiation import Backend
 from hetmesh.transport.sealed import OpenedSocket, Sealer
 from hetmesh.transport.threads import in_thread as in_thread
+from hetmesh.transport.threads import in_thread_always
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -737,7 +738,9 @@ class TcpLink(ThreadedLink):
             finally:
                 self._write_lock.release()
 
-        await in_thread(finish)
+        # part of the frame is on the wire: the rest goes even if this send is
+        # cancelled (before, a cancel that came first left the lock held for good)
+        await in_thread_always(finish)
         return total
 
     def _shutdown(self) -> None:

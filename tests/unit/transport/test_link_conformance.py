@@ -348,3 +348,34 @@ def test_every_backend_subclasses_the_link_abc() -> None:
         assert not getattr(cls, "__abstractmethods__", None)
     with pytest.raises(TypeError):
         Link("peer", None)  # type: ignore[abstract,arg-type]
+
+
+@pytest.mark.parametrize("backend", ["tcp", SEALED])
+async def test_a_send_cancelled_once_it_holds_the_socket_still_sends_its_frame_whole(
+    backend: str,
+) -> None:
+    """A cancel that lands while a send waits at its lock's checkpoint: the send then
+    puts part of its frame on the wire. The rest went to a worker thread that trio
+    never started for a cancelled caller, so the link's write lock stayed held and
+    every later send hung (a loaded suite run)."""
+    async with open_link_pair(backend) as (la, lb):
+        big = Activations(
+            session_id="big", step=0, positions=(), tensors=(torch.arange(2 << 20).float(),)
+        )
+        small = Tokens(session_id="s", step=1, token_ids=(5,))
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as scope:
+
+                async def cancel() -> None:  # runs at the send's first checkpoint
+                    scope.cancel()
+
+                nursery.start_soon(cancel)
+                await la.send(big)
+        with trio.fail_after(30):
+            await la.send(small)
+            got = await lb.receive()
+            if isinstance(got, Activations):  # the cancelled frame, delivered whole
+                assert got == big
+                lb.release(got)
+                got = await lb.receive()
+        assert got == small
