@@ -11,7 +11,13 @@ Why these kernels (measured on the project's CPU; docs/weights.md):
   share the call: batching and chunking leave results bit-identical.
   ``_int_mm`` needs more than 16 rows, so a short input is padded with zero
   rows. Of the int8 kernels tried it is the fastest here; weight-only
-  ``_weight_int8pack_mm`` was 3-4x slower.
+  ``_weight_int8pack_mm`` was 3-4x slower. On CPUs where torch has no fast
+  int8 kernel for it (an AVX2-only AMD EPYC: ~200x slower than an fp32
+  product, 2 s for the LM head of one token) the same integer sums are taken
+  by fp32 products of the int8 values, converted a block of rows at a time:
+  every partial sum is an integer below 2**24, so fp32 adds them exactly and
+  the result is bit-identical (:func:`int8_sums`; which one runs is probed
+  once per process).
 - **int4** (:class:`Int4Linear`): GGUF's Q4_1 layout (``w = d * q + m`` per
   32 inputs, q in 0..15, kept exactly) in torch's CPU int4 packing, run by
   ``aten._weight_int4pack_mm_for_cpu`` (which computes ``(q - 8) * s + z``,
@@ -28,6 +34,8 @@ Activations in and out are fp32.
 from __future__ import annotations
 
 import functools
+import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -38,6 +46,10 @@ from hetmesh.errors import ComputeError
 
 INT4_GROUP = 32
 _INT_MM_MIN_ROWS = 17  # torch._int_mm rejects 16 rows or fewer
+# int8 x int8 products summed over at most this many inputs stay below 2**24
+# (1024 * 127 * 127 < 16,777,216): fp32 holds every partial sum exactly
+_EXACT_FP32_K = 1024
+_EXACT_ROW_BLOCK = 1024  # weight rows converted to fp32 at once (~2.4 MB at k = 576)
 _INT4_BLOCK_N = 64  # int4 matrices are padded to whole blocks of 64 rows (see _INT4_LAYOUTS)
 
 
@@ -131,6 +143,72 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return unpack(packed, block)
 
 
+def _sums_in_float32(a: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    """``a (m, k) int8 @ weight_q (n, k).T`` as fp32, equal to ``_int_mm(...).float()``.
+
+    Per chunk of at most :data:`_EXACT_FP32_K` inputs each sum is an exact fp32
+    integer; chunks are added in fp64 (exact) and rounded to fp32 once, as the
+    int32 sum's conversion rounds it.
+    """
+    m, k = a.shape
+    n = weight_q.shape[0]
+    chunks = range(0, k, _EXACT_FP32_K)
+    parts = []
+    for k0 in chunks:
+        left = a[:, k0 : k0 + _EXACT_FP32_K].float()
+        part = torch.empty(m, n)
+        for r0 in range(0, n, _EXACT_ROW_BLOCK):
+            block = weight_q[r0 : r0 + _EXACT_ROW_BLOCK, k0 : k0 + _EXACT_FP32_K].float()
+            torch.mm(left, block.t(), out=part[:, r0 : r0 + _EXACT_ROW_BLOCK])
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    total = parts[0].double()
+    for part in parts[1:]:
+        total += part
+    return total.float()
+
+
+def _sums_by_int_mm(a: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    rows = a.shape[0]
+    if rows < _INT_MM_MIN_ROWS:
+        a = F.pad(a, (0, 0, 0, _INT_MM_MIN_ROWS - rows))
+    return torch._int_mm(a, weight_q.t())[:rows].float()
+
+
+@functools.cache
+def int8_kernel() -> str:
+    """``"int_mm"`` where torch's int8 kernel is fast on this CPU, else ``"float32"``.
+
+    Probed once per process on a decode-sized product: both give the same bits,
+    so the choice changes speed only. ``HETMESH_INT8_KERNEL`` forces one.
+    """
+    forced = os.environ.get("HETMESH_INT8_KERNEL", "")
+    if forced in ("int_mm", "float32"):
+        return forced
+    seeded = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (2, 512), dtype=torch.int8, generator=seeded)
+    w = torch.randint(-127, 128, (2048, 512), dtype=torch.int8, generator=seeded)
+
+    def best(sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            sums(a, w)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    # a fast int8 kernel is within a small factor of fp32; the slow one is ~100x off
+    return "int_mm" if best(_sums_by_int_mm) <= 4 * best(_sums_in_float32) else "float32"
+
+
+def int8_sums(a: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    """Exact ``a (m, k) int8 @ weight_q (n, k).T`` as fp32 ``(m, n)``, by the faster kernel."""
+    if a.device.type != "cpu" or int8_kernel() == "int_mm":
+        return _sums_by_int_mm(a, weight_q)
+    return _sums_in_float32(a, weight_q)
+
+
 def _row_scale(rows: torch.Tensor) -> torch.Tensor:
     """Per-row symmetric int8 scale ``(m, 1)``."""
     return rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127.0
@@ -173,9 +251,7 @@ class Int8Linear(nn.Module):
         rest_scale = _row_scale(rest)
         rq = torch.round(rest / rest_scale)
         both = torch.cat([xq, rq]).to(torch.int8)  # (2m, k)
-        if both.shape[0] < _INT_MM_MIN_ROWS:
-            both = F.pad(both, (0, 0, 0, _INT_MM_MIN_ROWS - both.shape[0]))
-        acc = torch._int_mm(both, self.weight_q.t()).float()  # (>= 2m, n), exact int32 sums
+        acc = int8_sums(both, self.weight_q)  # (2m, n), exact integer sums
         out = (acc[:m] * x_scale + acc[m : 2 * m] * rest_scale) * self.weight_scale
         if self.bias is not None:
             out = out + self.bias
@@ -282,6 +358,8 @@ __all__ = [
     "Int4Linear",
     "Int8Embedding",
     "Int8Linear",
+    "int8_kernel",
+    "int8_sums",
     "pack_int4",
     "quantize_groups_int4",
     "quantize_rows_int8",

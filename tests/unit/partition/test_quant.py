@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from hetmesh.partition import quant
 from hetmesh.partition.quant import (
     Int4Linear,
     Int8Embedding,
@@ -120,3 +121,36 @@ def test_int4_packing_is_read_back_on_every_cpu_capability(capability: str, layo
     got_capability, got_layout = done.stdout.split(maxsplit=1)
     assert got_capability.lower() == capability
     assert got_layout.strip() == layout
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(2, 576, 1536), (1, 1536, 576), (40, 2100, 70), (17, 64, 3000)]
+)
+def test_int8_sums_in_float32_equal_int_mm_bit_for_bit(m: int, k: int, n: int) -> None:
+    """The fp32 path (CPUs where ``_int_mm`` is slow) must give ``_int_mm``'s exact
+    sums, at the extremes of int8 and past the 1,024 inputs one fp32 chunk holds."""
+    seeded = torch.Generator().manual_seed(k)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=seeded)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=seeded)
+    a[-1], w[-1] = -127, 127  # the most negative sum
+    a[0], w[0] = 127, 127  # the largest: k * 127 * 127
+    by_int_mm = quant._sums_by_int_mm(a, w)
+    assert by_int_mm[0, 0] == torch.tensor(k * 127 * 127, dtype=torch.int32).float()
+    assert torch.equal(quant._sums_in_float32(a, w), by_int_mm)
+
+
+def test_int8_linear_gives_the_same_bits_by_either_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(300, 1536, generator=torch.Generator().manual_seed(6))
+    layer = Int8Linear(1536, 300, bias=False, device="cpu")
+    q, scale = quantize_rows_int8(w)
+    layer.weight_q.copy_(q)
+    layer.weight_scale.copy_(scale)
+    x = torch.randn(3, 5, 1536, generator=torch.Generator().manual_seed(7))
+    outs = {}
+    for kernel in ("int_mm", "float32"):
+        monkeypatch.setenv("HETMESH_INT8_KERNEL", kernel)
+        quant.int8_kernel.cache_clear()
+        assert quant.int8_kernel() == kernel
+        outs[kernel] = layer(x)
+    quant.int8_kernel.cache_clear()
+    assert torch.equal(outs["int_mm"], outs["float32"])
