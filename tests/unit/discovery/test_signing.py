@@ -191,3 +191,44 @@ def test_discovery_probes_a_bounded_sample_plus_the_links_asked_for() -> None:
     outside = next(p.id for p in peers if p.id not in targets)
     disc.want_links([outside])
     assert {e.peer_id for e in disc.link_targets()} == targets | {outside}
+
+
+async def test_a_link_whose_path_changed_is_measured_again_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from hetmesh.discovery.probe import LinkMeasurement
+
+    a, b = _Peer(), _Peer()
+    disc = Discovery(_Host(a), DiscoveryConfig(link_probe_interval_s=30.0), psk="00" * 32)
+    assert disc.receive(wire.encode(b.record()), b.id, now=0.0) is not None
+    path = {"bandwidth_bps": 1e6}  # the relayed path first, then a faster punched one
+    probed: list[float] = []
+
+    async def prober(peer_id: str, nbytes: int) -> LinkMeasurement:
+        probed.append(trio.current_time())
+        return LinkMeasurement(rtt_s=0.01, bandwidth_bps=path["bandwidth_bps"])
+
+    disc.link_prober = prober
+
+    def published() -> float:
+        (link,) = disc.local_record().links
+        return link.bandwidth_bps
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(disc._serve_links)
+        disc.enable_link_probes()
+        disc.want_links([b.id])
+        await trio.sleep(5.0)
+        assert len(probed) == 2  # at once and once settled, then not before 30 s
+        assert published() == 1e6
+        path["bandwidth_bps"] = 5e7
+        disc.remeasure_links([b.id, a.id, "12D3KooWUnknown"])  # ours and strangers: ignored
+        await trio.sleep(6.0)
+        assert len(probed) == 4
+        assert probed[2] < 6.0  # at once, not at the periodic round
+        assert published() == 5e7  # the new path's samples alone, not the best of both
+        path["bandwidth_bps"] = 1e5
+        await trio.sleep(34.0)
+        assert len(probed) == 5
+        assert published() == 5e7  # the periodic round keeps the best of this path's
+        nursery.cancel_scope.cancel()
