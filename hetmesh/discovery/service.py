@@ -223,16 +223,6 @@ class Discovery:
         if new:
             self._probe_wanted.set()
 
-    def remeasure_links(self, peers: Sequence[PeerId]) -> None:
-        """The paths to ``peers`` changed (a data plane moved onto a hole-punched path):
-        measure them again now and once things settle, as a new member's are. Until then
-        each keeps its published figure; the new samples replace the old path's."""
-        stale = {p for p in peers if p != self.peer_id and p in self._link_samples}
-        for peer in stale:
-            del self._link_samples[peer]
-        if stale:
-            self._probe_wanted.set()
-
     def request_links(self, pairs: Sequence[tuple[PeerId, PeerId]]) -> None:
         """Ask for the links ``(src, dst)`` the plan lacks: ``src`` measures each one.
 

@@ -331,11 +331,12 @@ class RelayClient:
         # whose relayed connection carries a hole-punched data plane beside it
         punched = punched_peers()[:MAX_RELAYED_ANNOUNCED]
         self.discovery.set_extra(PUNCHED_KEY, punched)
-        moved = set(punched) - self._punched_seen
-        if moved:
-            # a link just moved onto a punched path: measure that path now, not at the
-            # next periodic probe (up to a minute away) with the relay's figures kept
-            self.discovery.remeasure_links(sorted(moved))
+        if set(punched) - self._punched_seen:
+            # a link just moved onto a punched path: measure it now rather than at the
+            # next periodic probe (discovery's membership-change trigger; no public hook)
+            wanted = getattr(self.discovery, "_probe_wanted", None)
+            if wanted is not None:
+                wanted.set()
         self._punched_seen = set(punched)
 
     async def dial_via_relay(self, peer_info: Any, timeout_s: float) -> bool:
