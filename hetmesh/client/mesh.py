@@ -105,7 +105,7 @@ class MeshClient:
                     )
                 except trio.TooSlowError as exc:
                     what = "the first token" if first else "the end of the stream"
-                    raise RequestTimeout(f"no {what} within {wait:.1f} s") from exc
+                    raise RequestTimeout(f"{what} did not arrive within {wait:.1f} s") from exc
                 event = decode_reply(wire.decode_map(raw, max_bytes=MAX_REQUEST_BYTES))
                 first = False
                 yield event

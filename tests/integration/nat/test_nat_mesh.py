@@ -206,7 +206,9 @@ def test_homes_serve_the_default_model_through_the_relay_like_one_process(
     )
     lines = [json.loads(x) for x in out.stdout.decode().splitlines() if x.startswith("{")]
     assert lines, out.stderr.decode()[-3000:]
-    assert "error" not in lines[0], lines[0]
+    # a failed request shows the homes' logs (the module fixture's own dump never sees a
+    # test's failure)
+    assert "error" not in lines[0], f"{lines[0]}\n{home0.log()[-4000:]}\n{home1.log()[-4000:]}"
     assert lines[0]["tokens"] == reference["tokens"][:NEW_TOKENS]
     # the homes met over the relayed connection and the data-plane link between them
     # was hole-punched through both (cone) routers: no direct endpoint of the other
