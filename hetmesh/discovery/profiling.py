@@ -171,38 +171,56 @@ def machine_key(limits: CgroupLimits) -> str:
     return f"{machine}|{platform.machine()}|cpu={cores}|torch={torch_version}"
 
 
-def _best_rate(step: Callable[[], float], budget_s: float, window_s: float) -> float:
+def _best_rate(
+    step: Callable[[], float],
+    budget_s: float,
+    window_s: float,
+    cpu_clock: Callable[[], float] | None = None,
+) -> float:
     """Run ``step`` (returns work done) for ``budget_s``; the best rate over windows.
 
     Other processes only ever slow a window down, so the best window is the
     closest to what this node can sustain; windows span more than one CFS
-    period (100 ms) so a CPU quota is still fully reflected.
+    period (100 ms) so a CPU quota is still fully reflected. With ``cpu_clock``
+    the rate is per second of that clock (CPU time): the work a core does
+    while it runs, whatever else shares the machine.
     """
     best = 0.0
     deadline = time.perf_counter() + budget_s
+    clock = cpu_clock or time.perf_counter
     while True:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), clock()
         work = 0.0
         while True:
             work += step()
             now = time.perf_counter()
             if now - start >= window_s:
                 break
-        best = max(best, work / (now - start))
+        spent = clock() - start_cpu
+        if spent > 0:
+            best = max(best, work / spent)
         if now >= deadline:
             return best
 
 
-def measure_cpu(budget_s: float = 1.5, threads: int | None = None) -> tuple[float, float]:
+def measure_cpu(
+    budget_s: float = 1.5, threads: int | None = None, cores: float | None = None
+) -> tuple[float, float]:
     """(matmul FLOP/s, memory bandwidth bytes/s) measured with torch on the CPU.
 
-    The matmul runs with one thread and with ``threads`` threads and the better
-    figure counts: on a busy machine a multi-threaded matmul can do worse than
-    a single thread (its threads wait for each other at every barrier).
+    The matmul's speed is taken per second of CPU time, with one thread and with
+    ``threads`` threads, and scaled to the ``cores`` this node may use (its CPU
+    quota; default ``threads``): a core's work does not depend on what else runs
+    on the machine, so a loaded machine measures what a quiet one does, and a
+    quarter-core quota gives a quarter of a core's speed (measured over wall
+    time, a window can catch three quota slices in 2.25 periods). The better of
+    the two counts: on a busy machine a multi-threaded matmul can do worse than
+    a single thread (its threads wait for each other at every barrier, and spin).
     """
     import torch
 
     threads = max(1, threads or torch.get_num_threads())
+    cores = threads if cores is None else max(cores, 1e-3)
     n = 512
     a = torch.randn(n, n)
     b = torch.randn(n, n)
@@ -218,7 +236,10 @@ def measure_cpu(budget_s: float = 1.5, threads: int | None = None) -> tuple[floa
         torch.set_num_threads(count)
         torch.mm(a, b)  # warm up
         share = budget_s * 0.65 / len(counts)
-        flops = max(flops, _best_rate(matmul, share, window_s=min(0.25, share / 2)))
+        # one thread runs the product in this thread; more add the pool's CPU time
+        clock = time.thread_time if count == 1 else time.process_time
+        per_cpu_s = _best_rate(matmul, share, window_s=min(0.25, share / 2), cpu_clock=clock)
+        flops = max(flops, per_cpu_s * min(count, cores))
     torch.set_num_threads(threads)
 
     src = torch.empty(16 * 1024 * 1024 // 4, dtype=torch.float32).fill_(1.0)
@@ -280,8 +301,8 @@ def benchmark_cpu(data_dir: Path, *, refresh: bool = False, budget_s: float = 1.
         cached = load_cached_benchmark(data_dir, key)
         if cached is not None:
             return cached
-    threads = max(1, math.ceil(effective_cores(psutil.cpu_count() or 1, limits)))
-    flops, bandwidth = measure_cpu(budget_s, threads=threads)
+    cores = effective_cores(psutil.cpu_count() or 1, limits)
+    flops, bandwidth = measure_cpu(budget_s, threads=max(1, math.ceil(cores)), cores=cores)
     bench = Benchmark(flops, bandwidth, time.time(), key)
     with contextlib.suppress(OSError):
         store_benchmark(data_dir, bench)

@@ -26,7 +26,9 @@ stamps a request once (the wall time of its first attempt and a tie-break
 id) and sends the same stamp to every stage on every try, so every stage of
 a pipeline puts the same request first. Ordered by arrival, two requests
 opened at once on two stages could each head one stage's queue and wait on
-the other, round after round (a livelock). A stamp cannot buy a place
+the other, round after round (a livelock). A stamped session its gateway
+closes before it ever ran (another stage refused it) keeps its place here
+too: else the two could swap stages each round instead. A stamp cannot buy a place
 without bound: one from the future (beyond :data:`STAMP_SLACK_S`) counts as
 now, one older than ``stamp_max_age_s`` as that old. A waiter cannot wedge
 the stage: it leaves the queue when admitted, when its gateway stops
@@ -211,6 +213,10 @@ def kv_counters(stats: KVStatistics) -> dict[str, float]:
 class _Entry(Generic[KV]):
     cache: KV
     last_used_s: float
+    # its request's place in line (stamped requests only) and the fresh blocks it
+    # needed, kept should its gateway close it before it ever runs (see close)
+    place: _Waiter | None = None
+    used: bool = False  # a step has read it (``get``)
 
 
 @dataclass(slots=True)
@@ -335,8 +341,12 @@ class KVManager(Generic[KV]):
         if not cache.reserve(now):  # cannot happen: the blocks were counted free above
             cache.free()
             raise Rejected("busy: the KV pool is full")
-        self._waiters.pop(ticket, None)
-        self._entries[session_id] = _Entry(cache, self._clock())
+        waited = self._waiters.pop(ticket, None)
+        place = None
+        if stamp is not None and self._limits.fcfs:
+            first_s = waited.first_s if waited is not None else self._clock()
+            place = _Waiter(need, first_s, first_s, key)
+        self._entries[session_id] = _Entry(cache, self._clock(), place)
         return cache
 
     def _key(self, ticket: str, stamp: Stamp | None) -> tuple[float, int, str]:
@@ -379,10 +389,16 @@ class KVManager(Generic[KV]):
         return blocks, sessions
 
     def _wait(
-        self, ticket: str, key: tuple[float, int, str], admissible: bool, blocks: int
+        self,
+        ticket: str,
+        key: tuple[float, int, str],
+        admissible: bool,
+        blocks: int,
+        first_s: float | None = None,
     ) -> None:
         """Keep (or refresh) a refused request's place, if it could ever be admitted;
-        a full queue keeps the places that come first."""
+        a full queue keeps the places that come first. ``first_s``: when it first
+        queued here (default now)."""
         if not self._limits.fcfs or not admissible:
             return
         now = self._clock()
@@ -395,7 +411,7 @@ class KVManager(Generic[KV]):
             if self._waiters[last].key < key:
                 return
             del self._waiters[last]
-        self._waiters[ticket] = _Waiter(blocks, now, now, key)
+        self._waiters[ticket] = _Waiter(blocks, now if first_s is None else first_s, now, key)
 
     @property
     def waiting(self) -> int:
@@ -444,17 +460,31 @@ class KVManager(Generic[KV]):
         if entry is None:
             raise InvalidRequest(f"unknown session {session_id}")
         entry.last_used_s = self._clock()
+        entry.used = True
         return entry.cache
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._entries
 
-    def close(self, session_id: str) -> bool:
-        """Free a session's blocks at once; False if it was not open."""
+    def close(self, session_id: str, *, requeue: bool = False) -> bool:
+        """Free a session's blocks at once; False if it was not open.
+
+        With ``requeue`` (its gateway closed it), a stamped session that never ran
+        a step keeps its request's place in line, as if it had been refused here:
+        its gateway gave it back because another stage refused it, and will try
+        again. Without that, a younger request that reached this stage first on
+        the next try would be admitted here while the older one waits on the
+        other stage, and the two would swap stages round after round (a livelock
+        the stamps alone do not stop). A place its gateway never claims again
+        goes stale after ``waiter_stale_s``.
+        """
         entry = self._entries.pop(session_id, None)
         if entry is None:
             return False
         entry.cache.free()
+        place = entry.place
+        if requeue and place is not None and not entry.used:
+            self._wait(place.key[2], place.key, True, place.blocks, first_s=place.first_s)
         return True
 
     def idle_sessions(self) -> list[str]:

@@ -195,7 +195,8 @@ class StageServer:
                 self.check_control(request.session_id, sender)
             except InvalidRequest as exc:
                 return Reply.failed(exc)
-            self.close(request.session_id, request.block_hashes)
+            # its gateway's close: one it could not open everywhere keeps its place
+            self.close(request.session_id, request.block_hashes, requeue=True)
             return Reply(ok=True)
         if sender is not None and sender != request.gateway:
             return Reply.failed(
@@ -328,10 +329,12 @@ class StageServer:
                 f"session {session_id} takes activations from {feeder} only, not {sender}"
             )
 
-    def close(self, session_id: str, block_hashes: tuple[int, ...] = ()) -> None:
+    def close(
+        self, session_id: str, block_hashes: tuple[int, ...] = (), *, requeue: bool = False
+    ) -> None:
         """Free a session's KV cache at once, or right after the batch computing it
         (unknown ids are ignored). ``block_hashes`` name its full blocks for the
-        prefix cache first."""
+        prefix cache first; ``requeue``: see :meth:`KVManager.close`."""
         if session_id in self._inflight:
             self._closing[session_id] = block_hashes
             return
@@ -341,7 +344,8 @@ class StageServer:
                 item.release()
         elif session is not None and block_hashes:
             session.kv.publish(block_hashes)
-        self.kv.close(session_id)  # its blocks return to the pool (named ones stay cached)
+        # its blocks return to the pool (named ones stay cached)
+        self.kv.close(session_id, requeue=requeue)
 
     def expire_idle(self) -> list[str]:
         expired = [sid for sid in self.kv.idle_sessions() if sid not in self._inflight]

@@ -109,6 +109,26 @@ def test_profiling_measures_positive_speeds_within_its_budget() -> None:
     assert bandwidth > 1e8
 
 
+def test_profiling_rates_count_cpu_time_not_time_spent_waiting() -> None:
+    import time
+
+    def step() -> float:
+        time.sleep(0.01)  # off the CPU, as a process waiting for a busy core is
+        return 1.0
+
+    wall = profiling._best_rate(step, 0.1, 0.05)
+    cpu = profiling._best_rate(step, 0.1, 0.05, cpu_clock=time.thread_time)
+    assert wall <= 105.0  # at most one step per 10 ms of wall time
+    assert cpu > 10 * wall
+
+
+def test_profiling_a_cpu_quota_scales_the_matmul_speed() -> None:
+    whole, _ = profiling.measure_cpu(budget_s=0.3, threads=1)
+    tenth, _ = profiling.measure_cpu(budget_s=0.3, threads=1, cores=0.1)
+    # a tenth of a core: a tenth of a core's speed (two measurements: loose bounds)
+    assert 0.02 * whole < tenth < 0.5 * whole
+
+
 def test_profiling_cpu_profile_respects_max_memory() -> None:
     bench = Benchmark(1e9, 1e9, 1.0, "k")
     profile = profiling.cpu_profile("P", bench, max_memory_bytes=1 << 30)

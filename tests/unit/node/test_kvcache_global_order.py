@@ -28,8 +28,13 @@ def stage(clock: Clock) -> KVManager[Cache]:
     return KVManager(limits, pool=pool, factory=lambda: Cache(pool), clock=clock, wall=clock)
 
 
-def crossed_rounds(stamped: bool) -> list[str]:
-    """Run both requests until they finish (or ROUNDS pass); the order they got in."""
+def crossed_rounds(stamped: bool, *, younger_first_after: int | None = None) -> list[str]:
+    """Run both requests until they finish (or ROUNDS pass); the order they got in.
+
+    Both reach the stages in crossed order; from round ``younger_first_after`` on
+    (None: never) the younger request reaches both stages first (it woke first
+    from the same back-off, round after round).
+    """
     clock = Clock()
     clock.now = 1000.0
     first, second = stage(clock), stage(clock)
@@ -38,8 +43,10 @@ def crossed_rounds(stamped: bool) -> list[str]:
     for attempt in range(ROUNDS):
         held: dict[str, list[KVManager[Cache]]] = {"x": [], "y": []}
         refused: set[str] = set()
-        # both gateways open at once, reaching the stages in crossed order
-        for kv, order in ((first, ("x", "y")), (second, ("y", "x"))):
+        orders = ((first, ("x", "y")), (second, ("y", "x")))
+        if younger_first_after is not None and attempt >= younger_first_after:
+            orders = ((first, ("y", "x")), (second, ("y", "x")))
+        for kv, order in orders:
             for request in order:
                 if request in done:
                     continue
@@ -54,9 +61,13 @@ def crossed_rounds(stamped: bool) -> list[str]:
                 except Rejected:
                     refused.add(request)
         for request, stages in held.items():
+            whole = stages and request not in refused
             for kv in stages:
-                kv.close(f"{request}.{attempt}")  # refused somewhere: give all back; or done
-            if stages and request not in refused:
+                if whole:
+                    kv.get(f"{request}.{attempt}")  # it runs
+                # refused somewhere: give all back (the gateway's close); or done
+                kv.close(f"{request}.{attempt}", requeue=True)
+            if whole:
                 done.append(request)
         if len(done) == 2:
             break
@@ -71,6 +82,36 @@ def test_requests_opened_at_once_on_two_stages_livelock_when_ordered_by_arrival(
 
 def test_the_gateways_stamp_puts_the_same_request_first_on_every_stage():
     assert crossed_rounds(stamped=True) == ["x", "y"]
+
+
+def test_a_request_given_back_unused_keeps_its_place_so_the_two_never_swap_stages():
+    # crossed once, then the younger one first everywhere: admitted where the older
+    # one held the stage a moment ago (and gave it back), it would take that stage
+    # each round while the older one took the other; the older one keeps its place
+    assert crossed_rounds(stamped=True, younger_first_after=1) == ["x", "y"]
+
+
+def test_a_place_given_back_unused_goes_stale_when_its_request_never_returns():
+    kv, clock = make()
+    kv.open("old.0", 96, prompt_tokens=96, stamp=Stamp(999.0, "old"))  # 6 of 10 blocks
+    kv.close("old.0", requeue=True)  # another stage refused it; its gateway gave up
+    assert kv.waiting == 1
+    assert refused(kv, "new.0", 6, Stamp(1000.0, "new"))  # it keeps the old one's room
+    clock.now += 6.0  # past waiter_stale_s: the old request never came back
+    assert not refused(kv, "new.0", 6, Stamp(1000.0, "new"))
+
+
+def test_a_session_that_ran_or_was_not_stamped_keeps_no_place():
+    kv, _ = make()
+    kv.open("ran", 96, prompt_tokens=96, stamp=Stamp(999.0, "ran"))
+    kv.get("ran")
+    kv.close("ran", requeue=True)
+    kv.open("plain", 96, prompt_tokens=96)
+    kv.close("plain", requeue=True)
+    kv.open("expired", 96, prompt_tokens=96, stamp=Stamp(999.5, "expired"))
+    kv.close("expired")  # not its gateway's close (idle expiry, a move)
+    assert kv.waiting == 0
+    assert not refused(kv, "next", 9, Stamp(1000.0, "next"))
 
 
 def make(blocks: int = 10, **limits: float) -> tuple[KVManager[Cache], Clock]:
