@@ -271,10 +271,16 @@ async def dial(host: Any, peer_info: Any, *, timeout_s: float = DEFAULT_DIAL_TIM
     endpoints = [e for e in map(_tcp_endpoint, peer_info.addrs) if e is not None]
     verdicts = [await trio.to_thread.run_sync(_reachable, e, 1.0) for e in endpoints[:3]]
     if any(v is True for v in verdicts):
+        # a mismatched psk hangs (LIBP2P.md), as does a peer too starved to answer
+        how = (
+            f"did not complete within {timeout_s:.1f} s"
+            if failure is None
+            else f"failed ({type(failure).__name__}: {str(failure)[:200]})"
+        )
         raise AuthenticationFailed(
-            f"handshake with {who} at {', '.join(f'{h}:{p}' for h, p in endpoints)} failed: "
+            f"handshake with {who} at {', '.join(f'{h}:{p}' for h, p in endpoints)} {how}: "
             "the port answers but the peer does not accept us - "
-            "the mesh secret differs (or it is not a hetmesh node)"
+            "the mesh secret differs (or it is not a hetmesh node, or too busy to answer)"
         ) from failure
     if all(v is False for v in verdicts):
         raise PeerUnreachable(f"peer {who} is unreachable at {endpoints}") from failure

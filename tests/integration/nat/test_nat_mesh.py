@@ -29,6 +29,7 @@ from hetmesh.testbed.mesh import REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import nat_unavailable_reason
 from hetmesh.testbed.nat_mesh import NatMesh, open_nat_mesh
 from tests.integration.discovery.discovery_nodes import forked_spawn
+from tests.integration.reports import print_logs_if_failed
 
 pytestmark = [
     pytest.mark.netns,
@@ -84,12 +85,16 @@ def nat_mesh(
         symmetric = mesh.start_node(home2, "--no-serve", bootstrap=first.addr)
         nodes = [first, *(n.wait_up(300) for n in homes)]
         symmetric.wait_up(300)
-        try:
-            yield mesh, nodes
-        except BaseException:
-            for node in mesh.nodes:
-                print(f"--- {node.host} ---\n{node.log()[-3000:]}")
-            raise
+        yield mesh, nodes
+
+
+@pytest.fixture(autouse=True)
+def _logs_of_a_failed_test(
+    request: pytest.FixtureRequest, nat_mesh: tuple[NatMesh, list[MeshNode]]
+) -> Iterator[None]:
+    """Every node's log tail after a test that failed (the mesh outlives the test)."""
+    yield
+    print_logs_if_failed(request, nat_mesh[0].nodes)
 
 
 def _symmetric_home(mesh: NatMesh) -> MeshNode:
@@ -133,6 +138,8 @@ def test_homes_reach_each_other_through_the_public_relay(
     public_node, home0, home1 = nodes
     deadline = time.monotonic() + 150
     records: dict[str, dict[str, Any]] = {}
+    wanted: dict[str, bool] = {}
+    health: dict[str, Any] = {}
     while time.monotonic() < deadline:
         view = mesh.status(mesh.bed.homes[0], home0)
         records = _records(view)
@@ -147,17 +154,18 @@ def test_homes_reach_each_other_through_the_public_relay(
             or f"control connection to {home1.peer_id} moved" in home0.log()
             or f"control connection to {home0.peer_id} moved" in home1.log()
         )
-        if (
-            extra.get(public_node.peer_id, {}).get(RELAY_KEY) == 1
-            and extra.get(home0.peer_id, {}).get(VIA_KEY) == public_node.peer_id
-            and extra.get(home1.peer_id, {}).get(VIA_KEY) == public_node.peer_id
-            and health.get(home1.peer_id) == "alive"
-            and relayed
-        ):
+        wanted = {
+            "the public node relays": extra.get(public_node.peer_id, {}).get(RELAY_KEY) == 1,
+            "home0 via it": extra.get(home0.peer_id, {}).get(VIA_KEY) == public_node.peer_id,
+            "home1 via it": extra.get(home1.peer_id, {}).get(VIA_KEY) == public_node.peer_id,
+            "home1 alive to home0": health.get(home1.peer_id) == "alive",
+            "relayed": relayed,
+        }
+        if all(wanted.values()):
             break
         time.sleep(1.0)
     else:
-        pytest.fail(f"no relayed link between the homes: {records}")
+        pytest.fail(f"no relayed link between the homes: {wanted}, health {health}: {records}")
     # the public node relays, it does not need one
     assert not (records[public_node.peer_id].get("extra") or {}).get(VIA_KEY)
 

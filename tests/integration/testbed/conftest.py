@@ -10,7 +10,7 @@ log tails are printed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from hetmesh.testbed.mesh import (
     why_no_testbed,
 )
 from tests.integration.discovery.discovery_nodes import forked_spawn
+from tests.integration.reports import call_failed
 
 
 @pytest.fixture
@@ -44,18 +45,7 @@ def mesh_testbed(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Mak
         try:
             yield make
         finally:
-            failed = getattr(request.node, "rep_call", None)
-            if failed is not None and failed.failed:
+            if call_failed(request):
                 for bed in beds:
                     for node in bed.nodes:
                         print(f"--- host {node.host} ---\n{node.log()[-3000:]}")
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    if report.when == "call":
-        item.rep_call = report  # type: ignore[attr-defined]
-    return report
