@@ -9,6 +9,9 @@
 - every stream handler is wrapped by :func:`guarded_handler`: an exception is
   logged and resets that stream only;
 - the ``libp2p`` logger is configured after the import that resets it;
+- an accepted connection gives back its place under libp2p's inbound cap when
+  it closes (:mod:`hetmesh.discovery.inbound`), and a host that stops closes
+  its connections (:func:`open_host`);
 - the identity is an ed25519 key persisted in the node's data directory.
 
 Callers handle :class:`~hetmesh.errors.AuthenticationFailed`,
@@ -31,6 +34,7 @@ from typing import Any
 
 import trio
 
+from hetmesh.discovery.inbound import release_closed_inbound
 from hetmesh.errors import AuthenticationFailed, ConnectTimeout, PeerUnreachable
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 IDENTITY_FILE = "identity.ed25519"
 PSK_LABEL = b"hetmesh/pnet/v1\x00"
 DEFAULT_DIAL_TIMEOUT_S = 3.0
+# how long a host leaving takes at most to close its connections
+CLOSE_TIMEOUT_S = 2.0
 
 StreamHandler = Callable[[Any], Awaitable[None]]
 
@@ -148,6 +154,8 @@ def new_mesh_host(
             return None
 
         host._schedule_identify = _no_identify
+    # an accepted connection frees its place under the inbound cap when it closes
+    release_closed_inbound(network)
     return host
 
 
@@ -164,18 +172,45 @@ async def open_host(
     libp2p runs the block inside its own nursery, which wraps whatever the
     block raises in exception groups; a lone exception is unwrapped here so
     callers see our errors (``InvalidRequest``, ``StreamReset``...) as raised.
+
+    On the way out the host's connections are closed: leaving ``host.run``
+    alone cancels the swarm's tasks but leaves its sockets open, so each
+    client host a process opened and left (``open_mesh_client``, a status
+    poll) kept one connection on the node it dialled, and a node refuses every
+    inbound connection once about 250 are held (libp2p's inbound cap).
     """
     from multiaddr import Multiaddr
 
     host = new_mesh_host(key_pair, psk=psk, dial_timeout_s=dial_timeout_s)
     try:
         async with host.run(listen_addrs=[Multiaddr(a) for a in listen]):
-            yield host
+            try:
+                yield host
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await _close_connections(host)
     except BaseExceptionGroup as group:
         lone = _lone_exception(group)
         if lone is None:
             raise
         raise lone from None
+
+
+async def _close_connections(host: Any) -> None:
+    """Close every connection of ``host`` at once (best effort: a peer may be gone
+    already; libp2p's yamux sleeps 0.1 s after closing each socket)."""
+
+    async def close(conn: Any) -> None:
+        try:
+            await conn.close()
+        except Exception:
+            log.debug("closing a connection failed", exc_info=True)
+
+    network = host.get_network()
+    async with trio.open_nursery() as nursery:
+        for conns in list(network.connections.values()):
+            for conn in list(conns):
+                nursery.start_soon(close, conn)
 
 
 def _lone_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
