@@ -198,13 +198,24 @@ async def open_host(
 
 async def _close_connections(host: Any) -> None:
     """Close every connection of ``host`` at once (best effort: a peer may be gone
-    already; libp2p's yamux sleeps 0.1 s after closing each socket)."""
+    already). libp2p's yamux sleeps 0.1 s after it closed the socket, twice per
+    connection; the host is going away, so each close ends once its muxer is."""
 
     async def close(conn: Any) -> None:
-        try:
-            await conn.close()
-        except Exception:
-            log.debug("closing a connection failed", exc_info=True)
+        closed = getattr(getattr(conn, "muxed_conn", None), "event_closed", None)
+        async with trio.open_nursery() as nursery:
+            if closed is not None:
+
+                async def until_closed() -> None:
+                    await closed.wait()  # set once the socket is closed
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(until_closed)
+            try:
+                await conn.close()
+            except Exception:
+                log.debug("closing a connection failed", exc_info=True)
+            nursery.cancel_scope.cancel()
 
     network = host.get_network()
     async with trio.open_nursery() as nursery:
