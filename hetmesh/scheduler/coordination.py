@@ -142,8 +142,18 @@ def _adopt(
 ) -> CoordinatorState:
     boss = coordinator((view.me, *view.peers))
     # our own publication first: of two plans of the same rank the first seen wins;
-    # it counts only while we coordinate (view.plans are all signed by the coordinator)
-    mine = [state.published] if state.published is not None and boss == view.me else []
+    # it counts only while we coordinate (view.plans are all signed by the coordinator),
+    # and not when it is older than a plan another coordinator signed since: made in an
+    # earlier term of ours, it would take the mesh's epochs back (what we follow is
+    # inherited instead, one epoch up: _coordinate)
+    published = state.published
+    stale = (
+        published is not None
+        and state.plan is not None
+        and state.signer not in (None, view.me)
+        and published.epoch <= state.plan.epoch
+    )
+    mine = [published] if published is not None and boss == view.me and not stale else []
     best = newest(p for p in mine + list(view.plans) if p.model_name == config.model.name)
     if best is None:
         return state

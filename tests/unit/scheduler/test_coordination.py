@@ -235,6 +235,19 @@ ROWS = [
         ),  # type: ignore[attr-defined]
     ),
     Row(
+        "a coordinator again after another's term inherits what it follows, not its old plan",
+        view(AB),
+        CoordinatorState(
+            plan=PLAN_AB.with_epoch(7), published=SPLIT.with_epoch(6), planned_on=AB, signer="z"
+        ),
+        (Publish, Adopt),
+        check=lambda a, s: (
+            a[0].reason == INHERITED_REASON
+            and epoch_of(8)(a, s)
+            and s.plan.pipelines == PLAN_AB.pipelines
+        ),  # type: ignore[attr-defined, union-attr]
+    ),
+    Row(
         "a follower whose plan another peer signed takes the coordinator's, lower epoch or not",
         view(AB, me="b", plans=(PLAN_AB,)),
         CoordinatorState(plan=SPLIT.with_epoch(9), published=SPLIT.with_epoch(9), signer="b"),
