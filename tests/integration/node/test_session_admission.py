@@ -40,6 +40,18 @@ ADMIT_S = 60.0
 REJECT_S = 5.0
 
 
+def admission_state(nodes: Any) -> str:
+    """Each stage's open sessions and kept places (a failed admission's evidence)."""
+    parts = []
+    for server in stage_servers(nodes):
+        kv = server.kv
+        parts.append(
+            f"stage [{server.stage.start},{server.stage.end}): open {sorted(kv._entries)}, "
+            f"waiting {dict(kv._waiters)}, lapsed {sorted(kv._lapsed)}"
+        )
+    return " | ".join(parts)
+
+
 async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -61,7 +73,10 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         results: list[list[int]] = []
 
         async def one() -> None:
-            results.append(await generate(mesh.addr, 4))
+            try:
+                results.append(await generate(mesh.addr, 4))
+            except Rejected as exc:  # say what each stage held and kept in line
+                raise AssertionError(f"{exc}; {admission_state(mesh.nodes)}") from exc
 
         async with trio.open_nursery() as nursery:
             for _ in range(2):
