@@ -42,14 +42,14 @@ _ACCEPTING: contextvars.ContextVar[_Accepted | None] = contextvars.ContextVar(
 )
 
 
-def release_closed_inbound(swarm: Any) -> bool:
-    """Make ``swarm``'s inbound handlers end when their connection closes; False
-    (and nothing changed) where the swarm is not the shape this fix knows."""
+def release_closed_inbound(swarm: Any) -> None:
+    """Make ``swarm``'s inbound handlers end when their connection closes (left as
+    is where the swarm is not the shape this fix knows)."""
     accept = getattr(swarm, "_do_handle_inbound_connection", None)
     add_conn = getattr(swarm, "add_conn", None)
     if accept is None or add_conn is None:
         log.debug("libp2p swarm without the inbound handler this fix wraps: left as is")
-        return False
+        return
 
     async def add_conn_noted(muxed_conn: Any, *args: Any, **kwargs: Any) -> Any:
         conn = await add_conn(muxed_conn, *args, **kwargs)
@@ -81,7 +81,6 @@ def release_closed_inbound(swarm: Any) -> bool:
 
     swarm.add_conn = add_conn_noted
     swarm._do_handle_inbound_connection = accept_until_closed
-    return True
 
 
 __all__ = ["release_closed_inbound"]

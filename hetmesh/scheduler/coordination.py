@@ -146,14 +146,15 @@ def _adopt(
     # and not when it is older than a plan another coordinator signed since: made in an
     # earlier term of ours, it would take the mesh's epochs back (what we follow is
     # inherited instead, one epoch up: _coordinate)
-    published = state.published
-    stale = (
+    published = state.published if boss == view.me else None
+    if (
         published is not None
         and state.plan is not None
         and state.signer not in (None, view.me)
         and published.epoch <= state.plan.epoch
-    )
-    mine = [published] if published is not None and boss == view.me and not stale else []
+    ):
+        published = None
+    mine = [published] if published is not None else []
     best = newest(p for p in mine + list(view.plans) if p.model_name == config.model.name)
     if best is None:
         return state
