@@ -7,6 +7,8 @@ repeat), so a machine whose speed drifts moves both alike:
 - single-stream decode tokens/s (mesh ÷ reference) -> ``decode_ratio_single_stream``
 - time to first token for a 512-token prompt (mesh ÷ reference) -> ``ttft_ratio_512``
 - aggregate tokens/s of 8 concurrent streams ÷ 1 stream on the mesh -> ``concurrency_gain_8``
+- whether the mesh's greedy tokens (``--tokens`` after the chat prompt, 16 after the
+  512-token one) equal the reference's -> ``outputs_identical``
 - the single process today against its path before issue 16 -> ``single_process_speedup``
   (``bench/decode.py``, after the mesh has stopped; ``--no-single-process`` skips it)
 
@@ -57,6 +59,11 @@ class Reference:
         stamps = [time.perf_counter() for _ in tokens_out]
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
+    def ids(self, prompt_ids: list[int], tokens: int) -> list[int]:
+        """The greedy tokens the mesh must give (checked once per run)."""
+        params = self._params(max_new_tokens=tokens)
+        return list(self.pipeline.generate_ids(prompt_ids, params, eos_ids=set()))
+
     def ttft(self, long_ids: list[int]) -> float:
         began = time.perf_counter()
         for _token in self.pipeline.generate_ids(
@@ -66,8 +73,11 @@ class Reference:
         raise AssertionError("no token")
 
 
-async def _stream(mesh: Any, prompt_ids: list[int], tokens: int) -> list[float]:
-    """Start time, then the arrival time of each token, of one greedy stream."""
+async def _stream(
+    mesh: Any, prompt_ids: list[int], tokens: int, ids: list[int] | None = None
+) -> list[float]:
+    """Start time, then the arrival time of each token, of one greedy stream (its
+    token ids appended to ``ids``)."""
     from hetmesh.client.mesh import TokenEvent
 
     began = time.perf_counter()
@@ -75,7 +85,12 @@ async def _stream(mesh: Any, prompt_ids: list[int], tokens: int) -> list[float]:
     async for event in mesh.stream(prompt_ids=prompt_ids, max_new_tokens=tokens):
         if isinstance(event, TokenEvent) and event.token_id >= 0:
             stamps.append(time.perf_counter())
+            if ids is not None:
+                ids.append(event.token_id)
     return stamps
+
+
+CHECKED_TOKENS = 16  # of the 512-token prompt, against the reference
 
 
 def figures(
@@ -95,6 +110,14 @@ def figures(
     async def measure() -> dict[str, float]:
         async with open_mesh_client(mesh.nodes[-1].addr, mesh_secret=mesh.secret) as client:
             await _stream(client, prompt_ids, 4)  # warm up: links, first forwards
+            # outputs first: the mesh's greedy tokens must be the single process's
+            short: list[int] = []
+            long: list[int] = []
+            await _stream(client, prompt_ids, tokens, short)
+            await _stream(client, long_ids, CHECKED_TOKENS, long)
+            identical = short == reference.ids(prompt_ids, tokens) and long == reference.ids(
+                long_ids, CHECKED_TOKENS
+            )
             tpots, ttfts, ref_tpots, ref_ttfts = [], [], [], []
             for _ in range(repeats):
                 stamps = await _stream(client, prompt_ids, tokens)
@@ -128,6 +151,7 @@ def figures(
             "reference_ttft_512_s": statistics.median(ref_ttfts),
             "tokens_per_s_1": statistics.median(singles),
             "tokens_per_s_8": statistics.median(eights),
+            "outputs_identical": float(identical),
         }
 
     return trio.run(measure)
@@ -174,6 +198,7 @@ def main() -> None:
         "concurrency_gain_8": ours["tokens_per_s_8"] / ours["tokens_per_s_1"],
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "outputs_identical": bool(ours["outputs_identical"]),
     }
     if not args.no_single_process:
         import decode  # bench/decode.py, beside this file
@@ -198,6 +223,7 @@ def main() -> None:
         f"{result['tokens_per_s_1_stream']:.1f} tok/s, "
         f"gain {result['concurrency_gain_8']:.2f} (target >= 4)"
     )
+    print(f"outputs identical to the reference: {result['outputs_identical']}")
     if "single_process_speedup" in result:
         print(
             f"single process         {result['single_process_tokens_per_s']:.1f} vs "

@@ -6,7 +6,9 @@ states elsewhere), wait in an inbox, and every round the loop takes all that
 is pending — any mix of prefill chunks and decode steps of different sessions
 — and runs them as one forward on the device thread. Outputs go straight to
 the next stage, or, on the last stage, are sampled and sent to the session's
-gateway as a token. Sessions join and leave between rounds; a bad item fails
+gateway as a token; a prefill chunk that ends short of the prompt
+(``OpenSession.prompt_tokens``) samples nothing, since its next chunk follows
+(see the gateway's chunked prefill). Sessions join and leave between rounds; a bad item fails
 alone (its gateway gets an ``Error`` frame) while the rest of the batch runs.
 A round takes at most half of the open sessions (``micro_batches``): many
 sessions then cycle through the pipeline as two micro-batches, and while the
@@ -52,7 +54,7 @@ import trio
 from hetmesh.error_codec import error_code
 from hetmesh.errors import ComputeError, InvalidRequest, MeshError, NoRoute, Rejected
 from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
-from hetmesh.node.gateway import Send
+from hetmesh.node.gateway import MAX_PREFILL_CHUNKS, Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
@@ -67,7 +69,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-QUEUED_PER_SESSION = 4  # activations of one session waiting here (a gateway sends one a step)
+# activations of one session waiting here: a gateway sends one step at a time, a long
+# prefill in up to this many chunks
+QUEUED_PER_SESSION = MAX_PREFILL_CHUNKS
 OUTBOX_FRAMES = 64  # frames waiting for one peer; past that its sessions fail here
 OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
 # the longest gap between two frames of one burst (a round's outputs upstream)
@@ -176,6 +180,7 @@ class StageServer:
         self._outboxes: dict[PeerId, trio.MemorySendChannel[Frame]] = {}
         self._senders: trio.Nursery | None = None
         self._sending = 0  # frames being sent by the outbox tasks right now
+        self._unsent: dict[str, int] = {}  # session id -> its frames in an outbox, unsent
 
     # -- control ----------------------------------------------------------------
 
@@ -501,6 +506,8 @@ class StageServer:
             outbox.send_nowait(frame)
         except trio.WouldBlock:
             return False
+        session_id = getattr(frame, "session_id", "")
+        self._unsent[session_id] = self._unsent.get(session_id, 0) + 1
         return True
 
     async def _drain(self, peer: PeerId, frames: trio.MemoryReceiveChannel[Frame]) -> None:
@@ -523,6 +530,10 @@ class StageServer:
                 log.warning("session %s: cannot send to %s: %s", session, peer, exc)
             finally:
                 self._sending -= 1
+                session_id = getattr(frame, "session_id", "")
+                left = self._unsent.pop(session_id, 1) - 1
+                if left > 0:
+                    self._unsent[session_id] = left
 
     def sending(self) -> bool:
         """Whether frames wait in an outbox or are being sent (a migration's KV among them)."""
@@ -616,12 +627,15 @@ class StageServer:
     def _send_outputs(self, outcomes: list[_Outcome], send_now: SendNow) -> None:
         """On the device thread: send each output whose link takes it at once.
 
-        A session has one frame in flight at a time (its gateway feeds it one
-        step after another), so these never overtake an earlier frame of theirs
-        waiting in an outbox.
+        A session has one step in flight at a time (its gateway feeds it one step
+        after another, a long prefill in chunks); a session whose earlier frame
+        still waits in an outbox (counted in ``_unsent`` before this round began)
+        sends through the outbox, so no frame overtakes an earlier one of its own.
         """
         for outcome in outcomes:
             if outcome.error is not None or outcome.session is None:
+                continue
+            if self._unsent.get(outcome.item.session_id):  # behind its last frame
                 continue
             frame = _output_frame(outcome.item, outcome.output)
             if frame is None:
@@ -643,6 +657,9 @@ class StageServer:
             if session.sampler is None:
                 outcome.output = result.contiguous()
                 continue
+            positions = outcome.item.positions
+            if positions and positions[-1] + 1 < session.request.prompt_tokens:
+                continue  # a prefill chunk short of the prompt's end: its next chunk samples
             try:  # one session's draw failing fails that session, not the batch
                 outcome.output = session.sampler(result[-1], outcome.item.step)
             except MeshError as exc:

@@ -37,22 +37,26 @@ TOKENS = 6
 class Wiring:
     """Three stage servers and a gateway; counts the frames each path carried."""
 
-    def __init__(self, model_dir: Path, *, fast: bool) -> None:
+    def __init__(self, model_dir: Path, *, fast: bool, context: int = 64) -> None:
         self.servers: dict[str, StageServer] = {}
         self.batches: list[int] = []  # items of each forward, every stage
+        self.rows: dict[str, list[list[int]]] = {}  # each forward's items' rows, per stage
         for peer, (start, end) in LAYOUT.items():
             stage = load_stage(model_dir, start, end)
-            budget = 8 * 64 * stage.kv_bytes_per_token()
+            budget = 8 * context * stage.kv_bytes_per_token()
+            limits = KVLimits(max_sessions=8, max_tokens_per_session=context, budget_bytes=budget)
             self.servers[peer] = StageServer(
                 stage,
-                limits=KVLimits(max_sessions=8, max_tokens_per_session=64, budget_bytes=budget),
+                limits=limits,
                 send=self.send,
                 send_now=self.send_now if fast else None,
             )
             forward = stage.forward_batch
+            rows = self.rows[peer] = []
 
-            def counted(items, *, last_only=False, forward=forward):
+            def counted(items, *, last_only=False, forward=forward, rows=rows):
                 self.batches.append(len(items))
+                rows.append([int(x.shape[0]) for x, _ in items])
                 return forward(items, last_only=last_only)
 
             stage.forward_batch = counted
@@ -64,7 +68,7 @@ class Wiring:
             choose=self.choose,
             ping=self.ping,
             eos_token_ids=frozenset(),
-            max_context=64,
+            max_context=context,
         )
 
     def deliver(self, peer: str, frame: Frame) -> None:
@@ -99,12 +103,12 @@ class Wiring:
         return True
 
 
-async def run_sessions(wiring: Wiring) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in PROMPTS]
+async def run_sessions(wiring: Wiring, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int) -> None:
         params = SamplingParams(max_new_tokens=TOKENS)
-        async with aclosing(wiring.gateway.generate(PROMPTS[i], params)) as tokens:
+        async with aclosing(wiring.gateway.generate(prompts[i], params)) as tokens:
             async for token in tokens:
                 results[i].append(token)
 
@@ -112,17 +116,20 @@ async def run_sessions(wiring: Wiring) -> list[list[int]]:
         for server in wiring.servers.values():
             await nursery.start(server.serve)
         async with trio.open_nursery() as clients:
-            for i in range(len(PROMPTS)):
+            for i in range(len(prompts)):
                 clients.start_soon(one, i)
         nursery.cancel_scope.cancel()
     return results
 
 
 @functools.cache
-def reference(model_dir: Path) -> list[list[int]]:
+def reference(
+    model_dir: Path, prompts: tuple[tuple[int, ...], ...] | None = None
+) -> list[list[int]]:
     pipeline = LocalPipeline.load(model_dir, 1)
     params = SamplingParams(max_new_tokens=TOKENS)
-    return [list(pipeline.generate_ids(p, params, eos_ids=set())) for p in PROMPTS]
+    chosen = PROMPTS if prompts is None else [list(p) for p in prompts]
+    return [list(pipeline.generate_ids(p, params, eos_ids=set())) for p in chosen]
 
 
 async def test_stage_outputs_leave_from_the_device_thread_and_match_the_reference(
@@ -151,3 +158,41 @@ async def test_concurrent_sessions_run_as_micro_batches_of_half_the_sessions(
     # four sessions open: no forward takes more than two, and some take two
     assert max(wiring.batches) == 2
     assert wiring.batches.count(2) > 0
+
+
+# one prompt of 400 tokens (three chunks of 133-134) beside two short ones
+LONG = [(7 * i + 11) % 49_000 + 20 for i in range(400)]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["send_now", "trio"])
+async def test_a_long_prompt_leaves_in_chunks_and_matches_the_reference(
+    tiny_model_dir: Path, fast: bool
+) -> None:
+    prompts = [LONG, PROMPTS[0], PROMPTS[1]]
+    wiring = Wiring(tiny_model_dir, fast=fast, context=512)
+    assert wiring.gateway.prefill_chunk_tokens == 128
+    with trio.fail_after(120):
+        results = await run_sessions(wiring, prompts)
+    assert results == reference(tiny_model_dir, tuple(tuple(p) for p in prompts))
+    if fast:  # the chunks kept the device thread's path: nothing waited in an outbox
+        assert wiring.via_trio == 0
+    # every stage computed the long prompt as its three chunks, in three rounds
+    for peer, rounds in wiring.rows.items():
+        chunks = [n for items in rounds for n in items if n > len(PROMPTS[0])]
+        assert chunks == [134, 133, 133], (peer, rounds)
+    # the last stage sampled once a step: no token for the first two chunks
+    statistics = wiring.gateway.statistics()
+    assert statistics.stale_frames == 0
+    assert statistics.tokens_out == TOKENS * len(prompts)
+    for server in wiring.servers.values():
+        assert server.statistics().kv.sessions == 0
+
+
+async def test_with_chunking_off_a_prompt_leaves_whole(tiny_model_dir: Path) -> None:
+    wiring = Wiring(tiny_model_dir, fast=True, context=512)
+    wiring.gateway.prefill_chunk_tokens = 0
+    with trio.fail_after(120):
+        results = await run_sessions(wiring, [LONG])
+    assert results == reference(tiny_model_dir, (tuple(LONG),))
+    for rounds in wiring.rows.values():
+        assert [n for items in rounds for n in items if n > 1] == [400]

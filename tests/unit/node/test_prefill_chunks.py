@@ -1,0 +1,65 @@
+"""How a gateway cuts a long prefill into frames (pure: no trio, no model)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetmesh.errors import InvalidRequest
+from hetmesh.node.gateway import (
+    MAX_PREFILL_CHUNKS,
+    PREFILL_CHUNK_ENV,
+    PREFILL_CHUNK_TOKENS,
+    prefill_chunk_default,
+    prefill_chunks,
+)
+from hetmesh.node.stage_server import QUEUED_PER_SESSION
+
+
+@pytest.mark.parametrize(
+    ("count", "chunk", "sizes"),
+    [
+        (1, 128, [1]),  # a decode step
+        (255, 128, [255]),  # shorter than two chunks: one frame
+        (256, 128, [128, 128]),
+        (512, 128, [128, 128, 128, 128]),
+        (515, 128, [129, 129, 129, 128]),
+        (4000, 128, [1000, 1000, 1000, 1000]),  # never more frames than a stage queues
+        (512, 0, [512]),  # chunking off
+    ],
+)
+def test_prefill_chunks(count: int, chunk: int, sizes: list[int]) -> None:
+    assert prefill_chunks(count, chunk, MAX_PREFILL_CHUNKS) == sizes
+
+
+@given(
+    count=st.integers(1, 100_000),
+    chunk=st.integers(0, 4096),
+    most=st.integers(1, 16),
+)
+def test_chunks_cover_the_feed_in_order_and_stay_within_bounds(
+    count: int, chunk: int, most: int
+) -> None:
+    sizes = prefill_chunks(count, chunk, most)
+    assert sum(sizes) == count
+    assert 1 <= len(sizes) <= most
+    if len(sizes) > 1:
+        assert min(sizes) >= chunk
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_stage_queues_every_chunk_of_one_step() -> None:
+    assert QUEUED_PER_SESSION >= MAX_PREFILL_CHUNKS
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PREFILL_CHUNK_ENV, raising=False)
+    assert prefill_chunk_default() == PREFILL_CHUNK_TOKENS
+    monkeypatch.setenv(PREFILL_CHUNK_ENV, "0")
+    assert prefill_chunk_default() == 0
+    monkeypatch.setenv(PREFILL_CHUNK_ENV, "64")
+    assert prefill_chunk_default() == 64
+    monkeypatch.setenv(PREFILL_CHUNK_ENV, "lots")
+    with pytest.raises(InvalidRequest, match=PREFILL_CHUNK_ENV):
+        prefill_chunk_default()
