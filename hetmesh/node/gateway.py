@@ -34,13 +34,13 @@ lets the rest go). On close it sends the hashes of the whole history, so a
 conversation's next turn finds its earlier turns cached.
 
 Chunked prefill: a long prefill (a prompt, or a replay's history) leaves as up
-to :data:`MAX_PREFILL_CHUNKS` frames of one step
-(:func:`prefill_chunks`), so the second stage computes the first chunk while
-the first stage computes the second, and other sessions' decode steps share
-each stage's rounds with one chunk at a time instead of waiting behind the
-whole prompt. Only the chunk that reaches the end of the prompt samples a
-token. Each chunk attends to the KV of those before it, as a cached prefix
-does; the tokens equal the one-process reference's.
+to four frames of one step (:mod:`hetmesh.partition.prefill`), so the second
+stage computes the first chunk while the first stage computes the second, and
+other sessions' decode steps share each stage's rounds with one chunk at a time
+instead of waiting behind the whole prompt. Only the chunk that reaches the
+end of the prompt samples a token. Each chunk attends to the KV of those before
+it, as a cached prefix does: the greedy tokens are the one-process reference's,
+its logits equal to within rounding (docs/benchmarks.md, "Chunked prefill").
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import random
 import time
 import uuid
@@ -72,6 +71,7 @@ from hetmesh.errors import (
 from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.migration import moves
 from hetmesh.partition.blocks import BLOCK_TOKENS
+from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS, prefill_chunk_default, prefill_chunks
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
@@ -98,39 +98,6 @@ Choose = Callable[[str, frozenset[PeerId], Sequence[int]], Awaitable[Sequence[Ho
 """Picks the hops of a request: its id, the peers to avoid, its history's block hashes
 (empty without the prefix cache; the router prefers where they are cached)."""
 Ping = Callable[[PeerId], Awaitable[bool]]
-
-# a prefill of at least twice this many tokens leaves in chunks of at least this many
-PREFILL_CHUNK_TOKENS = 128
-PREFILL_CHUNK_ENV = "HETMESH_PREFILL_CHUNK_TOKENS"
-# frames of one step at most: a stage queues this many of one session (QUEUED_PER_SESSION)
-MAX_PREFILL_CHUNKS = 4
-
-
-def prefill_chunk_default() -> int:
-    """The chunk size when the caller does not say: ``HETMESH_PREFILL_CHUNK_TOKENS``
-    (0 turns chunking off), else :data:`PREFILL_CHUNK_TOKENS`."""
-    text = os.environ.get(PREFILL_CHUNK_ENV, "").strip()
-    if not text:
-        return PREFILL_CHUNK_TOKENS
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidRequest(f"{PREFILL_CHUNK_ENV} must be a token count, not {text!r}") from None
-    return max(0, value)
-
-
-def prefill_chunks(count: int, chunk_tokens: int, max_chunks: int) -> list[int]:
-    """The sizes of the frames a prefill of ``count`` tokens leaves in, in order.
-
-    As many chunks of at least ``chunk_tokens`` as fit, at most ``max_chunks``
-    (what a stage queues of one session), as even as can be; one frame when
-    ``chunk_tokens`` is 0 or the feed is shorter than two chunks.
-    """
-    pieces = min(max_chunks, count // chunk_tokens) if chunk_tokens > 0 else 1
-    if pieces <= 1:
-        return [count]
-    size, extra = divmod(count, pieces)
-    return [size + 1 if i < extra else size for i in range(pieces)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -246,8 +213,9 @@ class Gateway:
         migrate: bool = True,
         prefill_chunk_tokens: int | None = None,
     ) -> None:
-        """``prefill_chunk_tokens``: see :func:`prefill_chunks` (None: the
-        ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a step)."""
+        """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
+        (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
+        step)."""
         self.peer_id = peer_id
         self._control = control
         self._send = send
@@ -607,7 +575,7 @@ class Gateway:
         self, session_id: str, feed: Sequence[int], position: int, step: int
     ) -> _InFlight:
         """Send one step's token ids to the session's first stage (a long prefill in
-        chunks, see :func:`prefill_chunks`)."""
+        chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`)."""
         hops = self._routes[session_id]
         first = hops[0].peer_id
         started = time.perf_counter()

@@ -54,11 +54,12 @@ import trio
 from hetmesh.error_codec import error_code
 from hetmesh.errors import ComputeError, InvalidRequest, MeshError, NoRoute, Rejected
 from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
-from hetmesh.node.gateway import MAX_PREFILL_CHUNKS, Send
+from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.kv import SessionKV
+from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
 from hetmesh.resources import PeerId

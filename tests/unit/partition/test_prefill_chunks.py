@@ -1,4 +1,4 @@
-"""How a gateway cuts a long prefill into frames (pure: no trio, no model)."""
+"""How a long prefill is cut into chunks (pure: no trio, no model)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetmesh.errors import InvalidRequest
-from hetmesh.node.gateway import (
+from hetmesh.node.stage_server import QUEUED_PER_SESSION
+from hetmesh.partition.prefill import (
     MAX_PREFILL_CHUNKS,
     PREFILL_CHUNK_ENV,
     PREFILL_CHUNK_TOKENS,
     prefill_chunk_default,
     prefill_chunks,
 )
-from hetmesh.node.stage_server import QUEUED_PER_SESSION
 
 
 @pytest.mark.parametrize(
