@@ -71,7 +71,7 @@ from hetmesh.errors import (
 from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.migration import moves
 from hetmesh.partition.blocks import BLOCK_TOKENS
-from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS, prefill_chunk_default, prefill_chunks
+from hetmesh.partition.prefill import prefill_chunk_default, prefill_chunks
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
@@ -579,15 +579,15 @@ class Gateway:
         hops = self._routes[session_id]
         first = hops[0].peer_id
         started = time.perf_counter()
-        offset = 0
-        for size in prefill_chunks(len(feed), self.prefill_chunk_tokens, MAX_PREFILL_CHUNKS):
+        ids = torch.tensor(list(feed), dtype=torch.int64)
+        for chunk in torch.split(ids, prefill_chunks(len(feed), self.prefill_chunk_tokens)):
             frame = Activations(
                 session_id=session_id,
                 step=step,
-                positions=tuple(range(position + offset, position + offset + size)),
-                tensors=(torch.tensor(list(feed[offset : offset + size]), dtype=torch.int64),),
+                positions=tuple(range(position, position + chunk.shape[0])),
+                tensors=(chunk,),
             )
-            offset += size
+            position += chunk.shape[0]
             try:
                 await self._send(first, frame)
             except TransportError as exc:

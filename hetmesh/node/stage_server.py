@@ -8,8 +8,9 @@ is pending — any mix of prefill chunks and decode steps of different sessions
 the next stage, or, on the last stage, are sampled and sent to the session's
 gateway as a token; a prefill chunk that ends short of the prompt
 (``OpenSession.prompt_tokens``) samples nothing, since its next chunk follows
-(see the gateway's chunked prefill). Sessions join and leave between rounds; a bad item fails
-alone (its gateway gets an ``Error`` frame) while the rest of the batch runs.
+(see the gateway's chunked prefill). Sessions join and leave between rounds; a
+bad item fails alone (its gateway gets an ``Error`` frame) while the rest of the
+batch runs.
 A round takes at most half of the open sessions (``micro_batches``): many
 sessions then cycle through the pipeline as two micro-batches, and while the
 next stage computes one, this stage computes the other (one batch of all of
@@ -507,8 +508,7 @@ class StageServer:
             outbox.send_nowait(frame)
         except trio.WouldBlock:
             return False
-        session_id = getattr(frame, "session_id", "")
-        self._unsent[session_id] = self._unsent.get(session_id, 0) + 1
+        self._unsent[_session_of(frame)] = self._unsent.get(_session_of(frame), 0) + 1
         return True
 
     async def _drain(self, peer: PeerId, frames: trio.MemoryReceiveChannel[Frame]) -> None:
@@ -527,14 +527,13 @@ class StageServer:
             try:
                 await self._send(peer, frame)  # the link gives each send a deadline
             except MeshError as exc:  # the gateway recovers the session (death or timeout)
-                session = getattr(frame, "session_id", "")
+                session = _session_of(frame)
                 log.warning("session %s: cannot send to %s: %s", session, peer, exc)
             finally:
                 self._sending -= 1
-                session_id = getattr(frame, "session_id", "")
-                left = self._unsent.pop(session_id, 1) - 1
+                left = self._unsent.pop(_session_of(frame), 1) - 1
                 if left > 0:
-                    self._unsent[session_id] = left
+                    self._unsent[_session_of(frame)] = left
 
     def sending(self) -> bool:
         """Whether frames wait in an outbox or are being sent (a migration's KV among them)."""
@@ -711,6 +710,11 @@ class StageServer:
             recent_step_s=tuple(c.recent),
             kv=self.kv.statistics(),
         )
+
+
+def _session_of(frame: Frame) -> str:
+    """The session a frame is for ("" for one that names none)."""
+    return str(getattr(frame, "session_id", ""))
 
 
 def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | None:
