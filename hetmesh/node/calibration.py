@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS, PREFILL_CHUNK_TOKENS, prefill_chunks
 from hetmesh.scheduler.records import Plan, PlanConstraints, Stage, device_key
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,57 @@ CALIBRATION_KEY = "calibration"
 # (measured_constraints); 3, not 2: on a shared, loaded machine honest nodes'
 # ratios were seen to differ by 2x from one another
 MEASURED_FACTOR = 3.0
+
+
+class _Block:
+    """The model's first decoder block (unit 1), loaded as a node would hold it, and the
+    clock a calibration reads on its device (see :func:`measure_block_step_s`)."""
+
+    def __init__(
+        self, model_dir: Path, device: str, weights: str | None, threads: int | None
+    ) -> None:
+        import torch
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        from hetmesh.partition.stage import load_stage
+
+        if weights is None:
+            self.stage = load_stage(model_dir, 1, 2, device=device)
+        else:
+            self.stage = load_stage(model_dir, 1, 2, device=device, weights=weights)
+        self._generator = torch.Generator().manual_seed(0)
+        self.on_cpu = self.stage.device.type == "cpu"
+        torch_threads = torch.get_num_threads()
+        self._share = cpu_share(torch_threads) if self.on_cpu else 1.0
+        # one torch thread computes on this thread: count its CPU time alone, so the
+        # node's other threads (link probes, discovery) do not inflate the step
+        self._cpu_clock = time.thread_time if torch_threads == 1 else time.process_time
+
+    def states(self, seq: int) -> Any:
+        import torch
+
+        hidden = self.stage.hidden_size
+        return torch.randn(seq, hidden, generator=self._generator).to(
+            self.stage.device, self.stage.dtype
+        )
+
+    def synchronise(self) -> None:
+        import torch
+
+        if self.stage.device.type == "cuda":
+            torch.cuda.synchronize(self.stage.device)
+
+    def now(self) -> tuple[float, float]:
+        """(wall, CPU) clocks, to pass to :meth:`since`."""
+        return time.perf_counter(), self._cpu_clock()
+
+    def since(self, began: tuple[float, float]) -> float:
+        """Seconds of work since ``began``: on a CPU its CPU time ÷ the cores it may use,
+        on a GPU wall time (synchronise first)."""
+        if self.on_cpu:
+            return (self._cpu_clock() - began[1]) / self._share
+        return time.perf_counter() - began[0]
 
 
 def measure_block_step_s(
@@ -64,70 +116,86 @@ def measure_block_step_s(
     ``threads``: the torch threads the node's stages run with (bound to this
     thread's OpenMP team, as the stage server does; None: leave it).
     """
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    from hetmesh.partition.stage import load_stage
-
-    # unit 1: the first block, held as the node would hold it
-    if weights is None:
-        stage = load_stage(model_dir, 1, 2, device=device)
-    else:
-        stage = load_stage(model_dir, 1, 2, device=device, weights=weights)
-    generator = torch.Generator().manual_seed(0)
-    hidden = stage.hidden_size
-
-    def states(seq: int) -> torch.Tensor:
-        return torch.randn(seq, hidden, generator=generator).to(stage.device, stage.dtype)
-
-    def synchronise() -> None:
-        if stage.device.type == "cuda":
-            torch.cuda.synchronize(stage.device)
-
+    block = _Block(model_dir, device, weights, threads)
+    stage = block.stage
     context = max(1, min(context_tokens, stage.max_context // 2))  # tiny models: half theirs
 
     def fresh_cache() -> Any:
         kv = stage.new_kv()
-        stage.forward(states(context), kv)  # the cache a decode step reads
+        stage.forward(block.states(context), kv)  # the cache a decode step reads
         return kv
 
-    on_cpu = stage.device.type == "cpu"
-    threads = torch.get_num_threads()
-    share = cpu_share(threads) if on_cpu else 1.0
-    # one torch thread computes on this thread: count its CPU time alone, so the
-    # node's other threads (link probes, discovery) do not inflate the step
-    cpu_clock = time.thread_time if threads == 1 else time.process_time
-    step = states(1)
+    step = block.states(1)
     kv = fresh_cache()
     try:
         for _ in range(3):  # warm-up
             stage.forward(step, kv)
-        synchronise()
+        block.synchronise()
         best = float("inf")
         deadline = time.perf_counter() + budget_s
         while True:
             kv.free()
             kv = fresh_cache()  # every window decodes at about the same context
-            synchronise()
+            block.synchronise()
             steps = 0
-            began, cpu_began = time.perf_counter(), cpu_clock()
+            began = block.now()
             while True:
                 stage.forward(step, kv)
                 steps += 1
                 if steps % 4 == 0:
-                    synchronise()
+                    block.synchronise()
                     now = time.perf_counter()
-                    if now - began >= window_s or kv.length + 4 >= stage.max_context:
+                    if now - began[0] >= window_s or kv.length + 4 >= stage.max_context:
                         break
-            if on_cpu:
-                best = min(best, (cpu_clock() - cpu_began) / steps / share)
-            else:
-                best = min(best, (now - began) / steps)
+            best = min(best, block.since(began) / steps)
             if now >= deadline:
                 return best
     finally:
         kv.free()
+
+
+def measure_chunk_cost(
+    model_dir: Path,
+    *,
+    device: str = "cpu",
+    weights: str | None = None,
+    threads: int | None = None,
+    chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+    chunks: int = MAX_PREFILL_CHUNKS,
+    repeats: int = 3,
+) -> float:
+    """What a prefill cut into ``chunks`` chunks of ``chunk_tokens`` costs the first
+    decoder block on ``device``, as a multiple of the same prefill whole.
+
+    About 1 where the prefill is bound by compute (the chunks do the same
+    work); well above where it is bound by streaming the weights, which every
+    chunk streams again (see :mod:`hetmesh.partition.prefill`). Times as
+    :func:`measure_block_step_s` counts them, the best of ``repeats`` for each
+    side. A tiny model prefills half its context.
+    """
+    block = _Block(model_dir, device, weights, threads)
+    stage = block.stage
+    total = max(chunks, min(chunk_tokens * chunks, stage.max_context // 2))
+    sizes = prefill_chunks(total, total // chunks, chunks)
+    inputs = block.states(total)
+
+    def prefill(pieces: list[int]) -> float:
+        kv = stage.new_kv()
+        try:
+            block.synchronise()
+            began = block.now()
+            for piece in inputs.split(pieces):
+                stage.forward(piece, kv)
+            block.synchronise()
+            return block.since(began)
+        finally:
+            kv.free()
+
+    prefill(sizes)  # warm-up: first-use costs of both shapes
+    prefill([total])
+    whole = min(prefill([total]) for _ in range(repeats))
+    cut = min(prefill(sizes) for _ in range(repeats))
+    return cut / max(whole, 1e-9)
 
 
 def cpu_share(threads: int) -> float:

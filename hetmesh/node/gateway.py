@@ -71,7 +71,7 @@ from hetmesh.errors import (
 from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.migration import moves
 from hetmesh.partition.blocks import BLOCK_TOKENS
-from hetmesh.partition.prefill import prefill_chunk_default, prefill_chunks
+from hetmesh.partition.prefill import prefill_chunk_default, prefill_chunks, route_chunk_tokens
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
@@ -98,6 +98,8 @@ Choose = Callable[[str, frozenset[PeerId], Sequence[int]], Awaitable[Sequence[Ho
 """Picks the hops of a request: its id, the peers to avoid, its history's block hashes
 (empty without the prefix cache; the router prefers where they are cached)."""
 Ping = Callable[[PeerId], Awaitable[bool]]
+ChunkCosts = Callable[[Sequence[Hop]], Sequence[float | None]]
+"""What prefill chunks cost each hop, as that hop measured it (None: unknown)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,10 +214,13 @@ class Gateway:
         prefix_cache: bool = True,
         migrate: bool = True,
         prefill_chunk_tokens: int | None = None,
+        chunk_costs: ChunkCosts | None = None,
     ) -> None:
         """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
         (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
-        step)."""
+        step). ``chunk_costs``: what chunks cost each hop of a route, as measured there;
+        a route with a costly stage gets its prefills whole
+        (:func:`~hetmesh.partition.prefill.route_chunk_tokens`; None: chunk every route)."""
         self.peer_id = peer_id
         self._control = control
         self._send = send
@@ -229,6 +234,7 @@ class Gateway:
         self.prefill_chunk_tokens = (
             prefill_chunk_default() if prefill_chunk_tokens is None else prefill_chunk_tokens
         )
+        self._chunk_costs = chunk_costs
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
         # session id -> peers it should move off at its next step (a planned change)
@@ -580,7 +586,10 @@ class Gateway:
         first = hops[0].peer_id
         started = time.perf_counter()
         ids = torch.tensor(list(feed), dtype=torch.int64)
-        for chunk in torch.split(ids, prefill_chunks(len(feed), self.prefill_chunk_tokens)):
+        chunk_tokens = self.prefill_chunk_tokens
+        if self._chunk_costs is not None and len(feed) > 1:
+            chunk_tokens = route_chunk_tokens(self._chunk_costs(hops), chunk_tokens)
+        for chunk in torch.split(ids, prefill_chunks(len(feed), chunk_tokens)):
             frame = Activations(
                 session_id=session_id,
                 step=step,

@@ -81,6 +81,7 @@ from hetmesh.protocol.generate import (
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler.announcement import (
     MAX_BLOCK_STEP_S,
+    MAX_CHUNK_COST,
     MIN_BLOCK_STEP_S,
     Calibration,
     ServedStage,
@@ -265,6 +266,7 @@ class Serving:
                 timeouts=self.config.timeouts,
                 prefix_cache=self.config.prefix_cache,
                 migrate=self.config.migrate,
+                chunk_costs=self._chunk_costs,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
@@ -433,14 +435,55 @@ class Serving:
                 step * 1e3,
                 self.weights,
             )
+        chunk_cost = 0.0
+        if given is None:
+            chunk_cost = await trio.to_thread.run_sync(
+                self._chunk_cost,
+                model_dir or self.model_dir,
+                device,
+                limiter=self.node.device_limiter,
+            )
         calibration = Calibration(
             model=self.model_key,
             device=key,
             block_step_s=min(max(step, MIN_BLOCK_STEP_S), MAX_BLOCK_STEP_S),  # what peers accept
             context_tokens=CALIBRATION_CONTEXT_TOKENS,
             weights=self.weights,
+            prefill_chunk_cost=chunk_cost,
         )
         self._announce(dataclasses.replace(self._announced, calibration=calibration))
+
+    def _chunk_cost(self, model_dir: Path, device: str) -> float:
+        """What prefill chunks cost here (the calibration's block, in this node's format);
+        0 where it cannot be measured (gateways then keep chunking on)."""
+        from hetmesh.node.calibration import measure_chunk_cost
+
+        try:
+            cost = measure_chunk_cost(
+                model_dir,
+                device=device,
+                weights=self.weights,
+                threads=self.config.threads,
+                repeats=2,
+            )
+        except MeshError as exc:
+            log.warning("timing prefill chunks failed: %s", exc)
+            return 0.0
+        log.info("prefill chunks cost %.2fx the whole prefill here in %s", cost, self.weights)
+        return min(max(cost, 0.0), MAX_CHUNK_COST)
+
+    def _chunk_costs(self, hops: Sequence[Hop]) -> list[float | None]:
+        """Each hop's announced prefill chunk cost (None: not measured or not known)."""
+        costs: list[float | None] = []
+        for hop in hops:
+            if hop.peer_id == self.node.peer_id:
+                calibration = self._announced.calibration
+            else:
+                seen = self._served_by.get(hop.peer_id)
+                calibration = seen[1].calibration if seen else None
+            cost = calibration.prefill_chunk_cost if calibration is not None else 0.0
+            costs.append(cost if cost > 0 else None)
+        return costs
 
     def _plan_constraints(
         self, members: Sequence[_Member], devices: Sequence[DeviceProfile]

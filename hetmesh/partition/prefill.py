@@ -5,11 +5,21 @@ a pipeline overlap on it (:mod:`hetmesh.node.gateway`). One process gains
 nothing from chunks (a 512-token prefill as 4 x 128 took 1.24x as long in one
 process, docs/benchmarks.md): :class:`~hetmesh.partition.generate.LocalPipeline`
 prefills whole.
+
+Chunks pay only where a device's prefill is bound by its compute, so that
+four chunks cost about what the whole costs. Where it is bound by streaming
+the weights (bf16 on a CPU with AMX: four 128-token chunks took 1.74x the
+whole 512), each chunk streams them again, and the mesh's time to the first
+token grew 1.5x. So each node measures what chunks cost on its device, in its
+format (:func:`hetmesh.node.calibration.measure_chunk_cost`), and a gateway
+cuts a prefill only for a route whose every stage measured them cheap
+(:func:`route_chunk_tokens`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from hetmesh.errors import InvalidRequest
 
@@ -18,6 +28,11 @@ PREFILL_CHUNK_TOKENS = 128
 PREFILL_CHUNK_ENV = "HETMESH_PREFILL_CHUNK_TOKENS"
 # chunks of one prefill at most: a stage queues this many frames of one session
 MAX_PREFILL_CHUNKS = 4
+# a route is cut into chunks only if no stage measured them costing more than this many
+# times the whole prefill: fp32 measured 1.14 (chunks won, TTFT 0.85x the single
+# process against 1.04x whole), int8 0.96 and int4 1.0 on the same CPU; bf16 with AMX
+# measured 1.74 (chunks lost, 1.58x against 1.07x whole), docs/benchmarks.md
+CHUNK_COST_LIMIT = 1.3
 
 
 def prefill_chunk_default() -> int:
@@ -47,3 +62,19 @@ def prefill_chunks(
         return [count]
     size, extra = divmod(count, pieces)
     return [size + 1 if i < extra else size for i in range(pieces)]
+
+
+def route_chunk_tokens(
+    costs: Iterable[float | None], chunk_tokens: int, limit: float = CHUNK_COST_LIMIT
+) -> int:
+    """``chunk_tokens`` for a route whose stages measured chunk costs ``costs``, or 0.
+
+    A cost is the stages' time for :data:`MAX_PREFILL_CHUNKS` chunks of a
+    prefill ÷ its time whole, as measured on that stage's device and format;
+    None where it was not measured (a stage that cannot say keeps chunking on).
+    Any stage above ``limit`` turns chunking off for the route: each chunk would
+    cost it more than the overlap with the other stages gains.
+    """
+    if any(cost is not None and cost > limit for cost in costs):
+        return 0
+    return chunk_tokens

@@ -53,6 +53,7 @@ MAX_UNITS = 1 << 20  # unit indices: far above any model's layer count
 # member cannot attract the whole model by announcing an absurdly fast step.
 MIN_BLOCK_STEP_S = 1e-6
 MAX_BLOCK_STEP_S = 3600.0
+MAX_CHUNK_COST = 100.0  # a prefill's chunks against it whole (0: not measured)
 MAX_CONTEXT_TOKENS = 1 << 24
 MAX_SUMMARY_CHARS = 8 * SUMMARY_BLOCKS  # one stage's prefix summary (hex)
 MAX_HELD_RANGES = 64  # runs of units held on disk (a node holds a few runs at most)
@@ -84,6 +85,9 @@ class Calibration(WireRecord):
     block_step_s: float
     context_tokens: int  # the context the step was timed at
     weights: str = ""
+    # a prefill's chunks ÷ the prefill whole, timed on the same block (0: not measured;
+    # hetmesh.partition.prefill.route_chunk_tokens reads it)
+    prefill_chunk_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if not MIN_BLOCK_STEP_S <= self.block_step_s <= MAX_BLOCK_STEP_S:  # NaN fails too
@@ -93,6 +97,8 @@ class Calibration(WireRecord):
             )
         if not 0 <= self.context_tokens <= MAX_CONTEXT_TOKENS:
             raise ValueError(f"context_tokens must lie in [0, {MAX_CONTEXT_TOKENS}]")
+        if not 0 <= self.prefill_chunk_cost <= MAX_CHUNK_COST:  # NaN fails too
+            raise ValueError(f"prefill_chunk_cost must lie in [0, {MAX_CHUNK_COST}]")
         if max(len(self.model), len(self.device), len(self.weights)) > MAX_NAME_CHARS:
             raise ValueError("calibration names are too long")
 

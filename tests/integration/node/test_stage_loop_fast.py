@@ -37,7 +37,7 @@ TOKENS = 6
 class Wiring:
     """Three stage servers and a gateway; counts the frames each path carried."""
 
-    def __init__(self, model_dir: Path, *, fast: bool, context: int = 64) -> None:
+    def __init__(self, model_dir: Path, *, fast: bool, context: int = 64, chunk_costs=None) -> None:
         self.servers: dict[str, StageServer] = {}
         self.batches: list[int] = []  # items of each forward, every stage
         self.rows: dict[str, list[list[int]]] = {}  # each forward's items' rows, per stage
@@ -69,6 +69,7 @@ class Wiring:
             ping=self.ping,
             eos_token_ids=frozenset(),
             max_context=context,
+            chunk_costs=chunk_costs,
         )
 
     def deliver(self, peer: str, frame: Frame) -> None:
@@ -196,3 +197,26 @@ async def test_with_chunking_off_a_prompt_leaves_whole(tiny_model_dir: Path) -> 
     assert results == reference(tiny_model_dir, (tuple(LONG),))
     for rounds in wiring.rows.values():
         assert [n for items in rounds for n in items if n > 1] == [400]
+
+
+@pytest.mark.parametrize(
+    ("costs", "sizes"),
+    [({"b": 1.74}, [400]), ({"a": 1.1, "b": 1.0}, [134, 133, 133])],
+    ids=["one-stage-costly", "cheap-or-unknown"],
+)
+async def test_a_route_prefills_whole_where_a_stage_measured_chunks_costly(
+    tiny_model_dir: Path, costs: dict[str, float], sizes: list[int]
+) -> None:
+    asked: list[tuple[str, ...]] = []
+
+    def chunk_costs(hops: tuple[Hop, ...]) -> list[float | None]:
+        asked.append(tuple(h.peer_id for h in hops))
+        return [costs.get(h.peer_id) for h in hops]
+
+    wiring = Wiring(tiny_model_dir, fast=True, context=512, chunk_costs=chunk_costs)
+    with trio.fail_after(120):
+        results = await run_sessions(wiring, [LONG])
+    assert results == reference(tiny_model_dir, (tuple(LONG),))
+    for rounds in wiring.rows.values():
+        assert [n for items in rounds for n in items if n > 1] == sizes
+    assert asked == [tuple(LAYOUT)]  # asked for the prefill only, not for each decode step

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from hetmesh.errors import ModelNotFound
-from hetmesh.node.calibration import measure_block_step_s
+from hetmesh.node.calibration import measure_block_step_s, measure_chunk_cost
+from hetmesh.scheduler.announcement import MAX_CHUNK_COST
 from tests.unit.partition.tiny_models import save_tiny
 
 
@@ -20,3 +21,11 @@ def test_block_step_is_measured_on_a_tiny_model(tmp_path: Path) -> None:
 def test_a_missing_model_is_model_not_found(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFound):
         measure_block_step_s(tmp_path / "absent", budget_s=0.05)
+
+
+def test_chunk_cost_is_measured_on_a_tiny_model(tmp_path: Path) -> None:
+    save_tiny("llama-tied", tmp_path)
+    cost = measure_chunk_cost(tmp_path, repeats=1)
+    # chunks never do less work than the whole; a tiny block is all overhead, so
+    # they may cost several times as much, but a bounded figure peers accept
+    assert 0.5 < cost < MAX_CHUNK_COST

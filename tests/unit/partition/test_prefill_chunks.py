@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 from hetmesh.errors import InvalidRequest
 from hetmesh.node.stage_server import QUEUED_PER_SESSION
 from hetmesh.partition.prefill import (
+    CHUNK_COST_LIMIT,
     MAX_PREFILL_CHUNKS,
     PREFILL_CHUNK_ENV,
     PREFILL_CHUNK_TOKENS,
     prefill_chunk_default,
     prefill_chunks,
+    route_chunk_tokens,
 )
 
 
@@ -63,3 +65,22 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PREFILL_CHUNK_ENV, "lots")
     with pytest.raises(InvalidRequest, match=PREFILL_CHUNK_ENV):
         prefill_chunk_default()
+
+
+@pytest.mark.parametrize(
+    ("costs", "tokens"),
+    [
+        ([], 128),  # nothing measured: chunks as before
+        ([None, None], 128),
+        ([1.0, 1.14, None], 128),  # compute-bound stages (fp32, int4 here)
+        ([CHUNK_COST_LIMIT], 128),  # at the limit still pays
+        ([1.0, 1.74], 0),  # one bandwidth-bound stage (bf16 with AMX) turns it off
+        ([None, CHUNK_COST_LIMIT + 1e-9], 0),
+    ],
+)
+def test_a_route_chunks_only_where_every_stage_measured_chunks_cheap(
+    costs: list[float | None], tokens: int
+) -> None:
+    assert route_chunk_tokens(costs, 128) == tokens
+    assert route_chunk_tokens(costs, 0) == 0  # off stays off
+    assert route_chunk_tokens(iter(costs), 128) == tokens  # any iterable, read once

@@ -48,7 +48,12 @@ FULL = ServingAnnouncement(
     model="toy",
     weights="int8",
     calibration=Calibration(
-        model="toy", device="cpu", block_step_s=2e-3, context_tokens=128, weights="int8"
+        model="toy",
+        device="cpu",
+        block_step_s=2e-3,
+        context_tokens=128,
+        weights="int8",
+        prefill_chunk_cost=1.1,
     ),
     plan=PLAN,
     insufficient="",
@@ -144,6 +149,19 @@ def test_announced_plans_reads_through_the_one_reader() -> None:
 def test_read_serving_refuses_a_calibration_no_device_measures(block_step_s: float) -> None:
     calibration = {**serving_extra(FULL)["calibration"], "block_step_s": block_step_s}
     assert read_serving({**serving_extra(FULL), "calibration": calibration}).calibration is None
+
+
+@pytest.mark.parametrize("cost", [-0.5, float("nan"), float("inf"), 1e6, "cheap"])
+def test_read_serving_refuses_a_chunk_cost_out_of_bounds(cost: Any) -> None:
+    calibration = {**serving_extra(FULL)["calibration"], "prefill_chunk_cost": cost}
+    assert read_serving({**serving_extra(FULL), "calibration": calibration}).calibration is None
+
+
+def test_a_calibration_without_a_chunk_cost_reads_as_not_measured() -> None:
+    calibration = {k: v for k, v in CAL.items() if k != "prefill_chunk_cost"}
+    read = read_serving({**serving_extra(FULL), "calibration": calibration}).calibration
+    assert read is not None
+    assert read.prefill_chunk_cost == 0.0  # an older peer's: not measured
 
 
 def test_read_serving_refuses_absurd_unit_ranges() -> None:
