@@ -27,6 +27,8 @@ from typing import Any
 # no prefix cache: the repeats reuse one prompt, and TTFT here measures a prefill
 # (bench/kv.py measures the cache)
 NODE_ARGS = [
+    "--threads",  # one, as the reference: the ratios compare like with like
+    "1",
     "--max-memory",
     "500MiB",
     "--max-sessions",

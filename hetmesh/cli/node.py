@@ -215,7 +215,13 @@ def start(
             "front (bench/kv.py compares it with paged admission).",
         ),
     ] = None,
-    threads: Annotated[int | None, typer.Option(help="Torch threads of this node.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="Torch threads of this node (default: the cores it may use, cgroup quota "
+            "and affinity included; nodes sharing a host should split them)."
+        ),
+    ] = None,
     block_step_ms: Annotated[
         float | None,
         typer.Option(
@@ -293,7 +299,7 @@ def limit_cpu_threads(threads: int) -> None:
 def build_node_config(settings: dict[str, Any]) -> Any:
     """A NodeConfig from merged settings (flags, environment, file)."""
     from hetmesh.errors import InvalidRequest
-    from hetmesh.node.config import STOP_DRAIN_S, ServingConfig
+    from hetmesh.node.config import STOP_DRAIN_S, ServingConfig, default_threads
     from hetmesh.node.daemon import NodeConfig, default_data_dir
 
     def path(key: str) -> Path | None:
@@ -328,7 +334,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             migrate=bool(settings.get("migrate", base.migrate)),
             drain_s=STOP_DRAIN_S,  # SIGTERM: sessions move away before the node leaves
             kv_reserve_whole=bool(settings.get("kv_reserve_whole", base.kv_reserve_whole)),
-            threads=settings.get("threads") or base.threads,
+            threads=settings.get("threads") or default_threads(),
             block_step_s=None if block_step_ms is None else block_step_ms / 1e3,
             require_encryption=bool(settings.get("require_encryption")),
             backends=tuple(settings.get("backends") or base.backends),

@@ -163,6 +163,14 @@ def wait_serving(
     raise RequestTimeout(f"the local mesh did not serve within {timeout_s:.0f} s")
 
 
+def share_threads(nodes: int) -> int:
+    """Torch threads of each of ``nodes`` nodes on this host: its cores split evenly,
+    at least one each."""
+    from hetmesh.node.config import default_threads
+
+    return max(1, default_threads() // max(1, nodes))
+
+
 @contextlib.contextmanager
 def local_mesh(
     count: int = 3,
@@ -180,6 +188,8 @@ def local_mesh(
         nodes: list[LocalNode] = []
         try:
             extra = list(per_node_args) + [()] * count
+            if "--threads" not in node_args:  # the host's cores, shared by its nodes
+                node_args = [*node_args, "--threads", str(share_threads(count))]
             first = _start(root, "node1", [*node_args, *extra[0]], secret)
             nodes.append(first)
             _wait_info(first, start_timeout_s)
@@ -194,4 +204,11 @@ def local_mesh(
             _stop(nodes)
 
 
-__all__ = ["LocalMesh", "LocalNode", "local_mesh", "ready_pipelines", "wait_serving"]
+__all__ = [
+    "LocalMesh",
+    "LocalNode",
+    "local_mesh",
+    "ready_pipelines",
+    "share_threads",
+    "wait_serving",
+]

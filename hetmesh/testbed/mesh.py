@@ -150,6 +150,8 @@ class MeshTestbed:
             "--mesh-secret",
             self.secret,
             "--no-mdns",
+            "--threads",  # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
+            "1",
         ]
         if spec.max_memory:
             argv += ["--max-memory", spec.max_memory]

@@ -55,6 +55,8 @@ class NatMesh:
             "--mesh-secret",
             self.secret,
             "--no-mdns",
+            "--threads",  # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
+            "1",
             *args,
         ]
         if bootstrap:

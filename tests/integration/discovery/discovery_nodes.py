@@ -42,6 +42,8 @@ def node_argv(data_dir: Path, *args: str, secret: str | None = SECRET) -> list[s
         "node",
         "start",
         *serve,
+        "--threads",  # the suite's nodes share two cores (a later --threads wins)
+        "1",
         "--data-dir",
         str(data_dir),
         *args,

@@ -101,3 +101,30 @@ def test_block_step_override_is_in_seconds_and_must_be_positive():
     for bad in (0, -1.0):
         with pytest.raises(InvalidRequest, match="block-step-ms"):
             build_node_config({"block_step_ms": bad})
+
+
+def test_a_node_not_told_its_threads_takes_the_cores_it_may_use():
+    import os
+
+    from hetmesh.node.config import default_threads
+    from hetmesh.node.local import share_threads
+
+    threads = default_threads()
+    assert 1 <= threads <= len(os.sched_getaffinity(0))
+    assert build_node_config({}).serving.threads == threads
+    assert build_node_config({"threads": 3}).serving.threads == 3  # told: kept
+    # nodes sharing a host split its cores, one thread each at least
+    assert share_threads(1) == threads
+    assert share_threads(threads + 1) == 1
+
+
+def test_the_default_threads_follow_the_affinity_mask():
+    import subprocess
+    import sys
+
+    probe = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from hetmesh.node.config import default_threads; print(default_threads())"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "1"
