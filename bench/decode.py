@@ -9,26 +9,29 @@ alike); a path's figure is its mean decode-step time, median over repeats:
 - ``old``: fp32, a separate matrix product per projection (``fuse=False``),
   the LM head row-major (``transpose_head=False``): the single process before
   issue 16.
-- ``float32``: today's default: fp32 as :func:`~hetmesh.partition.stage.load_stage`
-  loads it (the head stored column-major, about twice as fast for a decode
-  row; logits within ~2e-6, so its greedy tokens are compared with ``old``'s
-  on every run and reported, not assumed).
+- ``default``: today's default, what ``hetmesh generate`` and a node load
+  without ``--weights``: ``native``, the checkpoint's own format (the default
+  model's Q4_1 levels as int4 in torch's int4 kernel, perplexity 0.997x fp32,
+  docs/weights.md); ``--weights`` names another; fused only with ``--fuse``
+  (fusion is off by default: not measured faster here).
+- ``float32``: fp32 as :func:`~hetmesh.partition.stage.load_stage` loads it
+  today (the head stored column-major; logits within ~2e-6, so its greedy
+  tokens are compared with ``old``'s on every run and reported, not assumed).
 - ``fused_float32``: ``old`` with fused q/k/v and gate/up products
   (:mod:`hetmesh.partition.fused`): bit-identical logits, checked here over
   ``--tokens`` greedy tokens on every run.
-- ``new``: ``--weights`` (default ``int4``: the shipped Q4_1 levels in
-  torch's bf16 int4 kernel, perplexity 0.997x fp32, docs/weights.md), fused
-  only with ``--fuse`` (fusion is off by default: not measured faster here).
 
-Keys: ``single_process_tokens_per_s`` (the default, ``float32``),
+Keys: ``single_process_tokens_per_s`` (``default``),
 ``single_process_tokens_per_s_old``, ``single_process_speedup`` (default / old,
-issue 16's target >= 2), ``float32_tokens_identical`` (its greedy tokens equal
-``old``'s), ``compact_tokens_per_s`` and ``compact_speedup`` (``new`` / old: the
-compact format, not the default), ``fused_speedup_float32`` (fused fp32 / old:
+issue 16's target >= 2), ``single_process_weights`` (the format ``default``
+resolved to), ``single_process_tokens_before_differing`` (greedy tokens it shares
+with ``old`` before the first that differs: another format differs slightly),
+``float32_tokens_per_s``, ``float32_speedup`` and ``float32_tokens_identical``
+(its greedy tokens equal ``old``'s), ``fused_speedup_float32`` (fused fp32 / old:
 the exact lever alone).
 ``--profile`` prints torch.profiler's top operators of each path.
 
-Usage: ``python bench/decode.py [--json] [--tokens 64] [--repeats 3] [--weights int4]``
+Usage: ``python bench/decode.py [--json] [--tokens 64] [--repeats 3] [--weights native]``
 ``[--threads 1] [--fuse] [--profile]``
 """
 
@@ -42,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
-PATHS = ("old", "float32", "fused_float32", "new")
+PATHS = ("old", "default", "float32", "fused_float32")
 
 
-def load_paths(model_dir: Path, weights: str, fuse_new: bool = False) -> dict[str, Any]:
+def load_paths(model_dir: Path, weights: str = "native", fuse_new: bool = False) -> dict[str, Any]:
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.stage import load_stage
 
@@ -62,9 +65,9 @@ def load_paths(model_dir: Path, weights: str, fuse_new: bool = False) -> dict[st
 
     return {
         "old": one("float32", False, transpose_head=False),
-        "float32": one("float32", False),  # the loader's defaults
+        "default": one(weights, fuse_new),
+        "float32": one("float32", False),  # the loader's fp32 defaults
         "fused_float32": one("float32", True, transpose_head=False),
-        "new": one(weights, fuse_new),
     }
 
 
@@ -117,7 +120,7 @@ def measure(
     *,
     tokens: int = 64,
     repeats: int = 3,
-    weights: str = "int4",
+    weights: str = "native",
     threads: int = 1,
     fuse_new: bool = False,
 ) -> dict[str, Any]:
@@ -141,20 +144,20 @@ def measure(
         return next((i for i, (a, b) in enumerate(pairs) if a != b), tokens)
 
     return {
-        "single_process_tokens_per_s": rate["float32"],
+        "single_process_tokens_per_s": rate["default"],
         "single_process_tokens_per_s_old": rate["old"],
-        "single_process_speedup": rate["float32"] / rate["old"],
+        "single_process_speedup": rate["default"] / rate["old"],
+        "single_process_weights": paths["default"].stages[0].weights.value,
+        "single_process_fused": fuse_new,
+        "single_process_tokens_before_differing": agree("default"),
+        "float32_tokens_per_s": rate["float32"],
+        "float32_speedup": rate["float32"] / rate["old"],
         "float32_tokens_identical": outputs["float32"]
         == outputs["old"],  # greedy: every repeat alike
         "float32_tokens_before_differing": agree("float32"),
-        "compact_tokens_per_s": rate["new"],
-        "compact_speedup": rate["new"] / rate["old"],
         "single_process_tokens_per_s_fused_float32": rate["fused_float32"],
         "fused_speedup_float32": rate["fused_float32"] / rate["old"],
         "fused_float32_tokens_identical": True,  # checked above, over `tokens` tokens
-        "new_weights": weights,
-        "new_fused": fuse_new,
-        "new_tokens_before_differing_from_fp32": agree("new"),
         "tokens": tokens,
         "repeats": repeats,
         "threads": threads,
@@ -188,7 +191,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--weights", default="int4", help="weight format of the new path")
+    parser.add_argument(
+        "--weights", default="native", help="weight format of the default path (native: as shipped)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fuse", action="store_true", help="fuse the new path's products")
     parser.add_argument("--profile", action="store_true", help="print each path's top operators")
@@ -219,14 +224,14 @@ def main() -> None:
         return
     print(
         f"single process ({args.threads} thread(s)): old (fp32 before issue 16) "
-        f"{result['single_process_tokens_per_s_old']:.1f} tok/s, default fp32 "
+        f"{result['single_process_tokens_per_s_old']:.1f} tok/s, default "
+        f"({result['single_process_weights']}{', fused' if args.fuse else ''}) "
         f"{result['single_process_tokens_per_s']:.1f} tok/s: speedup "
-        f"{result['single_process_speedup']:.2f} (target >= 2), greedy tokens "
-        f"{'identical' if result['float32_tokens_identical'] else 'DIFFER'} over {args.tokens}; "
-        f"fused fp32 x{result['fused_speedup_float32']:.2f} (tokens identical); "
-        f"{args.weights}{', fused' if args.fuse else ''} "
-        f"{result['compact_tokens_per_s']:.1f} tok/s (x{result['compact_speedup']:.2f}), "
-        f"follows fp32 for {result['new_tokens_before_differing_from_fp32']}/{args.tokens} tokens"
+        f"{result['single_process_speedup']:.2f} (target >= 2), follows old for "
+        f"{result['single_process_tokens_before_differing']}/{args.tokens} greedy tokens; "
+        f"fp32 today x{result['float32_speedup']:.2f} (tokens "
+        f"{'identical' if result['float32_tokens_identical'] else 'DIFFER'}); "
+        f"fused fp32 x{result['fused_speedup_float32']:.2f} (tokens identical)"
     )
 
 

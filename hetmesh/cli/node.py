@@ -37,9 +37,11 @@ def _weights_help() -> str:
     order = [f for f in WeightFormat if f in SLOWER_THAN_FP32_ON_CPU]
     slower = " and ".join(f.value for f in order) or "no format"
     return (
-        "Weight format of this node's stages: float32 (default), bfloat16, float16, int8, "
-        "int4 or auto. Compact formats hold about 1/2 (bfloat16, float16), 1/4 (int8) or "
-        "1/7 (int4) of float32's weight bytes, and the planner counts each node's real "
+        "Weight format of this node's stages: native (default: the checkpoint's own, int4 "
+        "for the default model's Q4_1, float32 for an fp32 folder), float32, bfloat16, "
+        "float16, int8, int4 or auto. Compact formats hold about 1/2 (bfloat16, float16), "
+        "1/4 (int8) or 1/7 (int4) of float32's weight bytes, and the planner counts each "
+        "node's real "
         f"bytes. Slower than float32 on a CPU (measured, docs/weights.md): {slower}; "
         "float16 is emulated there; bfloat16 runs about as fast as float32. auto times "
         "one decoder block in each format this device runs and serves the fastest float "
@@ -365,9 +367,10 @@ def build_node_config(settings: dict[str, Any]) -> Any:
 def _weights(value: Any, device: Any) -> str:
     """The --weights setting, checked against the device before the node joins."""
     from hetmesh.node.weights import check_weights
+    from hetmesh.partition.formats import NATIVE
 
     if value is None:
-        return "float32"
+        return NATIVE
     return check_weights(str(value), str(device or "cpu")) or "auto"
 
 

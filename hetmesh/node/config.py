@@ -46,7 +46,9 @@ class ServingConfig:
     """What and how a node serves (the model part of ``hetmesh node start``)."""
 
     model: str | None = None  # None: the default model
-    weights: str = "float32"  # a weight format, or "auto": the fastest that fits, measured
+    # a weight format; "native": the checkpoint's own (int4 for the default model's
+    # Q4_1); "auto": the fastest that fits, measured
+    weights: str = "native"
     cache_dir: Path | None = None
     objective: Literal["latency", "throughput"] = "latency"
     plan_strategy: PlanStrategy = "hetmesh"

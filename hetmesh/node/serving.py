@@ -183,8 +183,9 @@ class Serving:
         # charged its own format's bytes (weights_constraints)
         self.profile: ModelProfile = model_profile(self._model_config, name=model_dir.name)
         self.model_key = self.profile.name
-        # the format this node's stages are held in; "auto" is settled by calibration
-        self.weights = "float32" if config.weights == "auto" else config.weights
+        # the format this node's stages are held in: "native" is the checkpoint's own,
+        # "auto" is settled by calibration
+        self.weights = self._settle(config.weights, node.config.device or "cpu")
         self._weight_bytes: dict[str, WeightBytes | None] = {}
         self.constraints = PlanConstraints(
             max_context_tokens=min(config.max_context_tokens, self.profile.max_context),
@@ -329,6 +330,16 @@ class Serving:
         return MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links)))
 
     # -- calibration (hetmesh.node.calibration) --------------------------------------
+
+    def _settle(self, setting: str, device: str) -> str:
+        from hetmesh.partition.checkpoint import native_weights
+        from hetmesh.partition.formats import is_native
+
+        if setting == "auto":
+            return "float32"  # until calibration decides
+        if is_native(setting):
+            return native_weights(self.model_dir, device).value
+        return setting
 
     def bytes_of(self, weights: str) -> WeightBytes | None:
         """What ``weights`` costs per unit of this model (None: not a format we know)."""

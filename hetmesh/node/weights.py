@@ -31,13 +31,16 @@ QUANTIZED_ORDER: tuple[str, ...] = ("int8", "int4")
 
 
 def check_weights(setting: str, device: str) -> str | None:
-    """The format named by ``setting`` (``None`` for auto), checked against ``device``.
+    """The format named by ``setting`` (``None`` for auto), checked against ``device``;
+    ``"native"`` as it is (the model folder settles it).
 
     Raises ``InvalidRequest`` (one line) for an unknown name or a format the
     device has no kernel for: the CLI reports it before the node joins.
     """
-    from hetmesh.partition.formats import check_supported, parse_weights
+    from hetmesh.partition.formats import NATIVE, check_supported, is_native, parse_weights
 
+    if is_native(setting):
+        return NATIVE  # read off the model folder once the node has it (Serving)
     fmt = parse_weights(setting)
     if fmt is None:
         return None

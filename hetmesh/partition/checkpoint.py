@@ -19,6 +19,7 @@ any format one tensor (or one slice of rows) at a time.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,7 +27,14 @@ from typing import Any, BinaryIO, Literal
 
 import torch
 
-from hetmesh.errors import CorruptModel
+from hetmesh.errors import CorruptModel, InvalidRequest
+from hetmesh.partition.formats import (
+    WeightFormat,
+    check_supported,
+    cpu_has_bf16,
+    is_native,
+    parse_weights,
+)
 from hetmesh.partition.store import brief_error, shard_tensors, weight_files
 
 Kind = Literal["float", "q4_1", "q8_0"]
@@ -263,10 +271,102 @@ def read_safetensors_header(handle: BinaryIO, file: Path) -> tuple[int, dict[str
     return 8 + size, header
 
 
+_FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_matrix_kind(folder: Path) -> str | None:
+    """How ``folder`` stores its decoder's matrices: ``"q4_1"``, ``"q8_0"``, or the float
+    dtype's name (``"float32"``, ``"bfloat16"``, ``"float16"``); None if it has none.
+
+    Read off the safetensors headers (or, for a partial folder fetched from peers,
+    its manifest, which lists every tensor whether fetched yet or not): no tensor
+    data is read.
+    """
+    from hetmesh.partition.store import SHARDS_MARKER
+
+    marker = folder / SHARDS_MARKER
+    entries: list[tuple[str, str, int]] = []  # (name, safetensors dtype, dimensions)
+    if marker.is_file():
+        try:
+            listed = json.loads(marker.read_text())["manifest"]["tensors"]
+            entries = [(str(e[0]), str(e[2]), len(e[3])) for e in listed]
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise CorruptModel(f"{marker}: unreadable shard list ({brief_error(exc)})") from exc
+    else:
+        with CheckpointReader(folder) as reader:
+            for name in sorted(reader.files):
+                if ".layers." in name:
+                    entry = reader._slice(name)
+                    dtype = next((k for k, v in _DTYPES.items() if v == entry.dtype), "")
+                    entries.append((name, dtype, len(entry.shape)))
+    for name, dtype, dims in sorted(entries):
+        if ".layers." not in name:
+            continue
+        for kind in ("q4_1", "q8_0"):
+            if name.endswith(f".{kind}.qs"):
+                return kind
+        if name.endswith(".weight") and dims == 2 and dtype in _FLOAT_NAMES:
+            return _FLOAT_NAMES[dtype]
+    return None
+
+
+def settle_weights(
+    text: str | None, model_dir: str | os.PathLike[str], device: str
+) -> WeightFormat | None:
+    """``text`` as a format for the model in ``model_dir`` on ``device``: ``"native"``
+    read off the folder (:func:`native_weights`), ``None`` for ``"auto"``."""
+    if is_native(text):
+        return native_weights(model_dir, device)
+    return parse_weights(text)
+
+
+def native_weights(model_dir: str | os.PathLike[str], device: str) -> WeightFormat:
+    """The format ``model_dir`` stores its decoder's matrices in, where ``device`` runs it.
+
+    Why this is the default: a model shipped compact is served compact, never
+    inflated. The default model's GGUF is Q4_1, so it is held as ``int4`` (the
+    shipped 4-bit levels, kept exactly; 1/7 of fp32's bytes, and its decode is
+    about twice fp32's on the CPUs measured, docs/benchmarks.md). A Q8_0
+    checkpoint is held as ``int8``; a float checkpoint in its own dtype where the
+    device multiplies it natively (bf16 on CUDA and on CPUs with AVX-512 BF16 or
+    AMX, fp16 on CUDA), else ``float32``. Off a CPU the integer kernels are not
+    this project's fast path, so a compact checkpoint becomes ``bfloat16`` on
+    CUDA and ``float32`` elsewhere. A format the device has no kernel for falls
+    back to ``float32``.
+    """
+    kind = stored_matrix_kind(Path(model_dir))
+    on = str(device).split(":", 1)[0]
+    if kind in ("q4_1", "q8_0"):
+        if on == "cpu":
+            fmt = WeightFormat.INT4 if kind == "q4_1" else WeightFormat.INT8
+        else:
+            fmt = WeightFormat.BFLOAT16 if on == "cuda" else WeightFormat.FLOAT32
+    elif kind == "bfloat16" and (on == "cuda" or (on == "cpu" and cpu_has_bf16())):
+        fmt = WeightFormat.BFLOAT16
+    elif kind == "float16" and on == "cuda":
+        fmt = WeightFormat.FLOAT16
+    else:
+        fmt = WeightFormat.FLOAT32
+    try:
+        check_supported(fmt, on)
+    except InvalidRequest:
+        return WeightFormat.FLOAT32
+    return fmt
+
+
 def float_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a model folder as fp32 (for references and exports, not serving)."""
     with CheckpointReader(folder) as reader:
         return {name: reader.tensor(name) for name in reader.names()}
 
 
-__all__ = ["BLOCK", "ROW_CHUNK", "CheckpointReader", "Kind", "float_state_dict"]
+__all__ = [
+    "BLOCK",
+    "ROW_CHUNK",
+    "CheckpointReader",
+    "Kind",
+    "float_state_dict",
+    "native_weights",
+    "settle_weights",
+    "stored_matrix_kind",
+]

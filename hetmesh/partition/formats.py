@@ -5,8 +5,9 @@ Pure: no torch at import time (``check_supported`` imports it when called).
 Committed API (the node, scheduler and CLI build on these)::
 
     class WeightFormat(StrEnum): FLOAT32, BFLOAT16, FLOAT16, INT8, INT4
-    WEIGHT_CHOICES: tuple[str, ...]          # ("auto", "float32", ..., "int4")
+    WEIGHT_CHOICES: tuple[str, ...]          # ("native", "auto", "float32", ..., "int4")
     parse_weights(text: str | None) -> WeightFormat | None      # None = auto
+    is_native(text: str | None) -> bool                         # "native": the checkpoint's own
     activation_dtype(fmt: WeightFormat) -> str                  # "float32" | "bfloat16" | ...
     unit_param_bytes(config: Mapping[str, Any], fmt: WeightFormat) -> UnitBytes
     check_supported(fmt: WeightFormat, device: str) -> None
@@ -59,7 +60,8 @@ class WeightFormat(StrEnum):
     INT4 = "int4"
 
 
-WEIGHT_CHOICES: tuple[str, ...] = ("auto", *(f.value for f in WeightFormat))
+NATIVE = "native"  # the default everywhere: the format the checkpoint stores its matrices in
+WEIGHT_CHOICES: tuple[str, ...] = (NATIVE, "auto", *(f.value for f in WeightFormat))
 FLOAT_FORMATS = frozenset({WeightFormat.FLOAT32, WeightFormat.BFLOAT16, WeightFormat.FLOAT16})
 QUANTIZED_FORMATS = frozenset({WeightFormat.INT8, WeightFormat.INT4})
 # Measured on this project's CPU (docs/weights.md, bench/weights.py): int8
@@ -77,13 +79,17 @@ _FLOAT_WIDTH = {WeightFormat.FLOAT32: 4, WeightFormat.BFLOAT16: 2, WeightFormat.
 def parse_weights(text: str | None) -> WeightFormat | None:
     """The format named by ``text``; ``None`` for ``"auto"`` (or no text).
 
-    Raises ``InvalidRequest`` naming the choices for anything else.
+    Raises ``InvalidRequest`` naming the choices for anything else, ``"native"``
+    included: it names no format until a model folder is read
+    (:func:`hetmesh.partition.checkpoint.settle_weights`).
     """
     if text is None:
         return None
     name = text.strip().lower()
     if name == "auto":
         return None
+    if name == NATIVE:
+        raise InvalidRequest("weights 'native' depend on the model: settle them on its folder")
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
     name = aliases.get(name, name)
     try:
@@ -92,6 +98,11 @@ def parse_weights(text: str | None) -> WeightFormat | None:
         raise InvalidRequest(
             f"unknown weight format {text!r}; choose one of {', '.join(WEIGHT_CHOICES)}"
         ) from None
+
+
+def is_native(text: str | None) -> bool:
+    """Whether ``text`` asks for the checkpoint's own format (the default)."""
+    return text is not None and text.strip().lower() == NATIVE
 
 
 def activation_dtype(fmt: WeightFormat) -> str:
@@ -251,6 +262,7 @@ def _mps_bf16() -> bool:
 __all__ = [
     "FLOAT_FORMATS",
     "INT4_GROUP",
+    "NATIVE",
     "QUANTIZED_FORMATS",
     "SLOWER_THAN_FP32_ON_CPU",
     "WEIGHT_CHOICES",
@@ -260,6 +272,7 @@ __all__ = [
     "auto_weights",
     "check_supported",
     "format_of_dtype",
+    "is_native",
     "parse_weights",
     "unit_param_bytes",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hetmesh.errors import InvalidRequest
-from hetmesh.partition.formats import WeightFormat
+from hetmesh.partition.formats import NATIVE, WeightFormat
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.profile import model_profile
 from hetmesh.partition.sampling import Sampler, SamplingParams
@@ -98,7 +98,7 @@ class LocalPipeline:
         num_stages: int = 1,
         *,
         device: str | torch.device = "cpu",
-        weights: WeightFormat | str = WeightFormat.FLOAT32,
+        weights: WeightFormat | str = NATIVE,
         dtype: torch.dtype | None = None,
     ) -> LocalPipeline:
         """Load ``num_stages`` balanced stages holding their weights in ``weights``.

@@ -41,13 +41,15 @@ import torch
 from torch import nn
 
 from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
+from hetmesh.partition.checkpoint import settle_weights
 from hetmesh.partition.formats import (
+    NATIVE,
     QUANTIZED_FORMATS,
     WeightFormat,
     activation_dtype,
     check_supported,
     format_of_dtype,
-    parse_weights,
+    is_native,
 )
 from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kv import KVPool, SessionKV
@@ -423,7 +425,7 @@ def load_stage(
     end: int,
     *,
     device: str | torch.device = "cpu",
-    weights: WeightFormat | str = WeightFormat.FLOAT32,
+    weights: WeightFormat | str = NATIVE,
     dtype: torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     fuse: bool | None = None,
@@ -451,13 +453,13 @@ def load_stage(
     config_dict = check_model_dir(folder)
     if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise InvalidRequest(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}")
+    torch_device = torch.device(device)
     if dtype is not None:
-        if WeightFormat(weights) is not WeightFormat.FLOAT32:
+        if not is_native(str(weights)) and WeightFormat(weights) is not WeightFormat.FLOAT32:
             raise InvalidRequest("pass weights= or dtype=, not both")
         fmt = format_of_dtype(dtype)
     else:
-        fmt = parse_weights(str(weights)) or WeightFormat.FLOAT32
-    torch_device = torch.device(device)
+        fmt = settle_weights(str(weights), folder, torch_device.type) or WeightFormat.FLOAT32
     check_supported(fmt, torch_device.type)
     try:
         profile = model_profile(config_dict, weights=fmt, name=folder.name)

@@ -16,8 +16,11 @@ from pathlib import Path
 from tests.integration.discovery.discovery_nodes import SECRET, NodeFactory, NodeProc, wait_for
 
 # Each node offers this much memory: the model (~0.54 GB of fp32 weights plus the
-# KV budget) needs all three, so the planner splits it three ways.
+# KV budget) needs all three, so the planner splits it three ways. The nodes hold
+# float32 for that reason, not the default (the default model's own int4 fits two;
+# tests/integration/node/test_mesh_weights.py serves the compact formats).
 NODE_MEMORY = "500MiB"
+WEIGHTS = "float32"
 
 
 def serve_args(max_sessions: int = 4, memory: str = NODE_MEMORY) -> tuple[str, ...]:
@@ -28,6 +31,8 @@ def serve_args(max_sessions: int = 4, memory: str = NODE_MEMORY) -> tuple[str, .
         memory,
         "--max-sessions",
         str(max_sessions),
+        "--weights",
+        WEIGHTS,
         "--listen",
         "/ip4/127.0.0.1/tcp/0",
         # announce a block step rather than calibrate (~1.2 CPU-s a node): nothing the
@@ -87,4 +92,4 @@ def running_mesh(
         factory.close()
 
 
-__all__ = ["SECRET", "Mesh", "free_port", "running_mesh", "serve_args", "wait_for"]
+__all__ = ["SECRET", "WEIGHTS", "Mesh", "free_port", "running_mesh", "serve_args", "wait_for"]

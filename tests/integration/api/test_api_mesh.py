@@ -30,12 +30,13 @@ def mesh(shared_mesh3: Mesh) -> Mesh:
 def reference(default_model_dir: Path) -> dict[str, list[int]]:
     """Single-process greedy token ids for PROMPT (plain) and CHAT (chat template); the
     pipeline is the one test_mesh_serving.py's references use (loaded once)."""
+    from tests.integration.api.api_mesh import WEIGHTS
     from tests.integration.node.mesh_nodes import encode, reference_ids
 
     out = {}
     for key, text, chat in (("plain", PROMPT, False), ("chat", CHAT, True)):
         ids = encode(default_model_dir, text, chat=chat)
-        out[key] = reference_ids(default_model_dir, ids, TOKENS)
+        out[key] = reference_ids(default_model_dir, ids, TOKENS, WEIGHTS)
     return out
 
 

@@ -38,7 +38,12 @@ pytestmark = [
     pytest.mark.model,
     pytest.mark.timeout(600),
 ]
-HOME_ARGS = ("--max-memory", "600MiB", "--max-sessions", "4", "--max-context", "256")
+# float32: the homes' memory is sized so that its weights need them (the default model's
+# own int4 would fit one node)
+HOME_ARGS = (
+    *("--max-memory", "600MiB", "--max-sessions", "4", "--max-context", "256"),
+    *("--weights", "float32"),
+)
 NEW_TOKENS = 12
 _REFERENCE = """
 import json, sys, torch
@@ -46,7 +51,7 @@ torch.set_num_threads(1)
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.store import resolve_model
-pipe = LocalPipeline.load(resolve_model())
+pipe = LocalPipeline.load(resolve_model(), weights="float32")
 ids = pipe.tokenizer.encode(sys.argv[1])
 tokens = list(pipe.generate_ids(ids, SamplingParams(max_new_tokens=int(sys.argv[2]))))
 print(json.dumps({"prompt": ids, "tokens": tokens}))

@@ -119,14 +119,18 @@ async def generate_ids(addr: str, prompt_ids: Sequence[int], **sampling: Any) ->
 _REFERENCE: dict[str, Any] = {}
 
 
-def reference_ids(model_dir: Path, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """The single-process greedy reference (Foundation's LocalPipeline)."""
+def reference_ids(
+    model_dir: Path, prompt_ids: Sequence[int], max_new_tokens: int, weights: str = "native"
+) -> list[int]:
+    """The single-process greedy reference (Foundation's LocalPipeline), holding the
+    model in ``weights`` (the default: the checkpoint's own format, as a node does)."""
     from hetmesh.partition.generate import LocalPipeline
 
     torch.set_num_threads(1)
-    pipeline = _REFERENCE.get(str(model_dir))
+    key = f"{model_dir}:{weights}"
+    pipeline = _REFERENCE.get(key)
     if pipeline is None:
-        pipeline = _REFERENCE[str(model_dir)] = LocalPipeline.load(model_dir, 1)
+        pipeline = _REFERENCE[key] = LocalPipeline.load(model_dir, 1, weights=weights)
     return list(
         pipeline.generate_ids(list(prompt_ids), SamplingParams(max_new_tokens=max_new_tokens))
     )

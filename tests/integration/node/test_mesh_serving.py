@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from tests.integration.api.api_mesh import WEIGHTS  # the shared mesh's format
 from tests.integration.node.mesh_nodes import (
     SECRET,
     encode,
@@ -42,7 +43,7 @@ async def test_three_nodes_split_the_model_and_match_the_reference(mesh3, defaul
         ids = encode(default_model_dir, prompt)
         gateway = mesh3[i % 3].addr  # requests may enter at any node
         got = await generate_ids(gateway, ids, max_new_tokens=20)
-        assert got == reference_ids(default_model_dir, ids, 20), prompt
+        assert got == reference_ids(default_model_dir, ids, 20, WEIGHTS), prompt
 
 
 async def test_a_conversation_of_several_turns_over_libp2p(mesh3, default_model_dir):
@@ -61,7 +62,7 @@ async def test_a_conversation_of_several_turns_over_libp2p(mesh3, default_model_
         async for event in mesh.stream(messages=turns, max_new_tokens=12):
             if isinstance(event, TokenEvent) and event.token_id >= 0:
                 got.append(event.token_id)
-    assert got == reference_ids(default_model_dir, ids, 12)
+    assert got == reference_ids(default_model_dir, ids, 12, WEIGHTS)
 
 
 def _stages(view):
@@ -81,7 +82,7 @@ async def test_bad_input_gets_clear_errors_while_a_generation_carries_on(mesh3, 
     from hetmesh.transport import Activations, Error
 
     ids = encode(default_model_dir, PROMPTS[0])
-    expected = reference_ids(default_model_dir, ids, 40)
+    expected = reference_ids(default_model_dir, ids, 40, WEIGHTS)
     stages = _stages(await view_of(mesh3[0]))
     (_, first), (middle_range, middle) = sorted(stages.items())[:2]
     result: dict[str, list[int]] = {}
@@ -256,7 +257,7 @@ async def test_two_hundred_strangers_cost_no_memory_and_stall_no_generation(
     data_port = min(listening, key=lambda port: listening[port])
 
     ids = encode(default_model_dir, "The capital of France is")
-    expected = reference_ids(default_model_dir, ids, 16)
+    expected = reference_ids(default_model_dir, ids, 16, WEIGHTS)
     assert await generate_ids(mesh3[0].addr, ids, max_new_tokens=16) == expected  # warm
     baseline = proc.memory_info().rss
 
@@ -350,7 +351,7 @@ async def test_a_hostile_member_cannot_replan_or_stop_the_mesh(mesh3, default_mo
     from tests.integration.node.hostile import attack
 
     ids = encode(default_model_dir, PROMPTS[1])
-    expected = reference_ids(default_model_dir, ids, 16)
+    expected = reference_ids(default_model_dir, ids, 16, WEIGHTS)
     before = {p["peer_id"]: p["record"]["extra"] for p in (await view_of(mesh3[0]))["peers"]}
     assert len(before) == 3
     boss = min(before)
@@ -419,16 +420,16 @@ async def test_the_prefix_cache_skips_shared_prefixes_and_keeps_the_reference_ou
 
     before = await skipped()
     got_first = await generate_ids(gateway.addr, first, max_new_tokens=10)
-    assert got_first == reference_ids(default_model_dir, first, 10)
+    assert got_first == reference_ids(default_model_dir, first, 10, WEIGHTS)
     got_second = await generate_ids(gateway.addr, second, max_new_tokens=10)
-    assert got_second == reference_ids(default_model_dir, second, 10)
+    assert got_second == reference_ids(default_model_dir, second, 10, WEIGHTS)
     after_second = await skipped_at_least(before + len(system) // 16 * 16)
 
     # the next turn: the first request, its answer (all but the last token were fed)
     # and a new question; the stages named those blocks when the first session closed
     turn = first + got_first + encode(default_model_dir, " And why is it red at sunset?")
     got_turn = await generate_ids(gateway.addr, turn, max_new_tokens=10)
-    assert got_turn == reference_ids(default_model_dir, turn, 10)
+    assert got_turn == reference_ids(default_model_dir, turn, 10, WEIGHTS)
     await skipped_at_least(after_second + (len(first) + len(got_first) - 1) // 16 * 16)
 
     # `hetmesh status` shows every stage's pool and its prefix hits

@@ -29,8 +29,11 @@ TOKENS = 100
 async def test_a_join_keeps_streams_exact_and_a_lost_stage_replays_through_the_next_plan(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
-    expected = reference_ids(default_model_dir, PROMPT_IDS, TOKENS)
-    serving = ServingConfig(max_sessions=2, max_context_tokens=512, block_step_s=0.002)
+    # float32: two 500 MiB nodes must split it (the default model's own int4 fits one)
+    expected = reference_ids(default_model_dir, PROMPT_IDS, TOKENS, "float32")
+    serving = ServingConfig(
+        max_sessions=2, max_context_tokens=512, block_step_s=0.002, weights="float32"
+    )
     async with open_mesh(tmp_path, serving, 2) as mesh:
         before = mesh.nodes[0].serving.plan
         assert before is not None

@@ -134,9 +134,14 @@ async def test_idle_sessions_expire_but_a_generating_one_never_does(
 ) -> None:
     idle_s = 2.0  # above the stalls a loaded machine shows, short enough to wait for
     tokens = 120
-    expected = reference_ids(default_model_dir, PROMPT_IDS, tokens)
+    # float32: two 500 MiB nodes must split it (the default model's own int4 fits one)
+    expected = reference_ids(default_model_dir, PROMPT_IDS, tokens, "float32")
     serving = ServingConfig(
-        max_sessions=2, max_context_tokens=512, block_step_s=0.002, idle_session_s=idle_s
+        max_sessions=2,
+        max_context_tokens=512,
+        block_step_s=0.002,
+        idle_session_s=idle_s,
+        weights="float32",
     )
     async with open_mesh(tmp_path, serving, 2) as mesh:
         first, *rest = stage_servers(mesh.nodes)

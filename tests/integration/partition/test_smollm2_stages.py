@@ -20,6 +20,8 @@ from hetmesh.partition.text import TextStream, encode_prompt, load_tokenizer
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 ATOL = 1e-4
+# the transformers reference holds the dequantised fp32 weights: the stages do too
+FP32 = "float32"
 STEPS = 20
 # 32 units: 0 embedding, 1..30 decoder layers, 31 norm + head
 SPLITS = {
@@ -92,7 +94,7 @@ def _chain(stages: list[StageModule], kvs: list[Any], x: torch.Tensor) -> torch.
 def test_smollm2_stages_match_full_model(
     default_model_dir: Path, prompt_ids: torch.Tensor, reference: dict[str, Any], split: str
 ) -> None:
-    stages = [load_stage(default_model_dir, a, b) for a, b in SPLITS[split]]
+    stages = [load_stage(default_model_dir, a, b, weights=FP32) for a, b in SPLITS[split]]
     kvs = [s.new_kv() for s in stages]
     logits = _chain(stages, kvs, prompt_ids)
     torch.testing.assert_close(logits, reference["prefill"], atol=ATOL, rtol=0)
@@ -111,7 +113,7 @@ def test_smollm2_stages_match_full_model(
 def test_smollm2_local_pipeline_greedy_equals_generate(
     default_model_dir: Path, prompt_ids: torch.Tensor, reference: dict[str, Any]
 ) -> None:
-    pipeline = LocalPipeline.load(default_model_dir, 3)
+    pipeline = LocalPipeline.load(default_model_dir, 3, weights=FP32)
     params = SamplingParams(max_new_tokens=STEPS)
     assert (
         list(pipeline.generate_ids(prompt_ids.tolist(), params, eos_ids=set()))
@@ -123,8 +125,8 @@ def test_smollm2_seeded_sampling_is_reproducible_across_splits(
     default_model_dir: Path, prompt_ids: torch.Tensor
 ) -> None:
     params = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=5)
-    one = LocalPipeline.load(default_model_dir, 1)
-    two = LocalPipeline.load(default_model_dir, 2)
+    one = LocalPipeline.load(default_model_dir, 1, weights=FP32)
+    two = LocalPipeline.load(default_model_dir, 2, weights=FP32)
     first = list(one.generate_ids(prompt_ids.tolist(), params))
     assert first
     text = "".join(two.generate_text(prompt_ids.tolist(), params))
@@ -136,9 +138,9 @@ def test_smollm2_forward_batch_matches_separate_forwards(
 ) -> None:
     """Four sessions at KV lengths 0, 3, 12, 33 mixing prefill chunks and decode steps."""
     first, middle, last = (
-        load_stage(default_model_dir, 0, 9),
-        load_stage(default_model_dir, 9, 24),
-        load_stage(default_model_dir, 24, 32),
+        load_stage(default_model_dir, 0, 9, weights=FP32),
+        load_stage(default_model_dir, 9, 24, weights=FP32),
+        load_stage(default_model_dir, 24, 32, weights=FP32),
     )
     plans = [(0, 7), (3, 1), (12, 5), (33, 1)]  # (history, new tokens)
     ids = torch.cat([prompt_ids, prompt_ids])
@@ -165,7 +167,7 @@ def test_smollm2_profile_total(default_model_dir: Path) -> None:
     config = json.loads((default_model_dir / "config.json").read_text())
     profile = model_profile(config)
     assert profile.total_param_count == 134_515_008
-    assert load_stage(default_model_dir, 0, 32).param_count() == 134_515_008
+    assert load_stage(default_model_dir, 0, 32, weights=FP32).param_count() == 134_515_008
 
 
 _RSS_SCRIPT = """
@@ -181,7 +183,7 @@ def peak_rss():  # VmHWM: this process's own high-water mark (ru_maxrss is inher
 
 before = peak_rss()
 start, end = int(sys.argv[2]), int(sys.argv[3])
-stage = load_stage(sys.argv[1], start, end)
+stage = load_stage(sys.argv[1], start, end, weights="float32")
 x = torch.arange(16) + 100 if start == 0 else torch.randn(16, 576)
 stage.forward(x, stage.new_kv())
 print(peak_rss() - before)

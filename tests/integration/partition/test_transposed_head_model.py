@@ -36,8 +36,8 @@ def test_transposed_head_keeps_the_greedy_tokens_of_the_default_model(
     default_model_dir: Path,
 ) -> None:
     prompt_ids = encode_prompt(load_tokenizer(default_model_dir), PROMPT, chat=True)
-    rows = load_stage(default_model_dir, 0, 32, transpose_head=False)
-    columns = load_stage(default_model_dir, 0, 32, transpose_head=True)
+    rows = load_stage(default_model_dir, 0, 32, weights="float32", transpose_head=False)
+    columns = load_stage(default_model_dir, 0, 32, weights="float32", transpose_head=True)
     assert columns.lm_head is not None
     assert columns.lm_head.weight.t().is_contiguous()
     assert columns.lm_head.weight is columns.embed_tokens.weight  # type: ignore[union-attr]

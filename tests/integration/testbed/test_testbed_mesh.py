@@ -43,7 +43,9 @@ pytestmark = [
 MIB = 1 << 20
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
 NEW_TOKENS = 12
-NODE_ARGS = ("--max-sessions", "4", "--max-context", "256")
+# float32: the hosts' memory is sized so that its weights need them all (the default
+# model's own int4 would fit one; test_testbed_weights.py covers the compact formats)
+NODE_ARGS = ("--max-sessions", "4", "--max-context", "256", "--weights", "float32")
 # the memory test announces a block step instead of calibrating (four calibrations of
 # the model under a memory limit, none of which its assertions read): it is about memory
 MEMORY_ARGS = (*NODE_ARGS, "--block-step-ms", "2")
@@ -54,7 +56,7 @@ torch.set_num_threads(1)
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.store import resolve_model
-pipe = LocalPipeline.load(resolve_model())
+pipe = LocalPipeline.load(resolve_model(), weights="float32")
 out = {"prompts": [], "tokens": []}
 for prompt in json.loads(sys.argv[1]):
     ids = pipe.tokenizer.encode(prompt)

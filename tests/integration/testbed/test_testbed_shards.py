@@ -32,7 +32,11 @@ pytestmark = [
 
 PROMPT_IDS = [1, 504, 3458, 282, 1029, 314, 253]
 NEW_TOKENS = 8
-NODE_ARGS = ("--max-sessions", "2", "--max-context", "256", "--block-step-ms", "2")
+# float32: 350 MiB hosts must split it (the default model's own int4 fits one)
+NODE_ARGS = (
+    *("--max-sessions", "2", "--max-context", "256", "--block-step-ms", "2"),
+    *("--weights", "float32"),
+)
 
 
 def _peer(view: dict[str, Any], peer_id: str) -> dict[str, Any]:
@@ -43,7 +47,7 @@ def _peer(view: dict[str, Any], peer_id: str) -> dict[str, Any]:
 def test_testbed_mesh_serves_a_model_only_one_host_had(
     mesh_testbed: MakeTestbed, default_model_dir: Path, tmp_path: Path
 ) -> None:
-    expected = reference_ids(default_model_dir, PROMPT_IDS, NEW_TOKENS)
+    expected = reference_ids(default_model_dir, PROMPT_IDS, NEW_TOKENS, "float32")
     manifest = load_or_build(default_model_dir)
     caches = {h: tmp_path / f"cache{h}" for h in (1, 2)}
     joiner = ("--model", "mesh")

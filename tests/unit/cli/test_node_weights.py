@@ -29,7 +29,9 @@ def test_the_weights_setting_flag_over_environment_over_file(monkeypatch, tmp_pa
     assert weights() == "int8"
     assert weights(env={"HETMESH_WEIGHTS": "bf16"}) == "bfloat16"
     assert weights("--weights", "auto", env={"HETMESH_WEIGHTS": "int8"}) == "auto"
-    assert build_node_config({}).serving.weights == "float32"  # the default
+    assert (
+        build_node_config({}).serving.weights == "native"
+    )  # the default: the checkpoint's own format
     file = load_config_file(f)
     assert build_node_config(merge({"weights": "int4"}, file)).serving.weights == "int4"
 
