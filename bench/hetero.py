@@ -114,7 +114,7 @@ def measure_strategy(
     prompt_ids: list[int],
     tokens: int,
     runs: int,
-    weights: str = "float32",
+    weights: str = "native",
 ) -> dict[str, Any]:
     began = time.monotonic()
     bed.start_all(*NODE_ARGS, "--plan-strategy", strategy, "--weights", weights)
@@ -190,7 +190,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--weights", default="float32", help="every node's weight format")
+    parser.add_argument(
+        "--weights", default="native", help="every node's weight format (native: as shipped)"
+    )
     parser.add_argument(
         "--strategies",
         default=",".join(STRATEGIES),

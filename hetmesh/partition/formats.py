@@ -44,6 +44,7 @@ How each format holds a model (what ``unit_param_bytes`` counts):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -249,6 +250,19 @@ def cpu_has_bf16() -> bool:
     return False
 
 
+BF16_HEAD_ENV = "HETMESH_BF16_INT8_HEAD"  # "0"/"1" overrides the CPU's flags (A/B runs)
+
+
+def bf16_int8_head() -> bool:
+    """Whether an int4 stage's int8 LM head takes bf16 activations on this CPU
+    (``hetmesh.partition.quant``): where it multiplies bf16 natively. Read off its
+    flags, never timed, so every process on a machine computes the same logits."""
+    forced = os.environ.get(BF16_HEAD_ENV, "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return cpu_has_bf16()
+
+
 def _mps_bf16() -> bool:
     import torch
 
@@ -260,6 +274,7 @@ def _mps_bf16() -> bool:
 
 
 __all__ = [
+    "BF16_HEAD_ENV",
     "FLOAT_FORMATS",
     "INT4_GROUP",
     "NATIVE",
@@ -270,6 +285,7 @@ __all__ = [
     "WeightFormat",
     "activation_dtype",
     "auto_weights",
+    "bf16_int8_head",
     "check_supported",
     "format_of_dtype",
     "is_native",

@@ -47,6 +47,7 @@ from hetmesh.partition.formats import (
     QUANTIZED_FORMATS,
     WeightFormat,
     activation_dtype,
+    bf16_int8_head,
     check_supported,
     format_of_dtype,
     is_native,
@@ -180,7 +181,14 @@ class StageModule(nn.Module):
             self.lm_head: nn.Module | None = None
             if self.has_head:
                 self.lm_head = (
-                    Int8Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+                    Int8Linear(
+                        config.hidden_size,
+                        config.vocab_size,
+                        bias=False,
+                        device="meta",
+                        # int4 multiplies in bf16 already: its head too (quant.py)
+                        bf16_activations=weights is WeightFormat.INT4 and bf16_int8_head(),
+                    )
                     if quantized
                     else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
                 )

@@ -154,3 +154,36 @@ def test_int8_linear_gives_the_same_bits_by_either_kernel(monkeypatch: pytest.Mo
         outs[kernel] = layer(x)
     quant.int8_kernel.cache_clear()
     assert torch.equal(outs["int_mm"], outs["float32"])
+
+
+def test_int8_head_in_bf16_multiplies_by_its_rows_and_keeps_rows_independent() -> None:
+    """The int4 format's head (on CPUs with native bf16): weight-only int8 with bf16
+    activations, close to the exact product of its int8 rows, and a row's logits
+    never depend on its batch."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 1000, 576
+    q, scale = quantize_rows_int8(torch.randn(n, k, generator=gen) * 0.05)
+    layer = Int8Linear(k, n, bias=False, device="cpu", bf16_activations=True)
+    layer.weight_q.copy_(q)
+    layer.weight_scale.copy_(scale)
+    x = torch.randn(9, k, generator=gen)
+    exact = x.double() @ (q.double() * scale.double()[:, None]).t()
+    got = layer(x)
+    assert got.dtype == torch.float32
+    assert got.shape == (9, n)
+    # bf16 activations and sums: ~2**-8 relative, far below int8's own rounding
+    error = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+    assert 0 < error < 0.02
+    for row in range(9):
+        assert torch.equal(layer(x[row : row + 1])[0], got[row])
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])
+def test_the_int4_head_takes_bf16_where_the_cpu_has_it(
+    monkeypatch: pytest.MonkeyPatch, forced: str
+) -> None:
+    from hetmesh.partition.formats import BF16_HEAD_ENV, bf16_int8_head, cpu_has_bf16
+
+    assert bf16_int8_head() is cpu_has_bf16()  # the CPU's flags, unless forced
+    monkeypatch.setenv(BF16_HEAD_ENV, forced)
+    assert bf16_int8_head() is (forced == "1")
