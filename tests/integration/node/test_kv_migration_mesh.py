@@ -43,9 +43,15 @@ def replicated(plan) -> set[str]:
 async def test_a_draining_replica_hands_its_session_over_with_its_kv(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
-    expected = reference_ids(default_model_dir, PROMPT, TOKENS)
+    # float32: its 500 MiB nodes must split the model (its own int4 fits one node, and
+    # a session on the entry's own whole-model replica would leave nothing to move)
+    expected = reference_ids(default_model_dir, PROMPT, TOKENS, "float32")
     serving = ServingConfig(
-        max_sessions=2, max_context_tokens=512, block_step_s=0.003, drain_s=120.0
+        max_sessions=2,
+        max_context_tokens=512,
+        block_step_s=0.003,
+        drain_s=120.0,
+        weights="float32",
     )
     async with open_mesh(tmp_path, serving, 4) as mesh:
         await wait_ready(mesh.nodes[0], pipelines=2, timeout_s=300)
