@@ -146,9 +146,9 @@ def generate(
         stop=tuple(stop or ()),
     )
     model_dir = _resolve(model, cache_dir)
-    from hetmesh.partition.checkpoint import native_weights
+    from hetmesh.partition.checkpoint import settle_weights
 
-    fmt = native_weights(model_dir, "cpu") if native else requested or auto_weights("cpu")
+    fmt = settle_weights(weights, model_dir, "cpu") or auto_weights("cpu")
     check_supported(fmt, "cpu")
     try:
         _stream(model_dir, prompt, params, stages=stages, chat=chat, weights=fmt)

@@ -332,14 +332,10 @@ class Serving:
     # -- calibration (hetmesh.node.calibration) --------------------------------------
 
     def _settle(self, setting: str, device: str) -> str:
-        from hetmesh.partition.checkpoint import native_weights
-        from hetmesh.partition.formats import is_native
+        from hetmesh.partition.checkpoint import settle_weights
 
-        if setting == "auto":
-            return "float32"  # until calibration decides
-        if is_native(setting):
-            return native_weights(self.model_dir, device).value
-        return setting
+        fmt = settle_weights(setting, self.model_dir, device)
+        return "float32" if fmt is None else fmt.value  # auto: until calibration decides
 
     def bytes_of(self, weights: str) -> WeightBytes | None:
         """What ``weights`` costs per unit of this model (None: not a format we know)."""
