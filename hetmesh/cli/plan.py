@@ -117,7 +117,28 @@ def devices_from_view(view: Mapping[str, Any]) -> tuple[list[DeviceProfile], lis
 
 
 def default_dtype(devices: Sequence[DeviceProfile]) -> str:
+    """The format of a known shape (no stored weights to read one off)."""
     return "float32" if all(d.backend == "cpu" for d in devices) else "float16"
+
+
+def native_formats(spec: str, devices: Sequence[DeviceProfile]) -> dict[str, str] | None:
+    """Peer id → the format a node on that device holds ``spec``'s weights in by
+    default (:func:`~hetmesh.partition.checkpoint.native_weights`); None when
+    ``spec`` is not a model folder with weights (a known shape, a bare config)."""
+    from hetmesh.partition.checkpoint import native_weights
+    from hetmesh.partition.profile import KNOWN_SHAPES
+    from hetmesh.partition.store import weight_files
+
+    path = Path(spec)
+    folder = path if path.is_dir() else path.parent
+    if spec in KNOWN_SHAPES or not (folder / "config.json").is_file():
+        return None
+    try:
+        if not weight_files(folder):
+            return None
+    except MeshError:  # no weights there: plan it as a shape
+        return None
+    return {d.peer_id: native_weights(folder, d.backend).value for d in devices}
 
 
 def plan_with_baselines(
@@ -259,9 +280,10 @@ def plan_command(
         typer.Option(
             "--weights",
             "--dtype",
-            help="Weight format of devices that name none: float32, bfloat16, float16, "
-            'int8 or int4 (a devices file\'s entries may carry their own "weights"; '
-            "a live mesh's peers announce theirs).",
+            help="Weight format of devices that name none: native, float32, bfloat16, "
+            "float16, int8 or int4 (a devices file's entries may carry their own "
+            '"weights"; a live mesh\'s peers announce theirs). Default: native for a '
+            "model folder (what a node holds it in), else float32 on CPUs, float16 else.",
         ),
     ] = None,
     max_context: Annotated[int, typer.Option(help="KV budget: tokens per session.")] = 2048,
@@ -297,10 +319,22 @@ def plan_command(
         raise typer.BadParameter("give exactly one of --devices and --mesh")
     if not found:
         raise InsufficientCapacity("no device to plan on", missing_bytes=0)
-    from hetmesh.partition.formats import parse_weights
+    from hetmesh.partition.formats import is_native, parse_weights
 
-    fmt = parse_weights(dtype) if dtype is not None else None
-    base = fmt.value if fmt is not None else default_dtype(found)
+    native = native_formats(model, found) if dtype is None or is_native(dtype) else None
+    if native is None and is_native(dtype):
+        raise typer.BadParameter(
+            "native is the format a model folder's weights are stored in: give a model "
+            "folder with its weights, or a format",
+            param_hint="--weights",
+        )
+    if native is not None:  # as the nodes do without --weights: the checkpoint's own
+        for d in found:
+            formats.setdefault(d.peer_id, native[d.peer_id])
+        base = native[found[0].peer_id]
+    else:
+        fmt = parse_weights(dtype)
+        base = fmt.value if fmt is not None else default_dtype(found)
     config, name = load_config(model)
     profile = load_model(model, base)
     for d in found:  # devices naming no format of their own serve in --weights

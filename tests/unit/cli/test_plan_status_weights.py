@@ -85,6 +85,30 @@ def test_plan_takes_each_devices_own_format_and_shows_it(tmp_path: Path) -> None
     assert "int4" in text
 
 
+def test_plan_holds_a_model_folder_in_its_own_format_as_the_nodes_do(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    # the default model ships Q4_1: a node without --weights holds it as int4, so
+    # the plan charges int4 bytes; fp32 (0.6 GB) would not fit these 0.5 GiB CPUs
+    devices = [_cpu(p, GIB // 2).to_wire() for p in ("a", "b")]
+    path = _write(tmp_path, devices)
+    args = ["plan", "--model", str(default_model_dir), "--devices", str(path), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    stages = [s for p in json.loads(result.output)["plan"]["pipelines"] for s in p["stages"]]
+    assert {s["weights"] for s in stages} == {"int4"}
+    assert CliRunner().invoke(app, [*args, "--weights", "native"]).output == result.output
+    fp32 = CliRunner().invoke(app, [*args, "--weights", "float32"])
+    assert fp32.exit_code != 0
+    assert "does not fit" in str(fp32.exception)
+    # a known shape stores no weights: native names no format there
+    shape = CliRunner().invoke(
+        app, ["plan", "--model", "llama-7b", "--devices", str(path), "--weights", "native"]
+    )
+    assert shape.exit_code == 2
+    assert "native" in shape.output
+
+
 def _write(tmp_path: Path, devices: list[dict]) -> Path:
     path = tmp_path / "plain.json"
     path.write_text(json.dumps(devices))
