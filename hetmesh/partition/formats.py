@@ -9,6 +9,7 @@ Committed API (the node, scheduler and CLI build on these)::
     parse_weights(text: str | None) -> WeightFormat | None      # None = auto
     is_native(text: str | None) -> bool                         # "native": the checkpoint's own
     activation_dtype(fmt: WeightFormat) -> str                  # "float32" | "bfloat16" | ...
+    kv_dtype(fmt: WeightFormat) -> str                          # the KV cache: fp16 for int8, int4
     unit_param_bytes(config: Mapping[str, Any], fmt: WeightFormat) -> UnitBytes
     check_supported(fmt: WeightFormat, device: str) -> None
     auto_weights(device: str) -> WeightFormat                   # one process's "auto"
@@ -107,10 +108,26 @@ def is_native(text: str | None) -> bool:
 
 
 def activation_dtype(fmt: WeightFormat) -> str:
-    """The dtype of hidden states and the KV cache on a stage holding ``fmt`` weights."""
+    """The dtype of hidden states on a stage holding ``fmt`` weights."""
     if fmt in _FLOAT_WIDTH:
         return fmt.value
     return "float32"
+
+
+def kv_dtype(fmt: WeightFormat) -> str:
+    """The dtype of the KV cache on a stage holding ``fmt`` weights.
+
+    Compact weights (int8, int4) keep their keys and values in float16, as
+    llama.cpp does by default: half of fp32's bytes per cached token, which is
+    what bounds sessions × context on a small machine. Attention still runs in
+    fp32 (the cached keys and values are widened as they are read; fp16
+    attention on CPUs measured 10x slower than fp32). Float formats keep their
+    own dtype, so ``float32`` stays exact end to end. ``HETMESH_KV16=0`` keeps
+    compact formats' cache in fp32 too (for comparisons).
+    """
+    if fmt in QUANTIZED_FORMATS and os.environ.get("HETMESH_KV16", "1") != "0":
+        return "float16"
+    return activation_dtype(fmt)
 
 
 def format_of_dtype(dtype: Any) -> WeightFormat:
@@ -189,9 +206,9 @@ def unit_param_bytes(config: Mapping[str, Any], fmt: WeightFormat) -> UnitBytes:
     block += small_bytes(small, fmt)
     embed = table_bytes(vocab, hidden, fmt)
     head = table_bytes(vocab, hidden, fmt) + small_bytes(hidden, fmt)
-    act = _FLOAT_WIDTH.get(fmt, 4)
+    cached = _FLOAT_WIDTH[WeightFormat(kv_dtype(fmt))]
     return UnitBytes(
-        embed=embed, block=block, head=head, kv_bytes_per_token_per_layer=2 * kv_out * act
+        embed=embed, block=block, head=head, kv_bytes_per_token_per_layer=2 * kv_out * cached
     )
 
 
@@ -289,6 +306,7 @@ __all__ = [
     "check_supported",
     "format_of_dtype",
     "is_native",
+    "kv_dtype",
     "parse_weights",
     "unit_param_bytes",
 ]

@@ -359,8 +359,8 @@ class SessionKV:
             return keys[:, lo : lo + end], values[:, lo : lo + end]
         assert self._slots is not None  # set with the blocks
         new = self._slots[start:end]
-        keys.index_copy_(1, new, key)
-        values.index_copy_(1, new, value)
+        keys.index_copy_(1, new, key.to(keys.dtype))
+        values.index_copy_(1, new, value.to(values.dtype))
         held = self._slots[:end]
         return keys.index_select(1, held), values.index_select(1, held)
 

@@ -59,8 +59,8 @@ def model_profile(
 
     ``weights`` is the format the units are held in (a :class:`WeightFormat`
     or its name); parameter bytes are those resident in that format, and the
-    profile's ``dtype`` is the format's activation/KV dtype (fp32 for int8 and
-    int4, see :mod:`hetmesh.partition.formats`). ``dtype`` is the older
+    profile's ``dtype`` is the format's activation dtype (fp32 for int8 and
+    int4, whose KV cache is fp16: see :mod:`hetmesh.partition.formats`). ``dtype`` is the older
     spelling for the float formats and is kept for callers not yet migrated;
     without either the model is profiled in float32.
     """
@@ -130,7 +130,7 @@ def model_profile(
                 flops_per_token=2.0 * layer_matmul_params,
                 # q·k and attention·v, each 2 FLOPs per multiply-add, every head
                 attention_flops_per_token_per_context=4.0 * heads * head_dim,
-                kv_bytes_per_token=2 * kv_out * width,
+                kv_bytes_per_token=held.kv_bytes_per_token_per_layer,
                 input_bytes_per_token=boundary,
                 output_bytes_per_token=boundary,
             )

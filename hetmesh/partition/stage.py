@@ -51,6 +51,7 @@ from hetmesh.partition.formats import (
     check_supported,
     format_of_dtype,
     is_native,
+    kv_dtype,
 )
 from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kv import KVPool, SessionKV
@@ -109,7 +110,8 @@ class _BatchCache:
         # key, value: (batch, kv_heads, seq, head_dim)
         if len(self.sessions) == 1:
             k, v = self.sessions[0]._write(layer_idx, key[0], value[0])
-            return k.unsqueeze(0), v.unsqueeze(0)
+            # a 16-bit cache is widened to the activations' dtype as it is read
+            return k.unsqueeze(0).to(key.dtype), v.unsqueeze(0).to(value.dtype)
         batch, heads, _, dim = key.shape
         keys = key.new_zeros((batch, heads, self.total, dim))
         values = value.new_zeros((batch, heads, self.total, dim))
@@ -140,6 +142,7 @@ class StageModule(nn.Module):
         self.weights = weights
         self.device = device
         self.dtype: torch.dtype = getattr(torch, activation_dtype(weights))
+        self.kv_dtype: torch.dtype = getattr(torch, kv_dtype(weights))
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
         self.max_context: int = profile.max_context
@@ -241,7 +244,7 @@ class StageModule(nn.Module):
             num_layers=self.num_layers,
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
 
@@ -256,7 +259,7 @@ class StageModule(nn.Module):
                 num_layers=self.num_layers,
                 kv_heads=self.kv_heads,
                 head_dim=self.head_dim,
-                dtype=self.dtype,
+                dtype=self.kv_dtype,
                 device=self.device,
                 growable=True,
             )
@@ -264,13 +267,13 @@ class StageModule(nn.Module):
             self.num_layers,
             self.kv_heads,
             self.head_dim,
-            self.dtype,
+            self.kv_dtype,
         ):
             raise InvalidRequest("this KV pool was made for another stage")
         return SessionKV(owner=id(self), pool=pool, max_length=self.max_context)
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def extra_repr(self) -> str:
         return (

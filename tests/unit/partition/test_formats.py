@@ -10,6 +10,7 @@ from hetmesh.partition.formats import (
     WeightFormat,
     activation_dtype,
     check_supported,
+    kv_dtype,
     parse_weights,
 )
 from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
@@ -71,8 +72,24 @@ def test_integer_formats_count_their_compact_bytes() -> None:
     ratio4 = int4.total_param_bytes / fp32.total_param_bytes
     assert 0.25 < ratio8 < 0.27
     assert 0.17 < ratio4 < 0.19
-    # KV stays fp32 under integer formats
-    assert int8.units[1].kv_bytes_per_token == fp32.units[1].kv_bytes_per_token
+    # integer formats cache keys and values in fp16: half of fp32's bytes per token
+    assert int8.units[1].kv_bytes_per_token == int4.units[1].kv_bytes_per_token
+    assert 2 * int8.units[1].kv_bytes_per_token == fp32.units[1].kv_bytes_per_token == 192 * 2 * 4
+
+
+def test_the_kv_cache_is_fp16_under_integer_formats_unless_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert [kv_dtype(f) for f in WeightFormat] == [
+        "float32",
+        "bfloat16",
+        "float16",
+        "float16",
+        "float16",
+    ]
+    monkeypatch.setenv("HETMESH_KV16", "0")
+    assert kv_dtype(WeightFormat.INT4) == kv_dtype(WeightFormat.INT8) == "float32"
+    assert model_profile(SMOL, weights="int4").units[1].kv_bytes_per_token == 192 * 2 * 4
 
 
 def test_model_profile_rejects_both_spellings_and_unknown_formats() -> None:
