@@ -14,7 +14,8 @@ batch runs.
 A round takes at most half of the open sessions (``micro_batches``): many
 sessions then cycle through the pipeline as two micro-batches, and while the
 next stage computes one, this stage computes the other (one batch of all of
-them would leave every stage but one idle). Each micro-batch still shares one
+them would leave every stage but one idle). A stage holding the whole model
+has no next stage: its rounds take every waiting session. Each micro-batch still shares one
 forward, and one frame per session and hop. A round's frames leave one after
 another, so a stage gathers a burst before it starts (frames no more than
 ``GATHER_S`` apart, until its share is in): otherwise it would start on the
@@ -155,11 +156,13 @@ class StageServer:
         device_limiter: trio.CapacityLimiter | None = None,
         threads: int | None = None,
         send_now: SendNow | None = None,
-        micro_batches: int = 2,
+        micro_batches: int | None = None,
     ) -> None:
         """``send``: a frame to a peer, from trio; ``send_now``: the fast path from the
         device thread (None: every frame goes through trio); ``micro_batches``: the
-        share of the open sessions one round may take (1: all of them at once)."""
+        share of the open sessions one round may take (1: all of them at once;
+        None: 1 for a stage holding the whole model, which has no next stage to
+        overlap with, else 2)."""
         self.stage = stage
         self._threads = threads or torch.get_num_threads()
         self.pool = stage.new_pool(_pool_blocks(stage, limits))
@@ -167,6 +170,8 @@ class StageServer:
         self._send = send
         self._send_now = send_now
         self._max_batch = max_batch
+        if micro_batches is None:
+            micro_batches = 1 if stage.has_embed and stage.has_head else 2
         self._micro_batches = max(1, micro_batches)
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}

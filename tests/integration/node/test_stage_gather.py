@@ -34,8 +34,8 @@ async def never_sends(peer: str, frame: object) -> None:
     raise AssertionError("the batching loop is not running: nothing is sent")
 
 
-def first_stage(tiny_model, micro_batches: int) -> StageServer:
-    stage = load_stage(tiny_model, 0, 2)
+def first_stage(tiny_model, micro_batches: int | None, end: int = 2) -> StageServer:
+    stage = load_stage(tiny_model, 0, end)
     server = StageServer(
         stage,
         limits=KVLimits(
@@ -50,8 +50,8 @@ def first_stage(tiny_model, micro_batches: int) -> StageServer:
         request = OpenSession(
             session_id=sid,
             start=0,
-            end=2,
-            next_peer="b",
+            end=end,
+            next_peer="b" if end < 4 else GATEWAY,
             gateway=GATEWAY,
             max_tokens=32,
             sampling=SamplingParams(),
@@ -117,3 +117,15 @@ async def test_a_round_never_waits_once_it_holds_its_share(
     server.submit(step("s1"), release=lambda: None, sender=GATEWAY)
     await next_round(server, rounds)  # no clock jump: it returned without waiting
     assert rounds == [["s0", "s1"]]
+
+
+async def test_a_stage_holding_the_whole_model_takes_every_waiting_session(tiny_model) -> None:
+    # with no next stage to overlap with, halves would only leave the device idle
+    rounds: list[list[str]] = []
+    whole = first_stage(tiny_model, micro_batches=None, end=4)  # embed, 2 blocks, head
+    part = first_stage(tiny_model, micro_batches=None)  # [0, 2): a next stage follows
+    for server in (whole, part):
+        for sid in SESSIONS:
+            server.submit(step(sid), release=lambda: None, sender=GATEWAY)
+        await next_round(server, rounds)  # each holds its share at once: no waiting
+    assert rounds == [SESSIONS, SESSIONS[:2]]
