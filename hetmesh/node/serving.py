@@ -888,6 +888,7 @@ class Serving:
                 MeshLoad(pipelines=loads, unhealthy_peers=tuple(sorted(unhealthy))),
                 RouteRequest(session_id=session_id),
                 cached,
+                local=self.node.peer_id,
             )
         except NoRoute:
             return ()

@@ -80,3 +80,21 @@ def test_route_records_round_trip() -> None:
     assert MeshLoad.from_wire(load.to_wire()) == load
     with pytest.raises(ValueError, match="non-negative"):
         RouteRequest(prompt_tokens=-1)
+
+
+def test_route_prefers_the_gateways_own_pipeline_within_the_slack(three_replicas: Plan) -> None:
+    request = RouteRequest(max_new_tokens=10)
+    fast, mid = by_peer(three_replicas, "fast"), by_peer(three_replicas, "mid")
+    # "fast" wins by 4x, far past the slack, whoever the gateway is
+    assert route(three_replicas, MeshLoad(), request, local="mid").peers == {"fast"}
+    # with "fast" busy, "mid" and "slow" tie: a gateway on "slow" keeps the session home
+    busy_fast = MeshLoad(pipelines={fast: PipelineLoad(active_sessions=6)})
+    assert route(three_replicas, busy_fast, request).peers == {"mid"}
+    assert route(three_replicas, busy_fast, request, local="slow").peers == {"slow"}
+    # a busy home loses to an idle equal elsewhere
+    busy_home = MeshLoad(
+        pipelines={fast: PipelineLoad(active_sessions=6), mid: PipelineLoad(active_sessions=3)}
+    )
+    assert route(three_replicas, busy_home, request, local="mid").peers == {"slow"}
+    # a peer holding no pipeline of its own changes nothing
+    assert route(three_replicas, busy_fast, request, local="elsewhere").peers == {"mid"}
