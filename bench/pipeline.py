@@ -176,7 +176,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.node.local import local_mesh, wait_settled
     from hetmesh.partition.store import resolve_model
     from hetmesh.partition.text import encode_prompt, load_tokenizer
 
@@ -186,7 +186,9 @@ def main() -> None:
     filler = encode_prompt(tokenizer, "The sea is wide and the night is long. " * 80)
     long_ids = filler[:512]
     with local_mesh(3, node_args=[*NODE_ARGS, "--weights", args.weights]) as mesh:
-        wait_serving(mesh)
+        # every planned replica loaded, or the first repeats would share the cores with
+        # the standbys' loading (and run on whichever replica happened to be ready)
+        wait_settled(mesh)
         base = Reference(model_dir, args.weights)
         ours = figures(mesh, base, prompt_ids, long_ids, args.tokens, args.repeats)
         del base

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,38 @@ def wait_serving(
     mesh: LocalMesh, *, pipelines: int = 1, timeout_s: float = 120.0
 ) -> dict[str, Any]:
     """Block until the first node sees ``pipelines`` ready pipelines; its view then."""
+    return _poll(mesh, lambda view: ready_pipelines(view) >= pipelines, timeout_s, "serve")
+
+
+def wait_settled(
+    mesh: LocalMesh, *, quiet_s: float = 3.0, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Block until every pipeline of the newest plan is ready and that plan has been
+    the newest for ``quiet_s``: standby replicas loaded, no stage loading any more
+    (a benchmark measured meanwhile would share the cores with the loads)."""
+    from hetmesh.scheduler.replan import newest_in_view
+
+    since: dict[str, float] = {}
+
+    def settled(view: dict[str, Any]) -> bool:
+        plan = newest_in_view(view)
+        if plan is None or ready_pipelines(view) < len(plan.pipelines):
+            since.clear()
+            return False
+        key = f"{plan.epoch}:{[p.key for p in plan.pipelines]}"
+        now = time.monotonic()
+        if key not in since:
+            since.clear()
+            since[key] = now
+        return now - since[key] >= quiet_s
+
+    return _poll(mesh, settled, timeout_s, "settle")
+
+
+def _poll(
+    mesh: LocalMesh, done: Callable[[dict[str, Any]], bool], timeout_s: float, what: str
+) -> dict[str, Any]:
+    """The first node's status view, every half second, until ``done`` says so."""
     import trio
 
     from hetmesh.discovery.status import fetch_status
@@ -157,10 +189,10 @@ def wait_serving(
                 raise MeshError(f"a node exited with {node.proc.returncode}:\n{node.log_tail()}")
         with contextlib.suppress(MeshError, OSError):
             view = trio.run(lambda: fetch_status(mesh.addr, mesh_secret=mesh.secret))
-            if ready_pipelines(view) >= pipelines:
+            if done(view):
                 return view
         time.sleep(0.5)
-    raise RequestTimeout(f"the local mesh did not serve within {timeout_s:.0f} s")
+    raise RequestTimeout(f"the local mesh did not {what} within {timeout_s:.0f} s")
 
 
 def share_threads(nodes: int) -> int:

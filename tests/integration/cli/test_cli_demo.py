@@ -14,7 +14,8 @@ import pytest
 from hetmesh.cli.demo import DEMO_WEIGHTS
 from hetmesh.discovery.profiling import CACHE_FILE
 from hetmesh.errors import MeshError, RequestTimeout
-from hetmesh.node.local import local_mesh, wait_serving
+from hetmesh.node.local import local_mesh, ready_pipelines, wait_serving, wait_settled
+from hetmesh.scheduler.replan import newest_in_view
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -104,8 +105,24 @@ def test_wait_serving_times_out_on_a_node_without_a_model_and_sees_it_die(
         assert second == first
         with pytest.raises(RequestTimeout, match="did not serve within 3 s"):
             wait_serving(mesh, timeout_s=3)
+        with pytest.raises(RequestTimeout, match="did not settle within 2 s"):
+            wait_settled(mesh, timeout_s=2)  # no plan: nothing to settle on
         mesh.nodes[0].proc.kill()
         with pytest.raises(MeshError, match="a node exited"):
             wait_serving(mesh, timeout_s=60)
     assert _processes_under(tmp_path) == []
     assert all(node.proc.returncode is not None for node in mesh.nodes)
+
+
+@pytest.mark.model
+def test_wait_settled_returns_once_every_planned_pipeline_is_ready_and_stays(
+    tmp_path: Path,
+) -> None:
+    # int4 with fp16 KV fits one node: the plan grows a standby replica on the other,
+    # which is loaded only after the first pipeline serves
+    args = ["--max-memory", "500MiB", "--max-context", "1024", "--max-sessions", "8"]
+    with local_mesh(2, node_args=args, root=tmp_path) as mesh:
+        view = wait_settled(mesh, quiet_s=2.0, timeout_s=240)
+        plan = newest_in_view(view)
+        assert plan is not None
+        assert ready_pipelines(view) == len(plan.pipelines) == 2
