@@ -179,6 +179,7 @@ def main() -> None:
     from hetmesh.node.local import local_mesh, wait_settled
     from hetmesh.partition.store import resolve_model
     from hetmesh.partition.text import encode_prompt, load_tokenizer
+    from hetmesh.scheduler.replan import newest_in_view
 
     model_dir = resolve_model()
     tokenizer = load_tokenizer(model_dir)
@@ -188,10 +189,13 @@ def main() -> None:
     with local_mesh(3, node_args=[*NODE_ARGS, "--weights", args.weights]) as mesh:
         # every planned replica loaded, or the first repeats would share the cores with
         # the standbys' loading (and run on whichever replica happened to be ready)
-        wait_settled(mesh)
+        plan = newest_in_view(wait_settled(mesh))
         base = Reference(model_dir, args.weights)
         ours = figures(mesh, base, prompt_ids, long_ids, args.tokens, args.repeats)
         del base
+        entry = mesh.nodes[-1].peer_id  # the client's gateway
+    assert plan is not None  # wait_settled returns with one
+    names = {peer: f"node{i}" for i, peer in enumerate(n.peer_id for n in mesh.nodes)}
     result = {
         "decode_tokens_per_s_mesh": 1.0 / ours["tpot_s"],
         "decode_tokens_per_s_reference": 1.0 / ours["reference_tpot_s"],
@@ -205,6 +209,11 @@ def main() -> None:
         "tokens": args.tokens,
         "repeats": args.repeats,
         "outputs_identical": bool(ours["outputs_identical"]),
+        # the settled plan: each pipeline's stages (node, start, end); the client's
+        # gateway is the last node, and a pipeline all on it needs no hop
+        "plan": [[(names[s.peer_id], s.start, s.end) for s in p.stages] for p in plan.pipelines],
+        "plan_decode_ms": [round(p.decode_latency_s * 1e3, 2) for p in plan.pipelines],
+        "gateway_holds_a_pipeline": any(p.peers == {entry} for p in plan.pipelines),
     }
     if not args.no_single_process:
         import decode  # bench/decode.py, beside this file
@@ -232,6 +241,10 @@ def main() -> None:
         f"gain {result['concurrency_gain_8']:.2f} (target >= 4)"
     )
     print(f"outputs identical to the reference: {result['outputs_identical']}")
+    print(
+        f"plan {result['plan']} (predicted {result['plan_decode_ms']} ms a token), "
+        f"gateway holds a pipeline: {result['gateway_holds_a_pipeline']}"
+    )
     if "single_process_speedup" in result:
         print(
             f"single process         {result['single_process_tokens_per_s']:.1f} vs "
