@@ -156,19 +156,18 @@ def wait_settled(
     (a benchmark measured meanwhile would share the cores with the loads)."""
     from hetmesh.scheduler.replan import newest_in_view
 
-    since: dict[str, float] = {}
+    last: tuple[int, tuple[str, ...]] | None = None  # the ready plan last seen ...
+    since = 0.0  # ... and since when
 
     def settled(view: dict[str, Any]) -> bool:
+        nonlocal last, since
         plan = newest_in_view(view)
-        if plan is None or ready_pipelines(view) < len(plan.pipelines):
-            since.clear()
-            return False
-        key = f"{plan.epoch}:{[p.key for p in plan.pipelines]}"
-        now = time.monotonic()
-        if key not in since:
-            since.clear()
-            since[key] = now
-        return now - since[key] >= quiet_s
+        key = None
+        if plan is not None and ready_pipelines(view) == len(plan.pipelines):
+            key = (plan.epoch, tuple(p.key for p in plan.pipelines))
+        if key != last:
+            last, since = key, time.monotonic()
+        return key is not None and time.monotonic() - since >= quiet_s
 
     return _poll(mesh, settled, timeout_s, "settle")
 

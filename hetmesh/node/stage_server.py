@@ -15,8 +15,8 @@ A round takes at most half of the open sessions (``micro_batches``): many
 sessions then cycle through the pipeline as two micro-batches, and while the
 next stage computes one, this stage computes the other (one batch of all of
 them would leave every stage but one idle). A stage holding the whole model
-has no next stage: its rounds take every waiting session. Each micro-batch still shares one
-forward, and one frame per session and hop. A round's frames leave one after
+has no next stage: its rounds take every waiting session. Each micro-batch
+still shares one forward, and one frame per session and hop. A round's frames leave one after
 another, so a stage gathers a burst before it starts (frames no more than
 ``GATHER_S`` apart, until its share is in): otherwise it would start on the
 first frame of a micro-batch and the groups would crumble into single steps.

@@ -60,9 +60,9 @@ def model_profile(
     ``weights`` is the format the units are held in (a :class:`WeightFormat`
     or its name); parameter bytes are those resident in that format, and the
     profile's ``dtype`` is the format's activation dtype (fp32 for int8 and
-    int4, whose KV cache is fp16: see :mod:`hetmesh.partition.formats`). ``dtype`` is the older
-    spelling for the float formats and is kept for callers not yet migrated;
-    without either the model is profiled in float32.
+    int4, whose KV cache is fp16: see :mod:`hetmesh.partition.formats`).
+    ``dtype`` is the older spelling for the float formats and is kept for
+    callers not yet migrated; without either the model is profiled in float32.
     """
     if weights is not None and dtype is not None:
         raise ValueError("pass weights= or dtype=, not both")

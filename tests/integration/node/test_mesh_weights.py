@@ -36,8 +36,8 @@ NEW_TOKENS = 16
 # (weights, --max-memory) of each mesh's two nodes. Each cap is under what one
 # node needs for the whole model in its format with its KV budget (~470 MiB in
 # bf16 or float16; ~345 MiB in int8 and ~315 MiB in int4, whose KV is fp16, at
-# 512 tokens × 4 sessions, reserve included), so the planner must use both nodes. Two mixed
-# meshes cover the four compact formats (each mesh costs its start-up). The announced
+# 512 tokens × 4 sessions, reserve included), so the planner must use both nodes.
+# Two mixed meshes cover the four compact formats (each mesh costs its start-up). The announced
 # block step skips the start-up calibration (its figure does not change what these
 # tests check).
 MESHES = {
