@@ -27,6 +27,9 @@ from hetmesh.transport import DataPlane, Frame, Libp2pStream, Link
 log = logging.getLogger(__name__)
 
 DATAPLANE_PROTOCOL = "/hetmesh/dataplane/1.0.0"
+# a peer that left closes its links as it exits: until then (at most this long) its
+# link is read on, so the frames it sent last (a migrated session's KV) arrive
+LEFT_LINGER_S = 5.0
 
 Dispatch = Callable[[PeerId, Link, Frame], None]
 
@@ -157,14 +160,33 @@ class LinkPool:
     ) -> None:
         """Follow discovery's health changes: a peer declared dead (or gone) loses its
         link, and ``on_dead`` hears of it first (the gateway recovers its sessions).
-        Returns when ``events`` ends."""
+        A peer that left says goodbye before it closes its links: its link is read
+        until it ends (up to :data:`LEFT_LINGER_S`), or the last frames it sent
+        (the KV of a session it handed over while draining) would be discarded
+        unread. Returns when ``events`` ends."""
         async for event in events:
             if event.new not in (Health.DEAD, Health.LEFT):
                 continue
-            log.info("peer %s is %s: closing its data-plane link", event.peer_id, event.new)
             on_dead(event.peer_id)
+            if event.new is Health.LEFT:
+                self._nursery.start_soon(self._drop_when_quiet, event.peer_id)
+                continue
+            log.info("peer %s is %s: closing its data-plane link", event.peer_id, event.new)
             with trio.move_on_after(5.0):  # a frozen peer must not hold this loop
                 await self.drop(event.peer_id)
+
+    async def _drop_when_quiet(self, peer: PeerId) -> None:
+        """Close a departed peer's link once it has ended, or after the linger."""
+        link = self._links.get(peer)
+        done = self._closed.get(id(link)) if link is not None else None
+        if link is None or done is None:
+            return
+        with trio.move_on_after(LEFT_LINGER_S):
+            await done.wait()
+            return
+        log.info("peer %s left but its link is still open: closing it", peer)
+        with trio.move_on_after(5.0):
+            await self.drop(peer, link)
 
     async def aclose(self) -> None:
         for peer in list(self._links):
