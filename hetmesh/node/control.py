@@ -18,6 +18,10 @@ from hetmesh.resources import PeerId, WireRecord
 
 SESSION_PROTOCOL = "/hetmesh/session/1.0.0"
 MAX_CONTROL_BYTES = 64 * 1024
+# a stage holding the whole model generates up to this many tokens from one feed
+# (OpenSession.feed_steps), and learns at most this many end-of-sequence ids
+MAX_FEED_STEPS = 32
+MAX_STOP_IDS = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,7 +50,18 @@ class OpenSession(WireRecord):
     # resume; "" for none (the stage orders it by arrival)
     order_s: float = 0.0
     order_id: str = ""
+    # tokens the stage generates from each step its gateway sends: after the first it
+    # feeds itself each sampled token, until ``feed_steps``, an id of ``stop_ids`` or
+    # ``max_tokens`` (a stage holding the whole model only; 1: one token a step)
+    feed_steps: int = 1
+    stop_ids: tuple[int, ...] = ()
     op: str = "open"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.feed_steps <= MAX_FEED_STEPS:
+            raise ValueError(f"feed_steps must be within [1, {MAX_FEED_STEPS}]")
+        if len(self.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop ids")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

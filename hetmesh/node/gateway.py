@@ -68,10 +68,22 @@ from hetmesh.errors import (
     RequestTimeout,
     TransportError,
 )
-from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
+from hetmesh.node.control import (
+    MAX_FEED_STEPS,
+    MAX_STOP_IDS,
+    CloseSession,
+    MoveSession,
+    OpenSession,
+    Reply,
+)
 from hetmesh.node.migration import moves
 from hetmesh.partition.blocks import BLOCK_TOKENS
-from hetmesh.partition.prefill import prefill_chunk_default, prefill_chunks, route_chunk_tokens
+from hetmesh.partition.prefill import (
+    prefill_chunk_default,
+    prefill_chunks,
+    route_chunk_tokens,
+    token_count_env,
+)
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
 from hetmesh.resources import PeerId
@@ -154,7 +166,10 @@ _Inbound = Tokens | Error | _PeerGone
 # how long a move waits for a route: the stream pauses meanwhile, and the plan loop asks
 # again every second while a stage is unready (e.g. its replacement still loading)
 MOVE_ROUTE_WAIT_S = 0.05
-INBOX_FRAMES = 16  # a session's inbox: one token per step is expected; more are dropped
+# a session's inbox: a step's tokens (up to a feed's), an error; more are dropped
+INBOX_FRAMES = MAX_FEED_STEPS + 4
+FEED_STEPS = 16  # tokens a stage holding the whole model generates from one step
+FEED_STEPS_ENV = "HETMESH_FEED_STEPS"
 
 
 class _Preempted(Exception):
@@ -180,13 +195,21 @@ class _Replay(Exception):
         self.leaving = leaving
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _InFlight:
-    """A step sent to the first stage whose token has not come back yet."""
+    """A step sent to the first stage whose tokens have not all come back yet."""
 
-    step: int
-    started: float
+    step: int  # the step of the next token
+    started: float  # when that token's wait began
     hops: tuple[Hop, ...]
+    tokens: int = 1  # tokens still to come from it (a fed session's: several)
+    fed: int = 1  # token ids the next token's step took in (the first: the step's)
+
+
+def feed_steps_default() -> int:
+    """Tokens per step when the caller does not say: ``HETMESH_FEED_STEPS`` (1: a
+    step a token, as before issue 16), else :data:`FEED_STEPS`."""
+    return min(max(1, token_count_env(FEED_STEPS_ENV, FEED_STEPS)), MAX_FEED_STEPS)
 
 
 class _StepFailed(Exception):
@@ -215,12 +238,16 @@ class Gateway:
         migrate: bool = True,
         prefill_chunk_tokens: int | None = None,
         chunk_costs: ChunkCosts | None = None,
+        feed_steps: int | None = None,
     ) -> None:
         """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
         (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
         step). ``chunk_costs``: what chunks cost each hop of a route, as measured there;
         a route with a costly stage gets its prefills whole
-        (:func:`~hetmesh.partition.prefill.route_chunk_tokens`; None: chunk every route)."""
+        (:func:`~hetmesh.partition.prefill.route_chunk_tokens`; None: chunk every route).
+        ``feed_steps``: tokens a route of one stage (the whole model on one peer)
+        generates from each step sent, feeding itself between them (None: the
+        ``HETMESH_FEED_STEPS`` switch, else 16; 1: a round trip a token)."""
         self.peer_id = peer_id
         self._control = control
         self._send = send
@@ -235,6 +262,9 @@ class Gateway:
             prefill_chunk_default() if prefill_chunk_tokens is None else prefill_chunk_tokens
         )
         self._chunk_costs = chunk_costs
+        self.feed_steps = feed_steps_default() if feed_steps is None else feed_steps
+        if not 1 <= self.feed_steps <= MAX_FEED_STEPS:
+            raise ValueError(f"feed_steps must be within [1, {MAX_FEED_STEPS}]")
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
         # session id -> peers it should move off at its next step (a planned change)
@@ -458,6 +488,7 @@ class Gateway:
         Returns the prompt tokens every stage holds cached: the prefill starts there.
         """
         hashes = tuple(block_hashes(history)) if self.prefix_cache else ()
+        feed_steps, stop_ids = self._feeding(hops)
         requests = [
             OpenSession(
                 session_id=session_id,
@@ -472,6 +503,8 @@ class Gateway:
                 prefix_hashes=hashes,
                 order_s=request.order_s,
                 order_id=request.base,
+                feed_steps=feed_steps,
+                stop_ids=stop_ids,
             )
             for i, hop in enumerate(hops)
         ]
@@ -502,6 +535,13 @@ class Gateway:
                 raise Rejected("busy: every pipeline is full; try again later")
             await trio.sleep(delay)  # back off while busy stages drain
             delay = min(delay * 2, 1.0)
+
+    def _feeding(self, hops: Sequence[Hop]) -> tuple[int, tuple[int, ...]]:
+        """Tokens a step and stop ids for the stages of ``hops``: a lone stage holds the
+        whole model and feeds itself, stopping at an end-of-sequence id."""
+        if len(hops) != 1 or len(self._eos) > MAX_STOP_IDS:
+            return 1, ()
+        return self.feed_steps, tuple(sorted(self._eos))
 
     async def _ask_all(
         self, hops: Sequence[Hop], requests: Sequence[OpenSession | MoveSession]
@@ -538,7 +578,9 @@ class Gateway:
         handed on: the consumer (a client's stream over libp2p, an SSE response, the
         text decoder) then works while the pipeline computes, instead of in front of
         it. A step that cannot be sent fails only after its token has been yielded,
-        so the replay that follows loses nothing.
+        so the replay that follows loses nothing. On a route of one stage a step
+        brings up to ``feed_steps`` tokens (the stage feeds itself between them);
+        the next step leaves once the last of them is in.
         """
         # the whole history (a first prefill or a replay) but what every stage holds cached
         feed = list(history[cached:])
@@ -548,18 +590,24 @@ class Gateway:
             if in_flight is None:
                 if session_id in self._leaving and len(feed) == 1:  # nothing in flight
                     await self._migrate(session_id, request, position)
-                in_flight = await self._send_step(session_id, feed, position, len(generated))
+                in_flight = await self._send_step(
+                    session_id, feed, position, len(generated), max_new_tokens
+                )
             token = await self._await_token(
                 inbox,
                 in_flight.step,
-                len(feed),
+                in_flight.fed,
                 in_flight.hops,
                 self._moving.get(session_id, ()),
             )
             self._moving.pop(session_id, None)  # a step on the new route: the move is done
-            self._note_step(time.perf_counter() - in_flight.started, len(feed))
-            in_flight = None
-            position += len(feed)
+            now = time.perf_counter()
+            self._note_step(now - in_flight.started, in_flight.fed)
+            position += in_flight.fed
+            in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
+            in_flight.tokens -= 1
+            if in_flight.tokens == 0:
+                in_flight = None
             if token in self._eos:
                 return
             generated.append(token)
@@ -568,9 +616,12 @@ class Gateway:
             feed = [token]
             failed: _StepFailed | None = None
             # a session leaving its peers moves between steps, with nothing in flight
-            if len(generated) < max_new_tokens and session_id not in self._leaving:
+            more = len(generated) < max_new_tokens and session_id not in self._leaving
+            if in_flight is None and more:
                 try:
-                    in_flight = await self._send_step(session_id, feed, position, len(generated))
+                    in_flight = await self._send_step(
+                        session_id, feed, position, len(generated), max_new_tokens
+                    )
                 except _StepFailed as exc:
                     failed = exc
             yield token
@@ -578,10 +629,11 @@ class Gateway:
                 raise failed
 
     async def _send_step(
-        self, session_id: str, feed: Sequence[int], position: int, step: int
+        self, session_id: str, feed: Sequence[int], position: int, step: int, max_new: int
     ) -> _InFlight:
         """Send one step's token ids to the session's first stage (a long prefill in
-        chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`)."""
+        chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`); ``step``
+        tokens are out of ``max_new``."""
         hops = self._routes[session_id]
         first = hops[0].peer_id
         started = time.perf_counter()
@@ -603,7 +655,8 @@ class Gateway:
                 raise _StepFailed(
                     f"cannot reach the first stage: {exc}", frozenset({first})
                 ) from exc
-        return _InFlight(step, started, hops)
+        tokens = min(self._feeding(hops)[0], max_new - step)
+        return _InFlight(step, started, hops, tokens, len(feed))
 
     async def _migrate(self, session_id: str, request: _Request, position: int) -> None:
         """Move the session's stages off the peers it is leaving, KV and all, or
@@ -628,6 +681,7 @@ class Gateway:
             raise _Replay(leaving)
         targets = [new[i] for i, _, _ in changes]
         self._moving[session_id] = tuple(targets)
+        feed_steps, stop_ids = self._feeding(new)
         opens = [
             OpenSession(
                 session_id=session_id,
@@ -642,6 +696,8 @@ class Gateway:
                 migrate_from=source,
                 order_s=request.order_s,
                 order_id=request.base,
+                feed_steps=feed_steps,
+                stop_ids=stop_ids,
             )
             for i, source, _ in changes
         ]

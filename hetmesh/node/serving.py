@@ -224,6 +224,7 @@ class Serving:
         self.gateway: Gateway | None = None
         self.shards: Shards | None = None
         self._nursery: trio.Nursery | None = None
+        self._trio_token: trio.lowlevel.TrioToken | None = None
         self._routed = RouteMemory()  # prefix blocks this gateway sent where (cache routing)
 
     # -- wiring -------------------------------------------------------------------
@@ -253,6 +254,7 @@ class Serving:
         ):
             self.plane = plane
             self._nursery = nursery
+            self._trio_token = trio.lowlevel.current_trio_token()
             self.pool = LinkPool(
                 host=self.node.host, plane=plane, dispatch=self._dispatch, nursery=nursery
             )
@@ -889,6 +891,7 @@ class Serving:
                 RouteRequest(session_id=session_id),
                 cached,
                 local=self.node.peer_id,
+                fed=self.gateway is not None and self.gateway.feed_steps > 1,
             )
         except NoRoute:
             return ()
@@ -987,11 +990,26 @@ class Serving:
 
     def _send_now(self, peer: PeerId, frame: Frame) -> bool:
         """From a stage's device thread: write ``frame`` to ``peer``'s open link if it
-        takes it at once; False for a hop to ourselves (it runs on trio) or a link
-        not open yet or busy."""
-        if peer == self.node.peer_id or self.pool is None:
+        takes it at once (False for a link not open yet or busy); a hop to ourselves
+        is handed to trio as it is, in order with the thread's earlier ones."""
+        if peer == self.node.peer_id:
+            if self._trio_token is None:
+                return False
+            try:
+                self._trio_token.run_sync_soon(self._dispatch_own, frame)
+            except trio.RunFinishedError:  # stopping: the outbox path reports it
+                return False
+            return True
+        if self.pool is None:
             return False
         return self.pool.send_now(peer, frame)
+
+    def _dispatch_own(self, frame: Frame) -> None:
+        """A frame a stage here sent to this node, on trio (a callback must not raise)."""
+        try:
+            self._dispatch(self.node.peer_id, None, frame)
+        except Exception:  # a bug: the session times out and recovers, the node serves on
+            log.exception("a frame to this node failed: %s", type(frame).__name__)
 
     def _dispatch(self, peer: PeerId, link: Link | None, frame: Frame) -> None:
         def release() -> None:

@@ -21,6 +21,14 @@ another, so a stage gathers a burst before it starts (frames no more than
 ``GATHER_S`` apart, until its share is in): otherwise it would start on the
 first frame of a micro-batch and the groups would crumble into single steps.
 
+A stage holding the whole model can feed a session itself
+(``OpenSession.feed_steps``): from one step its gateway sends, it generates
+several tokens, each sampled token the input of the next step, with no round
+trip through the gateway between them. Such a step runs on in the device
+thread, round after round, while every session of the round feeds itself, its
+KV blocks hold the next token, and nothing new waits on trio (a frame, a close,
+a move); its tokens leave from the device thread as they come.
+
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
 activations until the KV arrives from that peer, and then runs like any other.
@@ -47,6 +55,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -96,6 +105,7 @@ class _Session:
     kv: SessionKV
     sampler: Sampler | None
     awaiting: _Awaiting | None = None
+    feed_left: int = 0  # tokens this stage still generates from its gateway's last step
 
 
 @dataclass(slots=True)
@@ -114,6 +124,11 @@ class _Outcome:
     output: torch.Tensor | int | None = None
     error: MeshError | None = None
     sent: bool = False  # its frame already left from the device thread
+    follow: bool = False  # its token is the session's next input here (a fed session)
+
+
+def _no_release() -> None:
+    """A step this stage fed itself holds no link buffer."""
 
 
 SendNow = Callable[[PeerId, Frame], bool]
@@ -132,6 +147,7 @@ class StageStatistics:
     queue_depth: int
     recent_step_s: tuple[float, ...]
     kv: KVStatistics
+    device_rounds: int = 0  # rounds run on in the device thread (fed sessions, no trio)
 
 
 @dataclass(slots=True)
@@ -140,7 +156,14 @@ class _Counters:
     items: int = 0
     tokens: int = 0
     errors: int = 0
+    device_rounds: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+    def note_round(self, items: int, tokens: int, elapsed_s: float) -> None:
+        self.rounds += 1
+        self.items += items
+        self.tokens += tokens
+        self.recent.append(elapsed_s)
 
 
 class StageServer:
@@ -188,6 +211,12 @@ class StageServer:
         self._senders: trio.Nursery | None = None
         self._sending = 0  # frames being sent by the outbox tasks right now
         self._unsent: dict[str, int] = {}  # session id -> its frames in an outbox, unsent
+        # set on trio when something waits for the batching loop: a step running on in
+        # the device thread then returns after its round
+        self._interrupt = False
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        # (items, tokens, seconds) of each round of the batch on the device thread
+        self._rounds: list[tuple[int, int, float]] = []
 
     # -- control ----------------------------------------------------------------
 
@@ -224,6 +253,10 @@ class StageServer:
                     f"not [{request.start}, {request.end})"
                 )
             )
+        if request.feed_steps > 1 and not (self.stage.has_embed and self.stage.has_head):
+            return Reply.failed(
+                InvalidRequest("only a stage holding the whole model feeds a session itself")
+            )
         migrating = bool(request.migrate_from)
         # its place in line is its gateway's to give: one gateway cannot take another's
         stamp = (
@@ -258,6 +291,7 @@ class StageServer:
             self.check_control(sid, sender)
         except InvalidRequest as exc:
             return Reply.failed(exc)
+        self._interrupt = True
         if not request.kv_to:
             session.request = dataclasses.replace(
                 session.request,
@@ -349,6 +383,7 @@ class StageServer:
         prefix cache first; ``requeue``: see :meth:`KVManager.close`."""
         if session_id in self._inflight:
             self._closing[session_id] = block_hashes
+            self._interrupt = True
             return
         session = self._sessions.pop(session_id, None)
         if session is not None and session.awaiting is not None:
@@ -395,6 +430,7 @@ class StageServer:
             release()
             raise
         item = _Item(frame.session_id, frame.step, frame.positions, frame.tensors[0], release)
+        session.feed_left = session.request.feed_steps  # a step from its feeder: a new feed
         if session.awaiting is not None:
             session.awaiting.held.append(item)
             return
@@ -410,9 +446,11 @@ class StageServer:
             ) from None
         self._queued[item.session_id] = self._queued.get(item.session_id, 0) + 1
         self.kv.get(item.session_id)  # marks it in use: a generating session is never idle
+        self._interrupt = True
 
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The batching loop; never returns, whatever one batch does."""
+        self._trio_token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as senders:
             self._senders = senders
             task_status.started()
@@ -425,6 +463,11 @@ class StageServer:
                 continue
             outcomes = [_Outcome(item, self._sessions.get(item.session_id)) for item in batch]
             self._inflight = {item.session_id for item in batch}
+            # items left for the next round: a fed round must not run on past them
+            self._interrupt = bool(self._pending) or bool(
+                self._inbox.statistics().current_buffer_used
+            )
+            self._rounds = []
             started = time.perf_counter()
             try:
                 await trio.to_thread.run_sync(self._compute, outcomes, limiter=self._limiter)
@@ -443,12 +486,18 @@ class StageServer:
                 for sid, hashes in sorted(self._closing.items()):
                     self.close(sid, hashes)
                 self._closing.clear()
-            c = self._counters
-            c.rounds += 1
-            c.items += len(batch)
-            c.tokens += sum(item.inputs.shape[0] for item in batch)
-            c.recent.append(time.perf_counter() - started)
-            for outcome in outcomes:
+            rounds = self._rounds or [
+                (len(batch), sum(item.inputs.shape[0] for item in batch), 0.0)
+            ]
+            # the first round's time counts the hand-off to the device thread and back
+            rounds[0] = (
+                *rounds[0][:2],
+                time.perf_counter() - started - sum(r[2] for r in rounds[1:]),
+            )
+            for items, tokens, elapsed in rounds:
+                self._counters.note_round(items, tokens, elapsed)
+            self._counters.device_rounds += len(rounds) - 1
+            for outcome in outcomes:  # the batch's last round (see _compute)
                 self._deliver(outcome)
 
     async def _grow(self, batch: list[_Item]) -> list[_Item]:
@@ -602,6 +651,7 @@ class StageServer:
         """
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)  # binds this thread's OpenMP team
+        first = list(outcomes)
         ready: list[_Outcome] = []
         for outcome in outcomes:
             session, item = outcome.session, outcome.item
@@ -614,33 +664,82 @@ class StageServer:
                 )
             else:
                 ready.append(outcome)
+        via_trio: set[str] = set()  # sessions whose tokens went to trio in an earlier round
         try:
-            try:
-                self._forward(ready)
-            except MeshError:
-                for outcome in ready:  # isolate the culprit: run each alone
-                    try:
-                        self._forward([outcome])
-                    except MeshError as exc:
-                        outcome.error = exc
+            while True:
+                began = time.perf_counter()
+                self._forward_isolated(ready)
+                self._rounds.append(
+                    (
+                        len(ready),
+                        sum(o.item.inputs.shape[0] for o in ready),
+                        time.perf_counter() - began,
+                    )
+                )
+                following = self._follow_here(ready, via_trio)
+                if following is None:
+                    break
+                outcomes[:] = ready = following  # the batch's outcomes are its last round's
             if self._send_now is not None:
-                self._send_outputs(ready, self._send_now)
+                self._send_outputs(ready, self._send_now, via_trio)
         finally:
-            for outcome in outcomes:
+            for outcome in first:
                 outcome.item.release()
 
-    def _send_outputs(self, outcomes: list[_Outcome], send_now: SendNow) -> None:
+    def _forward_isolated(self, ready: list[_Outcome]) -> None:
+        try:
+            self._forward(ready)
+        except MeshError:
+            for outcome in ready:  # isolate the culprit: run each alone
+                try:
+                    self._forward([outcome])
+                except MeshError as exc:
+                    outcome.error = exc
+
+    def _follow_here(self, ready: list[_Outcome], via_trio: set[str]) -> list[_Outcome] | None:
+        """On the device thread: the next round of a round whose sessions all feed
+        themselves, with the round's tokens sent on from here; None to end the batch
+        (a session ends its feed or fails, needs a new KV block, or trio has news)."""
+        if not ready or self._interrupt or self._trio_token is None:
+            return None
+        for outcome in ready:
+            session = outcome.session
+            if not outcome.follow or outcome.error is not None or session is None:
+                return None
+            if session.kv.capacity <= session.kv.length:  # a new block: trio's _grow
+                return None
+        following = []
+        for outcome in ready:
+            outcome.follow = False  # fed here: trio does not feed it again
+            following.append(_Outcome(_next_step(outcome), outcome.session))
+        for outcome in ready:  # the round's tokens, in order with the session's others
+            sid = outcome.item.session_id
+            if self._send_now is not None and sid not in via_trio and not self._unsent.get(sid):
+                self._send_outputs([outcome], self._send_now, via_trio)
+            if not outcome.sent:
+                via_trio.add(sid)
+                try:
+                    self._trio_token.run_sync_soon(self._deliver, outcome)
+                except trio.RunFinishedError:  # the node is stopping
+                    return None
+        return following
+
+    def _send_outputs(
+        self, outcomes: list[_Outcome], send_now: SendNow, via_trio: AbstractSet[str] = frozenset()
+    ) -> None:
         """On the device thread: send each output whose link takes it at once.
 
         A session has one step in flight at a time (its gateway feeds it one step
         after another, a long prefill in chunks); a session whose earlier frame
         still waits in an outbox (counted in ``_unsent`` before this round began)
-        sends through the outbox, so no frame overtakes an earlier one of its own.
+        or went to trio in an earlier round of this batch (``via_trio``) sends
+        through the outbox, so no frame overtakes an earlier one of its own.
         """
         for outcome in outcomes:
             if outcome.error is not None or outcome.session is None:
                 continue
-            if self._unsent.get(outcome.item.session_id):  # behind its last frame
+            sid = outcome.item.session_id
+            if self._unsent.get(sid) or sid in via_trio:  # behind its last frame
                 continue
             frame = _output_frame(outcome.item, outcome.output)
             if frame is None:
@@ -666,9 +765,19 @@ class StageServer:
             if positions and positions[-1] + 1 < session.request.prompt_tokens:
                 continue  # a prefill chunk short of the prompt's end: its next chunk samples
             try:  # one session's draw failing fails that session, not the batch
-                outcome.output = session.sampler(result[-1], outcome.item.step)
+                token = session.sampler(result[-1], outcome.item.step)
             except MeshError as exc:
                 outcome.error = exc
+                continue
+            outcome.output = token
+            request = session.request
+            if request.feed_steps > 1:  # it feeds itself until its feed, or it, ends
+                session.feed_left -= 1
+                outcome.follow = (
+                    session.feed_left > 0
+                    and token not in request.stop_ids
+                    and session.kv.length < request.max_tokens - 1
+                )
 
     def _deliver(self, outcome: _Outcome) -> None:
         item, session = outcome.item, outcome.session
@@ -691,16 +800,18 @@ class StageServer:
             if not self._post(request.gateway, error):
                 log.warning("session %s: its gateway takes no frames", item.session_id)
             return
-        if outcome.sent:
-            return
-        frame = _output_frame(item, outcome.output)
-        if frame is None:
-            return
-        if not self._post(request.next_peer, frame):
+        frame = None if outcome.sent else _output_frame(item, outcome.output)
+        if frame is not None and not self._post(request.next_peer, frame):
             # the next hop takes nothing: fail the session here, its gateway replays it
             self._fail(
                 session, item.session_id, ComputeError(f"next hop {request.next_peer} is stuck")
             )
+            return
+        if outcome.follow:  # its token is its next step here
+            try:
+                self._enqueue(_next_step(outcome))
+            except Rejected as exc:
+                self._fail(session, item.session_id, exc)
 
     def statistics(self) -> StageStatistics:
         c = self._counters
@@ -714,12 +825,27 @@ class StageServer:
             queue_depth=len(self._pending) + self._inbox.statistics().current_buffer_used,
             recent_step_s=tuple(c.recent),
             kv=self.kv.statistics(),
+            device_rounds=c.device_rounds,
         )
 
 
 def _session_of(frame: Frame) -> str:
     """The session a frame is for ("" for one that names none)."""
     return str(getattr(frame, "session_id", ""))
+
+
+def _next_step(outcome: _Outcome) -> _Item:
+    """The step a session feeds itself: its sampled token, at the next position."""
+    assert outcome.session is not None
+    assert isinstance(outcome.output, int)
+    item = outcome.item
+    return _Item(
+        item.session_id,
+        item.step + 1,
+        (outcome.session.kv.length,),
+        torch.tensor([outcome.output]),
+        _no_release,
+    )
 
 
 def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | None:

@@ -35,17 +35,22 @@ MAX_PREFILL_CHUNKS = 4
 CHUNK_COST_LIMIT = 1.3
 
 
+def token_count_env(name: str, default: int) -> int:
+    """A token count from the environment variable ``name`` (``default`` when unset);
+    ``InvalidRequest`` for anything but an integer."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be a token count, not {text!r}") from None
+
+
 def prefill_chunk_default() -> int:
     """The chunk size when the caller does not say: ``HETMESH_PREFILL_CHUNK_TOKENS``
     (0 turns chunking off), else :data:`PREFILL_CHUNK_TOKENS`."""
-    text = os.environ.get(PREFILL_CHUNK_ENV, "").strip()
-    if not text:
-        return PREFILL_CHUNK_TOKENS
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidRequest(f"{PREFILL_CHUNK_ENV} must be a token count, not {text!r}") from None
-    return max(0, value)
+    return max(0, token_count_env(PREFILL_CHUNK_ENV, PREFILL_CHUNK_TOKENS))
 
 
 def prefill_chunks(

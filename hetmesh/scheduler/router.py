@@ -24,6 +24,13 @@ pipeline's load and of peer health, and the request.
   spares every token two data-plane hops, which the plan's step times do not
   see; it is taken while its expected completion is within
   :attr:`CachePolicy.local_slack` of the best.
+- **Away first, for a fed stage**: a pipeline of one stage, which the gateway
+  feeds several tokens a step (``fed``, see ``OpenSession.feed_steps``), needs
+  a round trip once a feed, not once a token. On the gateway's own node the
+  gateway's per-token work (the client's stream, the text) would share the
+  stage's interpreter lock and slow its forwards (0.89 of the reference there
+  against 0.95 elsewhere, docs/benchmarks.md). So such a pipeline on another
+  node is taken while within the same slack of the best.
 
 Raises :class:`~hetmesh.errors.NoRoute` when no pipeline is healthy; the gateway
 turns it into a ``Rejected`` for the client or retries after the next plan.
@@ -121,10 +128,13 @@ def route(
     cached: Mapping[str, int] | None = None,
     policy: CachePolicy = DEFAULT_POLICY,
     local: str = "",
+    fed: bool = False,
 ) -> Pipeline:
     """The pipeline that should serve ``request``; ``cached`` maps a pipeline key to the
     leading blocks of the request its stages hold (absent: none); ``local``: the
-    gateway's peer id (its own pipelines come first, see the module docstring)."""
+    gateway's peer id (its own pipelines come first, see the module docstring);
+    ``fed``: the gateway feeds a pipeline of one stage several tokens a step (then
+    such a pipeline of its own comes last)."""
     unhealthy = frozenset(load.unhealthy_peers)
     if request.session_id:
         bound = load.sessions.get(request.session_id)
@@ -133,7 +143,8 @@ def route(
                 if pipeline.key == bound and healthy(pipeline, unhealthy):
                     return pipeline
     best: tuple[float, int] | None = None
-    local_best: tuple[float, int] | None = None
+    local_best: tuple[float, int] | None = None  # the best of the gateway's own
+    away_best: tuple[float, int] | None = None  # the best fed stage elsewhere
     cache_best: tuple[int, float, int] | None = None  # (-blocks, when, index)
     sessions: dict[int, int] = {}
     for index, pipeline in enumerate(plan.pipelines):
@@ -144,12 +155,12 @@ def route(
         when = expected_completion_s(pipeline, state, request, plan.constraints.micro_batch_tokens)
         if best is None or (when, index) < best:
             best = (when, index)
-        if (
-            local
-            and pipeline.peers == {local}
-            and (local_best is None or (when, index) < local_best)
-        ):
+        home = bool(local) and pipeline.peers == {local}
+        lone = fed and len(pipeline.stages) == 1
+        if home and not lone and (local_best is None or (when, index) < local_best):
             local_best = (when, index)
+        if lone and not home and (away_best is None or (when, index) < away_best):
+            away_best = (when, index)
         blocks = (cached or {}).get(pipeline.key, 0)
         if blocks >= policy.min_blocks and (
             cache_best is None or (-blocks, when, index) < cache_best
@@ -165,8 +176,9 @@ def route(
             f"no healthy pipeline among {len(plan.pipelines)} of plan epoch {plan.epoch} "
             f"(unhealthy peers: {down})"
         )
-    if local_best is not None and local_best[0] <= best[0] * (1.0 + policy.local_slack):
-        return plan.pipelines[local_best[1]]
+    for preferred in (local_best, away_best):
+        if preferred is not None and preferred[0] <= best[0] * (1.0 + policy.local_slack):
+            return plan.pipelines[preferred[1]]
     return plan.pipelines[best[1]]
 
 

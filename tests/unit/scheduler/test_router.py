@@ -98,3 +98,24 @@ def test_route_prefers_the_gateways_own_pipeline_within_the_slack(three_replicas
     assert route(three_replicas, busy_home, request, local="mid").peers == {"slow"}
     # a peer holding no pipeline of its own changes nothing
     assert route(three_replicas, busy_fast, request, local="elsewhere").peers == {"mid"}
+
+
+def test_route_sends_a_fed_stream_off_the_gateways_node_within_the_slack(
+    three_replicas: Plan,
+) -> None:
+    request = RouteRequest(max_new_tokens=10)
+    fast, mid = by_peer(three_replicas, "fast"), by_peer(three_replicas, "mid")
+    assert all(len(p.stages) == 1 for p in three_replicas.pipelines)
+    # "fast" wins by 4x, far past the slack, even on the gateway's own node
+    assert route(three_replicas, MeshLoad(), request, local="fast", fed=True).peers == {"fast"}
+    # with "fast" busy, "mid" and "slow" tie: a gateway on either sends it to the other
+    busy_fast = MeshLoad(pipelines={fast: PipelineLoad(active_sessions=6)})
+    assert route(three_replicas, busy_fast, request, local="slow", fed=True).peers == {"mid"}
+    assert route(three_replicas, busy_fast, request, local="mid", fed=True).peers == {"slow"}
+    # unfed, the same gateway keeps it home
+    assert route(three_replicas, busy_fast, request, local="mid").peers == {"mid"}
+    # an away pipeline past the slack loses to an idle home
+    busy_away = MeshLoad(
+        pipelines={fast: PipelineLoad(active_sessions=6), mid: PipelineLoad(active_sessions=3)}
+    )
+    assert route(three_replicas, busy_away, request, local="slow", fed=True).peers == {"slow"}
