@@ -490,12 +490,9 @@ class StageServer:
                 (len(batch), sum(item.inputs.shape[0] for item in batch), 0.0)
             ]
             # the first round's time counts the hand-off to the device thread and back
-            rounds[0] = (
-                *rounds[0][:2],
-                time.perf_counter() - started - sum(r[2] for r in rounds[1:]),
-            )
-            for items, tokens, elapsed in rounds:
-                self._counters.note_round(items, tokens, elapsed)
+            handoff = time.perf_counter() - started - sum(r[2] for r in rounds)
+            for i, (items, tokens, elapsed) in enumerate(rounds):
+                self._counters.note_round(items, tokens, elapsed + (handoff if i == 0 else 0.0))
             self._counters.device_rounds += len(rounds) - 1
             for outcome in outcomes:  # the batch's last round (see _compute)
                 self._deliver(outcome)
@@ -712,12 +709,12 @@ class StageServer:
         for outcome in ready:
             outcome.follow = False  # fed here: trio does not feed it again
             following.append(_Outcome(_next_step(outcome), outcome.session))
-        for outcome in ready:  # the round's tokens, in order with the session's others
-            sid = outcome.item.session_id
-            if self._send_now is not None and sid not in via_trio and not self._unsent.get(sid):
-                self._send_outputs([outcome], self._send_now, via_trio)
+        # the round's tokens, in order with the session's others
+        if self._send_now is not None:
+            self._send_outputs(ready, self._send_now, via_trio)
+        for outcome in ready:
             if not outcome.sent:
-                via_trio.add(sid)
+                via_trio.add(outcome.item.session_id)
                 try:
                     self._trio_token.run_sync_soon(self._deliver, outcome)
                 except trio.RunFinishedError:  # the node is stopping
