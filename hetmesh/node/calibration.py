@@ -198,6 +198,86 @@ def measure_chunk_cost(
     return cut / max(whole, 1e-9)
 
 
+ROW_COST_ROWS = 4  # a decode round of this many sessions against one of a single session
+ROW_COST_STEPS = 8  # decode steps per timing
+
+
+def measure_row_cost(
+    model_dir: Path,
+    *,
+    device: str = "cpu",
+    weights: str | None = None,
+    threads: int | None = None,
+    rows: int = ROW_COST_ROWS,
+    context_tokens: int = CALIBRATION_CONTEXT_TOKENS,
+    repeats: int = 5,
+) -> float:
+    """What each further session of a decode round adds on ``device``, as a fraction of
+    a one-session step: ``(t(rows) / t(1) - 1) / (rows - 1)``, in [0, 1].
+
+    Timed on the first decoder block as :func:`measure_block_step_s` times it, the
+    two round sizes in turn (a neighbour slows both alike), the best of ``repeats``
+    each. Near 0 where a step streams the weights once for all its rows (a CPU at
+    small batches: ~0.1 for the default model in int4), 1 where every row costs a
+    step of its own. The router packs sessions by it (:mod:`hetmesh.scheduler.router`).
+    """
+    if rows < 2:
+        raise ValueError("rows must be at least 2")
+    block = _Block(model_dir, device, weights, threads)
+    stage = block.stage
+    context = max(1, min(context_tokens, stage.max_context // 2))
+    caches = [stage.new_kv() for _ in range(rows)]
+    step = block.states(1)
+    try:
+        for kv in caches:
+            stage.forward(block.states(context), kv)
+
+        def timed(n: int) -> float:
+            batch = [(step, kv) for kv in caches[:n]]
+            block.synchronise()
+            began = block.now()
+            for _ in range(ROW_COST_STEPS):
+                stage.forward_batch(batch)
+            block.synchronise()
+            spent = block.since(began)
+            for kv in caches[:n]:
+                kv.truncate(context)
+            return spent
+
+        timed(1)  # warm-up: first-use costs of both shapes
+        timed(rows)
+        one, many = float("inf"), float("inf")
+        for _ in range(repeats):
+            one = min(one, timed(1))
+            many = min(many, timed(rows))
+    finally:
+        for kv in caches:
+            kv.free()
+    return min(1.0, max(0.0, (many / max(one, 1e-9) - 1.0) / (rows - 1)))
+
+
+def host_share(threads: int) -> tuple[str, float, float]:
+    """(key, cores, share) of the CPU cores this process computes on: the key names this
+    machine's boot and the CPUs this process may run on (nodes started on one machine
+    with the same affinity announce the same key), ``cores`` how many those are,
+    ``share`` how many of them ``threads`` torch threads keep busy (:func:`cpu_share`)."""
+    import hashlib
+    import os
+    import socket
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: the host name stands for the machine
+        boot = socket.gethostname()
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API: every CPU
+        cpus = list(range(os.cpu_count() or 1))
+    seen = f"{boot}/{','.join(map(str, cpus))}".encode()
+    share = cpu_share(threads)
+    return hashlib.sha256(seen).hexdigest()[:32], float(len(cpus)), min(share, len(cpus))
+
+
 def cpu_share(threads: int) -> float:
     """Cores ``threads`` torch threads can keep busy here: CPU quota and affinity included."""
     import psutil
@@ -332,7 +412,10 @@ __all__ = [
     "calibrated_constraints",
     "calibration_extra",
     "cpu_share",
+    "host_share",
     "measure_block_step_s",
+    "measure_chunk_cost",
+    "measure_row_cost",
     "measured_constraints",
     "stage_overhead_from_tokens",
 ]

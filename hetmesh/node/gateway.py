@@ -49,10 +49,12 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +170,9 @@ _Inbound = Tokens | Error | _PeerGone
 MOVE_ROUTE_WAIT_S = 0.05
 # a session's inbox: a step's tokens (up to a feed's), an error; more are dropped
 INBOX_FRAMES = MAX_FEED_STEPS + 4
+# sessions that ended, remembered to read peers' announced loads (Gateway.sessions_on):
+# an announcement is a second or two old, and this many end within that
+ENDED_SESSIONS = 256
 FEED_STEPS = 16  # tokens a stage holding the whole model generates from one step
 FEED_STEPS_ENV = "HETMESH_FEED_STEPS"
 
@@ -267,6 +272,9 @@ class Gateway:
             raise ValueError(f"feed_steps must be within [1, {MAX_FEED_STEPS}]")
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
+        self._began: dict[str, float] = {}  # session id -> when it was routed (wall clock)
+        # (began, ended, peers) of the latest sessions that ended: see sessions_on
+        self._ended: deque[tuple[float, float, frozenset[PeerId]]] = deque(maxlen=ENDED_SESSIONS)
         # session id -> peers it should move off at its next step (a planned change)
         self._leaving: dict[str, frozenset[PeerId]] = {}
         # session id -> the other peers of a move not yet confirmed by a step (source, target)
@@ -348,6 +356,25 @@ class Gateway:
         """The hops of every session running now (the router's view of its own load)."""
         return list(self._routes.values())
 
+    def sessions_during(self, windows: Mapping[PeerId, tuple[float, float]]) -> dict[PeerId, int]:
+        """For each peer, this gateway's sessions that ran on it at some time in its window
+        ``(since, until)`` (wall clock): what a load the peer sampled then may count of
+        ours. The router subtracts them from the load the peer announced, so a stream
+        of ours that has ended since does not linger there. One pass over the sessions.
+        """
+        counts = dict.fromkeys(windows, 0)
+        spans = [
+            (self._began.get(sid, -math.inf), math.inf, {h.peer_id for h in hops})
+            for sid, hops in self._routes.items()
+        ]
+        spans += [(began, end, set(peers)) for began, end, peers in self._ended]
+        for began, end, peers in spans:
+            for peer in peers:
+                window = windows.get(peer)
+                if window is not None and began <= window[1] and end >= window[0]:
+                    counts[peer] += 1
+        return counts
+
     # -- requests -----------------------------------------------------------------
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -401,6 +428,7 @@ class Gateway:
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
                 self._inboxes[session_id] = inbox_send
                 self._routes[session_id] = hops
+                self._began[session_id] = time.time()
                 try:
                     cached = await self._open(session_id, hops, request, history, admission_s)
                     self._skipped += cached
@@ -462,6 +490,9 @@ class Gateway:
                     # the route it ended on, and the other end of a move in progress
                     hops = self._routes.pop(session_id) + self._moving.pop(session_id, ())
                     self._leaving.pop(session_id, None)
+                    now = time.time()
+                    began = self._began.pop(session_id, now)
+                    self._ended.append((began, now, frozenset(h.peer_id for h in hops)))
                     # not on a peer to avoid: dead or stuck, it would hold the recovery
                     alive = [h for h in hops if h.peer_id not in avoid]
                     with trio.CancelScope(shield=True):

@@ -84,6 +84,7 @@ from hetmesh.scheduler.announcement import (
     MAX_CHUNK_COST,
     MIN_BLOCK_STEP_S,
     Calibration,
+    Host,
     ServedStage,
     ServingAnnouncement,
     read_offer,
@@ -280,7 +281,7 @@ class Serving:
                 links = self.shards.attach_links(self.node.host, shard_plane)
                 discovery.add_handler(SHARD_LINK_PROTOCOL, links.handle)
             await self._calibrate_here()  # announced with (before) the model: planned together
-            self._announce(self._with_held(model=self.model_key))
+            self._announce(self._with_held(model=self.model_key, host=self._host()))
             discovery.add_handler(DATAPLANE_PROTOCOL, self.pool.handle_incoming)
             discovery.add_handler(SESSION_PROTOCOL, self._handle_session)
             discovery.add_handler(GENERATE_PROTOCOL, self._handle_generate)
@@ -444,10 +445,16 @@ class Serving:
                 step * 1e3,
                 self.weights,
             )
-        chunk_cost = 0.0
+        chunk_cost, row_cost = 0.0, 1.0
         if given is None:
             chunk_cost = await trio.to_thread.run_sync(
                 self._chunk_cost,
+                model_dir or self.model_dir,
+                device,
+                limiter=self.node.device_limiter,
+            )
+            row_cost = await trio.to_thread.run_sync(
+                self._row_cost,
                 model_dir or self.model_dir,
                 device,
                 limiter=self.node.device_limiter,
@@ -459,6 +466,7 @@ class Serving:
             context_tokens=CALIBRATION_CONTEXT_TOKENS,
             weights=self.weights,
             prefill_chunk_cost=chunk_cost,
+            row_cost=row_cost,
         )
         self._announce(dataclasses.replace(self._announced, calibration=calibration))
 
@@ -480,6 +488,31 @@ class Serving:
             return 0.0
         log.info("prefill chunks cost %.2fx the whole prefill here in %s", cost, self.weights)
         return min(max(cost, 0.0), MAX_CHUNK_COST)
+
+    def _host(self) -> Host | None:
+        """The CPU cores this node's stages compute on (None on an accelerator: a CPU
+        shared with other nodes does not slow its forwards)."""
+        from hetmesh.node.calibration import host_share
+
+        if (self.node.config.device or "cpu") != "cpu":
+            return None
+        key, cores, share = host_share(self.config.threads)
+        return Host(key=key, cores=cores, share=share)
+
+    def _row_cost(self, model_dir: Path, device: str) -> float:
+        """What a further session of a decode round costs here (the calibration's block);
+        1 (as dear as a step of its own) where it cannot be measured."""
+        from hetmesh.node.calibration import measure_row_cost
+
+        try:
+            cost = measure_row_cost(
+                model_dir, device=device, weights=self.weights, threads=self.config.threads
+            )
+        except MeshError as exc:
+            log.warning("timing batched decode steps failed: %s", exc)
+            return 1.0
+        log.info("a further session of a decode round costs %.2f of a step here", cost)
+        return cost
 
     def _chunk_costs(self, hops: Sequence[Hop]) -> list[float | None]:
         """Each hop's announced prefill chunk cost (None: not measured or not known)."""
@@ -884,6 +917,7 @@ class Serving:
                 for p in plan.pipelines
             }
         loads = self._loads(plan) if several else {}
+        row_costs, hosts = self._sharing(plan) if several else ({}, {})
         try:
             chosen = route(
                 plan,
@@ -892,12 +926,30 @@ class Serving:
                 cached,
                 local=self.node.peer_id,
                 fed=self.gateway is not None and self.gateway.feed_steps > 1,
+                row_costs=row_costs,
+                hosts=hosts,
             )
         except NoRoute:
             return ()
         if several:
             self._routed.remember(hashes, chosen.key)
         return tuple(Hop(s.peer_id, s.start, s.end) for s in chosen.stages)
+
+    def _sharing(self, plan: Plan) -> tuple[dict[str, float], dict[PeerId, Host]]:
+        """What the router weighs besides load: each pipeline's cost of a further row of
+        a round (its dearest stage's, as announced; 1 where unmeasured) and the cores
+        each peer announces it computes on."""
+        served = {peer: seen[1] for peer, seen in self._served_by.items()}
+        served[self.node.peer_id] = self._announced
+
+        def row_cost(peer: PeerId) -> float:
+            state = served.get(peer)
+            calibration = state.calibration if state is not None else None
+            return calibration.row_cost if calibration is not None else 1.0
+
+        hosts = {peer: state.host for peer, state in served.items() if state.host is not None}
+        costs = {p.key: max(row_cost(s.peer_id) for s in p.stages) for p in plan.pipelines}
+        return costs, hosts
 
     def _summary_of(self) -> Callable[[Stage], frozenset[int]]:
         """A stage's announced prefix summary (our own stages': read from their pools)."""
@@ -920,24 +972,36 @@ class Serving:
         return summary
 
     def _loads(self, plan: Plan) -> dict[str, PipelineLoad]:
-        """Each pipeline's sessions: the most any of its peers announces (ours: counted now),
-        and at least those this gateway runs on it now (announcements lag)."""
+        """Each pipeline's sessions: those this gateway runs on it now, plus the most any
+        of its stages serves for other gateways. Ours are counted now; another peer's
+        are its announcement less the sessions of ours that ran there while its load was
+        sampled (a plan tick before it was sent, at most): it lags, and a stream of ours
+        that has ended since must not linger there."""
+        gateway = self.gateway
+        routes = gateway.routes() if gateway is not None else []
         local = self.node.discovery.local_record(advance=False).load
         mine = sum(s.server.kv.statistics().sessions for s in self._served.values())
-        busy: dict[PeerId, tuple[int, int]] = {self.node.peer_id: (mine, local.queue_depth)}
+        ours_here = sum(1 for hops in routes if any(h.peer_id == self.node.peer_id for h in hops))
+        others: dict[PeerId, tuple[int, int]] = {
+            self.node.peer_id: (max(0, mine - ours_here), local.queue_depth)
+        }
+        sampled = {
+            peer: (record.sent_at_s - self.config.plan_interval_s, record.sent_at_s)
+            for peer, (record, _) in self._served_by.items()
+        }
+        counted = gateway.sessions_during(sampled) if gateway is not None else {}
         for peer, (record, _) in self._served_by.items():
-            busy[peer] = (record.load.active_sessions, record.load.queue_depth)
+            ours = counted.get(peer, 0)
+            others[peer] = (max(0, record.load.active_sessions - ours), record.load.queue_depth)
         running: dict[str, int] = {}
-        routes = self.gateway.routes() if self.gateway is not None else []
         for p in plan.pipelines:
             hops = tuple(Hop(s.peer_id, s.start, s.end) for s in p.stages)
             running[p.key] = sum(1 for r in routes if r == hops)
         return {
             p.key: PipelineLoad(
-                active_sessions=max(
-                    running[p.key], max(busy.get(s.peer_id, (0, 0))[0] for s in p.stages)
-                ),
-                queued_requests=max(busy.get(s.peer_id, (0, 0))[1] for s in p.stages),
+                active_sessions=running[p.key]
+                + max(others.get(s.peer_id, (0, 0))[0] for s in p.stages),
+                queued_requests=max(others.get(s.peer_id, (0, 0))[1] for s in p.stages),
             )
             for p in plan.pipelines
         }

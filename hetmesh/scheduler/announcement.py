@@ -12,6 +12,7 @@ extra["serving_version"]  1 (absent: 1; another number: the whole state is ignor
 extra["model"]            the model key served ("" or absent: not serving)
 extra["weights"]          the weight format its stages are held in
 extra["calibration"]      Calibration: one block's measured decode step
+extra["host"]             Host: the cores its stages compute on (a CPU node's; absent: none)
 extra["plan"]             the Plan it follows
 extra["plan_signature"]   PlanSignature: the coordinator's signature of that plan
 extra["insufficient"]     why the coordinator cannot place the model ("" when it can)
@@ -54,6 +55,8 @@ MAX_UNITS = 1 << 20  # unit indices: far above any model's layer count
 MIN_BLOCK_STEP_S = 1e-6
 MAX_BLOCK_STEP_S = 3600.0
 MAX_CHUNK_COST = 100.0  # a prefill's chunks against it whole (0: not measured)
+MAX_HOST_CORES = 1 << 16  # cores of one machine
+MAX_HOST_KEY_CHARS = 64
 MAX_CONTEXT_TOKENS = 1 << 24
 MAX_SUMMARY_CHARS = 8 * SUMMARY_BLOCKS  # one stage's prefix summary (hex)
 MAX_HELD_RANGES = 64  # runs of units held on disk (a node holds a few runs at most)
@@ -88,6 +91,10 @@ class Calibration(WireRecord):
     # a prefill's chunks ÷ the prefill whole, timed on the same block (0: not measured;
     # hetmesh.partition.prefill.route_chunk_tokens reads it)
     prefill_chunk_cost: float = 0.0
+    # what each further session of a decode round adds, as a fraction of a one-session
+    # step, timed on the same block (1: not measured, or as dear as a step of its own;
+    # the router reads it, hetmesh.scheduler.router)
+    row_cost: float = 1.0
 
     def __post_init__(self) -> None:
         if not MIN_BLOCK_STEP_S <= self.block_step_s <= MAX_BLOCK_STEP_S:  # NaN fails too
@@ -99,8 +106,28 @@ class Calibration(WireRecord):
             raise ValueError(f"context_tokens must lie in [0, {MAX_CONTEXT_TOKENS}]")
         if not 0 <= self.prefill_chunk_cost <= MAX_CHUNK_COST:  # NaN fails too
             raise ValueError(f"prefill_chunk_cost must lie in [0, {MAX_CHUNK_COST}]")
+        if not 0 <= self.row_cost <= 1:  # NaN fails too
+            raise ValueError("row_cost must lie in [0, 1]")
         if max(len(self.model), len(self.device), len(self.weights)) > MAX_NAME_CHARS:
             raise ValueError("calibration names are too long")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Host(WireRecord):
+    """The CPU cores a node's stages compute on: nodes announcing the same ``key`` run on
+    the same ``cores`` cores of one machine; this node's forwards keep ``share`` busy."""
+
+    key: str
+    cores: float
+    share: float
+
+    def __post_init__(self) -> None:
+        if not self.key or len(self.key) > MAX_HOST_KEY_CHARS:
+            raise ValueError(f"a host key has 1 to {MAX_HOST_KEY_CHARS} characters")
+        if not 0 < self.cores <= MAX_HOST_CORES:  # NaN fails too
+            raise ValueError(f"cores must lie in (0, {MAX_HOST_CORES}]")
+        if not 0 < self.share <= self.cores:
+            raise ValueError("share must lie in (0, cores]")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +137,7 @@ class ServingAnnouncement:
     model: str = ""
     weights: str = ""
     calibration: Calibration | None = None
+    host: Host | None = None
     plan: Plan | None = None
     plan_signature: PlanSignature | None = None  # who signed ``plan`` (plan_trust)
     insufficient: str = ""
@@ -156,6 +184,7 @@ def read_serving(
         model=_name(extra.get("model")),
         weights=_name(extra.get("weights")),
         calibration=_record(Calibration, extra.get("calibration")),
+        host=_record(Host, extra.get("host")),
         plan=plan_of(raw_plan) if plan_of is not None and isinstance(raw_plan, Mapping) else None,
         plan_signature=_record(PlanSignature, extra.get("plan_signature")),
         insufficient=_text(extra.get("insufficient"), MAX_VERDICT_CHARS),
@@ -192,6 +221,7 @@ def serving_extra(state: ServingAnnouncement) -> dict[str, object]:
         "model": state.model,
         "weights": state.weights,
         "calibration": state.calibration.to_wire() if state.calibration is not None else None,
+        "host": state.host.to_wire() if state.host is not None else None,
         "plan": state.plan.to_wire() if state.plan is not None else None,
         "plan_signature": (
             state.plan_signature.to_wire() if state.plan_signature is not None else None
@@ -287,6 +317,7 @@ def _counters(value: object) -> dict[str, float]:
 __all__ = [
     "SERVING_VERSION",
     "Calibration",
+    "Host",
     "ServedStage",
     "ServingAnnouncement",
     "parse_plan",

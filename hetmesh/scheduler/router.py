@@ -18,8 +18,17 @@ pipeline's load and of peer health, and the request.
 - **Least expected completion time** otherwise. With ``q`` sessions sharing a
   pipeline (the new one included), micro-batches of ``t`` tokens keep its stages
   busy, so each session gets a token every
-  ``max(decode_latency, ceil(q / t) × bottleneck)`` seconds; the request
-  completes after its prefill plus ``max_new_tokens`` such periods.
+  ``max(decode_latency, (1 + r × (ceil(q / t) - 1)) × bottleneck)`` seconds; the
+  request completes after its prefill plus ``max_new_tokens`` such periods.
+  ``r`` (``row_costs``, per pipeline) is what each further row of a round adds
+  as a fraction of a one-row step, as its stages measured it (a CPU streams the
+  weights once for the whole round: ~0.1 there); unmeasured, 1: linear.
+- **Shared cores** (``hosts``): peers announcing the same host key compute on
+  the same cores. When the busy ones there (the new request's pipeline counted)
+  keep more cores busy than the host has, each runs that many times slower; a
+  pipeline is charged its own slowdown and the time it adds to the sessions it
+  slows. Several nodes started on one machine then pack their sessions into
+  bigger rounds on as many replicas as there are cores, not time-slice them.
 - **Local first**: a pipeline held wholly by the gateway's own node (``local``)
   spares every token two data-plane hops, which the plan's step times do not
   see; it is taken while its expected completion is within
@@ -44,6 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hetmesh.errors import NoRoute
+from hetmesh.scheduler.announcement import Host
 from hetmesh.scheduler.prefix_summary import matched_blocks
 from hetmesh.scheduler.records import MeshLoad, Pipeline, PipelineLoad, Plan, RouteRequest, Stage
 
@@ -65,15 +75,72 @@ class CachePolicy:
 DEFAULT_POLICY = CachePolicy()
 
 
-def expected_completion_s(
-    pipeline: Pipeline, load: PipelineLoad, request: RouteRequest, micro_batch_tokens: int = 1
+def token_period_s(
+    pipeline: Pipeline, sharing: int, micro_batch_tokens: int = 1, row_cost: float = 1.0
 ) -> float:
-    """Predicted seconds until ``request`` finishes on ``pipeline`` under ``load``."""
+    """Seconds between a session's tokens with ``sharing`` sessions on ``pipeline``."""
+    batches = math.ceil(max(1, sharing) / max(1, micro_batch_tokens))
+    rounds = 1.0 + row_cost * (batches - 1)
+    return max(pipeline.decode_latency_s, rounds * pipeline.bottleneck_s)
+
+
+def expected_completion_s(
+    pipeline: Pipeline,
+    load: PipelineLoad,
+    request: RouteRequest,
+    micro_batch_tokens: int = 1,
+    row_cost: float = 1.0,
+    slowdown: float = 1.0,
+) -> float:
+    """Predicted seconds until ``request`` finishes on ``pipeline`` under ``load``
+    (``row_cost``: see the module docstring; ``slowdown``: its shared cores' factor)."""
     sharing = load.active_sessions + load.queued_requests + 1
-    batches = math.ceil(sharing / max(1, micro_batch_tokens))
-    period = max(pipeline.decode_latency_s, batches * pipeline.bottleneck_s)
+    period = token_period_s(pipeline, sharing, micro_batch_tokens, row_cost)
     prefill = pipeline.prefill_s_per_1k * request.prompt_tokens / 1000.0
-    return prefill * (1 + load.queued_requests) + request.max_new_tokens * period
+    return (prefill * (1 + load.queued_requests) + request.max_new_tokens * period) * slowdown
+
+
+class _Cores:
+    """Which hosts' cores the busy pipelines keep busy, and what one more would cost."""
+
+    def __init__(
+        self,
+        hosts: Mapping[str, Host],
+        busy: Sequence[tuple[Pipeline, int, float]],  # (pipeline, sessions, token period)
+    ) -> None:
+        self.hosts = hosts
+        self.busy = busy
+        self.peers = frozenset(peer for p, _, _ in busy for peer in p.peers)
+
+    def _demand(self, peers: frozenset[str]) -> dict[str, float]:
+        demand: dict[str, float] = {}
+        for peer in peers:
+            host = self.hosts.get(peer)
+            if host is not None:
+                demand[host.key] = demand.get(host.key, 0.0) + host.share
+        return demand
+
+    def _factor(self, pipeline: Pipeline, demand: Mapping[str, float]) -> float:
+        factor = 1.0
+        for peer in pipeline.peers:
+            host = self.hosts.get(peer)
+            if host is not None:
+                factor = max(factor, demand.get(host.key, 0.0) / max(host.cores, 1e-9))
+        return factor
+
+    def cost(self, pipeline: Pipeline, tokens: int) -> tuple[float, float]:
+        """(the slowdown ``pipeline`` runs at once busy too, the seconds its slowing the
+        busy pipelines adds to their sessions over ``tokens`` tokens each)"""
+        if not self.hosts:
+            return 1.0, 0.0
+        before = self._demand(self.peers)
+        after = self._demand(self.peers | pipeline.peers)
+        added = 0.0
+        for other, sessions, period in self.busy:
+            if other.key != pipeline.key:
+                rise = self._factor(other, after) - self._factor(other, before)
+                added += sessions * tokens * period * rise
+        return self._factor(pipeline, after), added
 
 
 def healthy(pipeline: Pipeline, unhealthy: frozenset[str]) -> bool:
@@ -129,13 +196,32 @@ def route(
     policy: CachePolicy = DEFAULT_POLICY,
     local: str = "",
     fed: bool = False,
+    row_costs: Mapping[str, float] | None = None,
+    hosts: Mapping[str, Host] | None = None,
 ) -> Pipeline:
     """The pipeline that should serve ``request``; ``cached`` maps a pipeline key to the
     leading blocks of the request its stages hold (absent: none); ``local``: the
     gateway's peer id (its own pipelines come first, see the module docstring);
     ``fed``: the gateway feeds a pipeline of one stage several tokens a step (then
-    such a pipeline of its own comes last)."""
+    such a pipeline of its own comes last); ``row_costs``: pipeline key -> what a
+    further row of a round costs (absent: 1); ``hosts``: peer id -> the cores it
+    shares (absent: its own)."""
     unhealthy = frozenset(load.unhealthy_peers)
+    row_costs = row_costs or {}
+    t = plan.constraints.micro_batch_tokens
+
+    def sharing(pipeline: Pipeline) -> int:
+        state = load.pipelines.get(pipeline.key, PipelineLoad())
+        return state.active_sessions + state.queued_requests
+
+    cores = _Cores(
+        hosts or {},
+        [
+            (p, n, token_period_s(p, n, t, row_costs.get(p.key, 1.0)))
+            for p in plan.pipelines
+            if (n := sharing(p)) > 0
+        ],
+    )
     if request.session_id:
         bound = load.sessions.get(request.session_id)
         if bound is not None:
@@ -151,8 +237,11 @@ def route(
         if not healthy(pipeline, unhealthy):
             continue
         state = load.pipelines.get(pipeline.key, PipelineLoad())
-        sessions[index] = state.active_sessions + state.queued_requests
-        when = expected_completion_s(pipeline, state, request, plan.constraints.micro_batch_tokens)
+        sessions[index] = sharing(pipeline)
+        slowdown, added = cores.cost(pipeline, request.max_new_tokens)
+        when = added + expected_completion_s(
+            pipeline, state, request, t, row_costs.get(pipeline.key, 1.0), slowdown
+        )
         if best is None or (when, index) < best:
             best = (when, index)
         home = bool(local) and pipeline.peers == {local}
@@ -190,4 +279,5 @@ __all__ = [
     "expected_completion_s",
     "healthy",
     "route",
+    "token_period_s",
 ]

@@ -11,6 +11,7 @@ and go, with a step from the gateway once a feed instead of once a token.
 from __future__ import annotations
 
 import math
+import time
 from contextlib import aclosing
 from pathlib import Path
 
@@ -221,3 +222,39 @@ def test_only_a_stage_holding_the_whole_model_feeds_itself(tiny_model_dir: Path)
     assert isinstance(reply.error(), InvalidRequest)
     assert "whole model" in reply.message
     assert server.statistics().kv.sessions == 0
+
+
+async def test_the_gateway_knows_which_of_its_sessions_a_load_counted(
+    tiny_model_dir: Path,
+) -> None:
+    """``Gateway.sessions_on``: the router subtracts ours from a peer's announced load by
+    when that load was sampled, so streams that have ended do not linger as load."""
+    wiring = Wiring(tiny_model_dir, feed_steps=8)
+    gateway = wiring.gateway
+    mid_stream: list[dict[str, int]] = []
+
+    async def one() -> None:  # while it streams, it counts as running on "a" now
+        async with aclosing(gateway.generate(PROMPTS[0], SamplingParams(max_new_tokens=4))) as t:
+            async for _ in t:
+                now = time.time()
+                mid_stream.append(gateway.sessions_during({"a": (now, now), "b": (now, now)}))
+
+    before = time.time()
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wiring.server.serve)
+            await one()
+            nursery.cancel_scope.cancel()
+        assert mid_stream == [{"a": 1, "b": 0}] * 4
+        await run_sessions(wiring)
+    after = time.time()
+    assert gateway.routes() == []
+    during = gateway.sessions_during(
+        {
+            "a": (before, after),  # each ran on "a"
+            "b": (before, after),  # a peer none ran on
+        }
+    )
+    assert during == {"a": len(PROMPTS) + 1, "b": 0}
+    assert gateway.sessions_during({"a": (after + 1, after + 2)}) == {"a": 0}  # all ended
+    assert gateway.sessions_during({"a": (before - 2, before - 1)}) == {"a": 0}  # not begun

@@ -12,6 +12,7 @@ from hetmesh.scheduler import plan
 from hetmesh.scheduler.announcement import (
     MAX_VERDICT_CHARS,
     Calibration,
+    Host,
     ServedStage,
     ServingAnnouncement,
     read_serving,
@@ -54,7 +55,9 @@ FULL = ServingAnnouncement(
         context_tokens=128,
         weights="int8",
         prefill_chunk_cost=1.1,
+        row_cost=0.2,
     ),
+    host=Host(key="ab12", cores=2.0, share=1.0),
     plan=PLAN,
     insufficient="",
     stages=(ServedStage(model="toy", start=0, end=4, ready=True),),
@@ -162,6 +165,39 @@ def test_a_calibration_without_a_chunk_cost_reads_as_not_measured() -> None:
     read = read_serving({**serving_extra(FULL), "calibration": calibration}).calibration
     assert read is not None
     assert read.prefill_chunk_cost == 0.0  # an older peer's: not measured
+
+
+@pytest.mark.parametrize("cost", [-0.1, 1.5, float("nan"), float("inf"), "cheap"])
+def test_read_serving_refuses_a_row_cost_out_of_bounds(cost: Any) -> None:
+    calibration = {**CAL, "row_cost": cost}
+    assert read_serving({**serving_extra(FULL), "calibration": calibration}).calibration is None
+
+
+def test_a_calibration_without_a_row_cost_reads_as_linear() -> None:
+    calibration = {k: v for k, v in CAL.items() if k != "row_cost"}
+    read = read_serving({**serving_extra(FULL), "calibration": calibration}).calibration
+    assert read is not None
+    assert read.row_cost == 1.0  # an older peer's: every row a step of its own
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        {"key": "", "cores": 2.0, "share": 1.0},
+        {"key": "k" * 65, "cores": 2.0, "share": 1.0},
+        {"key": "k", "cores": 0.0, "share": 1.0},
+        {"key": "k", "cores": float("nan"), "share": 1.0},
+        {"key": "k", "cores": 1e9, "share": 1.0},
+        {"key": "k", "cores": 2.0, "share": 3.0},  # more than the host has
+        {"key": "k", "cores": 2.0, "share": 0.0},
+        {"key": "k", "cores": 2.0},
+        "k",
+    ],
+)
+def test_read_serving_drops_an_ill_formed_host_alone(host: Any) -> None:
+    read = read_serving({**serving_extra(FULL), "host": host})
+    assert read.host is None
+    assert read.calibration == FULL.calibration  # the rest still counts
 
 
 def test_read_serving_refuses_absurd_unit_ranges() -> None:

@@ -6,7 +6,8 @@ import pytest
 
 from hetmesh.errors import NoRoute
 from hetmesh.scheduler import MeshLoad, PipelineLoad, Plan, RouteRequest, plan, route
-from hetmesh.scheduler.router import expected_completion_s
+from hetmesh.scheduler.announcement import Host
+from hetmesh.scheduler.router import expected_completion_s, token_period_s
 from tests.unit.scheduler.sched_helpers import BARE, device, full_links, toy_model
 
 
@@ -119,3 +120,70 @@ def test_route_sends_a_fed_stream_off_the_gateways_node_within_the_slack(
         pipelines={fast: PipelineLoad(active_sessions=6), mid: PipelineLoad(active_sessions=3)}
     )
     assert route(three_replicas, busy_away, request, local="slow", fed=True).peers == {"slow"}
+
+
+@pytest.fixture
+def three_equal() -> Plan:
+    """Three equal single-device replicas."""
+    m = toy_model(8)
+    big = 1 << 34
+    devs = [device(n, memory=big, flops=1e15, bandwidth=1e11) for n in ("a", "b", "c")]
+    out = plan(devs, full_links(devs), m, objective="throughput", constraints=BARE)
+    assert len(out.pipelines) == 3
+    return out
+
+
+def place(
+    p: Plan, streams: int, *, local: str = "", **sharing: object
+) -> dict[frozenset[str], int]:
+    """Route ``streams`` requests one after another, each counted on its pipeline."""
+    sessions = {x.key: 0 for x in p.pipelines}
+    for _ in range(streams):
+        load = MeshLoad(pipelines={k: PipelineLoad(active_sessions=n) for k, n in sessions.items()})
+        chosen = route(p, load, RouteRequest(max_new_tokens=64), local=local, fed=True, **sharing)
+        sessions[chosen.key] += 1
+    return {x.peers: sessions[x.key] for x in p.pipelines}
+
+
+def test_route_packs_replicas_that_share_cores_into_batched_rounds(three_equal: Plan) -> None:
+    """Three nodes on one two-core machine: eight streams fill two replicas' rounds (a
+    round of four costs little more than one) instead of time-slicing all three."""
+    cheap_rows = {x.key: 0.2 for x in three_equal.pipelines}
+    one_host = {peer: Host(key="h", cores=2.0, share=1.0) for peer in ("a", "b", "c")}
+    # separate machines: spread over all three
+    assert sorted(place(three_equal, 8, row_costs=cheap_rows).values()) == [2, 3, 3]
+    # one machine of two cores: two replicas of four, the gateway's own ("c") left idle
+    packed = place(three_equal, 8, local="c", row_costs=cheap_rows, hosts=one_host)
+    assert packed == {frozenset({"a"}): 4, frozenset({"b"}): 4, frozenset({"c"}): 0}
+    # rows as dear as steps of their own: three busy replicas on two cores still slow
+    # every session by half, so the third stays idle while it would slow the others
+    linear = place(three_equal, 8, local="c", hosts=one_host)
+    assert linear[frozenset({"c"})] == 0
+    # enough cores for all three: spread again
+    roomy = {peer: Host(key="h", cores=4.0, share=1.0) for peer in ("a", "b", "c")}
+    spread = place(three_equal, 8, local="c", row_costs=cheap_rows, hosts=roomy)
+    assert sorted(spread.values()) == [2, 3, 3]
+
+
+def test_cores_of_other_hosts_do_not_slow_a_pipeline(three_equal: Plan) -> None:
+    """Only peers announcing the same host key share cores."""
+    cheap_rows = {x.key: 0.2 for x in three_equal.pipelines}
+    hosts = {
+        "a": Host(key="h1", cores=1.0, share=1.0),
+        "b": Host(key="h1", cores=1.0, share=1.0),
+        "c": Host(key="h2", cores=1.0, share=1.0),
+    }
+    placed = place(three_equal, 8, row_costs=cheap_rows, hosts=hosts)
+    # "a" and "b" share one core: together they do one replica's work; "c" has its own
+    assert placed[frozenset({"c"})] == 4
+    assert placed[frozenset({"a"})] + placed[frozenset({"b"})] == 4
+    assert 0 in (placed[frozenset({"a"})], placed[frozenset({"b"})])
+
+
+def test_token_period_with_cheap_rows(three_equal: Plan) -> None:
+    pipe = three_equal.pipelines[0]
+    assert token_period_s(pipe, 1) == pytest.approx(pipe.decode_latency_s)
+    linear = token_period_s(pipe, 4)
+    cheap = token_period_s(pipe, 4, row_cost=0.2)
+    assert linear == pytest.approx(max(pipe.decode_latency_s, 4 * pipe.bottleneck_s))
+    assert cheap == pytest.approx(max(pipe.decode_latency_s, 1.6 * pipe.bottleneck_s))
