@@ -111,6 +111,9 @@ class CostModel:
         self.constraints = constraints
         self.devices = sort_devices(devices)
         self.n = model.num_units
+        # a pipeline of one stage feeds itself (PlanConstraints.feed_steps): it pays the
+        # per-stage overhead once a feed, and its forwards run back to back in between
+        self._fed_spared_s = constraints.stage_overhead_s * (1.0 - 1.0 / constraints.feed_steps)
         self.context = min(
             constraints.context_tokens, model.max_context or constraints.context_tokens
         )
@@ -303,6 +306,7 @@ class CostModel:
                 + self.constraints.stage_overhead_s
             )
             out = np.where(self._valid & (fmt.resident <= usable), out, INF)
+            out[0, self.n] -= self._fed_spared_s  # the whole model on one device: fed
         self._matrix_cache[sig] = out
         self._device_matrix[(dev, tokens)] = out
         return out
@@ -380,12 +384,13 @@ class CostModel:
     def pipeline(self, stages: Sequence[Assignment]) -> Pipeline:
         """The predictions for an assignment (contiguous, starting at unit 0)."""
         t = self.constraints.micro_batch_tokens
+        spared = self._fed_spared_s if len(stages) == 1 else 0.0
         records: list[Stage] = []
         latency = prefill = bottleneck = 0.0
         for i, st in enumerate(stages):
             nxt = stages[i + 1].device if i + 1 < len(stages) else None
-            step = self.step_s(st.device, st.start, st.end, 1)
-            batch = self.step_s(st.device, st.start, st.end, t)
+            step = self.step_s(st.device, st.start, st.end, 1) - spared
+            batch = self.step_s(st.device, st.start, st.end, t) - spared
             pre = self.prefill_s(st.device, st.start, st.end)
             if nxt is None:
                 link_out = self.return_latency_s(st.device, stages[0].device)

@@ -91,6 +91,11 @@ class PlanConstraints(WireRecord):
     # stage_overhead_from_tokens): 3.8-4.5 ms on the project's CPUs at load ~1-2
     # (docs/benchmarks.md, "Prediction error"), against 0.5 ms assumed before
     stage_overhead_s: float = 4.0e-3
+    # a pipeline of one stage is fed this many tokens a step by its gateway (the stage
+    # samples each token's next step itself: hetmesh.node.gateway, OpenSession.feed_steps),
+    # so it pays the per-stage overhead once a feed, not once a token; 1: stepped a token
+    # at a time like a pipeline of several stages
+    feed_steps: int = 16
     unit_overhead_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_UNIT_OVERHEAD_S))
     unit_overhead_s_by_device: dict[str, float] = field(default_factory=dict)
     # measured seconds of one decode step of one decoder block, per device key, at
@@ -112,6 +117,8 @@ class PlanConstraints(WireRecord):
             raise ValueError("max_context_tokens and max_sessions must be positive")
         if self.micro_batch_tokens < 1 or self.prefill_chunk_tokens < 1:
             raise ValueError("micro_batch_tokens and prefill_chunk_tokens must be positive")
+        if self.feed_steps < 1:
+            raise ValueError("feed_steps must be positive")
         if self.decode_context_tokens < 0 or self.reserve_bytes < 0:
             raise ValueError("decode_context_tokens and reserve_bytes must be non-negative")
         if not 0.0 <= self.reserve_fraction < 1.0:
