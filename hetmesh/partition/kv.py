@@ -364,6 +364,13 @@ class SessionKV:
         held = self._slots[:end]
         return keys.index_select(1, held), values.index_select(1, held)
 
+    def _slot_index(self, end: int) -> torch.Tensor:
+        """The pool slots of positions ``[0, end)`` (held blocks only), int64."""
+        if self._base is not None:
+            return torch.arange(self._base, self._base + end, device=self.pool.device)
+        assert self._slots is not None  # set with the blocks
+        return self._slots[:end]
+
     def _commit(self, n: int) -> None:
         self._length += n
 

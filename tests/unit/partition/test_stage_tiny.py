@@ -11,7 +11,7 @@ import torch
 from hetmesh.errors import InvalidRequest
 from hetmesh.partition.generate import LocalPipeline, balanced_ranges
 from hetmesh.partition.sampling import SamplingParams
-from hetmesh.partition.stage import StageModule, load_stage
+from hetmesh.partition.stage import StageModule, _BatchCache, load_stage
 from tests.unit.partition.tiny_models import (
     EOS,
     FAMILIES,
@@ -270,6 +270,10 @@ def test_sessions_sharing_a_fragmented_pool_match_private_caches(tiny: Any) -> N
         for got, ref in zip(batch, want, strict=True):
             assert torch.equal(got, ref)
     assert not all(kv.contiguous for kv in shared)  # some reads really were gathered
+    # the shared pool's decode rounds took the one-gather path; private caches the rows'
+    assert _BatchCache(shared, [1, 1, 1])._decode is not None
+    assert _BatchCache(private, [1, 1, 1])._decode is None
+    assert _BatchCache(shared, [1, 2, 1])._decode is None  # a prefill row: row by row
     assert pool.free_blocks < pool.num_blocks
     for kv in shared:
         kv.free()
