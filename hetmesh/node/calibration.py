@@ -199,7 +199,8 @@ def measure_chunk_cost(
 
 
 ROW_COST_ROWS = 4  # a decode round of this many sessions against one of a single session
-ROW_COST_STEPS = 8  # decode steps per timing
+ROW_COST_STEPS = 64  # decode steps a timing takes at most ...
+ROW_COST_WINDOW_S = 0.01  # ... once it has run this long (a tiny block's step is ~0.1 ms)
 
 
 def measure_row_cost(
@@ -223,23 +224,35 @@ def measure_row_cost(
     """
     if rows < 2:
         raise ValueError("rows must be at least 2")
+    from hetmesh.partition.blocks import blocks_for
+
     block = _Block(model_dir, device, weights, threads)
     stage = block.stage
     context = max(1, min(context_tokens, stage.max_context // 2))
-    caches = [stage.new_kv() for _ in range(rows)]
+    most = max(1, min(ROW_COST_STEPS, stage.max_context - context - 1))
+    # the sessions share one pool, as a stage server's do (its rounds read them so)
+    pool = stage.new_pool(rows * blocks_for(context + most))
+    caches = [stage.new_kv(pool) for _ in range(rows)]
     step = block.states(1)
     try:
         for kv in caches:
             stage.forward(block.states(context), kv)
 
         def timed(n: int) -> float:
+            """Seconds of one round of ``n`` sessions, over a window of rounds."""
             batch = [(step, kv) for kv in caches[:n]]
             block.synchronise()
             began = block.now()
-            for _ in range(ROW_COST_STEPS):
+            steps = 0
+            while steps < most:
                 stage.forward_batch(batch)
+                steps += 1
+                if steps % 4 == 0:
+                    block.synchronise()
+                    if time.perf_counter() - began[0] >= ROW_COST_WINDOW_S:
+                        break
             block.synchronise()
-            spent = block.since(began)
+            spent = block.since(began) / steps
             for kv in caches[:n]:
                 kv.truncate(context)
             return spent

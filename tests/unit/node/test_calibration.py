@@ -38,8 +38,10 @@ def test_chunk_cost_is_measured_on_a_tiny_model(tmp_path: Path) -> None:
 
 def test_row_cost_is_measured_on_a_tiny_model(tmp_path: Path) -> None:
     save_tiny("llama-tied", tmp_path)
-    cost = measure_row_cost(tmp_path, repeats=1)
-    assert 0.0 <= cost <= 1.0  # a figure peers accept (Calibration bounds it so)
+    cost = measure_row_cost(tmp_path, repeats=3)
+    assert cost >= 0.0
+    # the round of four shares its weights' reads: far below four rounds (clamped at 1)
+    assert cost < 1.0
     with pytest.raises(ValueError, match="rows"):
         measure_row_cost(tmp_path, rows=1)
 
