@@ -170,7 +170,7 @@ _Inbound = Tokens | Error | _PeerGone
 MOVE_ROUTE_WAIT_S = 0.05
 # a session's inbox: a step's tokens (up to a feed's), an error; more are dropped
 INBOX_FRAMES = MAX_FEED_STEPS + 4
-# sessions that ended, remembered to read peers' announced loads (Gateway.sessions_on):
+# sessions that ended, remembered to read peers' announced loads (Gateway.sessions_during):
 # an announcement is a second or two old, and this many end within that
 ENDED_SESSIONS = 256
 FEED_STEPS = 16  # tokens a stage holding the whole model generates from one step
@@ -273,7 +273,7 @@ class Gateway:
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
         self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
         self._began: dict[str, float] = {}  # session id -> when it was routed (wall clock)
-        # (began, ended, peers) of the latest sessions that ended: see sessions_on
+        # (began, ended, peers) of the latest sessions that ended: see sessions_during
         self._ended: deque[tuple[float, float, frozenset[PeerId]]] = deque(maxlen=ENDED_SESSIONS)
         # session id -> peers it should move off at its next step (a planned change)
         self._leaving: dict[str, frozenset[PeerId]] = {}

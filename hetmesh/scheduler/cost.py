@@ -111,9 +111,10 @@ class CostModel:
         self.constraints = constraints
         self.devices = sort_devices(devices)
         self.n = model.num_units
-        # a pipeline of one stage feeds itself (PlanConstraints.feed_steps): it pays the
-        # per-stage overhead once a feed, and its forwards run back to back in between
-        self._fed_spared_s = constraints.stage_overhead_s * (1.0 - 1.0 / constraints.feed_steps)
+        # the per-stage overhead of a step over [a, b): once a feed for the whole model
+        # (see stage_overhead_s)
+        self._stage_overhead = np.full((self.n + 1, self.n + 1), constraints.stage_overhead_s)
+        self._stage_overhead[0, self.n] = self.stage_overhead_s(0, self.n)
         self.context = min(
             constraints.context_tokens, model.max_context or constraints.context_tokens
         )
@@ -303,10 +304,9 @@ class CostModel:
             memory = (fmt.read + t * self.context * fmt.kv) / bandwidth
             out = (
                 scale * (np.maximum(compute, memory) + self._units * overhead)
-                + self.constraints.stage_overhead_s
+                + self._stage_overhead
             )
             out = np.where(self._valid & (fmt.resident <= usable), out, INF)
-            out[0, self.n] -= self._fed_spared_s  # the whole model on one device: fed
         self._matrix_cache[sig] = out
         self._device_matrix[(dev, tokens)] = out
         return out
@@ -321,10 +321,17 @@ class CostModel:
         memory = (
             float(fmt.read[start, end]) + tokens * self.context * float(fmt.kv[start, end])
         ) / d.memory_bandwidth_bps
-        return (
-            self._scales[dev] * (max(compute, memory) + (end - start) * self._overheads[dev])
-            + self.constraints.stage_overhead_s
-        )
+        return self._scales[dev] * (
+            max(compute, memory) + (end - start) * self._overheads[dev]
+        ) + self.stage_overhead_s(start, end)
+
+    def stage_overhead_s(self, start: int, end: int) -> float:
+        """What a decode step over ``[start, end)`` pays outside its compute
+        (``PlanConstraints.stage_overhead_s``). A stage holding the whole model feeds
+        itself (``PlanConstraints.feed_steps``): it pays that once a feed, and its
+        forwards run back to back in between."""
+        overhead = self.constraints.stage_overhead_s
+        return overhead / self.constraints.feed_steps if (start, end) == (0, self.n) else overhead
 
     def prefill_s(self, dev: int, start: int, end: int) -> float:
         """A 1,000-token prompt through ``[start, end)`` on ``dev``."""
@@ -384,13 +391,12 @@ class CostModel:
     def pipeline(self, stages: Sequence[Assignment]) -> Pipeline:
         """The predictions for an assignment (contiguous, starting at unit 0)."""
         t = self.constraints.micro_batch_tokens
-        spared = self._fed_spared_s if len(stages) == 1 else 0.0
         records: list[Stage] = []
         latency = prefill = bottleneck = 0.0
         for i, st in enumerate(stages):
             nxt = stages[i + 1].device if i + 1 < len(stages) else None
-            step = self.step_s(st.device, st.start, st.end, 1) - spared
-            batch = self.step_s(st.device, st.start, st.end, t) - spared
+            step = self.step_s(st.device, st.start, st.end, 1)
+            batch = self.step_s(st.device, st.start, st.end, t)
             pre = self.prefill_s(st.device, st.start, st.end)
             if nxt is None:
                 link_out = self.return_latency_s(st.device, stages[0].device)

@@ -68,7 +68,7 @@ class Heuristic:
             # units that fit from the start of the model (the embedding included)
             fits = int(np.count_nonzero(np.isfinite(matrix[0])))
             if np.isfinite(step) and fits > 0:
-                self.layer_s[dev] = step - self.cost.constraints.stage_overhead_s
+                self.layer_s[dev] = step - self.cost.stage_overhead_s(*probe)
                 self.capacity[dev] = fits
         self.devices = sorted(self.layer_s, key=lambda d: (self.layer_s[d], d))
         self.evaluations = 0

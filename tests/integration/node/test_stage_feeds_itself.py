@@ -227,7 +227,7 @@ def test_only_a_stage_holding_the_whole_model_feeds_itself(tiny_model_dir: Path)
 async def test_the_gateway_knows_which_of_its_sessions_a_load_counted(
     tiny_model_dir: Path,
 ) -> None:
-    """``Gateway.sessions_on``: the router subtracts ours from a peer's announced load by
+    """``Gateway.sessions_during``: the router subtracts ours from a peer's announced load by
     when that load was sampled, so streams that have ended do not linger as load."""
     wiring = Wiring(tiny_model_dir, feed_steps=8)
     gateway = wiring.gateway
