@@ -529,6 +529,12 @@ class StageServer:
                     f"preempted: the KV pool of stage [{self._units[0]}, {self._units[1]}) is full"
                 )
                 failed.append((sid, self._sessions.pop(sid), error))
+            if item.session_id in self._sessions and session.feed_left > 1:
+                # blocks for the rest of its feed too, where they are free (no one is
+                # preempted for them): the device thread then feeds it on across a
+                # block's end instead of handing the round back here for one
+                ahead = session.kv.length + int(item.inputs.shape[0]) + session.feed_left - 1
+                session.kv.reserve(min(ahead, session.request.max_tokens))
         kept = []
         for item in batch:
             if item.session_id in self._sessions:

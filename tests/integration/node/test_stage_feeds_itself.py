@@ -159,6 +159,20 @@ async def test_a_fed_stage_generates_the_reference_with_a_step_per_feed(
     assert stats.device_rounds > stats.rounds / 2
 
 
+async def test_a_feed_runs_on_across_the_end_of_a_kv_block(tiny_model_dir: Path) -> None:
+    """A 4-token prompt and 20 tokens in feeds of 16 fill its first 16-token block
+    mid-feed: the feed's blocks were taken with its step, so the device thread runs
+    on past the block's end and every batch starts from a step of the gateway."""
+    wiring = Wiring(tiny_model_dir, feed_steps=16)
+    with trio.fail_after(120):
+        results = await run_sessions(wiring, PROMPTS[:1])
+    assert results == reference(tiny_model_dir, PROMPTS[:1])
+    assert wiring.steps_sent == 2  # the prompt, then one more feed
+    stats = wiring.server.statistics()
+    assert stats.rounds == TOKENS
+    assert stats.rounds - stats.device_rounds == wiring.steps_sent  # one batch per step
+
+
 async def test_one_token_a_step_gives_the_same_tokens(tiny_model_dir: Path) -> None:
     wiring = Wiring(tiny_model_dir, feed_steps=1)
     with trio.fail_after(120):

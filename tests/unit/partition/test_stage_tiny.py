@@ -11,7 +11,13 @@ import torch
 from hetmesh.errors import InvalidRequest
 from hetmesh.partition.generate import LocalPipeline, balanced_ranges
 from hetmesh.partition.sampling import SamplingParams
-from hetmesh.partition.stage import StageModule, _BatchCache, load_stage
+from hetmesh.partition.stage import (
+    PAD_WASTE_TOKENS,
+    StageModule,
+    _BatchCache,
+    load_stage,
+    padding_groups,
+)
 from tests.unit.partition.tiny_models import (
     EOS,
     FAMILIES,
@@ -278,3 +284,22 @@ def test_sessions_sharing_a_fragmented_pool_match_private_caches(tiny: Any) -> N
     for kv in shared:
         kv.free()
     assert pool.free_blocks == pool.num_blocks
+
+
+def test_padding_groups_keep_decode_rows_apart_from_a_prompt() -> None:
+    # two decode rows beside a new session's 36-token prompt: padded together they
+    # would cost 3 x 36 positions for 38 tokens of work
+    assert padding_groups([1, 36, 1]) == [[0, 2], [1]]
+    assert padding_groups([1, 1, 1, 1]) == [[0, 1, 2, 3]]  # a decode round: one forward
+    assert padding_groups([120, 128]) == [[0, 1]]  # 8 padded positions: still one
+    assert padding_groups([64, 128]) == [[0], [1]]
+    assert padding_groups([36]) == [[0]]
+    assert padding_groups([]) == []
+    # every row exactly once, and no group pads more than the bound
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 200, (40,), generator=gen).tolist()
+    groups = padding_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(40))
+    for group in groups:
+        sizes = [lengths[i] for i in group]
+        assert len(sizes) * max(sizes) - sum(sizes) <= PAD_WASTE_TOKENS
