@@ -756,17 +756,21 @@ class StageServer:
         if not outcomes:
             return
         sessions = [o.session for o in outcomes if o.session is not None]
+        # a prefill chunk short of the prompt's end samples nothing: no head for it
+        samples = [_samples(o.item, s) for o, s in zip(outcomes, sessions, strict=True)]
         results = self.stage.forward_batch(
             [(o.item.inputs, s.kv) for o, s in zip(outcomes, sessions, strict=True)],
             last_only=self.stage.has_head,
+            heads=samples if self.stage.has_head else None,
         )
-        for outcome, session, result in zip(outcomes, sessions, results, strict=True):
+        for outcome, session, result, sampled in zip(
+            outcomes, sessions, results, samples, strict=True
+        ):
             if session.sampler is None:
                 outcome.output = result.contiguous()
                 continue
-            positions = outcome.item.positions
-            if positions and positions[-1] + 1 < session.request.prompt_tokens:
-                continue  # a prefill chunk short of the prompt's end: its next chunk samples
+            if not sampled:
+                continue  # its next chunk samples
             try:  # one session's draw failing fails that session, not the batch
                 token = session.sampler(result[-1], outcome.item.step)
             except MeshError as exc:
@@ -835,6 +839,13 @@ class StageServer:
 def _session_of(frame: Frame) -> str:
     """The session a frame is for ("" for one that names none)."""
     return str(getattr(frame, "session_id", ""))
+
+
+def _samples(item: _Item, session: _Session) -> bool:
+    """Whether a head stage samples from this item: not from a prefill chunk short of
+    the prompt's end (its next chunk does)."""
+    positions = item.positions
+    return not positions or positions[-1] + 1 >= session.request.prompt_tokens
 
 
 def _next_step(outcome: _Outcome) -> _Item:

@@ -357,16 +357,24 @@ class StageModule(nn.Module):
         return outputs[0]
 
     def forward_batch(
-        self, items: Sequence[tuple[torch.Tensor, SessionKV]], *, last_only: bool = False
+        self,
+        items: Sequence[tuple[torch.Tensor, SessionKV]],
+        *,
+        last_only: bool = False,
+        heads: Sequence[bool] | None = None,
     ) -> list[torch.Tensor]:
         """Run several sessions' chunks (any lengths, any KV lengths) together: one
         forward for chunks of similar length (see :func:`padding_groups`).
 
         Returns one output per item, in order. With ``last_only`` a head stage
-        returns logits of each chunk's last token only, ``(1, vocab)``.
+        returns logits of each chunk's last token only, ``(1, vocab)``. ``heads``
+        (one per item) skips a head stage's head where False: that item returns no
+        logits, ``(0, vocab)`` (a prefill chunk that samples nothing).
         """
         if not items:
             return []
+        if heads is not None and len(heads) != len(items):
+            raise InvalidRequest(f"{len(heads)} head flags for {len(items)} items")
         prepared = [self._check_input(x, kv) for x, kv in items]
         sessions = [kv for _, kv in items]
         if len({id(kv) for kv in sessions}) != len(sessions):
@@ -376,7 +384,10 @@ class StageModule(nn.Module):
             with torch.inference_mode():
                 for group in padding_groups([x.shape[0] for x in prepared]):
                     results = self._run(
-                        [prepared[i] for i in group], [sessions[i] for i in group], last_only
+                        [prepared[i] for i in group],
+                        [sessions[i] for i in group],
+                        last_only,
+                        None if heads is None else [heads[i] for i in group],
                     )
                     for i, result in zip(group, results, strict=True):
                         outputs[i] = result
@@ -428,7 +439,11 @@ class StageModule(nn.Module):
         return checked
 
     def _run(
-        self, xs: list[torch.Tensor], sessions: list[SessionKV], last_only: bool
+        self,
+        xs: list[torch.Tensor],
+        sessions: list[SessionKV],
+        last_only: bool,
+        heads: Sequence[bool] | None = None,
     ) -> list[torch.Tensor]:
         lengths = [x.shape[0] for x in xs]
         batch, width = len(xs), max(lengths)
@@ -465,12 +480,23 @@ class StageModule(nn.Module):
                 )  # (batch, seq, hidden)
 
         if self.norm is not None and self.lm_head is not None:
+            keep = [row for row in range(batch) if heads is None or heads[row]]
+            none = hidden.new_empty((0, self.vocab_size))
+            if not keep:
+                return [none] * batch
             if last_only:
-                rows = torch.arange(batch, device=self.device)
-                last = torch.tensor(lengths, device=self.device) - 1
-                hidden = hidden[rows, last][:, None, :]  # (batch, 1, hidden)
-                lengths = [1] * batch
-            hidden = self.lm_head(self.norm(hidden))  # (batch, seq, vocab)
+                rows = torch.tensor(keep, device=self.device)
+                last = torch.tensor([lengths[row] for row in keep], device=self.device) - 1
+                hidden = hidden[rows, last][:, None, :]  # (kept, 1, hidden)
+                kept_lengths = [1] * len(keep)
+            else:
+                hidden = hidden if len(keep) == batch else hidden[keep]
+                kept_lengths = [lengths[row] for row in keep]
+            logits = self.lm_head(self.norm(hidden))  # (kept, seq, vocab)
+            outputs = [none] * batch
+            for j, (row, n) in enumerate(zip(keep, kept_lengths, strict=True)):
+                outputs[row] = logits[j, :n]
+            return outputs
         return [hidden[row, :n] for row, n in enumerate(lengths)]
 
     def _mask(

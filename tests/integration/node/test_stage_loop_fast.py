@@ -54,10 +54,10 @@ class Wiring:
             forward = stage.forward_batch
             rows = self.rows[peer] = []
 
-            def counted(items, *, last_only=False, forward=forward, rows=rows):
+            def counted(items, *, last_only=False, heads=None, forward=forward, rows=rows):
                 self.batches.append(len(items))
                 rows.append([int(x.shape[0]) for x, _ in items])
-                return forward(items, last_only=last_only)
+                return forward(items, last_only=last_only, heads=heads)
 
             stage.forward_batch = counted
         self.via_trio = self.via_thread = 0

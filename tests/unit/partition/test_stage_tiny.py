@@ -303,3 +303,24 @@ def test_padding_groups_keep_decode_rows_apart_from_a_prompt() -> None:
     for group in groups:
         sizes = [lengths[i] for i in group]
         assert len(sizes) * max(sizes) - sum(sizes) <= PAD_WASTE_TOKENS
+
+
+def test_a_chunk_that_samples_nothing_skips_the_head(tiny: Any) -> None:
+    """``heads``: a prefill chunk short of its prompt's end gets no logits, and its
+    session goes on exactly as if it had (its KV holds the chunk)."""
+    _, folder, _ = tiny
+    stage = load_stage(folder, 0, 6)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (12, 12)]
+    skipped, full = [stage.new_kv() for _ in prompts], [stage.new_kv() for _ in prompts]
+    got = stage.forward_batch(
+        list(zip(prompts, skipped, strict=True)), last_only=True, heads=[True, False]
+    )
+    want = stage.forward_batch(list(zip(prompts, full, strict=True)), last_only=True)
+    assert torch.equal(got[0], want[0])
+    assert got[1].shape == (0, stage.vocab_size)
+    assert [kv.length for kv in skipped] == [12, 12]
+    step = torch.tensor([7])
+    assert torch.equal(stage.forward(step, skipped[1]), stage.forward(step, full[1]))
+    with pytest.raises(InvalidRequest, match="head flags"):
+        stage.forward_batch([(step, skipped[0])], heads=[True, False])
