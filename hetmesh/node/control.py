@@ -55,6 +55,14 @@ class OpenSession(WireRecord):
     # ``max_tokens`` (a stage holding the whole model only; 1: one token a step)
     feed_steps: int = 1
     stop_ids: tuple[int, ...] = ()
+    # a prompt's prefill split between two peers holding the same units
+    # (hetmesh.node.split): the unit where its chunks cross from one to the other (0:
+    # none). With ``helper``, this stage runs units [split, end) of the prompt on the
+    # hidden states ``helper`` sends, then loads the KV of units [start, split) from it;
+    # without, this stage is the helper: it runs units [start, split) of the prompt and
+    # sends those hidden states, then that KV, to ``next_peer``
+    split: int = 0
+    helper: PeerId = ""
     op: str = "open"
 
     def __post_init__(self) -> None:
@@ -62,6 +70,12 @@ class OpenSession(WireRecord):
             raise ValueError(f"feed_steps must be within [1, {MAX_FEED_STEPS}]")
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop ids")
+        if self.split and not self.start < self.split < self.end:
+            raise ValueError(f"split must lie within ({self.start}, {self.end})")
+        if self.helper and not self.split:
+            raise ValueError("a helper helps with a split prefill only")
+        if self.split and not self.helper and self.feed_steps != 1:
+            raise ValueError("a split prefill's helper samples nothing: feed_steps 1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

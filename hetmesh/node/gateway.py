@@ -79,6 +79,7 @@ from hetmesh.node.control import (
     Reply,
 )
 from hetmesh.node.migration import moves
+from hetmesh.node.split import split_prefill_default, split_requests
 from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefill import (
     prefill_chunk_default,
@@ -114,6 +115,10 @@ Choose = Callable[[str, frozenset[PeerId], Sequence[int]], Awaitable[Sequence[Ho
 Ping = Callable[[PeerId], Awaitable[bool]]
 ChunkCosts = Callable[[Sequence[Hop]], Sequence[float | None]]
 """What prefill chunks cost each hop, as that hop measured it (None: unknown)."""
+Helper = Callable[[Sequence[Hop], frozenset[PeerId], Sequence[int]], "tuple[Hop, int, int] | None"]
+"""An idle replica of a one-stage route's units, avoiding some peers, to split a long
+prefill (its history's block hashes) with (:mod:`hetmesh.node.split`), the unit where
+to cut, and the prompt tokens the route's stage holds cached; None when there is none."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,6 +160,7 @@ class GatewayStatistics:
     migrations: int = 0  # sessions moved to a new route with their KV (no replay)
     migration_fallbacks: int = 0  # moves that failed: those sessions were replayed
     move_replays: int = 0  # sessions moved by replay because migration is off
+    split_prefills: int = 0  # prompts prefilled by their stage and an idle helper together
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +250,8 @@ class Gateway:
         prefill_chunk_tokens: int | None = None,
         chunk_costs: ChunkCosts | None = None,
         feed_steps: int | None = None,
+        helper: Helper | None = None,
+        split_prefill: bool | None = None,
     ) -> None:
         """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
         (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
@@ -252,7 +260,10 @@ class Gateway:
         (:func:`~hetmesh.partition.prefill.route_chunk_tokens`; None: chunk every route).
         ``feed_steps``: tokens a route of one stage (the whole model on one peer)
         generates from each step sent, feeding itself between them (None: the
-        ``HETMESH_FEED_STEPS`` switch, else 16; 1: a round trip a token)."""
+        ``HETMESH_FEED_STEPS`` switch, else 16; 1: a round trip a token). ``helper``
+        finds an idle replica to split a long prefill with, on a route of one stage
+        (:mod:`hetmesh.node.split`; ``split_prefill`` False, or the
+        ``HETMESH_SPLIT_PREFILL=0`` switch, turns that off)."""
         self.peer_id = peer_id
         self._control = control
         self._send = send
@@ -268,6 +279,10 @@ class Gateway:
         )
         self._chunk_costs = chunk_costs
         self.feed_steps = feed_steps_default() if feed_steps is None else feed_steps
+        self._helper = helper
+        self.split_prefill = split_prefill_default() if split_prefill is None else split_prefill
+        self._helpers: dict[str, Hop] = {}  # session id -> its prefill's helper (this try)
+        self._splits = 0
         if not 1 <= self.feed_steps <= MAX_FEED_STEPS:
             raise ValueError(f"feed_steps must be within [1, {MAX_FEED_STEPS}]")
         self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
@@ -299,7 +314,13 @@ class Gateway:
         hops = self._routes.get(frame.session_id, ())
         if sender is not None and hops:
             # tokens come from the last stage only; an error from any stage of the route
-            allowed = {hops[-1].peer_id} if isinstance(frame, Tokens) else {h.peer_id for h in hops}
+            # (or its prefill's helper)
+            helper = self._helpers.get(frame.session_id)
+            allowed = (
+                {hops[-1].peer_id}
+                if isinstance(frame, Tokens)
+                else {h.peer_id for h in (*hops, *((helper,) if helper else ()))}
+            )
             if sender not in allowed:
                 self._foreign += 1
                 log.warning(
@@ -319,9 +340,11 @@ class Gateway:
         (replays on a route that avoids it) instead of waiting for its step timeout."""
         for session_id, hops in list(self._routes.items()):
             inbox = self._inboxes.get(session_id)
+            helper = self._helpers.get(session_id)
             # not the source of a move: a drained node leaves once its KV is sent (a
             # source dead before it sent the KV shows as a step that times out)
-            if inbox is not None and any(h.peer_id == peer_id for h in hops):
+            ends = [h.peer_id for h in hops] + ([helper.peer_id] if helper else [])
+            if inbox is not None and peer_id in ends:
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                     inbox.send_nowait(_PeerGone(peer_id))  # full: its timeout still fires
 
@@ -407,6 +430,7 @@ class Gateway:
         self._started += 1
         finished = False
         recoveries = preemptions = 0
+        split_failed = False
         # peers the next route should not use (a move by replay), still closed like any
         leaving: frozenset[PeerId] = frozenset()
         admission_s = self.timeouts.admission_s
@@ -429,8 +453,15 @@ class Gateway:
                 self._inboxes[session_id] = inbox_send
                 self._routes[session_id] = hops
                 self._began[session_id] = time.time()
+                helper = None
+                split = False  # this try's prefill split with a helper
+                if not split_failed:  # a split that failed once: replay it whole
+                    helper = self._split_helper(hops, frozenset(avoid) | leaving, history, hashes)
                 try:
-                    cached = await self._open(session_id, hops, request, history, admission_s)
+                    cached = await self._open(
+                        session_id, hops, request, history, admission_s, helper
+                    )
+                    split = session_id in self._helpers
                     self._skipped += cached
                     async for token in self._run(
                         session_id,
@@ -466,6 +497,7 @@ class Gateway:
                 except _StepFailed as exc:
                     if session_id in self._moving:  # a move that failed: replay instead
                         self._migration_fallbacks += 1
+                    split_failed |= split
                     recoveries += 1
                     if recoveries > self.timeouts.max_recoveries:
                         raise RequestTimeout(
@@ -489,6 +521,8 @@ class Gateway:
                     del self._inboxes[session_id]
                     # the route it ended on, and the other end of a move in progress
                     hops = self._routes.pop(session_id) + self._moving.pop(session_id, ())
+                    if session_id in self._helpers:  # its helper, if it has not let go
+                        hops += (self._helpers.pop(session_id),)
                     self._leaving.pop(session_id, None)
                     now = time.time()
                     began = self._began.pop(session_id, now)
@@ -513,9 +547,13 @@ class Gateway:
         request: _Request,
         history: Sequence[int],
         admission_s: float,
+        helper: tuple[Hop, int] | None = None,
     ) -> int:
         """Open the session on every stage, waiting (with back-off) while they are busy.
 
+        With ``helper`` (a peer, the unit where it cuts), first try the prefill split
+        with it (one stage's route, :mod:`hetmesh.node.split`); a helper that refuses
+        leaves the prefill whole.
         Returns the prompt tokens every stage holds cached: the prefill starts there.
         """
         hashes = tuple(block_hashes(history)) if self.prefix_cache else ()
@@ -539,6 +577,20 @@ class Gateway:
             )
             for i, hop in enumerate(hops)
         ]
+        if helper is not None and len(hops) == 1:
+            pair = (hops[0], helper[0])
+            replies = await self._ask_all(
+                pair, split_requests(requests[0], hops[0].peer_id, helper[0].peer_id, helper[1])
+            )
+            if all(r.ok for r in replies):
+                self._helpers[session_id] = helper[0]
+                self._splits += 1
+                cached = min(r.cached_tokens for r in replies)
+                return max(0, min(cached, len(history) - 1)) // BLOCK_TOKENS * BLOCK_TOKENS
+            refused = [(h, r) for h, r in zip(pair, replies, strict=True) if not r.ok]
+            why = "; ".join(f"{h.peer_id}: {r.message}" for h, r in refused)
+            log.info("session %s: no split prefill (%s)", session_id, why)
+            await self._close(session_id, pair)  # busy since it was chosen: prefill whole
         deadline = trio.current_time() + admission_s
         delay = 0.05
         while True:
@@ -566,6 +618,33 @@ class Gateway:
                 raise Rejected("busy: every pipeline is full; try again later")
             await trio.sleep(delay)  # back off while busy stages drain
             delay = min(delay * 2, 1.0)
+
+    def _split_helper(
+        self,
+        hops: Sequence[Hop],
+        avoid: frozenset[PeerId],
+        history: Sequence[int],
+        hashes: Sequence[int],
+    ) -> tuple[Hop, int] | None:
+        """An idle replica to split the prefill of ``history`` with and the unit where it
+        cuts, or None: only for a route of one stage, and a prefill (past what it holds
+        cached) long enough to cut into chunks."""
+        if not self.split_prefill or self._helper is None or len(hops) != 1:
+            return None
+        found = self._helper(hops, avoid, hashes)
+        if found is None:
+            return None
+        helper, unit, cached = found
+        tokens = len(history) - min(cached, len(history) - 1)
+        if len(prefill_chunks(tokens, self._chunk_tokens((*hops, helper)))) < 2:
+            return None  # one chunk: nothing overlaps
+        return helper, unit
+
+    def _chunk_tokens(self, hops: Sequence[Hop]) -> int:
+        """The chunk size of a prefill through ``hops`` (0: whole)."""
+        if self._chunk_costs is None:
+            return self.prefill_chunk_tokens
+        return route_chunk_tokens(self._chunk_costs(hops), self.prefill_chunk_tokens)
 
     def _feeding(self, hops: Sequence[Hop]) -> tuple[int, tuple[int, ...]]:
         """Tokens a step and stop ids for the stages of ``hops``: a lone stage holds the
@@ -617,13 +696,15 @@ class Gateway:
         feed = list(history[cached:])
         position = cached
         in_flight: _InFlight | None = None
+        helper = self._helpers.get(session_id)  # the prompt goes through it (split)
         while len(generated) < max_new_tokens:
             if in_flight is None:
                 if session_id in self._leaving and len(feed) == 1:  # nothing in flight
                     await self._migrate(session_id, request, position)
                 in_flight = await self._send_step(
-                    session_id, feed, position, len(generated), max_new_tokens
+                    session_id, feed, position, len(generated), max_new_tokens, helper
                 )
+                helper = None
             token = await self._await_token(
                 inbox,
                 in_flight.step,
@@ -632,6 +713,9 @@ class Gateway:
                 self._moving.get(session_id, ()),
             )
             self._moving.pop(session_id, None)  # a step on the new route: the move is done
+            if self._helpers.pop(session_id, None) is not None:
+                # a first token: the helper sent its part and let the session go
+                in_flight.hops = self._routes[session_id]
             now = time.perf_counter()
             self._note_step(now - in_flight.started, in_flight.fed)
             position += in_flight.fed
@@ -660,18 +744,23 @@ class Gateway:
                 raise failed
 
     async def _send_step(
-        self, session_id: str, feed: Sequence[int], position: int, step: int, max_new: int
+        self,
+        session_id: str,
+        feed: Sequence[int],
+        position: int,
+        step: int,
+        max_new: int,
+        helper: Hop | None = None,
     ) -> _InFlight:
         """Send one step's token ids to the session's first stage (a long prefill in
-        chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`); ``step``
-        tokens are out of ``max_new``."""
-        hops = self._routes[session_id]
+        chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`), or to its
+        ``helper`` (a split prefill's); ``step`` tokens are out of ``max_new``."""
+        route = self._routes[session_id]
+        hops = (helper, *route) if helper is not None else route
         first = hops[0].peer_id
         started = time.perf_counter()
         ids = torch.tensor(list(feed), dtype=torch.int64)
-        chunk_tokens = self.prefill_chunk_tokens
-        if self._chunk_costs is not None and len(feed) > 1:
-            chunk_tokens = route_chunk_tokens(self._chunk_costs(hops), chunk_tokens)
+        chunk_tokens = self._chunk_tokens(hops) if len(feed) > 1 else self.prefill_chunk_tokens
         for chunk in torch.split(ids, prefill_chunks(len(feed), chunk_tokens)):
             frame = Activations(
                 session_id=session_id,
@@ -686,7 +775,7 @@ class Gateway:
                 raise _StepFailed(
                     f"cannot reach the first stage: {exc}", frozenset({first})
                 ) from exc
-        tokens = min(self._feeding(hops)[0], max_new - step)
+        tokens = min(self._feeding(route)[0], max_new - step)
         return _InFlight(step, started, hops, tokens, len(feed))
 
     async def _migrate(self, session_id: str, request: _Request, position: int) -> None:
@@ -888,5 +977,6 @@ class Gateway:
             migrations=self._migrations,
             migration_fallbacks=self._migration_fallbacks,
             move_replays=self._move_replays,
+            split_prefills=self._splits,
             prefix_tokens_skipped=self._skipped,
         )

@@ -62,9 +62,11 @@ def moves(old: Sequence[_Hop], new: Sequence[_Hop]) -> list[tuple[int, PeerId, P
     return found or None
 
 
-def kv_frame(session_id: str, keys: torch.Tensor, values: torch.Tensor) -> KVBlock:
-    """The frame carrying a session's exported KV (all of the stage's layers, from 0)."""
-    return KVBlock(session_id=session_id, first_layer=0, start=0, tensors=(keys, values))
+def kv_frame(session_id: str, keys: torch.Tensor, values: torch.Tensor, start: int = 0) -> KVBlock:
+    """The frame carrying a session's exported KV: the stage's layers from the first
+    (a migration's: all of them; a split prefill's: its helper's), positions from
+    ``start``."""
+    return KVBlock(session_id=session_id, first_layer=0, start=start, tensors=(keys, values))
 
 
 def check_kv(
@@ -75,13 +77,16 @@ def check_kv(
     head_dim: int,
     dtype: torch.dtype,
     length: int,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of ``frame`` if they fit the stage that admitted ``length``
-    tokens for it; ``InvalidRequest`` naming what does not."""
-    if frame.first_layer != 0 or frame.start != 0:
+    tokens for it: ``num_layers`` layers from the first, ``length`` positions from
+    ``start`` (a migration: all of its layers from 0; a split prefill: the helper's
+    layers from where the prompt began); ``InvalidRequest`` naming what does not."""
+    if frame.first_layer != 0 or frame.start != start:
         raise InvalidRequest(
-            f"migrated KV must cover every layer from position 0, not layer "
-            f"{frame.first_layer} from position {frame.start}"
+            f"the KV must cover layers from 0 and positions from {start}, not layers "
+            f"from {frame.first_layer} and positions from {frame.start}"
         )
     if len(frame.tensors) != 2:
         raise InvalidRequest(f"migrated KV is keys and values, got {len(frame.tensors)} tensors")

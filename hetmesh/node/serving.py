@@ -66,8 +66,10 @@ from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import kv_counters, stage_kv_limits
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
+from hetmesh.node.split import Replica, choose_helper
 from hetmesh.node.stage_server import StageServer
 from hetmesh.node.weights import QUANTIZED_ORDER
+from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.protocol.generate import (
     GENERATE_PROTOCOL,
     MAX_REQUEST_BYTES,
@@ -111,6 +113,7 @@ from hetmesh.scheduler.plan_trust import (
 from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, decode_summary, encode_summary
 from hetmesh.scheduler.records import (
     MeshLoad,
+    Pipeline,
     PipelineLoad,
     Plan,
     PlanConstraints,
@@ -271,6 +274,7 @@ class Serving:
                 prefix_cache=self.config.prefix_cache,
                 migrate=self.config.migrate,
                 chunk_costs=self._chunk_costs,
+                helper=self._helper,
             )
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
@@ -934,6 +938,66 @@ class Serving:
         if several:
             self._routed.remember(hashes, chosen.key)
         return tuple(Hop(s.peer_id, s.start, s.end) for s in chosen.stages)
+
+    def _helper(
+        self, hops: Sequence[Hop], avoid: frozenset[PeerId], hashes: Sequence[int] = ()
+    ) -> tuple[Hop, int, int] | None:
+        """An idle, ready replica of a one-stage route's units in its format, to split a
+        long prefill with (:mod:`hetmesh.node.split`), the unit where to cut, and the
+        prompt tokens the route's stage is expected to hold cached; None when there is
+        none."""
+        plan = self.plan
+        if plan is None or len(hops) != 1:
+            return None
+        unhealthy = frozenset(avoid) | unready_peers(plan, self.ready_stages())
+        loads = self._loads(plan)
+        costs, _ = self._sharing(plan)
+        summary = self._summary_of() if hashes else None
+
+        def state_of(peer: PeerId) -> ServingAnnouncement | None:
+            if peer == self.node.peer_id:
+                return self._announced
+            seen = self._served_by.get(peer)
+            return seen[1] if seen is not None else None
+
+        def weights_of(peer: PeerId) -> str:
+            if peer == self.node.peer_id:
+                return self.weights
+            state = state_of(peer)
+            return state.weights if state is not None else ""
+
+        def block_s(peer: PeerId) -> float:
+            state = state_of(peer)
+            calibration = state.calibration if state is not None else None
+            return calibration.block_step_s if calibration is not None else 0.0
+
+        def cached(pipeline: Pipeline) -> int:
+            # as held (announced summaries), not the router's memory: that has just
+            # noted this very prompt on the chosen route
+            return cached_blocks(pipeline, hashes, summary) * BLOCK_TOKENS if summary else 0
+
+        replicas = [
+            Replica(
+                peer_id=p.stages[0].peer_id,
+                start=p.stages[0].start,
+                end=p.stages[0].end,
+                weights=weights_of(p.stages[0].peer_id),
+                busy=bool(loads[p.key].active_sessions or loads[p.key].queued_requests),
+                row_cost=costs.get(p.key, 1.0),
+                cached_tokens=cached(p),
+                block_step_s=block_s(p.stages[0].peer_id),
+            )
+            for p in plan.pipelines
+            if len(p.stages) == 1
+        ]
+        main = next((r for r in replicas if r.peer_id == hops[0].peer_id), None)
+        if main is None:
+            return None
+        found = choose_helper(main, replicas, unhealthy)
+        if found is None:
+            return None
+        helper, unit = found
+        return Hop(helper.peer_id, helper.start, helper.end), unit, main.cached_tokens
 
     def _sharing(self, plan: Plan) -> tuple[dict[str, float], dict[PeerId, Host]]:
         """What the router weighs besides load: each pipeline's cost of a further row of

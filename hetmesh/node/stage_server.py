@@ -33,6 +33,13 @@ A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
 activations until the KV arrives from that peer, and then runs like any other.
 
+A long prompt's prefill can be split with an idle replica (see
+:mod:`hetmesh.node.split`): the session's stage then runs its prompt's chunks
+from the helper's hidden states through the later units only, samples the
+first token as usual, and holds the next step until the helper's KV of the
+earlier units is in; the helper's own session runs the earlier units, sends on
+to the stage, hands its KV over after the last chunk and lets go.
+
 A session belongs to the peers of its route: only its gateway (the peer that
 opened it) may close it, and only the stage before this one (the gateway, for
 the first stage) may feed it. A member sending anything else for it gets
@@ -68,6 +75,7 @@ from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
+from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS
@@ -92,11 +100,14 @@ GATHER_S = 0.005
 
 @dataclass(slots=True)
 class _Awaiting:
-    """A session migrating here: whose KV of how many tokens it waits for."""
+    """A session waiting for KV it does not compute: a migration's (all of its layers,
+    every position) or a split prefill's (the helper's layers, the prompt's positions)."""
 
     source: PeerId
-    length: int
-    held: list[_Item] = field(default_factory=list)  # activations that came before the KV
+    layers: slice  # the stage's layers the KV fills
+    held: list[_Item] = field(default_factory=list)  # activations that must wait for it
+    # a split prefill's KV that came while the session was in a batch: loaded after it
+    deferred: tuple[KVBlock, Callable[[], None]] | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +117,13 @@ class _Session:
     sampler: Sampler | None
     awaiting: _Awaiting | None = None
     feed_left: int = 0  # tokens this stage still generates from its gateway's last step
+    prompt_from: int | None = None  # a split prefill's first position (its first chunk's)
+
+    @property
+    def publishable(self) -> bool:
+        """Whether its blocks hold every layer's KV (the prefix cache may name them):
+        not while it waits for KV, never on a split prefill's helper (its own units only)."""
+        return self.awaiting is None and split_role(self.request) != "helper"
 
 
 @dataclass(slots=True)
@@ -148,6 +166,7 @@ class StageStatistics:
     recent_step_s: tuple[float, ...]
     kv: KVStatistics
     device_rounds: int = 0  # rounds run on in the device thread (fed sessions, no trio)
+    helped: int = 0  # split prefills whose first units this stage ran for another peer
 
 
 @dataclass(slots=True)
@@ -217,6 +236,7 @@ class StageServer:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         # (items, tokens, seconds) of each round of the batch on the device thread
         self._rounds: list[tuple[int, int, float]] = []
+        self._helped = 0  # split prefills this stage helped with (its part sent on)
 
     # -- control ----------------------------------------------------------------
 
@@ -258,6 +278,8 @@ class StageServer:
                 InvalidRequest("only a stage holding the whole model feeds a session itself")
             )
         migrating = bool(request.migrate_from)
+        if migrating and request.split:
+            return Reply.failed(InvalidRequest("a migrating session's prefill is not split"))
         # its place in line is its gateway's to give: one gateway cannot take another's
         stamp = (
             Stamp(request.order_s, f"{request.gateway}/{request.order_id}")
@@ -274,8 +296,14 @@ class StageServer:
             )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
-        sampler = Sampler(request.sampling) if self.stage.has_head else None
-        awaiting = _Awaiting(request.migrate_from, request.prompt_tokens) if migrating else None
+        helping = split_role(request) == "helper"  # runs the prompt's first units only
+        sampler = Sampler(request.sampling) if self.stage.has_head and not helping else None
+        awaiting = None
+        if migrating:
+            awaiting = _Awaiting(request.migrate_from, slice(None))
+        elif request.helper:  # the helper computes the prompt's first units' KV
+            first_units = self.stage.layer_slice(self.stage.start, request.split)
+            awaiting = _Awaiting(request.helper, first_units)
         self._sessions[request.session_id] = _Session(request, kv, sampler, awaiting)
         # the gateway starts the prompt at the fewest tokens any stage has cached
         return Reply(ok=True, cached_tokens=kv.length)
@@ -314,41 +342,76 @@ class StageServer:
     def receive_kv(
         self, frame: KVBlock, release: Callable[[], None], sender: PeerId | None = None
     ) -> None:
-        """Load a migrating session's KV sent by ``sender`` (None: this node) and let its
-        held activations run; ``InvalidRequest`` when it was not expected from that peer.
+        """Load KV sent by ``sender`` (None: this node) for a session waiting for it (a
+        migration's, or a split prefill's from its helper) and let its held
+        activations run; ``InvalidRequest`` when it was not expected from that peer.
 
         A bad frame from the session's source fails the session (its gateway
-        replays it); one from any other peer leaves the session untouched.
+        replays it); one from any other peer leaves the session untouched. A split
+        prefill's KV that comes while the session is in a batch loads after it.
         """
         sid = frame.session_id
         session = self._sessions.get(sid)
+        awaiting = session.awaiting if session is not None else None
         try:
-            awaiting = session.awaiting if session is not None else None
-            if session is None or awaiting is None:
+            if session is None or awaiting is None or awaiting.deferred is not None:
                 raise InvalidRequest(f"no KV of session {sid} is expected here")
             if sender is not None and sender != awaiting.source:
                 raise InvalidRequest(
                     f"session {sid} takes its KV from {awaiting.source} only, not {sender}"
                 )
+        except InvalidRequest:
+            release()
+            raise
+        if sid in self._inflight:  # its own layers are being written: after the batch
+            awaiting.deferred = (frame, release)
+            self._interrupt = True
+            return
+        self._load_kv(sid, session, awaiting, frame, release)
+
+    def _load_kv(
+        self,
+        sid: str,
+        session: _Session,
+        awaiting: _Awaiting,
+        frame: KVBlock,
+        release: Callable[[], None],
+    ) -> None:
+        request = session.request
+        migrating = bool(request.migrate_from)
+        try:
+            start = 0 if migrating else session.prompt_from
             try:
+                if start is None:
+                    raise InvalidRequest("the KV came before the prompt's first chunk")
                 keys, values = check_kv(
                     frame,
-                    num_layers=self.pool.num_layers,
+                    num_layers=len(range(self.pool.num_layers)[awaiting.layers]),
                     kv_heads=self.pool.kv_heads,
                     head_dim=self.pool.head_dim,
                     dtype=self.pool.dtype,
-                    length=awaiting.length,
+                    length=request.prompt_tokens - start,
+                    start=start,
                 )
-                session.kv.load(keys, values)
+                if migrating:
+                    session.kv.load(keys, values)
+                else:
+                    if not session.kv.reserve(request.prompt_tokens):
+                        raise Rejected("the stage's KV pool is full")
+                    session.kv.fill(awaiting.layers.start or 0, start, keys, values)
             except (InvalidRequest, Rejected) as exc:
-                log.warning("session %s: migrated KV refused: %s", sid, exc)
-                self._fail(session, sid, InvalidRequest(f"migrated KV refused: {exc}"))
+                log.warning("session %s: KV refused: %s", sid, exc)
+                if migrating:
+                    self._fail(session, sid, InvalidRequest(f"migrated KV refused: {exc}"))
+                else:  # not its client's fault: its gateway replays it whole
+                    self._fail(session, sid, ComputeError(f"the helper's KV refused: {exc}"))
                 self.close(sid)
                 raise
         finally:
             release()  # loaded (copied into the pool) or refused
         session.awaiting = None
-        self.kv.note_migration_in(keys.nbytes + values.nbytes)
+        if migrating:
+            self.kv.note_migration_in(keys.nbytes + values.nbytes)
         self.kv.get(sid)
         for item in awaiting.held:
             self._enqueue(item)
@@ -370,7 +433,7 @@ class StageServer:
         if session is None or sender is None:
             return
         feeder = session.request.previous_peer or session.request.gateway
-        if sender != feeder:
+        if sender != feeder and sender != session.request.helper:
             raise InvalidRequest(
                 f"session {session_id} takes activations from {feeder} only, not {sender}"
             )
@@ -389,7 +452,9 @@ class StageServer:
         if session is not None and session.awaiting is not None:
             for item in session.awaiting.held:  # the KV never came
                 item.release()
-        elif session is not None and block_hashes:
+            if session.awaiting.deferred is not None:
+                session.awaiting.deferred[1]()
+        elif session is not None and block_hashes and session.publishable:
             session.kv.publish(block_hashes)
         # its blocks return to the pool (named ones stay cached)
         self.kv.close(session_id, requeue=requeue)
@@ -420,7 +485,8 @@ class StageServer:
                     f"expected one tensor per activation, got {len(frame.tensors)}"
                 )
             queued = self._queued.get(frame.session_id, 0)
-            if session.awaiting is not None:
+            prompt = is_helped_chunk(frame.positions, session.request)  # its helper's chunk
+            if session.awaiting is not None and not prompt:
                 queued = len(session.awaiting.held)
             if queued >= QUEUED_PER_SESSION:  # one step at a time: this is a flood
                 raise InvalidRequest(
@@ -431,7 +497,9 @@ class StageServer:
             raise
         item = _Item(frame.session_id, frame.step, frame.positions, frame.tensors[0], release)
         session.feed_left = session.request.feed_steps  # a step from its feeder: a new feed
-        if session.awaiting is not None:
+        if session.request.split and session.prompt_from is None and item.positions:
+            session.prompt_from = item.positions[0]
+        if session.awaiting is not None and not prompt:
             session.awaiting.held.append(item)
             return
         self._enqueue(item)
@@ -479,13 +547,15 @@ class StageServer:
                 for sid in self._inflight:  # idle time counts from the end of its last step
                     if sid in self.kv:
                         self.kv.get(sid)
-                    if sid in self._sessions:  # prompt blocks now full join the prefix cache
-                        session = self._sessions[sid]
+                    session = self._sessions.get(sid)
+                    # prompt blocks now full join the prefix cache (all layers written)
+                    if session is not None and session.publishable:
                         session.kv.publish(session.request.prefix_hashes)
                 self._inflight = set()
                 for sid, hashes in sorted(self._closing.items()):
                     self.close(sid, hashes)
                 self._closing.clear()
+                self._load_deferred()
             rounds = self._rounds or [
                 (len(batch), sum(item.inputs.shape[0] for item in batch), 0.0)
             ]
@@ -496,6 +566,17 @@ class StageServer:
             self._counters.device_rounds += len(rounds) - 1
             for outcome in outcomes:  # the batch's last round (see _compute)
                 self._deliver(outcome)
+
+    def _load_deferred(self) -> None:
+        """Load the split prefills' KV that came while their sessions were in a batch."""
+        for sid, session in list(self._sessions.items()):
+            awaiting = session.awaiting
+            if awaiting is None or awaiting.deferred is None:
+                continue
+            frame, release = awaiting.deferred
+            awaiting.deferred = None
+            with contextlib.suppress(InvalidRequest, Rejected):  # failed and closed
+                self._load_kv(sid, session, awaiting, frame, release)
 
     async def _grow(self, batch: list[_Item]) -> list[_Item]:
         """Give the batch's sessions blocks for their new tokens, oldest session first.
@@ -709,6 +790,8 @@ class StageServer:
             session = outcome.session
             if not outcome.follow or outcome.error is not None or session is None:
                 return None
+            if session.awaiting is not None:  # its next step waits for a helper's KV
+                return None
             if session.kv.capacity <= session.kv.length:  # a new block: trio's _grow
                 return None
         following = []
@@ -757,11 +840,14 @@ class StageServer:
             return
         sessions = [o.session for o in outcomes if o.session is not None]
         # a prefill chunk short of the prompt's end samples nothing: no head for it
-        samples = [_samples(o.item, s) for o, s in zip(outcomes, sessions, strict=True)]
+        pairs = list(zip(outcomes, sessions, strict=True))
+        samples = [_samples(o.item, s) for o, s in pairs]
+        spans = [span_of(o.item.positions, s.request) for o, s in pairs]
         results = self.stage.forward_batch(
-            [(o.item.inputs, s.kv) for o, s in zip(outcomes, sessions, strict=True)],
+            [(o.item.inputs, s.kv) for o, s in pairs],
             last_only=self.stage.has_head,
             heads=samples if self.stage.has_head else None,
+            spans=spans if any(spans) else None,
         )
         for outcome, session, result, sampled in zip(
             outcomes, sessions, results, samples, strict=True
@@ -794,7 +880,11 @@ class StageServer:
         if outcome.error is not None:
             # anything but a bad request reads as the stage's own failure: ComputeError
             failure = outcome.error
-            code = error_code(failure if isinstance(failure, InvalidRequest) else ComputeError)
+            # a bad chunk from a split prefill's helper is not the client's fault either
+            bad_input = isinstance(failure, InvalidRequest)
+            if bad_input and is_helped_chunk(item.positions, request):
+                bad_input = False
+            code = error_code(failure if bad_input else ComputeError)
             log.info(
                 "session %s failed on [%d, %d): %s",
                 item.session_id,
@@ -814,11 +904,29 @@ class StageServer:
                 session, item.session_id, ComputeError(f"next hop {request.next_peer} is stuck")
             )
             return
+        if split_role(request) == "helper" and _samples(item, session):
+            self._hand_over(item.session_id, session)  # the prompt's last chunk: done here
+            return
         if outcome.follow:  # its token is its next step here
+            if session.awaiting is not None:  # the helper's KV first
+                session.awaiting.held.append(_next_step(outcome))
+                return
             try:
                 self._enqueue(_next_step(outcome))
             except Rejected as exc:
                 self._fail(session, item.session_id, exc)
+
+    def _hand_over(self, session_id: str, session: _Session) -> None:
+        """A split prefill's helper, after the prompt's last chunk: send the KV of its
+        units to the session's stage and let the session go (its work is done)."""
+        request = session.request
+        layers = self.stage.layer_slice(self.stage.start, request.split)
+        start = session.prompt_from or 0
+        keys, values = session.kv.export(layers, start)
+        if not self._post(request.next_peer, kv_frame(session_id, keys, values, start)):
+            self._fail(session, session_id, ComputeError(f"next hop {request.next_peer} is stuck"))
+        self._helped += 1
+        self.close(session_id)
 
     def statistics(self) -> StageStatistics:
         c = self._counters
@@ -833,6 +941,7 @@ class StageServer:
             recent_step_s=tuple(c.recent),
             kv=self.kv.statistics(),
             device_rounds=c.device_rounds,
+            helped=self._helped,
         )
 
 

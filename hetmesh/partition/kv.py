@@ -250,34 +250,73 @@ class SessionKV:
             raise InvalidRequest("cannot truncate into a block of the prefix cache; rewind instead")
         self._length = length
 
-    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of the ``length`` tokens held, in the pool's dtype.
+    def export(
+        self, layers: slice = slice(None), start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the tokens held from position ``start``, in the pool's
+        dtype, of ``layers`` (all: a migration's; the first few: a split prefill's).
 
-        Two contiguous tensors ``(layers, kv_heads, length, head_dim)``: what a
-        migration sends (only the filled part of the blocks). A copy, so the
-        blocks can be freed while the tensors are on their way.
+        Two contiguous tensors ``(layers, kv_heads, length - start, head_dim)``
+        (only the filled part of the blocks). A copy, so the blocks can be freed
+        while the tensors are on their way.
         """
         if self._freed:
             raise InvalidRequest("the session's KV cache was freed")
-        n = self._length
+        if not 0 <= start <= self._length:
+            raise InvalidRequest(f"no position {start} in a KV cache of {self._length} tokens")
+        keys, values = self.pool.keys[layers], self.pool.values[layers]
+        n = self._length - start
         if self.num_layers == 0 or n == 0:
-            empty = (self.num_layers, self.pool.kv_heads, n, self.pool.head_dim)
+            empty = (keys.shape[0], self.pool.kv_heads, n, self.pool.head_dim)
             return (
                 torch.empty(empty, dtype=self.pool.dtype),
                 torch.empty(empty, dtype=self.pool.dtype),
             )
         if self._base is not None:  # one run: a slice of the pool, copied once
-            lo = self._base
+            lo = self._base + start
             return (
-                self.pool.keys[:, :, lo : lo + n].contiguous().cpu(),
-                self.pool.values[:, :, lo : lo + n].contiguous().cpu(),
+                keys[:, :, lo : lo + n].contiguous().cpu(),
+                values[:, :, lo : lo + n].contiguous().cpu(),
             )
         assert self._slots is not None  # set with the blocks
-        held = self._slots[:n]
-        return (
-            self.pool.keys.index_select(2, held).cpu(),
-            self.pool.values.index_select(2, held).cpu(),
-        )
+        held = self._slots[start : start + n]
+        return keys.index_select(2, held).cpu(), values.index_select(2, held).cpu()
+
+    def fill(self, first_layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write another peer's keys and values ``(layers, kv_heads, n, head_dim)`` of
+        layers from ``first_layer``, positions ``[start, start + n)``, into the session's
+        blocks (the layers a split prefill's helper computed; see
+        :mod:`hetmesh.node.split`). The positions need not be committed yet, but their
+        blocks must be held and none of them shared with the prefix cache.
+        """
+        if self._freed:
+            raise InvalidRequest("the session's KV cache was freed")
+        layers, n = int(keys.shape[0]), int(keys.shape[2])
+        if first_layer < 0 or first_layer + layers > self.num_layers:
+            raise InvalidRequest(
+                f"layers [{first_layer}, {first_layer + layers}) are not all held here"
+            )
+        size = self.pool.block_tokens
+        if start < 0 or start + n > self.capacity:
+            raise InvalidRequest(
+                f"positions [{start}, {start + n}) are not within the {self.capacity} held"
+            )
+        touched = self.blocks[start // size : -(-(start + n) // size)]
+        if any(self.pool.prefix.holds(b) for b in touched):
+            raise InvalidRequest("cannot fill a block of the prefix cache")
+        if layers == 0 or n == 0:
+            return
+        span = slice(first_layer, first_layer + layers)
+        with torch.inference_mode():  # the pool's tensors may be inference tensors
+            if self._base is not None:
+                lo = self._base + start
+                self.pool.keys[span, :, lo : lo + n] = keys.to(self.pool.device)
+                self.pool.values[span, :, lo : lo + n] = values.to(self.pool.device)
+                return
+            assert self._slots is not None  # set with the blocks
+            slots = self._slots[start : start + n]
+            self.pool.keys[span].index_copy_(2, slots, keys.to(self.pool.device))
+            self.pool.values[span].index_copy_(2, slots, values.to(self.pool.device))
 
     def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Fill a new, empty session with another stage's ``export()`` of the same layers.

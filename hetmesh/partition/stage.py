@@ -362,6 +362,7 @@ class StageModule(nn.Module):
         *,
         last_only: bool = False,
         heads: Sequence[bool] | None = None,
+        spans: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[torch.Tensor]:
         """Run several sessions' chunks (any lengths, any KV lengths) together: one
         forward for chunks of similar length (see :func:`padding_groups`).
@@ -369,28 +370,41 @@ class StageModule(nn.Module):
         Returns one output per item, in order. With ``last_only`` a head stage
         returns logits of each chunk's last token only, ``(1, vocab)``. ``heads``
         (one per item) skips a head stage's head where False: that item returns no
-        logits, ``(0, vocab)`` (a prefill chunk that samples nothing).
+        logits, ``(0, vocab)`` (a prefill chunk that samples nothing). ``spans`` (one
+        per item, None: the whole stage) runs an item through units ``[lo, hi)`` of
+        the stage only (a prefill split between two peers holding the same units,
+        see :mod:`hetmesh.node.split`): it takes token ids where ``lo`` is the
+        embedding, else hidden states, and writes its KV in those units' layers only.
         """
         if not items:
             return []
         if heads is not None and len(heads) != len(items):
             raise InvalidRequest(f"{len(heads)} head flags for {len(items)} items")
-        prepared = [self._check_input(x, kv) for x, kv in items]
+        if spans is not None and len(spans) != len(items):
+            raise InvalidRequest(f"{len(spans)} unit spans for {len(items)} items")
+        ranges = [self._span(None if spans is None else spans[i]) for i in range(len(items))]
+        prepared = [
+            self._check_input(x, kv, lo) for (x, kv), (lo, _) in zip(items, ranges, strict=True)
+        ]
         sessions = [kv for _, kv in items]
         if len({id(kv) for kv in sessions}) != len(sessions):
             raise InvalidRequest("a session appears twice in one batch")
         outputs: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
         try:
             with torch.inference_mode():
-                for group in padding_groups([x.shape[0] for x in prepared]):
-                    results = self._run(
-                        [prepared[i] for i in group],
-                        [sessions[i] for i in group],
-                        last_only,
-                        None if heads is None else [heads[i] for i in group],
-                    )
-                    for i, result in zip(group, results, strict=True):
-                        outputs[i] = result
+                for span in dict.fromkeys(ranges):  # one forward per span, in order of first
+                    rows = [i for i, r in enumerate(ranges) if r == span]
+                    for part in padding_groups([prepared[i].shape[0] for i in rows]):
+                        group = [rows[j] for j in part]
+                        results = self._run(
+                            [prepared[i] for i in group],
+                            [sessions[i] for i in group],
+                            last_only,
+                            None if heads is None else [heads[i] for i in group],
+                            span,
+                        )
+                        for i, result in zip(group, results, strict=True):
+                            outputs[i] = result
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(
                 f"stage [{self.start}, {self.end}): {brief_error(exc)}"
@@ -406,13 +420,30 @@ class StageModule(nn.Module):
             kv._commit(x.shape[0])
         return outputs
 
-    def _check_input(self, x: Any, kv: Any) -> torch.Tensor:
+    def _span(self, span: tuple[int, int] | None) -> tuple[int, int]:
+        """``span`` checked against the stage's units (None: all of them)."""
+        if span is None:
+            return self.start, self.end
+        lo, hi = span
+        if not self.start <= lo < hi <= self.end:
+            raise InvalidRequest(
+                f"units [{lo}, {hi}) are not within stage [{self.start}, {self.end})"
+            )
+        return lo, hi
+
+    def layer_slice(self, lo: int, hi: int) -> slice:
+        """The stage's (local) layers of its units ``[lo, hi)``."""
+        first = self.layer_range.start
+        unit_layers = range(max(lo, 1) - 1, min(hi, self.profile.num_layers + 1) - 1)
+        return slice(max(0, unit_layers.start - first), max(0, unit_layers.stop - first))
+
+    def _check_input(self, x: Any, kv: Any, lo: int | None = None) -> torch.Tensor:
         if not isinstance(kv, SessionKV):
             raise InvalidRequest(f"expected a SessionKV, got {type(kv).__name__}")
         kv._check_usable(id(self))
         if not isinstance(x, torch.Tensor):
             raise InvalidRequest(f"expected a tensor, got {type(x).__name__}")
-        if self.has_embed:
+        if self.has_embed and (lo is None or lo == 0):
             if x.dtype not in (torch.int64, torch.int32) or x.dim() != 1:
                 raise InvalidRequest(
                     f"first stage takes int64 token ids of shape (seq,), got {x.dtype} "
@@ -424,8 +455,8 @@ class StageModule(nn.Module):
         else:
             if not x.is_floating_point() or x.dim() != 2 or x.shape[1] != self.hidden_size:
                 raise InvalidRequest(
-                    f"stage [{self.start}, {self.end}) takes hidden states (seq, "
-                    f"{self.hidden_size}), got {x.dtype} {tuple(x.shape)}"
+                    f"units [{self.start if lo is None else lo}, {self.end}) take hidden "
+                    f"states (seq, {self.hidden_size}), got {x.dtype} {tuple(x.shape)}"
                 )
             x = x.to(self.device, self.dtype)
         if x.shape[0] == 0:
@@ -444,10 +475,12 @@ class StageModule(nn.Module):
         sessions: list[SessionKV],
         last_only: bool,
         heads: Sequence[bool] | None = None,
+        span: tuple[int, int] | None = None,
     ) -> list[torch.Tensor]:
+        lo, hi = span or (self.start, self.end)
         lengths = [x.shape[0] for x in xs]
         batch, width = len(xs), max(lengths)
-        if self.embed_tokens is not None:
+        if self.embed_tokens is not None and lo == 0:
             ids = torch.zeros((batch, width), dtype=torch.int64, device=self.device)
             for row, x in enumerate(xs):
                 ids[row, : x.shape[0]] = x
@@ -459,7 +492,9 @@ class StageModule(nn.Module):
             for row, x in enumerate(xs):
                 hidden[row, : x.shape[0]] = x
 
-        if self.layers:
+        part = self.layer_slice(lo, hi)
+        layers, windows = self.layers[part], self.windows[part]
+        if layers:
             for kv, n in zip(sessions, lengths, strict=True):
                 kv._reserve(n)
             past = torch.tensor([kv.length for kv in sessions], device=self.device)
@@ -467,7 +502,7 @@ class StageModule(nn.Module):
             position_embeddings = self.rotary_emb(hidden, position_ids)  # type: ignore[misc]
             cache = _BatchCache(sessions, lengths)
             masks: dict[int | None, torch.Tensor | None] = {}
-            for layer, window in zip(self.layers, self.windows, strict=True):
+            for layer, window in zip(layers, windows, strict=True):
                 if window not in masks:
                     masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
                 hidden = layer(
@@ -479,7 +514,7 @@ class StageModule(nn.Module):
                     position_embeddings=position_embeddings,
                 )  # (batch, seq, hidden)
 
-        if self.norm is not None and self.lm_head is not None:
+        if self.norm is not None and self.lm_head is not None and hi == self.end:
             keep = [row for row in range(batch) if heads is None or heads[row]]
             none = hidden.new_empty((0, self.vocab_size))
             if not keep:

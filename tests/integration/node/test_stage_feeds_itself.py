@@ -51,11 +51,11 @@ class Wiring:
         self.forwards: dict[str, int] = {}  # session id -> the forwards it took part in
         forward = stage.forward_batch
 
-        def counted(items, *, last_only=False, heads=None):
+        def counted(items, *, last_only=False, heads=None, spans=None):
             for _, kv in items:
                 sid = next(s for s, v in self.server._sessions.items() if v.kv is kv)
                 self.forwards[sid] = self.forwards.get(sid, 0) + 1
-            return forward(items, last_only=last_only, heads=heads)
+            return forward(items, last_only=last_only, heads=heads, spans=spans)
 
         stage.forward_batch = counted
         self.steps_sent = 0  # activation frames from the gateway

@@ -54,10 +54,12 @@ class Wiring:
             forward = stage.forward_batch
             rows = self.rows[peer] = []
 
-            def counted(items, *, last_only=False, heads=None, forward=forward, rows=rows):
+            def counted(
+                items, *, last_only=False, heads=None, spans=None, forward=forward, rows=rows
+            ):
                 self.batches.append(len(items))
                 rows.append([int(x.shape[0]) for x, _ in items])
-                return forward(items, last_only=last_only, heads=heads)
+                return forward(items, last_only=last_only, heads=heads, spans=spans)
 
             stage.forward_batch = counted
         self.via_trio = self.via_thread = 0

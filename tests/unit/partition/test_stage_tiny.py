@@ -324,3 +324,56 @@ def test_a_chunk_that_samples_nothing_skips_the_head(tiny: Any) -> None:
     assert torch.equal(stage.forward(step, skipped[1]), stage.forward(step, full[1]))
     with pytest.raises(InvalidRequest, match="head flags"):
         stage.forward_batch([(step, skipped[0])], heads=[True, False])
+
+
+def test_a_prefill_split_between_two_copies_of_a_stage_matches_one(tiny: Any) -> None:
+    """``spans``: a helper runs units [0, 3) of each chunk, the stage units [3, 6) on its
+    hidden states, then takes the helper's KV of layers [0, 2) (export/fill): the logits
+    and every decode step after are exactly the unsplit stage's."""
+    _, folder, _ = tiny
+    main, helper = load_stage(folder, 0, 6), load_stage(folder, 0, 6)
+    whole = load_stage(folder, 0, 6)
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(4, VOCAB, (40,), generator=gen)
+    kv_main, kv_helper, kv_whole = main.new_kv(), helper.new_kv(), whole.new_kv()
+    first = helper.layer_slice(0, 3)
+    assert (first.start, first.stop) == (0, 2)
+    for chunk in torch.split(prompt, 16):
+        hidden = helper.forward_batch([(chunk, kv_helper)], spans=[(0, 3)])[0]
+        assert hidden.shape == (chunk.shape[0], helper.hidden_size)
+        got = main.forward_batch([(hidden, kv_main)], last_only=True, spans=[(3, 6)])[0]
+        want = whole.forward(chunk, kv_whole, last_only=True)
+        assert torch.equal(got, want)
+    keys, values = kv_helper.export(first, start=16)
+    assert keys.shape[0] == 2
+    assert keys.shape[2] == 24
+    kv_main.fill(0, 16, keys, values)
+    keys, values = kv_helper.export(first, start=0)
+    kv_main.fill(0, 0, keys[:, :, :16], values[:, :, :16])
+    step = torch.tensor([5])
+    for _ in range(3):
+        got = main.forward(step, kv_main)
+        assert torch.equal(got, whole.forward(step, kv_whole))
+        step = got[-1:].argmax(-1)
+    with pytest.raises(InvalidRequest, match="not within stage"):
+        main.forward_batch([(step, kv_main)], spans=[(3, 7)])
+    with pytest.raises(InvalidRequest, match="take hidden states"):
+        main.forward_batch([(step, kv_main)], spans=[(3, 6)])
+    with pytest.raises(InvalidRequest, match="not all held"):
+        kv_main.fill(5, 0, keys, values)
+    with pytest.raises(InvalidRequest, match="not within the"):
+        kv_main.fill(0, kv_main.capacity, keys[:, :, :1], values[:, :, :1])
+
+
+def test_a_split_layer_left_unfilled_changes_the_next_step(tiny: Any) -> None:
+    """The helper's KV matters: without it the stage's decode differs (the test above
+    would pass vacuously if the main stage ran every layer itself)."""
+    _, folder, _ = tiny
+    main, helper, whole = (load_stage(folder, 0, 6) for _ in range(3))
+    prompt = torch.randint(4, VOCAB, (20,), generator=torch.Generator().manual_seed(4))
+    kv_main, kv_helper, kv_whole = main.new_kv(), helper.new_kv(), whole.new_kv()
+    hidden = helper.forward_batch([(prompt, kv_helper)], spans=[(0, 3)])[0]
+    main.forward_batch([(hidden, kv_main)], spans=[(3, 6)])
+    whole.forward(prompt, kv_whole)
+    step = torch.tensor([6])
+    assert not torch.equal(main.forward(step, kv_main), whole.forward(step, kv_whole))

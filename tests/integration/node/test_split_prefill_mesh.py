@@ -1,0 +1,106 @@
+"""A long prompt borrows the mesh's idle replica for its prefill (:mod:`hetmesh.node.split`).
+
+Two serving daemons in this test's trio run (:mod:`inprocess_mesh`), each holding
+the whole default model: two single-stage pipelines, as in
+``test_cache_routing_mesh``. A long prompt entering at either node is
+prefilled by its route's stage and the other replica together, found through
+the announcements (ready, idle, same units and format), over the real control
+and data planes; the tokens equal the single-process reference. A short prompt
+and a prompt while the other replica is busy are not split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetmesh.node.config import ServingConfig
+from hetmesh.partition.prefix import block_hashes
+from tests.integration.node import inprocess_mesh
+from tests.integration.node.inprocess_mesh import (
+    generate,
+    hold_a_slot,
+    open_mesh,
+    until,
+    wait_ready,
+)
+from tests.integration.node.mesh_nodes import reference_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(420)]
+
+# one long prompt per gateway (the second must not find the first one's prefix cached)
+LONGS = [[(13 * i + 7 * k) % 40000 + 100 for i in range(300)] for k in (1, 2)]
+SHORT = [1, 504, 3458, 282, 1029]
+NEW_TOKENS = 6
+
+
+def stage_of(node: Any) -> Any:
+    (served,) = node.serving._served.values()
+    return served.server
+
+
+def idle(gateway: Any) -> bool:
+    loads = gateway.serving._loads(gateway.serving.plan).values()
+    return all(load.active_sessions == 0 and load.queued_requests == 0 for load in loads)
+
+
+def splits(node: Any) -> int:
+    return int(node.serving.gateway.statistics().split_prefills)
+
+
+async def test_a_long_prompt_borrows_the_idle_replica(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inprocess_mesh, "NODE_MEMORY_BYTES", 2 << 30)  # each holds the model
+    # two replicas, not one two-stage pipeline (see test_cache_routing_mesh); a given
+    # block step also skips timing prefill chunks, so a measurement on a loaded machine
+    # cannot turn chunks, and with them the split, off
+    serving = ServingConfig(objective="throughput", max_context_tokens=512, block_step_s=0.0005)
+    async with open_mesh(tmp_path, serving, 2) as mesh:
+        await wait_ready(mesh.nodes[0], pipelines=2)
+        nodes = mesh.nodes
+        await until(
+            lambda: all(n.serving.plan and len(n.serving.plan.pipelines) == 2 for n in nodes),
+            120,
+            "both nodes on the two-pipeline plan",
+        )
+        for entry, prompt in zip(nodes, LONGS, strict=True):  # either replica may help
+            # a replica is idle to this gateway once its announcement says so (~1 s)
+            await until(lambda: idle(entry), 60, "the gateway seeing both replicas idle")  # noqa: B023
+            before = splits(entry)
+            helped = sum(stage_of(n).statistics().helped for n in nodes)
+            out = await generate(str(entry.discovery.addrs[0]), NEW_TOKENS, prompt)
+            assert out == reference_ids(default_model_dir, prompt, NEW_TOKENS)
+            assert splits(entry) == before + 1
+            assert sum(stage_of(n).statistics().helped for n in nodes) == helped + 1
+            assert entry.serving.gateway.statistics().recoveries == 0
+            # the prompt's blocks are cached where all their layers are: not on the helper
+            hashes = set(block_hashes(prompt))
+            held = [len(hashes & set(stage_of(n).pool.prefix.recent_hashes(64))) for n in nodes]
+            assert sorted(held) == [0, len(hashes)]
+        assert all(stage_of(n).kv.statistics().sessions == 0 for n in nodes)
+
+        # a short prompt: one chunk, nothing to overlap
+        front = nodes[0]
+        before = splits(front)
+        out = await generate(str(front.discovery.addrs[0]), NEW_TOKENS, SHORT)
+        assert out == reference_ids(default_model_dir, SHORT, NEW_TOKENS)
+        assert splits(front) == before
+
+        # both replicas busy: neither is borrowed
+        for node in nodes:
+            hold_a_slot(stage_of(node), "held")
+        await until(
+            lambda: all(
+                load.active_sessions >= 1
+                for load in front.serving._loads(front.serving.plan).values()
+            ),
+            60,
+            "the gateway seeing both replicas busy",
+        )
+        prompt = LONGS[0][::-1]
+        out = await generate(str(front.discovery.addrs[0]), NEW_TOKENS, prompt)
+        assert out == reference_ids(default_model_dir, prompt, NEW_TOKENS)
+        assert splits(front) == before
