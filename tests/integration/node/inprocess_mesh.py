@@ -132,13 +132,15 @@ async def open_mesh(
     *,
     first: dict[str, Any] | None = None,
     model: Path | None = None,
+    memory_bytes: int | None = None,
 ) -> AsyncIterator[InProcessMesh]:
     """``count`` serving daemons bootstrapped from the first, serving; stopped on exit.
 
     ``model``: the tiny test model's folder (the ``tiny_model_dir`` fixture) to serve
     instead of the default model, with a node memory that makes two nodes split it.
+    ``memory_bytes``: each node's memory (None: one that makes two nodes split it).
     """
-    memory_bytes = NODE_MEMORY_BYTES
+    memory_bytes = memory_bytes or NODE_MEMORY_BYTES
     if model is not None:
         serving = dataclasses.replace(serving, model=str(model))
         memory_bytes = TINY_NODE_MEMORY_BYTES
@@ -153,6 +155,28 @@ async def open_mesh(
         finally:
             for node in mesh.nodes:
                 node.request_stop()
+
+
+@contextlib.asynccontextmanager
+async def open_replicas(tmp_path: Path) -> AsyncIterator[InProcessMesh]:
+    """Two serving daemons each holding the whole default model, once both follow a plan
+    of two single-stage pipelines (two replicas)."""
+    # Under the throughput objective one two-stage pipeline of these nodes does about as
+    # many tokens/s as two whole replicas (each stage half the work, the head included:
+    # the calibration scales every unit alike), so at a long block step the choice was
+    # a coin toss on the nodes' measured flops and bandwidth. What a pipeline pays twice
+    # is the per-stage overhead of the cost model (4 ms); at a 0.5 ms block step that
+    # makes two replicas ~19 % ahead whatever the nodes measure (a 2-device sweep over
+    # 3x bandwidth and 10x flops gaps plans two replicas every time).
+    serving = ServingConfig(objective="throughput", max_context_tokens=512, block_step_s=0.0005)
+    async with open_mesh(tmp_path, serving, 2, memory_bytes=2 << 30) as mesh:
+        await wait_ready(mesh.nodes[0], pipelines=2)
+        await until(
+            lambda: all(n.serving.plan and len(n.serving.plan.pipelines) == 2 for n in mesh.nodes),
+            120,
+            "both nodes on the two-pipeline plan",
+        )
+        yield mesh
 
 
 def stage_servers(nodes: Sequence[Node]) -> list[Any]:

@@ -18,17 +18,14 @@ from typing import Any
 
 import pytest
 
-from hetmesh.node.config import ServingConfig
 from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.scheduler.prefix_summary import matched_blocks
-from tests.integration.node import inprocess_mesh
 from tests.integration.node.inprocess_mesh import (
     generate,
     hold_a_slot,
-    open_mesh,
+    open_replicas,
     until,
-    wait_ready,
 )
 from tests.integration.node.mesh_nodes import reference_ids
 
@@ -68,25 +65,10 @@ async def served_by(nodes: Sequence[Any], gateway: Any, prompt: list[int]) -> tu
 
 
 async def test_next_turn_goes_back_to_the_pipeline_holding_its_prefix(
-    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, default_model_dir: Path
 ) -> None:
-    monkeypatch.setattr(inprocess_mesh, "NODE_MEMORY_BYTES", 2 << 30)  # each holds the model
-    # Under the throughput objective one two-stage pipeline of these nodes does about as
-    # many tokens/s as two whole replicas (each stage half the work, the head included:
-    # the calibration scales every unit alike), so at a long block step the choice was
-    # a coin toss on the nodes' measured flops and bandwidth. What a pipeline pays twice
-    # is the per-stage overhead of the cost model (4 ms); at a 0.5 ms block step that
-    # makes two replicas ~19 % ahead whatever the nodes measure (a 2-device sweep over
-    # 3x bandwidth and 10x flops gaps plans two replicas every time).
-    serving = ServingConfig(objective="throughput", max_context_tokens=512, block_step_s=0.0005)
-    async with open_mesh(tmp_path, serving, 2) as mesh:
-        await wait_ready(mesh.nodes[0], pipelines=2)
+    async with open_replicas(tmp_path) as mesh:
         nodes = mesh.nodes
-        await until(
-            lambda: all(n.serving.plan and len(n.serving.plan.pipelines) == 2 for n in nodes),
-            120,
-            "both nodes on the two-pipeline plan",
-        )
         front, back = nodes
 
         # the pipeline an idle mesh picks: a short request with no shared prefix

@@ -12,7 +12,6 @@ must not cost the stream: the gateway replays it whole.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from hetmesh.partition.prefix import block_hashes
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
 from hetmesh.transport.frames import Activations, Error, Frame, KVBlock, Tokens
+from tests.integration.node.wired import generate_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -130,22 +130,7 @@ class Wiring:
 
 
 async def run(wiring: Wiring, prompts: list[list[int]]) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in prompts]
-
-    async def one(i: int) -> None:
-        params = SamplingParams(max_new_tokens=TOKENS)
-        async with aclosing(wiring.gateway.generate(prompts[i], params)) as tokens:
-            async for token in tokens:
-                results[i].append(token)
-
-    async with trio.open_nursery() as nursery:
-        for server in wiring.servers.values():
-            await nursery.start(server.serve)
-        async with trio.open_nursery() as clients:
-            for i in range(len(prompts)):
-                clients.start_soon(one, i)
-        nursery.cancel_scope.cancel()
-    return results
+    return await generate_all(wiring.servers.values(), wiring.gateway, prompts, TOKENS)
 
 
 _REFERENCE: dict[str, LocalPipeline] = {}

@@ -16,15 +16,12 @@ from typing import Any
 
 import pytest
 
-from hetmesh.node.config import ServingConfig
 from hetmesh.partition.prefix import block_hashes
-from tests.integration.node import inprocess_mesh
 from tests.integration.node.inprocess_mesh import (
     generate,
     hold_a_slot,
-    open_mesh,
+    open_replicas,
     until,
-    wait_ready,
 )
 from tests.integration.node.mesh_nodes import reference_ids
 
@@ -51,21 +48,12 @@ def splits(node: Any) -> int:
 
 
 async def test_a_long_prompt_borrows_the_idle_replica(
-    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, default_model_dir: Path
 ) -> None:
-    monkeypatch.setattr(inprocess_mesh, "NODE_MEMORY_BYTES", 2 << 30)  # each holds the model
-    # two replicas, not one two-stage pipeline (see test_cache_routing_mesh); a given
-    # block step also skips timing prefill chunks, so a measurement on a loaded machine
-    # cannot turn chunks, and with them the split, off
-    serving = ServingConfig(objective="throughput", max_context_tokens=512, block_step_s=0.0005)
-    async with open_mesh(tmp_path, serving, 2) as mesh:
-        await wait_ready(mesh.nodes[0], pipelines=2)
+    # a given block step (open_replicas) also skips timing prefill chunks, so a
+    # measurement on a loaded machine cannot turn chunks, and with them the split, off
+    async with open_replicas(tmp_path) as mesh:
         nodes = mesh.nodes
-        await until(
-            lambda: all(n.serving.plan and len(n.serving.plan.pipelines) == 2 for n in nodes),
-            120,
-            "both nodes on the two-pipeline plan",
-        )
         for entry, prompt in zip(nodes, LONGS, strict=True):  # either replica may help
             # a replica is idle to this gateway once its announcement says so (~1 s)
             await until(lambda: idle(entry), 60, "the gateway seeing both replicas idle")  # noqa: B023

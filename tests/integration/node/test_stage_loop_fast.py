@@ -10,7 +10,6 @@ Outputs must equal the single-process reference either way.
 from __future__ import annotations
 
 import functools
-from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
+from tests.integration.node.wired import generate_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -107,22 +107,7 @@ class Wiring:
 
 
 async def run_sessions(wiring: Wiring, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in prompts]
-
-    async def one(i: int) -> None:
-        params = SamplingParams(max_new_tokens=TOKENS)
-        async with aclosing(wiring.gateway.generate(prompts[i], params)) as tokens:
-            async for token in tokens:
-                results[i].append(token)
-
-    async with trio.open_nursery() as nursery:
-        for server in wiring.servers.values():
-            await nursery.start(server.serve)
-        async with trio.open_nursery() as clients:
-            for i in range(len(prompts)):
-                clients.start_soon(one, i)
-        nursery.cancel_scope.cancel()
-    return results
+    return await generate_all(wiring.servers.values(), wiring.gateway, prompts, TOKENS)
 
 
 @functools.cache
