@@ -85,8 +85,11 @@ async def test_next_turn_goes_back_to_the_pipeline_holding_its_prefix(
         # first turn while the idle choice looks busy: it runs on the other pipeline
         for i in range(HELD):
             hold_a_slot(stage_of(idle_choice), f"held-{i}")
+        # a load announced within a plan tick of our request's end there is read less that
+        # request (Gateway.sessions_during: it may have been sampled while it ran), and a
+        # record whose load stays put is not sent again: one held session may go unseen
         await until(
-            lambda: front.serving._loads(front.serving.plan)[idle_key].active_sessions >= HELD,
+            lambda: front.serving._loads(front.serving.plan)[idle_key].active_sessions >= HELD - 1,
             60,
             "the gateway seeing the held sessions",
         )

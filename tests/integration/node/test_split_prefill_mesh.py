@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from hetmesh.node.gateway import Hop
 from hetmesh.partition.prefix import block_hashes
 from tests.integration.node.inprocess_mesh import (
     generate,
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(420)]
 LONGS = [[(13 * i + 7 * k) % 40000 + 100 for i in range(300)] for k in (1, 2)]
 SHORT = [1, 504, 3458, 282, 1029]
 NEW_TOKENS = 6
+UNITS = 32  # the default model's: embedding, 30 layers, head
 
 
 def stage_of(node: Any) -> Any:
@@ -38,9 +40,16 @@ def stage_of(node: Any) -> Any:
     return served.server
 
 
-def idle(gateway: Any) -> bool:
-    loads = gateway.serving._loads(gateway.serving.plan).values()
-    return all(load.active_sessions == 0 and load.queued_requests == 0 for load in loads)
+def helper_in_sight(gateway: Any, prompt: list[int]) -> bool:
+    """Whether ``gateway`` sees a helper for ``prompt`` whichever replica it routes to: the
+    other one ready (a loaded machine can stall a node's liveness) and idle (its
+    announcement says so, ~1 s after its last session)."""
+    serving = gateway.serving
+    hashes = block_hashes(prompt)
+    return all(
+        serving._helper((Hop(p.stages[0].peer_id, 0, UNITS),), frozenset(), hashes)
+        for p in serving.plan.pipelines
+    )
 
 
 def splits(node: Any) -> int:
@@ -55,8 +64,11 @@ async def test_a_long_prompt_borrows_the_idle_replica(
     async with open_replicas(tmp_path) as mesh:
         nodes = mesh.nodes
         for entry, prompt in zip(nodes, LONGS, strict=True):  # either replica may help
-            # a replica is idle to this gateway once its announcement says so (~1 s)
-            await until(lambda: idle(entry), 60, "the gateway seeing both replicas idle")  # noqa: B023
+            await until(
+                lambda: helper_in_sight(entry, prompt),  # noqa: B023
+                60,
+                "the gateway seeing a ready, idle helper",
+            )
             before = splits(entry)
             helped = sum(stage_of(n).statistics().helped for n in nodes)
             out = await generate(str(entry.discovery.addrs[0]), NEW_TOKENS, prompt)
