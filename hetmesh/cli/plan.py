@@ -19,6 +19,8 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from hetmesh.cli._app import app
+from hetmesh.cli.devices_file import HELP as DEVICES_HELP
+from hetmesh.cli.devices_file import json_schema, parse_entries
 from hetmesh.errors import InsufficientCapacity, MeshError, ModelNotFound
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
 from hetmesh.scheduler import BASELINES, Plan, PlanConstraints, plan
@@ -88,18 +90,15 @@ def weights_in(data: Any) -> dict[str, str]:
 
 
 def parse_devices(data: Any) -> tuple[list[DeviceProfile], list[LinkProfile]]:
-    """A list of DeviceProfile wire maps, or ``{"devices": [...], "links": [...]}``."""
-    raw_devices: list[Any]
-    raw_links: list[Any]
-    if isinstance(data, list):
-        raw_devices, raw_links = data, []
-    elif isinstance(data, dict) and isinstance(data.get("devices"), list):
-        raw_devices, raw_links = data["devices"], data.get("links") or []
-    else:
-        raise ValueError('expected a list of devices or {"devices": [...], "links": [...]}')
-    devices = [DeviceProfile.from_wire(d) for d in raw_devices]
-    links = [LinkProfile.from_wire(x) for x in raw_links]
-    return devices, links
+    """A list of DeviceProfile wire maps, or ``{"devices": [...], "links": [...]}``; a
+    ValueError names the entry and field at fault (:mod:`hetmesh.cli.devices_file`)."""
+    return parse_entries(data)
+
+
+def _print_schema(value: bool) -> None:
+    if value:
+        typer.echo(json.dumps(json_schema(), indent=1))
+        raise typer.Exit()
 
 
 def devices_from_view(view: Mapping[str, Any]) -> tuple[list[DeviceProfile], list[LinkProfile]]:
@@ -270,9 +269,16 @@ def _fetch_view(mesh: str, secret: str | None, timeout: float) -> dict[str, Any]
 @app.command("plan")
 def plan_command(
     model: Annotated[str, typer.Option(help="A known shape (llama-7b, …) or a model folder.")],
-    devices: Annotated[
-        Path | None, typer.Option(help="JSON: a list of devices, or {devices, links}.")
-    ] = None,
+    devices: Annotated[Path | None, typer.Option(help=DEVICES_HELP)] = None,
+    devices_schema: Annotated[
+        bool,
+        typer.Option(
+            "--devices-schema",
+            help="Print the JSON Schema of a --devices file (every field, unit, default).",
+            is_eager=True,
+            callback=_print_schema,
+        ),
+    ] = False,
     mesh: Annotated[str | None, typer.Option(help="Any node's multiaddr, with /p2p/ID.")] = None,
     objective: Annotated[str, typer.Option(help="latency or throughput.")] = "latency",
     dtype: Annotated[
