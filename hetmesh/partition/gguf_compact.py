@@ -2,8 +2,9 @@
 
 Quantized blocks are copied as they are (see :mod:`hetmesh.partition.checkpoint`
 for the tensor names): Q4_1 and Q4_0 as Q4_1 blocks (Q4_0's ``w = d (q - 8)``
-is Q4_1 with ``m = -8 d``, exactly), Q8_0 as Q8_0 blocks; F32, F16 and BF16
-tensors keep their dtype. Other supported block types (the K-quants, Q5_0,
+is Q4_1 with ``m = -8 d``, exactly), Q8_0 as Q8_0 blocks, Q4_K, Q5_K and Q6_K
+as their own super-blocks (:mod:`hetmesh.partition.kquant`); F32, F16 and BF16
+tensors keep their dtype. Other supported block types (Q2_K, Q3_K, Q5_0,
 Q5_1) are dequantised one tensor at a time with the ``gguf`` package's own
 numpy routines and stored as fp16 (more mantissa than bf16; fp32 for a
 tensor whose values do not fit fp16).
@@ -27,18 +28,22 @@ from typing import Any
 import numpy as np
 
 from hetmesh.errors import CorruptModel, UnsupportedModel
+from hetmesh.partition.kquant import BLOCK_BYTES, GGUF_NAMES
 
 # GGUF types kept as blocks, kept as floats, and dequantised per tensor
 _BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_K_TYPES = tuple(GGUF_NAMES)  # kept as their GGUF super-blocks
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_DEQUANT_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_TYPES = (*_FLOAT_TYPES, *_BLOCK_TYPES, *_DEQUANT_TYPES)
+_DEQUANT_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K")
+SUPPORTED_TYPES = (*_FLOAT_TYPES, *_BLOCK_TYPES, *_K_TYPES, *_DEQUANT_TYPES)
 _FP16_MAX = 65504.0
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -154,6 +159,10 @@ def _convert(
             f"{name}.q4_1.d": rows_perm(d),
             f"{name}.q4_1.m": rows_perm(m),
         }
+    if kind in _K_TYPES:
+        stored = GGUF_NAMES[kind]
+        row_bytes = shape[1] // 256 * BLOCK_BYTES[stored]
+        return {f"{name}.{stored}.blocks": rows_perm(data.reshape(shape[0], row_bytes))}
     if kind == "F32":
         return {name: rows_perm(data.astype(np.float32, copy=False).reshape(shape))}
     if kind == "F16":

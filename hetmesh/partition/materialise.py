@@ -6,6 +6,11 @@ the folder's checkpoint, converted to the stage's format and placed with
 of more than one tensor (or slice), so loading a stage peaks close to the
 stage's own resident bytes.
 
+An int4 stage holds each decoder matrix stored as 4-bit groups (Q4_1, Q4_0,
+Q4_K) as those groups, exactly; a matrix stored in a wider K-quant (Q5_K,
+Q6_K: the tensors a Q4_K_M file keeps at more bits) is held as int8 per row
+instead (:func:`hold_wide_blocks_in_int8`), not squeezed into 4 bits.
+
 Raises :class:`~hetmesh.errors.CorruptModel` for a missing or misshapen tensor.
 """
 
@@ -20,6 +25,7 @@ from torch import nn
 
 from hetmesh.errors import CorruptModel
 from hetmesh.partition.checkpoint import ROW_CHUNK, CheckpointReader
+from hetmesh.partition.formats import bf16_int8_head
 from hetmesh.partition.fused import fuse_layer
 from hetmesh.partition.quant import (
     Int4Linear,
@@ -68,6 +74,7 @@ def materialise(
             )
         for local, global_index in enumerate(stage.layer_range):
             layer = stage.layers[local]
+            hold_wide_blocks_in_int8(layer, reader, f"model.layers.{global_index}")
             for sub, module in layer.named_modules():
                 path = f"layers.{local}.{sub}" if sub else f"layers.{local}"
                 source = f"model.layers.{global_index}.{sub}" if sub else ""
@@ -91,6 +98,39 @@ def materialise(
     left = [name for name, t in _tensors(stage) if t.is_meta]
     if left:
         raise CorruptModel(f"{folder}: no tensors for {left[:3]}")
+
+
+WIDE_KINDS = ("q5_k", "q6_k")  # stored at more than 4 bits: int8 in an int4 stage
+
+
+def hold_wide_blocks_in_int8(layer: nn.Module, reader: CheckpointReader, source: str) -> int:
+    """Swap ``layer``'s int4 linears whose matrix is stored as Q5_K or Q6_K for int8
+    ones (still on meta); returns how many.
+
+    Requantising 5- or 6-bit values to 4 bits would throw away the precision the
+    file kept on purpose (a Q4_K_M file stores its most sensitive matrices as
+    Q6_K). int8 per row keeps them within ~0.2 % (docs/weights.md). Like the int4
+    format's head they take bf16 activations where the CPU multiplies bf16
+    natively (:func:`~hetmesh.partition.formats.bf16_int8_head`), else W8A8.
+    """
+    swapped = 0
+    for sub, module in list(layer.named_modules()):
+        if not isinstance(module, Int4Linear):
+            continue
+        if reader.kind(f"{source}.{sub}.weight") not in WIDE_KINDS:
+            continue
+        parent_name, _, name = sub.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        wide = Int8Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device="meta",
+            bf16_activations=bf16_int8_head(),
+        )
+        setattr(parent, name, wide)
+        swapped += 1
+    return swapped
 
 
 def _tensors(stage: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -187,7 +227,7 @@ class _Loader:
 
     def int4(self, path: str, module: Int4Linear, source: str) -> None:
         self.expect(source, (module.out_features, module.in_features))
-        if self.reader.kind(source) == "q4_1":
+        if self.reader.kind(source) in ("q4_1", "q4_k"):
             q, d, m = self.reader.q4_blocks(source)  # the shipped weights, kept exactly
         else:
             q, d, m = quantize_groups_int4(self.reader.tensor(source))
@@ -219,4 +259,4 @@ class _Loader:
         self.float_param(f"{path}.weight", source, tuple(weight.shape), column_major=column_major)
 
 
-__all__ = ["materialise"]
+__all__ = ["WIDE_KINDS", "hold_wide_blocks_in_int8", "materialise"]
