@@ -201,6 +201,10 @@ def unit_param_bytes(config: Mapping[str, Any], fmt: WeightFormat) -> UnitBytes:
         small += q_out + 2 * kv_out
     elif config.get("attention_bias"):
         small += q_out + 2 * kv_out + hidden
+    if config.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (
+        config.get("architectures") or []
+    ):
+        small += 2 * head_dim  # RMS norms of q and k (one head's width each)
     if config.get("mlp_bias"):
         small += 2 * inter + hidden
     block += small_bytes(small, fmt)

@@ -177,6 +177,68 @@ def _convert(
     return {name: rows_perm(values.astype(np.float32))}
 
 
+def llama3_rope(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The ``rope_parameters`` (type ``llama3``) that a GGUF's ``rope_freqs`` tensor encodes.
+
+    llama.cpp's converter writes Llama 3.x's rope scaling as one divisor per
+    rotary frequency (``rope_freqs.weight``), not as metadata, and transformers'
+    GGUF loader ignores that tensor: served without it, every position past the
+    first would rotate wrongly. The divisors are ``1`` for high frequencies,
+    ``factor`` for low ones and ``1 / ((1 - s) / factor + s)`` between, with
+    ``s`` linear in ``1 / wavelength``; fitting that line gives the parameters
+    (``low_freq_factor`` taken as 1, as every Llama 3.x has: the divisors fix
+    only the line, not how it was written). The parameters are checked by
+    recomputing every divisor; ``None`` if they are all 1, ``UnsupportedModel``
+    if no llama3 scaling reproduces them.
+    """
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    dims = np.arange(0, head_dim, 2, dtype=np.float64)
+    if f.shape[0] != dims.shape[0]:
+        raise UnsupportedModel(f"rope_freqs has {f.shape[0]} values for head_dim {head_dim}")
+    if np.all(np.abs(f - 1.0) < 1e-6):
+        return None
+    factor = float(np.float32(f.max()))
+    wavelen = 2 * np.pi * theta ** (dims / head_dim)
+    between = (f > 1.0 + 1e-6) & (f < factor * (1 - 1e-6))
+    if int(between.sum()) >= 2:
+        smooth = (1.0 / f[between] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(1.0 / wavelen[between], smooth, 1)
+        high = float(np.round(1.0 - 1.0 / intercept, 4))
+        original = round(float(slope * (high - 1.0)))
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": float(theta),
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+        if np.allclose(_llama3_divisors(rope, wavelen), f, rtol=1e-5, atol=0):
+            return rope
+    raise UnsupportedModel(
+        "rope_freqs holds rope factors that no llama3 rope scaling reproduces "
+        "(fewer than two frequencies between the scaled and unscaled ones)"
+    )
+
+
+def _llama3_divisors(rope: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    """What llama.cpp's converter stores for ``rope``: one divisor per frequency."""
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    original, factor = rope["original_max_position_embeddings"], rope["factor"]
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+    return np.asarray(out, dtype=np.float64)
+
+
+def gguf_field(reader: Any, key: str) -> Any:
+    """A scalar metadata value of a GGUF file (None if absent)."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    return field.parts[field.data[0]][0]
+
+
 BF16_SUFFIX = "\x00bf16"  # an internal marker, never written as a name
 
 
@@ -206,6 +268,8 @@ __all__ = [
     "SUPPORTED_TYPES",
     "check_tensor_types",
     "compact_tensors",
+    "gguf_field",
     "hf_name",
+    "llama3_rope",
     "write_safetensors",
 ]

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without q/k/v biases, with q/k RMS norms
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -101,7 +102,7 @@ def model_profile(
         attn_bias_params = 0
     mlp_weights = 3 * hidden * inter
     mlp_bias_params = (2 * inter + hidden) if mlp_bias else 0
-    norms = 2 * hidden
+    norms = 2 * hidden + (2 * head_dim if kind == "qwen3" else 0)  # Qwen3's q/k norms
     layer_params = attn_weights + attn_bias_params + mlp_weights + mlp_bias_params + norms
     layer_matmul_params = attn_weights + mlp_weights
     embed_params = vocab * hidden

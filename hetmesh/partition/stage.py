@@ -66,6 +66,7 @@ _FAMILIES = {
     "LlamaForCausalLM": ("transformers.models.llama.modeling_llama", "Llama"),
     "MistralForCausalLM": ("transformers.models.mistral.modeling_mistral", "Mistral"),
     "Qwen2ForCausalLM": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    "Qwen3ForCausalLM": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
 }
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
