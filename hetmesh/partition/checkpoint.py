@@ -231,6 +231,17 @@ class CheckpointReader:
         q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
         return q, d, m
 
+    def k_blocks(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a K-quant tensor's blocks, as stored (uint8)."""
+        kind = self._require(name)
+        if kind not in K_KINDS:
+            raise CorruptModel(f"{self.folder}: {name} is not stored as K-quant blocks")
+        try:
+            blocks: torch.Tensor = self._slice(f"{name}.{kind}.blocks")[start:stop]
+        except Exception as exc:
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
+        return blocks
+
     def stored_bytes(self, name: str) -> bytes:
         """The bytes of one stored tensor (a name as stored, suffix included), as on disk."""
         entry = self._slice(name)

@@ -26,6 +26,7 @@ a Q4_K tensor's own 4-bit levels.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 SUPER = 256  # inputs per super-block
 BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
@@ -108,4 +109,40 @@ def dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     return w.reshape(rows, supers * SUPER)
 
 
-__all__ = ["BLOCK_BYTES", "GGUF_NAMES", "SUPER", "dequantize", "logical_width", "q4_k_groups"]
+class KQuantEmbedding(nn.Module):
+    """A token table kept as its K-quant blocks; a lookup decodes only the rows it returns.
+
+    A compact stage's table is otherwise int8 per row (8 bits a weight against a
+    Q4_K file's 4.5). Lookups touch a few rows per step, so decoding them each
+    time costs nothing measurable, and the values are the file's own exactly.
+    """
+
+    blocks: torch.Tensor
+
+    def __init__(self, kind: str, num_embeddings: int, dim: int, *, device: torch.device | str):
+        super().__init__()
+        if dim % SUPER:
+            raise ValueError(f"{kind} rows must be whole super-blocks of {SUPER}")
+        self.kind, self.num_embeddings, self.dim = kind, num_embeddings, dim
+        width = dim // SUPER * BLOCK_BYTES[kind]
+        self.register_buffer(
+            "blocks", torch.empty(num_embeddings, width, dtype=torch.uint8, device=device)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.reshape(-1)]
+        return dequantize(self.kind, rows).reshape(*ids.shape, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dim}, {self.kind} blocks"
+
+
+__all__ = [
+    "BLOCK_BYTES",
+    "GGUF_NAMES",
+    "SUPER",
+    "KQuantEmbedding",
+    "dequantize",
+    "logical_width",
+    "q4_k_groups",
+]

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from hetmesh.errors import CorruptModel
-from hetmesh.partition.checkpoint import ROW_CHUNK, CheckpointReader
+from hetmesh.partition.checkpoint import K_KINDS, ROW_CHUNK, CheckpointReader
 from hetmesh.partition.formats import bf16_int8_head
 from hetmesh.partition.fused import fuse_layer
+from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.quant import (
     Int4Linear,
     Int8Embedding,
@@ -65,7 +66,11 @@ def materialise(
     with CheckpointReader(folder) as reader:
         loader = _Loader(stage, reader, folder)
         shared_head = tied and stage.lm_head is not None and reader.kind("lm_head.weight") is None
-        if stage.embed_tokens is not None:
+        if stage.embed_tokens is not None and not shared_head:
+            _keep_table_blocks(stage, reader)
+        if isinstance(stage.embed_tokens, KQuantEmbedding):
+            loader.blocks("embed_tokens", stage.embed_tokens, "model.embed_tokens.weight")
+        elif stage.embed_tokens is not None:
             loader.table(
                 "embed_tokens",
                 stage.embed_tokens,
@@ -131,6 +136,16 @@ def hold_wide_blocks_in_int8(layer: nn.Module, reader: CheckpointReader, source:
         setattr(parent, name, wide)
         swapped += 1
     return swapped
+
+
+def _keep_table_blocks(stage: Any, reader: CheckpointReader) -> None:
+    """A compact stage's token table stored as K-quant blocks stays in them (exact, and
+    4.5 bits a weight for Q4_K against int8's 8): :class:`KQuantEmbedding`. Not when
+    the head shares the table (it multiplies by an int8 copy)."""
+    table = stage.embed_tokens
+    kind = reader.kind("model.embed_tokens.weight")
+    if isinstance(table, Int8Embedding) and kind in K_KINDS:
+        stage.embed_tokens = KQuantEmbedding(kind, table.num_embeddings, table.dim, device="meta")
 
 
 def _tensors(stage: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -234,6 +249,15 @@ class _Loader:
         packed, scales_zeros = Int4Linear.pack(q, d, m)
         self.put(f"{path}.weight_packed", packed.to(self.device))
         self.put(f"{path}.scales_zeros", scales_zeros.to(self.device))
+
+    def blocks(self, path: str, module: KQuantEmbedding, source: str) -> None:
+        """A table kept as its K-quant blocks, a slice of rows at a time."""
+        self.expect(source, (module.num_embeddings, module.dim))
+        out = torch.empty(module.blocks.shape, dtype=torch.uint8, device=self.device)
+        for start in range(0, module.num_embeddings, ROW_CHUNK):
+            stop = min(start + ROW_CHUNK, module.num_embeddings)
+            out[start:stop] = self.reader.k_blocks(source, start, stop)
+        self.put(f"{path}.blocks", out)
 
     def table(
         self, path: str, module: nn.Module, source: str, *, column_major: bool = False

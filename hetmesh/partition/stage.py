@@ -54,6 +54,7 @@ from hetmesh.partition.formats import (
     kv_dtype,
 )
 from hetmesh.partition.fused import SharedProjection, fusion_default
+from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.kv import KVPool, SessionKV
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
@@ -296,6 +297,8 @@ class StageModule(nn.Module):
                 self.lm_head.weight_q is self.embed_tokens.weight_q
             ):
                 total -= self.embed_tokens.weight_q.numel()  # one shared matrix
+        elif isinstance(self.embed_tokens, KQuantEmbedding):  # kept as its GGUF blocks
+            total += self.embed_tokens.num_embeddings * self.embed_tokens.dim
         return total
 
     def resident_bytes(self) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from hetmesh.partition.checkpoint import CheckpointReader, native_weights
 from hetmesh.partition.formats import WeightFormat
+from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.quant import Int4Linear, Int8Linear
 from hetmesh.partition.stage import StageModule, load_stage
 from hetmesh.partition.store import resolve_model
@@ -174,6 +175,10 @@ def test_q4_k_m_gguf_is_held_compact_and_stages_agree(tmp_path: Path, family: st
 
     stages = [load_stage(folder, a, b, weights="native") for a, b in SPLIT]
     whole = load_stage(folder, 0, LAYERS + 2, weights="native")
+    assert isinstance(whole.embed_tokens, KQuantEmbedding)  # the file's Q4_K rows, exactly
+    ids = torch.arange(0, 262, 5)
+    held = reference.model.embed_tokens(ids)
+    assert torch.equal(whole.embed_tokens(ids), held)
     for index in range(LAYERS):
         layer = whole.layers[index]
         wide = more_bits(index, LAYERS)
