@@ -20,7 +20,10 @@ measurement runs in a fresh process, one torch thread (a node's default):
   each round's median per-step ratio, so a shared machine's slow spells fall
   on both alike.
 
-Usage: ``python bench/kquant.py [--json] [--layers 8] [--tokens 32] [--rounds 3]``
+``--errors`` prints instead the error of holding Q5_K / Q6_K matrices in int8
+per row (docs/weights.md), over the default model's 256-wide matrices.
+
+Usage: ``python bench/kquant.py [--json] [--layers 8] [--tokens 32] [--rounds 3] [--errors]``
 """
 
 from __future__ import annotations
@@ -206,14 +209,65 @@ def run(layers: int, tokens: int, rounds: int) -> dict[str, Any]:
     return result
 
 
+def wide_errors() -> dict[str, Any]:
+    """Relative RMS errors of holding Q5_K / Q6_K in int8 per row (and, for comparison, int4
+    groups of 32), over the default model's decoder matrices whose width is whole
+    super-blocks (its 30 ``down_proj``), quantised by the tests' quantiser."""
+    import gguf
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from hetmesh.partition.checkpoint import CheckpointReader
+    from hetmesh.partition.quant import quantize_groups_int4, quantize_rows_int8
+    from hetmesh.partition.store import resolve_model
+    from tests.unit.partition.kquant_files import QUANTISERS
+
+    sums: dict[str, dict[str, float]] = {
+        k: {"own": 0.0, "int8": 0.0, "int4": 0.0} for k in ("Q5_K", "Q6_K")
+    }
+    norms = dict.fromkeys(sums, 0.0)
+    count = 0
+    with CheckpointReader(resolve_model(None)) as reader:
+        for name in reader.names():
+            if ".layers." not in name or not name.endswith("proj.weight"):
+                continue
+            weight = reader.tensor(name)
+            if weight.shape[1] % 256:
+                continue
+            count += 1
+            for kind in sums:
+                qtype = gguf.GGMLQuantizationType[kind]
+                raw = QUANTISERS[kind](weight.numpy())
+                held = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(weight.shape))
+                q8, scale = quantize_rows_int8(held)
+                q4, d, m = quantize_groups_int4(held)
+                rows = held.shape[0]
+                as_int4 = q4.float().reshape(rows, -1, 32) * d[..., None] + m[..., None]
+                norms[kind] += float(held.pow(2).sum())
+                sums[kind]["own"] += float((held - weight).pow(2).sum())
+                sums[kind]["int8"] += float((q8.float() * scale[:, None] - held).pow(2).sum())
+                sums[kind]["int4"] += float((as_int4.reshape(held.shape) - held).pow(2).sum())
+    out: dict[str, Any] = {"matrices": count}
+    for kind, parts in sums.items():
+        for part, total in parts.items():
+            out[f"{kind.lower()}_{part}_rel_rms_pct"] = round(100 * (total / norms[kind]) ** 0.5, 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed per round")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes, each in lockstep")
+    parser.add_argument(
+        "--errors", action="store_true", help="only the Q5_K/Q6_K -> int8 error table"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.errors:
+        print(json.dumps(wide_errors(), indent=2))
+        return
     if args.worker:
         folders = {kind: Path(folder) for kind, folder in json.loads(args.worker).items()}
         print(json.dumps(lockstep(folders, args.tokens)))
