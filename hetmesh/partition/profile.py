@@ -13,7 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetmesh.errors import UnsupportedModel
-from hetmesh.partition.formats import WeightFormat, activation_dtype, unit_param_bytes
+from hetmesh.partition.formats import (
+    WeightFormat,
+    activation_dtype,
+    stored_layout_bytes,
+    unit_param_bytes,
+)
 from hetmesh.resources import ModelProfile, UnitProfile
 
 SUPPORTED_ARCHITECTURES = {
@@ -91,6 +96,7 @@ def model_profile(
     mlp_bias = bool(config.get("mlp_bias", False))
     width = DTYPE_BYTES[dtype]
     held = unit_param_bytes(config, fmt)
+    table_held, layer_extra = stored_layout_bytes(config, fmt)  # K-quant files' layout
 
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     attn_weights = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
@@ -113,7 +119,7 @@ def model_profile(
             kind="embed",
             index=0,
             param_count=embed_params,
-            param_bytes=held.embed,
+            param_bytes=held.embed if table_held is None else table_held,
             flops_per_token=0.0,
             attention_flops_per_token_per_context=0.0,
             kv_bytes_per_token=0,
@@ -127,7 +133,7 @@ def model_profile(
                 kind="block",
                 index=i + 1,
                 param_count=layer_params,
-                param_bytes=held.block,
+                param_bytes=held.block + layer_extra.get(i, 0),
                 flops_per_token=2.0 * layer_matmul_params,
                 # q·k and attention·v, each 2 FLOPs per multiply-add, every head
                 attention_flops_per_token_per_context=4.0 * heads * head_dim,

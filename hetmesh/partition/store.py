@@ -381,6 +381,7 @@ def _convert_into(
     from hetmesh.partition.gguf_compact import (
         check_tensor_types,
         compact_tensors,
+        stored_layout,
         write_safetensors,
     )
 
@@ -409,6 +410,7 @@ def _convert_into(
         permute_qk=arch == "LlamaForCausalLM",
         progress=lambda f: report("compacting tensors", 0.3 + 0.6 * f),
     )
+    plain.update(stored_layout(tensors))  # what the planner charges (K-quant files)
     out = work / "converted"
     try:
         out.mkdir()

@@ -185,6 +185,13 @@ def test_q4_k_m_gguf_is_held_compact_and_stages_agree(tmp_path: Path, family: st
         assert isinstance(layer.mlp.up_proj, Int4Linear)
         assert isinstance(layer.mlp.down_proj, Int8Linear if wide else Int4Linear)
         assert isinstance(layer.self_attn.v_proj, Int8Linear if wide else Int4Linear)
+    # the planner charges what each stage holds (the file's layout is in its config)
+    for start, end in [(0, LAYERS + 2), *SPLIT]:
+        for fmt in (WeightFormat.INT4, WeightFormat.INT8):
+            stage = load_stage(folder, start, end, weights=fmt)
+            rotary = sum(b.nbytes for b in stage.rotary_emb.buffers()) if stage.rotary_emb else 0
+            charged = stage.profile.range_param_bytes(start, end)
+            assert stage.resident_bytes() - rotary == charged, (fmt, start, end)
     # K stages give the single stage's logits, bit for bit
     split_prefill, split_steps = _chain_logits(stages)
     one_prefill, one_steps = _chain_logits([whole])
