@@ -203,3 +203,23 @@ def test_q4_k_m_gguf_is_held_compact_and_stages_agree(tmp_path: Path, family: st
     ref_prefill, _ = reference_logits(reference, prompt, steps)
     rel = float((split_prefill - ref_prefill).norm() / ref_prefill.norm())
     assert rel < 0.05, rel
+
+
+def test_wide_matrices_fuse_on_their_own_kernel(tmp_path: Path) -> None:
+    """Q6_K q/k/v in an int4 stage are int8 with bf16 activations where the CPU has
+    them; fused, they keep that kernel, so fused and separate products agree bit for bit."""
+    model = tiny_model("llama3-rope")
+    path = tmp_path / "q6_k.gguf"
+    names = [f"blk.{i}.{part}.weight" for i in range(LAYERS) for part in ("attn_q", "attn_k")]
+    names += [f"blk.{i}.attn_v.weight" for i in range(LAYERS)]
+    write_gguf("llama3-rope", path, model, types=dict.fromkeys(names, "Q6_K"))
+    folder = resolve_model(path, cache_dir=tmp_path / "cache")
+    separate = load_stage(folder, 0, LAYERS + 2, weights="int4", fuse=False)
+    fused = load_stage(folder, 0, LAYERS + 2, weights="int4", fuse=True)
+    assert isinstance(separate.layers[0].self_attn.q_proj, Int8Linear)
+    assert fused.fused
+    a_prefill, a_steps = _chain_logits([separate])
+    b_prefill, b_steps = _chain_logits([fused])
+    assert torch.equal(a_prefill, b_prefill)
+    for a, b in zip(a_steps, b_steps, strict=True):
+        assert torch.equal(a, b)
