@@ -91,14 +91,15 @@ def dequantize(kind: str, blocks: torch.Tensor) -> torch.Tensor:
         if kind == "q4_k":
             q = _low_nibbles(b[:, 16:144]).float()
         else:
-            high = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+            bits = torch.arange(8, dtype=torch.uint8, device=b.device)[:, None]
+            high = b[:, 16:48].reshape(-1, 1, 32) >> bits
             q = (_low_nibbles(b[:, 48:176]) | ((high & 1) << 4)).float()
         w = scale * q - offset
     elif kind == "q6_k":
         ql = b[:, 0:128].reshape(-1, 2, 1, 64)
         low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 8, 32)
         qh = b[:, 128:192].reshape(-1, 2, 1, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[:, None]
         high = ((qh >> shifts) & 3).reshape(-1, 8, 32)
         q = ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, 16, 16).float()
         sc = b[:, 192:208].contiguous().view(torch.int8).float()
