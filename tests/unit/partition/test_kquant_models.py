@@ -223,3 +223,26 @@ def test_wide_matrices_fuse_on_their_own_kernel(tmp_path: Path) -> None:
     assert torch.equal(a_prefill, b_prefill)
     for a, b in zip(a_steps, b_steps, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_q5_k_file_is_native_int8_and_its_stages_agree(tmp_path: Path) -> None:
+    model = tiny_model("qwen3")
+    path = tmp_path / "q5_k.gguf"
+    state = model.state_dict()
+    from tests.unit.partition.kquant_files import gguf_name
+
+    types = {gguf_name(k): "Q5_K" for k, v in state.items() if v.dim() == 2}
+    reference = write_gguf("qwen3", path, model, types=types)
+    folder = resolve_model(path, cache_dir=tmp_path / "cache")
+    assert native_weights(folder, "cpu") is WeightFormat.INT8
+    whole = load_stage(folder, 0, LAYERS + 2, weights="native")
+    assert whole.weights is WeightFormat.INT8
+    assert isinstance(whole.embed_tokens, KQuantEmbedding)
+    ids = torch.arange(0, 262, 7)
+    assert torch.equal(whole.embed_tokens(ids), reference.model.embed_tokens(ids))
+    stages = [load_stage(folder, a, b, weights="native") for a, b in SPLIT]
+    split_prefill, split_steps = _chain_logits(stages)
+    one_prefill, one_steps = _chain_logits([whole])
+    assert torch.equal(split_prefill, one_prefill)
+    for a, b in zip(split_steps, one_steps, strict=True):
+        assert torch.equal(a, b)
