@@ -9,10 +9,14 @@ A model folder's safetensors hold each tensor ``name`` in one of three forms:
   high nibbles (GGUF's own order, copied without repacking). Q4_0 is stored
   the same way with ``m = -8 d``;
 - ``name.q8_0.qs`` (int8 ``(n, k)``) and ``name.q8_0.d`` (fp16 ``(n, k/32)``):
-  GGUF Q8_0 blocks, ``w = d * q``.
+  GGUF Q8_0 blocks, ``w = d * q``;
+- ``name.q4_k.blocks``, ``name.q5_k.blocks``, ``name.q6_k.blocks`` (uint8, a
+  row of GGUF super-blocks per row): K-quant blocks as the GGUF stores them
+  (:mod:`hetmesh.partition.kquant`).
 
 :class:`CheckpointReader` hands out rows of any of them as fp32 (dequantising
-only the rows asked for) and Q4_1 blocks as they are, so a stage loads into
+only the rows asked for) and 4-bit groups (Q4_1 blocks as they are, Q4_K's
+per-32 scales and minimums exactly), so a stage loads into
 any format one tensor (or one slice of rows) at a time.
 """
 
@@ -35,9 +39,15 @@ from hetmesh.partition.formats import (
     is_native,
     parse_weights,
 )
+from hetmesh.partition.kquant import dequantize as _k_dequantize
+from hetmesh.partition.kquant import logical_width as _k_width
+from hetmesh.partition.kquant import q4_k_groups as _q4_k_groups
 from hetmesh.partition.store import brief_error, shard_tensors, weight_files
 
-Kind = Literal["float", "q4_1", "q8_0"]
+Kind = Literal["float", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+K_KINDS: tuple[Kind, ...] = ("q4_k", "q5_k", "q6_k")
+_SUFFIXES: tuple[str, ...] = (".q4_1.qs", ".q4_1.d", ".q4_1.m", ".q8_0.qs", ".q8_0.d")
+_SUFFIXES += tuple(f".{kind}.blocks" for kind in K_KINDS)
 BLOCK = 32
 ROW_CHUNK = 4096  # rows dequantised at once when reading a large table
 _DTYPES = {
@@ -108,7 +118,7 @@ class CheckpointReader:
         """Every logical tensor name (block-stored tensors once, without suffixes)."""
         found = set()
         for name in self.files:
-            for suffix in (".q4_1.qs", ".q4_1.d", ".q4_1.m", ".q8_0.qs", ".q8_0.d"):
+            for suffix in _SUFFIXES:
                 if name.endswith(suffix):
                     name = name.removesuffix(suffix)
                     break
@@ -122,6 +132,9 @@ class CheckpointReader:
             return "q4_1"
         if f"{name}.q8_0.qs" in self.files:
             return "q8_0"
+        for kind in K_KINDS:
+            if f"{name}.{kind}.blocks" in self.files:
+                return kind
         return None
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -129,6 +142,9 @@ class CheckpointReader:
         kind = self._require(name)
         if kind == "float":
             return tuple(self._slice(name).get_shape())
+        if kind in K_KINDS:
+            rows, stored = self._slice(f"{name}.{kind}.blocks").get_shape()
+            return (rows, _k_width(kind, stored))
         rows, width = self._slice(f"{name}.{kind}.qs").get_shape()
         return (rows, width * 2) if kind == "q4_1" else (rows, width)
 
@@ -146,6 +162,8 @@ class CheckpointReader:
                 n, k = q.shape
                 w = q.float().reshape(n, k // BLOCK, BLOCK) * d[..., None] + m[..., None]
                 return w.reshape(n, k)
+            if kind in K_KINDS:
+                return _k_dequantize(kind, self._slice(f"{name}.{kind}.blocks")[start:stop])
             qs: torch.Tensor = self._slice(f"{name}.q8_0.qs")[start:stop]
             d = self._slice(f"{name}.q8_0.d")[start:stop].float()
             n, k = qs.shape
@@ -191,9 +209,13 @@ class CheckpointReader:
         return self.rows(name, 0, shape[0])
 
     def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A Q4_1 tensor's own blocks: ``(q uint8 (n, k) in 0..15, d fp32, m fp32)``."""
+        """A Q4_1 or Q4_K tensor's own 4-bit groups of 32: ``(q uint8 (n, k) in 0..15,
+        d fp32, m fp32)`` with ``w = d * q + m`` (Q4_K's ``d * sc`` and ``-dmin * m``,
+        exact in fp32)."""
         rows = self.shape(name)[0]
         try:
+            if self.kind(name) == "q4_k":
+                return _q4_k_groups(self._slice(f"{name}.q4_k.blocks")[0:rows])
             return self._q4_rows(name, 0, rows)
         except Exception as exc:
             raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
@@ -208,6 +230,17 @@ class CheckpointReader:
         blocks = qs.reshape(n, half // (BLOCK // 2), BLOCK // 2)
         q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
         return q, d, m
+
+    def k_blocks(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a K-quant tensor's blocks, as stored (uint8)."""
+        kind = self._require(name)
+        if kind not in K_KINDS:
+            raise CorruptModel(f"{self.folder}: {name} is not stored as K-quant blocks")
+        try:
+            blocks: torch.Tensor = self._slice(f"{name}.{kind}.blocks")[start:stop]
+        except Exception as exc:
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
+        return blocks
 
     def stored_bytes(self, name: str) -> bytes:
         """The bytes of one stored tensor (a name as stored, suffix included), as on disk."""
@@ -275,8 +308,10 @@ _FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def stored_matrix_kind(folder: Path) -> str | None:
-    """How ``folder`` stores its decoder's matrices: ``"q4_1"``, ``"q8_0"``, or the float
-    dtype's name (``"float32"``, ``"bfloat16"``, ``"float16"``); None if it has none.
+    """How ``folder`` stores its decoder's matrices: ``"q4_1"``, ``"q4_k"``, ``"q8_0"``,
+    ``"q5_k"``, ``"q6_k"``, or the float dtype's name (``"float32"``, ``"bfloat16"``,
+    ``"float16"``); None if it has none. A file mixing block kinds (Q4_K_M: Q4_K with
+    some Q6_K matrices) is named by its 4-bit kind, the one most of it is in.
 
     Read off the safetensors headers (or, for a partial folder fetched from peers,
     its manifest, which lists every tensor whether fetched yet or not): no tensor
@@ -299,15 +334,19 @@ def stored_matrix_kind(folder: Path) -> str | None:
                     entry = reader._slice(name)
                     dtype = next((k for k, v in _DTYPES.items() if v == entry.dtype), "")
                     entries.append((name, dtype, len(entry.shape)))
+    found: list[str] = []
     for name, dtype, dims in sorted(entries):
         if ".layers." not in name:
             continue
-        for kind in ("q4_1", "q8_0"):
-            if name.endswith(f".{kind}.qs"):
-                return kind
+        for suffix in (".q4_1.qs", ".q8_0.qs", *(f".{k}.blocks" for k in K_KINDS)):
+            if name.endswith(suffix):
+                found.append(suffix.split(".")[1])
         if name.endswith(".weight") and dims == 2 and dtype in _FLOAT_NAMES:
-            return _FLOAT_NAMES[dtype]
-    return None
+            found.append(_FLOAT_NAMES[dtype])
+    for kind in ("q4_1", "q4_k", "q8_0", "q6_k", "q5_k"):
+        if kind in found:
+            return kind
+    return found[0] if found else None
 
 
 def settle_weights(
@@ -336,9 +375,9 @@ def native_weights(model_dir: str | os.PathLike[str], device: str) -> WeightForm
     """
     kind = stored_matrix_kind(Path(model_dir))
     on = str(device).split(":", 1)[0]
-    if kind in ("q4_1", "q8_0"):
+    if kind in ("q4_1", "q8_0", *K_KINDS):
         if on == "cpu":
-            fmt = WeightFormat.INT4 if kind == "q4_1" else WeightFormat.INT8
+            fmt = WeightFormat.INT4 if kind in ("q4_1", "q4_k") else WeightFormat.INT8
         else:
             fmt = WeightFormat.BFLOAT16 if on == "cuda" else WeightFormat.FLOAT32
     elif kind == "bfloat16" and (on == "cuda" or (on == "cpu" and cpu_has_bf16())):
@@ -362,6 +401,7 @@ def float_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 __all__ = [
     "BLOCK",
+    "K_KINDS",
     "ROW_CHUNK",
     "CheckpointReader",
     "Kind",

@@ -156,6 +156,51 @@ def linear_weight_bytes(out_features: int, in_features: int, fmt: WeightFormat) 
     return rows * -(-in_features // 2) + groups * _INT4_GROUP_META_BYTES
 
 
+_LINEAR_SHAPES = {  # (out, in) of each decoder matrix, in config terms
+    "self_attn.q_proj": ("q", "hidden"),
+    "self_attn.k_proj": ("kv", "hidden"),
+    "self_attn.v_proj": ("kv", "hidden"),
+    "self_attn.o_proj": ("hidden", "q"),
+    "mlp.gate_proj": ("inter", "hidden"),
+    "mlp.up_proj": ("inter", "hidden"),
+    "mlp.down_proj": ("hidden", "inter"),
+}
+
+
+def stored_layout_bytes(
+    config: Mapping[str, Any], fmt: WeightFormat
+) -> tuple[int | None, dict[int, int]]:
+    """How a K-quant file's layout (recorded in its converted ``config.json``) changes
+    what ``fmt`` holds: ``(embedding bytes or None, extra bytes per decoder layer)``.
+
+    An int4 stage holds a Q5_K/Q6_K matrix in int8 (more bytes than int4); a compact
+    stage keeps a K-quant token table in its blocks (fewer than int8). Float formats
+    and folders without the record: ``(None, {})``.
+    """
+    if fmt not in QUANTIZED_FORMATS:
+        return None, {}
+    table = config.get("hetmesh_table_block_bytes")
+    extra: dict[int, int] = {}
+    wide = config.get("hetmesh_int8_linears") or {}
+    if fmt is WeightFormat.INT4 and isinstance(wide, Mapping):
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        sizes = {
+            "hidden": int(config["hidden_size"]),
+            "inter": int(config["intermediate_size"]),
+            "q": heads * head_dim,
+            "kv": int(config.get("num_key_value_heads") or heads) * head_dim,
+        }
+        for layer, names in wide.items():
+            for name in names:
+                if name in _LINEAR_SHAPES:
+                    out, inp = (sizes[s] for s in _LINEAR_SHAPES[name])
+                    more = linear_weight_bytes(out, inp, WeightFormat.INT8)
+                    more -= linear_weight_bytes(out, inp, WeightFormat.INT4)
+                    extra[int(layer)] = extra.get(int(layer), 0) + more
+    return (int(table) if isinstance(table, int) else None), extra
+
+
 def table_bytes(rows: int, width: int, fmt: WeightFormat) -> int:
     """Resident bytes of the embedding (or head) matrix ``(rows, width)`` in ``fmt``."""
     if fmt in _FLOAT_WIDTH:
@@ -201,6 +246,10 @@ def unit_param_bytes(config: Mapping[str, Any], fmt: WeightFormat) -> UnitBytes:
         small += q_out + 2 * kv_out
     elif config.get("attention_bias"):
         small += q_out + 2 * kv_out + hidden
+    if config.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (
+        config.get("architectures") or []
+    ):
+        small += 2 * head_dim  # RMS norms of q and k (one head's width each)
     if config.get("mlp_bias"):
         small += 2 * inter + hidden
     block += small_bytes(small, fmt)

@@ -158,7 +158,11 @@ def _stack(members: list[nn.Module | None]) -> nn.Module | None:
         out.weight = nn.Parameter(w, requires_grad=False)
     elif isinstance(first, Int8Linear):
         int8 = [m for m in weights if isinstance(m, Int8Linear)]
-        out = Int8Linear(k, total, bias=bias is not None, device="meta")
+        if len({m.bf16_activations for m in int8}) != 1:
+            return None  # products of different kernels (K-quant files mix them)
+        out = Int8Linear(
+            k, total, bias=bias is not None, device="meta", bf16_activations=first.bf16_activations
+        )
         out.weight_q = torch.cat([m.weight_q for m in int8])
         out.weight_scale = torch.cat([m.weight_scale for m in int8])
     elif isinstance(first, Int4Linear):

@@ -2,8 +2,9 @@
 
 Quantized blocks are copied as they are (see :mod:`hetmesh.partition.checkpoint`
 for the tensor names): Q4_1 and Q4_0 as Q4_1 blocks (Q4_0's ``w = d (q - 8)``
-is Q4_1 with ``m = -8 d``, exactly), Q8_0 as Q8_0 blocks; F32, F16 and BF16
-tensors keep their dtype. Other supported block types (the K-quants, Q5_0,
+is Q4_1 with ``m = -8 d``, exactly), Q8_0 as Q8_0 blocks, Q4_K, Q5_K and Q6_K
+as their own super-blocks (:mod:`hetmesh.partition.kquant`); F32, F16 and BF16
+tensors keep their dtype. Other supported block types (Q2_K, Q3_K, Q5_0,
 Q5_1) are dequantised one tensor at a time with the ``gguf`` package's own
 numpy routines and stored as fp16 (more mantissa than bf16; fp32 for a
 tensor whose values do not fit fp16).
@@ -27,18 +28,22 @@ from typing import Any
 import numpy as np
 
 from hetmesh.errors import CorruptModel, UnsupportedModel
+from hetmesh.partition.kquant import BLOCK_BYTES, GGUF_NAMES
 
 # GGUF types kept as blocks, kept as floats, and dequantised per tensor
 _BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+_K_TYPES = tuple(GGUF_NAMES)  # kept as their GGUF super-blocks
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_DEQUANT_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_TYPES = (*_FLOAT_TYPES, *_BLOCK_TYPES, *_DEQUANT_TYPES)
+_DEQUANT_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K")
+SUPPORTED_TYPES = (*_FLOAT_TYPES, *_BLOCK_TYPES, *_K_TYPES, *_DEQUANT_TYPES)
 _FP16_MAX = 65504.0
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
@@ -154,6 +159,10 @@ def _convert(
             f"{name}.q4_1.d": rows_perm(d),
             f"{name}.q4_1.m": rows_perm(m),
         }
+    if kind in _K_TYPES:
+        stored = GGUF_NAMES[kind]
+        row_bytes = shape[1] // 256 * BLOCK_BYTES[stored]
+        return {f"{name}.{stored}.blocks": rows_perm(data.reshape(shape[0], row_bytes))}
     if kind == "F32":
         return {name: rows_perm(data.astype(np.float32, copy=False).reshape(shape))}
     if kind == "F16":
@@ -166,6 +175,96 @@ def _convert(
     if np.abs(values).max(initial=0.0) < _FP16_MAX:
         return {name: rows_perm(values.astype(np.float16))}
     return {name: rows_perm(values.astype(np.float32))}
+
+
+def llama3_rope(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The ``rope_parameters`` (type ``llama3``) that a GGUF's ``rope_freqs`` tensor encodes.
+
+    llama.cpp's converter writes Llama 3.x's rope scaling as one divisor per
+    rotary frequency (``rope_freqs.weight``), not as metadata, and transformers'
+    GGUF loader ignores that tensor: served without it, every position past the
+    first would rotate wrongly. The divisors are ``1`` for high frequencies,
+    ``factor`` for low ones and ``1 / ((1 - s) / factor + s)`` between, with
+    ``s`` linear in ``1 / wavelength``; fitting that line gives the parameters
+    (``low_freq_factor`` taken as 1, as every Llama 3.x has: the divisors fix
+    only the line, not how it was written). The parameters are checked by
+    recomputing every divisor; ``None`` if they are all 1, ``UnsupportedModel``
+    if no llama3 scaling reproduces them.
+    """
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    dims = np.arange(0, head_dim, 2, dtype=np.float64)
+    if f.shape[0] != dims.shape[0]:
+        raise UnsupportedModel(f"rope_freqs has {f.shape[0]} values for head_dim {head_dim}")
+    if np.all(np.abs(f - 1.0) < 1e-6):
+        return None
+    factor = float(np.float32(f.max()))
+    wavelen = 2 * np.pi * theta ** (dims / head_dim)
+    between = (f > 1.0 + 1e-6) & (f < factor * (1 - 1e-6))
+    if int(between.sum()) >= 2:
+        smooth = (1.0 / f[between] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(1.0 / wavelen[between], smooth, 1)
+        high = float(np.round(1.0 - 1.0 / intercept, 4))
+        original = round(float(slope * (high - 1.0)))
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": float(theta),
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+        if np.allclose(_llama3_divisors(rope, wavelen), f, rtol=1e-5, atol=0):
+            return rope
+    raise UnsupportedModel(
+        "rope_freqs holds rope factors that no llama3 rope scaling reproduces "
+        "(fewer than two frequencies between the scaled and unscaled ones)"
+    )
+
+
+def _llama3_divisors(rope: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    """What llama.cpp's converter stores for ``rope``: one divisor per frequency."""
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    original, factor = rope["original_max_position_embeddings"], rope["factor"]
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+    return np.asarray(out, dtype=np.float64)
+
+
+INT8_LINEARS_KEY = "hetmesh_int8_linears"  # config.json: layer -> its Q5_K/Q6_K matrices
+TABLE_BLOCKS_KEY = "hetmesh_table_block_bytes"  # config.json: a K-quant token table's bytes
+_WIDE_SUFFIXES = (".q5_k.blocks", ".q6_k.blocks")
+_LAYER_MATRIX = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)\.weight$")
+
+
+def stored_layout(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """What the planner must know of how a compact folder stores a K-quant file, for its
+    ``config.json``: which decoder matrices an int4 stage holds in int8 (those stored as
+    Q5_K or Q6_K, :func:`hetmesh.partition.materialise.hold_wide_blocks_in_int8`) and the
+    bytes of a token table a compact stage keeps in its K-quant blocks."""
+    wide: dict[str, list[str]] = {}
+    out: dict[str, Any] = {}
+    for name, array in tensors.items():
+        if name.startswith("model.embed_tokens.weight.q") and name.endswith(".blocks"):
+            out[TABLE_BLOCKS_KEY] = int(array.nbytes)
+        if not name.endswith(_WIDE_SUFFIXES):
+            continue
+        found = _LAYER_MATRIX.match(name.rsplit(".", 2)[0])
+        if found:
+            wide.setdefault(found.group(1), []).append(found.group(2))
+    if wide:
+        out[INT8_LINEARS_KEY] = {
+            k: sorted(v) for k, v in sorted(wide.items(), key=lambda i: int(i[0]))
+        }
+    return out
+
+
+def gguf_field(reader: Any, key: str) -> Any:
+    """A scalar metadata value of a GGUF file (None if absent)."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    return field.parts[field.data[0]][0]
 
 
 BF16_SUFFIX = "\x00bf16"  # an internal marker, never written as a name
@@ -197,6 +296,9 @@ __all__ = [
     "SUPPORTED_TYPES",
     "check_tensor_types",
     "compact_tensors",
+    "gguf_field",
     "hf_name",
+    "llama3_rope",
+    "stored_layout",
     "write_safetensors",
 ]

@@ -6,6 +6,11 @@ the folder's checkpoint, converted to the stage's format and placed with
 of more than one tensor (or slice), so loading a stage peaks close to the
 stage's own resident bytes.
 
+An int4 stage holds each decoder matrix stored as 4-bit groups (Q4_1, Q4_0,
+Q4_K) as those groups, exactly; a matrix stored in a wider K-quant (Q5_K,
+Q6_K: the tensors a Q4_K_M file keeps at more bits) is held as int8 per row
+instead (:func:`hold_wide_blocks_in_int8`), not squeezed into 4 bits.
+
 Raises :class:`~hetmesh.errors.CorruptModel` for a missing or misshapen tensor.
 """
 
@@ -19,8 +24,10 @@ import torch
 from torch import nn
 
 from hetmesh.errors import CorruptModel
-from hetmesh.partition.checkpoint import ROW_CHUNK, CheckpointReader
+from hetmesh.partition.checkpoint import K_KINDS, ROW_CHUNK, CheckpointReader
+from hetmesh.partition.formats import bf16_int8_head
 from hetmesh.partition.fused import fuse_layer
+from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.quant import (
     Int4Linear,
     Int8Embedding,
@@ -59,7 +66,11 @@ def materialise(
     with CheckpointReader(folder) as reader:
         loader = _Loader(stage, reader, folder)
         shared_head = tied and stage.lm_head is not None and reader.kind("lm_head.weight") is None
-        if stage.embed_tokens is not None:
+        if stage.embed_tokens is not None and not shared_head:
+            _keep_table_blocks(stage, reader)
+        if isinstance(stage.embed_tokens, KQuantEmbedding):
+            loader.blocks("embed_tokens", stage.embed_tokens, "model.embed_tokens.weight")
+        elif stage.embed_tokens is not None:
             loader.table(
                 "embed_tokens",
                 stage.embed_tokens,
@@ -68,6 +79,7 @@ def materialise(
             )
         for local, global_index in enumerate(stage.layer_range):
             layer = stage.layers[local]
+            hold_wide_blocks_in_int8(layer, reader, f"model.layers.{global_index}")
             for sub, module in layer.named_modules():
                 path = f"layers.{local}.{sub}" if sub else f"layers.{local}"
                 source = f"model.layers.{global_index}.{sub}" if sub else ""
@@ -91,6 +103,49 @@ def materialise(
     left = [name for name, t in _tensors(stage) if t.is_meta]
     if left:
         raise CorruptModel(f"{folder}: no tensors for {left[:3]}")
+
+
+WIDE_KINDS = ("q5_k", "q6_k")  # stored at more than 4 bits: int8 in an int4 stage
+
+
+def hold_wide_blocks_in_int8(layer: nn.Module, reader: CheckpointReader, source: str) -> int:
+    """Swap ``layer``'s int4 linears whose matrix is stored as Q5_K or Q6_K for int8
+    ones (still on meta); returns how many.
+
+    Requantising 5- or 6-bit values to 4 bits would throw away the precision the
+    file kept on purpose (a Q4_K_M file stores its most sensitive matrices as
+    Q6_K). int8 per row keeps them within ~0.2 % (docs/weights.md). Like the int4
+    format's head they take bf16 activations where the CPU multiplies bf16
+    natively (:func:`~hetmesh.partition.formats.bf16_int8_head`), else W8A8.
+    """
+    swapped = 0
+    for sub, module in list(layer.named_modules()):
+        if not isinstance(module, Int4Linear):
+            continue
+        if reader.kind(f"{source}.{sub}.weight") not in WIDE_KINDS:
+            continue
+        parent_name, _, name = sub.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        wide = Int8Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device="meta",
+            bf16_activations=bf16_int8_head(),
+        )
+        setattr(parent, name, wide)
+        swapped += 1
+    return swapped
+
+
+def _keep_table_blocks(stage: Any, reader: CheckpointReader) -> None:
+    """A compact stage's token table stored as K-quant blocks stays in them (exact, and
+    4.5 bits a weight for Q4_K against int8's 8): :class:`KQuantEmbedding`. Not when
+    the head shares the table (it multiplies by an int8 copy)."""
+    table = stage.embed_tokens
+    kind = reader.kind("model.embed_tokens.weight")
+    if isinstance(table, Int8Embedding) and kind in K_KINDS:
+        stage.embed_tokens = KQuantEmbedding(kind, table.num_embeddings, table.dim, device="meta")
 
 
 def _tensors(stage: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -187,13 +242,22 @@ class _Loader:
 
     def int4(self, path: str, module: Int4Linear, source: str) -> None:
         self.expect(source, (module.out_features, module.in_features))
-        if self.reader.kind(source) == "q4_1":
+        if self.reader.kind(source) in ("q4_1", "q4_k"):
             q, d, m = self.reader.q4_blocks(source)  # the shipped weights, kept exactly
         else:
             q, d, m = quantize_groups_int4(self.reader.tensor(source))
         packed, scales_zeros = Int4Linear.pack(q, d, m)
         self.put(f"{path}.weight_packed", packed.to(self.device))
         self.put(f"{path}.scales_zeros", scales_zeros.to(self.device))
+
+    def blocks(self, path: str, module: KQuantEmbedding, source: str) -> None:
+        """A table kept as its K-quant blocks, a slice of rows at a time."""
+        self.expect(source, (module.num_embeddings, module.dim))
+        out = torch.empty(module.blocks.shape, dtype=torch.uint8, device=self.device)
+        for start in range(0, module.num_embeddings, ROW_CHUNK):
+            stop = min(start + ROW_CHUNK, module.num_embeddings)
+            out[start:stop] = self.reader.k_blocks(source, start, stop)
+        self.put(f"{path}.blocks", out)
 
     def table(
         self, path: str, module: nn.Module, source: str, *, column_major: bool = False
@@ -219,4 +283,4 @@ class _Loader:
         self.float_param(f"{path}.weight", source, tuple(weight.shape), column_major=column_major)
 
 
-__all__ = ["materialise"]
+__all__ = ["WIDE_KINDS", "hold_wide_blocks_in_int8", "materialise"]

@@ -13,13 +13,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from hetmesh.errors import UnsupportedModel
-from hetmesh.partition.formats import WeightFormat, activation_dtype, unit_param_bytes
+from hetmesh.partition.formats import (
+    WeightFormat,
+    activation_dtype,
+    stored_layout_bytes,
+    unit_param_bytes,
+)
 from hetmesh.resources import ModelProfile, UnitProfile
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout without q/k/v biases, with q/k RMS norms
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -90,6 +96,7 @@ def model_profile(
     mlp_bias = bool(config.get("mlp_bias", False))
     width = DTYPE_BYTES[dtype]
     held = unit_param_bytes(config, fmt)
+    table_held, layer_extra = stored_layout_bytes(config, fmt)  # K-quant files' layout
 
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
     attn_weights = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
@@ -101,7 +108,7 @@ def model_profile(
         attn_bias_params = 0
     mlp_weights = 3 * hidden * inter
     mlp_bias_params = (2 * inter + hidden) if mlp_bias else 0
-    norms = 2 * hidden
+    norms = 2 * hidden + (2 * head_dim if kind == "qwen3" else 0)  # Qwen3's q/k norms
     layer_params = attn_weights + attn_bias_params + mlp_weights + mlp_bias_params + norms
     layer_matmul_params = attn_weights + mlp_weights
     embed_params = vocab * hidden
@@ -112,7 +119,7 @@ def model_profile(
             kind="embed",
             index=0,
             param_count=embed_params,
-            param_bytes=held.embed,
+            param_bytes=held.embed if table_held is None else table_held,
             flops_per_token=0.0,
             attention_flops_per_token_per_context=0.0,
             kv_bytes_per_token=0,
@@ -126,7 +133,7 @@ def model_profile(
                 kind="block",
                 index=i + 1,
                 param_count=layer_params,
-                param_bytes=held.block,
+                param_bytes=held.block + layer_extra.get(i, 0),
                 flops_per_token=2.0 * layer_matmul_params,
                 # q·k and attention·v, each 2 FLOPs per multiply-add, every head
                 attention_flops_per_token_per_context=4.0 * heads * head_dim,

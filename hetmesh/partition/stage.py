@@ -54,6 +54,7 @@ from hetmesh.partition.formats import (
     kv_dtype,
 )
 from hetmesh.partition.fused import SharedProjection, fusion_default
+from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.kv import KVPool, SessionKV
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
@@ -66,6 +67,7 @@ _FAMILIES = {
     "LlamaForCausalLM": ("transformers.models.llama.modeling_llama", "Llama"),
     "MistralForCausalLM": ("transformers.models.mistral.modeling_mistral", "Mistral"),
     "Qwen2ForCausalLM": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    "Qwen3ForCausalLM": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
 }
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -295,6 +297,8 @@ class StageModule(nn.Module):
                 self.lm_head.weight_q is self.embed_tokens.weight_q
             ):
                 total -= self.embed_tokens.weight_q.numel()  # one shared matrix
+        elif isinstance(self.embed_tokens, KQuantEmbedding):  # kept as its GGUF blocks
+            total += self.embed_tokens.num_embeddings * self.embed_tokens.dim
         return total
 
     def resident_bytes(self) -> int:

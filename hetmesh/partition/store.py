@@ -381,6 +381,7 @@ def _convert_into(
     from hetmesh.partition.gguf_compact import (
         check_tensor_types,
         compact_tensors,
+        stored_layout,
         write_safetensors,
     )
 
@@ -397,6 +398,7 @@ def _convert_into(
     names = {t.name for t in reader.tensors}
     plain = _plain_config(config.to_dict(), arch)
     plain["tie_word_embeddings"] = "output.weight" not in names
+    _carry_gguf_attention(reader, plain, gguf_path)
     heads = int(plain["num_attention_heads"])
     kv_heads = int(plain.get("num_key_value_heads") or heads)
     _check_complete(names, int(plain["num_hidden_layers"]), gguf_path)
@@ -408,6 +410,7 @@ def _convert_into(
         permute_qk=arch == "LlamaForCausalLM",
         progress=lambda f: report("compacting tensors", 0.3 + 0.6 * f),
     )
+    plain.update(stored_layout(tensors))  # what the planner charges (K-quant files)
     out = work / "converted"
     try:
         out.mkdir()
@@ -435,6 +438,32 @@ def _convert_into(
             f"cannot write the converted model to {target}: {brief_error(exc)}"
         ) from exc
     report("done", 1.0)
+
+
+def _carry_gguf_attention(reader: Any, plain: dict[str, Any], path: Path) -> None:
+    """What transformers' GGUF config loader drops: the head width (Qwen3's is not
+    hidden / heads) and Llama 3.x's rope scaling, stored as a ``rope_freqs`` tensor."""
+    import numpy as np
+
+    from hetmesh.partition.gguf_compact import gguf_field, llama3_rope
+
+    kind = str(plain.get("model_type") or "")
+    key_length = gguf_field(reader, f"{kind}.attention.key_length")
+    if key_length is not None:
+        plain["head_dim"] = int(key_length)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return
+    rope = dict(plain.get("rope_parameters") or {})
+    theta = float(rope.get("rope_theta") or plain.get("rope_theta") or 10000.0)
+    head_dim = int(plain.get("head_dim") or plain["hidden_size"] // plain["num_attention_heads"])
+    try:
+        scaling = llama3_rope(np.asarray(freqs.data, dtype=np.float32), theta, head_dim)
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(f"{path}: {exc}") from exc
+    if scaling is not None:
+        plain["rope_parameters"] = scaling
+        plain.pop("rope_scaling", None)
 
 
 def _check_complete(names: set[str], layers: int, path: Path) -> None:

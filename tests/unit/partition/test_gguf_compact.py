@@ -83,7 +83,7 @@ def test_every_supported_type_reads_back_as_the_gguf_values(tmp_path: Path) -> N
     folder = tmp_path / "folder"
     folder.mkdir()
     write_safetensors(tensors, folder / "model.safetensors")
-    kinds = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+    kinds = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
     with CheckpointReader(folder) as checkpoint:
         for gguf_name, kind in CASES.items():
             part = gguf_name.split(".")[2]
@@ -98,10 +98,8 @@ def test_every_supported_type_reads_back_as_the_gguf_values(tmp_path: Path) -> N
             assert checkpoint.kind(name) == kinds.get(kind, "float"), kind
             got = checkpoint.tensor(name).numpy()
             want = expected[gguf_name]
-            if kind in ("Q4_K", "Q6_K"):  # dequantised per tensor, kept as fp16
-                want = want.astype(np.float16).astype(np.float32)
             np.testing.assert_array_equal(got, want, err_msg=kind)
-            if kind in ("Q4_0", "Q4_1"):  # the blocks themselves are kept
+            if kind in ("Q4_0", "Q4_1", "Q4_K"):  # the 4-bit groups themselves are kept
                 q, d, m = checkpoint.q4_blocks(name)
                 rebuilt = q.float().reshape(ROWS, -1, 32) * d[..., None] + m[..., None]
                 assert torch.equal(rebuilt.reshape(ROWS, WIDTH), torch.from_numpy(want))
