@@ -49,6 +49,9 @@ class SearchOptions:
     regroup_evaluations: int = 400
     site_link_s: float = 2.0e-3  # links faster than this per token join one site
     sites_to_try: int = 3
+    # a latency plan's cut may cost this much more per token (relative) to make its
+    # slowest stage faster (dp.balance): near-equal cuts go by speed, not by search order
+    balance_tolerance: float = 0.02
 
 
 class Heuristic:
