@@ -47,15 +47,17 @@ def memory_cap(
     """``--max-memory`` (bytes) for nodes serving ``model_dir`` in ``weights`` so that the
     model needs exactly ``stages`` of them (1: each holds it whole)."""
     from hetmesh.node.config import ServingConfig
+    from hetmesh.node.weights import weight_bytes
+    from hetmesh.partition.profile import model_profile
     from hetmesh.partition.store import check_model_dir
     from hetmesh.scheduler.caps import node_memory_cap
 
     config = check_model_dir(model_dir)
+    name = model_dir.name
     return node_memory_cap(
-        config,
-        concrete_weights(model_dir, weights),
+        model_profile(config, name=name),
+        weight_bytes(config, concrete_weights(model_dir, weights), name=name),
         stages,
-        name=model_dir.name,
         max_context_tokens=max_context,
         max_sessions=max_sessions,
         reserve_bytes=ServingConfig().reserve_bytes if reserve_bytes is None else reserve_bytes,

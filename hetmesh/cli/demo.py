@@ -109,14 +109,17 @@ def demo(
 def node_memory(model_dir: Path, weights: str, stages: int) -> int:
     """Each demo node's ``--max-memory``: the model in ``weights`` needs ``stages`` nodes
     (1: each holds it whole)."""
+    from hetmesh.node.weights import weight_bytes
+    from hetmesh.partition.profile import model_profile
     from hetmesh.partition.store import check_model_dir
     from hetmesh.scheduler.caps import node_memory_cap
 
+    config = check_model_dir(model_dir)
+    name = model_dir.name
     return node_memory_cap(
-        check_model_dir(model_dir),
-        weights,
+        model_profile(config, name=name),
+        weight_bytes(config, weights, name=name),
         stages,
-        name=model_dir.name,
         max_context_tokens=DEMO_CONTEXT,
         max_sessions=DEMO_SESSIONS,
         reserve_bytes=ServingConfig().reserve_bytes,

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
 
 from hetmesh.resources import DeviceProfile, ModelProfile
 from hetmesh.scheduler.cost import CostModel
@@ -125,33 +123,25 @@ def stage_cap_bytes(
 
 
 def node_memory_cap(
-    config: Mapping[str, Any],
-    weights: str,
+    profile: ModelProfile,
+    weights: WeightBytes,
     stages: int,
     *,
-    name: str,
     max_context_tokens: int,
     max_sessions: int,
     reserve_bytes: int,
     margin: float = CAP_MARGIN,
 ) -> int:
-    """:func:`stage_cap_bytes` for a model folder's ``config.json`` served in ``weights``
-    (a concrete format: ``int4``, ``float32``…) by nodes started with these settings
-    (``--max-context``, ``--max-sessions`` and the reserve they plan with): the value
-    to pass each node as ``--max-memory``. The constraints are those a node plans
-    with (:class:`~hetmesh.node.serving.Serving`)."""
-    from hetmesh.partition.profile import model_profile
-
-    profile = model_profile(config, name=name)
-    in_format = model_profile(config, weights=weights, name=name)
+    """:func:`stage_cap_bytes` for nodes started with these settings (``--max-context``,
+    ``--max-sessions`` and the reserve they plan with), serving ``profile`` in a format
+    of ``weights`` bytes: the value to pass each node as ``--max-memory``. The
+    constraints are those a node plans with (:class:`~hetmesh.node.serving.Serving`)."""
     constraints = PlanConstraints(
         max_context_tokens=min(max_context_tokens, profile.max_context),
         max_sessions=max_sessions,
         reserve_bytes=reserve_bytes,
     )
-    return stage_cap_bytes(
-        profile, WeightBytes.of(in_format, weights=weights), constraints, stages, margin=margin
-    )
+    return stage_cap_bytes(profile, weights, constraints, stages, margin=margin)
 
 
 __all__ = ["CAP_MARGIN", "min_max_stage_bytes", "node_memory_cap", "stage_cap_bytes"]
