@@ -12,6 +12,12 @@ B     50%        450 MiB         unlimited
 C     25%        3 GiB           50 Mbit
 ====  =========  ==============  ==========
 
+The memory offers are sized for the default model in float32, the default
+``--weights`` here: A alone cannot hold it, so every plan cuts it (as int4 the
+whole model fits on A, and hetmesh's plan has no hop to predict). The run fails
+unless hetmesh's plan has at least ``--min-stages`` stages (default 2), and
+prints each strategy's plan.
+
 For each strategy — ``hetmesh`` (the planner), ``memory-proportional`` (exo's
 split) and ``even`` — it starts a fresh mesh of real ``hetmesh node start``
 processes with ``--plan-strategy`` forcing that placement on the coordinator,
@@ -114,8 +120,11 @@ def measure_strategy(
     prompt_ids: list[int],
     tokens: int,
     runs: int,
-    weights: str = "native",
+    weights: str = "float32",
+    min_stages: int = 1,
 ) -> dict[str, Any]:
+    import cut  # bench/cut.py, beside this file
+
     began = time.monotonic()
     bed.start_all(*NODE_ARGS, "--plan-strategy", strategy, "--weights", weights)
     try:
@@ -123,6 +132,14 @@ def measure_strategy(
         up_s = time.monotonic() - began
         plan = plan_of(view)
         hosts = bed.peer_host()
+        names = {p: NAMES[h] for p, h in hosts.items()}
+        print(f"{strategy}: plan {cut.describe(plan, names)}", file=sys.stderr, flush=True)
+        cut.require_plan(
+            plan,
+            f"a cut of at least {min_stages} stages",
+            lambda p: len(p.pipelines[0].stages) >= min_stages,
+            names,
+        )
         devices = devices_of(view)
         bed.generate(prompt_ids, 4)  # warm-up: links opened, caches touched
         gens = bed.generate(prompt_ids, tokens, repeat=runs)
@@ -151,6 +168,7 @@ def measure_strategy(
         calibration = plan.constraints.block_step_s_by_device
         return {
             "strategy": plan.strategy,
+            "plan": cut.describe(plan, names),
             "stages": stages,
             "units_per_host": {
                 NAMES[h]: sum(
@@ -191,7 +209,12 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
-        "--weights", default="native", help="every node's weight format (native: as shipped)"
+        "--weights",
+        default="float32",
+        help="every node's weight format (the hosts' offers are sized to cut float32)",
+    )
+    parser.add_argument(
+        "--min-stages", type=int, default=2, help="fail unless hetmesh's plan has this many"
     )
     parser.add_argument(
         "--strategies",
@@ -214,12 +237,18 @@ def main() -> int:
     with open_mesh_testbed(workdir, HOSTS) as bed:
         for strategy in strategies:
             results[strategy] = measure_strategy(
-                bed, strategy, prompt_ids, args.tokens, args.runs, args.weights
+                bed,
+                strategy,
+                prompt_ids,
+                args.tokens,
+                args.runs,
+                args.weights,
+                args.min_stages if strategy == "hetmesh" else 1,
             )
             if not args.json:
                 r = results[strategy]
                 print(
-                    f"{strategy:>20}: units {r['units_per_host']}, "
+                    f"{strategy:>20}: plan {r['plan']}, units {r['units_per_host']}, "
                     f"{r['decode_tokens_per_s']:.2f} tokens/s measured, "
                     f"{r['measured_ms_per_token']:.1f} ms/token "
                     f"(predicted {r['predicted_ms_per_token']:.1f})",
@@ -247,6 +276,8 @@ def main() -> int:
             NAMES[i]: {"cpu_quota": h.cpu, "offers": h.max_memory, "link": h.rate or "unlimited"}
             for i, h in enumerate(HOSTS)
         },
+        "weights": args.weights,
+        "plan": het["plan"],
         "tokens": args.tokens,
         "runs": args.runs,
         "seconds": round(time.monotonic() - began, 1),

@@ -359,9 +359,10 @@ def mesh_run(repeats: int, tokens: int, clients: int) -> dict[str, Any]:
     }
 
 
+# each node's --max-memory is added by bench/cut.py: three nodes must cut the model,
+# and the fourth backs one of the three stages up
+MIGRATION_STAGES = 3
 MIGRATION_ARGS = [
-    "--max-memory",
-    "500MiB",
     "--max-sessions",
     "4",
     "--max-context",
@@ -394,17 +395,29 @@ def _moved_stream(
     """One stream whose serving replica is stopped (SIGTERM) after ``move_after`` tokens."""
     import signal
 
+    import cut  # bench/cut.py, beside this file
     import trio
 
     from hetmesh.client.mesh import TokenEvent, open_mesh_client
     from hetmesh.discovery.status import fetch_status
     from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.partition.store import resolve_model
     from hetmesh.scheduler.replan import newest_in_view
 
-    args = MIGRATION_ARGS + ([] if migrate else ["--no-migrate"])
+    args = cut.node_args_for(resolve_model(), MIGRATION_STAGES, MIGRATION_ARGS)
+    args += [] if migrate else ["--no-migrate"]
     with local_mesh(4, node_args=args) as mesh:
         plan = newest_in_view(wait_serving(mesh, pipelines=2, timeout_s=900))
-        assert plan is not None
+        names = cut.node_names(n.peer_id for n in mesh.nodes)
+
+        def one_standby(p: Any) -> bool:  # a 3-stage cut, one stage backed up by the 4th
+            if len(p.pipelines) != 2 or not cut.every_pipeline_has(MIGRATION_STAGES)(p):
+                return False
+            a, b = p.pipelines
+            return sum(x.peer_id != y.peer_id for x, y in zip(a.stages, b.stages, strict=True)) == 1
+
+        cut.require_plan(plan, "a 3-stage cut with one standby stage", one_standby, names)
+        print(f"plan: {cut.describe(plan, names)}", file=sys.stderr, flush=True)
         primary, replica = plan.pipelines[0], plan.pipelines[1]
         (pair,) = [
             (a.peer_id, b.peer_id)
@@ -413,7 +426,7 @@ def _moved_stream(
         ]
         gateway = next(n for n in mesh.nodes if n.peer_id not in pair)
         by_peer = {n.peer_id: n for n in mesh.nodes}
-        out: dict[str, Any] = {"ids": [], "gaps": []}
+        out: dict[str, Any] = {"ids": [], "gaps": [], "plan": cut.describe(plan, names)}
 
         async def sessions_on(peer: str) -> int:
             view = await fetch_status(gateway.addr, mesh_secret=mesh.secret)
@@ -494,6 +507,7 @@ def migration_run(context: int, tokens: int, move_after: int) -> dict[str, Any]:
         "migration_replay_runs_move_replays": replayed["move_replays"],
         "migration_recoveries": moved["recoveries"] + moved["migration_fallbacks"],
         "migration_outputs_identical": moved["ids"] == expected == replayed["ids"],
+        "migration_plan": moved["plan"],
     }
 
 

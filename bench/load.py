@@ -1,8 +1,10 @@
 """Load test: concurrent streaming clients against a three-node mesh's HTTP API.
 
 Starts three node processes on loopback serving the default model (memory
-capped so the planner splits it three ways; the first node serves the
-OpenAI-compatible API), then runs ``--clients`` concurrent clients for
+capped so the planner must cut it into ``--stages`` stages, 3 by default:
+bench/cut.py computes the cap from the model's bytes as shipped; the run fails
+unless the adopted plan has that many stages, and prints it; the first node
+serves the OpenAI-compatible API), then runs ``--clients`` concurrent clients for
 ``--duration`` seconds. Each client streams one chat or text completion after
 another (``stream: true``, greedy, ``--max-tokens`` tokens) and checks every
 stream: each event is JSON, token ids arrive one per token, exactly one
@@ -15,7 +17,8 @@ stream: each event is JSON, token ids arrive one per token, exactly one
 Keys: ``errors`` (failed or malformed streams), ``streams``, ``tokens``,
 ``ttft_p50_s``/``ttft_p99_s`` (request sent → first token), ``tpot_p50_s``/
 ``tpot_p99_s`` (per stream: (last token − first token) / (tokens − 1)),
-``tokens_per_s`` (all tokens of completed streams ÷ wall time).
+``tokens_per_s`` (all tokens of completed streams ÷ wall time), ``plan`` (each
+pipeline's stages as (node, start, end)).
 """
 
 from __future__ import annotations
@@ -272,6 +275,37 @@ def _pct(values: list[float], p: float) -> float | None:
     return round(ordered[rank], 4)
 
 
+def memory_for(stages: int, sessions: int, context: int) -> str:
+    """Each node's --max-memory: the model needs ``stages`` nodes."""
+    import cut  # bench/cut.py, beside this file
+
+    from hetmesh.partition.store import resolve_model
+
+    cap = cut.memory_cap(
+        resolve_model(), "native", stages, max_context=context, max_sessions=sessions
+    )
+    return str(cap)
+
+
+def settled_plan(url: str, stages: int, timeout_s: float = 180.0) -> Any:
+    """The adopted plan once every pipeline of it has ``stages`` stages; fails (with the
+    plan) if it does not come to that."""
+    import cut
+
+    from hetmesh.scheduler.replan import newest_in_view
+
+    deadline = time.monotonic() + timeout_s
+    plan = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            plan = newest_in_view(httpx.get(f"{url}/v1/hetmesh/status", timeout=10).json())
+            if plan is not None and cut.every_pipeline_has(stages)(plan):
+                return plan
+        time.sleep(0.5)
+    cut.require_plan(plan, f"a {stages}-stage cut", cut.every_pipeline_has(stages))
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
@@ -283,18 +317,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="an existing node API instead of a local mesh")
     parser.add_argument("--sessions", type=int, default=32, help="--max-sessions of each node")
     parser.add_argument("--max-context", type=int, default=256, help="--max-context of each node")
-    parser.add_argument("--memory", default="500MiB", help="--max-memory of each node")
+    parser.add_argument(
+        "--memory", default="", help="--max-memory of each node (default: for --stages)"
+    )
+    parser.add_argument("--stages", type=int, default=3, help="the cut the mesh must have")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
+            import cut  # bench/cut.py, beside this file
+
             workdir = Path(tempfile.mkdtemp(prefix="hetmesh-load-"))  # node logs stay there
+            memory = args.memory or memory_for(args.stages, args.sessions, args.max_context)
             url = stack.enter_context(
-                local_mesh(
-                    workdir, sessions=args.sessions, memory=args.memory, context=args.max_context
-                )
+                local_mesh(workdir, sessions=args.sessions, memory=memory, context=args.max_context)
             )
+            adopted = settled_plan(url, args.stages)
+            print(f"plan: {cut.describe(adopted)}", file=sys.stderr, flush=True)
             plan = httpx.get(f"{url}/v1/hetmesh/status", timeout=10).json()
         else:
             plan = None
@@ -307,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 if s.get("ready")
             )
             report["mesh_stages"] = [list(s) for s in stages]
+            report["plan"] = cut.describe(adopted)
             report["logs"] = str(workdir)
     if args.json:
         print(json.dumps(report))

@@ -3,8 +3,10 @@
 ``python bench/nat.py [--json]`` runs two meshes of real ``hetmesh node start``
 processes, both up at once, each with the same three hosts and flags: a
 ``--no-serve`` node on host 0 and a serving node on hosts 1 and 2, each with a
-100 Mbit/s link and too little ``--max-memory`` for the whole default model
-(so the plan splits it across hosts 1 and 2):
+100 Mbit/s link and a ``--max-memory`` for only half of the default model as
+shipped (bench/cut.py: computed from its bytes in that format), so the plan
+must cut it across hosts 1 and 2; both meshes fail unless their plan spans
+both homes, and print it:
 
 - **nat**: host 0 public, hosts 1 and 2 each behind its own masquerading
   router (hetmesh/testbed/nat.py): they meet through host 0's relay and
@@ -58,7 +60,31 @@ from hetmesh.testbed.nat_mesh import open_nat_mesh
 
 RATE = "100mbit"
 RATE_BPS = 100e6 / 8
-HOME_ARGS = ("--max-memory", "600MiB", "--max-sessions", "4", "--max-context", "256")
+HOME_SETTINGS = ("--max-sessions", "4", "--max-context", "256")
+
+
+def home_args() -> tuple[str, ...]:
+    """A home node's flags: memory for half of the model, so the two homes must cut it."""
+    import cut  # bench/cut.py, beside this file
+
+    from hetmesh.partition.store import resolve_model
+
+    return tuple(cut.node_args_for(resolve_model(), 2, HOME_SETTINGS))
+
+
+def require_both_homes(plan: Any, homes: set[str], names: dict[str, str]) -> None:
+    """Fail unless the plan's pipeline is a cut over both homes; print it."""
+    import cut
+
+    cut.require_plan(
+        plan,
+        "a cut over both homes",
+        lambda p: {s.peer_id for s in p.pipelines[0].stages} == homes,
+        names,
+    )
+    print(f"plan: {cut.describe(plan, names)}", file=sys.stderr, flush=True)
+
+
 # "The capital of France is" in the default model's tokenizer
 PROMPT_IDS = (504, 3458, 282, 4649, 314)
 
@@ -80,13 +106,14 @@ def nat_mesh(
     with open_nat_mesh(workdir, homes=2, symmetric=symmetric, rate=RATE) as mesh:
         public, home0, home1 = mesh.bed.hosts
         first = mesh.start_node(public, "--no-serve").wait_up(300)
-        node0 = mesh.start_node(home0, *HOME_ARGS, bootstrap=first.addr).wait_up(300)
+        args = home_args()
+        node0 = mesh.start_node(home0, *args, bootstrap=first.addr).wait_up(300)
         joined_at = time.monotonic()
-        node1 = mesh.start_node(home1, *HOME_ARGS, bootstrap=first.addr).wait_up(300)
+        node1 = mesh.start_node(home1, *args, bootstrap=first.addr).wait_up(300)
         plan, _ = mesh.wait_serving(home0, node0, timeout_s=400)
         join_s = time.monotonic() - joined_at
-        if {s.peer_id for s in plan.pipelines[0].stages} != {node0.peer_id, node1.peer_id}:
-            raise RuntimeError(f"the plan does not span both homes: {plan}")
+        homes = {node0.peer_id, node1.peer_id}
+        require_both_homes(plan, homes, {node0.peer_id: "home0", node1.peer_id: "home1"})
 
         def generate(tokens: int) -> dict[str, Any]:
             return mesh.generate(home0, node0, PROMPT_IDS, tokens)
@@ -105,14 +132,20 @@ def nat_mesh(
 @contextlib.contextmanager
 def flat_mesh(workdir: Path) -> Iterator[Callable[[int], dict[str, Any]]]:
     """The same three hosts on one bridge, serving: generate(tokens) entering at host 1."""
+    from hetmesh.testbed.mesh import plan_of
+
+    args = home_args()
     specs = [
         HostSpec(rate=RATE, args=("--no-serve",)),
-        HostSpec(rate=RATE, args=HOME_ARGS),
-        HostSpec(rate=RATE, args=HOME_ARGS),
+        HostSpec(rate=RATE, args=args),
+        HostSpec(rate=RATE, args=args),
     ]
     with open_mesh_testbed(workdir, specs) as bed:
         bed.start_all(timeout_s=300)
-        bed.wait_serving(timeout_s=400)
+        view = bed.wait_serving(timeout_s=400)
+        hosts = bed.peer_host()
+        names = {p: f"home{h - 1}" for p, h in hosts.items() if h > 0}
+        require_both_homes(plan_of(view), set(names), names)
 
         def generate(tokens: int) -> dict[str, Any]:
             return bed.generate(PROMPT_IDS, tokens, node=1)[0]

@@ -1,18 +1,37 @@
-"""Pipeline benchmark: a three-node loopback mesh against the single-process reference.
+"""Pipeline benchmark: a three-node loopback mesh against the single-process reference,
+in two layouts, one after the other, each with the plan it assumes checked:
 
-Measured in one run, on the same machine and with the same torch thread count, the
-mesh and the reference in turn (one mesh stream, then one reference stream, per
-repeat), so a machine whose speed drifts moves both alike:
+- **replicas**: every node holds the whole model (each offered the memory for it),
+  and a request runs on one of them: a remote single process, no stage hop;
+- **split**: each node is offered memory for only about 1/K of the model
+  (``--stages K``, default 3, computed from the model's bytes in the nodes'
+  format by :mod:`hetmesh.scheduler.caps`), so the planner must cut it into K
+  stages; the run fails if the adopted plan has another shape.
+
+Measured per layout, on the same machine, with the same weight format and the
+same torch thread count on both sides (one; the mesh and the reference in turn,
+one mesh stream, then one reference stream, per repeat, so a machine whose speed
+drifts moves both alike):
 
 - single-stream decode tokens/s (mesh ÷ reference) -> ``decode_ratio_single_stream``
-- time to first token for a 512-token prompt (mesh ÷ reference) -> ``ttft_ratio_512``
-- aggregate tokens/s of 8 concurrent streams ÷ 1 stream on the mesh -> ``concurrency_gain_8``
+  (replicas), ``split_decode_ratio``
+- time to first token for a 512-token prompt (mesh ÷ reference) -> ``ttft_ratio_512``,
+  ``split_ttft_ratio_512``
+- aggregate tokens/s of 8 concurrent streams ÷ 1 stream on the mesh ->
+  ``concurrency_gain_8``, ``split_concurrency_gain_8``
 - whether the mesh's greedy tokens (``--tokens`` after the chat prompt, 16 after the
-  512-token one) equal the reference's -> ``outputs_identical``
+  512-token one) equal the reference's -> ``outputs_identical``,
+  ``split_outputs_identical``
+- the plans -> ``plan`` and ``replicas_stages`` (1), ``split_plan`` and ``split_stages``
 - the single process today against its path before issue 16 -> ``single_process_speedup``
-  (``bench/decode.py``, after the mesh has stopped; ``--no-single-process`` skips it)
+  (``bench/decode.py``, after the meshes have stopped; ``--no-single-process`` skips it)
 
-Usage: ``python bench/pipeline.py [--json] [--tokens 64] [--repeats 5]``
+``--model`` serves another model (a folder, a .gguf, or a name ``hetmesh model``
+knows); ``--prefix`` names its keys (``--model synth-llama-3.2-1b --prefix synth1b_``
+gives ``synth1b_split_decode_ratio``…).
+
+Usage: ``python bench/pipeline.py [--json] [--tokens 64] [--repeats 5] [--stages 3]
+[--no-replicas] [--weights native] [--model NAME] [--prefix P]``
 """
 
 from __future__ import annotations
@@ -25,12 +44,10 @@ from pathlib import Path
 from typing import Any
 
 # no prefix cache: the repeats reuse one prompt, and TTFT here measures a prefill
-# (bench/kv.py measures the cache)
+# (bench/kv.py measures the cache); each layout adds its --max-memory (bench/cut.py)
 NODE_ARGS = [
     "--threads",  # one, as the reference: the ratios compare like with like
     "1",
-    "--max-memory",
-    "500MiB",
     "--max-sessions",
     "8",
     "--max-context",
@@ -159,6 +176,76 @@ def figures(
     return trio.run(measure)
 
 
+def run_layout(
+    model_dir: Path,
+    reference: Reference,
+    stages: int,
+    args: argparse.Namespace,
+    prompt_ids: list[int],
+    long_ids: list[int],
+) -> dict[str, Any]:
+    """One mesh whose nodes can each hold 1/``stages`` of the model (1: all of it), its
+    plan checked, and its figures against ``reference``."""
+    import cut  # bench/cut.py, beside this file
+
+    from hetmesh.node.local import local_mesh, wait_settled
+    from hetmesh.scheduler.replan import newest_in_view
+
+    node_args = [*NODE_ARGS, "--weights", args.weights, "--model", str(model_dir)]
+    node_args = cut.node_args_for(model_dir, stages, node_args)
+    nodes = max(3, stages)
+    with local_mesh(nodes, node_args=node_args) as mesh:
+        # every planned pipeline loaded, or the first repeats would share the cores with
+        # the standbys' loading (and run on whichever replica happened to be ready)
+        plan = newest_in_view(wait_settled(mesh))
+        names = cut.node_names(n.peer_id for n in mesh.nodes)
+        what = "whole-model replicas" if stages == 1 else f"a {stages}-stage cut"
+        cut.require_plan(plan, what, cut.every_pipeline_has(stages), names)
+        assert plan is not None
+        ours = figures(mesh, reference, prompt_ids, long_ids, args.tokens, args.repeats)
+        entry = mesh.nodes[-1].peer_id  # the client's gateway
+    return {
+        "figures": ours,
+        "plan": cut.describe(plan, names),
+        "plan_decode_ms": [round(p.decode_latency_s * 1e3, 2) for p in plan.pipelines],
+        # each stage's predicted decode step: a cut goes by the nodes' measured speeds
+        "plan_stage_ms": [
+            [round(s.decode_step_s * 1e3, 2) for s in p.stages] for p in plan.pipelines
+        ],
+        "gateway_holds_a_pipeline": any(p.peers == {entry} for p in plan.pipelines),
+        "stages": max(cut.stages_of(plan)),
+        "node_memory_bytes": int(cut.option(node_args, "--max-memory", "0")),
+    }
+
+
+def keys(layout: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A layout's figures under ``prefix`` (replicas: today's names, split: ``split_``)."""
+    ours = layout["figures"]
+    short = prefix == "split_"
+    return {
+        f"{prefix}decode_tokens_per_s_mesh": 1.0 / ours["tpot_s"],
+        f"{prefix}decode_tokens_per_s_reference": 1.0 / ours["reference_tpot_s"],
+        f"{prefix}{'decode_ratio' if short else 'decode_ratio_single_stream'}": (
+            ours["reference_tpot_s"] / ours["tpot_s"]
+        ),
+        f"{prefix}ttft_512_s_mesh": ours["ttft_512_s"],
+        f"{prefix}ttft_512_s_reference": ours["reference_ttft_512_s"],
+        f"{prefix}ttft_ratio_512": ours["ttft_512_s"] / ours["reference_ttft_512_s"],
+        f"{prefix}tokens_per_s_1_stream": ours["tokens_per_s_1"],
+        f"{prefix}tokens_per_s_8_streams": ours["tokens_per_s_8"],
+        f"{prefix}concurrency_gain_8": ours["tokens_per_s_8"] / ours["tokens_per_s_1"],
+        f"{prefix}outputs_identical": bool(ours["outputs_identical"]),
+        # the settled plan: each pipeline's stages (node, start, end); the client's
+        # gateway is the last node, and a pipeline all on it needs no hop
+        f"{prefix}plan": layout["plan"],
+        f"{prefix}plan_decode_ms": layout["plan_decode_ms"],
+        f"{prefix}plan_stage_ms": layout["plan_stage_ms"],
+        f"{prefix}gateway_holds_a_pipeline": layout["gateway_holds_a_pipeline"],
+        f"{prefix}stages": layout["stages"],
+        f"{prefix}node_memory_bytes": layout["node_memory_bytes"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -172,51 +259,46 @@ def main() -> None:
         help="weight format of every node and the reference (native: as the model ships)",
     )
     parser.add_argument(
+        "--stages",
+        type=int,
+        default=3,
+        help="the split layout's stage count, forced by memory caps (0: no split layout)",
+    )
+    parser.add_argument(
+        "--no-replicas", action="store_true", help="skip the whole-model replicas layout"
+    )
+    parser.add_argument("--model", default=None, help="the model to serve (default: hetmesh's)")
+    parser.add_argument("--prefix", default="", help="prepended to every key (synth1b_…)")
+    parser.add_argument(
         "--no-single-process",
         action="store_true",
         help="skip bench/decode.py's single-process speedup",
     )
     args = parser.parse_args()
+    if args.stages == 1 or args.stages < 0:
+        parser.error("--stages is 2 or more (0: no split layout; the replicas are 1 stage)")
 
-    from hetmesh.node.local import local_mesh, wait_settled
     from hetmesh.partition.store import resolve_model
     from hetmesh.partition.text import encode_prompt, load_tokenizer
-    from hetmesh.scheduler.replan import newest_in_view
 
-    model_dir = resolve_model()
+    model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = encode_prompt(tokenizer, PROMPT, chat=True)
     filler = encode_prompt(tokenizer, "The sea is wide and the night is long. " * 80)
     long_ids = filler[:512]
-    with local_mesh(3, node_args=[*NODE_ARGS, "--weights", args.weights]) as mesh:
-        # every planned replica loaded, or the first repeats would share the cores with
-        # the standbys' loading (and run on whichever replica happened to be ready)
-        plan = newest_in_view(wait_settled(mesh))
-        base = Reference(model_dir, args.weights)
-        ours = figures(mesh, base, prompt_ids, long_ids, args.tokens, args.repeats)
-        del base
-        entry = mesh.nodes[-1].peer_id  # the client's gateway
-    assert plan is not None  # wait_settled returns with one
-    names = {peer: f"node{i}" for i, peer in enumerate(n.peer_id for n in mesh.nodes)}
-    result = {
-        "decode_tokens_per_s_mesh": 1.0 / ours["tpot_s"],
-        "decode_tokens_per_s_reference": 1.0 / ours["reference_tpot_s"],
-        "decode_ratio_single_stream": ours["reference_tpot_s"] / ours["tpot_s"],
-        "ttft_512_s_mesh": ours["ttft_512_s"],
-        "ttft_512_s_reference": ours["reference_ttft_512_s"],
-        "ttft_ratio_512": ours["ttft_512_s"] / ours["reference_ttft_512_s"],
-        "tokens_per_s_1_stream": ours["tokens_per_s_1"],
-        "tokens_per_s_8_streams": ours["tokens_per_s_8"],
-        "concurrency_gain_8": ours["tokens_per_s_8"] / ours["tokens_per_s_1"],
-        "tokens": args.tokens,
-        "repeats": args.repeats,
-        "outputs_identical": bool(ours["outputs_identical"]),
-        # the settled plan: each pipeline's stages (node, start, end); the client's
-        # gateway is the last node, and a pipeline all on it needs no hop
-        "plan": [[(names[s.peer_id], s.start, s.end) for s in p.stages] for p in plan.pipelines],
-        "plan_decode_ms": [round(p.decode_latency_s * 1e3, 2) for p in plan.pipelines],
-        "gateway_holds_a_pipeline": any(p.peers == {entry} for p in plan.pipelines),
-    }
+    base = Reference(model_dir, args.weights)
+    result: dict[str, Any] = {"tokens": args.tokens, "repeats": args.repeats}
+    result["weights"] = args.weights
+    if not args.no_replicas:
+        replicas = run_layout(model_dir, base, 1, args, prompt_ids, long_ids)
+        result.update(keys(replicas, ""))
+        result["replicas_stages"] = result.pop("stages")
+        result["replicas_node_memory_bytes"] = result.pop("node_memory_bytes")
+    if args.stages:
+        result.update(
+            keys(run_layout(model_dir, base, args.stages, args, prompt_ids, long_ids), "split_")
+        )
+    del base
     if not args.no_single_process:
         import decode  # bench/decode.py, beside this file
 
@@ -224,35 +306,45 @@ def main() -> None:
         result.update(
             {k: v for k, v in single.items() if k.startswith(("single_", "fused_", "float32_"))}
         )
+    if args.prefix:
+        result = {f"{args.prefix}{k}": v for k, v in result.items()}
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(
-        f"decode, one stream     mesh {result['decode_tokens_per_s_mesh']:.1f} tok/s, "
-        f"reference {result['decode_tokens_per_s_reference']:.1f} tok/s, "
-        f"ratio {result['decode_ratio_single_stream']:.2f} (target >= 0.95)"
-    )
-    print(
-        f"TTFT, 512-token prompt mesh {result['ttft_512_s_mesh'] * 1e3:.0f} ms, "
-        f"reference {result['ttft_512_s_reference'] * 1e3:.0f} ms, "
-        f"ratio {result['ttft_ratio_512']:.2f} (target <= 1.0)"
-    )
-    print(
-        f"8 streams vs 1         {result['tokens_per_s_8_streams']:.1f} vs "
-        f"{result['tokens_per_s_1_stream']:.1f} tok/s, "
-        f"gain {result['concurrency_gain_8']:.2f} (target >= 4)"
-    )
-    print(f"outputs identical to the reference: {result['outputs_identical']}")
-    print(
-        f"plan {result['plan']} (predicted {result['plan_decode_ms']} ms a token), "
-        f"gateway holds a pipeline: {result['gateway_holds_a_pipeline']}"
-    )
-    if "single_process_speedup" in result:
+    report(result, args.prefix)
+
+
+def report(result: dict[str, Any], prefix: str) -> None:
+    """The figures as text, one layout after the other."""
+    layouts = [("replicas", f"{prefix}", "decode_ratio_single_stream")]
+    layouts.append(("split", f"{prefix}split_", "decode_ratio"))
+    for label, at, ratio in layouts:
+        if f"{at}ttft_ratio_512" not in result:
+            continue
+        predicted = result[f"{at}plan_decode_ms"]
+        print(f"{label}: plan {result[f'{at}plan']} (predicted {predicted} ms a token)")
         print(
-            f"single process         {result['single_process_tokens_per_s']:.1f} vs "
-            f"{result['single_process_tokens_per_s_old']:.1f} tok/s before issue 16 "
-            f"({result['single_process_weights']} against fp32), "
-            f"speedup {result['single_process_speedup']:.2f} (target >= 2)"
+            f"  decode, one stream     mesh {result[f'{at}decode_tokens_per_s_mesh']:.1f} tok/s, "
+            f"reference {result[f'{at}decode_tokens_per_s_reference']:.1f} tok/s, "
+            f"ratio {result[f'{at}{ratio}']:.2f}"
+        )
+        print(
+            f"  TTFT, 512-token prompt mesh {result[f'{at}ttft_512_s_mesh'] * 1e3:.0f} ms, "
+            f"reference {result[f'{at}ttft_512_s_reference'] * 1e3:.0f} ms, "
+            f"ratio {result[f'{at}ttft_ratio_512']:.2f}"
+        )
+        print(
+            f"  8 streams vs 1         {result[f'{at}tokens_per_s_8_streams']:.1f} vs "
+            f"{result[f'{at}tokens_per_s_1_stream']:.1f} tok/s, "
+            f"gain {result[f'{at}concurrency_gain_8']:.2f}"
+        )
+        print(f"  outputs identical to the reference: {result[f'{at}outputs_identical']}")
+    if f"{prefix}single_process_speedup" in result:
+        print(
+            f"single process           {result[f'{prefix}single_process_tokens_per_s']:.1f} vs "
+            f"{result[f'{prefix}single_process_tokens_per_s_old']:.1f} tok/s before issue 16 "
+            f"({result[f'{prefix}single_process_weights']} against fp32), "
+            f"speedup {result[f'{prefix}single_process_speedup']:.2f} (target >= 2)"
         )
 
 

@@ -4,8 +4,9 @@
     python bench/shards.py --json             # one JSON object
     python bench/shards.py --json --testbed   # on the testbed's namespaces (root)
 
-Loopback, in one process: three daemons with the default model in float32
-(each offered ``--memory-mib``, so the plan needs all three); the first holds
+Loopback, in one process: three daemons with the default model as shipped
+(int4; each offered ``--memory-mib``, by default the memory for a third of the
+model, bench/cut.py, so the plan needs all three); the first holds
 the converted model, the other two start with ``--model mesh`` and empty caches
 and fetch their stages' tensors from it (and from each other) over data-plane
 links (shm: one host). ``--testbed``: the same with three ``hetmesh node
@@ -20,7 +21,9 @@ Reported per joining node:
   the holder's own (which had the model on disk);
 
 and whether a greedy generation through the mesh equals the single-process
-reference. On the testbed also ``shaped_link_utilisation``: the shaped host's
+reference. The run fails unless each joiner was planned only part of the model
+(``plan``: each node's stages): a joiner planned the whole model would fetch a
+whole replica, not its stage. On the testbed also ``shaped_link_utilisation``: the shaped host's
 fetch rate ÷ the bandwidth the mesh measured on its links.
 """
 
@@ -39,6 +42,30 @@ import trio
 
 PROMPT_IDS = [1, 504, 3458, 282, 1029, 314, 253]
 SECRET = "bench-shards"
+SESSIONS, CONTEXT = 2, 256  # every node's --max-sessions and --max-context
+
+
+def memory_mib(args: argparse.Namespace, model_dir: Path) -> int:
+    """Each node's memory: ``--memory-mib``, else what makes the model need 3 nodes."""
+    import cut  # bench/cut.py, beside this file
+
+    if args.memory_mib:
+        return int(args.memory_mib)
+    cap = cut.memory_cap(model_dir, "native", 3, max_context=CONTEXT, max_sessions=SESSIONS)
+    return -(-cap // (1 << 20))
+
+
+def check_joiners(stages: dict[int, list[tuple[int, int]]], units: int) -> None:
+    """Fail unless every joiner (nodes 1 and 2) was planned a part of the model only."""
+    import cut
+
+    for node in (1, 2):
+        held = sum(b - a for a, b in stages.get(node, []))
+        if not 0 < held < units:
+            raise cut.PlanShapeError(
+                f"joiner node{node} was planned {stages.get(node)} of {units} units: "
+                "it would fetch all of the model or none, not its stage"
+            )
 
 
 async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -58,7 +85,9 @@ async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )
     )
     side_bytes = sum(f.nbytes for f in manifest.files)
+    memory = memory_mib(args, model_dir)
     out: dict[str, Any] = {"manifest": manifest.id, "side_file_bytes": side_bytes, "nodes": []}
+    out["node_memory_mib"] = memory
     async with trio.open_nursery() as nursery:
         nodes: list[Any] = []
         started: list[float] = []
@@ -66,8 +95,8 @@ async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             serving = ServingConfig(
                 model=None if i == 0 else "mesh",
                 cache_dir=None if i == 0 else tmp / f"cache{i}",
-                max_sessions=2,
-                max_context_tokens=256,
+                max_sessions=SESSIONS,
+                max_context_tokens=CONTEXT,
                 block_step_s=0.002,
             )
             config = NodeConfig(
@@ -76,7 +105,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 mesh_secret=SECRET,
                 mdns=False,
                 data_dir=tmp / f"n{i}",
-                max_memory_bytes=args.memory_mib << 20,
+                max_memory_bytes=memory << 20,
                 benchmark_budget_s=0.2,
                 serving=serving,
             )
@@ -126,8 +155,13 @@ async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             elif stats is not None:
                 row["bytes_served"] = stats.bytes_served
             out["nodes"].append(row)
+        out["plan"] = {f"node{i}": row["stages"] for i, row in enumerate(out["nodes"])}
         for node in nodes:
             node.request_stop()
+        check_joiners(
+            {i: [tuple(x) for x in row["stages"]] for i, row in enumerate(out["nodes"])},
+            nodes[0].serving.profile.num_units,
+        )
     return out
 
 
@@ -145,7 +179,7 @@ def _testbed(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             PROMPT_IDS, SamplingParams(max_new_tokens=args.tokens)
         )
     )
-    memory = f"{args.memory_mib}MiB"
+    memory = f"{memory_mib(args, model_dir)}MiB"
     caches = {h: tmp / f"cache{h}" for h in (1, 2)}
     specs = [
         HostSpec(max_memory=memory),
@@ -156,7 +190,10 @@ def _testbed(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             args=("--model", "mesh", "--cache-dir", str(caches[2])),
         ),
     ]
-    node_args = ("--max-sessions", "2", "--max-context", "256", "--block-step-ms", "2")
+    node_args = (
+        *("--max-sessions", str(SESSIONS), "--max-context", str(CONTEXT)),
+        *("--block-step-ms", "2"),
+    )
     out: dict[str, Any] = {
         "manifest": manifest.id,
         "side_file_bytes": sum(f.nbytes for f in manifest.files),
@@ -203,6 +240,8 @@ def _testbed(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             h: [(s.start, s.end) for s in plan.pipelines[0].stages if hosts[s.peer_id] == h]
             for h in (0, 1, 2)
         }
+        out["plan"] = {f"node{h}": [list(x) for x in stages[h]] for h in (0, 1, 2)}
+        check_joiners(stages, plan.pipelines[0].stages[-1].end)
         needed = {
             h: sum(t.nbytes for a, b in stages[h] for t in tensors_for_units(manifest, a, b))
             for h in (1, 2)
@@ -259,7 +298,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tokens", type=int, default=12)
-    parser.add_argument("--memory-mib", type=int, default=360)
+    parser.add_argument(
+        "--memory-mib", type=int, default=0, help="each node's memory (0: a third of the model's)"
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--testbed", action="store_true", help="emulated hosts (root)")
     parser.add_argument("--rate", default="50mbit", help="--testbed: the shaped host's link")
@@ -274,6 +315,7 @@ def main() -> None:
     print(
         f"manifest {result['manifest'][:16]}…  equal to reference: {result['equal_to_reference']}"
     )
+    print(f"plan {result['plan']}")
     for row in result["nodes"]:
         print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
 

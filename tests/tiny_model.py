@@ -22,9 +22,9 @@ with its own single-process reference (``reference_ids(tiny_model_dir, ...)``).
   replayed-twice token shows. Its logits are wide (tens) with the two largest
   apart by far more than float32 rounding (a 30-step float64 check agreed), so
   a different split never flips a greedy choice.
-- Memory: the stage holding the head budgets ~200 MB of prefill logits (1,000
-  tokens x 49,152 words) whatever the width, so the KV is as wide as the real
-  model's (4 KV heads of 64) to keep the blocks' share of memory similar:
+- Memory: the KV is as wide as the real model's (4 KV heads of 64), so the
+  blocks' share of memory is similar (the head's logits, a row of 49,152 words
+  per session sampled at once, are small whatever the width):
   :data:`TINY_NODE_MEMORY` per node (with ``--max-sessions 4``) makes the
   planner split it in three as ``NODE_MEMORY`` (500 MiB) does the real model,
   two nodes being too few. ``running_mesh(..., model=tiny_model_dir)`` in

@@ -1,5 +1,11 @@
 """``hetmesh demo``: a three-node mesh on this machine serving the default model.
 
+Each node is offered memory for only a third of the model in the demo's format
+(:func:`hetmesh.scheduler.caps.node_memory_cap`, from the model's bytes): no
+node can hold it, so the planner cuts it into three stages, one a node, and the
+demo prints the cut. ``--replicas`` offers each node the whole model instead: the
+plan is then whole-model replicas (one serves, the others stand by).
+
 The first node serves the HTTP API and the web dashboard on loopback; the demo
 prints its URL. With ``--keep`` the mesh stays up after the demo's generation
 until Ctrl-C (SIGINT) or SIGTERM, which stop every node.
@@ -11,16 +17,20 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from hetmesh.cli._app import app
+from hetmesh.node.config import ServingConfig
+from hetmesh.scheduler.records import Plan
 
-# Each node offers this much memory, so no single node can hold the model and
-# its KV budget in any format: the planner has to cut it across the nodes.
-DEMO_NODE_MEMORY = "500MiB"
+# the demo nodes' settings, which their memory caps are computed for
+DEMO_SESSIONS = 4
+DEMO_CONTEXT = 2048
+DEMO_STAGES = 3  # the cut shown (fewer with fewer nodes)
 # The default model ships as a 4-bit (Q4_1) GGUF: served as int4 it is never
 # inflated, and int4 decodes fastest of the formats on this project's CPUs
 # (docs/weights.md).
@@ -46,26 +56,41 @@ def demo(
         str,
         typer.Option(help="The weight format every node serves: " + "|".join(WEIGHT_CHOICES) + "."),
     ] = DEMO_WEIGHTS,
+    replicas: Annotated[
+        bool,
+        typer.Option(
+            help="Offer each node the whole model: whole-model replicas instead of a cut."
+        ),
+    ] = False,
 ) -> None:
     """Start a local mesh, stream one chat generation through it, show its status, stop it."""
     from hetmesh.cli.model import _resolve, _stream_mesh
     from hetmesh.cli.status import render_status
     from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.scheduler.replan import newest_in_view
 
     if weights not in WEIGHT_CHOICES:
         raise typer.BadParameter(
             f"{weights!r} is not one of {', '.join(WEIGHT_CHOICES)}", param_hint="--weights"
         )
     model_dir = _resolve("smollm2-135m-instruct", cache_dir)  # pull once, before the nodes
-    args = ["--weights", weights, "--max-memory", DEMO_NODE_MEMORY, "--max-sessions", "4"]
+    stages = 1 if replicas else min(nodes, DEMO_STAGES)
+    memory = node_memory(model_dir, weights, stages)
+    args = ["--weights", weights, "--max-memory", str(memory)]
+    args += ["--max-sessions", str(DEMO_SESSIONS), "--max-context", str(DEMO_CONTEXT)]
     if cache_dir is not None:
         args += ["--cache-dir", str(cache_dir)]
     err = sys.stderr
     port = api_port or _free_port()
     url = f"http://127.0.0.1:{port}/"
     print(f"starting {nodes} nodes on loopback serving {model_dir.name} in {weights} ...", file=err)
+    layout = "whole-model replicas" if stages == 1 else f"a {stages}-stage cut"
+    print(f"each node offers {memory / 2**20:.0f} MiB: the planner must place {layout}", file=err)
     with local_mesh(nodes, node_args=args, per_node_args=[["--api-port", str(port)]]) as mesh:
-        wait_serving(mesh)
+        plan = newest_in_view(wait_serving(mesh))
+        if plan is not None:
+            names = {n.peer_id: f"node{i + 1}" for i, n in enumerate(mesh.nodes)}
+            print(describe_plan(plan, names), file=err)
         print(f"dashboard: {url}", file=err)
         print(f"mesh up; asking {mesh.nodes[-1].addr}\n", file=err)
         print(f"> {prompt}")
@@ -79,6 +104,41 @@ def demo(
             _wait_for_stop()
         print("stopping the mesh ...", file=err)
     print("done", file=err)
+
+
+def node_memory(model_dir: Path, weights: str, stages: int) -> int:
+    """Each demo node's ``--max-memory``: the model in ``weights`` needs ``stages`` nodes
+    (1: each holds it whole)."""
+    from hetmesh.node.weights import weight_bytes
+    from hetmesh.partition.profile import model_profile
+    from hetmesh.partition.store import check_model_dir
+    from hetmesh.scheduler.caps import node_memory_cap
+
+    config = check_model_dir(model_dir)
+    name = model_dir.name
+    return node_memory_cap(
+        model_profile(config, name=name),
+        weight_bytes(config, weights, name=name),
+        stages,
+        max_context_tokens=DEMO_CONTEXT,
+        max_sessions=DEMO_SESSIONS,
+        reserve_bytes=ServingConfig().reserve_bytes,
+    )
+
+
+def describe_plan(plan: Plan, names: Mapping[str, str]) -> str:
+    """``cut into 3 stages: node1 [0, 13) -> node2 [13, 26) -> node3 [26, 32)``, or the
+    replicas, one line each."""
+    lines = []
+    for i, pipeline in enumerate(plan.pipelines):
+        chain = " -> ".join(
+            f"{names.get(s.peer_id, s.peer_id[-6:])} [{s.start}, {s.end})" for s in pipeline.stages
+        )
+        count = len(pipeline.stages)
+        kind = "whole model" if count == 1 else f"cut into {count} stages"
+        role = "" if len(plan.pipelines) == 1 else (" (serving)" if i == 0 else " (standby)")
+        lines.append(f"{kind}{role}: {chain}")
+    return "\n".join(lines)
 
 
 def _free_port() -> int:

@@ -226,7 +226,12 @@ def _candidate(
         candidate = outcome.plan
         if candidate is not None and config.standby:
             candidate = with_standby(
-                candidate, snapshot.devices, snapshot.links, model, constraints=constraints
+                candidate,
+                snapshot.devices,
+                snapshot.links,
+                model,
+                constraints=constraints,
+                previous=current,
             )
         return candidate, outcome.reason
     # a forced baseline ignores drift: it places again only when membership changes

@@ -61,7 +61,19 @@ FloatArray = npt.NDArray[np.float64]
 INF = math.inf
 PREFILL_TOKENS = 1000
 _WORKSPACE_FACTOR = 8  # MLP intermediates and attention scratch, in hidden-size rows
-_LOGIT_BYTES = 4  # float32 logits
+_LOGIT_BYTES = 4  # float32 logits (every format's head returns them in float32)
+
+
+def head_workspace_bytes(vocab_size: int, constraints: PlanConstraints) -> int:
+    """The logits a head stage holds at once: one float32 row of the vocabulary per
+    session sampled in one forward (a node's head computes the last position of each
+    chunk only, never a row per prompt token), for as many sessions as a step batches.
+
+    So it scales with the model's vocabulary, not a fixed budget: 8 sessions of a
+    49,152-token vocabulary hold 1.5 MiB, of a 128,256-token one 3.9 MiB.
+    """
+    rows = max(constraints.max_sessions, constraints.micro_batch_tokens)
+    return rows * vocab_size * _LOGIT_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,11 +209,7 @@ class CostModel:
         has_head = (self._heads[b] - self._heads[a]) > 0
         work = np.where(
             has_block, float(cons.prefill_chunk_tokens * _WORKSPACE_FACTOR) * self.hidden_bytes, 0.0
-        ) + np.where(
-            has_head,
-            float(cons.prefill_chunk_tokens * self.model.vocab_size * _LOGIT_BYTES),
-            0.0,
-        )
+        ) + np.where(has_head, float(head_workspace_bytes(self.model.vocab_size, cons)), 0.0)
         budget = float(cons.max_context_tokens * cons.max_sessions) * kv_mat
         read_mat = read[b] - read[a]
         first = self._first_block
@@ -453,6 +461,7 @@ __all__ = [
     "Assignment",
     "CostModel",
     "better",
+    "head_workspace_bytes",
     "objective_value",
     "sort_devices",
 ]

@@ -171,4 +171,53 @@ def refine(problem: Problem, solution: Solution) -> Solution:
     return Solution(solution.cost, unwind(order, back, n))
 
 
-__all__ = ["Problem", "Solution", "order_dp", "refine", "skip_dp", "unwind"]
+def balance(problem: Problem, solution: Solution, tolerance: float) -> Solution:
+    """``solution``'s devices, in its order, with the cut whose slowest stage is fastest
+    among those at most ``tolerance`` slower per token than ``solution``.
+
+    For the latency objective only (the throughput objective's min-max already
+    balances; ``solution`` is returned unchanged for it). A single stream's latency
+    is the sum of the stages' steps, so on devices of equal speed every cut costs
+    about the same and the search keeps whichever it met first (a 7/16/9 cut on three
+    equal nodes): the slowest stage then bounds what concurrent streams and a
+    pipelined prefill gain. This picks, among the near-equal cuts, the one whose
+    units go in proportion to each device's measured speed, as far as their memory
+    allows (a masked stage is one that does not fit).
+    """
+    if not problem.additive or len(solution.stages) < 2 or tolerance < 0:
+        return solution
+    cost = problem.cost
+    order = solution.devices
+    limit = solution.cost * (1.0 + tolerance)
+    steps = Problem(cost, "throughput")  # a micro-batch step per stage: what bounds throughput
+    bounds = [steps.stage(d) for d in order]
+    lat = [problem.stage(d) for d in order]
+    now = max(steps.stage(s.device)[s.start, s.end] for s in solution.stages)
+    values = np.unique(np.concatenate([m[np.isfinite(m)] for m in bounds]))
+    values = values[values < now]
+    best = solution
+
+    def within(bound: float) -> Solution | None:
+        masked = [np.where(b <= bound, m, INF) for b, m in zip(bounds, lat, strict=True)]
+        dp = masked[0][0].copy()
+        back: list[np.ndarray] = []
+        for j in range(1, len(order)):
+            dp, arg = problem.extend(dp + problem.edge(order[j - 1], order[j]), masked[j])
+            back.append(arg)
+        if not np.isfinite(dp[problem.n]):
+            return None
+        total = float(dp[problem.n]) + problem.ret(order[-1], order[0])
+        return None if total > limit else Solution(total, unwind(order, back, problem.n))
+
+    lo, hi = 0, len(values) - 1  # the least bound in values that still meets the limit
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        found = within(float(values[mid]))
+        if found is None:
+            lo = mid + 1
+        else:
+            best, hi = found, mid - 1
+    return best
+
+
+__all__ = ["Problem", "Solution", "balance", "order_dp", "refine", "skip_dp", "unwind"]

@@ -49,6 +49,13 @@ class SearchOptions:
     regroup_evaluations: int = 400
     site_link_s: float = 2.0e-3  # links faster than this per token join one site
     sites_to_try: int = 3
+    # a latency plan's cut may cost this much more per token (relative) to make its
+    # slowest stage faster (dp.balance): near-equal cuts go by speed, not by search order.
+    # 10%: three equal nodes on one machine calibrated 0.98, 1.32 and 1.40 times the
+    # roofline (each measured while the others started); the fewest-latency cut then
+    # filled the two "fast" ones and gave the third 3 units of 32 (bottleneck 30 ms a
+    # token against 24 balanced, for 4% of predicted latency that was not real)
+    balance_tolerance: float = 0.10
 
 
 class Heuristic:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
 from hetmesh.scheduler.cost import Assignment, CostModel, objective_value
-from hetmesh.scheduler.dp import Problem, Solution, refine
+from hetmesh.scheduler.dp import Problem, Solution, balance, refine
 from hetmesh.scheduler.exact import exact_latency, exact_throughput
 from hetmesh.scheduler.heuristic import Heuristic, SearchOptions
 from hetmesh.scheduler.records import Objective, Pipeline, Plan, PlanConstraints
@@ -146,7 +146,7 @@ def plan(
             solutions = search.throughput()
     if not solutions:
         _raise_insufficient(cost)
-    solutions = [refine(problem, s) for s in solutions]
+    solutions = [balance(problem, refine(problem, s), opts.balance_tolerance) for s in solutions]
     return build_plan(cost, solutions, objective=objective, strategy=strategy, epoch=epoch)
 
 

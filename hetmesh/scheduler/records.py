@@ -68,6 +68,8 @@ class PlanConstraints(WireRecord):
 
     Memory of a stage = its weights + ``max_context_tokens × max_sessions`` tokens of
     KV for its layers + an activation workspace for a ``prefill_chunk_tokens`` chunk
+    (a head stage: the logits of the sessions it samples in one step, see
+    :func:`~hetmesh.scheduler.cost.head_workspace_bytes`)
     + a reserve (the larger of ``reserve_bytes`` and ``reserve_fraction`` of the
     device's total memory); it must not exceed the device's free memory.
 

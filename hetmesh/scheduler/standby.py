@@ -42,15 +42,19 @@ def with_standby(
     *,
     constraints: PlanConstraints,
     max_cost: float = STANDBY_MAX_COST,
+    previous: Plan | None = None,
 ) -> Plan:
     """``best`` with standby replicas; if it uses every device, maybe a plan that frees one.
 
     The alternative leaves one device out, is planned afresh on the rest and
     must predict at most ``max_cost`` more latency than ``best``; the freed
     device then backs one of its stages up. Without such a plan, ``best``
-    plus whatever replicas fit (none, if no device is spare).
+    plus whatever replicas fit (none, if no device is spare). ``previous``: the
+    plan followed so far (see :func:`add_standby_replicas`).
     """
-    backed = add_standby_replicas(best, devices, links, model, constraints=constraints)
+    backed = add_standby_replicas(
+        best, devices, links, model, constraints=constraints, previous=previous
+    )
     if backed is not best or best.objective != "latency" or len(best.pipelines) != 1:
         return backed
     used = {(s.peer_id, s.device) for s in best.pipelines[0].stages}
@@ -75,7 +79,7 @@ def with_standby(
         if alternative.decode_latency_s > limit:
             continue
         replicated = add_standby_replicas(
-            alternative, devices, links, model, constraints=constraints
+            alternative, devices, links, model, constraints=constraints, previous=previous
         )
         if len(replicated.pipelines) > 1 and (
             found is None or replicated.decode_latency_s < found.decode_latency_s
@@ -91,13 +95,16 @@ def add_standby_replicas(
     model: ModelProfile,
     *,
     constraints: PlanConstraints,
+    previous: Plan | None = None,
 ) -> Plan:
     """``plan`` plus one replica pipeline per spare device that can hold a stage.
 
     Each spare device (in the cost model's device order) replicates the stage
-    with the fewest replicas so far, breaking ties by the replica pipeline's
-    predicted latency. Latency plans only: a throughput plan already spends
-    every useful device on replicas of its own. Deterministic.
+    with the fewest replicas so far, breaking ties by whether it held that very
+    stage in ``previous`` (the plan followed so far: a device demoted from the
+    primary keeps the stage it has loaded, and nothing reloads) and then by the
+    replica pipeline's predicted latency. Latency plans only: a throughput plan
+    already spends every useful device on replicas of its own. Deterministic.
     """
     if plan.objective != "latency" or not plan.pipelines:
         return plan
@@ -106,9 +113,14 @@ def add_standby_replicas(
     used = {(peer, dev) for pipeline in base for peer, dev, _, _ in pipeline}
     spare = [d for d in sort_devices(devices) if (d.peer_id, d.device) not in used]
     replicas = {(a, b): 0 for _, _, a, b in primary}
+    held = (
+        {(s.peer_id, s.device, s.start, s.end) for p in previous.pipelines for s in p.stages}
+        if previous is not None
+        else set()
+    )
     added: list[list[Placed]] = []
     for device in spare:
-        best: tuple[tuple[int, float, int], list[Placed]] | None = None
+        best: tuple[tuple[int, bool, float, int], list[Placed]] | None = None
         for i, (_, _, start, end) in enumerate(primary):
             candidate = list(primary)
             candidate[i] = (device.peer_id, device.device, start, end)
@@ -117,12 +129,13 @@ def add_standby_replicas(
             )
             if scored is None:
                 continue  # the spare device cannot hold this stage
-            rank = (replicas[(start, end)], scored.decode_latency_s, i)
+            kept = (device.peer_id, device.device, start, end) in held
+            rank = (replicas[(start, end)], not kept, scored.decode_latency_s, i)
             if best is None or rank < best[0]:
                 best = (rank, candidate)
         if best is not None:
             added.append(best[1])
-            _, _, start, end = primary[best[0][2]]
+            _, _, start, end = primary[best[0][3]]
             replicas[(start, end)] += 1
     if not added:
         return plan

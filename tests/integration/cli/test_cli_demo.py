@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +79,16 @@ def test_demo_streams_the_reference_answer_shows_the_mesh_and_stops_it(
     assert "plan epoch" in table
     assert table.count("alive") + table.count("self") >= 3  # the three nodes
     assert "starting 3 nodes" in done.stderr
+    # no node can hold the model: the plan is one pipeline cut into 3 stages, a node each
+    (cut,) = [line for line in done.stderr.splitlines() if line.startswith("cut into")]
+    assert cut.startswith("cut into 3 stages: node")
+    ranges = re.findall(r"(node\d) \[(\d+), (\d+)\)", cut)
+    assert len({node for node, _, _ in ranges}) == 3
+    bounds = [(int(a), int(b)) for _, a, b in ranges]
+    assert bounds[0][0] == 0
+    assert all(x[1] == y[0] for x, y in itertools.pairwise(bounds))
+    assert bounds[-1][1] == pipeline.stages[0].profile.num_units
+    assert "whole model" not in done.stderr
     assert done.stderr.rstrip().endswith("done")
     # every node process is gone and so is the temporary mesh directory
     assert _processes_under(tmp_path) == []
@@ -126,3 +138,59 @@ def test_wait_settled_returns_once_every_planned_pipeline_is_ready_and_stays(
         plan = newest_in_view(view)
         assert plan is not None
         assert ready_pipelines(view) == len(plan.pipelines) == 2
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("replicas", "expected"), [(False, "cut into 3 stages"), (True, "whole")])
+def test_demo_memory_caps_give_a_three_stage_cut_or_replicas(
+    default_model_dir: Path, replicas: bool, expected: str
+) -> None:
+    # the demo's caps planned as its nodes plan them (three equal CPUs, the demo's format)
+    from hetmesh.cli.demo import DEMO_CONTEXT, DEMO_SESSIONS, describe_plan, node_memory
+    from hetmesh.node.weights import weight_bytes
+    from hetmesh.partition.profile import model_profile
+    from hetmesh.partition.store import check_model_dir
+    from hetmesh.resources import DeviceProfile
+    from hetmesh.scheduler import PlanConstraints, plan
+    from hetmesh.scheduler.standby import with_standby
+
+    memory = node_memory(default_model_dir, DEMO_WEIGHTS, 1 if replicas else 3)
+    config = check_model_dir(default_model_dir)
+    name = default_model_dir.name
+    devices = [
+        DeviceProfile(
+            peer_id=f"p{i}",
+            device="cpu",
+            backend="cpu",
+            name="cpu",
+            memory_total_bytes=memory,
+            memory_free_bytes=memory,
+            matmul_flops=5e10,
+            memory_bandwidth_bps=1e10,
+        )
+        for i in range(3)
+    ]
+    format_bytes = weight_bytes(config, DEMO_WEIGHTS, name=name)
+    constraints = PlanConstraints(
+        max_context_tokens=DEMO_CONTEXT,
+        max_sessions=DEMO_SESSIONS,
+        reserve_bytes=64 << 20,
+        weights_by_device={f"p{i}/cpu": format_bytes for i in range(3)},
+    )
+    model = model_profile(config, name=name)
+    best = with_standby(
+        plan(devices, [], model, constraints=constraints),
+        devices,
+        [],
+        model,
+        constraints=constraints,
+    )
+    text = describe_plan(best, {f"p{i}": f"node{i + 1}" for i in range(3)})
+    lines = text.splitlines()
+    if replicas:
+        assert len(lines) == 3
+        assert all(line.startswith("whole model") for line in lines)
+    else:
+        (line,) = lines
+        assert line.startswith(expected)
+        assert line.count("->") == 2

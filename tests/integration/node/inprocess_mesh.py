@@ -30,9 +30,31 @@ SECRET = "in-process-mesh"
 # Neither node alone can hold the weights (~0.54 GB) with its reserve and KV budget:
 # two of them must split the model.
 NODE_MEMORY_BYTES = 500 << 20
-# The same for the tiny test model (max_context_tokens=512, one to four sessions): one
-# node cannot hold it (the head's prefill logits alone are ~200 MB), two can.
-TINY_NODE_MEMORY_BYTES = 200 << 20
+
+
+def split_memory_bytes(model: Path, serving: ServingConfig, nodes: int = 2) -> int:
+    """Each node's memory so that ``nodes`` of them must split ``model`` served with
+    ``serving``'s format, context and sessions (hetmesh.scheduler.caps): the tiny model's
+    share of memory depends on them (one session of 512 tokens fits it on one node)."""
+    from hetmesh.node.config import PLANNED_SESSIONS
+    from hetmesh.node.weights import weight_bytes
+    from hetmesh.partition.checkpoint import settle_weights
+    from hetmesh.partition.profile import model_profile
+    from hetmesh.partition.store import check_model_dir
+    from hetmesh.scheduler.caps import node_memory_cap
+
+    config = check_model_dir(model)
+    fmt = settle_weights(serving.weights, model, "cpu")
+    return node_memory_cap(
+        model_profile(config, name=model.name),
+        weight_bytes(config, fmt.value if fmt is not None else "float32", name=model.name),
+        nodes,
+        max_context_tokens=serving.max_context_tokens,
+        max_sessions=serving.max_sessions or PLANNED_SESSIONS,
+        reserve_bytes=serving.reserve_bytes,
+    )
+
+
 PROMPT_IDS = [1, 504, 3458, 282, 1029, 314, 253]  # arbitrary in-vocabulary ids
 
 
@@ -142,8 +164,8 @@ async def open_mesh(
     """
     memory_bytes = memory_bytes or NODE_MEMORY_BYTES
     if model is not None:
+        memory_bytes = split_memory_bytes(model, serving)
         serving = dataclasses.replace(serving, model=str(model))
-        memory_bytes = TINY_NODE_MEMORY_BYTES
     async with trio.open_nursery() as nursery:
         mesh = InProcessMesh(tmp_path, serving, nursery, memory_bytes)
         try:

@@ -8,7 +8,14 @@ import pytest
 
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
-from hetmesh.scheduler import BASELINES, even_split, greedy_fill, memory_proportional, plan
+from hetmesh.scheduler import (
+    BASELINES,
+    SearchOptions,
+    even_split,
+    greedy_fill,
+    memory_proportional,
+    plan,
+)
 from hetmesh.scheduler.cost import CostModel
 from hetmesh.scheduler.records import Objective
 from hetmesh.scheduler.synthetic import random_mesh
@@ -51,6 +58,9 @@ def test_baseline_that_does_not_fit_raises() -> None:
     assert plan(half, full_links(half), m, constraints=BARE).pipelines  # the planner fits it
 
 
+FASTEST = SearchOptions(balance_tolerance=0.0)  # the least-latency search, unbalanced
+
+
 @pytest.mark.parametrize("objective", ["latency", "throughput"])
 def test_planner_never_worse_than_a_baseline(objective: Objective) -> None:
     m = model_profile(KNOWN_SHAPES["llama-13b"], dtype="float16", name="llama-13b")
@@ -59,9 +69,17 @@ def test_planner_never_worse_than_a_baseline(objective: Objective) -> None:
     for _ in range(12):
         devs, links = random_mesh(rng, rng.randint(2, 6))
         try:
-            best = plan(devs, links, m, objective=objective)
+            best = plan(devs, links, m, objective=objective, options=FASTEST)
+            balanced = plan(devs, links, m, objective=objective)
         except InsufficientCapacity:
             continue
+        if objective == "latency":  # balancing the cut costs at most the tolerance ...
+            tolerance = SearchOptions().balance_tolerance
+            assert balanced.objective_value <= best.objective_value * (1 + tolerance) + 1e-12
+            # ... and never slows the slowest stage
+            assert balanced.pipelines[0].bottleneck_s <= best.pipelines[0].bottleneck_s * (1 + 1e-9)
+        else:
+            assert balanced == best  # a throughput plan is balanced by its own search
         for baseline in BASELINES.values():
             try:
                 other = baseline(devs, links, m, objective=objective)

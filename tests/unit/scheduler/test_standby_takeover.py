@@ -19,9 +19,9 @@ from hetmesh.scheduler.standby import standby_takeovers, with_standby
 from tests.unit.scheduler.test_standby import CONS, MODEL, cpu
 
 
-def latency_plan(devices, constraints):
+def latency_plan(devices, constraints, previous=None):
     best = plan(devices, [], MODEL, constraints=constraints)
-    return with_standby(best, devices, [], MODEL, constraints=constraints)
+    return with_standby(best, devices, [], MODEL, constraints=constraints, previous=previous)
 
 
 def test_a_replan_on_measured_steps_demotes_the_slow_peer_and_names_it():
@@ -37,7 +37,7 @@ def test_a_replan_on_measured_steps_demotes_the_slow_peer_and_names_it():
     }
     constraints, corrected = measured_constraints(CONS, before, observed)
     assert corrected == {f"{slow}/cpu"}
-    after = latency_plan(devices, constraints)
+    after = latency_plan(devices, constraints, previous=before)
     assert slow not in after.pipelines[0].peers  # the primary no longer uses it ...
     kept = {(s.peer_id, s.start, s.end) for p in after.pipelines for s in p.stages}
     old = next(s for s in primary.stages if s.peer_id == slow)
