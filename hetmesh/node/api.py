@@ -165,6 +165,7 @@ class _Api:
         self.keyed = keyed  # the API wants a key (checked before a route runs)
         self.keys = ClientLimits(self.policy.max_requests_per_key)
         self.tokenising = trio.CapacityLimiter(MAX_CONCURRENT_TOKENISATIONS)
+        self.routes: Sequence[Route] = ()  # set by build_app: the labels metrics may use
 
     # routes
 
@@ -196,8 +197,16 @@ class _Api:
 
     # helpers
 
+    def route_label(self, request: Request) -> str:
+        """The metrics label of ``request``'s route: its template, or ``unmatched``.
+
+        Never the raw path: a stranger's requests to distinct paths (each answered 401
+        or 404) would otherwise each add a labelled series, growing /metrics and memory.
+        """
+        return route_label(request.url.path, self.routes)
+
     def _json(self, request: Request, body: object, status: int = 200) -> Response:
-        self.metrics.requests.labels(request.url.path, str(status)).inc()
+        self.metrics.requests.labels(self.route_label(request), str(status)).inc()
         return JSONResponse(body, status_code=status)
 
     def _error(self, request: Request, err: ApiError) -> Response:
@@ -395,7 +404,7 @@ class _Api:
             self.metrics.inflight.dec()
             assert first[3] is not None
             return self._error(request, api_error(first[3]))
-        self.metrics.requests.labels(request.url.path, "200").inc()
+        self.metrics.requests.labels(self.route_label(request), "200").inc()
         body = self._events(parsed, ids, params, first, receive, scope, timing, release)
         return _HeldStream(body, release, media_type="text/event-stream")
 
@@ -547,6 +556,18 @@ class _RequireKey:
         await self.app(scope, receive, send)
 
 
+UNMATCHED_ROUTE = "unmatched"
+
+
+def route_label(path: str, routes: Sequence[Route]) -> str:
+    """The template of the route that serves ``path`` (whatever the method), else
+    :data:`UNMATCHED_ROUTE`: a bounded set of labels whatever paths clients send."""
+    for route in routes:
+        if route.path_regex.match(path):
+            return route.path
+    return UNMATCHED_ROUTE
+
+
 def check_api_bind(host: str, api_key: str | None) -> None:
     """Refuse to expose the API beyond loopback without a key (a clear error, not a warning)."""
     if api_key:
@@ -613,6 +634,7 @@ def build_app(
         Route("/metrics", api.metrics_route, methods=["GET"]),
         *dashboard_routes(feed, api._error),
     ]
+    api.routes = routes
     middleware = [Middleware(_RequireKey, key=api_key, reject=unauthorized)] if api_key else []
     return Starlette(
         routes=routes,
@@ -698,6 +720,7 @@ __all__ = [
     "build_app",
     "check_api_bind",
     "parse_api_request",
+    "route_label",
     "serve_api",
     "serve_http",
 ]
