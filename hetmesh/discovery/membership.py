@@ -61,7 +61,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetmesh.discovery.cow import CowDict, CowList, CowSet
-from hetmesh.discovery.membership_types import Kind, Message, SwimPolicy, Update
+from hetmesh.discovery.membership_types import (
+    MAX_INCARNATION,
+    Kind,
+    Message,
+    SwimPolicy,
+    Update,
+)
 from hetmesh.discovery.table import (
     Health,
     PeerEntry,
@@ -608,7 +614,9 @@ class Membership:
                 self.boot_id,
                 self.incarnation,
             ):
-                self.incarnation = update.incarnation + 1 if update.boot_id == self.boot_id else 1
+                # never past what our messages may carry (the wire refuses more)
+                bumped = min(update.incarnation + 1, MAX_INCARNATION)
+                self.incarnation = bumped if update.boot_id == self.boot_id else 1
                 self.stats.refuted += 1
                 self._worse()  # others waited for us in vain: we answer late
                 self._spread(self._self_update(), urgent=True)

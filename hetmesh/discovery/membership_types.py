@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from hetmesh.discovery.table import Health, LivenessPolicy
-from hetmesh.discovery.wire import Announcement
+from hetmesh.discovery.wire import MAX_COUNTER, MAX_INCARNATION, Announcement
 from hetmesh.resources import PeerId
 
 
@@ -108,4 +108,4 @@ class SwimPolicy:
         return max(min(wanted, self.max_fanout, members), min(self.min_fanout, members))
 
 
-__all__ = ["Kind", "Message", "SwimPolicy", "Update"]
+__all__ = ["MAX_COUNTER", "MAX_INCARNATION", "Kind", "Message", "SwimPolicy", "Update"]
