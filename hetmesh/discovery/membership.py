@@ -162,6 +162,7 @@ class Membership:
         self._last_tick: float | None = None
         self._accusers: dict[PeerId, set[PeerId]] = {}  # suspect -> who suspects it
         self._expired: dict[int, PeerId] = {}  # recent probes given up (seq -> target)
+        self._leaving = False  # leave() was called: our own goodbye is not refuted
 
     # -- a shared start (the simulator's large meshes) ----------------------------
 
@@ -276,10 +277,9 @@ class Membership:
                 entry.record = record
                 self._set(entry, Health.LEFT, now)
                 _rekey(entry, (record.boot_id, record.incarnation))
-                self._spread(
-                    Update(subject, Health.LEFT, record.boot_id, record.incarnation), urgent=True
-                )
-                return self._push_urgent(now, ())
+                # not passed on: a LEFT rumor counts only from the peer itself, which
+                # sent its goodbye to every live member
+                return []
             out += self._heard(subject, record.boot_id, record.incarnation, 0, now)
         entry = self._entry(subject, record.addrs, now)
         entry.record = record
@@ -478,6 +478,7 @@ class Membership:
 
     def leave(self) -> list[Message]:
         """Goodbye rumors to every live member (the service sends the goodbye record)."""
+        self._leaving = True
         update = Update(self.self_id, Health.LEFT, self.boot_id, self.incarnation)
         out = []
         for entry in self.entries.values():
@@ -610,9 +611,15 @@ class Membership:
     def _apply(self, update: Update, via: PeerId, now: float) -> list[Message]:
         """Apply one rumor; re-spread it if it was news."""
         if update.peer_id == self.self_id:
-            if update.health in (Health.SUSPECT, Health.DEAD) and update.key >= (
-                self.boot_id,
-                self.incarnation,
+            # we run: whatever else is said about us (suspect, dead, left) is refuted
+            if (
+                update.health is not Health.ALIVE
+                and not self._leaving
+                and update.key
+                >= (
+                    self.boot_id,
+                    self.incarnation,
+                )
             ):
                 # never past what our messages may carry (the wire refuses more)
                 bumped = min(update.incarnation + 1, MAX_INCARNATION)
@@ -628,6 +635,13 @@ class Membership:
                     if peer and peer != self.self_id and peer not in told and peer in self._live_at:
                         out.append(self._message(Kind.GOSSIP, peer))
                 return out
+            return []
+        if update.health is Health.LEFT and via != update.peer_id:
+            # only a peer itself says it left (its goodbye record, or its own message:
+            # both come over its authenticated connection); anyone else's word for it
+            # would evict a live member. Its goodbye reaches every live member directly,
+            # and one it missed finds the peer gone by probing it.
+            self.stats.rejected += 1
             return []
         entry = self.entries.get(update.peer_id)
         if entry is None:
@@ -680,10 +694,8 @@ class Membership:
         _rekey(entry, update.key)
         if h is Health.DEAD:
             return self._declare_dead(entry, now)
-        if h is Health.LEFT:
+        if h is Health.LEFT:  # its own word (see above): not passed on, others heard it too
             self._set(entry, Health.LEFT, now)
-            self._spread(update, urgent=True)
-            return self._push_urgent(now, ())
         return []
 
     def _probation(self, entry: PeerEntry, now: float) -> None:

@@ -130,3 +130,21 @@ async def test_a_suspicion_at_the_top_incarnation_neither_crashes_nor_silences_a
         assert b.discovery.table.stats.messages_in > heard
         assert b.discovery.table.health_of(a.peer_id) is Health.ALIVE
         assert a.discovery._encode_failures == 0
+
+
+async def test_a_members_word_that_another_left_evicts_nobody(tmp_path: Path) -> None:
+    """C tells A that B left (B never did). Before the fix A marked B ``left`` at once
+    and ignored B's own messages after; now only B's own word counts, so B stays
+    alive in A's table and A keeps hearing from B."""
+    async with _three(tmp_path) as (a, b, c):
+        seen = _processed(a)
+        table = a.discovery.table
+        b_entry = table.entries[b.peer_id]
+        lie = Update(b.peer_id, Health.LEFT, b_entry.boot_id, b_entry.incarnation)
+        payload = await _send(c, a, lie)
+        await _until(lambda: payload in seen, 30, "A to read the rumor")
+        assert table.health_of(b.peer_id) is Health.ALIVE
+        since = trio.current_time()
+        await _until(lambda: b_entry.last_heard > since, 60, "A to hear from B after it")
+        assert table.health_of(b.peer_id) is Health.ALIVE
+        assert b.peer_id in {m.peer_id for m in a.discovery.alive()}

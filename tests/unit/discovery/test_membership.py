@@ -56,8 +56,8 @@ def _to(node: Membership, health: Health) -> None:
         node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", SUSPECT, 5, 0),)), 0.0)
     elif health is DEAD:
         node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", DEAD, 5, 0),)), 0.0)
-    elif health is LEFT:
-        node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", LEFT, 5, 0),)), 0.0)
+    elif health is LEFT:  # its own goodbye: only the peer itself says it left
+        node.receive(_msg(Kind.GOSSIP, "B", updates=(Update("B", LEFT, 5, 0),)), 0.0)
     elif health is JOINING:
         _to(node, DEAD)
         node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", ALIVE, 5, 1),)), 0.0)
@@ -69,7 +69,7 @@ RUMORS = [
     (ALIVE, (SUSPECT, 5, 0), SUSPECT),
     (ALIVE, (SUSPECT, 5, 1), SUSPECT),
     (ALIVE, (DEAD, 5, 0), DEAD),
-    (ALIVE, (LEFT, 5, 0), LEFT),
+    (ALIVE, (LEFT, 5, 0), ALIVE),  # C's word that B left: only B may say so
     (ALIVE, (ALIVE, 5, 3), ALIVE),
     (SUSPECT, (ALIVE, 5, 0), SUSPECT),  # the same incarnation does not refute
     (SUSPECT, (ALIVE, 5, 1), ALIVE),  # a refutation
