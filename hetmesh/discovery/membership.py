@@ -163,6 +163,9 @@ class Membership:
         self._accusers: dict[PeerId, set[PeerId]] = {}  # suspect -> who suspects it
         self._expired: dict[int, PeerId] = {}  # recent probes given up (seq -> target)
         self._leaving = False  # leave() was called: our own goodbye is not refuted
+        # members we know of only from others' rumors (never heard from directly),
+        # until they answer or are forgotten: at most _unverified_cap() of them
+        self._unverified: set[PeerId] = set()
 
     # -- a shared start (the simulator's large meshes) ----------------------------
 
@@ -472,6 +475,7 @@ class Membership:
             never = entry.record is None and not entry.ever_alive
             if (ended or never) and now - entry.state_since > limit:
                 del self.entries[entry.peer_id]
+                self._unverified.discard(entry.peer_id)
                 self._dead.discard(entry.peer_id)
                 self._rumors.pop(entry.peer_id, None)
                 self._candidates.pop(entry.peer_id, None)
@@ -559,6 +563,11 @@ class Membership:
 
     # -- rules -------------------------------------------------------------------
 
+    def _unverified_cap(self) -> int:
+        """Members held on others' word alone: the policy's bound, or as many as we
+        verified ourselves (a large mesh's joins spread by rumor still fit)."""
+        return max(self.policy.max_unverified, len(self.entries) - len(self._unverified))
+
     def _entry(self, peer_id: PeerId, addrs: tuple[str, ...], now: float) -> PeerEntry:
         entry = self.entries.get(peer_id)
         if entry is None:
@@ -580,6 +589,7 @@ class Membership:
     ) -> list[Message]:
         """Direct evidence that ``peer_id`` runs, under ``(boot, incarnation)``."""
         entry = self._entry(peer_id, (), now)
+        self._unverified.discard(peer_id)
         key = (boot, incarnation)
         newer = key > (entry.boot_id, entry.incarnation)
         restarted = boot > entry.boot_id and entry.boot_id != 0
@@ -647,7 +657,14 @@ class Membership:
         if entry is None:
             if update.health is not Health.ALIVE:
                 return []  # news of a stranger's end: nothing to forget
+            if len(self._unverified) >= self._unverified_cap():
+                # a member could name any number of made-up peers (and addresses for
+                # us to dial): bounded, as peer exchange is; the rest we learn as they
+                # reach us, or once the ones we hold have answered or been forgotten
+                self.stats.rejected += 1
+                return []
             entry = self._entry(update.peer_id, update.addrs, now)
+            self._unverified.add(update.peer_id)
         known = (entry.boot_id, entry.incarnation)
         h = update.health
         news = False

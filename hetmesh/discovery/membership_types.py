@@ -77,6 +77,10 @@ class SwimPolicy:
     max_updates: int = 8  # rumors per message
     pull_retry_s: float = 2.0
     exchange_size: int = 16  # members told to a newcomer in one reply
+    # members we may hold on others' rumors alone (not yet heard from ourselves),
+    # or as many as we verified if more: made-up ALIVE rumors cannot grow the table
+    # (nor the addresses we dial) past that
+    max_unverified: int = 256
     # local health (Lifeguard): the cadence the driver promises to call ``tick`` at;
     # a tick much later than that means we were starved, not that peers went quiet.
     # None (the default for hand-driven tests): no late-timer detection

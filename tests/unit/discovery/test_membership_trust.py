@@ -44,3 +44,30 @@ def test_after_its_own_leave_a_peer_does_not_refute_its_goodbye() -> None:
     node.leave()
     node.receive(_gossip("C", Update("A", Health.LEFT, 1, 0)), 1.0)
     assert node.incarnation == 0
+
+
+def test_made_up_alive_rumors_neither_grow_the_table_nor_the_dials_without_bound() -> None:
+    """C names 1,280 peers nobody has heard of, each at an address of its choosing.
+    Before the fix each became a member (and a probe target); now at most
+    ``max_unverified`` are held on C's word, and only those are ever dialled."""
+    node = _node()
+    cap = node.policy.max_unverified
+    made_up = [f"fake{i:05d}" for i in range(1280)]
+    for start in range(0, len(made_up), 64):
+        batch = made_up[start : start + 64]
+        rumors = tuple(
+            Update(p, Health.ALIVE, 9, 0, 1, (f"/ip4/10.9.0.1/tcp/{i}",))
+            for i, p in enumerate(batch)
+        )
+        node.receive(_gossip("C", *rumors), 1.0)
+    held = [p for p in made_up if p in node.entries]
+    assert len(held) == cap
+    dialled: set[str] = set()
+    for step in range(200):  # probe rounds: only held members are ever pinged
+        for msg in node.tick(2.0 + step * 0.5):
+            dialled.add(msg.dst)
+    assert dialled - {"B", "C"} <= set(held)
+    # a member heard from directly no longer counts against the bound
+    node.receive(Message(Kind.PING, held[0], "A", 9, 0, 1, seq=1), 200.0)
+    node.receive(_gossip("C", Update("late", Health.ALIVE, 9, 0, 1, ("/x/late",))), 200.0)
+    assert "late" in node.entries
