@@ -236,6 +236,7 @@ class Serving:
     async def serve(self, *, task_status: TaskStatus[Serving] = trio.TASK_STATUS_IGNORED) -> None:
         from hetmesh.partition.text import eos_token_ids, load_tokenizer
         from hetmesh.transport import open_data_plane
+        from hetmesh.transport.frames import limits_for_profile
 
         def load_text() -> tuple[Any, frozenset[int]]:
             tokenizer = load_tokenizer(self.model_dir)
@@ -250,6 +251,7 @@ class Serving:
             tcp_host=self.config.tcp_host or data_plane_host(self.node.discovery.addrs),
             gloo="torchdist" in self.config.backends,
             device=self.node.config.device,
+            limits=limits_for_profile(self.profile),  # frames sized to the model (issue 45)
         )
         async with (
             open_data_plane(plane_config) as plane,

@@ -62,7 +62,9 @@ def shard_plane_config(config: DataPlaneConfig) -> DataPlaneConfig:
     encryption rules) less ``torchdist``, whose two-rank process group per link costs
     seconds to set up and buys a weight transfer nothing over a socket."""
     backends = tuple(b for b in config.backends if b != "torchdist")
-    return dataclasses.replace(config, backends=backends or ("libp2p",), gloo=False)
+    # a weight tensor rides in one Activations frame: not the serving plane's model caps
+    limits = dataclasses.replace(config.limits, max_activation_bytes=None, max_kv_block_bytes=None)
+    return dataclasses.replace(config, backends=backends or ("libp2p",), gloo=False, limits=limits)
 
 
 class ShardLinks:
