@@ -588,7 +588,7 @@ class Serving:
             constraints=constraints,
             plans=tuple(p for p, _ in self._signatures),
             settled=trio.current_time() - self._started_at >= self.config.settle_s,
-            epoch_floor=epoch_floor(offers),
+            epoch_floor=epoch_floor(offers, self._verify),  # signed plans only (issue 45)
         )
 
     def _unheld(self, members: Sequence[_Member]) -> str:

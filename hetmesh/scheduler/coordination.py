@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, ModelProfile, PeerId
 from hetmesh.scheduler.baselines import BASELINES
-from hetmesh.scheduler.plan_trust import MAX_EPOCH
+from hetmesh.scheduler.plan_trust import MAX_EPOCH, MAX_FLOOR
 from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import Objective, Plan, PlanConstraints
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
@@ -179,7 +179,9 @@ def _coordinate(
         return state
     current = surviving(state.plan, snapshot, model, constraints)
     # a first plan is numbered above every epoch announced, so epochs keep rising
-    epoch = (state.plan.epoch + 1) if state.plan is not None else view.epoch_floor + 1
+    # (a floor past MAX_FLOOR, whoever computed it, would leave us no epochs: ignored)
+    floor = view.epoch_floor if view.epoch_floor <= MAX_FLOOR else -1
+    epoch = (state.plan.epoch + 1) if state.plan is not None else floor + 1
     try:
         candidate, reason = _candidate(current, state.planned_on, snapshot, constraints, config)
     except InsufficientCapacity as exc:

@@ -263,5 +263,5 @@ def test_plan_message_survives_the_wire() -> None:
 
 def test_epoch_floor_skips_epochs_past_the_limit() -> None:
     offers = [read_offer(announced(SPLIT.with_epoch(e)), "a") for e in (4, 9, MAX_EPOCH, 2**64 - 1)]
-    assert epoch_floor([o for o in offers if o is not None]) == 9
-    assert epoch_floor([]) == -1
+    assert epoch_floor([o for o in offers if o is not None], verify) == 9
+    assert epoch_floor([], verify) == -1
