@@ -57,6 +57,7 @@ from hetmesh.shards.manifest import (
     unit_ranges,
     units_present,
 )
+from hetmesh.shards.serve_caps import BUSY, ServeCaps, reply_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +132,12 @@ class Shards:
         self._ended = 0.0
         self.missing = ""
         self.links: ShardLinks | None = None  # the data-plane path (attach_links)
+        self.caps = ServeCaps()  # requests answered at once, both paths together
 
     def attach_links(self, host: Any, plane: Any) -> ShardLinks:
         """Fetch and serve tensors over data-plane links negotiated with ``plane`` (the
         caller registers the returned links' ``handle`` for their protocol)."""
-        self.links = ShardLinks(host, plane, self._answer, self._count_served)
+        self.links = ShardLinks(host, plane, self._answer, self._count_served, self.caps)
         return self.links
 
     def _count_served(self, nbytes: int) -> None:
@@ -186,16 +188,32 @@ class Shards:
     # -- serving peers ----------------------------------------------------------
 
     async def handle(self, stream: Any) -> None:
-        """Answer one request (the handler of :data:`SHARDS_PROTOCOL`)."""
-        raw = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=30.0)
+        """Answer one request (the handler of :data:`SHARDS_PROTOCOL`), within the caps
+        (:mod:`hetmesh.shards.serve_caps`): refused at once past them, and the reply
+        written within its deadline or the stream is dropped."""
+        peer = str(stream.muxed_conn.peer_id)
+        if not self.caps.take(peer):
+            with trio.move_on_after(5.0):
+                await wire.write_frame(stream, _ERROR + BUSY.encode())
+            return
         try:
-            data = await trio.to_thread.run_sync(self._answer, wire.decode_map(raw))
-            reply = _OK + data
-        except (MeshError, OSError) as exc:
-            reply = _ERROR + str(exc)[:500].encode()
-        await wire.write_frame(stream, reply)
-        if reply[:1] == _OK:
-            self.bytes_served += len(reply) - 1
+            raw = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=30.0)
+            try:
+                data = await trio.to_thread.run_sync(self._answer, wire.decode_map(raw))
+                reply = _OK + data
+            except (MeshError, OSError) as exc:
+                reply = _ERROR + str(exc)[:500].encode()
+            with trio.move_on_after(reply_deadline_s(len(reply))) as writing:
+                await wire.write_frame(stream, reply)
+            if writing.cancelled_caught:  # the requester does not read: drop it
+                log.info("%s did not read its shard reply in time: dropped", peer)
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+                return
+            if reply[:1] == _OK:
+                self.bytes_served += len(reply) - 1
+        finally:
+            self.caps.give_back(peer)
 
     def _answer(self, message: dict[str, Any]) -> bytes:
         """The bytes asked for; ``ModelNotFound`` for anything this node does not hold."""
