@@ -63,7 +63,14 @@ from starlette.types import Receive, Scope, Send
 from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
-from hetmesh.node.api_guard import LocalGuard, LocalOnly, RequireKey, check_api_bind, route_label
+from hetmesh.node.api_guard import (
+    LocalGuard,
+    LocalOnly,
+    RequireKey,
+    check_api_bind,
+    redacted_view,
+    route_label,
+)
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.api_requests import (
     DEFAULT_MAX_REQUESTS_PER_CLIENT,
@@ -190,7 +197,7 @@ class _Api:
         return Response(content, media_type=CONTENT_TYPE_LATEST)
 
     async def status(self, request: Request) -> Response:
-        view = json.loads(json.dumps(self.backend.view(), default=str))
+        view = json.loads(json.dumps(redacted_view(self.backend.view()), default=str))
         return self._json(request, view)
 
     async def completions(self, request: Request) -> Response:
@@ -556,7 +563,7 @@ def build_app(
     by default) and carry no other site's Origin.
     """
     if feed is None:
-        feed = Feed(backend.view)
+        feed = Feed(lambda: redacted_view(backend.view()))  # no prompt hashes
         nursery.start_soon(feed.run)
     api = _Api(backend, metrics, nursery, feed, policy, keyed=bool(api_key))
 

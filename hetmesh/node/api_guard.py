@@ -7,7 +7,8 @@ requests that name this machine in ``Host`` and carry no other site's
 ``Origin`` (:class:`LocalOnly`): a web page the operator visits can neither
 post to it cross-site (CSRF) nor reach it through a name of its own that
 resolves to 127.0.0.1 (DNS rebinding). Metrics label a request by its route's
-template (:func:`route_label`), never the raw path.
+template (:func:`route_label`), never the raw path. What the API shows of the
+node's status leaves out the prefix-cache hashes (:func:`redacted_view`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hmac
 import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hetmesh import errors
 from hetmesh.node.api_requests import LOOPBACK_NAMES, foreign_request
 from hetmesh.node.dashboard import is_open_path
+from hetmesh.scheduler.prefix_summary import decode_summary
 
 _OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers)
 
@@ -89,6 +92,33 @@ class LocalOnly:
         await self.app(scope, receive, send)
 
 
+def redacted_view(view: Any) -> Any:
+    """``view`` (a node's status) with every stage's prefix-cache summary replaced by
+    its count of blocks: the summaries are hashes of prompts' leading tokens, and a
+    client who may read status must not confirm what another client asked."""
+    if isinstance(view, dict):
+        return {
+            key: _counts(value) if key == PREFIX_SUMMARIES else redacted_view(value)
+            for key, value in view.items()
+        }
+    if isinstance(view, list | tuple):
+        return [redacted_view(item) for item in view]
+    return view
+
+
+PREFIX_SUMMARIES = "prefix_summaries"
+
+
+def _counts(summaries: Any) -> Any:
+    if not isinstance(summaries, list | tuple):
+        return []
+    out = []
+    for item in summaries:
+        if isinstance(item, list | tuple) and len(item) == 3:
+            out.append([item[0], item[1], len(decode_summary(item[2]))])
+    return out
+
+
 UNMATCHED_ROUTE = "unmatched"
 
 
@@ -122,5 +152,6 @@ __all__ = [
     "LocalOnly",
     "RequireKey",
     "check_api_bind",
+    "redacted_view",
     "route_label",
 ]
