@@ -273,6 +273,15 @@ class Membership:
             self.stats.stale += 1
             return []
         self.stats.accepted += 1
+        # a restart heard of from others is believed from the record its process signed
+        # (the driver checks the signature), not from a rumor (see _apply)
+        restarted = (
+            not direct
+            and not record.goodbye
+            and entry is not None
+            and entry.boot_id != 0
+            and record.boot_id > entry.boot_id
+        )
         out: list[Message] = []
         if direct:
             if record.goodbye:
@@ -290,6 +299,11 @@ class Membership:
         entry.record_seq = max(entry.record_seq, record.seq)
         if record.seq >= entry.record_seq:
             self._missing.pop(subject, None)
+        if restarted:
+            restart = Update(
+                subject, Health.ALIVE, record.boot_id, record.incarnation, record.seq, record.addrs
+            )
+            return out + self._apply(restart, subject, now)  # its own word, signed
         if entry.health is Health.ALIVE:
             self._spread(self._update_of(entry), urgent=False)  # we hold it now: tell others
         return out
@@ -622,18 +636,16 @@ class Membership:
         """Apply one rumor; re-spread it if it was news."""
         if update.peer_id == self.self_id:
             # we run: whatever else is said about us (suspect, dead, left) is refuted
+            # (under our own boot only: a rumor of a boot we never had is a lie that no
+            # incarnation of ours could beat, and that nobody adopts: see below)
             if (
                 update.health is not Health.ALIVE
                 and not self._leaving
-                and update.key
-                >= (
-                    self.boot_id,
-                    self.incarnation,
-                )
+                and update.boot_id == self.boot_id
+                and update.incarnation >= self.incarnation
             ):
                 # never past what our messages may carry (the wire refuses more)
-                bumped = min(update.incarnation + 1, MAX_INCARNATION)
-                self.incarnation = bumped if update.boot_id == self.boot_id else 1
+                self.incarnation = min(update.incarnation + 1, MAX_INCARNATION)
                 self.stats.refuted += 1
                 self._worse()  # others waited for us in vain: we answer late
                 self._spread(self._self_update(), urgent=True)
@@ -667,6 +679,12 @@ class Membership:
             self._unverified.add(update.peer_id)
         known = (entry.boot_id, entry.incarnation)
         h = update.health
+        if update.boot_id > known[0] and known[0] != 0 and via != update.peer_id:
+            # a boot we have not seen, on another's word: were it adopted, a member could
+            # name a future boot of a live peer and then bury it where its refutations,
+            # under its real boot, count for nothing. A restart proves itself by its
+            # signed record, pulled from the teller; news of its end waits until then
+            return self._pull_restart(entry, via, now) if h is Health.ALIVE else []
         news = False
         if h is Health.ALIVE:
             if update.key > known:
@@ -714,6 +732,14 @@ class Membership:
         if h is Health.LEFT:  # its own word (see above): not passed on, others heard it too
             self._set(entry, Health.LEFT, now)
         return []
+
+    def _pull_restart(self, entry: PeerEntry, holder: PeerId, now: float) -> list[Message]:
+        """Ask ``holder`` for the record of ``entry``'s newer boot (see :meth:`_apply`)."""
+        if entry.peer_id in self._pulls:
+            return []
+        self._pulls[entry.peer_id] = now
+        self.stats.pulls += 1
+        return [self._message(Kind.PULL, holder, target=entry.peer_id)]
 
     def _probation(self, entry: PeerEntry, now: float) -> None:
         entry.first_heard_in_streak = now

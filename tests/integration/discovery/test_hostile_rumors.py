@@ -148,3 +148,22 @@ async def test_a_members_word_that_another_left_evicts_nobody(tmp_path: Path) ->
         await _until(lambda: b_entry.last_heard > since, 60, "A to hear from B after it")
         assert table.health_of(b.peer_id) is Health.ALIVE
         assert b.peer_id in {m.peer_id for m in a.discovery.alive()}
+
+
+async def test_a_boot_named_by_another_member_buries_nobody(tmp_path: Path) -> None:
+    """C tells A that B runs a newer boot, then that this boot died. Before the fix A
+    buried B for good (B's own messages, under its real boot, counted for nothing);
+    now A waits for a record of that boot signed by B, which C cannot make."""
+    async with _three(tmp_path) as (a, b, c):
+        seen = _processed(a)
+        table = a.discovery.table
+        b_entry = table.entries[b.peer_id]
+        future = b_entry.boot_id + 1
+        first = await _send(c, a, Update(b.peer_id, Health.ALIVE, future, 0, 1, b_entry.addrs))
+        second = await _send(c, a, Update(b.peer_id, Health.DEAD, future, 0))
+        await _until(lambda: first in seen and second in seen, 30, "A to read both rumors")
+        assert table.health_of(b.peer_id) is Health.ALIVE
+        assert b_entry.boot_id == b.discovery.table.boot_id
+        since = trio.current_time()
+        await _until(lambda: b_entry.last_heard > since, 60, "A to hear from B after them")
+        assert table.health_of(b.peer_id) is Health.ALIVE

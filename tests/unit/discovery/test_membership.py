@@ -76,10 +76,10 @@ RUMORS = [
     (SUSPECT, (DEAD, 5, 0), DEAD),
     (DEAD, (ALIVE, 5, 0), DEAD),  # no resurrection without a refutation
     (DEAD, (ALIVE, 5, 1), JOINING),  # back, on probation
-    (DEAD, (ALIVE, 9, 0), JOINING),  # restarted after a death: probation too
+    (DEAD, (ALIVE, 9, 0), DEAD),  # a restart on C's word: believed from B's record
     (DEAD, (SUSPECT, 5, 0), DEAD),
     (LEFT, (ALIVE, 5, 1), LEFT),  # a late rumor about a peer that said goodbye
-    (LEFT, (ALIVE, 9, 0), ALIVE),  # a clean restart is admitted at once
+    (LEFT, (ALIVE, 9, 0), LEFT),  # likewise (test_membership_trust: the record's way)
     (JOINING, (SUSPECT, 5, 1), DEAD),  # suspected on probation: out again
     (ALIVE, (SUSPECT, 4, 7), ALIVE),  # a rumor about an older boot
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from hetmesh.discovery.membership import Kind, Membership, Message, Update
 from hetmesh.discovery.table import Health
 from hetmesh.discovery.wire import Announcement
@@ -71,3 +73,54 @@ def test_made_up_alive_rumors_neither_grow_the_table_nor_the_dials_without_bound
     node.receive(Message(Kind.PING, held[0], "A", 9, 0, 1, seq=1), 200.0)
     node.receive(_gossip("C", Update("late", Health.ALIVE, 9, 0, 1, ("/x/late",))), 200.0)
     assert "late" in node.entries
+
+
+def test_a_boot_named_by_another_cannot_bury_a_live_peer() -> None:
+    """C names a boot of B newer than B's real one, alive then dead. Before the fix A
+    adopted it: B was buried, and its refutations, under its real boot, counted for
+    nothing. Now A asks C for the record of that boot (which only B could have signed)
+    and believes nothing until it comes."""
+    node = _node()
+    out = node.receive(_gossip("C", Update("B", Health.ALIVE, 9, 0, 3, ("/x/B",))), 1.0)
+    assert [(m.kind, m.dst, m.target) for m in out if m.kind is Kind.PULL] == [
+        (Kind.PULL, "C", "B")
+    ]
+    node.receive(_gossip("C", Update("B", Health.DEAD, 9, 0)), 1.5)
+    node.receive(_gossip("C", Update("B", Health.SUSPECT, 9, 0)), 1.6)
+    assert node.health_of("B") is Health.ALIVE
+    assert node.entries["B"].boot_id == 5
+    # and B itself, told of a boot it never had, does not lower its incarnation
+    me = _node()
+    me.receive(_gossip("C", Update("A", Health.SUSPECT, 1, 3)), 1.0)
+    assert me.incarnation == 4
+    me.receive(_gossip("C", Update("A", Health.DEAD, 2, 0)), 2.0)
+    assert me.incarnation == 4
+
+
+def _record(peer: str, boot: int, seq: int = 1) -> Announcement:
+    return Announcement(version="t", peer_id=peer, boot_id=boot, seq=seq, addrs=(f"/x/{peer}",))
+
+
+@pytest.mark.parametrize(
+    ("before", "after"), [(Health.DEAD, Health.JOINING), (Health.LEFT, Health.ALIVE)]
+)
+def test_a_restart_heard_of_is_believed_from_its_record(before: Health, after: Health) -> None:
+    """B restarted (boot 9): C's rumor alone moves nothing; the record C then relays
+    (signed by B's process; the node's service checks that) brings B back."""
+    node = _node()
+    if before is Health.DEAD:
+        node.receive(_gossip("C", Update("B", Health.DEAD, 5, 0)), 0.5)
+    else:
+        node.receive(_gossip("B", Update("B", Health.LEFT, 5, 0)), 0.5)
+    assert node.health_of("B") is before
+    (pull,) = [
+        m
+        for m in node.receive(_gossip("C", Update("B", Health.ALIVE, 9, 0, 1, ("/x/B",))), 1.0)
+        if m.kind is Kind.PULL
+    ]
+    assert node.health_of("B") is before
+    reply = Message(Kind.RECORD, "C", "A", 5, 0, 1, target="B", record=_record("B", 9))
+    node.receive(reply, 1.1)
+    assert pull.target == "B"
+    assert node.health_of("B") is after
+    assert node.entries["B"].boot_id == 9
