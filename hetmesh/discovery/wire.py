@@ -201,6 +201,11 @@ async def _read_exact(stream: ByteStream, n: int) -> bytes:
     return bytes(buf)
 
 
+def frame_prefix(nbytes: int) -> bytes:
+    """The length prefix of a message of ``nbytes`` (a writer that streams the rest)."""
+    return _HEADER.pack(nbytes)
+
+
 async def write_frame(stream: ByteStream, payload: bytes) -> None:
     """Write one length-prefixed message."""
     await stream.write(_HEADER.pack(len(payload)) + payload)
