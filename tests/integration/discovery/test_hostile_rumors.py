@@ -167,3 +167,15 @@ async def test_a_boot_named_by_another_member_buries_nobody(tmp_path: Path) -> N
         since = trio.current_time()
         await _until(lambda: b_entry.last_heard > since, 60, "A to hear from B after them")
         assert table.health_of(b.peer_id) is Health.ALIVE
+
+
+async def test_a_message_that_cannot_be_encoded_is_dropped_not_raised(tmp_path: Path) -> None:
+    """Whatever the membership core asks to send, the service never raises for a message
+    it cannot encode: it logs it, drops it, and the clock goes on."""
+    async with _three(tmp_path) as (a, b, _):
+        table = a.discovery.table
+        bad = Message(Kind.GOSSIP, a.peer_id, b.peer_id, table.boot_id, 2**64, 0)
+        a.discovery._dispatch([bad])
+        assert a.discovery._encode_failures == 1
+        sent = table.stats.messages_out
+        await _until(lambda: table.stats.messages_out > sent + 3, 60, "A's clock after it")
