@@ -9,6 +9,10 @@ post to it cross-site (CSRF) nor reach it through a name of its own that
 resolves to 127.0.0.1 (DNS rebinding). Metrics label a request by its route's
 template (:func:`route_label`), never the raw path. What the API shows of the
 node's status leaves out the prefix-cache hashes (:func:`redacted_view`).
+
+The API key is the clients' credential and the mesh secret the members': a node
+refuses a key equal to its secret (:func:`check_client_key`), so whoever may ask
+for completions cannot also join the mesh.
 """
 
 from __future__ import annotations
@@ -146,12 +150,27 @@ def check_api_bind(host: str, api_key: str | None) -> None:
         )
 
 
+def check_client_key(api_key: str | None, mesh_secret: str | None) -> None:
+    """Refuse an API key that is also the mesh secret: the key is what clients hold, and
+    it must not also let them join the mesh (announce, gossip, sign)."""
+    if (
+        api_key
+        and mesh_secret is not None
+        and hmac.compare_digest(api_key.encode(), mesh_secret.encode())
+    ):
+        raise errors.InvalidRequest(
+            "the API key is the mesh secret: clients given the key could join the mesh as "
+            "members; choose an API key of its own"
+        )
+
+
 __all__ = [
     "UNMATCHED_ROUTE",
     "LocalGuard",
     "LocalOnly",
     "RequireKey",
     "check_api_bind",
+    "check_client_key",
     "redacted_view",
     "route_label",
 ]
