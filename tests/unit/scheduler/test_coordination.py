@@ -77,11 +77,22 @@ def split_on(snapshot: MeshSnapshot, first: str, second: str, *, epoch: int = 2)
 
 
 def view(
-    snapshot: MeshSnapshot, *, me: str = "a", plans: tuple[Plan, ...] = (), settled: bool = True
+    snapshot: MeshSnapshot,
+    *,
+    me: str = "a",
+    plans: tuple[Plan, ...] = (),
+    settled: bool = True,
+    following: tuple[tuple[str, str], ...] = (),
 ) -> MeshView:
     peers = tuple(sorted({d.peer_id for d in snapshot.devices} - {me}))
     return MeshView(
-        me=me, peers=peers, snapshot=snapshot, constraints=LIMITS, plans=plans, settled=settled
+        me=me,
+        peers=peers,
+        snapshot=snapshot,
+        constraints=LIMITS,
+        plans=plans,
+        settled=settled,
+        following=following,
     )
 
 
@@ -249,7 +260,9 @@ ROWS = [
     ),
     Row(
         "a follower whose plan another peer signed takes the coordinator's, lower epoch or not",
-        view(AB, me="b", plans=(PLAN_AB,)),
+        # b planned alone before it heard of a, which follows its own plan: one vote each,
+        # the lower id wins the tie and the two halves merge on a's plan
+        view(AB, me="b", plans=(PLAN_AB,), following=(("a", "a"),)),
         CoordinatorState(plan=SPLIT.with_epoch(9), published=SPLIT.with_epoch(9), signer="b"),
         (Adopt,),
         check=lambda _a, s: s.plan == PLAN_AB and s.signer == "a",

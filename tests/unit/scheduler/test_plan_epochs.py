@@ -49,7 +49,8 @@ def test_an_inflated_floor_does_not_block_the_coordinator() -> None:
     # its next plan (here: it re-signs what it follows, as after another's term) is
     # numbered one epoch up, and still published
     state = dataclasses.replace(first.state, signer="b")
-    later = decide(dataclasses.replace(view(AB), epoch_floor=INFLATED), state, config)
+    back = view(AB, following=(("b", "a"),))  # b's term ended: it follows a again
+    later = decide(dataclasses.replace(back, epoch_floor=INFLATED), state, config)
     again = [a.plan for a in later.actions if isinstance(a, Publish)]
     assert again
     assert again[0].epoch == published[0].epoch + 1
