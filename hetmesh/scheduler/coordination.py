@@ -20,7 +20,10 @@ rules, in the order :func:`decide` applies them:
    No better plan, but pipelines were dropped: publish the survivors. Still
    nothing, but the plan followed was signed by a former coordinator: publish
    it again, one epoch up, to sign it. Still nothing, but a spare device
-   joined: publish the plan with a standby replica added. A mesh that cannot
+   joined: publish the plan with a standby replica added. A plan that puts
+   most of the model on one member's unmeasured claims is never published
+   (followers refuse it:
+   :func:`~hetmesh.scheduler.plan_trust.unmeasured_majority`). A mesh that cannot
    hold the model records why
    (``CoordinatorState.insufficient``) and publishes nothing.
 3. **Adopt** again, so the coordinator follows what it just published unless
@@ -50,7 +53,12 @@ from dataclasses import dataclass
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, ModelProfile, PeerId
 from hetmesh.scheduler.baselines import BASELINES
-from hetmesh.scheduler.plan_trust import MAX_EPOCH, MAX_FLOOR, plan_message
+from hetmesh.scheduler.plan_trust import (
+    MAX_EPOCH,
+    MAX_FLOOR,
+    plan_message,
+    unmeasured_majority,
+)
 from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import Objective, Plan, PlanConstraints
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
@@ -60,6 +68,7 @@ HETMESH_STRATEGY = "hetmesh"
 LOST_PEER_REASON = "pipelines with a lost peer dropped; the rest serve on"
 STANDBY_REASON = "a spare device becomes a standby replica"
 INHERITED_REASON = "a new coordinator signs the plan it inherits"
+UNMEASURED_REASON = "no plan the members would follow yet"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,6 +284,9 @@ def _coordinate(
     plan = candidate.with_epoch(max(epoch, candidate.epoch))
     if plan.epoch > MAX_EPOCH:  # followers would refuse it (only an inflated floor gets here)
         return state
+    why = unmeasured_majority(plan, model=model, constraints=constraints)
+    if why:  # followers would refuse it too: wait for the measurements instead
+        return dataclasses.replace(state, insufficient=f"{UNMEASURED_REASON}: {why}")
     actions.append(Publish(plan, reason))
     return dataclasses.replace(state, published=plan)
 

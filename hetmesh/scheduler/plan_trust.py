@@ -15,7 +15,10 @@ a plan that passes :func:`plan_refusal` (``""``: acceptable; else why not):
    touches keys or libp2p);
 5. it is sane on this node's view: every stage's device is announced by a live
    member, a device's unit ranges are equal or disjoint, every pipeline covers
-   the model, and no device holds more weight bytes than the memory it announced.
+   the model, no device holds more weight bytes than the memory it announced,
+   and no pipeline puts most of the model on one member's unmeasured claims
+   (devices with no block step measured, by its calibration or by the steps it
+   served) while another device's is measured (:func:`unmeasured_majority`).
 
 The signed message is the plan's wire map, canonically encoded
 (:func:`plan_message`), after a domain tag. Only a signed plan raises the epoch
@@ -150,6 +153,28 @@ def insane(
                 f"device {key[-24:]} would hold {need} weight bytes,"
                 f" over the {device.memory_total_bytes} it announced"
             )
+    return unmeasured_majority(plan, model=model, constraints=constraints)
+
+
+def unmeasured_majority(plan: Plan, *, model: ModelProfile, constraints: PlanConstraints) -> str:
+    """Why ``plan`` rests on one member's word (``""``: it does not): a pipeline places
+    more than half the model's units on one peer's devices whose block step nobody
+    measured, while some device's is measured (so the claims are not all alike).
+
+    A member that claims a speed it never showed (no calibration announced, no served
+    steps yet) cannot get most of the model by it; a mesh where nobody measured
+    anything plans on claims alone, as before."""
+    measured = constraints.block_step_s_by_device
+    if not measured:
+        return ""
+    for pipeline in plan.pipelines:
+        units: dict[PeerId, int] = {}
+        for stage in pipeline.stages:
+            if stage.key not in measured:
+                units[stage.peer_id] = units.get(stage.peer_id, 0) + stage.end - stage.start
+        for peer, count in sorted(units.items()):
+            if 2 * count > model.num_units:
+                return f"{count} of {model.num_units} units on the unmeasured claims of {peer[-8:]}"
     return ""
 
 
@@ -179,4 +204,5 @@ __all__ = [
     "insane",
     "plan_message",
     "plan_refusal",
+    "unmeasured_majority",
 ]

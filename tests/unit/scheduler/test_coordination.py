@@ -17,6 +17,7 @@ from hetmesh.scheduler import MeshSnapshot, PlanConstraints, evaluate, plan
 from hetmesh.scheduler.coordination import (
     INHERITED_REASON,
     LOST_PEER_REASON,
+    UNMEASURED_REASON,
     Adopt,
     CoordinatorConfig,
     CoordinatorState,
@@ -27,7 +28,7 @@ from hetmesh.scheduler.coordination import (
     surviving,
 )
 from hetmesh.scheduler.plan_trust import MAX_EPOCH
-from hetmesh.scheduler.records import Plan
+from hetmesh.scheduler.records import Plan, device_key
 from tests.unit.scheduler.sched_helpers import cpu_device as device
 from tests.unit.scheduler.sched_helpers import toy_cpu_model
 
@@ -266,6 +267,19 @@ ROWS = [
         CoordinatorState(plan=SPLIT.with_epoch(9), published=SPLIT.with_epoch(9), signer="b"),
         (Adopt,),
         check=lambda _a, s: s.plan == PLAN_AB and s.signer == "a",
+    ),
+    Row(
+        "a coordinator publishes no plan that rests on one member's unmeasured claims",
+        # b measured its block step, a (which can hold it all) only claims its speed
+        dataclasses.replace(
+            view(AB),
+            constraints=dataclasses.replace(
+                LIMITS, block_step_s_by_device={device_key("b", "cpu"): 10.0}
+            ),
+        ),
+        CoordinatorState(),
+        (Keep,),
+        check=lambda _a, s: s.plan is None and s.insufficient.startswith(UNMEASURED_REASON),
     ),
     Row(
         "a coordinator never publishes past the epoch limit",

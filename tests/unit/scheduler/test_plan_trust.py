@@ -122,6 +122,10 @@ INT4 = WeightBytes(
     param_bytes=tuple(u.param_bytes // 7 for u in MODEL.units),
     kv_bytes_per_token=tuple(u.kv_bytes_per_token for u in MODEL.units),
 )
+# a and b announced a measured block step; c only claims its speed
+MEASURED_AB = PlanConstraints(
+    block_step_s_by_device={device_key("a", "cpu"): 1e-3, device_key("b", "cpu"): 1e-3}
+)
 
 ROWS = [
     Row("the coordinator's own plan", announced(SPLIT), ""),
@@ -218,6 +222,29 @@ ROWS = [
             devices=(device("a"), device("b"), device("c", MODEL.total_param_bytes // 5)), links=()
         ),
         constraints=PlanConstraints(weights_by_device={device_key("c", "cpu"): INT4}),
+    ),
+    Row(
+        "most of the model on one member's unmeasured claims, others measured",
+        announced(placed([("a", 0, 1), ("c", 1, UNITS)])),
+        "unmeasured claims",
+        constraints=MEASURED_AB,
+    ),
+    Row(
+        "half the model on unmeasured claims is not most of it",
+        announced(placed([("c", 0, HALF), ("a", HALF, UNITS)])),
+        "",
+        constraints=MEASURED_AB,
+    ),
+    Row(
+        "most of the model on a measured member",
+        announced(placed([("c", 0, 1), ("a", 1, UNITS)])),
+        "",
+        constraints=MEASURED_AB,
+    ),
+    Row(
+        "nobody measured: claims alone, as alike",
+        announced(placed([("a", 0, 1), ("c", 1, UNITS)])),
+        "",
     ),
     Row(
         "a plan for another model",
