@@ -141,9 +141,7 @@ def generate(
         }
         if mesh.startswith(("http://", "https://")):
             _stream_http(mesh, api_key, request)
-        elif api_key is not None:
-            raise InvalidRequest("--api-key is for a node's HTTP API: give --mesh http://HOST:PORT")
-        else:
+        else:  # a member's way in (an API key, perhaps the node's own from the env, unused)
             _stream_mesh(mesh, resolve_secret(mesh_secret, mesh_secret_file), request)
         return
     from hetmesh.partition.store import brief_error
