@@ -71,3 +71,46 @@ async def test_a_ground_low_peer_id_does_not_take_the_coordinator(
                 assert node.serving.statistics().coordinator == boss
                 assert node.serving._coordination.signer == boss  # its plan, not the member's
             assert await generate(mesh.addr, TOKENS) == expected
+
+
+async def test_a_coordinator_that_leaves_is_succeeded_by_a_member_of_its_plan(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    expected = reference_ids(tiny_model_dir, PROMPT_IDS, TOKENS)
+    serving = ServingConfig(max_sessions=2, max_context_tokens=512, block_step_s=0.002)
+    async with open_mesh(tmp_path, serving, 3, model=tiny_model_dir) as mesh:
+        nodes = mesh.nodes
+
+        def bosses(among: list) -> set[str]:
+            return {n.serving.statistics().coordinator for n in among}
+
+        def on_one_plan(among: list) -> bool:
+            plans = [n.serving.plan for n in among]
+            return plans[0] is not None and all(p == plans[0] for p in plans)
+
+        await until(
+            lambda: on_one_plan(nodes) and len(bosses(nodes)) == 1 and "" not in bosses(nodes),
+            120,
+            "the three nodes to follow one coordinator's plan",
+        )
+        (boss,) = bosses(nodes)
+        leaving = next(n for n in nodes if n.peer_id == boss)
+        rest = [n for n in nodes if n is not leaving]
+        leaving.request_stop()
+
+        def succeeded() -> bool:
+            named = bosses(rest)
+            plan = rest[0].serving.plan
+            return (
+                len(named) == 1
+                and boss not in named
+                and on_one_plan(rest)
+                and plan is not None
+                and all(s.peer_id != boss for p in plan.pipelines for s in p.stages)
+            )
+
+        await until(succeeded, 120, "the survivors to follow their new coordinator's plan")
+        (successor,) = bosses(rest)
+        assert successor in {n.peer_id for n in rest}
+        assert rest[0].serving._coordination.signer == successor
+        assert await generate(str(rest[0].discovery.addrs[0]), TOKENS) == expected
