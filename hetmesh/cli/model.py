@@ -90,7 +90,15 @@ def generate(
     cache_dir: CacheDir = None,
     mesh: Annotated[
         str | None,
-        typer.Option(help="Generate on a running mesh: any node's multiaddr with /p2p/ID."),
+        typer.Option(
+            help="Generate on a running mesh: a node's HTTP API URL (http://HOST:PORT, with "
+            "--api-key: what a client holds) or, for its members, any node's multiaddr with "
+            "/p2p/ID (with the mesh secret)."
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="HETMESH_API_KEY", help="The node's API key, for an http:// --mesh."),
     ] = None,
     mesh_secret: Annotated[str | None, typer.Option(envvar="HETMESH_MESH_SECRET")] = None,
     mesh_secret_file: Annotated[Path | None, typer.Option()] = None,
@@ -131,7 +139,10 @@ def generate(
             "seed": seed,
             "stop": list(stop) if stop else None,
         }
-        _stream_mesh(mesh, resolve_secret(mesh_secret, mesh_secret_file), request)
+        if mesh.startswith(("http://", "https://")):
+            _stream_http(mesh, api_key, request)
+        else:  # a member's way in (an API key, perhaps the node's own from the env, unused)
+            _stream_mesh(mesh, resolve_secret(mesh_secret, mesh_secret_file), request)
         return
     from hetmesh.partition.store import brief_error
     from hetmesh.protocol.generate import SamplingParams
@@ -188,6 +199,27 @@ def _stream_mesh(addr: str, secret: str | None, request: dict[str, Any]) -> None
         if found is None:
             raise
         raise found from None
+
+
+def _stream_http(url: str, api_key: str | None, request: dict[str, Any]) -> None:
+    """Stream one generation from the node's HTTP API at ``url`` to stdout (a client's way
+    in: the API key, never the mesh secret)."""
+    from hetmesh.client import Client
+
+    sampling = {k: v for k, v in request.items() if k not in ("prompt", "chat") and v is not None}
+    if sampling.get("stop"):
+        sampling["stop"] = tuple(sampling["stop"])
+    with Client(url=url, api_key=api_key) as client:
+        if request.get("chat"):
+            chat = [{"role": "user", "content": request["prompt"]}]
+            deltas = client.stream_chat(chat, **sampling)
+        else:
+            deltas = client.stream(request["prompt"], **sampling)
+        for delta in deltas:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def _stream(

@@ -343,14 +343,17 @@ def build_node_config(settings: dict[str, Any]) -> Any:
     secret_file = path("mesh_secret_file")
     api_host = str(settings.get("api_host") or "127.0.0.1")
     api_key = settings.get("api_key") or None
+    mesh_secret = resolve_secret(settings.get("mesh_secret"), secret_file)
     if settings.get("api_port") is not None:
         from hetmesh.node.api import check_api_bind
+        from hetmesh.node.api_guard import check_client_key
 
         check_api_bind(api_host, api_key)
+        check_client_key(api_key, mesh_secret)
     return NodeConfig(
         listen=tuple(settings.get("listen") or ("/ip4/0.0.0.0/tcp/0",)),
         bootstrap=tuple(settings.get("bootstrap") or ()),
-        mesh_secret=resolve_secret(settings.get("mesh_secret"), secret_file),
+        mesh_secret=mesh_secret,
         mdns=not settings.get("no_mdns"),
         data_dir=path("data_dir") or default_data_dir(),
         max_memory_bytes=max_bytes,

@@ -9,6 +9,11 @@ async with open_mesh_client("/ip4/127.0.0.1/tcp/4001/p2p/12D3...", mesh_secret=s
 The SDK (:mod:`hetmesh.client.sdk`) builds on :meth:`MeshClient.deltas`, which
 applies a :class:`~hetmesh.client._base.Timeout`; :meth:`MeshClient.stream` is
 the older event shape kept for scripts and tests.
+
+This way in needs the mesh secret, a member's credential (it lets its holder
+announce, gossip and sign as well): it is for the operator's own tools. A
+client that may only generate and read status uses a node's HTTP API with its
+API key (``AsyncClient(url=..., api_key=...)``).
 """
 
 from __future__ import annotations

@@ -9,10 +9,14 @@ with Client(bootstrap="/ip4/10.0.0.2/tcp/4001/p2p/12D3...", mesh_secret="s") as 
         print(delta.text, end="", flush=True)
 ```
 
-A client reaches the mesh in one of three ways: ``bootstrap`` multiaddrs (it
-dials the first that answers, over libp2p with the mesh secret), ``mdns=True``
-(it listens for a node on the LAN), or ``url`` (a node's OpenAI-compatible HTTP
-API). The mesh routes each request from the node it enters at.
+A client reaches the mesh in one of three ways: ``url`` (a node's
+OpenAI-compatible HTTP API, with its ``api_key``: a client's own credential,
+which lets it generate and read status and nothing else), ``bootstrap``
+multiaddrs (it dials the first that answers, over libp2p with the mesh
+secret), or ``mdns=True`` (it listens for a node on the LAN, with the secret).
+The mesh secret is a member's credential: whoever holds it can also announce,
+gossip and sign, so give those who may only ask for completions a URL and an
+API key. The mesh routes each request from the node it enters at.
 """
 
 from __future__ import annotations

@@ -14,10 +14,18 @@ connection it registers (``add_conn``, called in the same task) is watched,
 and when it closes the handler is cancelled, which ends the task and returns
 its slot. A handshake that fails returns as before. The cap then bounds the
 connections open at once, as it means to.
+
+Connections still upgrading (private-network key, Noise, yamux: before anyone
+is known) are also admitted through a :class:`~hetmesh.transport.gate.ConnectionGate`:
+at most :data:`MAX_PENDING_UPGRADES` at once, :data:`MAX_PENDING_PER_ADDRESS`
+from one address and :data:`MAX_PENDING_PER_PREFIX` from one network (a /24,
+an IPv6 /64). One past a cap is closed at once, so a stranger's silent
+connections cannot take the places a member's connection needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 from dataclasses import dataclass, field
@@ -25,7 +33,13 @@ from typing import Any
 
 import trio
 
+from hetmesh.transport.gate import ConnectionGate
+
 log = logging.getLogger(__name__)
+
+MAX_PENDING_UPGRADES = 64
+MAX_PENDING_PER_ADDRESS = 8
+MAX_PENDING_PER_PREFIX = 16
 
 
 @dataclass
@@ -59,7 +73,24 @@ def release_closed_inbound(swarm: Any) -> None:
             accepted.added.set()
         return conn
 
+    gate = ConnectionGate(MAX_PENDING_UPGRADES, MAX_PENDING_PER_ADDRESS, MAX_PENDING_PER_PREFIX)
+    swarm.hetmesh_upgrade_gate = gate  # for statistics and tests
+
     async def accept_until_closed(*args: Any, **kwargs: Any) -> None:
+        source = _source(args[0]) if args else ""
+        if source and not gate.admit(source):
+            log.debug("inbound connection from %s refused: too many upgrading", source)
+            with contextlib.suppress(Exception):
+                await args[0].close()
+            return
+        upgrading = bool(source)
+
+        def upgraded() -> None:
+            nonlocal upgrading
+            if upgrading:
+                upgrading = False
+                gate.release(source)
+
         accepted = _Accepted()
         token = _ACCEPTING.set(accepted)
         try:
@@ -67,6 +98,7 @@ def release_closed_inbound(swarm: Any) -> None:
 
                 async def until_closed() -> None:
                     await accepted.added.wait()
+                    upgraded()  # authenticated: its place among the upgrading is free
                     closed = getattr(accepted.conn, "event_closed", None)
                     if closed is None:
                         return  # not a connection we can watch: libp2p's own way
@@ -77,10 +109,27 @@ def release_closed_inbound(swarm: Any) -> None:
                 await accept(*args, **kwargs)
                 nursery.cancel_scope.cancel()  # it returned: a failed handshake
         finally:
+            upgraded()
             _ACCEPTING.reset(token)
 
     swarm.add_conn = add_conn_noted
     swarm._do_handle_inbound_connection = accept_until_closed
 
 
-__all__ = ["release_closed_inbound"]
+def _source(read_write_closer: Any) -> str:
+    """The remote IP of an accepted raw connection ("" when it cannot tell)."""
+    try:
+        remote = read_write_closer.get_remote_address()
+    except Exception:
+        return ""
+    if isinstance(remote, tuple) and remote and isinstance(remote[0], str):
+        return remote[0]
+    return ""
+
+
+__all__ = [
+    "MAX_PENDING_PER_ADDRESS",
+    "MAX_PENDING_PER_PREFIX",
+    "MAX_PENDING_UPGRADES",
+    "release_closed_inbound",
+]

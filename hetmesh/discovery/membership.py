@@ -61,7 +61,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetmesh.discovery.cow import CowDict, CowList, CowSet
-from hetmesh.discovery.membership_types import Kind, Message, SwimPolicy, Update
+from hetmesh.discovery.membership_types import (
+    MAX_INCARNATION,
+    Kind,
+    Message,
+    SwimPolicy,
+    Update,
+)
 from hetmesh.discovery.table import (
     Health,
     PeerEntry,
@@ -156,6 +162,10 @@ class Membership:
         self._last_tick: float | None = None
         self._accusers: dict[PeerId, set[PeerId]] = {}  # suspect -> who suspects it
         self._expired: dict[int, PeerId] = {}  # recent probes given up (seq -> target)
+        self._leaving = False  # leave() was called: our own goodbye is not refuted
+        # members we know of only from others' rumors (never heard from directly),
+        # until they answer or are forgotten: at most _unverified_cap() of them
+        self._unverified: set[PeerId] = set()
 
     # -- a shared start (the simulator's large meshes) ----------------------------
 
@@ -263,6 +273,15 @@ class Membership:
             self.stats.stale += 1
             return []
         self.stats.accepted += 1
+        # a restart heard of from others is believed from the record its process signed
+        # (the driver checks the signature), not from a rumor (see _apply)
+        restarted = (
+            not direct
+            and not record.goodbye
+            and entry is not None
+            and entry.boot_id != 0
+            and record.boot_id > entry.boot_id
+        )
         out: list[Message] = []
         if direct:
             if record.goodbye:
@@ -270,10 +289,9 @@ class Membership:
                 entry.record = record
                 self._set(entry, Health.LEFT, now)
                 _rekey(entry, (record.boot_id, record.incarnation))
-                self._spread(
-                    Update(subject, Health.LEFT, record.boot_id, record.incarnation), urgent=True
-                )
-                return self._push_urgent(now, ())
+                # not passed on: a LEFT rumor counts only from the peer itself, which
+                # sent its goodbye to every live member
+                return []
             out += self._heard(subject, record.boot_id, record.incarnation, 0, now)
         entry = self._entry(subject, record.addrs, now)
         entry.record = record
@@ -281,6 +299,11 @@ class Membership:
         entry.record_seq = max(entry.record_seq, record.seq)
         if record.seq >= entry.record_seq:
             self._missing.pop(subject, None)
+        if restarted:
+            restart = Update(
+                subject, Health.ALIVE, record.boot_id, record.incarnation, record.seq, record.addrs
+            )
+            return out + self._apply(restart, subject, now)  # its own word, signed
         if entry.health is Health.ALIVE:
             self._spread(self._update_of(entry), urgent=False)  # we hold it now: tell others
         return out
@@ -466,12 +489,14 @@ class Membership:
             never = entry.record is None and not entry.ever_alive
             if (ended or never) and now - entry.state_since > limit:
                 del self.entries[entry.peer_id]
+                self._unverified.discard(entry.peer_id)
                 self._dead.discard(entry.peer_id)
                 self._rumors.pop(entry.peer_id, None)
                 self._candidates.pop(entry.peer_id, None)
 
     def leave(self) -> list[Message]:
         """Goodbye rumors to every live member (the service sends the goodbye record)."""
+        self._leaving = True
         update = Update(self.self_id, Health.LEFT, self.boot_id, self.incarnation)
         out = []
         for entry in self.entries.values():
@@ -552,6 +577,11 @@ class Membership:
 
     # -- rules -------------------------------------------------------------------
 
+    def _unverified_cap(self) -> int:
+        """Members held on others' word alone: the policy's bound, or as many as we
+        verified ourselves (a large mesh's joins spread by rumor still fit)."""
+        return max(self.policy.max_unverified, len(self.entries) - len(self._unverified))
+
     def _entry(self, peer_id: PeerId, addrs: tuple[str, ...], now: float) -> PeerEntry:
         entry = self.entries.get(peer_id)
         if entry is None:
@@ -573,6 +603,7 @@ class Membership:
     ) -> list[Message]:
         """Direct evidence that ``peer_id`` runs, under ``(boot, incarnation)``."""
         entry = self._entry(peer_id, (), now)
+        self._unverified.discard(peer_id)
         key = (boot, incarnation)
         newer = key > (entry.boot_id, entry.incarnation)
         restarted = boot > entry.boot_id and entry.boot_id != 0
@@ -604,11 +635,17 @@ class Membership:
     def _apply(self, update: Update, via: PeerId, now: float) -> list[Message]:
         """Apply one rumor; re-spread it if it was news."""
         if update.peer_id == self.self_id:
-            if update.health in (Health.SUSPECT, Health.DEAD) and update.key >= (
-                self.boot_id,
-                self.incarnation,
+            # we run: whatever else is said about us (suspect, dead, left) is refuted
+            # (under our own boot only: a rumor of a boot we never had is a lie that no
+            # incarnation of ours could beat, and that nobody adopts: see below)
+            if (
+                update.health is not Health.ALIVE
+                and not self._leaving
+                and update.boot_id == self.boot_id
+                and update.incarnation >= self.incarnation
             ):
-                self.incarnation = update.incarnation + 1 if update.boot_id == self.boot_id else 1
+                # never past what our messages may carry (the wire refuses more)
+                self.incarnation = min(update.incarnation + 1, MAX_INCARNATION)
                 self.stats.refuted += 1
                 self._worse()  # others waited for us in vain: we answer late
                 self._spread(self._self_update(), urgent=True)
@@ -621,13 +658,33 @@ class Membership:
                         out.append(self._message(Kind.GOSSIP, peer))
                 return out
             return []
+        if update.health is Health.LEFT and via != update.peer_id:
+            # only a peer itself says it left (its goodbye record, or its own message:
+            # both come over its authenticated connection); anyone else's word for it
+            # would evict a live member. Its goodbye reaches every live member directly,
+            # and one it missed finds the peer gone by probing it.
+            self.stats.rejected += 1
+            return []
         entry = self.entries.get(update.peer_id)
         if entry is None:
             if update.health is not Health.ALIVE:
                 return []  # news of a stranger's end: nothing to forget
+            if len(self._unverified) >= self._unverified_cap():
+                # a member could name any number of made-up peers (and addresses for
+                # us to dial): bounded, as peer exchange is; the rest we learn as they
+                # reach us, or once the ones we hold have answered or been forgotten
+                self.stats.rejected += 1
+                return []
             entry = self._entry(update.peer_id, update.addrs, now)
+            self._unverified.add(update.peer_id)
         known = (entry.boot_id, entry.incarnation)
         h = update.health
+        if update.boot_id > known[0] and known[0] != 0 and via != update.peer_id:
+            # a boot we have not seen, on another's word: were it adopted, a member could
+            # name a future boot of a live peer and then bury it where its refutations,
+            # under its real boot, count for nothing. A restart proves itself by its
+            # signed record, pulled from the teller; news of its end waits until then
+            return self._pull_restart(entry, via, now) if h is Health.ALIVE else []
         news = False
         if h is Health.ALIVE:
             if update.key > known:
@@ -672,11 +729,17 @@ class Membership:
         _rekey(entry, update.key)
         if h is Health.DEAD:
             return self._declare_dead(entry, now)
-        if h is Health.LEFT:
+        if h is Health.LEFT:  # its own word (see above): not passed on, others heard it too
             self._set(entry, Health.LEFT, now)
-            self._spread(update, urgent=True)
-            return self._push_urgent(now, ())
         return []
+
+    def _pull_restart(self, entry: PeerEntry, holder: PeerId, now: float) -> list[Message]:
+        """Ask ``holder`` for the record of ``entry``'s newer boot (see :meth:`_apply`)."""
+        if entry.peer_id in self._pulls:
+            return []
+        self._pulls[entry.peer_id] = now
+        self.stats.pulls += 1
+        return [self._message(Kind.PULL, holder, target=entry.peer_id)]
 
     def _probation(self, entry: PeerEntry, now: float) -> None:
         entry.first_heard_in_streak = now

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from hetmesh.discovery.table import Health, LivenessPolicy
-from hetmesh.discovery.wire import Announcement
+from hetmesh.discovery.wire import MAX_COUNTER, MAX_INCARNATION, Announcement
 from hetmesh.resources import PeerId
 
 
@@ -77,6 +77,10 @@ class SwimPolicy:
     max_updates: int = 8  # rumors per message
     pull_retry_s: float = 2.0
     exchange_size: int = 16  # members told to a newcomer in one reply
+    # members we may hold on others' rumors alone (not yet heard from ourselves),
+    # or as many as we verified if more: made-up ALIVE rumors cannot grow the table
+    # (nor the addresses we dial) past that
+    max_unverified: int = 256
     # local health (Lifeguard): the cadence the driver promises to call ``tick`` at;
     # a tick much later than that means we were starved, not that peers went quiet.
     # None (the default for hand-driven tests): no late-timer detection
@@ -108,4 +112,4 @@ class SwimPolicy:
         return max(min(wanted, self.max_fanout, members), min(self.min_fanout, members))
 
 
-__all__ = ["Kind", "Message", "SwimPolicy", "Update"]
+__all__ = ["MAX_COUNTER", "MAX_INCARNATION", "Kind", "Message", "SwimPolicy", "Update"]

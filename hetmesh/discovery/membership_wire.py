@@ -4,7 +4,10 @@ A message is one map with one-letter keys (short on purpose:
 they travel several times a second). Rumors are lists, not maps:
 ``[peer_id, health, boot_id, incarnation, record_seq, addrs]``, and a seventh
 item, the accuser, on suspicions that name one. Decoding is
-strict: anything malformed raises :class:`~hetmesh.errors.RemoteProtocolError`.
+strict: anything malformed raises :class:`~hetmesh.errors.RemoteProtocolError`,
+and so does a counter past its bound (:data:`MAX_COUNTER`, incarnations
+:data:`MAX_INCARNATION`): a member cannot push a node's own counters past what
+its next message can carry.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import msgpack
 
 from hetmesh.discovery.membership import Kind, Message, Update
+from hetmesh.discovery.membership_types import MAX_COUNTER, MAX_INCARNATION
 from hetmesh.discovery.table import Health
 from hetmesh.discovery.wire import MAX_ANNOUNCEMENT_BYTES, Announcement, decode_announcement
 from hetmesh.errors import RemoteProtocolError
@@ -57,9 +61,11 @@ def _rumor(u: Update) -> list[Any]:
     return [*item, u.accuser] if u.accuser else item
 
 
-def _int(value: Any, where: str) -> int:
+def _int(value: Any, where: str, limit: int = MAX_COUNTER) -> int:
     if type(value) is not int or value < 0:
         raise RemoteProtocolError(f"membership message: {where} is not a count: {value!r}")
+    if value > limit:
+        raise RemoteProtocolError(f"membership message: {where} {value} is over {limit}")
     return value
 
 
@@ -86,7 +92,7 @@ def _update(item: Any) -> Update:
         _str(peer, "rumor peer"),
         _HEALTH_OF[health],
         _int(boot, "rumor boot"),
-        _int(inc, "rumor incarnation"),
+        _int(inc, "rumor incarnation", MAX_INCARNATION),
         _int(seq, "rumor record seq"),
         _addrs(addrs, "rumor addrs"),
         accuser,
@@ -126,7 +132,7 @@ def decode_message(payload: bytes) -> Message:
             _str(data["s"], "src"),
             _str(data["d"], "dst"),
             _int(data["b"], "boot"),
-            _int(data["i"], "incarnation"),
+            _int(data["i"], "incarnation", MAX_INCARNATION),
             _int(data["r"], "record seq"),
             seq=_int(data.get("n", 0), "seq"),
             target=_str(data.get("t", ""), "target"),

@@ -157,6 +157,7 @@ class Discovery:
         self._requests_read: dict[PeerId, Announcement] = {}  # records whose requests we read
         self._sent = 0
         self._send_failures = 0
+        self._encode_failures = 0  # messages dropped because they could not be encoded
         self._probes = 0
         self._published = 0
         # our published record: its content (to notice changes), when its load was
@@ -564,7 +565,14 @@ class Discovery:
             on_sent = None
             if msg.kind is Kind.PING:  # its timers start once it is on the wire
                 on_sent = functools.partial(self._ping_sent, msg.seq)
-            self._outbox.send(self._nursery, msg.dst, encode_message(msg), on_sent)
+            try:
+                payload = encode_message(msg)
+            except (ValueError, TypeError, OverflowError) as exc:
+                # never the end of the node: one message we cannot carry is dropped
+                self._encode_failures += 1
+                log.error("dropped a %s to %s we could not encode: %r", msg.kind.name, msg.dst, exc)
+                continue
+            self._outbox.send(self._nursery, msg.dst, payload, on_sent)
 
     def _ping_sent(self, seq: int) -> None:
         self.table.note_sent(seq, trio.current_time())
@@ -628,14 +636,20 @@ class Discovery:
                 )
                 self.table.excuse_gap(now - last - tick_s)
             last = now
-            self._refresh(now)
-            self._dispatch(self.table.tick(now))
-            self._emit(self.table.drain_events())
+            try:
+                self._tick(now)
+            except Exception:  # a bug or a peer's lie: logged, and the clock ticks on
+                log.exception("a membership tick failed; going on")
             if now >= next_sweep:
                 next_sweep = now + 10.0
                 self.table.forget_tombstones(now)
-            self._read_link_requests()
             await trio.sleep(tick_s)
+
+    def _tick(self, now: float) -> None:
+        self._refresh(now)
+        self._dispatch(self.table.tick(now))
+        self._emit(self.table.drain_events())
+        self._read_link_requests()
 
     def _forget(self, peer_id: PeerId) -> None:
         """Drop our link to a peer gone for good, and what we held to relay its record."""

@@ -41,6 +41,14 @@ _HEADER = struct.Struct(">I")
 log = logging.getLogger(__name__)
 
 
+# Bounds of the counters that travel: every one read off the wire is checked against
+# them (a bigger one drops its message), and none we send can pass them. Boot ids are
+# wall-clock nanoseconds (a signed 64-bit count); an incarnation grows by one per
+# refutation, so 2**32 of them outlast any process.
+MAX_COUNTER = 2**63 - 1
+MAX_INCARNATION = 2**32 - 1
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Load(WireRecord):
     """How busy a peer is right now."""
@@ -167,8 +175,10 @@ def decode_announcement(payload: bytes) -> Announcement:
         record = Announcement.from_wire(data)
     except (ValueError, TypeError) as exc:
         raise RemoteProtocolError(f"malformed announcement: {exc}") from exc
-    if record.seq < 0 or record.boot_id < 0:
+    if record.seq < 0 or record.boot_id < 0 or record.incarnation < 0:
         raise RemoteProtocolError("malformed announcement: negative sequence")
+    if max(record.seq, record.boot_id) > MAX_COUNTER or record.incarnation > MAX_INCARNATION:
+        raise RemoteProtocolError("malformed announcement: a counter past its bound")
     return record
 
 
@@ -189,6 +199,11 @@ async def _read_exact(stream: ByteStream, n: int) -> bytes:
             raise StreamReset(f"stream ended after {len(buf)} of {n} bytes")
         buf += chunk
     return bytes(buf)
+
+
+def frame_prefix(nbytes: int) -> bytes:
+    """The length prefix of a message of ``nbytes`` (a writer that streams the rest)."""
+    return _HEADER.pack(nbytes)
 
 
 async def write_frame(stream: ByteStream, payload: bytes) -> None:

@@ -15,7 +15,10 @@ Requests enter the mesh at this node (it is their gateway). With an API key
 (``--api-key``), every route but ``/health`` and the dashboard's static files
 wants ``Authorization: Bearer KEY`` (what the ``openai`` package sends) and
 answers 401 without it; a node refuses to serve the API beyond loopback
-without a key. Errors are OpenAI-shaped, ``{"error": {"message", "type",
+without a key, and without one answers only requests naming this machine in
+``Host`` with no other site's ``Origin`` (403 otherwise:
+:mod:`hetmesh.node.api_guard`). Request bodies must be sent as
+``application/json`` (415 otherwise). Errors are OpenAI-shaped, ``{"error": {"message", "type",
 "param", "code"}}``, with a 4xx status for the client's mistakes and
 429/503/504 for a busy or broken mesh; the error's hetmesh class travels as
 ``error.hetmesh_error`` so the SDK raises the same exception a libp2p client
@@ -39,7 +42,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import hmac
 import ipaddress
 import json
 import logging
@@ -56,11 +58,19 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
+from hetmesh.node.api_guard import (
+    LocalGuard,
+    LocalOnly,
+    RequireKey,
+    check_api_bind,
+    redacted_view,
+    route_label,
+)
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.api_requests import (
     DEFAULT_MAX_REQUESTS_PER_CLIENT,
@@ -71,11 +81,12 @@ from hetmesh.node.api_requests import (
     ClientLimits,
     api_error,
     bad_request,
+    check_json_body,
     check_prompt_chars,
     default_max_tokens,
     parse_api_request,
 )
-from hetmesh.node.dashboard import dashboard_routes, is_open_path
+from hetmesh.node.dashboard import dashboard_routes
 from hetmesh.node.events import Feed
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams, finish_reason
 
@@ -165,6 +176,7 @@ class _Api:
         self.keyed = keyed  # the API wants a key (checked before a route runs)
         self.keys = ClientLimits(self.policy.max_requests_per_key)
         self.tokenising = trio.CapacityLimiter(MAX_CONCURRENT_TOKENISATIONS)
+        self.routes: Sequence[Route] = ()  # set by build_app: the labels metrics may use
 
     # routes
 
@@ -185,7 +197,7 @@ class _Api:
         return Response(content, media_type=CONTENT_TYPE_LATEST)
 
     async def status(self, request: Request) -> Response:
-        view = json.loads(json.dumps(self.backend.view(), default=str))
+        view = json.loads(json.dumps(redacted_view(self.backend.view()), default=str))
         return self._json(request, view)
 
     async def completions(self, request: Request) -> Response:
@@ -196,8 +208,16 @@ class _Api:
 
     # helpers
 
+    def route_label(self, request: Request) -> str:
+        """The metrics label of ``request``'s route: its template, or ``unmatched``.
+
+        Never the raw path: a stranger's requests to distinct paths (each answered 401
+        or 404) would otherwise each add a labelled series, growing /metrics and memory.
+        """
+        return route_label(request.url.path, self.routes)
+
     def _json(self, request: Request, body: object, status: int = 200) -> Response:
-        self.metrics.requests.labels(request.url.path, str(status)).inc()
+        self.metrics.requests.labels(self.route_label(request), str(status)).inc()
         return JSONResponse(body, status_code=status)
 
     def _error(self, request: Request, err: ApiError) -> Response:
@@ -223,6 +243,7 @@ class _Api:
     async def _parse(
         self, request: Request, chat: bool
     ) -> tuple[ApiRequest, list[int], SamplingParams]:
+        check_json_body(request.headers.get("content-type"))
         raw = await self._body(request)
         try:
             body = json.loads(raw)
@@ -395,7 +416,7 @@ class _Api:
             self.metrics.inflight.dec()
             assert first[3] is not None
             return self._error(request, api_error(first[3]))
-        self.metrics.requests.labels(request.url.path, "200").inc()
+        self.metrics.requests.labels(self.route_label(request), "200").inc()
         body = self._events(parsed, ids, params, first, receive, scope, timing, release)
         return _HeldStream(body, release, media_type="text/event-stream")
 
@@ -525,43 +546,6 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     }
 
 
-_OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers)
-
-
-class _RequireKey:
-    """ASGI middleware: HTTP requests must present ``Authorization: Bearer <key>``."""
-
-    def __init__(self, app: ASGIApp, *, key: str, reject: Callable[[Request], Response]) -> None:
-        self.app = app
-        self.expected = f"Bearer {key}".encode()
-        self.reject = reject
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and path not in _OPEN_PATHS and not is_open_path(path):
-            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = self.reject(Request(scope, receive))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def check_api_bind(host: str, api_key: str | None) -> None:
-    """Refuse to expose the API beyond loopback without a key (a clear error, not a warning)."""
-    if api_key:
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
-        raise errors.InvalidRequest(
-            f"the HTTP API on {host} would be open to anyone who reaches it: "
-            "give --api-key (or HETMESH_API_KEY), or keep --api-host 127.0.0.1"
-        )
-
-
 def build_app(
     backend: Backend,
     metrics: ApiMetrics,
@@ -570,13 +554,16 @@ def build_app(
     api_key: str | None = None,
     feed: Feed | None = None,
     policy: ClientPolicy | None = None,
+    guard: LocalGuard | None = None,
 ) -> Starlette:
     """The ASGI app; streams are produced by tasks of ``nursery``.
 
-    Without a ``feed`` the app makes one and ticks it in ``nursery``.
+    Without a ``feed`` the app makes one and ticks it in ``nursery``. Without an
+    ``api_key`` the app answers only requests that name ``guard``'s hosts (loopback
+    by default) and carry no other site's Origin.
     """
     if feed is None:
-        feed = Feed(backend.view)
+        feed = Feed(lambda: redacted_view(backend.view()))  # no prompt hashes
         nursery.start_soon(feed.run)
     api = _Api(backend, metrics, nursery, feed, policy, keyed=bool(api_key))
 
@@ -613,7 +600,16 @@ def build_app(
         Route("/metrics", api.metrics_route, methods=["GET"]),
         *dashboard_routes(feed, api._error),
     ]
-    middleware = [Middleware(_RequireKey, key=api_key, reject=unauthorized)] if api_key else []
+    api.routes = routes
+
+    def foreign(request: Request, why: str) -> Response:
+        return api._error(request, ApiError(403, why, code="foreign_origin"))
+
+    if api_key:
+        middleware = [Middleware(RequireKey, key=api_key, reject=unauthorized)]
+    else:
+        guard = guard or LocalGuard()
+        middleware = [Middleware(LocalOnly, guard=guard, reject=foreign)]
     return Starlette(
         routes=routes,
         middleware=middleware,
@@ -642,8 +638,9 @@ async def serve_http(
     check_api_bind(host, api_key)
     metrics = ApiMetrics(backend)
     url: str | None = None
+    guard = LocalGuard.for_bind(host, port)
     async with trio.open_nursery() as streams:  # producers of streamed responses
-        app = build_app(backend, metrics, streams, api_key=api_key, policy=policy)
+        app = build_app(backend, metrics, streams, api_key=api_key, policy=policy, guard=guard)
         while True:
             config = Config()
             config.bind = [f"{host}:{port}"]
@@ -658,6 +655,7 @@ async def serve_http(
                     if url is None:
                         url = binds[0] if binds else f"http://{host}:{port}"
                         port = int(url.rsplit(":", 1)[1])
+                        guard.port = port
                         log.info("HTTP API on %s", url)
                         task_status.started(url)
             except Exception as exc:  # never let the HTTP server take the node down
@@ -693,11 +691,13 @@ __all__ = [
     "ApiRequest",
     "Backend",
     "ClientPolicy",
+    "LocalGuard",
     "MeshGauges",
     "api_error",
     "build_app",
     "check_api_bind",
     "parse_api_request",
+    "route_label",
     "serve_api",
     "serve_http",
 ]

@@ -222,6 +222,63 @@ def check_prompt_chars(request: GenerateRequest, context: int) -> None:
         )
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _split_host(value: str) -> tuple[str, int | None]:
+    """``name[:port]`` (IPv6 in brackets) as (lower-case name, port or None); ("", None)
+    for what does not parse."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, _, rest = value[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            return "", None
+    else:
+        name, _, port_text = value.partition(":")
+    if port_text and not port_text.isdigit():
+        return "", None
+    return name, int(port_text) if port_text else None
+
+
+def foreign_request(
+    host: str, origin: str | None, *, allowed: frozenset[str], port: int | None
+) -> str | None:
+    """Why a request to an API without a key (loopback only) comes from elsewhere, or None.
+
+    ``host``: the request's Host header; ``origin``: its Origin header, if any;
+    ``allowed``: host names this API answers to (loopback names and the one it was
+    told to bind); ``port``: the port it listens on (None: not known yet). A web
+    page the operator visits may send requests to the loopback API (CSRF), through
+    a name of its own that resolves to 127.0.0.1 (DNS rebinding): its Origin, or
+    the name in Host, betrays it.
+    """
+    name, given = _split_host(host)
+    if name not in allowed or (given is not None and port is not None and given != port):
+        return f"Host {host!r} is not this API's (it answers to {', '.join(sorted(allowed))})"
+    if origin is None:
+        return None
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    name, given = _split_host(rest) if sep and scheme in ("http", "https") else ("", None)
+    if given is None and name:
+        given = 443 if scheme == "https" else 80
+    if name not in allowed or (port is not None and given != port):
+        return f"Origin {origin!r} is not this API's own: cross-site requests are refused"
+    return None
+
+
+def check_json_body(content_type: str | None) -> None:
+    """A request body must say it is JSON (a form or text/plain post from a web page
+    cannot); raises a 415 :class:`ApiError` otherwise."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(
+            415,
+            f"the body must be sent as Content-Type: application/json, not {content_type!r}",
+            code="unsupported_media_type",
+        )
+
+
 class ClientLimits:
     """How many requests each client may have in flight at once (pure bookkeeping).
 

@@ -11,7 +11,8 @@ serve_model(node, config)
                         /hetmesh/generate (requests entering at this node: gateway)
 ```
 
-Every node runs the same code; the coordinator (lowest live peer id) is the
+Every node runs the same code; the coordinator (chosen by standing, not id:
+:func:`~hetmesh.scheduler.coordination.choose_coordinator`) is the
 only one that plans, and signs what it publishes with its libp2p identity key;
 a node follows only plans its own coordinator signed, within an epoch window,
 that are sane on its view (:mod:`hetmesh.scheduler.plan_trust`), and ignores
@@ -100,6 +101,7 @@ from hetmesh.scheduler.coordination import (
     CoordinatorState,
     MeshView,
     Publish,
+    choose_coordinator,
     decide,
 )
 from hetmesh.scheduler.holdings import unheld_units, unheld_verdict
@@ -121,7 +123,7 @@ from hetmesh.scheduler.records import (
     Stage,
     WeightBytes,
 )
-from hetmesh.scheduler.replan import MeshSnapshot, coordinator
+from hetmesh.scheduler.replan import MeshSnapshot
 from hetmesh.scheduler.router import RouteMemory, cached_blocks, route
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
@@ -208,6 +210,7 @@ class Serving:
         # peer -> (its record, the serving state read from it): read once per announcement
         self._served_by: dict[PeerId, tuple[Announcement, ServingAnnouncement]] = {}
         self._coordination = CoordinatorState()  # the plan followed, ours, the last verdict
+        self._boss: PeerId | None = None  # the coordinator the last plan-loop turn named
         # the signatures of the plans that passed plan_refusal this turn (relayed on adoption)
         self._signatures: list[tuple[Plan, PlanSignature]] = []
         self._verified: dict[tuple[str, str, bytes], bool] = {}  # (signer, sig, message)
@@ -236,6 +239,7 @@ class Serving:
     async def serve(self, *, task_status: TaskStatus[Serving] = trio.TASK_STATUS_IGNORED) -> None:
         from hetmesh.partition.text import eos_token_ids, load_tokenizer
         from hetmesh.transport import open_data_plane
+        from hetmesh.transport.frames import limits_for_profile
 
         def load_text() -> tuple[Any, frozenset[int]]:
             tokenizer = load_tokenizer(self.model_dir)
@@ -250,6 +254,7 @@ class Serving:
             tcp_host=self.config.tcp_host or data_plane_host(self.node.discovery.addrs),
             gloo="torchdist" in self.config.backends,
             device=self.node.config.device,
+            limits=limits_for_profile(self.profile),  # frames sized to the model (issue 45)
         )
         async with (
             open_data_plane(plane_config) as plane,
@@ -562,7 +567,14 @@ class Serving:
         constraints = self._plan_constraints(members, snapshot.devices)
         peers = tuple(e.peer_id for e in members)
         offers = [o for e in members if (o := read_offer(e.record.extra, e.peer_id)) is not None]
-        boss = coordinator((self.node.peer_id, *peers))
+        following = {o.relayed_by: o.signature.signer for o in offers if o.signature}
+        boss = self._boss = choose_coordinator(
+            (self.node.peer_id, *peers),
+            me=self.node.peer_id,
+            plan=self.plan,
+            signer=self._coordination.signer,
+            following=following,
+        )
         self._signatures = []
         for offer in offers:
             why = plan_refusal(
@@ -586,7 +598,8 @@ class Serving:
             constraints=constraints,
             plans=tuple(p for p, _ in self._signatures),
             settled=trio.current_time() - self._started_at >= self.config.settle_s,
-            epoch_floor=epoch_floor(offers),
+            epoch_floor=epoch_floor(offers, self._verify),  # signed plans only (issue 45)
+            following=tuple(following.items()),
         )
 
     def _unheld(self, members: Sequence[_Member]) -> str:
@@ -1315,8 +1328,7 @@ class Serving:
             links = {p: f"{link.backend}: {link.reason}" for p, link in self.pool.links().items()}
         return ServingStatistics(
             plan_epoch=self.plan.epoch if self.plan else -1,
-            coordinator=coordinator([self.node.peer_id] + [e.peer_id for e in self._members()])
-            or "",
+            coordinator=self._boss or "",
             stages=tuple(sorted(self._served)),
             links=links,
             insufficient=self._insufficient,

@@ -12,7 +12,7 @@ rules, in the order :func:`decide` applies them:
    plans are only those the coordinator signed
    (:func:`~hetmesh.scheduler.plan_trust.plan_refusal`, in the node's glue). A
    plan made elsewhere is judged afresh the next time we coordinate.
-2. **Coordinate** (only the live peer with the lowest id, once settled):
+2. **Coordinate** (only the peer :func:`choose_coordinator` names, once settled):
    drop the pipelines that lost a peer (:func:`surviving`), then ask the
    strategy for a better plan — the replanning policy
    (:func:`~hetmesh.scheduler.replan.replan`, with standby replicas if
@@ -20,11 +20,24 @@ rules, in the order :func:`decide` applies them:
    No better plan, but pipelines were dropped: publish the survivors. Still
    nothing, but the plan followed was signed by a former coordinator: publish
    it again, one epoch up, to sign it. Still nothing, but a spare device
-   joined: publish the plan with a standby replica added. A mesh that cannot
+   joined: publish the plan with a standby replica added. A plan that puts
+   most of the model on one member's unmeasured claims is never published
+   (followers refuse it:
+   :func:`~hetmesh.scheduler.plan_trust.unmeasured_majority`). A mesh that cannot
    hold the model records why
    (``CoordinatorState.insufficient``) and publishes nothing.
 3. **Adopt** again, so the coordinator follows what it just published unless
    a peer's plan outranks it.
+
+Who coordinates (:func:`choose_coordinator`) is a matter of standing in the
+mesh, never of a peer id alone, so a newcomer cannot win it by grinding keys:
+the coordinator whose signed plan a node follows stays while it lives, unless
+more live members announce following another live signer (two halves that
+planned apart merge); a node that follows nothing takes the signer most live
+members follow; when the signer is gone, its successor is drawn among the
+live peers its plan placed, by a hash salted with that plan (their ids were
+fixed before the salt existed). Only a mesh where nobody follows a plan yet
+falls back to the lowest live id.
 
 No clocks, no I/O, no randomness: the same view and state give the same step.
 """
@@ -32,13 +45,20 @@ No clocks, no I/O, no randomness: the same view and state give the same step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hetmesh.errors import InsufficientCapacity
 from hetmesh.resources import DeviceProfile, ModelProfile, PeerId
 from hetmesh.scheduler.baselines import BASELINES
-from hetmesh.scheduler.plan_trust import MAX_EPOCH
+from hetmesh.scheduler.plan_trust import (
+    MAX_EPOCH,
+    MAX_FLOOR,
+    plan_message,
+    unmeasured_majority,
+)
 from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import Objective, Plan, PlanConstraints
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
@@ -48,6 +68,7 @@ HETMESH_STRATEGY = "hetmesh"
 LOST_PEER_REASON = "pipelines with a lost peer dropped; the rest serve on"
 STANDBY_REASON = "a spare device becomes a standby replica"
 INHERITED_REASON = "a new coordinator signs the plan it inherits"
+UNMEASURED_REASON = "no plan the members would follow yet"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +98,9 @@ class MeshView:
     plans: tuple[Plan, ...] = ()
     settled: bool = True  # past the start-up wait: enough peers heard of to plan
     epoch_floor: int = -1  # the highest epoch announced (plan_trust.epoch_floor)
+    # (member, signer of the plan it announces following) for each peer that announces
+    # one: who the mesh follows (choose_coordinator)
+    following: tuple[tuple[PeerId, PeerId], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,17 +154,74 @@ def decide(view: MeshView, state: CoordinatorState, config: CoordinatorConfig) -
     the strategy's own verdict is recorded in ``state.insufficient`` instead.
     """
     actions: list[Action] = []
-    state = _adopt(view, state, config, actions)
-    if coordinator((view.me, *view.peers)) == view.me and view.settled:
+    boss = choose_coordinator(
+        (view.me, *view.peers),
+        me=view.me,
+        plan=state.plan,
+        signer=state.signer,
+        following=dict(view.following),
+    )
+    state = _adopt(view, state, config, actions, boss)
+    if boss == view.me and view.settled:
         state = _coordinate(view, state, config, actions)
-        state = _adopt(view, state, config, actions)
+        state = _adopt(view, state, config, actions, boss)
     return Step(tuple(actions) or (Keep(),), state)
 
 
+def choose_coordinator(
+    live: Iterable[PeerId],
+    *,
+    me: PeerId,
+    plan: Plan | None,
+    signer: PeerId | None,
+    following: Mapping[PeerId, PeerId],
+) -> PeerId | None:
+    """The peer that plans, as ``me`` sees the mesh (every node that follows the same
+    plan and sees the same members names the same one).
+
+    ``live``: the live peers serving the model, ``me`` among them; ``plan`` and
+    ``signer``: the plan ``me`` follows and the coordinator that signed it;
+    ``following``: each member's announced signer (``me``'s own is ``signer``).
+
+    1. Each live member has one vote, the live signer it follows. The signer
+       ``me`` follows stays coordinator while it lives, unless another live
+       signer has more votes (ties: the lower id), so two halves of a mesh that
+       planned apart end on one coordinator.
+    2. ``me``'s signer is gone: its successor is the live peer placed in ``plan``
+       with the lowest ``sha256(plan || peer id)``: those ids were fixed before
+       the plan (the salt) existed, so none could be ground for it.
+    3. ``me`` follows nothing: the live signer with the most votes (ties: the
+       lower id).
+    4. Nobody follows a plan yet (a mesh starting): the lowest live id.
+
+    A member can only win by votes, one per member: it needs as many members as
+    follow the coordinator, not a low peer id.
+    """
+    alive = set(live) | {me}
+    votes = Counter(
+        s for member, s in following.items() if member in alive and s in alive and member != me
+    )
+    if signer is not None and signer in alive:
+        votes[signer] += 1
+        best = min(votes, key=lambda p: (-votes[p], p))
+        return signer if votes[best] == votes[signer] and best >= signer else best
+    if signer is not None and plan is not None:
+        salt = hashlib.sha256(plan_message(plan)).digest()
+        placed = {s.peer_id for p in plan.pipelines for s in p.stages} & alive
+        if placed:
+            return min(placed, key=lambda p: (hashlib.sha256(salt + p.encode()).digest(), p))
+    if votes:
+        return min(votes, key=lambda p: (-votes[p], p))
+    return coordinator(alive)
+
+
 def _adopt(
-    view: MeshView, state: CoordinatorState, config: CoordinatorConfig, actions: list[Action]
+    view: MeshView,
+    state: CoordinatorState,
+    config: CoordinatorConfig,
+    actions: list[Action],
+    boss: PeerId | None,
 ) -> CoordinatorState:
-    boss = coordinator((view.me, *view.peers))
     # our own publication first: of two plans of the same rank the first seen wins;
     # it counts only while we coordinate (view.plans are all signed by the coordinator),
     # and not when it is older than a plan another coordinator signed since: made in an
@@ -179,7 +260,9 @@ def _coordinate(
         return state
     current = surviving(state.plan, snapshot, model, constraints)
     # a first plan is numbered above every epoch announced, so epochs keep rising
-    epoch = (state.plan.epoch + 1) if state.plan is not None else view.epoch_floor + 1
+    # (a floor past MAX_FLOOR, whoever computed it, would leave us no epochs: ignored)
+    floor = view.epoch_floor if view.epoch_floor <= MAX_FLOOR else -1
+    epoch = (state.plan.epoch + 1) if state.plan is not None else floor + 1
     try:
         candidate, reason = _candidate(current, state.planned_on, snapshot, constraints, config)
     except InsufficientCapacity as exc:
@@ -201,6 +284,9 @@ def _coordinate(
     plan = candidate.with_epoch(max(epoch, candidate.epoch))
     if plan.epoch > MAX_EPOCH:  # followers would refuse it (only an inflated floor gets here)
         return state
+    why = unmeasured_majority(plan, model=model, constraints=constraints)
+    if why:  # followers would refuse it too: wait for the measurements instead
+        return dataclasses.replace(state, insufficient=f"{UNMEASURED_REASON}: {why}")
     actions.append(Publish(plan, reason))
     return dataclasses.replace(state, published=plan)
 
@@ -305,6 +391,7 @@ __all__ = [
     "MeshView",
     "Publish",
     "Step",
+    "choose_coordinator",
     "compact_hint",
     "decide",
     "surviving",

@@ -15,10 +15,16 @@ a plan that passes :func:`plan_refusal` (``""``: acceptable; else why not):
    touches keys or libp2p);
 5. it is sane on this node's view: every stage's device is announced by a live
    member, a device's unit ranges are equal or disjoint, every pipeline covers
-   the model, and no device holds more weight bytes than the memory it announced.
+   the model, no device holds more weight bytes than the memory it announced,
+   and no pipeline puts most of the model on one member's unmeasured claims
+   (devices with no block step measured, by its calibration or by the steps it
+   served) while another device's is measured (:func:`unmeasured_majority`).
 
 The signed message is the plan's wire map, canonically encoded
-(:func:`plan_message`), after a domain tag. Pure: no I/O, no clocks.
+(:func:`plan_message`), after a domain tag. Only a signed plan raises the epoch
+floor a new coordinator numbers its first plan above (:func:`epoch_floor`), and
+never to within :data:`FLOOR_HEADROOM` of :data:`MAX_EPOCH`: an unsigned plan at
+a huge epoch cannot leave the coordinator without epochs. Pure: no I/O, no clocks.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from hetmesh.scheduler.records import Plan, PlanConstraints, device_key
 
 MAX_EPOCH = 1 << 62  # headroom below 2**64: epoch + 1 never overflows the wire
 EPOCH_WINDOW = 64  # how far one coordinator's next plan may jump past the one followed
+FLOOR_HEADROOM = 1 << 32  # epochs a coordinator always has left above the floor
+MAX_FLOOR = MAX_EPOCH - FLOOR_HEADROOM
 MAX_SIGNATURE_HEX = 1024  # ed25519: 128 hex digits
 MAX_PEER_ID_CHARS = 128
 PLAN_DOMAIN = b"hetmesh/plan/v1\x00"
@@ -145,18 +153,50 @@ def insane(
                 f"device {key[-24:]} would hold {need} weight bytes,"
                 f" over the {device.memory_total_bytes} it announced"
             )
+    return unmeasured_majority(plan, model=model, constraints=constraints)
+
+
+def unmeasured_majority(plan: Plan, *, model: ModelProfile, constraints: PlanConstraints) -> str:
+    """Why ``plan`` rests on one member's word (``""``: it does not): a pipeline places
+    more than half the model's units on one peer's devices whose block step nobody
+    measured, while some device's is measured (so the claims are not all alike).
+
+    A member that claims a speed it never showed (no calibration announced, no served
+    steps yet) cannot get most of the model by it; a mesh where nobody measured
+    anything plans on claims alone, as before."""
+    measured = constraints.block_step_s_by_device
+    if not measured:
+        return ""
+    for pipeline in plan.pipelines:
+        units: dict[PeerId, int] = {}
+        for stage in pipeline.stages:
+            if stage.key not in measured:
+                units[stage.peer_id] = units.get(stage.peer_id, 0) + stage.end - stage.start
+        for peer, count in sorted(units.items()):
+            if 2 * count > model.num_units:
+                return f"{count} of {model.num_units} units on the unmeasured claims of {peer[-8:]}"
     return ""
 
 
-def epoch_floor(offers: Sequence[Offer]) -> int:
-    """The highest announced epoch within :data:`MAX_EPOCH` (-1: none): a coordinator
-    with no plan of its own numbers its first one above it, so epochs keep rising."""
-    return max((o.plan.epoch for o in offers if o.plan.epoch < MAX_EPOCH), default=-1)
+def epoch_floor(offers: Sequence[Offer], verify: Verify) -> int:
+    """The highest epoch of an announced plan its signer signed, up to :data:`MAX_FLOOR`
+    (-1: none): a coordinator with no plan of its own numbers its first one above it,
+    so epochs keep rising. An unsigned or forged plan moves nothing, and no floor
+    leaves a coordinator fewer than :data:`FLOOR_HEADROOM` epochs to number its plans."""
+    for offer in sorted(offers, key=lambda o: o.plan.epoch, reverse=True):
+        signed = offer.signature
+        if offer.plan.epoch > MAX_FLOOR or signed is None:
+            continue
+        if verify(signed.signer, plan_message(offer.plan), signed.raw):
+            return offer.plan.epoch
+    return -1
 
 
 __all__ = [
     "EPOCH_WINDOW",
+    "FLOOR_HEADROOM",
     "MAX_EPOCH",
+    "MAX_FLOOR",
     "Offer",
     "PlanSignature",
     "Verify",
@@ -164,4 +204,5 @@ __all__ = [
     "insane",
     "plan_message",
     "plan_refusal",
+    "unmeasured_majority",
 ]

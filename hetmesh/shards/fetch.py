@@ -57,6 +57,8 @@ from hetmesh.shards.manifest import (
     unit_ranges,
     units_present,
 )
+from hetmesh.shards.serve import Span, checkpoint_span, file_span, read_span, write_span
+from hetmesh.shards.serve_caps import BUSY, ServeCaps, reply_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +133,12 @@ class Shards:
         self._ended = 0.0
         self.missing = ""
         self.links: ShardLinks | None = None  # the data-plane path (attach_links)
+        self.caps = ServeCaps()  # requests answered at once, both paths together
 
     def attach_links(self, host: Any, plane: Any) -> ShardLinks:
         """Fetch and serve tensors over data-plane links negotiated with ``plane`` (the
         caller registers the returned links' ``handle`` for their protocol)."""
-        self.links = ShardLinks(host, plane, self._answer, self._count_served)
+        self.links = ShardLinks(host, plane, self._answer, self._count_served, self.caps)
         return self.links
 
     def _count_served(self, nbytes: int) -> None:
@@ -186,37 +189,71 @@ class Shards:
     # -- serving peers ----------------------------------------------------------
 
     async def handle(self, stream: Any) -> None:
-        """Answer one request (the handler of :data:`SHARDS_PROTOCOL`)."""
-        raw = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=30.0)
+        """Answer one request (the handler of :data:`SHARDS_PROTOCOL`) within the caps
+        (:mod:`~hetmesh.shards.serve_caps`), streamed from disk (:mod:`~hetmesh.shards.serve`)."""
+        peer = str(stream.muxed_conn.peer_id)
+        if not self.caps.take(peer):
+            with trio.move_on_after(5.0):
+                await wire.write_frame(stream, _ERROR + BUSY.encode())
+            return
         try:
-            data = await trio.to_thread.run_sync(self._answer, wire.decode_map(raw))
-            reply = _OK + data
-        except (MeshError, OSError) as exc:
-            reply = _ERROR + str(exc)[:500].encode()
-        await wire.write_frame(stream, reply)
-        if reply[:1] == _OK:
-            self.bytes_served += len(reply) - 1
+            raw = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=30.0)
+            found: bytes | Span
+            try:
+                located = await trio.to_thread.run_sync(self._locate, wire.decode_map(raw))
+                found = _OK + located if isinstance(located, bytes) else located
+            except (MeshError, OSError) as exc:
+                found = _ERROR + str(exc)[:500].encode()
+            nbytes = len(found) if isinstance(found, bytes) else found.length
+            with trio.move_on_after(reply_deadline_s(nbytes)) as writing:
+                if isinstance(found, bytes):
+                    await wire.write_frame(stream, found)
+                else:  # streamed from disk, a chunk at a time
+                    lie = self._lie if found.stored else bytes
+                    await write_span(stream, _OK, found, lie)
+            if writing.cancelled_caught:  # the requester does not read: drop it
+                log.info("%s did not read its shard reply in time: dropped", peer)
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+                return
+            if not isinstance(found, bytes):
+                self.bytes_served += found.length
+            elif found[:1] == _OK:
+                self.bytes_served += len(found) - 1
+        except (MeshError, OSError) as exc:  # the file went short mid-reply
+            log.warning("a shard reply to %s failed: %s", peer, exc)
+            with contextlib.suppress(Exception):
+                await stream.reset()
+        finally:
+            self.caps.give_back(peer)
 
     def _answer(self, message: dict[str, Any]) -> bytes:
-        """The bytes asked for; ``ModelNotFound`` for anything this node does not hold."""
-        from hetmesh.partition.checkpoint import CheckpointReader
+        """The bytes asked for, whole (the data-plane path: one frame);
+        ``ModelNotFound`` for anything this node does not hold."""
+        found = self._locate(message)
+        if isinstance(found, bytes):
+            return found
+        data = read_span(found)
+        return self._lie(data) if found.stored else data
 
+    def _locate(self, message: dict[str, Any]) -> bytes | Span:
+        """Where the bytes asked for lie on disk (the manifest: its bytes, prefixed as a
+        reply); ``ModelNotFound`` for anything this node does not hold."""
         if message.get("manifest") != self.manifest_id:
             raise ModelNotFound(f"this node holds manifest {self.manifest_id}, not that one")
         kind, name = message.get("kind"), message.get("name")
         if kind == "manifest":
             return self.manifest.canonical()
         if kind == "file" and isinstance(name, str) and name in self._files:
-            return (self.folder / name).read_bytes()
+            return file_span(self.folder / name)
         entry = self._by_name.get(name) if isinstance(name, str) else None
         if kind != "tensor" or entry is None:
             raise ModelNotFound(f"no {kind} {name!r} in this model")
         if self.partial:
             if not cache.has_tensor(self.folder, entry):
                 raise ModelNotFound(f"{name} is not held here")
-            return cache.tensor_path(self.folder, entry).read_bytes()
-        with CheckpointReader(self.folder) as reader:
-            return self._lie(reader.stored_bytes(entry.name))
+            return file_span(cache.tensor_path(self.folder, entry))
+        return checkpoint_span(self.folder, entry.name)
 
     def _lie(self, data: bytes) -> bytes:
         """The bytes a holder sends (tests replace it to make a holder lie)."""

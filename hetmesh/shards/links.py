@@ -24,7 +24,10 @@ tensor of the bytes, or an :class:`~hetmesh.transport.frames.Error` naming the
 refusal. One request is in flight per link; a fetcher opens one link per
 concurrent request (the holder's ``max_links_per_peer`` bounds them), reuses
 idle ones, and closes them all when its fetch ends (:meth:`ShardLinks.aclose_idle`).
-Verification stays with the caller: these are only bytes.
+Verification stays with the caller: these are only bytes. The holder answers
+within :mod:`hetmesh.shards.serve_caps` (requests per peer and in all, shared
+with the libp2p path; a busy refusal is an ``Error``), and a reply the fetcher
+does not read within its deadline closes the link.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import trio
 from hetmesh.discovery.rpc import open_stream
 from hetmesh.errors import MeshError, ProtocolError, RemoteProtocolError, TransportError
 from hetmesh.resources import PeerId
+from hetmesh.shards.serve_caps import BUSY, ServeCaps, reply_deadline_s
 from hetmesh.transport import Activations, DataPlane, DataPlaneConfig, Error, Link
 from hetmesh.transport.p2p import Libp2pStream
 
@@ -52,6 +56,7 @@ SHARD_LINK_PROTOCOL: Final = "/hetmesh/shards/link/1.0.0"
 MAX_REQUEST_CHARS: Final = 4096
 DIRECT_UNAVAILABLE: Final = object()  # the pair negotiates only libp2p: use the fallback
 _NOT_FOUND_CODE: Final = 404
+_BUSY_CODE: Final = 429
 _CONNECT_TIMEOUT_S: Final = 15.0
 
 Answer = Callable[[dict[str, Any]], bytes]
@@ -62,16 +67,24 @@ def shard_plane_config(config: DataPlaneConfig) -> DataPlaneConfig:
     encryption rules) less ``torchdist``, whose two-rank process group per link costs
     seconds to set up and buys a weight transfer nothing over a socket."""
     backends = tuple(b for b in config.backends if b != "torchdist")
-    return dataclasses.replace(config, backends=backends or ("libp2p",), gloo=False)
+    # a weight tensor rides in one Activations frame: not the serving plane's model caps
+    limits = dataclasses.replace(config.limits, max_activation_bytes=None, max_kv_block_bytes=None)
+    return dataclasses.replace(config, backends=backends or ("libp2p",), gloo=False, limits=limits)
 
 
 class ShardLinks:
     """This node's shard links: answering holders' side and fetching side (see module)."""
 
     def __init__(
-        self, host: Any, plane: DataPlane, answer: Answer, served: Callable[[int], None]
+        self,
+        host: Any,
+        plane: DataPlane,
+        answer: Answer,
+        served: Callable[[int], None],
+        caps: ServeCaps | None = None,
     ) -> None:
         self._host = host
+        self._caps = caps or ServeCaps()
         self._plane = plane
         self._answer = answer  # runs in a worker thread; raises MeshError/OSError to refuse
         self._served = served  # bytes sent to a peer, for the node's counters
@@ -94,11 +107,23 @@ class ShardLinks:
         try:
             while True:
                 frame = await link.receive()
-                try:
-                    reply = await self._reply(frame)
-                finally:
+                if not self._caps.take(remote):
                     link.release(frame)
-                await link.send(reply)
+                    await link.send(Error(code=_BUSY_CODE, message=BUSY))
+                    continue
+                try:
+                    try:
+                        reply = await self._reply(frame)
+                    finally:
+                        link.release(frame)
+                    nbytes = reply.tensors[0].numel() if isinstance(reply, Activations) else 0
+                    with trio.move_on_after(reply_deadline_s(nbytes)) as writing:
+                        await link.send(reply)
+                    if writing.cancelled_caught:  # it does not read: the link goes
+                        log.info("%s did not read its shard reply in time: dropped", remote)
+                        return
+                finally:
+                    self._caps.give_back(remote)
                 if isinstance(reply, Activations):
                     self._served(reply.tensors[0].numel())
         except (TransportError, ProtocolError) as exc:

@@ -27,6 +27,7 @@ Imports neither trio nor libp2p.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -70,9 +71,53 @@ class Limits:
     max_elements: int = 1 << 31
     max_items: int = 1 << 20  # positions, token ids
     max_string_bytes: int = 64 << 10
+    # the header of a frame that carries neither tensors nor token ids (Offer, Hello,
+    # Cancel, Error, ...): a few strings, never near max_header_bytes
+    max_control_header_bytes: int = 128 << 10
+    # what one frame of these kinds may carry (None: max_payload_bytes); a node that
+    # serves a model sets them from its shape (limits_for_model): checked on the
+    # prefix, before the header is read or a buffer allocated
+    max_activation_bytes: int | None = None
+    max_kv_block_bytes: int | None = None
 
 
 DEFAULT_LIMITS: Final = Limits()
+
+# headroom over what a frame of a model's shape needs (a float32 stage of a bf16
+# model, a few positions more): generous, still far under max_payload_bytes
+_MODEL_HEADROOM: Final = 2
+
+
+def limits_for_profile(profile: Any, base: Limits = DEFAULT_LIMITS) -> Limits:
+    """:func:`limits_for_model` for a :class:`~hetmesh.resources.ModelProfile` (whose KV
+    figures are in its activation dtype, float32 unless the format is narrower)."""
+    return limits_for_model(
+        hidden_size=profile.hidden_size,
+        max_context=profile.max_context,
+        kv_bytes_per_token=profile.range_kv_bytes_per_token(0, profile.num_units),
+        base=base,
+    )
+
+
+def limits_for_model(
+    *,
+    hidden_size: int,
+    max_context: int,
+    kv_bytes_per_token: int,
+    activation_itemsize: int = 4,
+    base: Limits = DEFAULT_LIMITS,
+) -> Limits:
+    """``base`` with payload caps for frames of one model: an Activations frame holds at
+    most ``max_context`` positions of ``hidden_size`` values (or token ids), a KVBlock
+    at most ``max_context`` tokens of the whole model's KV (``kv_bytes_per_token``, in
+    the stage's own dtype or narrower)."""
+    activation = max_context * max(hidden_size * activation_itemsize, 8)
+    kv = max_context * kv_bytes_per_token
+    return dataclasses.replace(
+        base,
+        max_activation_bytes=min(base.max_payload_bytes, _MODEL_HEADROOM * activation),
+        max_kv_block_bytes=min(base.max_payload_bytes, _MODEL_HEADROOM * kv),
+    )
 
 
 class Frame:
@@ -283,6 +328,10 @@ SCHEMAS: Final[dict[int, FrameSchema]] = {
     )
 }
 FRAME_TYPES: Final[dict[int, type[Frame]]] = {tag: s.cls for tag, s in SCHEMAS.items()}
+# frames whose header may grow to max_header_bytes (positions, token ids, tensor lists);
+# every other is a control frame (Limits.max_control_header_bytes)
+_BULK_TAGS: Final = frozenset((Activations.TAG, Tokens.TAG, KVBlock.TAG))
+_KV_TAG: Final = KVBlock.TAG
 # views of SCHEMAS keyed by class, for the encoder and Pending.build
 _FIELDS: dict[type[Frame], tuple[str, ...]] = {
     s.cls: tuple(name for name, _ in s.fields) for s in SCHEMAS.values()
@@ -538,10 +587,21 @@ def parse_prefix(
         raise RemoteProtocolError(f"unknown frame tag {tag}")
     if header_bytes > limits.max_header_bytes:
         raise RemoteProtocolError(f"header of {header_bytes} bytes exceeds the cap")
+    if header_bytes > limits.max_control_header_bytes and tag not in _BULK_TAGS:
+        raise RemoteProtocolError(
+            f"{schema.cls.__name__} header of {header_bytes} bytes: a control frame is small"
+        )
     if payload_bytes > limits.max_payload_bytes:
         raise RemoteProtocolError(f"payload of {payload_bytes} bytes exceeds the cap")
-    if payload_bytes and not schema.payload:
-        raise RemoteProtocolError(f"{schema.cls.__name__} cannot carry a payload")
+    if payload_bytes:
+        if not schema.payload:
+            raise RemoteProtocolError(f"{schema.cls.__name__} cannot carry a payload")
+        cap = limits.max_kv_block_bytes if tag == _KV_TAG else limits.max_activation_bytes
+        if cap is not None and payload_bytes > cap:
+            raise RemoteProtocolError(
+                f"{schema.cls.__name__} payload of {payload_bytes} bytes: over the {cap} "
+                "a frame of this model can need"
+            )
     return _new_head(FrameHead, (schema.cls, header_bytes, payload_bytes))
 
 

@@ -1,14 +1,22 @@
-"""Admission of unauthenticated connections: a cap in total and per source address.
+"""Admission of unauthenticated connections: a cap in total, per source address and
+per source prefix.
 
 Pure bookkeeping (no trio, no sockets): a listener asks :meth:`ConnectionGate.admit`
 when it accepts a connection and calls :meth:`ConnectionGate.release` once that
 connection has authenticated or gone. A connection refused here is closed at
 once, before a byte of it is read, so a stranger holding many silent
 connections costs the node a bounded number of sockets and nothing else.
+
+Addresses are also counted by network (:func:`source_prefix`: an IPv4 /24, an
+IPv6 /64, where one holder usually has every address): a stranger with many
+addresses of one network holds at most ``max_per_prefix`` places, and the rest
+stay open to everyone else. Loopback addresses count each on its own (they are
+all this machine's).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from hetmesh.errors import LocalProtocolError
@@ -21,14 +29,35 @@ class GateStatistics:
     refused: int
 
 
-class ConnectionGate:
-    """At most ``max_total`` pending connections, ``max_per_address`` from any one address."""
+def source_prefix(address: str) -> str:
+    """The network ``address`` is counted under: its /24 (IPv4, mapped ones included)
+    or /64 (IPv6); a loopback or unparsable address is its own."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return address
+    bits = 24 if ip.version == 4 else 64
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
-    def __init__(self, max_total: int, max_per_address: int) -> None:
+
+class ConnectionGate:
+    """At most ``max_total`` pending connections, ``max_per_address`` from any one
+    address and ``max_per_prefix`` from any one network (default: a quarter of the
+    total, at least ``max_per_address``)."""
+
+    def __init__(
+        self, max_total: int, max_per_address: int, max_per_prefix: int | None = None
+    ) -> None:
         if max_total < 1 or max_per_address < 1:
             raise LocalProtocolError("connection caps must be at least 1")
         self.max_total = max_total
         self.max_per_address = max_per_address
+        self.max_per_prefix = max_per_prefix or max(max_per_address, max_total // 4)
+        self._prefixes: dict[str, int] = {}
         self._pending: dict[str, int] = {}
         self._total = 0
         self._admitted = 0
@@ -37,10 +66,17 @@ class ConnectionGate:
     def admit(self, address: str) -> bool:
         """Take a slot for a connection from ``address``; False (counted) when full."""
         held = self._pending.get(address, 0)
-        if self._total >= self.max_total or held >= self.max_per_address:
+        prefix = source_prefix(address)
+        in_prefix = self._prefixes.get(prefix, 0)
+        if (
+            self._total >= self.max_total
+            or held >= self.max_per_address
+            or in_prefix >= self.max_per_prefix
+        ):
             self._refused += 1
             return False
         self._pending[address] = held + 1
+        self._prefixes[prefix] = in_prefix + 1
         self._total += 1
         self._admitted += 1
         return True
@@ -51,13 +87,18 @@ class ConnectionGate:
         if held <= 0:
             raise LocalProtocolError(f"no pending connection from {address!r} to release")
         if held == 1:
-            del self._pending[address]  # the map stays as small as what is pending
+            del self._pending[address]  # the maps stay as small as what is pending
         else:
             self._pending[address] = held - 1
+        prefix = source_prefix(address)
+        if self._prefixes[prefix] == 1:
+            del self._prefixes[prefix]
+        else:
+            self._prefixes[prefix] -= 1
         self._total -= 1
 
     def statistics(self) -> GateStatistics:
         return GateStatistics(pending=self._total, admitted=self._admitted, refused=self._refused)
 
 
-__all__ = ["ConnectionGate", "GateStatistics"]
+__all__ = ["ConnectionGate", "GateStatistics", "source_prefix"]

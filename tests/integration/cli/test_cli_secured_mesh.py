@@ -245,6 +245,50 @@ async def test_the_mesh_secret_file_admits_and_a_wrong_secret_does_not(
             await client.generate(PROMPT, max_new_tokens=2)
 
 
+def test_a_client_with_the_api_key_generates_and_reads_status_and_is_no_member(
+    mesh: SecuredMesh, reference: list[int]
+) -> None:
+    from hetmesh import Client, Timeout
+    from hetmesh.errors import AuthenticationFailed, ConnectTimeout, PeerUnreachable
+
+    # `hetmesh generate` as a client runs it: the node's URL and its API key, no secret
+    argv = [sys.executable, "-m", "hetmesh", "generate", PROMPT, "--mesh", mesh.urls[0]]
+    done = subprocess.run(
+        [*argv, "--max-new-tokens", str(TOKENS)],
+        capture_output=True,
+        text=True,
+        env={**node_env(), "HETMESH_API_KEY": FLAG_KEY},
+        cwd=str(REPO),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    with Client(url=mesh.urls[0], api_key=FLAG_KEY) as client:
+        completion = client.generate(PROMPT, max_new_tokens=TOKENS)
+        before = client.status()
+    assert list(completion.token_ids) == reference
+    assert done.stdout.strip() == completion.text.strip()
+    members = sorted(p["peer_id"] for p in before["peers"])
+    assert members == sorted(n.peer_id for n in mesh.nodes)
+    # the key opens nothing on the mesh's own port (its private-network handshake fails
+    # before a stream exists): no generate, no status, no announcing or gossip there
+    for secret in (FLAG_KEY, None):
+        with (
+            pytest.raises((AuthenticationFailed, PeerUnreachable, ConnectTimeout)),
+            Client(mesh.addr, mesh_secret=secret, timeout=Timeout(connect=5)) as member,
+        ):
+            member.status()
+    # and the API has no route that announces, gossips or signs, whatever the method
+    for method in ("GET", "POST", "PUT"):
+        for path in ("/v1/hetmesh/announce", "/v1/hetmesh/gossip", "/v1/hetmesh/plan"):
+            reply = httpx.request(
+                method, mesh.urls[0] + path, json={}, headers=_bearer(FLAG_KEY), timeout=30
+            )
+            assert reply.status_code in (404, 405), (method, path, reply.text)
+    with Client(url=mesh.urls[0], api_key=FLAG_KEY) as client:
+        after = client.status()
+    assert sorted(p["peer_id"] for p in after["peers"]) == members  # nobody joined
+
+
 def test_status_reads_the_mesh_secret_from_its_file(mesh: SecuredMesh) -> None:
     done = subprocess.run(
         _status_argv(mesh, "--json"),

@@ -142,8 +142,11 @@ def plan_forgeries(
 
 
 @contextlib.asynccontextmanager
-async def open_hostile_member(bootstrap: str, above: str, model: str) -> AsyncIterator[Hostile]:
-    """A member joined through ``bootstrap`` whose peer id sorts above ``above``."""
+async def open_hostile_member(
+    bootstrap: str, above: str, model: str, *, below: bool = False, secret: str = SECRET
+) -> AsyncIterator[Hostile]:
+    """A member joined through ``bootstrap`` whose peer id sorts above ``above`` (with
+    ``below``: below it, a ground low id)."""
     from libp2p import generate_new_ed25519_identity
     from libp2p.peer.id import ID
 
@@ -151,13 +154,17 @@ async def open_hostile_member(bootstrap: str, above: str, model: str) -> AsyncIt
     from hetmesh.discovery.service import Discovery, DiscoveryConfig
 
     key_pair = generate_new_ed25519_identity()
-    while ID.from_pubkey(key_pair.public_key).to_base58() <= above:
+
+    def fits(peer_id: str) -> bool:
+        return peer_id < above if below else peer_id > above
+
+    while not fits(ID.from_pubkey(key_pair.public_key).to_base58()):
         key_pair = generate_new_ed25519_identity()
-    psk = derive_psk(SECRET)
+    psk = derive_psk(secret)
     async with open_host(key_pair, psk=psk, listen=["/ip4/127.0.0.1/tcp/0"]) as host:
         discovery = Discovery(
             host,
-            DiscoveryConfig(bootstrap=(bootstrap,), mdns=False, mesh_secret=SECRET),
+            DiscoveryConfig(bootstrap=(bootstrap,), mdns=False, mesh_secret=secret),
             psk=psk,
         )
         discovery.set_extra("serving_version", 1)

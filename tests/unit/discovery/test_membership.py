@@ -56,8 +56,8 @@ def _to(node: Membership, health: Health) -> None:
         node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", SUSPECT, 5, 0),)), 0.0)
     elif health is DEAD:
         node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", DEAD, 5, 0),)), 0.0)
-    elif health is LEFT:
-        node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", LEFT, 5, 0),)), 0.0)
+    elif health is LEFT:  # its own goodbye: only the peer itself says it left
+        node.receive(_msg(Kind.GOSSIP, "B", updates=(Update("B", LEFT, 5, 0),)), 0.0)
     elif health is JOINING:
         _to(node, DEAD)
         node.receive(_msg(Kind.GOSSIP, "C", updates=(Update("B", ALIVE, 5, 1),)), 0.0)
@@ -69,17 +69,17 @@ RUMORS = [
     (ALIVE, (SUSPECT, 5, 0), SUSPECT),
     (ALIVE, (SUSPECT, 5, 1), SUSPECT),
     (ALIVE, (DEAD, 5, 0), DEAD),
-    (ALIVE, (LEFT, 5, 0), LEFT),
+    (ALIVE, (LEFT, 5, 0), ALIVE),  # C's word that B left: only B may say so
     (ALIVE, (ALIVE, 5, 3), ALIVE),
     (SUSPECT, (ALIVE, 5, 0), SUSPECT),  # the same incarnation does not refute
     (SUSPECT, (ALIVE, 5, 1), ALIVE),  # a refutation
     (SUSPECT, (DEAD, 5, 0), DEAD),
     (DEAD, (ALIVE, 5, 0), DEAD),  # no resurrection without a refutation
     (DEAD, (ALIVE, 5, 1), JOINING),  # back, on probation
-    (DEAD, (ALIVE, 9, 0), JOINING),  # restarted after a death: probation too
+    (DEAD, (ALIVE, 9, 0), DEAD),  # a restart on C's word: believed from B's record
     (DEAD, (SUSPECT, 5, 0), DEAD),
     (LEFT, (ALIVE, 5, 1), LEFT),  # a late rumor about a peer that said goodbye
-    (LEFT, (ALIVE, 9, 0), ALIVE),  # a clean restart is admitted at once
+    (LEFT, (ALIVE, 9, 0), LEFT),  # likewise (test_membership_trust: the record's way)
     (JOINING, (SUSPECT, 5, 1), DEAD),  # suspected on probation: out again
     (ALIVE, (SUSPECT, 4, 7), ALIVE),  # a rumor about an older boot
 ]

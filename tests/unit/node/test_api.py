@@ -206,7 +206,8 @@ async def test_bad_completion_requests_get_openai_errors(
 ) -> None:
     http, _ = api
     if isinstance(body, bytes):
-        reply = await http.post("/v1/completions", content=body)
+        json_type = {"Content-Type": "application/json"}  # invalid JSON, declared as JSON
+        reply = await http.post("/v1/completions", content=body, headers=json_type)
     else:
         reply = await http.post("/v1/completions", json=body)
     assert reply.status_code == status, reply.text
@@ -261,7 +262,9 @@ async def test_bad_requests_do_not_disturb_a_running_stream(
         nursery.start_soon(stream)
         with trio.fail_after(30):
             await first.wait()  # the stream is open and held after its first chunk
-        bad = await http.post("/v1/completions", content=b"]")
+        bad = await http.post(
+            "/v1/completions", content=b"]", headers={"Content-Type": "application/json"}
+        )
         assert bad.status_code == 400
         assert len(got) == 1  # still streaming: nothing after the first chunk yet
         backend.step.set()
@@ -527,7 +530,7 @@ async def test_a_declared_oversized_body_is_refused_before_it_is_read(
 ) -> None:
     http, backend = api
     head = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 1000000000\r\n\r\n"
     )
     answer = await _raw_exchange(str(http.base_url), head, [b'{"model": '])
@@ -542,7 +545,7 @@ async def test_a_streamed_body_is_cut_off_at_the_cap(
 
     http, _ = api
     head = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n"
     )
     piece = b"x" * 65536

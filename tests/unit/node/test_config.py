@@ -128,3 +128,17 @@ def test_the_default_threads_follow_the_affinity_mask():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "1"
+
+
+def test_an_api_key_equal_to_the_mesh_secret_is_refused(tmp_path: Path):
+    # the key is what clients hold: it must not also admit them to the mesh as members
+    secret_file = tmp_path / "mesh.secret"
+    secret_file.write_text("shared\n")
+    for settings in (
+        {"api_port": 0, "api_key": "shared", "mesh_secret": "shared"},
+        {"api_port": 0, "api_key": "shared", "mesh_secret_file": str(secret_file)},
+    ):
+        with pytest.raises(InvalidRequest, match="API key is the mesh secret"):
+            build_node_config(settings)
+    config = build_node_config({"api_port": 0, "api_key": "client", "mesh_secret": "shared"})
+    assert (config.api_key, config.mesh_secret) == ("client", "shared")

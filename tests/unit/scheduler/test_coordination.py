@@ -17,6 +17,7 @@ from hetmesh.scheduler import MeshSnapshot, PlanConstraints, evaluate, plan
 from hetmesh.scheduler.coordination import (
     INHERITED_REASON,
     LOST_PEER_REASON,
+    UNMEASURED_REASON,
     Adopt,
     CoordinatorConfig,
     CoordinatorState,
@@ -27,7 +28,7 @@ from hetmesh.scheduler.coordination import (
     surviving,
 )
 from hetmesh.scheduler.plan_trust import MAX_EPOCH
-from hetmesh.scheduler.records import Plan
+from hetmesh.scheduler.records import Plan, device_key
 from tests.unit.scheduler.sched_helpers import cpu_device as device
 from tests.unit.scheduler.sched_helpers import toy_cpu_model
 
@@ -77,11 +78,22 @@ def split_on(snapshot: MeshSnapshot, first: str, second: str, *, epoch: int = 2)
 
 
 def view(
-    snapshot: MeshSnapshot, *, me: str = "a", plans: tuple[Plan, ...] = (), settled: bool = True
+    snapshot: MeshSnapshot,
+    *,
+    me: str = "a",
+    plans: tuple[Plan, ...] = (),
+    settled: bool = True,
+    following: tuple[tuple[str, str], ...] = (),
 ) -> MeshView:
     peers = tuple(sorted({d.peer_id for d in snapshot.devices} - {me}))
     return MeshView(
-        me=me, peers=peers, snapshot=snapshot, constraints=LIMITS, plans=plans, settled=settled
+        me=me,
+        peers=peers,
+        snapshot=snapshot,
+        constraints=LIMITS,
+        plans=plans,
+        settled=settled,
+        following=following,
     )
 
 
@@ -249,10 +261,25 @@ ROWS = [
     ),
     Row(
         "a follower whose plan another peer signed takes the coordinator's, lower epoch or not",
-        view(AB, me="b", plans=(PLAN_AB,)),
+        # b planned alone before it heard of a, which follows its own plan: one vote each,
+        # the lower id wins the tie and the two halves merge on a's plan
+        view(AB, me="b", plans=(PLAN_AB,), following=(("a", "a"),)),
         CoordinatorState(plan=SPLIT.with_epoch(9), published=SPLIT.with_epoch(9), signer="b"),
         (Adopt,),
         check=lambda _a, s: s.plan == PLAN_AB and s.signer == "a",
+    ),
+    Row(
+        "a coordinator publishes no plan that rests on one member's unmeasured claims",
+        # b measured its block step, a (which can hold it all) only claims its speed
+        dataclasses.replace(
+            view(AB),
+            constraints=dataclasses.replace(
+                LIMITS, block_step_s_by_device={device_key("b", "cpu"): 10.0}
+            ),
+        ),
+        CoordinatorState(),
+        (Keep,),
+        check=lambda _a, s: s.plan is None and s.insufficient.startswith(UNMEASURED_REASON),
     ),
     Row(
         "a coordinator never publishes past the epoch limit",

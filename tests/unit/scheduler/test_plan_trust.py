@@ -122,6 +122,10 @@ INT4 = WeightBytes(
     param_bytes=tuple(u.param_bytes // 7 for u in MODEL.units),
     kv_bytes_per_token=tuple(u.kv_bytes_per_token for u in MODEL.units),
 )
+# a and b announced a measured block step; c only claims its speed
+MEASURED_AB = PlanConstraints(
+    block_step_s_by_device={device_key("a", "cpu"): 1e-3, device_key("b", "cpu"): 1e-3}
+)
 
 ROWS = [
     Row("the coordinator's own plan", announced(SPLIT), ""),
@@ -220,6 +224,29 @@ ROWS = [
         constraints=PlanConstraints(weights_by_device={device_key("c", "cpu"): INT4}),
     ),
     Row(
+        "most of the model on one member's unmeasured claims, others measured",
+        announced(placed([("a", 0, 1), ("c", 1, UNITS)])),
+        "unmeasured claims",
+        constraints=MEASURED_AB,
+    ),
+    Row(
+        "half the model on unmeasured claims is not most of it",
+        announced(placed([("c", 0, HALF), ("a", HALF, UNITS)])),
+        "",
+        constraints=MEASURED_AB,
+    ),
+    Row(
+        "most of the model on a measured member",
+        announced(placed([("c", 0, 1), ("a", 1, UNITS)])),
+        "",
+        constraints=MEASURED_AB,
+    ),
+    Row(
+        "nobody measured: claims alone, as alike",
+        announced(placed([("a", 0, 1), ("c", 1, UNITS)])),
+        "",
+    ),
+    Row(
         "a plan for another model",
         edited(announced(SPLIT), lambda w: w.update(model_name="other")),
         "another model",
@@ -263,5 +290,5 @@ def test_plan_message_survives_the_wire() -> None:
 
 def test_epoch_floor_skips_epochs_past_the_limit() -> None:
     offers = [read_offer(announced(SPLIT.with_epoch(e)), "a") for e in (4, 9, MAX_EPOCH, 2**64 - 1)]
-    assert epoch_floor([o for o in offers if o is not None]) == 9
-    assert epoch_floor([]) == -1
+    assert epoch_floor([o for o in offers if o is not None], verify) == 9
+    assert epoch_floor([], verify) == -1
