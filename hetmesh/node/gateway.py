@@ -711,6 +711,7 @@ class Gateway:
                 in_flight.fed,
                 in_flight.hops,
                 self._moving.get(session_id, ()),
+                position=len(history),
             )
             self._moving.pop(session_id, None)  # a step on the new route: the move is done
             if self._helpers.pop(session_id, None) is not None:
@@ -866,8 +867,15 @@ class Gateway:
         fed: int,
         hops: Sequence[Hop],
         moving: Sequence[Hop] = (),
+        *,
+        position: int,
     ) -> int:
-        """The token of ``step``; ``_StepFailed`` when a stage is gone or stuck.
+        """The token of ``step``, at sequence ``position``; ``_StepFailed`` when a stage
+        is gone or stuck.
+
+        A token frame for another step or position is dropped (``stale_frames``): one
+        at a position already delivered (a stage that resumed after a freeze, a
+        frame overtaken by its replay) is never delivered twice.
 
         A step slower than its timeout is not failed at once: if every stage
         still answers a ping, the mesh is merely busy and the wait goes on (up
@@ -905,7 +913,7 @@ class Gateway:
                         if isinstance(error, Rejected):  # only a preemption sends it here
                             raise _Preempted(frame.message)
                         raise _StepFailed(f"a stage failed: {frame.message}")
-                    if frame.step == step and frame.token_ids:
+                    if frame.step == step and frame.position == position and frame.token_ids:
                         return int(frame.token_ids[0])
                     self._stale += 1
             silent = await self._find_silent([*hops, *moving])  # a move's source too
