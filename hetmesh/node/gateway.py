@@ -40,7 +40,12 @@ other sessions' decode steps share each stage's rounds with one chunk at a time
 instead of waiting behind the whole prompt. Only the chunk that reaches the
 end of the prompt samples a token. Each chunk attends to the KV of those before
 it, as a cached prefix does: the greedy tokens are the one-process reference's,
-its logits equal to within rounding (docs/benchmarks.md, "Chunked prefill").
+and in int4 and int8 its logits are bit-identical to a whole prefill's (exact
+attention, docs/weights.md "Exactness"; float formats to within rounding).
+
+No token twice: each token frame names its sequence position, and only the
+awaited step at the awaited position is delivered; anything else (a stage that
+resumed stale work, a frame overtaken by a replay) is dropped as stale.
 """
 
 from __future__ import annotations

@@ -87,18 +87,24 @@ def exact_attention(
         raise TypeError("exact attention takes the queries' key spans, not a mask")
     # (b, s, kv_heads, groups, d): one position's query heads, grouped by their key head
     q = query.transpose(1, 2).reshape(batch, seq, kv_heads, groups, dim)
-    out = query.new_zeros((batch, seq, kv_heads, groups, dim))
     attend = F.scaled_dot_product_attention
+    outs = []
     for row, row_spans in enumerate(spans.rows):
-        keys, values = key[row : row + 1], value[row : row + 1]
         for i, span in enumerate(row_spans):
             if span is None:
+                outs.append(q.new_zeros((1, kv_heads, groups, dim)))
                 continue
             lo, hi = span
             # the groups of one key head are the call's query rows: no copied keys
-            out[row, i] = attend(
-                q[row, i][None], keys[:, :, lo:hi], values[:, :, lo:hi], scale=scaling
-            )[0]
+            outs.append(
+                attend(
+                    q[row, i][None],
+                    key[row : row + 1, :, lo:hi],
+                    value[row : row + 1, :, lo:hi],
+                    scale=scaling,
+                )
+            )
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.view(batch, seq, heads, dim), None
 
 

@@ -1,0 +1,265 @@
+"""Exactness benchmark (issue 44): a busy mesh's greedy streams equal one process's.
+
+    python bench/exact.py --json               # the issue's run: >= 200 streams
+    python bench/exact.py --quick --json       # fewer streams, formats and freezes
+
+For each weight format (``--formats``: int4, int8, bfloat16, float32) it starts
+two loopback meshes of node processes (``hetmesh.node.local``) serving the
+default model in that format:
+
+* ``replicas``: three nodes, each able to hold the whole model;
+* ``cut``: three nodes whose ``--max-memory`` is too small for the whole model
+  (the planner cuts it into stages; the layout served is reported).
+
+Each mesh's KV pool is small (``--pool-tokens`` per stage), so sessions are
+preempted and resumed by replaying their history. ``--clients`` concurrent
+clients run a seeded mix of greedy streams: prompts of 8 to 1,000 random token
+ids, 16 to 200 new tokens. Every finished stream is compared, token for token,
+with one process (``LocalPipeline``, one stage) holding the model in the same
+format. ``<format>_identical_ratio`` is the share of that format's streams equal
+to it; ``streams_checked`` counts them all.
+
+``freeze_runs_identical``: on the int4 replicas mesh, ``--freeze-runs`` times, a
+stream of 120 tokens after a chat-sized prompt runs; once it has 20 tokens, the
+replica serving it gets SIGSTOP and, once the stream has moved on (a replay on
+another replica) or 20 s passed, SIGCONT. 1 when every such stream equals the
+reference.
+
+Figures are ratios of equal streams: a loaded machine makes the run slower,
+never different. Failed streams (refused, timed out) are counted, not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hetmesh.errors import MeshError
+
+FORMATS = ("int4", "int8", "bfloat16", "float32")
+CONTEXT = 1536
+# what one node may offer for the whole model with its pool (replicas), and a cap
+# that makes three nodes cut it (roughly half the whole model's need each)
+WHOLE_MEMORY = "2GiB"
+CUT_MEMORY = {"int4": "170MiB", "int8": "190MiB", "bfloat16": "260MiB", "float32": "420MiB"}
+
+
+def stream_mix(seed: int, count: int, quick: bool) -> list[tuple[list[int], int]]:
+    """(prompt ids, new tokens) per stream: prompts 8-1,000 tokens, outputs 16-200."""
+    rng = random.Random(seed)
+    longest, most = (300, 32) if quick else (1000, 200)
+    return [
+        (
+            [rng.randrange(200, 20000) for _ in range(rng.randint(8, longest))],
+            rng.randint(16, most),
+        )
+        for _ in range(count)
+    ]
+
+
+async def _collect(client: Any, prompt: list[int], tokens: int) -> list[int]:
+    from hetmesh.client.mesh import TokenEvent
+
+    got: list[int] = []
+    events = client.stream(prompt_ids=prompt, max_new_tokens=tokens)
+    async with contextlib.aclosing(events) as stream:
+        async for event in stream:
+            if isinstance(event, TokenEvent) and event.token_id >= 0:
+                got.append(event.token_id)
+    return got
+
+
+def mesh_streams(
+    fmt: str, memory: str, mix: Sequence[tuple[list[int], int]], clients: int, pool_tokens: int
+) -> dict[str, Any]:
+    """Run ``mix`` through a fresh 3-node mesh in ``fmt``; its finished streams."""
+    import trio
+
+    from hetmesh.client.mesh import open_mesh_client
+    from hetmesh.node.local import local_mesh, wait_serving
+
+    args = [
+        *("--weights", fmt, "--max-memory", memory, "--max-context", str(CONTEXT)),
+        *("--kv-pool-tokens", str(pool_tokens)),
+    ]
+    done: list[tuple[list[int], int, list[int]]] = []
+    failed = 0
+    with local_mesh(3, node_args=args) as mesh:
+        view = wait_serving(mesh, timeout_s=600)
+        # the units each node holds: whole-model replicas, or a cut
+        layout = sorted(
+            [(s["start"], s["end"]) for s in p["record"]["stages"]] for p in view["peers"]
+        )
+
+        async def run() -> None:
+            nonlocal failed
+            async with open_mesh_client(mesh.addr, mesh_secret=mesh.secret, timeout_s=1800) as c:
+                turn = iter(mix)
+
+                async def client() -> None:
+                    nonlocal failed
+                    for prompt, tokens in turn:
+                        try:
+                            done.append((prompt, tokens, await _collect(c, prompt, tokens)))
+                        except MeshError as exc:
+                            failed += 1
+                            print(f"{fmt}: stream failed: {exc!r}", file=sys.stderr)
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(clients):
+                        nursery.start_soon(client)
+
+        trio.run(run)
+    return {"done": done, "failed": failed, "layout": layout}
+
+
+def freeze_stream(prompt: list[int], tokens: int, runs: int, pool_tokens: int) -> list[list[int]]:
+    """``runs`` int4 streams, each with the replica serving it frozen then thawed."""
+    import trio
+
+    from hetmesh.client.mesh import TokenEvent, open_mesh_client
+    from hetmesh.node.local import local_mesh, wait_serving
+
+    args = [
+        *("--weights", "int4", "--max-memory", WHOLE_MEMORY, "--max-context", str(CONTEXT)),
+        *("--kv-pool-tokens", str(pool_tokens)),
+    ]
+    outputs: list[list[int]] = []
+    with local_mesh(3, node_args=args) as mesh:
+        wait_serving(mesh, timeout_s=600)
+        gateway = mesh.nodes[0]
+        replicas = {n.peer_id: n for n in mesh.nodes[1:]}
+
+        async def serving(client: Any) -> str | None:
+            view = await client.status()
+            for entry in view["peers"]:
+                if entry["peer_id"] in replicas and entry["record"]["load"]["active_sessions"]:
+                    return str(entry["peer_id"])
+            return None
+
+        async def one(client: Any) -> list[int]:
+            got: list[int] = []
+            frozen: str | None = None
+            thawed = trio.Event()
+            moved_on = trio.Event()  # tokens came after the freeze: replayed elsewhere
+
+            async def thaw_later(peer: str) -> None:
+                with trio.move_on_after(20):
+                    await moved_on.wait()
+                os.kill(replicas[peer].proc.pid, signal.SIGCONT)
+                thawed.set()
+
+            async with trio.open_nursery() as nursery:
+                events = client.stream(prompt_ids=prompt, max_new_tokens=tokens)
+                async with contextlib.aclosing(events) as stream:
+                    async for event in stream:
+                        if not (isinstance(event, TokenEvent) and event.token_id >= 0):
+                            continue
+                        got.append(event.token_id)
+                        if frozen is not None and len(got) > 22:
+                            moved_on.set()
+                        if len(got) == 20 and frozen is None:
+                            peer = await serving(client)
+                            if peer is not None and peer != gateway.peer_id:
+                                frozen = peer
+                                os.kill(replicas[peer].proc.pid, signal.SIGSTOP)
+                                nursery.start_soon(thaw_later, peer)
+                if frozen is not None:
+                    await thawed.wait()
+            return got
+
+        async def run() -> None:
+            async with open_mesh_client(gateway.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
+                for _ in range(runs):
+                    outputs.append(await one(c))
+
+        trio.run(run)
+    return outputs
+
+
+def reference(fmt: str, streams: Sequence[tuple[list[int], int, list[int]]]) -> int:
+    """How many of ``streams`` equal one process holding the model in ``fmt``."""
+    from hetmesh.partition.generate import LocalPipeline
+    from hetmesh.partition.sampling import SamplingParams
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.text import eos_token_ids, load_tokenizer
+
+    model_dir = resolve_model()
+    torch.set_num_threads(1)
+    pipeline = LocalPipeline.load(model_dir, 1, weights=fmt)
+    eos = eos_token_ids(model_dir, load_tokenizer(model_dir))
+    equal = 0
+    for prompt, tokens, got in streams:
+        params = SamplingParams(max_new_tokens=tokens)
+        want = list(pipeline.generate_ids(prompt, params, eos_ids=eos))
+        equal += want == got
+        if want != got:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
+            )
+            print(f"{fmt}: a {len(prompt)}-token prompt differs at {first}", file=sys.stderr)
+    return equal
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    per_format = max(1, args.streams // (2 * len(args.formats)))
+    result: dict[str, Any] = {"streams_checked": 0, "streams_failed": 0}
+    began = time.perf_counter()
+    for i, fmt in enumerate(args.formats):
+        streams: list[tuple[list[int], int, list[int]]] = []
+        for topology, memory in (("replicas", WHOLE_MEMORY), ("cut", CUT_MEMORY[fmt])):
+            mix = stream_mix(100 * i + len(topology), per_format, args.quick)
+            got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens)
+            streams.extend(got["done"])
+            result["streams_failed"] += got["failed"]
+            result[f"{fmt}_{topology}_layout"] = got["layout"]
+        equal = reference(fmt, streams)
+        result["streams_checked"] += len(streams)
+        key = "bf16" if fmt == "bfloat16" else fmt
+        result[f"{key}_identical_ratio"] = round(equal / len(streams), 4) if streams else 0.0
+        result[f"{key}_streams"] = len(streams)
+    if args.freeze_runs:
+        prompt = stream_mix(7, 1, True)[0][0][:60]
+        outputs = freeze_stream(prompt, 120, args.freeze_runs, args.pool_tokens)
+        equal = reference("int4", [(prompt, 120, got) for got in outputs])
+        result["freeze_runs"] = len(outputs)
+        result["freeze_runs_identical"] = int(bool(outputs) and equal == len(outputs))
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="few, short streams; one freeze")
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=None)
+    parser.add_argument("--streams", type=int, default=None, help="streams in all (>= 200)")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--pool-tokens", type=int, default=None, help="KV tokens per stage")
+    parser.add_argument("--freeze-runs", type=int, default=None)
+    args = parser.parse_args()
+    args.formats = args.formats or list(FORMATS)
+    quick = args.quick
+    args.streams = args.streams or (4 * len(args.formats) if quick else 208)
+    args.pool_tokens = args.pool_tokens or (1024 if quick else 4096)
+    args.freeze_runs = (1 if quick else 20) if args.freeze_runs is None else args.freeze_runs
+    result = run(args)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return
+    for key, value in sorted(result.items()):
+        print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()
