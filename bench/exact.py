@@ -25,6 +25,12 @@ replica serving it gets SIGSTOP and, once the stream has moved on (a replay on
 another replica) or 20 s passed, SIGCONT. 1 when every such stream equals the
 reference.
 
+``--speed`` instead measures what exact attention costs, in one process: the
+default model in ``--speed-format`` loaded twice (exact attention, and torch's
+kernel: ``attn_implementation="sdpa"``), measured in alternation in the same
+run, CPU time of one thread (steadier than wall time on a shared machine): a
+decode step of one session, a decode round of 8 sessions, a 291-token prefill.
+
 Figures are ratios of equal streams: a loaded machine makes the run slower,
 never different. Failed streams (refused, timed out) are counted, not compared.
 """
@@ -211,6 +217,65 @@ def reference(fmt: str, streams: Sequence[tuple[list[int], int, list[int]]]) -> 
     return equal
 
 
+def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
+    """Exact attention against torch's kernel, in one process (see the docstring)."""
+    from hetmesh.partition.stage import StageModule, load_stage
+    from hetmesh.partition.store import resolve_model
+
+    torch.set_num_threads(1)
+    model_dir = resolve_model()
+    end = 32  # the default model's units: embedding, 30 layers, head
+    stages = {
+        i: load_stage(model_dir, 0, end, weights=fmt, attn_implementation=i)
+        for i in ("exact", "sdpa")
+    }
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (context + 13 * i,), generator=gen) for i in range(8)]
+    token = torch.tensor([7])
+
+    def single(stage: StageModule, steps: int = 16) -> float:
+        kv = stage.new_kv()
+        stage.forward(prompts[0], kv, last_only=True)
+        began = time.thread_time()
+        for _ in range(steps):
+            stage.forward(token, kv, last_only=True)
+        kv.free()
+        return (time.thread_time() - began) / steps
+
+    def batched(stage: StageModule, steps: int = 8) -> float:
+        pool = stage.new_pool(8 * ((context + 13 * 8 + steps) // 16 + 2))
+        kvs = [stage.new_kv(pool) for _ in prompts]
+        for prompt, kv in zip(prompts, kvs, strict=True):
+            stage.forward(prompt, kv, last_only=True)
+        began = time.thread_time()
+        for _ in range(steps):
+            stage.forward_batch([(token, kv) for kv in kvs], last_only=True)
+        for kv in kvs:
+            kv.free()
+        return (time.thread_time() - began) / steps
+
+    def prefill(stage: StageModule) -> float:
+        kv = stage.new_kv()
+        began = time.thread_time()
+        stage.forward(prompts[-1], kv, last_only=True)
+        kv.free()
+        return time.thread_time() - began
+
+    best: dict[str, dict[str, float]] = {i: {} for i in stages}
+    for rep in range(repeats):
+        order = list(stages) if rep % 2 == 0 else list(stages)[::-1]
+        for name in order:
+            for what, fn in (("decode", single), ("round8", batched), ("prefill", prefill)):
+                t = fn(stages[name])
+                best[name][what] = min(best[name].get(what, t), t)
+    out: dict[str, Any] = {"speed_format": fmt, "speed_prefill_tokens": len(prompts[-1])}
+    for what in ("decode", "round8", "prefill"):
+        out[f"speed_{what}_ms_exact"] = round(1e3 * best["exact"][what], 2)
+        out[f"speed_{what}_ms_sdpa"] = round(1e3 * best["sdpa"][what], 2)
+        out[f"speed_{what}_ratio"] = round(best["exact"][what] / best["sdpa"][what], 3)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     per_format = max(1, args.streams // (2 * len(args.formats)))
     result: dict[str, Any] = {"streams_checked": 0, "streams_failed": 0}
@@ -247,7 +312,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--pool-tokens", type=int, default=None, help="KV tokens per stage")
     parser.add_argument("--freeze-runs", type=int, default=None)
+    parser.add_argument("--speed", action="store_true", help="what exact attention costs")
+    parser.add_argument("--speed-format", choices=FORMATS, default="int4")
     args = parser.parse_args()
+    if args.speed:
+        print(json.dumps(speed(args.speed_format), sort_keys=True))
+        return
     args.formats = args.formats or list(FORMATS)
     quick = args.quick
     args.streams = args.streams or (4 * len(args.formats) if quick else 208)

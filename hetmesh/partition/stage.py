@@ -581,7 +581,7 @@ def load_stage(
     device: str | torch.device = "cpu",
     weights: WeightFormat | str = NATIVE,
     dtype: torch.dtype | None = None,
-    attn_implementation: str = "exact",
+    attn_implementation: str | None = None,
     fuse: bool | None = None,
     transpose_head: bool | None = None,
 ) -> StageModule:
@@ -592,6 +592,11 @@ def load_stage(
     ``ModelNotFound``/``UnsupportedModel``/``CorruptModel`` for a bad folder
     and ``InvalidRequest`` for a range outside the model or a format the
     device or model cannot hold.
+
+    ``attn_implementation``: None is ``"exact"`` on a CPU (a query's result independent
+    of its batch, chunks and replays; :mod:`hetmesh.partition.attention`) and ``"sdpa"``
+    elsewhere (a GPU's matrix products are not row-invariant either: one attention call
+    per query would cost launches and buy nothing).
 
     ``fuse`` stacks the projections that share an input into one product each
     (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
@@ -605,6 +610,8 @@ def load_stage(
 
     folder = Path(model_dir)
     config_dict = check_model_dir(folder)
+    if attn_implementation is None:
+        attn_implementation = "exact" if torch.device(device).type == "cpu" else "sdpa"
     if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise InvalidRequest(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}")
     torch_device = torch.device(device)
