@@ -32,7 +32,7 @@ def alone_and_in_a_round(stage: StageModule, lengths: list[int]) -> tuple[torch.
     kv = stage.new_kv()
     stage.forward(prompts[0], kv)
     alone = stage.forward(token, kv)
-    pool = stage.new_pool(sum(n // 16 + 2 for n in lengths) + 8)
+    pool = stage.new_pool(2 * sum(n // 16 + 2 for n in lengths) + 8)
     kvs = [stage.new_kv(pool) for _ in prompts]
     for prompt, session in zip(prompts, kvs, strict=True):
         stage.forward(prompt, session)
