@@ -130,8 +130,11 @@ def mesh_streams(
     return {"done": done, "failed": failed, "layout": layout}
 
 
-def freeze_stream(prompt: list[int], tokens: int, runs: int, pool_tokens: int) -> list[list[int]]:
-    """``runs`` int4 streams, each with the replica serving it frozen then thawed."""
+def freeze_stream(
+    prompt: list[int], tokens: int, runs: int, pool_tokens: int
+) -> list[tuple[list[int], bool]]:
+    """``runs`` int4 streams, each with the replica serving it frozen then thawed; each
+    stream's tokens and whether a replica was frozen under it."""
     import trio
 
     from hetmesh.client.mesh import TokenEvent, open_mesh_client
@@ -141,7 +144,7 @@ def freeze_stream(prompt: list[int], tokens: int, runs: int, pool_tokens: int) -
         *("--weights", "int4", "--max-memory", WHOLE_MEMORY, "--max-context", str(CONTEXT)),
         *("--kv-pool-tokens", str(pool_tokens)),
     ]
-    outputs: list[list[int]] = []
+    outputs: list[tuple[list[int], bool]] = []
     with local_mesh(3, node_args=args) as mesh:
         wait_serving(mesh, timeout_s=600)
         gateway = mesh.nodes[0]
@@ -154,7 +157,7 @@ def freeze_stream(prompt: list[int], tokens: int, runs: int, pool_tokens: int) -
                     return str(entry["peer_id"])
             return None
 
-        async def one(client: Any) -> list[int]:
+        async def one(client: Any) -> tuple[list[int], bool]:
             got: list[int] = []
             frozen: str | None = None
             thawed = trio.Event()
@@ -183,7 +186,7 @@ def freeze_stream(prompt: list[int], tokens: int, runs: int, pool_tokens: int) -
                                 nursery.start_soon(thaw_later, peer)
                 if frozen is not None:
                     await thawed.wait()
-            return got
+            return got, frozen is not None
 
         async def run() -> None:
             async with open_mesh_client(gateway.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
@@ -303,8 +306,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.freeze_runs:
         prompt = stream_mix(7, 1, True)[0][0][:60]
         outputs = freeze_stream(prompt, 120, args.freeze_runs, args.pool_tokens)
-        equal = reference("int4", [(prompt, 120, got) for got in outputs])
+        equal = reference("int4", [(prompt, 120, got) for got, _ in outputs])
         result["freeze_runs"] = len(outputs)
+        result["freeze_runs_frozen"] = sum(frozen for _, frozen in outputs)
         result["freeze_runs_identical"] = int(bool(outputs) and equal == len(outputs))
     result["seconds"] = round(time.perf_counter() - began, 1)
     return result
