@@ -87,7 +87,12 @@ async def _collect(client: Any, prompt: list[int], tokens: int) -> list[int]:
 
 
 def mesh_streams(
-    fmt: str, memory: str, mix: Sequence[tuple[list[int], int]], clients: int, pool_tokens: int
+    fmt: str,
+    memory: str,
+    mix: Sequence[tuple[list[int], int]],
+    clients: int,
+    pool_tokens: int,
+    pipelines: int = 1,
 ) -> dict[str, Any]:
     """Run ``mix`` through a fresh 3-node mesh in ``fmt``; its finished streams."""
     import trio
@@ -102,7 +107,7 @@ def mesh_streams(
     done: list[tuple[list[int], int, list[int]]] = []
     failed = 0
     with local_mesh(3, node_args=args) as mesh:
-        view = wait_serving(mesh, timeout_s=600)
+        view = wait_serving(mesh, pipelines=pipelines, timeout_s=600)
         # the units each node holds: whole-model replicas, or a cut
         layout = sorted(
             [(s["start"], s["end"]) for s in p["record"]["stages"]] for p in view["peers"]
@@ -146,7 +151,7 @@ def freeze_stream(
     ]
     outputs: list[tuple[list[int], bool]] = []
     with local_mesh(3, node_args=args) as mesh:
-        wait_serving(mesh, timeout_s=600)
+        wait_serving(mesh, pipelines=2, timeout_s=600)  # a replica to move to
         gateway = mesh.nodes[0]
         replicas = {n.peer_id: n for n in mesh.nodes[1:]}
 
@@ -286,9 +291,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     for i, fmt in enumerate(args.formats):
         streams: list[tuple[list[int], int, list[int]]] = []
-        for topology, memory in (("replicas", WHOLE_MEMORY), ("cut", CUT_MEMORY[fmt])):
+        for topology, memory, pipelines in (
+            ("replicas", WHOLE_MEMORY, 2),
+            ("cut", CUT_MEMORY[fmt], 1),
+        ):
             mix = stream_mix(100 * i + len(topology), per_format, args.quick)
-            got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens)
+            got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
                 f"layout {got['layout']}",
