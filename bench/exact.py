@@ -156,10 +156,14 @@ def freeze_stream(
         replicas = {n.peer_id: n for n in mesh.nodes[1:]}
 
         async def serving(client: Any) -> str | None:
-            view = await client.status()
-            for entry in view["peers"]:
-                if entry["peer_id"] in replicas and entry["record"]["load"]["active_sessions"]:
-                    return str(entry["peer_id"])
+            """The replica holding the session, once its announced load says so."""
+            for _ in range(40):  # records are announced every few seconds
+                view = await client.status()
+                for entry in view["peers"]:
+                    load = entry["record"]["load"]
+                    if entry["peer_id"] in replicas and load["active_sessions"]:
+                        return str(entry["peer_id"])
+                await trio.sleep(0.25)
             return None
 
         async def one(client: Any) -> tuple[list[int], bool]:
@@ -289,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_format = max(1, args.streams // (2 * len(args.formats)))
     result: dict[str, Any] = {"streams_checked": 0, "streams_failed": 0}
     began = time.perf_counter()
-    for i, fmt in enumerate(args.formats):
+    for i, fmt in enumerate(args.formats if args.streams else ()):
         streams: list[tuple[list[int], int, list[int]]] = []
         for topology, memory, pipelines in (
             ("replicas", WHOLE_MEMORY, 2),
@@ -327,7 +331,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="few, short streams; one freeze")
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=None)
-    parser.add_argument("--streams", type=int, default=None, help="streams in all (>= 200)")
+    parser.add_argument(
+        "--streams", type=int, default=None, help="streams in all (>= 200; 0: freezes only)"
+    )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--pool-tokens", type=int, default=None, help="KV tokens per stage")
     parser.add_argument("--freeze-runs", type=int, default=None)
@@ -339,7 +345,8 @@ def main() -> None:
         return
     args.formats = args.formats or list(FORMATS)
     quick = args.quick
-    args.streams = args.streams or (4 * len(args.formats) if quick else 208)
+    if args.streams is None:
+        args.streams = 4 * len(args.formats) if quick else 208
     args.pool_tokens = args.pool_tokens or (1024 if quick else 4096)
     args.freeze_runs = (1 if quick else 20) if args.freeze_runs is None else args.freeze_runs
     result = run(args)
