@@ -40,7 +40,12 @@ other sessions' decode steps share each stage's rounds with one chunk at a time
 instead of waiting behind the whole prompt. Only the chunk that reaches the
 end of the prompt samples a token. Each chunk attends to the KV of those before
 it, as a cached prefix does: the greedy tokens are the one-process reference's,
-its logits equal to within rounding (docs/benchmarks.md, "Chunked prefill").
+and in int4 and int8 its logits are bit-identical to a whole prefill's (exact
+attention, docs/weights.md "Exactness"; float formats to within rounding).
+
+No token twice: each token frame names its sequence position, and only the
+awaited step at the awaited position is delivered; anything else (a stage that
+resumed stale work, a frame overtaken by a replay) is dropped as stale.
 """
 
 from __future__ import annotations
@@ -711,6 +716,7 @@ class Gateway:
                 in_flight.fed,
                 in_flight.hops,
                 self._moving.get(session_id, ()),
+                position=len(history),
             )
             self._moving.pop(session_id, None)  # a step on the new route: the move is done
             if self._helpers.pop(session_id, None) is not None:
@@ -866,8 +872,15 @@ class Gateway:
         fed: int,
         hops: Sequence[Hop],
         moving: Sequence[Hop] = (),
+        *,
+        position: int,
     ) -> int:
-        """The token of ``step``; ``_StepFailed`` when a stage is gone or stuck.
+        """The token of ``step``, at sequence ``position``; ``_StepFailed`` when a stage
+        is gone or stuck.
+
+        A token frame for another step or position is dropped (``stale_frames``): one
+        at a position already delivered (a stage that resumed after a freeze, a
+        frame overtaken by its replay) is never delivered twice.
 
         A step slower than its timeout is not failed at once: if every stage
         still answers a ping, the mesh is merely busy and the wait goes on (up
@@ -905,7 +918,7 @@ class Gateway:
                         if isinstance(error, Rejected):  # only a preemption sends it here
                             raise _Preempted(frame.message)
                         raise _StepFailed(f"a stage failed: {frame.message}")
-                    if frame.step == step and frame.token_ids:
+                    if frame.step == step and frame.position == position and frame.token_ids:
                         return int(frame.token_ids[0])
                     self._stale += 1
             silent = await self._find_silent([*hops, *moving])  # a move's source too

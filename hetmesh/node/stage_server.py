@@ -827,6 +827,8 @@ class StageServer:
             sid = outcome.item.session_id
             if self._unsent.get(sid) or sid in via_trio:  # behind its last frame
                 continue
+            if sid in self._closing:  # closed (or moved) while computed: nobody waits
+                continue
             frame = _output_frame(outcome.item, outcome.output)
             if frame is None:
                 continue
@@ -974,7 +976,11 @@ def _next_step(outcome: _Outcome) -> _Item:
 def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | None:
     """What a computed item sends on: a sampled token, or the hidden states."""
     if isinstance(output, int):
-        return Tokens(session_id=item.session_id, step=item.step, token_ids=(output,))
+        # the token's place in the sequence: right after the item's last position
+        position = item.positions[-1] + 1 if item.positions else 0
+        return Tokens(
+            session_id=item.session_id, step=item.step, token_ids=(output,), position=position
+        )
     if output is None:
         return None
     end = item.positions[-1] + 1 if item.positions else 0

@@ -41,6 +41,8 @@ import torch
 from torch import nn
 
 from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
+from hetmesh.partition.attention import EXACT_ATTENTION, QuerySpans
+from hetmesh.partition.attention import register as register_exact_attention
 from hetmesh.partition.checkpoint import settle_weights
 from hetmesh.partition.formats import (
     NATIVE,
@@ -69,7 +71,9 @@ _FAMILIES = {
     "Qwen2ForCausalLM": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
     "Qwen3ForCausalLM": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
 }
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+# "exact" (the default): hetmesh.partition.attention, a query's result independent of the
+# batch, the chunking and replays; "sdpa" and "eager": transformers' own
+ATTENTION_IMPLEMENTATIONS = ("exact", "sdpa", "eager")
 
 
 def _family_classes(arch: str) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
@@ -505,7 +509,7 @@ class StageModule(nn.Module):
             position_ids = past[:, None] + torch.arange(width, device=self.device)[None, :]
             position_embeddings = self.rotary_emb(hidden, position_ids)  # type: ignore[misc]
             cache = _BatchCache(sessions, lengths)
-            masks: dict[int | None, torch.Tensor | None] = {}
+            masks: dict[int | None, torch.Tensor | QuerySpans | None] = {}
             for layer, window in zip(layers, windows, strict=True):
                 if window not in masks:
                     masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
@@ -545,15 +549,20 @@ class StageModule(nn.Module):
         position_ids: torch.Tensor,
         total: int,
         window: int | None,
-    ) -> torch.Tensor | None:
-        """Additive attention mask ``(batch, 1, seq, total)``; None where sdpa's own works."""
+    ) -> torch.Tensor | QuerySpans | None:
+        """What the attention layers take as their mask: the queries' key spans for exact
+        attention, else an additive mask ``(batch, 1, seq, total)`` (None where sdpa's
+        own works)."""
+        implementation = self.config._attn_implementation
+        if implementation == EXACT_ATTENTION:
+            return QuerySpans.of(past.tolist(), lengths, position_ids.shape[1], window)
         single = len(lengths) == 1
         past_len, n = int(past[0]), lengths[0]
         simple = past_len == 0 or n == 1  # plain causal, or attend to everything
         if (
             single
             and simple
-            and self.config._attn_implementation == "sdpa"
+            and implementation == "sdpa"
             and (window is None or past_len + n <= window)
         ):
             return None
@@ -576,7 +585,7 @@ def load_stage(
     device: str | torch.device = "cpu",
     weights: WeightFormat | str = NATIVE,
     dtype: torch.dtype | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     fuse: bool | None = None,
     transpose_head: bool | None = None,
 ) -> StageModule:
@@ -587,6 +596,11 @@ def load_stage(
     ``ModelNotFound``/``UnsupportedModel``/``CorruptModel`` for a bad folder
     and ``InvalidRequest`` for a range outside the model or a format the
     device or model cannot hold.
+
+    ``attn_implementation``: None is ``"exact"`` on a CPU (a query's result independent
+    of its batch, chunks and replays; :mod:`hetmesh.partition.attention`) and ``"sdpa"``
+    elsewhere (a GPU's matrix products are not row-invariant either: one attention call
+    per query would cost launches and buy nothing).
 
     ``fuse`` stacks the projections that share an input into one product each
     (:mod:`hetmesh.partition.fused`; outputs unchanged); ``None`` follows the
@@ -600,6 +614,8 @@ def load_stage(
 
     folder = Path(model_dir)
     config_dict = check_model_dir(folder)
+    if attn_implementation is None:
+        attn_implementation = "exact" if torch.device(device).type == "cpu" else "sdpa"
     if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise InvalidRequest(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}")
     torch_device = torch.device(device)
@@ -619,7 +635,10 @@ def load_stage(
     ):
         raise InvalidRequest(f"unit range [{start}, {end}) outside [0, {profile.num_units})")
     config = transformers.AutoConfig.from_pretrained(str(folder))
-    config._attn_implementation = attn_implementation  # unset means non-causal attention
+    # unset means non-causal attention
+    config._attn_implementation = (
+        register_exact_attention() if attn_implementation == "exact" else attn_implementation
+    )
     if fmt is WeightFormat.INT4:
         widths = {config.hidden_size, config.intermediate_size}
         widths.add(config.num_attention_heads * (getattr(config, "head_dim", None) or 0))

@@ -215,10 +215,15 @@ class Activations(Frame):
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Tokens(Frame):
+    """Sampled token ids of one step of one session; ``position``: the sequence position
+    (prompt and generated tokens before it) of the first, so a gateway can tell a token
+    it already delivered from the next one."""
+
     TAG: ClassVar[int] = 7
     session_id: str
     step: int
     token_ids: tuple[int, ...]
+    position: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -289,6 +294,7 @@ _KIND: Final[dict[str, int]] = {
     "positions": _INTS,
     "tensors": _TENSORS,
     "token_ids": _INTS,
+    "position": _UINT,
     "first_layer": _UINT,
     "start": _UINT,
     "code": _UINT,
@@ -342,7 +348,7 @@ _SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
 # _fast_header and _parse_items take a shortcut for the two hot frames, by position:
 # refuse to load if a change to either frame's fields would make that shortcut wrong
 _HOT_LAYOUTS: Final = {
-    Tokens: ("session_id", "step", "token_ids"),
+    Tokens: ("session_id", "step", "token_ids", "position"),
     Activations: ("session_id", "step", "positions", "tensors"),
 }
 if any(_FIELDS[cls] != names for cls, names in _HOT_LAYOUTS.items()):
@@ -483,7 +489,10 @@ def _fast_header(frame: Frame, limits: Limits, out: list[Any]) -> tuple[list[Any
         return None
     if type(frame) is Tokens:
         ids = _local_ints(frame.token_ids, limits)
-        return None if ids is None else ([session_id, step, ids], 0)
+        position = frame.position
+        if ids is None or type(position) is not int or not 0 <= position <= _INT64_MAX:
+            return None
+        return [session_id, step, ids, position], 0
     assert isinstance(frame, Activations)
     positions = _local_ints(frame.positions, limits)
     if positions is None:
@@ -729,7 +738,11 @@ def _parse_items(
             raise RemoteProtocolError(f"malformed header field {step!r:.80}")
         ints = _remote_ints(items[2], limits)
         if cls is Tokens:
+            position = items[3]
+            if type(position) is not int or position < 0:
+                raise RemoteProtocolError(f"malformed header field {position!r:.80}")
             values = {"session_id": session_id, "step": step, "token_ids": ints}
+            values["position"] = position
         else:
             specs = _remote_specs(items[3], limits)
             values = {"session_id": session_id, "step": step, "positions": ints}

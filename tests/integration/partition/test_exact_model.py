@@ -1,0 +1,44 @@
+"""The default model in int4 and int8: a row's logits do not depend on its batch, its
+chunks or a replay (issue 44). The first test is the reproduction: with torch's own
+attention kernel (``attn_implementation="sdpa"``, the stages' kernel before) they did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetmesh.partition.formats import WeightFormat
+from hetmesh.partition.stage import load_stage
+from tests.unit.partition.invariance import (
+    alone_and_in_a_round,
+    decoded_and_replayed,
+    whole_and_chunked,
+)
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+# issue 44's prompts that flipped were 323-354 tokens, cut into chunks by the mesh
+PROMPT_TOKENS, CUTS = 340, [85, 85, 85, 85]
+
+
+def test_torch_attention_differs_with_chunks_and_batches(default_model_dir: Path) -> None:
+    stage = load_stage(default_model_dir, 0, 32, weights="int4", attn_implementation="sdpa")
+    whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, CUTS)
+    assert (whole - chunked).abs().max() > 0.01  # measured 0.39
+    alone, rounded, _, _ = alone_and_in_a_round(stage, [PROMPT_TOKENS, 336, 50])
+    assert (alone - rounded).abs().max() > 0.01  # measured 0.23
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.INT4, WeightFormat.INT8], ids=str)
+def test_exact_stages_are_bit_identical(default_model_dir: Path, fmt: WeightFormat) -> None:
+    stage = load_stage(default_model_dir, 0, 32, weights=fmt)
+    whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, CUTS)
+    assert torch.equal(whole, chunked)
+    alone, rounded, beside, _ = alone_and_in_a_round(stage, [PROMPT_TOKENS, 336, 50])
+    assert torch.equal(alone, rounded)
+    assert torch.equal(alone, beside)
+    decoded, replayed, chunked = decoded_and_replayed(stage, 120, 8)
+    assert torch.equal(decoded, replayed)
+    assert torch.equal(decoded, chunked)
