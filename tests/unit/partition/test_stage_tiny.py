@@ -317,7 +317,11 @@ def test_a_chunk_that_samples_nothing_skips_the_head(tiny: Any) -> None:
         list(zip(prompts, skipped, strict=True)), last_only=True, heads=[True, False]
     )
     want = stage.forward_batch(list(zip(prompts, full, strict=True)), last_only=True)
-    assert torch.equal(got[0], want[0])
+    # the head ran over one row here and two there: an fp32 product's last bits depend on
+    # its row count on some CPUs (AVX-512/AMX oneDNN; docs/weights.md, "Exactness"), so the
+    # logits agree to rounding; the KV they leave behind is compared exactly below
+    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
     assert got[1].shape == (0, stage.vocab_size)
     assert [kv.length for kv in skipped] == [12, 12]
     step = torch.tensor([7])
