@@ -1219,16 +1219,18 @@ class Serving:
         if isinstance(request, MoveSession):
             for served in self._served.values():
                 if request.session_id in served.server.kv:
-                    return served.server.move(request, sender)
+                    return served.server.handle(request, sender)
             return Reply.failed(InvalidRequest(f"unknown session {request.session_id}"))
         if isinstance(request, CloseSession):
+            # every stage here that may hold it, through the stage's own handler: the
+            # close's block hashes join its prefix cache (the next turn's prefix)
             for served in self._served.values():
                 try:
                     served.server.check_control(request.session_id, sender)
                 except InvalidRequest as exc:
                     return Reply.failed(exc)
             for served in self._served.values():
-                served.server.close(request.session_id)
+                served.server.handle(request, sender)
             return Reply(ok=True)
         target = self._served.get((request.start, request.end))
         if target is None or target.retiring:
