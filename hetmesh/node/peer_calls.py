@@ -10,6 +10,7 @@ node, straight to the stage host's one path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -131,4 +132,14 @@ class PeerCalls:
         return bool(raw.get("ok"))
 
 
-__all__ = ["PeerCalls"]
+def data_plane_host(addrs: Sequence[str]) -> str:
+    """The IPv4 address the data plane should listen on: the node's first announced
+    non-loopback address (peers on other hosts can reach it), else loopback."""
+    hosts = [a.split("/")[2] for a in addrs if a.startswith("/ip4/")]
+    for host in hosts:
+        if not host.startswith("127.") and host != "0.0.0.0":
+            return host
+    return "127.0.0.1"
+
+
+__all__ = ["PeerCalls", "data_plane_host"]

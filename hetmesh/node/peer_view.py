@@ -12,7 +12,7 @@ are decided here, once. Pure and immutable: no I/O, no trio.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -135,14 +135,16 @@ class PeerViews:
     """Builds the node's :class:`PeerView` from its discovery entries, parsing each
     record once and reusing the view while no record changed."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, entries: Callable[[], Iterable[Entry]]) -> None:
+        """``entries``: the live discovery entries now."""
         self.model = model
+        self._entries = entries
         self._view = PeerView.of(model, ())
 
-    def current(self, entries: Iterable[Entry]) -> PeerView:
+    def current(self) -> PeerView:
         """The view of the live entries with a record (plans not parsed)."""
         peers = []
-        for e in entries:
+        for e in self._entries():
             record = e.record
             if record is None:
                 continue

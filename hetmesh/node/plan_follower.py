@@ -18,9 +18,12 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from hetmesh.discovery.wire import Announcement
+from hetmesh.node.config import ServingConfig
 from hetmesh.node.peer_view import PeerView
+from hetmesh.node.weights import QUANTIZED_ORDER
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler.announcement import read_offer
 from hetmesh.scheduler.coordination import (
@@ -32,14 +35,27 @@ from hetmesh.scheduler.coordination import (
     decide,
 )
 from hetmesh.scheduler.holdings import unheld_units, unheld_verdict
-from hetmesh.scheduler.plan_trust import Offer, PlanSignature, epoch_floor, plan_refusal
+from hetmesh.scheduler.plan_trust import (
+    Offer,
+    PlanSignature,
+    epoch_floor,
+    plan_message,
+    plan_refusal,
+)
 from hetmesh.scheduler.records import Plan, PlanConstraints, WeightBytes
 from hetmesh.scheduler.replan import MeshSnapshot, coordinator
+
+if TYPE_CHECKING:
+    from hetmesh.shards.fetch import Shards
 
 log = logging.getLogger(__name__)
 
 REFUSAL_LOG_INTERVAL_S = 60.0
 MAX_VERIFIED = 256  # cached signature checks (a few plans are announced at a time)
+COMPACT_HINT = (  # what a coordinator that cannot place the model says of the formats
+    "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
+    "of float32's weight bytes"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +90,16 @@ def snapshot(records: Sequence[Announcement]) -> tuple[MeshSnapshot, list[tuple[
     return MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links))), missing
 
 
-def unheld(
-    view: PeerView, num_units: int, model: str, manifest: str, held: tuple[tuple[int, int], ...]
-) -> str:
-    """Why no plan can serve ``model`` when no live member holds some of its units."""
-    holdings = [(manifest, held)] + [
+def unheld(view: PeerView, profile: ModelProfile, shards: Shards | None) -> str:
+    """Why no plan can serve the model when no live member (nor this node, holding
+    ``shards``) holds some of its units ("" without shards: nothing to say)."""
+    if shards is None:
+        return ""
+    manifest = shards.manifest_id
+    holdings = [(manifest, shards.units_held())] + [
         (m.serving.manifest, m.serving.units_held) for m in view.members
     ]
-    return unheld_verdict(model, unheld_units(num_units, holdings, manifest))
+    return unheld_verdict(profile.name, unheld_units(profile.num_units, holdings, manifest))
 
 
 class PlanFollower:
@@ -93,20 +111,26 @@ class PlanFollower:
         me: PeerId,
         profile: ModelProfile,
         constraints: PlanConstraints,
-        coordinator_config: CoordinatorConfig,
-        settle_s: float,
+        config: ServingConfig,
         started_at: float,
-        sign: Callable[[Plan], PlanSignature],
+        key: Any,
         bytes_of: Callable[[str], WeightBytes | None],
     ) -> None:
         self.me = me
         self.profile = profile
         self.model_key = profile.name
         self.constraints = constraints
-        self.coordinator_config = coordinator_config
-        self.settle_s = settle_s
+        self.coordinator_config = CoordinatorConfig(
+            model=profile,
+            strategy=config.plan_strategy,
+            objective=config.objective,
+            standby=config.standby,
+            compact_formats=frozenset(QUANTIZED_ORDER),
+            compact_hint=COMPACT_HINT,
+        )
+        self.settle_s = config.settle_s
         self.started_at = started_at
-        self.sign = sign
+        self.key = key  # this node's libp2p identity key: it signs the plans made here
         self.bytes_of = bytes_of
         self.coordination = CoordinatorState()  # the plan followed, ours, the last verdict
         # the signatures of the plans that passed plan_refusal this turn (relayed on adoption)
@@ -207,6 +231,11 @@ class PlanFollower:
             epoch_floor=epoch_floor(offers),
         ), missing
 
+    def sign(self, plan: Plan) -> PlanSignature:
+        """This node's signature of ``plan``, with its libp2p identity key."""
+        signature = self.key.sign(plan_message(plan))
+        return PlanSignature(signer=self.me, signature=bytes(signature).hex())
+
     def _constraints(
         self,
         local: Announcement,
@@ -266,6 +295,7 @@ def verify_signature(signer: PeerId, message: bytes, signature: bytes) -> bool:
 
 
 __all__ = [
+    "COMPACT_HINT",
     "MAX_VERIFIED",
     "REFUSAL_LOG_INTERVAL_S",
     "Followed",

@@ -1,33 +1,19 @@
 """Serving a model on the mesh: the node's root over its parts.
 
-```
-serve_model(node, config)
-└── Serving                 wiring, the plan tick, the one announcement writer,
-    │                       /hetmesh/session and /hetmesh/generate handlers
-    ├── PeerViews           the live peers' records, read once per version (peer_view)
-    ├── PlanFollower        a view in, the plan to follow and verdict out (plan_follower)
-    ├── StageHost           the StageServers: load, retire, drain, expire, control,
-    │                       frames for a stage here (stage_host)
-    ├── RouteChooser        routes, split-prefill helpers (route_chooser over routing)
-    ├── PeerCalls           frames and control calls to peers (peer_calls)
-    ├── Calibrator          the weight format and one block's timings (calibrator)
-    └── Gateway             requests entering at this node (gateway)
-```
-
-Every node runs the same code; the coordinator (lowest live peer id) is the
-only one that plans (:mod:`hetmesh.node.plan_follower`). Every node announces
-the plan it follows and switches to any plan that supersedes it
-(:func:`~hetmesh.scheduler.replan.supersedes`), so two nodes that both
-believed they coordinated (views differ while peers join) still end on one
-plan. The plan, stage readiness, calibration and weight format travel in one
-:class:`~hetmesh.scheduler.announcement.ServingAnnouncement`, written by
-``_announce`` only and read with :func:`~hetmesh.scheduler.announcement.read_serving`
-(through :class:`~hetmesh.node.peer_view.PeerView`).
+``Serving`` wires the parts, runs the plan tick, writes the node's one
+:class:`~hetmesh.scheduler.announcement.ServingAnnouncement` (``_announce``)
+and answers /hetmesh/session and /hetmesh/generate. The parts (drawn in
+docs/architecture.md, "The node's parts"): the peer view
+(:mod:`~hetmesh.node.peer_view`), the plan follower
+(:mod:`~hetmesh.node.plan_follower`), the stage host
+(:mod:`~hetmesh.node.stage_host`), the route chooser over pure routing inputs
+(:mod:`~hetmesh.node.route_chooser`, :mod:`~hetmesh.node.routing`), the peer
+calls (:mod:`~hetmesh.node.peer_calls`), the calibrator
+(:mod:`~hetmesh.node.calibrator`) and the gateway (:mod:`~hetmesh.node.gateway`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
@@ -38,33 +24,26 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from hetmesh.discovery import wire
-from hetmesh.errors import InvalidRequest, MeshError, RemoteProtocolError
+from hetmesh.errors import InvalidRequest, RemoteProtocolError
 from hetmesh.node.calibrator import Calibrator
 from hetmesh.node.config import PLANNED_SESSIONS, ServingConfig
 from hetmesh.node.control import MAX_CONTROL_BYTES, SESSION_PROTOCOL, Reply, parse_request
 from hetmesh.node.gateway import Gateway
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
-from hetmesh.node.peer_calls import PeerCalls
-from hetmesh.node.peer_view import PeerView, PeerViews
+from hetmesh.node.peer_calls import PeerCalls, data_plane_host
+from hetmesh.node.peer_view import PeerViews
 from hetmesh.node.plan_follower import PlanFollower, unheld, verify_signature
 from hetmesh.node.readiness import StageKey
 from hetmesh.node.route_chooser import RouteChooser
-from hetmesh.node.stage_host import StageHost
-from hetmesh.node.weights import QUANTIZED_ORDER
+from hetmesh.node.stage_host import StageHost, as_dict
+from hetmesh.node.text_stream import answer_generate, encode_request, text_stream
 from hetmesh.protocol.generate import (
     GENERATE_PROTOCOL,
-    MAX_REQUEST_BYTES,
-    Delta,
-    Finish,
     GenerateRequest,
     SamplingParams,
-    error_reply,
-    finish_reason,
 )
 from hetmesh.resources import ModelProfile
 from hetmesh.scheduler.announcement import ServingAnnouncement, serving_extra, serving_stages
-from hetmesh.scheduler.coordination import CoordinatorConfig
-from hetmesh.scheduler.plan_trust import PlanSignature, plan_message
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.scheduler.replan import coordinator
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
@@ -127,22 +106,14 @@ class Serving:
             local=lambda: discovery.local_record(advance=False),
         )
         self._announced = ServingAnnouncement()  # what the discovery record says of us
-        self.views = PeerViews(self.model_key)
+        self.views = PeerViews(self.model_key, discovery.alive)
         self.follower = PlanFollower(
             me=node.peer_id,
             profile=self.profile,
             constraints=self.constraints,
-            coordinator_config=CoordinatorConfig(
-                model=self.profile,
-                strategy=config.plan_strategy,
-                objective=config.objective,
-                standby=config.standby,
-                compact_formats=frozenset(QUANTIZED_ORDER),
-                compact_hint=COMPACT_HINT,
-            ),
-            settle_s=config.settle_s,
+            config=config,
             started_at=trio.current_time(),
-            sign=self._sign,
+            key=node.host.get_private_key(),
             bytes_of=self.calibrator.bytes_of,
         )
         self.stages = StageHost(
@@ -170,7 +141,7 @@ class Serving:
             plan_interval_s=config.plan_interval_s,
             follower=self.follower,
             stages=self.stages,
-            view=lambda: self.views.current(discovery.alive()),
+            view=self.views.current,
             mine=lambda: self._announced,
             local=lambda: discovery.local_record(advance=False).load,
         )
@@ -268,21 +239,12 @@ class Serving:
 
     # -- the plan -------------------------------------------------------------------
 
-    def view(self) -> PeerView:
-        """The live peers' announced state now (parsed once per record version)."""
-        return self.views.current(self.node.discovery.alive())
-
     def _tick(self) -> None:
         """One plan step: decide on the mesh now, follow what it adopted, announce it."""
         discovery = self.node.discovery
-        view = self.view()
+        view = self.views.current()
         local = discovery.local_record()
-        verdict = ""
-        if self.shards is not None:  # units nobody holds: no plan can serve them (issue 15)
-            held = self.shards.units_held()
-            verdict = unheld(
-                view, self.profile.num_units, self.model_key, self.shards.manifest_id, held
-            )
+        verdict = unheld(view, self.profile, self.shards)  # no plan can serve those (issue 15)
         followed = self.follower.step(local, view, trio.current_time(), verdict)
         discovery.request_links(list(followed.missing_links))  # bounded by discovery
         if followed.insufficient is not None:  # announced: gateways refuse requests at once
@@ -314,11 +276,6 @@ class Serving:
         """Whether a pipeline of the adopted plan is fully ready (requests can enter)."""
         return self.routes.ready()
 
-    def _sign(self, plan: Plan) -> PlanSignature:
-        """This node's signature of ``plan``, with its libp2p identity key."""
-        signature = self.node.host.get_private_key().sign(plan_message(plan))
-        return PlanSignature(signer=self.node.peer_id, signature=bytes(signature).hex())
-
     # -- announcing -----------------------------------------------------------------
 
     def _publish(self) -> None:
@@ -326,7 +283,7 @@ class Serving:
         stages, counters, load = self.stages.announced()
         self._announce(
             stages=stages,
-            gateway=_as_dict(self.gateway.statistics()) if self.gateway else {},
+            gateway=as_dict(self.gateway.statistics()) if self.gateway else {},
             stage_servers=counters,
             shards=self.shards.counters() if self.shards is not None else {},
             prefix_summaries=self.stages.prefix_summaries(),
@@ -355,19 +312,12 @@ class Serving:
             return
         self.stages.start_draining()
         self._publish()
-        if self.stages.sessions():
-            log.info("draining: %d sessions to move off this node", self.stages.sessions())
-        with trio.move_on_after(self.config.drain_s):
-            while self.stages.busy():
-                if self.gateway is not None:  # sessions entering here move too
-                    self.gateway.move_unready(self.ready_stages())
-                await trio.sleep(0.05)
-        if self.stages.sessions():
-            log.warning(
-                "drained for %.1f s: %d sessions left to replay",
-                self.config.drain_s,
-                self.stages.sessions(),
-            )
+
+        def move() -> None:  # sessions entering here move too
+            if self.gateway is not None:
+                self.gateway.move_unready(self.ready_stages())
+
+        await self.stages.drain(self.config.drain_s, move)
 
     # -- the two RPC handlers -------------------------------------------------------
 
@@ -385,67 +335,26 @@ class Serving:
         await wire.write_frame(stream, wire.encode(reply.to_wire()))
 
     def encode(self, request: GenerateRequest) -> list[int]:
-        """Token ids of a request: given ids, a conversation, or a prompt (``chat``: templated).
+        """Token ids of a request (:func:`~hetmesh.node.text_stream.encode_request`)."""
+        return encode_request(self.tokenizer, request)
 
-        Blocking (it runs the tokenizer). ``InvalidRequest`` for a malformed conversation.
-        """
-        from hetmesh.partition.text import encode_messages, encode_prompt
-
-        if request.prompt_ids:
-            return list(request.prompt_ids)
-        if request.messages is not None:
-            return encode_messages(self.tokenizer, list(request.messages))
-        return encode_prompt(self.tokenizer, request.prompt or "", chat=request.chat)
-
-    async def stream(
+    def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncGenerator[tuple[int, str], None]:
-        """Token ids with their text deltas; stops at EOS, ``max_new_tokens`` or a stop string."""
-        from hetmesh.partition.text import StopMatcher, TextStream
-
+        """Token ids with their text deltas (:func:`~hetmesh.node.text_stream.text_stream`)."""
         assert self.gateway is not None
-        text = TextStream(self.tokenizer)
-        stops = StopMatcher(params.stop)
-        async with contextlib.aclosing(self.gateway.generate(prompt_ids, params)) as tokens:
-            async for token in tokens:
-                delta = stops.feed(text.push(token))
-                yield token, delta
-                if stops.stopped:
-                    return
-        tail = stops.feed(text.flush()) + stops.flush()
-        if tail:
-            yield -1, tail
+        return text_stream(self.gateway, self.tokenizer, prompt_ids, params)
 
     async def _handle_generate(self, stream: Any) -> None:
-        payload = await wire.read_frame(stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=10.0)
-        data = wire.decode_map(payload, max_bytes=MAX_REQUEST_BYTES)
-        count = 0
-        async with trio.open_nursery() as nursery:
-            # the client sends nothing after its request: its stream ending (it closed or
-            # reset it, or its host went away) means nobody reads the tokens any more, so
-            # the generation stops there instead of running on to max_new_tokens
-            nursery.start_soon(_cancel_when_closed, stream, nursery.cancel_scope)
-            try:
-                request = GenerateRequest.from_wire(data)
-                ids = await trio.to_thread.run_sync(self.encode, request)  # off the event loop
-                params = request.sampling
-                async with contextlib.aclosing(self.stream(ids, params)) as events:
-                    async for token, text in events:
-                        if token >= 0:
-                            count += 1
-                        delta = Delta(text, token if token >= 0 else None)
-                        await wire.write_frame(stream, wire.encode(delta.to_wire()))
-                done = Finish(finish_reason(count, params.max_new_tokens), len(ids), count)
-                await wire.write_frame(stream, wire.encode(done.to_wire()))
-            except MeshError as exc:
-                await wire.write_frame(stream, wire.encode(error_reply(exc)))
-            nursery.cancel_scope.cancel()  # done: stop watching the stream
+        """/hetmesh/generate: a request in, its deltas and finish out
+        (:func:`~hetmesh.node.text_stream.answer_generate`)."""
+        await answer_generate(stream, self.encode, self.stream)
 
     def statistics(self) -> ServingStatistics:
         links = {}
         if self.pool is not None:
             links = {p: f"{link.backend}: {link.reason}" for p, link in self.pool.links().items()}
-        members = [m.peer_id for m in self.view().members]
+        members = [m.peer_id for m in self.views.current().members]
         return ServingStatistics(
             plan_epoch=self.plan.epoch if self.plan else -1,
             coordinator=coordinator([self.node.peer_id, *members]) or "",
@@ -453,34 +362,6 @@ class Serving:
             links=links,
             insufficient=self.follower.insufficient,
         )
-
-
-async def _cancel_when_closed(stream: Any, scope: trio.CancelScope) -> None:
-    """Cancel ``scope`` once ``stream`` yields anything past the request: an end of
-    stream, a reset, or bytes the protocol does not allow."""
-    with contextlib.suppress(Exception):  # any failure to read is the client gone too
-        await stream.read(1)
-    scope.cancel()
-
-
-COMPACT_HINT = (
-    "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
-    "of float32's weight bytes"
-)
-
-
-def data_plane_host(addrs: Sequence[str]) -> str:
-    """The IPv4 address the data plane should listen on: the node's first announced
-    non-loopback address (peers on other hosts can reach it), else loopback."""
-    hosts = [a.split("/")[2] for a in addrs if a.startswith("/ip4/")]
-    for host in hosts:
-        if not host.startswith("127.") and host != "0.0.0.0":
-            return host
-    return "127.0.0.1"
-
-
-def _as_dict(record: Any) -> dict[str, Any]:
-    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
 
 
 async def serve_model(
@@ -510,6 +391,7 @@ __all__ = [
     "GENERATE_PROTOCOL",
     "Serving",
     "ServingConfig",
+    "data_plane_host",
     "serve_model",
     "verify_signature",
 ]

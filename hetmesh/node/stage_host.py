@@ -151,7 +151,7 @@ class StageHost:
             for (a, b), s in sorted(self._served.items())
         )
         counters = tuple(
-            {k: v for k, v in _as_dict(s).items() if k != "kv" and k != "recent_step_s"}
+            {k: v for k, v in as_dict(s).items() if k != "kv" and k != "recent_step_s"}
             | kv_counters(s.kv)
             for s in stats
         )
@@ -278,6 +278,18 @@ class StageHost:
         self._draining = True
         self._retire(self._reconcile())
 
+    async def drain(self, drain_s: float, move: Callable[[], None]) -> None:
+        """Wait up to ``drain_s`` for the sessions here to move away (``move``: asks
+        the node's own gateway to move those entering here, every 50 ms)."""
+        if self.sessions():
+            log.info("draining: %d sessions to move off this node", self.sessions())
+        with trio.move_on_after(drain_s):
+            while self.busy():
+                move()
+                await trio.sleep(0.05)
+        if self.sessions():
+            log.warning("drained for %.1f s: %d sessions left to replay", drain_s, self.sessions())
+
     async def expire_loop(self) -> None:
         """Free idle sessions' KV caches, forever."""
         while True:
@@ -345,8 +357,8 @@ class StageHost:
         return False
 
 
-def _as_dict(record: Any) -> dict[str, Any]:
+def as_dict(record: Any) -> dict[str, Any]:
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
 
 
-__all__ = ["STAGE_LOAD_ATTEMPTS", "Reconcile", "StageHost", "reconcile"]
+__all__ = ["STAGE_LOAD_ATTEMPTS", "Reconcile", "StageHost", "as_dict", "reconcile"]
