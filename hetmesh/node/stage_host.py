@@ -302,15 +302,19 @@ class StageHost:
 
     # -- requests and frames ----------------------------------------------------
 
+    def _holder(self, session_id: str) -> StageServer | None:
+        """The stage here holding ``session_id``'s KV (None: none does)."""
+        return next((s.server for s in self._served.values() if session_id in s.server.kv), None)
+
     def control(self, request: Request, sender: PeerId | None = None) -> Reply:
         """Apply a session control request from ``sender`` (None: this node): every
         kind goes to the stage's :meth:`StageServer.handle`, the one path (only a
         session's gateway may close or move it)."""
         if isinstance(request, MoveSession):
-            for served in self._served.values():
-                if request.session_id in served.server.kv:
-                    return served.server.handle(request, sender)
-            return Reply.failed(InvalidRequest(f"unknown session {request.session_id}"))
+            holder = self._holder(request.session_id)
+            if holder is None:
+                return Reply.failed(InvalidRequest(f"unknown session {request.session_id}"))
+            return holder.handle(request, sender)
         if isinstance(request, CloseSession):
             # every stage here that may hold it: the close's block hashes join its prefix
             # cache (the next turn's prefix)
@@ -333,20 +337,18 @@ class StageHost:
         """Hand a stage here its frame from ``sender`` (None: this node); False for a
         frame that is not a stage's (released). ``InvalidRequest`` for a session no
         stage here holds, ``Rejected`` for a full inbox."""
-        if isinstance(frame, Activations):
-            for served in self._served.values():
-                if frame.session_id in served.server.kv:
-                    served.server.submit(frame, release, sender)
-                    return True
-            release()
-            raise InvalidRequest(f"unknown session {frame.session_id}")
-        if isinstance(frame, KVBlock):  # a session migrating here (node.migration)
-            for served in self._served.values():
-                if frame.session_id in served.server.kv:
-                    served.server.receive_kv(frame, release, sender)
-                    return True
-            release()
-            raise InvalidRequest(f"no KV of session {frame.session_id} is expected here")
+        if isinstance(frame, Activations | KVBlock):  # KV: a session migrating here
+            holder = self._holder(frame.session_id)
+            if holder is None:
+                release()
+                if isinstance(frame, Activations):
+                    raise InvalidRequest(f"unknown session {frame.session_id}")
+                raise InvalidRequest(f"no KV of session {frame.session_id} is expected here")
+            if isinstance(frame, Activations):
+                holder.submit(frame, release, sender)
+            else:
+                holder.receive_kv(frame, release, sender)
+            return True
         release()
         if isinstance(frame, Cancel):
             for served in self._served.values():
