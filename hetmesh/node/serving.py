@@ -243,7 +243,8 @@ class Serving:
         """One plan step: decide on the mesh now, follow what it adopted, announce it."""
         discovery = self.node.discovery
         view = self.views.current()
-        local = discovery.local_record()
+        discovery.local_record()  # publishes a changed record: our own, as planned on
+        local = discovery.local_record(advance=False)  # its load the latest set
         verdict = unheld(view, self.profile, self.shards)  # no plan can serve those (issue 15)
         followed = self.follower.step(local, view, trio.current_time(), verdict)
         discovery.request_links(list(followed.missing_links))  # bounded by discovery
