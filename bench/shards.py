@@ -116,7 +116,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             while len(serving_at) < 3:
                 for i, node in enumerate(nodes):
                     s = node.serving
-                    if i not in serving_at and s is not None and s._served:
+                    if i not in serving_at and s is not None and s.stages.servers():
                         serving_at[i] = time.monotonic() - started[i]
                 await trio.sleep(0.2)
             got: list[int] = []
@@ -136,7 +136,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         out["equal_to_reference"] = got == reference
         for i, node in enumerate(nodes):
             shards = node.serving.shards
-            stages = sorted(node.serving._served)
+            stages = sorted(node.serving.stages.servers())
             needed = {
                 t.name: t.nbytes for a, b in stages for t in tensors_for_units(manifest, a, b)
             }

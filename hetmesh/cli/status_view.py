@@ -17,12 +17,12 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from hetmesh.scheduler.announcement import ServingAnnouncement, read_serving
-from hetmesh.scheduler.replan import newest_in_view
+from hetmesh.node.peer_view import PeerView
+from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
 
 
 def _newest_plan(view: Mapping[str, Any]) -> dict[str, Any] | None:
-    plan = newest_in_view(view)
+    plan = PeerView.of_status(view, plan_of=parse_plan).newest_plan()
     return None if plan is None else plan.to_wire()
 
 

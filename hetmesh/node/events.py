@@ -30,12 +30,12 @@ from typing import Any
 import trio
 
 from hetmesh.errors import Rejected
+from hetmesh.node.peer_view import PeerView
+from hetmesh.node.readiness import ready_stages_in_view
 from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
 from hetmesh.scheduler.records import Plan
 
 log = logging.getLogger(__name__)
-
-_ALIVE = frozenset({"self", "alive"})
 
 
 def _short(peer_id: str) -> str:
@@ -49,16 +49,6 @@ def _health(view: Mapping[str, Any]) -> dict[str, str]:
 def _serving(peer: Mapping[str, Any]) -> ServingAnnouncement:
     record = peer.get("record") or {}
     return read_serving(record.get("extra"), record.get("stages") or (), plan_of=None)
-
-
-def _ready_stages(view: Mapping[str, Any]) -> set[tuple[str, int, int]]:
-    return {
-        (str(p.get("peer_id")), s.start, s.end)
-        for p in view.get("peers") or ()
-        if p.get("health") in _ALIVE
-        for s in _serving(p).stages
-        if s.ready
-    }
 
 
 def _gateway_sum(view: Mapping[str, Any], name: str) -> dict[str, int]:
@@ -83,13 +73,7 @@ class PlanCache:
         self._parsed: dict[str, tuple[Plan, dict[str, Any]] | None] = {}
 
     def newest(self, view: Mapping[str, Any]) -> dict[str, Any] | None:
-        from hetmesh.scheduler.replan import newest
-
-        plans = [
-            read_serving((peer.get("record") or {}).get("extra"), plan_of=self._parse).plan
-            for peer in view.get("peers") or ()
-        ]
-        best = newest(p for p in plans if p is not None)
+        best = PeerView.of_status(view, plan_of=self._parse).newest_plan()
         if best is None:
             return None
         for entry in self._parsed.values():
@@ -157,7 +141,7 @@ def view_events(
                 strategy=plan_after.get("strategy"),
             )
         )
-    for pid, start, end in sorted(_ready_stages(after) - _ready_stages(before)):
+    for pid, start, end in sorted(ready_stages_in_view(after) - ready_stages_in_view(before)):
         msg = f"units [{start}, {end}) loaded on {_short(pid)}"
         out.append(_event("stage", "info", msg, peer_id=pid, start=start, end=end))
     recovered_before = _gateway_sum(before, "recoveries")

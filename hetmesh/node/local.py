@@ -134,11 +134,9 @@ def _stop(nodes: Sequence[LocalNode], grace_s: float = 10.0) -> None:
 
 def ready_pipelines(view: dict[str, Any]) -> int:
     """Pipelines of the newest plan in a status view whose every stage is ready."""
-    from hetmesh.node.readiness import ready_pipelines as ready_of
-    from hetmesh.node.readiness import ready_stages_in_view
-    from hetmesh.scheduler.replan import newest_in_view
+    from hetmesh.node.readiness import ready_pipelines_in_view
 
-    return len(ready_of(newest_in_view(view), ready_stages_in_view(view)))
+    return len(ready_pipelines_in_view(view))
 
 
 def wait_serving(

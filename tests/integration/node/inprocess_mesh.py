@@ -203,7 +203,7 @@ async def open_replicas(tmp_path: Path) -> AsyncIterator[InProcessMesh]:
 
 def stage_servers(nodes: Sequence[Node]) -> list[Any]:
     """Every StageServer of ``nodes``, the first stage first."""
-    found = [s.server for n in nodes for s in n.serving._served.values()]
+    found = [s for n in nodes for s in n.serving.stages.servers().values()]
     return sorted(found, key=lambda s: s.stage.start)
 
 

@@ -38,8 +38,8 @@ HELD = 3  # dummy sessions that make the idle choice look busy
 
 
 def stage_of(node: Any) -> Any:
-    (served,) = node.serving._served.values()
-    return served.server
+    (server,) = node.serving.stages.servers().values()
+    return server
 
 
 def tokens_of(node: Any) -> int:
@@ -89,7 +89,9 @@ async def test_next_turn_goes_back_to_the_pipeline_holding_its_prefix(
         # request (Gateway.sessions_during: it may have been sampled while it ran), and a
         # record whose load stays put is not sent again: one held session may go unseen
         await until(
-            lambda: front.serving._loads(front.serving.plan)[idle_key].active_sessions >= HELD - 1,
+            lambda: (
+                front.serving.routes.loads(front.serving.plan)[idle_key].active_sessions >= HELD - 1
+            ),
             60,
             "the gateway seeing the held sessions",
         )
@@ -99,7 +101,7 @@ async def test_next_turn_goes_back_to_the_pipeline_holding_its_prefix(
             stage_of(idle_choice).close(f"held-{i}")
         await until(
             lambda: all(
-                n.serving._loads(n.serving.plan)[idle_key].active_sessions == 0 for n in nodes
+                n.serving.routes.loads(n.serving.plan)[idle_key].active_sessions == 0 for n in nodes
             ),
             60,
             "every gateway seeing the idle choice idle again",
@@ -121,7 +123,7 @@ async def test_next_turn_goes_back_to_the_pipeline_holding_its_prefix(
         hashes = block_hashes(third_turn)
         await until(
             lambda: (
-                matched_blocks(hashes, back.serving._summary_of()(_stage(other)))
+                matched_blocks(hashes, back.serving.routes.summary_of()(_stage(other)))
                 >= len(second_turn) // BLOCK_TOKENS
             ),
             60,

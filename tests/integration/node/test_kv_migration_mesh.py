@@ -30,7 +30,7 @@ PROMPT = (PROMPT_IDS * 20)[:128]  # 128 tokens of context: eight blocks to move
 
 
 def sessions_held(node) -> int:
-    return sum(s.server.kv.statistics().sessions for s in node.serving._served.values())
+    return sum(s.kv.statistics().sessions for s in node.serving.stages.servers().values())
 
 
 def replicated(plan) -> set[str]:
@@ -82,11 +82,11 @@ async def test_a_draining_replica_hands_its_session_over_with_its_kv(
         assert (stats.migrations, stats.recoveries, stats.move_replays) == (1, 0, 0)
         # a node may hold no stage by now (the re-plan after the victim left)
         heirs = [
-            served.server.statistics()
+            server.statistics()
             for n in mesh.nodes
             if n is not victim
-            for served in n.serving._served.values()
-            if served.server.statistics().kv.migrations
+            for server in n.serving.stages.servers().values()
+            if server.statistics().kv.migrations
         ]
         assert heirs  # the KV arrived somewhere
         for heir in heirs:

@@ -52,7 +52,7 @@ async def test_a_join_keeps_streams_exact_and_a_lost_stage_replays_through_the_n
 
             def judged() -> bool:
                 # the coordinator has planned with the newcomer among its inputs
-                snapshot = boss.serving._snapshot
+                snapshot = boss.serving.follower.planned_on
                 return snapshot is not None and any(
                     d.peer_id == newcomer.peer_id for d in snapshot.devices
                 )

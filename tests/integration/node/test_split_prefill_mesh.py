@@ -36,8 +36,8 @@ UNITS = 32  # the default model's: embedding, 30 layers, head
 
 
 def stage_of(node: Any) -> Any:
-    (served,) = node.serving._served.values()
-    return served.server
+    (server,) = node.serving.stages.servers().values()
+    return server
 
 
 def helper_in_sight(gateway: Any, prompt: list[int]) -> bool:
@@ -47,7 +47,7 @@ def helper_in_sight(gateway: Any, prompt: list[int]) -> bool:
     serving = gateway.serving
     hashes = block_hashes(prompt)
     return all(
-        serving._helper((Hop(p.stages[0].peer_id, 0, UNITS),), frozenset(), hashes)
+        serving.routes.helper((Hop(p.stages[0].peer_id, 0, UNITS),), frozenset(), hashes)
         for p in serving.plan.pipelines
     )
 
@@ -99,7 +99,7 @@ async def test_a_long_prompt_borrows_the_idle_replica(
         await until(
             lambda: all(
                 load.active_sessions >= 1
-                for load in front.serving._loads(front.serving.plan).values()
+                for load in front.serving.routes.loads(front.serving.plan).values()
             ),
             60,
             "the gateway seeing both replicas busy",

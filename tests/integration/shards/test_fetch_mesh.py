@@ -71,7 +71,7 @@ async def _join(mesh: InProcessMesh) -> Node:
 
 
 def _stages(node) -> set[tuple[int, int]]:
-    return {key for key, served in node.serving._served.items() if not served.retiring}
+    return set(node.serving.stages.serving())
 
 
 def _units(stages: set[tuple[int, int]]) -> set[int]:
@@ -135,7 +135,7 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                 # every tensor came over a data-plane link (one host: shm), none over libp2p
                 assert shards.links is not None
                 assert shards.links.bytes_by_backend == {"shm": shards.bytes_fetched}
-            calibrated = joiners[1].serving._announced.calibration
+            calibrated = joiners[1].serving.announced().calibration
             assert calibrated is not None
             assert calibrated.block_step_s != 0.002  # measured here, not the figure given
             scratch_root = tmp_path / "j2-cache" / "models" / "shards" / "calibration"
@@ -181,9 +181,9 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                 await ensure(start, end)
 
             shards_of_mover.ensure = flaky
-            mover.serving._apply(swapped)
+            mover.serving.stages.follow(swapped, mover.peer_id)
             with trio.fail_after(240):
-                while not new <= set(mover.serving._served):
+                while not new <= set(mover.serving.stages.servers()):
                     assert _stages(mover) == old  # the old stage serves until then
                     await trio.sleep(0.05)
             assert _stages(mover) == new  # swapped as soon as the new stage was loaded
