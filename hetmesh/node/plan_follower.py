@@ -149,6 +149,11 @@ class PlanFollower:
         return self.coordination.plan
 
     @property
+    def refused(self) -> frozenset[PeerId]:
+        """The peers whose plans this node refused (and logged) so far."""
+        return frozenset(self._refusal_logged)
+
+    @property
     def insufficient(self) -> str:
         """Why the coordinator cannot place the model ("" when it can, or we do not plan)."""
         return self.coordination.insufficient

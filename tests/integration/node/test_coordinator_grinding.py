@@ -61,7 +61,7 @@ async def test_a_ground_low_peer_id_does_not_take_the_coordinator(
                 # each node's plan loop had the member's plan in view: it refused it, or
                 # (the old rule) took the member for its coordinator
                 return all(
-                    hostile.peer_id in n.serving._refusal_logged
+                    hostile.peer_id in n.serving.follower.refused
                     or n.serving.statistics().coordinator == hostile.peer_id
                     for n in nodes
                 )
@@ -69,7 +69,8 @@ async def test_a_ground_low_peer_id_does_not_take_the_coordinator(
             await until(judged, 60, "both nodes to judge the ground member's plan")
             for node in nodes:
                 assert node.serving.statistics().coordinator == boss
-                assert node.serving._coordination.signer == boss  # its plan, not the member's
+                # its plan, not the member's
+                assert node.serving.follower.coordination.signer == boss
             assert await generate(mesh.addr, TOKENS) == expected
 
 
@@ -112,5 +113,5 @@ async def test_a_coordinator_that_leaves_is_succeeded_by_a_member_of_its_plan(
         await until(succeeded, 120, "the survivors to follow their new coordinator's plan")
         (successor,) = bosses(rest)
         assert successor in {n.peer_id for n in rest}
-        assert rest[0].serving._coordination.signer == successor
+        assert rest[0].serving.follower.coordination.signer == successor
         assert await generate(str(rest[0].discovery.addrs[0]), TOKENS) == expected
