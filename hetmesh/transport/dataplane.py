@@ -76,7 +76,8 @@ from hetmesh.transport.punch_plan import (
     candidate_of,
     punch_pair,
 )
-from hetmesh.transport.shm import MAX_SEGMENTS, PeerMappings, ShmLink, packet_framer
+from hetmesh.transport.shm import MAX_SEGMENTS, ShmLink, packet_framer
+from hetmesh.transport.shm_mappings import PeerMappings
 
 log = logging.getLogger(__name__)
 
