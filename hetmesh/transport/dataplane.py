@@ -76,8 +76,7 @@ from hetmesh.transport.punch_plan import (
     candidate_of,
     punch_pair,
 )
-from hetmesh.transport.shm import MAX_SEGMENTS, ShmLink, packet_framer
-from hetmesh.transport.shm_mappings import PeerMappings
+from hetmesh.transport.shm import MAX_SEGMENTS, PeerMappings, ShmLink, packet_framer
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,6 @@ honest sender with the same budget can own), and twice that over all of one
 peer's links together (:class:`PeerMappings`: a peer opening many links gets
 no more of our address space).
 
-A tensor of at most ``inline_max_bytes`` (default :data:`INLINE_MAX_BYTES`: a
-decode step's activations) that did not come from ``allocate`` travels inside
-the doorbell packet instead (bytes in place of its segment id): the same one
-copy, but no segment and no release packet back, so the sender's reader is not
-woken once a token per hop for nothing.
-
 Per handoff: one doorbell packet each way (the frame; later a release),
 no fd once a segment is known, the receiver's tensor views of a segment
 cached by layout, and in blocking mode a receive that polls the doorbell
@@ -73,13 +67,10 @@ from hetmesh.transport.links import (
     in_thread,
 )
 from hetmesh.transport.negotiation import Backend
-from hetmesh.transport.shm_mappings import PeerMappings
 
 MIN_SEGMENT = 64 << 10
 MAX_PACKET = 1 << 20
 MAX_SEGMENTS = 4096  # per side of a link: mappings are a per-process kernel resource
-INLINE_MAX_BYTES = 8 << 10  # a tensor up to this size rides in the doorbell packet
-_INLINE_TOTAL = 64 << 10  # at most this much inline per packet (the rest in segments)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _FRAME, _RELEASE = 0, 1
 
@@ -99,13 +90,6 @@ class _Segment:
     # receiver side: tensor views of this segment by (dtype, shape), reused for the next
     # frame of the same layout (three torch view ops per tensor otherwise)
     tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
-
-
-def _owned_bytes(data: bytes) -> torch.Tensor:
-    """A writable ``uint8`` tensor of its own holding ``data`` (an inline tensor)."""
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def new_segment_fd(seg_id: int, size: int) -> int:
@@ -160,7 +144,7 @@ class FramePacket(NamedTuple):
     """A doorbell packet carrying a frame, checked as far as it can be without the link."""
 
     pending: Pending  # the frame's head, checked by frames.parse_head
-    seg_ids: list[object]  # each tensor's segment id, or its bytes inline (the link checks them)
+    seg_ids: list[object]  # the segment of each tensor, in order (the link checks them)
     new: list[list[int]]  # [segment id, size] of each passed descriptor
 
 
@@ -169,8 +153,7 @@ def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | 
 
     ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`: its frame
     head checked, one new descriptor per passed file with its size within
-    ``limits.max_payload_bytes``, one segment id (or inline bytes of the
-    tensor's exact size) per tensor.
+    ``limits.max_payload_bytes``, one segment id per tensor.
     ``[_RELEASE, seg_ids]`` gives the released ids. The link then checks the
     ids against its segments (``ShmLink._on_packet``), still before mapping
     anything. :class:`RemoteProtocolError` on any fault.
@@ -204,9 +187,6 @@ def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | 
     pending = parse_head(head, limits)
     if len(seg_ids) != len(pending.specs):
         raise RemoteProtocolError("one segment per tensor expected")
-    for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
-        if type(seg_id) is bytes and len(seg_id) != spec.nbytes:
-            raise RemoteProtocolError("inline tensor does not match its size")
     return tuple.__new__(FramePacket, (pending, seg_ids, new))  # NamedTuple's __new__ is slow
 
 
@@ -228,6 +208,39 @@ def packet_framer(sock: socket.socket, limits: Limits) -> tuple[SendFrame, Recei
     return send, receive
 
 
+class PeerMappings:
+    """Segments and bytes mapped from each peer over all its shm links (thread-safe:
+    links map on their reader threads). Refuses past ``max_segments`` / ``max_bytes``
+    a peer; a link gives its share back when it shuts down."""
+
+    def __init__(self, max_segments: int, max_bytes: int) -> None:
+        self.max_segments = max_segments
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[int, int]] = {}  # peer -> (segments, bytes)
+
+    def take(self, peer: str, segments: int, nbytes: int) -> bool:
+        with self._lock:
+            held_segments, held_bytes = self._held.get(peer, (0, 0))
+            if held_segments + segments > self.max_segments:
+                return False
+            if held_bytes + nbytes > self.max_bytes:
+                return False
+            self._held[peer] = (held_segments + segments, held_bytes + nbytes)
+            return True
+
+    def give_back(self, peer: str, segments: int, nbytes: int) -> None:
+        with self._lock:
+            held_segments, held_bytes = self._held.pop(peer, (0, 0))
+            left = (held_segments - segments, held_bytes - nbytes)
+            if left[0] > 0:
+                self._held[peer] = left
+
+    def held(self, peer: str) -> tuple[int, int]:
+        with self._lock:
+            return self._held.get(peer, (0, 0))
+
+
 class ShmLink(ThreadedLink):
     """Frames whose tensors travel in shared memory (see the module docstring)."""
 
@@ -242,10 +255,8 @@ class ShmLink(ThreadedLink):
         budget_bytes: int = 2 << 30,
         wait_s: float = 30.0,
         mappings: PeerMappings | None = None,
-        inline_max_bytes: int = INLINE_MAX_BYTES,
     ) -> None:
         super().__init__(remote_peer_id, limits)
-        self._inline_max = inline_max_bytes
         self._mappings = mappings  # shared by the peer's links: its total is bounded
         self.sock = sock
         self._budget = budget_bytes
@@ -259,8 +270,7 @@ class ShmLink(ThreadedLink):
         self._allocated: dict[int, int] = {}  # data_ptr -> own seg id, allocated not yet sent
         self._remote: dict[int, _Segment] = {}
         self._remote_bytes = 0  # mapped from the peer: at most budget_bytes
-        # data_ptr of a received tensor -> remote seg id (None: inline, nothing to give back)
-        self._lent: dict[int, int | None] = {}
+        self._lent: dict[int, int] = {}  # data_ptr of a received tensor -> remote seg id
         self._lent_bytes = 0
         self._early: deque[Frame] = deque()
         self._pending_release: list[int] = []
@@ -310,18 +320,13 @@ class ShmLink(ThreadedLink):
 
     def _write_blocking(self, frame: Frame) -> int:
         head, buffers, total = encode_parts(frame, self.limits)
-        seg_ids: list[int | bytes] = []
+        seg_ids: list[int] = []
         new: list[list[int]] = []
         fds: list[int] = []
         if buffers:
             allocated = self._allocated
-            inline = _INLINE_TOTAL
             for tensor, buffer in zip(frame.tensors_(), buffers, strict=True):
                 seg_id = allocated.pop(tensor.data_ptr(), None) if tensor.nbytes else None
-                if seg_id is None and tensor.nbytes <= min(self._inline_max, inline):
-                    seg_ids.append(bytes(flat_bytes(buffer)))  # in the packet: no segment
-                    inline -= tensor.nbytes
-                    continue
                 if seg_id is None:  # not from allocate(): one copy into a segment
                     data = flat_bytes(buffer)
                     segment = self._take_segment(len(data))
@@ -364,15 +369,10 @@ class ShmLink(ThreadedLink):
         """Whether every segment ``frame``'s copies need is free or within the budget
         now (the caller holds the write lock: nobody else takes segments meanwhile)."""
         needed: dict[int, int] = {}
-        inline = _INLINE_TOTAL
         for t in frame.tensors_():
-            if t.data_ptr() in self._allocated and t.nbytes:
-                continue
-            if t.nbytes <= min(self._inline_max, inline):  # as _write_blocking decides
-                inline -= t.nbytes
-                continue
-            size = segment_size(t.nbytes)
-            needed[size] = needed.get(size, 0) + 1
+            if not t.nbytes or t.data_ptr() not in self._allocated:
+                size = segment_size(t.nbytes)
+                needed[size] = needed.get(size, 0) + 1
         if not needed:
             return True
         with self._cond:
@@ -462,18 +462,14 @@ class ShmLink(ThreadedLink):
         if new:
             self._map_new(new, fds, seg_ids, pending.specs)
         remote = self._remote
-        tensors: list[torch.Tensor] = []
-        lent: list[tuple[int, int | None]] = []  # (tensor index, segment or None: inline)
+        tensors = []
+        lent: list[int] = []
         for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
-            if type(seg_id) is bytes:  # inline (size checked): own memory, nothing to release
-                lent.append((len(tensors), None))
-                tensors.append(as_tensor(_owned_bytes(seg_id), spec))
-                continue
             segment = remote.get(seg_id) if type(seg_id) is int else None
             # nothing is mapped here: a bad id fails the packet with nothing changed
             if segment is None or spec.nbytes > segment.size:
                 raise RemoteProtocolError("tensor does not fit its segment")
-            lent.append((len(tensors), segment.seg_id))
+            lent.append(segment.seg_id)
             key = (spec.dtype, spec.shape)
             tensor = segment.tensors.get(key)
             # a receiver may have changed a view in place (squeeze_, requires_grad_): check
@@ -483,13 +479,11 @@ class ShmLink(ThreadedLink):
                 tensor = segment.tensors[key] = as_tensor(segment.buffer, spec)
             tensors.append(tensor)
         frame = pending.build(tensors)
-        if lent:
+        if tensors:
             with self._cond:
-                for at, seg_id in lent:
-                    t = tensors[at]
-                    if t.nbytes:  # an empty tensor has no address of its own
-                        self._lent[t.data_ptr()] = seg_id
-                        self._lent_bytes += t.nbytes
+                for t, seg_id in zip(tensors, lent, strict=True):
+                    self._lent[t.data_ptr()] = seg_id
+                    self._lent_bytes += t.nbytes
         return frame
 
     def _map_new(
@@ -519,8 +513,6 @@ class ShmLink(ThreadedLink):
                 "peer's shared-memory segments over all its links exceed the budget"
             )
         for target, spec in zip(seg_ids, specs, strict=True):
-            if type(target) is bytes:  # inline: checked by _on_packet
-                continue
             size = -1
             if type(target) is int:
                 known = self._remote.get(target)
@@ -536,11 +528,10 @@ class ShmLink(ThreadedLink):
         seg_ids = []
         with self._cond:
             for t in frame.tensors_():
-                seg_id = self._lent.pop(t.data_ptr(), -1)
-                if seg_id != -1:
+                seg_id = self._lent.pop(t.data_ptr(), None)
+                if seg_id is not None:
                     self._lent_bytes -= t.nbytes
-                    if seg_id is not None:
-                        seg_ids.append(seg_id)
+                    seg_ids.append(seg_id)
         if seg_ids and not self._closed:
             with self._cond:
                 self._pending_release.extend(seg_ids)

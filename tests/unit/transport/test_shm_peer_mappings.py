@@ -12,8 +12,7 @@ import torch
 
 from hetmesh.errors import RemoteProtocolError
 from hetmesh.transport.frames import DEFAULT_LIMITS, Activations, encode_parts
-from hetmesh.transport.shm import MIN_SEGMENT, ShmLink, new_segment_fd
-from hetmesh.transport.shm_mappings import PeerMappings
+from hetmesh.transport.shm import MIN_SEGMENT, PeerMappings, ShmLink, new_segment_fd
 
 
 def test_a_peer_with_many_links_maps_no_more_than_its_share() -> None:
