@@ -135,12 +135,10 @@ def main() -> None:
         ones.append(one)
         chained.append(tpot(three)[0])
         events.clear()
-        began = time.perf_counter()
         got = trio.run(run, wiring)
         assert got == ref, (got, ref)
         stamps = [t for t, w, x in events if w == "client"]
         cuts.append(st.median([b - a for a, b in zip(stamps[1:], stamps[2:])]))
-        del began
     for name, values in (("one process", ones), ("3 stages chained", chained), ("cut", cuts)):
         print(f"{name:20s} ms/token per round: {[round(v * 1e3, 1) for v in values]}")
     print(f"ratios one/cut per round: {[round(a / b, 3) for a, b in zip(ones, cuts)]}")
