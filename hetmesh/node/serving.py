@@ -536,10 +536,12 @@ class Serving:
     ) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints, measured_constraints
         from hetmesh.node.weights import weights_constraints
+        from hetmesh.scheduler.announcement import quota_constraints
 
         local = self.node.discovery.local_record(advance=False)
         announced = [(local.peer_id, local.extra)] + [(e.peer_id, e.record.extra) for e in members]
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
+        constraints = quota_constraints(constraints, announced)
         constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
         # claims against what the stages serving the plan measure: a member far slower
         # than it claimed is planned on its measurement (at the next replan)

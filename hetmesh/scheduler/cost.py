@@ -18,6 +18,17 @@ For units ``[a, b)`` on device ``d``, a step over ``t`` tokens at context ``c``:
   ranges keep the roofline's proportions (the head and the KV term included).
   Prefill (compute-bound) stays on the roofline.
 
+CPU quotas: a device whose quota allows a share ``q`` < 1 of a core
+(``PlanConstraints.cpu_share_by_device``) is calibrated on its sustained step
+(CPU time ÷ ``q``), which is what a stage busy all the time gets. A stage of a
+cut serving one stream is idle while the others compute: the quota's period
+lets it run its step at a whole core's speed as long as it uses under ``q`` of
+the token. So a pipeline's decode latency is ``max(Σ bursts + links, the
+slowest sustained step)``: each stage's step at ``q ×`` its compute (plus its
+overhead) in sequence, unless one stage's quota makes it the bound (a stage
+alone on its device: its sustained step, as before). The search keeps summing
+sustained steps (an upper bound); the predictions of the plan it finds use the rule.
+
 A boundary activation costs ``bytes ÷ bandwidth + RTT / 2`` on the latency path and
 ``bytes ÷ bandwidth`` of link occupancy on the throughput path (RTT overlaps when
 micro-batches are in flight). A pipeline's per-token decode latency is the sum of
@@ -165,6 +176,7 @@ class CostModel:
             constraints.unit_overhead_for(d.peer_id, d.device, d.backend) for d in self.devices
         ]
         self._scales = [self._calibration_scale(i) for i in range(len(self.devices))]
+        self._shares = [constraints.cpu_share_for(d.peer_id, d.device) for d in self.devices]
         self._matrix_cache: dict[tuple[object, ...], FloatArray] = {}
         self._device_matrix: dict[tuple[int, int], FloatArray] = {}
         self._link_cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -333,6 +345,17 @@ class CostModel:
             max(compute, memory) + (end - start) * self._overheads[dev]
         ) + self.stage_overhead_s(start, end)
 
+    def burst_step_s(self, dev: int, start: int, end: int) -> float:
+        """One decode step over ``[start, end)`` on ``dev`` while the device is otherwise
+        idle: its compute at a whole core where a quota holds it to a share of one
+        (the sustained :meth:`step_s` scaled by that share), its overhead as is."""
+        overhead = self.stage_overhead_s(start, end)
+        return self._shares[dev] * (self.step_s(dev, start, end) - overhead) + overhead
+
+    def cpu_share(self, dev: int) -> float:
+        """The share of one core ``dev``'s quota allows (1.0: a core or more)."""
+        return self._shares[dev]
+
     def stage_overhead_s(self, start: int, end: int) -> float:
         """What a decode step over ``[start, end)`` pays outside its compute
         (``PlanConstraints.stage_overhead_s``). A stage holding the whole model feeds
@@ -400,10 +423,11 @@ class CostModel:
         """The predictions for an assignment (contiguous, starting at unit 0)."""
         t = self.constraints.micro_batch_tokens
         records: list[Stage] = []
-        latency = prefill = bottleneck = 0.0
+        latency = prefill = bottleneck = sustained = 0.0
         for i, st in enumerate(stages):
             nxt = stages[i + 1].device if i + 1 < len(stages) else None
-            step = self.step_s(st.device, st.start, st.end, 1)
+            sustained = max(sustained, self.step_s(st.device, st.start, st.end, 1))
+            step = self.burst_step_s(st.device, st.start, st.end)
             batch = self.step_s(st.device, st.start, st.end, t)
             pre = self.prefill_s(st.device, st.start, st.end)
             if nxt is None:
@@ -434,7 +458,7 @@ class CostModel:
             )
         return Pipeline(
             stages=tuple(records),
-            decode_latency_s=latency,
+            decode_latency_s=max(latency, sustained),
             prefill_s_per_1k=prefill,
             bottleneck_s=bottleneck,
             throughput_tps=(t / bottleneck) if bottleneck > 0 else INF,
