@@ -33,13 +33,20 @@ and compares it with the measured one.
 target ≤ 0.10 since issue 16), and per strategy the plan, predicted and measured
 figures, with ``error_terms``: the prediction's miss split into the stages'
 compute (each stage server's own recent step times, read right after the
-generations) and the rest of a token (hops, the gateway). ``--strategies
+generations) and the rest of a token (hops, the gateway), and
+``contention_per_token``: each host's CPU, waits for a CPU and quota throttling
+per token during the generations (schedstat, the cgroup's ``cpu.stat``). On a
+loaded machine ``prediction_error_cpu`` compares the prediction with every host's
+CPU per token (one stream's stages work in sequence, so a quiet machine's token
+takes about that; other load stretches wall time, not CPU time; prefill and
+background threads included). ``prediction_error`` stays the figure of record. ``--strategies
 hetmesh`` measures hetmesh's plan alone (the ratios need all three).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -86,6 +93,57 @@ def stage_steps_of(view: dict[str, Any]) -> dict[str, float]:
         if recent:
             out[str(peer["peer_id"])] = statistics.median(recent)
     return out
+
+
+def _pids(bed: MeshTestbed, host: int) -> set[int]:
+    """The processes in host ``host``'s cgroups (its node and anything it started)."""
+    pids: set[int] = set()
+    for group in bed.net.hosts[host].cgroups:
+        with contextlib.suppress(OSError, ValueError):
+            pids.update(int(x) for x in (group / "cgroup.procs").read_text().split())
+    return pids
+
+
+def sched_of(bed: MeshTestbed) -> dict[int, tuple[float, float, float]]:
+    """host -> (CPU seconds, seconds runnable but waiting for a CPU, seconds throttled by
+    its quota), summed over its processes' threads (``/proc/PID/task/*/schedstat``; the
+    cgroup's ``cpu.stat``) since they started: read before and after the generations,
+    the difference says what the machine's other load cost each host."""
+    out = {}
+    for host in range(len(bed.specs)):
+        cpu = wait = throttled = 0.0
+        for pid in _pids(bed, host):
+            for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    words = stat.read_text().split()
+                    cpu += int(words[0]) / 1e9
+                    wait += int(words[1]) / 1e9
+        for group in bed.net.hosts[host].cgroups:
+            with contextlib.suppress(OSError, ValueError):
+                for line in (group / "cpu.stat").read_text().splitlines():
+                    key, value = line.split()
+                    if key == "throttled_time":  # cgroup v1, ns
+                        throttled += int(value) / 1e9
+                    elif key == "throttled_usec":  # v2
+                        throttled += int(value) / 1e6
+        out[host] = (cpu, wait, throttled)
+    return out
+
+
+def contention_of(
+    before: dict[int, tuple[float, float, float]],
+    after: dict[int, tuple[float, float, float]],
+    tokens: int,
+) -> dict[str, dict[str, float]]:
+    """Per host, per generated token: CPU, waiting for a CPU, throttled (milliseconds)."""
+    return {
+        NAMES[h]: {
+            name: round((after[h][i] - before[h][i]) / max(1, tokens) * 1e3, 2)
+            for i, name in enumerate(("cpu_ms", "runqueue_wait_ms", "throttled_ms"))
+        }
+        for h in after
+        if h in before
+    }
 
 
 def error_terms(
@@ -142,7 +200,11 @@ def measure_strategy(
         )
         devices = devices_of(view)
         bed.generate(prompt_ids, 4)  # warm-up: links opened, caches touched
+        sched_before = sched_of(bed)
         gens = bed.generate(prompt_ids, tokens, repeat=runs)
+        contention = contention_of(
+            sched_before, sched_of(bed), sum(len(g.get("tokens") or ()) for g in gens)
+        )
         failed = [g for g in gens if "tokens" not in g]
         if failed:
             raise RuntimeError(f"{strategy}: generation failed: {failed[0]}")
@@ -152,6 +214,11 @@ def measure_strategy(
             if len(g["times_s"]) > 1
         ]
         decode_s = statistics.median(per_token)
+        # every host's CPU per generated token (prefill and background threads included):
+        # one stream's token is its stages' work in sequence plus the links' transit,
+        # so on a quiet machine its wall time is about this; the machine's other load
+        # stretches wall time, not CPU time
+        cpu_s = max(sum(c["cpu_ms"] for c in contention.values()) / 1e3, 1e-9)
         served = stage_steps_of(bed.status())  # the stages' own step times, just now
         stages = [
             {
@@ -186,9 +253,17 @@ def measure_strategy(
                 for k, v in calibration.items()
                 if k.split("/")[0] in hosts
             },
+            # the quota each host announced under one core (its stages of a cut burst)
+            "cpu_share": {
+                NAMES[hosts[k.split("/")[0]]]: v
+                for k, v in plan.constraints.cpu_share_by_device.items()
+                if k.split("/")[0] in hosts
+            },
             "error_terms": error_terms(
                 stages, decode_s * 1e3, plan.constraints.stage_overhead_s * 1e3
             ),
+            "contention_per_token": contention,
+            "cpu_ms_per_token": round(cpu_s * 1e3, 1),
             "predicted_ms_per_token": round(plan.decode_latency_s * 1e3, 1),
             "measured_ms_per_token": round(decode_s * 1e3, 1),
             "runs_ms_per_token": [round(x * 1e3, 1) for x in per_token],
@@ -197,6 +272,7 @@ def measure_strategy(
             "mesh_up_s": round(up_s, 1),
             "predicted_s": plan.decode_latency_s,
             "measured_s": decode_s,
+            "cpu_s": cpu_s,
         }
     finally:
         bed.stop_nodes()
@@ -266,6 +342,8 @@ def main() -> int:
         "prediction_error": round(
             abs(het["predicted_s"] - het["measured_s"]) / het["measured_s"], 3
         ),
+        # the same against all hosts' CPU per token (a loaded machine stretches wall time)
+        "prediction_error_cpu": round(abs(het["predicted_s"] - het["cpu_s"]) / het["cpu_s"], 3),
         "prediction_error_baselines": {
             s: round(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"], 3)
             for s, r in results.items()
@@ -283,7 +361,11 @@ def main() -> int:
         "seconds": round(time.monotonic() - began, 1),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "strategies": {
-            s: {k: v for k, v in r.items() if k not in ("tokens", "predicted_s", "measured_s")}
+            s: {
+                k: v
+                for k, v in r.items()
+                if k not in ("tokens", "predicted_s", "measured_s", "cpu_s")
+            }
             for s, r in results.items()
         },
     }
