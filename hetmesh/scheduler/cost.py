@@ -29,7 +29,10 @@ overhead) in sequence, unless one stage's quota makes it the bound (a stage
 alone on its device: its sustained step, as before). The search keeps summing
 sustained steps (an upper bound); the predictions of the plan it finds use the rule.
 
-A boundary activation costs ``bytes ÷ bandwidth + RTT / 2`` on the latency path and
+Links: a pair's measured link, its RTT the lower of the two directions' (one
+probe queued behind traffic reads it long), its bandwidth this direction's where
+measured; two devices of one peer or an unmeasured pair get the constraints'
+defaults. A boundary activation costs ``bytes ÷ bandwidth + RTT / 2`` on the latency path and
 ``bytes ÷ bandwidth`` of link occupancy on the throughput path (RTT overlaps when
 micro-batches are in flight). A pipeline's per-token decode latency is the sum of
 its stage steps and links, plus the sampled token's return from the last stage to
@@ -389,11 +392,19 @@ class CostModel:
         elif s.peer_id == d.peer_id:
             out = (cons.same_host_rtt_s, cons.same_host_bandwidth_bps)
         else:
-            found = self._link_index.get((s.peer_id, d.peer_id)) or self._link_index.get(
-                (d.peer_id, s.peer_id)
-            )
-            if found is not None and found.bandwidth_bps > 0:
-                out = (found.rtt_s, found.bandwidth_bps)
+            # this direction's measurement, else the other's; the RTT is a round trip over
+            # the same path either way, and a probe queued behind traffic or a starved
+            # CPU only ever reads it longer: the lower of the two
+            measured = [
+                x
+                for x in (
+                    self._link_index.get((s.peer_id, d.peer_id)),
+                    self._link_index.get((d.peer_id, s.peer_id)),
+                )
+                if x is not None and x.bandwidth_bps > 0
+            ]
+            if measured:
+                out = (min(x.rtt_s for x in measured), measured[0].bandwidth_bps)
             else:
                 out = (cons.default_rtt_s, cons.default_bandwidth_bps)
         self._link_cache[(src, dst)] = out

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from hetmesh.resources import LinkProfile
 from hetmesh.scheduler import plan
 from hetmesh.scheduler.announcement import Host, quota_constraints
 from hetmesh.scheduler.cost import Assignment, CostModel
@@ -126,3 +127,27 @@ def test_quota_constraints_reads_each_peers_announced_host(
     assert out.cpu_share_by_device == expected
     if not expected:
         assert out is BASE
+
+
+def _link(src: str, dst: str, rtt: float, bandwidth: float = 1.25e9) -> LinkProfile:
+    return LinkProfile(src=src, dst=dst, rtt_s=rtt, bandwidth_bps=bandwidth)
+
+
+@pytest.mark.parametrize(
+    ("links", "expected"),
+    [
+        # (the measured links, (rtt, bandwidth) a -> b)
+        ([_link("a", "b", 2e-4), _link("b", "a", 2e-4)], (2e-4, 1.25e9)),
+        ([_link("a", "b", 5.6e-2), _link("b", "a", 6e-4)], (6e-4, 1.25e9)),  # a probe queued
+        ([_link("a", "b", 6e-4), _link("b", "a", 5.6e-2)], (6e-4, 1.25e9)),
+        ([_link("b", "a", 3e-3, 6.25e6)], (3e-3, 6.25e6)),  # the other direction alone
+        ([_link("a", "b", 3e-3, 6.25e6), _link("b", "a", 1e-3, 1.25e9)], (1e-3, 6.25e6)),
+        ([_link("a", "b", 1e-3, 0.0), _link("b", "a", 4e-3, 6.25e6)], (4e-3, 6.25e6)),
+        ([], (BASE.default_rtt_s, BASE.default_bandwidth_bps)),  # unmeasured: the defaults
+    ],
+)
+def test_a_links_rtt_is_the_lower_directions_and_its_bandwidth_this_directions(
+    links: list[LinkProfile], expected: tuple[float, float]
+) -> None:
+    cost = CostModel(MODEL, DEVICES, links, BASE)
+    assert cost.link(0, 1) == pytest.approx(expected)
