@@ -62,6 +62,7 @@ from hetmesh.testbed.mesh import (
     devices_of,
     open_mesh_testbed,
     plan_of,
+    wait_for,
     why_no_testbed,
 )
 
@@ -93,6 +94,21 @@ def stage_steps_of(view: dict[str, Any]) -> dict[str, float]:
         if recent:
             out[str(peer["peer_id"])] = statistics.median(recent)
     return out
+
+
+def placed_everyone(bed: MeshTestbed) -> dict[str, Any] | None:
+    """The status view once a served plan places every host, costed on every host's
+    calibration (else None): on a loaded machine the slowest host can join, or still
+    be timing its block, after a first plan of the others is served, and a baseline
+    planned without it measures another layout beside a node burning CPU."""
+    view = bed.wait_serving()
+    plan = plan_of(view)
+    peers = set(bed.peer_host())
+    if plan is None:
+        return None
+    placed = {s.peer_id for p in plan.pipelines for s in p.stages}
+    calibrated = {k.split("/")[0] for k in plan.constraints.block_step_s_by_device}
+    return view if peers <= placed and peers <= calibrated else None
 
 
 def _pids(bed: MeshTestbed, host: int) -> set[int]:
@@ -186,9 +202,13 @@ def measure_strategy(
     began = time.monotonic()
     bed.start_all(*NODE_ARGS, "--plan-strategy", strategy, "--weights", weights)
     try:
-        view = bed.wait_serving()
+        view = wait_for(
+            lambda: placed_everyone(bed), 240.0, f"{strategy}: a plan placing every host"
+        )
         up_s = time.monotonic() - began
         plan = plan_of(view)
+        if plan is None:  # placed_everyone saw one
+            raise RuntimeError(f"{strategy}: the plan vanished from the status view")
         hosts = bed.peer_host()
         names = {p: NAMES[h] for p, h in hosts.items()}
         print(f"{strategy}: plan {cut.describe(plan, names)}", file=sys.stderr, flush=True)
