@@ -27,7 +27,8 @@ the token. So a pipeline's decode latency is ``max(Σ bursts + links, the
 slowest sustained step)``: each stage's step at ``q ×`` its compute (plus its
 overhead) in sequence, unless one stage's quota makes it the bound (a stage
 alone on its device: its sustained step, as before). The search keeps summing
-sustained steps (an upper bound); the predictions of the plan it finds use the rule.
+sustained steps (an upper bound); the pipelines it finds are predicted, ordered
+(which one is primary) and routed on by the rule.
 
 Links: a pair's measured link, its RTT the lower of the two directions' (one
 probe queued behind traffic reads it long), its bandwidth this direction's where
