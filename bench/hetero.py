@@ -33,13 +33,20 @@ and compares it with the measured one.
 target ≤ 0.10 since issue 16), and per strategy the plan, predicted and measured
 figures, with ``error_terms``: the prediction's miss split into the stages'
 compute (each stage server's own recent step times, read right after the
-generations) and the rest of a token (hops, the gateway). ``--strategies
+generations) and the rest of a token (hops, the gateway), and
+``contention_per_token``: each host's CPU, waits for a CPU and quota throttling
+per token during the generations (schedstat, the cgroup's ``cpu.stat``). On a
+loaded machine ``prediction_error_cpu`` compares the prediction with every host's
+CPU per token (one stream's stages work in sequence, so a quiet machine's token
+takes about that; other load stretches wall time, not CPU time; prefill and
+background threads included). ``prediction_error`` stays the figure of record. ``--strategies
 hetmesh`` measures hetmesh's plan alone (the ratios need all three).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -55,6 +62,7 @@ from hetmesh.testbed.mesh import (
     devices_of,
     open_mesh_testbed,
     plan_of,
+    wait_for,
     why_no_testbed,
 )
 
@@ -86,6 +94,72 @@ def stage_steps_of(view: dict[str, Any]) -> dict[str, float]:
         if recent:
             out[str(peer["peer_id"])] = statistics.median(recent)
     return out
+
+
+def placed_everyone(bed: MeshTestbed) -> dict[str, Any] | None:
+    """The status view once a served plan places every host, costed on every host's
+    calibration (else None): on a loaded machine the slowest host can join, or still
+    be timing its block, after a first plan of the others is served, and a baseline
+    planned without it measures another layout beside a node burning CPU."""
+    view = bed.wait_serving()
+    plan = plan_of(view)
+    peers = set(bed.peer_host())
+    if plan is None:
+        return None
+    placed = {s.peer_id for p in plan.pipelines for s in p.stages}
+    calibrated = {k.split("/")[0] for k in plan.constraints.block_step_s_by_device}
+    return view if peers <= placed and peers <= calibrated else None
+
+
+def _pids(bed: MeshTestbed, host: int) -> set[int]:
+    """The processes in host ``host``'s cgroups (its node and anything it started)."""
+    pids: set[int] = set()
+    for group in bed.net.hosts[host].cgroups:
+        with contextlib.suppress(OSError, ValueError):
+            pids.update(int(x) for x in (group / "cgroup.procs").read_text().split())
+    return pids
+
+
+def sched_of(bed: MeshTestbed) -> dict[int, tuple[float, float, float]]:
+    """host -> (CPU seconds, seconds runnable but waiting for a CPU, seconds throttled by
+    its quota), summed over its processes' threads (``/proc/PID/task/*/schedstat``; the
+    cgroup's ``cpu.stat``) since they started: read before and after the generations,
+    the difference says what the machine's other load cost each host."""
+    out = {}
+    for host in range(len(bed.specs)):
+        cpu = wait = throttled = 0.0
+        for pid in _pids(bed, host):
+            for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    words = stat.read_text().split()
+                    cpu += int(words[0]) / 1e9
+                    wait += int(words[1]) / 1e9
+        for group in bed.net.hosts[host].cgroups:
+            with contextlib.suppress(OSError, ValueError):
+                for line in (group / "cpu.stat").read_text().splitlines():
+                    key, value = line.split()
+                    if key == "throttled_time":  # cgroup v1, ns
+                        throttled += int(value) / 1e9
+                    elif key == "throttled_usec":  # v2
+                        throttled += int(value) / 1e6
+        out[host] = (cpu, wait, throttled)
+    return out
+
+
+def contention_of(
+    before: dict[int, tuple[float, float, float]],
+    after: dict[int, tuple[float, float, float]],
+    tokens: int,
+) -> dict[str, dict[str, float]]:
+    """Per host, per generated token: CPU, waiting for a CPU, throttled (milliseconds)."""
+    return {
+        NAMES[h]: {
+            name: round((after[h][i] - before[h][i]) / max(1, tokens) * 1e3, 2)
+            for i, name in enumerate(("cpu_ms", "runqueue_wait_ms", "throttled_ms"))
+        }
+        for h in after
+        if h in before
+    }
 
 
 def error_terms(
@@ -128,9 +202,13 @@ def measure_strategy(
     began = time.monotonic()
     bed.start_all(*NODE_ARGS, "--plan-strategy", strategy, "--weights", weights)
     try:
-        view = bed.wait_serving()
+        view = wait_for(
+            lambda: placed_everyone(bed), 240.0, f"{strategy}: a plan placing every host"
+        )
         up_s = time.monotonic() - began
         plan = plan_of(view)
+        if plan is None:  # placed_everyone saw one
+            raise RuntimeError(f"{strategy}: the plan vanished from the status view")
         hosts = bed.peer_host()
         names = {p: NAMES[h] for p, h in hosts.items()}
         print(f"{strategy}: plan {cut.describe(plan, names)}", file=sys.stderr, flush=True)
@@ -142,7 +220,11 @@ def measure_strategy(
         )
         devices = devices_of(view)
         bed.generate(prompt_ids, 4)  # warm-up: links opened, caches touched
+        sched_before = sched_of(bed)
         gens = bed.generate(prompt_ids, tokens, repeat=runs)
+        contention = contention_of(
+            sched_before, sched_of(bed), sum(len(g.get("tokens") or ()) for g in gens)
+        )
         failed = [g for g in gens if "tokens" not in g]
         if failed:
             raise RuntimeError(f"{strategy}: generation failed: {failed[0]}")
@@ -152,6 +234,11 @@ def measure_strategy(
             if len(g["times_s"]) > 1
         ]
         decode_s = statistics.median(per_token)
+        # every host's CPU per generated token (prefill and background threads included):
+        # one stream's token is its stages' work in sequence plus the links' transit,
+        # so on a quiet machine its wall time is about this; the machine's other load
+        # stretches wall time, not CPU time
+        cpu_s = max(sum(c["cpu_ms"] for c in contention.values()) / 1e3, 1e-9)
         served = stage_steps_of(bed.status())  # the stages' own step times, just now
         stages = [
             {
@@ -186,9 +273,17 @@ def measure_strategy(
                 for k, v in calibration.items()
                 if k.split("/")[0] in hosts
             },
+            # the quota each host announced under one core (its stages of a cut burst)
+            "cpu_share": {
+                NAMES[hosts[k.split("/")[0]]]: v
+                for k, v in plan.constraints.cpu_share_by_device.items()
+                if k.split("/")[0] in hosts
+            },
             "error_terms": error_terms(
                 stages, decode_s * 1e3, plan.constraints.stage_overhead_s * 1e3
             ),
+            "contention_per_token": contention,
+            "cpu_ms_per_token": round(cpu_s * 1e3, 1),
             "predicted_ms_per_token": round(plan.decode_latency_s * 1e3, 1),
             "measured_ms_per_token": round(decode_s * 1e3, 1),
             "runs_ms_per_token": [round(x * 1e3, 1) for x in per_token],
@@ -197,6 +292,7 @@ def measure_strategy(
             "mesh_up_s": round(up_s, 1),
             "predicted_s": plan.decode_latency_s,
             "measured_s": decode_s,
+            "cpu_s": cpu_s,
         }
     finally:
         bed.stop_nodes()
@@ -266,6 +362,8 @@ def main() -> int:
         "prediction_error": round(
             abs(het["predicted_s"] - het["measured_s"]) / het["measured_s"], 3
         ),
+        # the same against all hosts' CPU per token (a loaded machine stretches wall time)
+        "prediction_error_cpu": round(abs(het["predicted_s"] - het["cpu_s"]) / het["cpu_s"], 3),
         "prediction_error_baselines": {
             s: round(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"], 3)
             for s, r in results.items()
@@ -283,7 +381,11 @@ def main() -> int:
         "seconds": round(time.monotonic() - began, 1),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "strategies": {
-            s: {k: v for k, v in r.items() if k not in ("tokens", "predicted_s", "measured_s")}
+            s: {
+                k: v
+                for k, v in r.items()
+                if k not in ("tokens", "predicted_s", "measured_s", "cpu_s")
+            }
             for s, r in results.items()
         },
     }

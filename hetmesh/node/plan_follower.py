@@ -261,9 +261,11 @@ class PlanFollower:
     ) -> PlanConstraints:
         from hetmesh.node.calibration import calibrated_constraints, measured_constraints
         from hetmesh.node.weights import weights_constraints
+        from hetmesh.scheduler.announcement import quota_constraints
 
         announced = [(r.peer_id, r.extra) for r in (local, *records)]
         constraints = calibrated_constraints(self.constraints, self.model_key, announced)
+        constraints = quota_constraints(constraints, announced)  # shares of a core (issue 42)
         constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
         # claims against what the stages serving the plan measure: a member far slower
         # than it claimed is planned on its measurement (at the next replan)

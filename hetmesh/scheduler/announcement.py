@@ -33,6 +33,7 @@ still counts), since what other nodes announce may be anything. Pure: no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import TypeGuard, TypeVar
 from hetmesh.resources import WireRecord
 from hetmesh.scheduler.plan_trust import Offer, PlanSignature
 from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, decode_summary
-from hetmesh.scheduler.records import Plan
+from hetmesh.scheduler.records import Plan, PlanConstraints, device_key
 
 SERVING_VERSION = 1
 MAX_NAME_CHARS = 256  # model keys, weight formats, device names
@@ -314,6 +315,26 @@ def _counters(value: object) -> dict[str, float]:
     }
 
 
+def quota_constraints(
+    constraints: PlanConstraints, announced: Sequence[tuple[str, Mapping[str, object]]]
+) -> PlanConstraints:
+    """``constraints`` with each CPU node's quota filled in: a peer whose announced
+    :class:`Host` share is under one core gets ``cpu_share_by_device`` for its ``cpu``
+    device (the cost model then predicts its stages of a cut at a whole core's
+    speed while the rest of the token leaves it idle; see
+    :class:`~hetmesh.scheduler.cost.CostModel`). ``announced``: (peer id, that peer's
+    announcement ``extra``); a peer with no host, or one of a core or more, is left out.
+    """
+    shares: dict[str, float] = {}
+    for peer_id, extra in announced:
+        host = read_serving(extra, plan_of=None).host
+        if host is not None and host.share < 1.0:
+            shares[device_key(peer_id, "cpu")] = host.share
+    if shares == constraints.cpu_share_by_device:
+        return constraints
+    return dataclasses.replace(constraints, cpu_share_by_device=shares)
+
+
 __all__ = [
     "SERVING_VERSION",
     "Calibration",
@@ -321,6 +342,7 @@ __all__ = [
     "ServedStage",
     "ServingAnnouncement",
     "parse_plan",
+    "quota_constraints",
     "read_offer",
     "read_serving",
     "serving_extra",

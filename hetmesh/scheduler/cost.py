@@ -18,7 +18,22 @@ For units ``[a, b)`` on device ``d``, a step over ``t`` tokens at context ``c``:
   ranges keep the roofline's proportions (the head and the KV term included).
   Prefill (compute-bound) stays on the roofline.
 
-A boundary activation costs ``bytes ÷ bandwidth + RTT / 2`` on the latency path and
+CPU quotas: a device whose quota allows a share ``q`` < 1 of a core
+(``PlanConstraints.cpu_share_by_device``) is calibrated on its sustained step
+(CPU time ÷ ``q``), which is what a stage busy all the time gets. A stage of a
+cut serving one stream is idle while the others compute: the quota's period
+lets it run its step at a whole core's speed as long as it uses under ``q`` of
+the token. So a pipeline's decode latency is ``max(Σ bursts + links, the
+slowest sustained step)``: each stage's step at ``q ×`` its compute (plus its
+overhead) in sequence, unless one stage's quota makes it the bound (a stage
+alone on its device: its sustained step, as before). The search keeps summing
+sustained steps (an upper bound); the pipelines it finds are predicted, ordered
+(which one is primary) and routed on by the rule.
+
+Links: a pair's measured link, its RTT the lower of the two directions' (one
+probe queued behind traffic reads it long), its bandwidth this direction's where
+measured; two devices of one peer or an unmeasured pair get the constraints'
+defaults. A boundary activation costs ``bytes ÷ bandwidth + RTT / 2`` on the latency path and
 ``bytes ÷ bandwidth`` of link occupancy on the throughput path (RTT overlaps when
 micro-batches are in flight). A pipeline's per-token decode latency is the sum of
 its stage steps and links, plus the sampled token's return from the last stage to
@@ -165,6 +180,7 @@ class CostModel:
             constraints.unit_overhead_for(d.peer_id, d.device, d.backend) for d in self.devices
         ]
         self._scales = [self._calibration_scale(i) for i in range(len(self.devices))]
+        self._shares = [constraints.cpu_share_for(d.peer_id, d.device) for d in self.devices]
         self._matrix_cache: dict[tuple[object, ...], FloatArray] = {}
         self._device_matrix: dict[tuple[int, int], FloatArray] = {}
         self._link_cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -333,6 +349,17 @@ class CostModel:
             max(compute, memory) + (end - start) * self._overheads[dev]
         ) + self.stage_overhead_s(start, end)
 
+    def burst_step_s(self, dev: int, start: int, end: int) -> float:
+        """One decode step over ``[start, end)`` on ``dev`` while the device is otherwise
+        idle: its compute at a whole core where a quota holds it to a share of one
+        (the sustained :meth:`step_s` scaled by that share), its overhead as is."""
+        overhead = self.stage_overhead_s(start, end)
+        return self._shares[dev] * (self.step_s(dev, start, end) - overhead) + overhead
+
+    def cpu_share(self, dev: int) -> float:
+        """The share of one core ``dev``'s quota allows (1.0: a core or more)."""
+        return self._shares[dev]
+
     def stage_overhead_s(self, start: int, end: int) -> float:
         """What a decode step over ``[start, end)`` pays outside its compute
         (``PlanConstraints.stage_overhead_s``). A stage holding the whole model feeds
@@ -366,11 +393,19 @@ class CostModel:
         elif s.peer_id == d.peer_id:
             out = (cons.same_host_rtt_s, cons.same_host_bandwidth_bps)
         else:
-            found = self._link_index.get((s.peer_id, d.peer_id)) or self._link_index.get(
-                (d.peer_id, s.peer_id)
-            )
-            if found is not None and found.bandwidth_bps > 0:
-                out = (found.rtt_s, found.bandwidth_bps)
+            # this direction's measurement, else the other's; the RTT is a round trip over
+            # the same path either way, and a probe queued behind traffic or a starved
+            # CPU only ever reads it longer: the lower of the two
+            measured = [
+                x
+                for x in (
+                    self._link_index.get((s.peer_id, d.peer_id)),
+                    self._link_index.get((d.peer_id, s.peer_id)),
+                )
+                if x is not None and x.bandwidth_bps > 0
+            ]
+            if measured:
+                out = (min(x.rtt_s for x in measured), measured[0].bandwidth_bps)
             else:
                 out = (cons.default_rtt_s, cons.default_bandwidth_bps)
         self._link_cache[(src, dst)] = out
@@ -400,10 +435,11 @@ class CostModel:
         """The predictions for an assignment (contiguous, starting at unit 0)."""
         t = self.constraints.micro_batch_tokens
         records: list[Stage] = []
-        latency = prefill = bottleneck = 0.0
+        latency = prefill = bottleneck = sustained = 0.0
         for i, st in enumerate(stages):
             nxt = stages[i + 1].device if i + 1 < len(stages) else None
-            step = self.step_s(st.device, st.start, st.end, 1)
+            sustained = max(sustained, self.step_s(st.device, st.start, st.end, 1))
+            step = self.burst_step_s(st.device, st.start, st.end)
             batch = self.step_s(st.device, st.start, st.end, t)
             pre = self.prefill_s(st.device, st.start, st.end)
             if nxt is None:
@@ -434,7 +470,7 @@ class CostModel:
             )
         return Pipeline(
             stages=tuple(records),
-            decode_latency_s=latency,
+            decode_latency_s=max(latency, sustained),
             prefill_s_per_1k=prefill,
             bottleneck_s=bottleneck,
             throughput_tps=(t / bottleneck) if bottleneck > 0 else INF,

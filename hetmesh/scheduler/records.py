@@ -105,6 +105,11 @@ class PlanConstraints(WireRecord):
     # model scales that device's predicted step times so one block costs this much
     block_step_s_by_device: dict[str, float] = field(default_factory=dict)
     calibration_context_tokens: int = 128
+    # the cores a CPU device's forwards may keep busy, by device key, where a quota
+    # holds it under one core (the Host its node announces): its calibrated step is
+    # the sustained one (CPU time ÷ share), but a stage idle for most of a token runs
+    # its step at a whole core's speed (hetmesh.scheduler.cost.CostModel.pipeline)
+    cpu_share_by_device: dict[str, float] = field(default_factory=dict)
     # the weight format each device serves in, by device key, as bytes per unit: its
     # memory fit, KV budget and weight reads use these (absent: the model's own profile)
     weights_by_device: dict[str, WeightBytes] = field(default_factory=dict)
@@ -131,6 +136,8 @@ class PlanConstraints(WireRecord):
             raise ValueError("calibration_context_tokens must be positive")
         if any(not v > 0 for v in self.block_step_s_by_device.values()):
             raise ValueError("measured block step times must be positive")
+        if any(not 0 < v <= 1 for v in self.cpu_share_by_device.values()):
+            raise ValueError("a device's CPU share lies in (0, 1]")
 
     @property
     def context_tokens(self) -> int:
@@ -146,6 +153,10 @@ class PlanConstraints(WireRecord):
     def block_step_for(self, peer_id: PeerId, device: str) -> float | None:
         """The measured decode step of one block on this device, if calibrated."""
         return self.block_step_s_by_device.get(device_key(peer_id, device))
+
+    def cpu_share_for(self, peer_id: PeerId, device: str) -> float:
+        """The share of one core this device's quota allows (1.0: a core or more)."""
+        return self.cpu_share_by_device.get(device_key(peer_id, device), 1.0)
 
     def weights_for(self, peer_id: PeerId, device: str) -> WeightBytes | None:
         """The bytes per unit of the format this device serves in, if announced."""
