@@ -12,7 +12,10 @@ A model argument is one of:
 - a local Hugging Face folder with ``config.json`` and safetensors weights of a
   supported family (used in place, never copied);
 - a local ``.gguf`` file, converted once (compact, as above) into the cache
-  under its sha256.
+  under its sha256;
+- a synth name (``synth-llama-3.2-1b``...): random weights at a real
+  model's shape, written into the cache on first use
+  (:mod:`hetmesh.partition.synth`); its text is noise.
 
 Converted models live in ``<cache>/models/<key>/``. Every conversion is
 written into a temporary folder next to it and renamed into place when
@@ -103,6 +106,12 @@ def resolve_model(
         raise ModelNotFound("empty model name")
     if text in _DEFAULT_ALIASES:
         return pull_default(cache, progress=report)
+    from hetmesh.partition.synth import is_synth_name, parse_synth_name
+
+    if is_synth_name(text):  # seeded noise at a real shape, written on first use
+        from hetmesh.partition.synth_write import ensure_synth
+
+        return ensure_synth(parse_synth_name(text), cache, progress=report)
     path = Path(text).expanduser()
     if not path.exists():
         raise ModelNotFound(
