@@ -334,7 +334,12 @@ def native_weights(model_dir: str | os.PathLike[str], device: str) -> WeightForm
     CUDA and ``float32`` elsewhere. A format the device has no kernel for falls
     back to ``float32``.
     """
-    kind = stored_matrix_kind(Path(model_dir))
+    return native_for_kind(stored_matrix_kind(Path(model_dir)), device)
+
+
+def native_for_kind(kind: str | None, device: str) -> WeightFormat:
+    """:func:`native_weights` for matrices stored as ``kind`` (what
+    :func:`stored_matrix_kind` reads off a folder), e.g. a synth model not yet written."""
     on = str(device).split(":", 1)[0]
     if kind in ("q4_1", "q8_0"):
         if on == "cpu":
@@ -366,6 +371,7 @@ __all__ = [
     "CheckpointReader",
     "Kind",
     "float_state_dict",
+    "native_for_kind",
     "native_weights",
     "settle_weights",
     "stored_matrix_kind",

@@ -241,6 +241,12 @@ def parse_synth_name(text: str) -> SynthSpec:
     return SynthSpec(shape, fmt, int(found.group("seed") or 0))
 
 
+def matrix_kind(spec: SynthSpec) -> str:
+    """How ``spec`` stores its decoder's matrices, as
+    :func:`~hetmesh.partition.checkpoint.stored_matrix_kind` names it."""
+    return "bfloat16" if spec.fmt is SynthFormat.BF16 else spec.fmt.value
+
+
 def synth_config(shape: SynthShape) -> dict[str, Any]:
     """The Hugging Face config fields of ``shape`` (transformers fills in the rest)."""
     config: dict[str, Any] = {
@@ -436,6 +442,7 @@ __all__ = [
     "draw",
     "gguf_blocks",
     "is_synth_name",
+    "matrix_kind",
     "parse_synth_name",
     "row_chunks",
     "stored_bytes",

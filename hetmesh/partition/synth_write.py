@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -49,7 +47,7 @@ from hetmesh.partition.synth import (
 Progress = Callable[[str, float], None]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 DISK_MARGIN_BYTES = 256 * 2**20  # left free beyond the checkpoint itself
-_NOTE = "random weights at a real model's shape: its text is noise (hetmesh model synth)"
+NOTE = "random weights at a real model's shape: its text is noise (hetmesh model synth)"
 
 
 def _quiet(phase: str, fraction: float) -> None:
@@ -72,7 +70,7 @@ class _SafetensorsOut:
     def __init__(
         self, path: Path, entries: Sequence[tuple[str, str, tuple[int, ...], int]]
     ) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", "hetmesh_synth": _NOTE}}
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", "hetmesh_synth": NOTE}}
         self._where: dict[str, tuple[int, int]] = {}  # name -> (offset, bytes per row)
         offset = 0
         for name, dtype, shape, nbytes in entries:
@@ -137,52 +135,6 @@ def _write_config(spec: SynthSpec, out: Path) -> None:
     generation.save_pretrained(str(out))
 
 
-def ensure_synth(spec: SynthSpec, cache: Path, *, progress: Progress | None = None) -> Path:
-    """``spec``'s folder in the model cache, written on first use (like the default
-    model's pull: into a temporary folder, renamed into place when complete, under a
-    lock so two processes never write it twice)."""
-    from hetmesh.partition import store
-
-    report = progress or _quiet
-    target = store._models_root(cache) / spec.name
-    if store._complete(target):
-        return target
-    tokenizer_dir = store.pull_default(cache, progress=report)
-    with store._locked(cache, spec.name):
-        if store._complete(target):
-            return target
-        tmp_root = store._tmp_root(cache)
-        check_disk(tmp_root, stored_bytes(spec))
-        with tempfile.TemporaryDirectory(dir=tmp_root) as tmp:
-            out = Path(tmp) / spec.name
-            try:
-                write_folder(spec, out, tokenizer_dir, report)
-                marker = {
-                    "format_version": store._FORMAT_VERSION,
-                    "layout": "bf16" if spec.fmt.value == "bf16" else "compact",
-                    "source": "synth",
-                    "synth": {
-                        "shape": spec.shape.name,
-                        "copies": spec.shape.copies,
-                        "format": spec.fmt.value,
-                        "seed": spec.seed,
-                        "note": _NOTE,
-                    },
-                    "files": {f.name: f.stat().st_size for f in sorted(out.glob("*.safetensors"))},
-                }
-                (out / store.MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if target.exists():  # a stale or damaged folder
-                    shutil.rmtree(target)
-                os.replace(out, target)
-            except OSError as exc:
-                raise ModelError(
-                    f"cannot write {spec.name} to {target}: {store.brief_error(exc)}"
-                ) from exc
-    report("done", 1.0)
-    return target
-
-
 # --- GGUF -----------------------------------------------------------------------------
 
 _GGUF_NAMES = {
@@ -223,7 +175,7 @@ def write_gguf(
     arch = shape.family
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(spec.name)
-    writer.add_description(_NOTE)
+    writer.add_description(NOTE)
     writer.add_file_type(
         {"q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(
             spec.fmt.value, gguf.LlamaFileType.MOSTLY_BF16
@@ -339,4 +291,4 @@ def _add_tokenizer(writer: Any, tokenizer_dir: Path) -> None:
         writer.add_chat_template(template.read_text())
 
 
-__all__ = ["check_disk", "ensure_synth", "gguf_name", "write_folder", "write_gguf"]
+__all__ = ["NOTE", "check_disk", "gguf_name", "write_folder", "write_gguf"]
