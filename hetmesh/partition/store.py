@@ -111,7 +111,7 @@ def resolve_model(
         return pull_default(cache, progress=report)
     from hetmesh.partition.synth import is_synth_name, parse_synth_name
 
-    if is_synth_name(text):  # seeded noise at a real shape, written on first use
+    if is_synth_name(text) and not Path(text).exists():  # written on first use
         return ensure_synth(parse_synth_name(text), cache, progress=report)
     path = Path(text).expanduser()
     if not path.exists():

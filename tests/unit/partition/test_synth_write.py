@@ -122,3 +122,12 @@ def test_a_synth_gguf_converts_to_the_same_tensors_and_tokenizer(
     ours = transformers.AutoTokenizer.from_pretrained(str(folder))
     theirs = transformers.AutoTokenizer.from_pretrained(str(converted))
     assert theirs.encode(text) == ours.encode(text)
+
+
+def test_an_existing_folder_named_like_a_synth_model_is_used_in_place(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_folder(parse_synth_name("synth-tiny"), tmp_path / "synth-mine", default_model_dir)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("synth-mine", cache_dir=tmp_path / "cache") == tmp_path / "synth-mine"
+    assert not (tmp_path / "cache" / "models").exists()
