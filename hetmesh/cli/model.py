@@ -109,8 +109,8 @@ def synth(
     width, rope, tied or untied head); the vocabulary and tokenizer are the default
     model's, so prompts tokenise as usual. Its text is noise: it measures what
     serving a model of that size costs, never quality. Any --model option takes the
-    printed name (written on first use there too, with seed 0), e.g. ``hetmesh
-    generate --model synth-llama-3.2-1b hi``.
+    printed name and writes it on first use too: hetmesh generate --model
+    synth-llama-3.2-1b "Hi" --stages 3.
     """
     from hetmesh.partition.store import default_cache_dir, pull_default
     from hetmesh.partition.synth import SynthFormat, SynthSpec, parse_synth_name
