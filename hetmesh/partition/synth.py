@@ -296,7 +296,12 @@ def tensor_plans(spec: SynthSpec) -> list[TensorPlan]:
     s = spec.shape
     h, inter, layers = s.hidden_size, s.intermediate_size, s.num_hidden_layers
     q_out, kv_out = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    matrix: Kind = {"q4_1": "q4_1", "q8_0": "q8_0", "bf16": "bf16"}[spec.fmt.value]  # type: ignore[assignment]
+    matrices: dict[SynthFormat, Kind] = {
+        SynthFormat.Q4_1: "q4_1",
+        SynthFormat.Q8_0: "q8_0",
+        SynthFormat.BF16: "bf16",
+    }
+    matrix = matrices[spec.fmt]
     table: Kind = "bf16" if spec.fmt is SynthFormat.BF16 else "q8_0"
     vector: Kind = "bf16" if spec.fmt is SynthFormat.BF16 else "f32"
     residual = RESIDUAL_RMS / math.sqrt(2 * layers)
