@@ -7,6 +7,14 @@ each; ``hetmesh/testbed/mesh.py``), starts ``hetmesh node start --model MODEL
 ``--tokens`` greedy tokens of a short prompt. With ``--standby`` (default on) one more
 host joins, the planner keeps it as a standby replica of a stage (``--standby 0``: none).
 
+Each node offers the planner its limit less ``--runtime-headroom`` (``--max-memory``):
+the planner charges a stage's weights, KV, workspace and a 64 MiB reserve, not the
+node process itself (~0.5 GiB: Python, torch, transformers, libp2p, calibration), so a
+node offering its whole limit is given stages it cannot hold with its runtime and is
+OOM-killed. Three 2 GiB hosts cannot hold the 8B shape in int4 (4.61 GiB of stages +
+3 x ~0.5 GiB of runtime > 6 GiB): the default limit is 2.5 GiB, under which still no
+host holds the model (docs/journal/2026-12-05-bigmodel.md).
+
 Keys (``--json`` prints one object):
 
 - ``placed_stages``: stages of the adopted plan's primary pipeline (target ≥ 3);
@@ -158,15 +166,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt_ids = encode_prompt(load_tokenizer(model_dir), PROMPT)
     limit = parse_size(args.memory_limit)
     n_hosts = args.hosts + (1 if args.standby else 0)
-    specs = [HostSpec(memory_limit_bytes=limit) for _ in range(n_hosts)]
+    headroom = parse_size(args.runtime_headroom)
+    # what each node offers the planner: the planner charges stages only (weights, KV,
+    # workspace, a 64 MiB reserve), not the node process itself (see the journal)
+    offer = f"{(limit - headroom) >> 20}MiB" if headroom else None
+    specs = [HostSpec(memory_limit_bytes=limit, max_memory=offer) for _ in range(n_hosts)]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hetmesh-bigmodel-"))
     workdir.mkdir(parents=True, exist_ok=True)
     log(f"model {args.model} at {model_dir}; {n_hosts} hosts of {args.memory_limit}; {workdir}")
     hierarchy = detect()
     assert hierarchy is not None
-    out: dict[str, Any] = {"model": args.model, "memory_limit": args.memory_limit}
+    out: dict[str, Any] = {
+        "model": args.model,
+        "memory_limit": args.memory_limit,
+        "offered": offer or "the cgroup limit",
+    }
     with open_mesh_testbed(workdir, specs) as bed:
-        node_args = ("--model", args.model, *NODE_ARGS)
+        node_args: tuple[str, ...] = ("--model", args.model, *NODE_ARGS)
+        if args.block_step_ms:  # announce it instead of calibrating (minutes here)
+            node_args += ("--block-step-ms", str(args.block_step_ms))
         started: dict[int, float] = {}
         started[0] = time.monotonic()
         first = bed.start_node(0, *node_args).wait_up(args.timeout)
@@ -175,6 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bed.start_node(h, *node_args, bootstrap=first.addr)
         for node in bed.nodes[1:]:
             node.wait_up(args.timeout)
+        # each host's memory with its node up (profiled, calibrated) and no stage yet
+        runtime = {h: _usage(bed.net.hosts[h].cgroups) for h in range(n_hosts)}
         log("nodes up; waiting for the plan to be served")
         ready_at: dict[tuple[str, int, int], float] = {}
         plan_at: list[float] = []
@@ -252,6 +272,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "charged_mib": charged[h] >> 20,
                 "peak_mib": peaks[h] >> 20,
                 "peak_over_charged": round(peaks[h] / charged[h], 3),
+                "runtime_before_plan_mib": runtime[h] >> 20,
+                "peak_over_charged_plus_runtime": round(peaks[h] / (charged[h] + runtime[h]), 3),
             }
             for h in sorted(charged)
         }
@@ -293,6 +315,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         got = out["failover"].get("tokens", [])
         out["failover_outputs_identical"] = got == ref[: args.failover_tokens]
     return out
+
+
+def _usage(groups: Sequence[Path]) -> int:
+    """A host's memory in use now (cgroup v1 ``memory.usage_in_bytes`` / v2 ``memory.current``)."""
+    for group in groups:
+        for name in ("memory.usage_in_bytes", "memory.current"):
+            if (group / name).exists():
+                return int((group / name).read_text())
+    return 0
 
 
 def failover(
@@ -373,7 +404,18 @@ def parse_size(text: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="synth-llama-3.1-8b")
-    parser.add_argument("--memory-limit", default="2GiB", help="cgroup memory limit per host")
+    parser.add_argument("--memory-limit", default="2.5GiB", help="cgroup memory limit per host")
+    parser.add_argument(
+        "--runtime-headroom",
+        default="640MiB",
+        help="each node offers the planner its limit less this (its own process); 0: all",
+    )
+    parser.add_argument(
+        "--block-step-ms",
+        type=float,
+        default=0.0,
+        help="every node announces this int4 block step instead of calibrating (0: calibrate)",
+    )
     parser.add_argument("--hosts", type=int, default=3, help="stage hosts (plus the standby)")
     parser.add_argument("--standby", type=int, default=1, help="1: a standby host, failover")
     parser.add_argument("--tokens", type=int, default=4)
