@@ -13,7 +13,7 @@ from hetmesh.partition.stage import load_stage
 from hetmesh.partition.store import resolve_model
 from tests.unit.partition.synth_cache import synth_cache
 
-pytestmark = [pytest.mark.model]
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
