@@ -60,15 +60,18 @@ READ_CHUNK = 16 << 20
 # -- pure helpers (tests/unit/bench/test_bigmodel.py) ----------------------------------
 
 
-def unit_prefixes(start: int, end: int, num_layers: int) -> tuple[str, ...]:
+def unit_prefixes(start: int, end: int, num_layers: int, *, tied: bool = False) -> tuple[str, ...]:
     """The checkpoint name prefixes of units ``[start, end)`` (see partition/profile.py:
-    unit 0 the embedding, ``1..L`` the decoder layers, ``L + 1`` the final norm and head)."""
+    unit 0 the embedding, ``1..L`` the decoder layers, ``L + 1`` the final norm and head;
+    a ``tied`` head reads the embedding's matrix)."""
     out: list[str] = []
     if start == 0:
         out.append("model.embed_tokens.")
     out += [f"model.layers.{u - 1}." for u in range(max(start, 1), min(end, num_layers + 1))]
     if end == num_layers + 2:
         out += ["model.norm.", "lm_head."]
+        if tied and start > 0:
+            out.append("model.embed_tokens.")
     return tuple(out)
 
 
@@ -304,14 +307,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_host = {}
         for s in primary:
             h = hosts[s.peer_id]
-            spans = stage_spans(header, data_start, unit_prefixes(s.start, s.end, num_layers))
+            tied = not any(k.startswith("lm_head.") for k in header)
+            prefixes = unit_prefixes(s.start, s.end, num_layers, tied=tied)
+            spans = stage_spans(header, data_start, prefixes)
             nbytes = sum(n for _, n in spans)
             read_s = read_cold(weights_file, spans)
             up_s = ready_at[(s.peer_id, s.start, s.end)] - started[h]
             load_s = ready_at[(s.peer_id, s.start, s.end)] - plan_at[0]
             per_host[str(h)] = {
                 "stage_mb": round(nbytes / 1e6, 1),
-                "disk_read_s": round(read_s, 2),
+                "disk_read_s": round(read_s, 4),
                 "disk_mb_per_s": round(nbytes / 1e6 / read_s, 1),
                 "start_to_serving_s": round(up_s, 1),
                 "plan_to_ready_s": round(load_s, 1),

@@ -31,6 +31,15 @@ def test_unit_prefixes_follow_the_profiles_units() -> None:
     assert bigmodel.unit_prefixes(0, 6, 4)[-2:] == ("model.norm.", "lm_head.")
 
 
+def test_a_tied_head_reads_the_embedding() -> None:
+    assert bigmodel.unit_prefixes(5, 6, 4, tied=True) == (
+        "model.norm.",
+        "lm_head.",
+        "model.embed_tokens.",
+    )
+    assert bigmodel.unit_prefixes(0, 6, 4, tied=True).count("model.embed_tokens.") == 1
+
+
 def test_unit_prefixes_do_not_confuse_layer_1_with_layer_10() -> None:
     header = {
         "model.layers.1.w": {"data_offsets": [0, 10]},
