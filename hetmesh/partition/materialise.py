@@ -41,6 +41,18 @@ from hetmesh.partition.quant import (
 # stage loading in another thread meanwhile gets its assigned parameter put on meta.
 META_PATCH_LOCK = threading.Lock()
 
+# int4 packing: rows a slice (a multiple of the 64-row block packed matrices stack by)
+# holding about this many weights; see _Loader.int4
+INT4_ROW_BLOCK = 64
+INT4_CHUNK_WEIGHTS = 4 << 20
+# a table (embedding, head) is converted a slice of rows at a time of at most this
+# many weights (and at most ROW_CHUNK rows): its fp32 temporaries stay ~4 MB each
+TABLE_CHUNK_WEIGHTS = 1 << 20
+
+
+def _rows_per_chunk(width: int) -> int:
+    return max(1, min(ROW_CHUNK, TABLE_CHUNK_WEIGHTS // max(width, 1)))
+
 
 def materialise(
     stage: Any,
@@ -235,18 +247,42 @@ class _Loader:
             out = torch.empty(shape[::-1], dtype=self.dtype, device=self.device).t()
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for start in range(0, shape[0], ROW_CHUNK):
-            stop = min(start + ROW_CHUNK, shape[0])
+        step = _rows_per_chunk(shape[1])
+        for start in range(0, shape[0], step):
+            stop = min(start + step, shape[0])
             self.reader.rows_into(source, start, stop, out[start:stop])
         self.put(path, out)
 
     def int4(self, path: str, module: Int4Linear, source: str) -> None:
-        self.expect(source, (module.out_features, module.in_features))
-        if self.reader.kind(source) in ("q4_1", "q4_k"):
-            q, d, m = self.reader.q4_blocks(source)  # the shipped weights, kept exactly
-        else:
-            q, d, m = quantize_groups_int4(self.reader.tensor(source))
-        packed, scales_zeros = Int4Linear.pack(q, d, m)
+        """Packed a slice of rows at a time: packing goes through an int32 copy of its
+        input (4 bytes a weight), so a whole 8B MLP matrix would cost 235 MB at once."""
+        rows_n, k = module.out_features, module.in_features
+        self.expect(source, (rows_n, k))
+        # the shipped blocks (Q4_1, or Q4_K's exact groups of 32), kept exactly
+        shipped = self.reader.kind(source) in ("q4_1", "q4_k")
+        chunk = max(INT4_ROW_BLOCK, INT4_CHUNK_WEIGHTS // k // INT4_ROW_BLOCK * INT4_ROW_BLOCK)
+        packed: torch.Tensor | None = None
+        scales_zeros: torch.Tensor | None = None
+        for start in range(0, rows_n, chunk):
+            stop = min(start + chunk, rows_n)
+            if shipped:
+                q, d, m = self.reader.q4_rows(source, start, stop)
+            else:
+                q, d, m = quantize_groups_int4(self.reader.rows(source, start, stop))
+            part, part_sz = Int4Linear.pack(q, d, m)  # rows padded to a block of 64
+            del q, d, m
+            if packed is None or scales_zeros is None:
+                padded = -(-rows_n // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
+                packed = torch.empty((padded, *part.shape[1:]), dtype=part.dtype)
+                scales_zeros = torch.empty(
+                    (part_sz.shape[0], padded, *part_sz.shape[2:]), dtype=part_sz.dtype
+                )
+            packed[start : start + part.shape[0]] = part
+            scales_zeros[:, start : start + part.shape[0]] = part_sz
+            del part, part_sz
+            _release_freed_memory()
+        assert packed is not None
+        assert scales_zeros is not None
         self.put(f"{path}.weight_packed", packed.to(self.device))
         self.put(f"{path}.scales_zeros", scales_zeros.to(self.device))
 
@@ -269,11 +305,13 @@ class _Loader:
             self.expect(source, tuple(module.weight_q.shape))
             q = torch.empty(module.weight_q.shape, dtype=torch.int8, device=self.device)
             scale = torch.empty(rows_n, dtype=torch.float32, device=self.device)
-            for start in range(0, rows_n, ROW_CHUNK):
-                stop = min(start + ROW_CHUNK, rows_n)
+            step = _rows_per_chunk(int(module.weight_q.shape[1]))
+            for start in range(0, rows_n, step):
+                stop = min(start + step, rows_n)
                 q[start:stop], scale[start:stop] = quantize_rows_int8(
                     self.reader.rows(source, start, stop)
                 )
+                _release_freed_memory()  # the slice's fp32 temporaries
             self.put(f"{path}.weight_q", q)
             self.put(f"{path}.weight_scale", scale)
             return

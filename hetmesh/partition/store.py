@@ -12,7 +12,10 @@ A model argument is one of:
 - a local Hugging Face folder with ``config.json`` and safetensors weights of a
   supported family (used in place, never copied);
 - a local ``.gguf`` file, converted once (compact, as above) into the cache
-  under its sha256.
+  under its sha256;
+- a synth name (``synth-llama-3.2-1b``...): random weights at a real
+  model's shape, written into the cache on first use
+  (:mod:`hetmesh.partition.synth`); its text is noise.
 
 Converted models live in ``<cache>/models/<key>/``. Every conversion is
 written into a temporary folder next to it and renamed into place when
@@ -40,10 +43,13 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetmesh.errors import CorruptModel, ModelError, ModelNotFound, UnsupportedModel
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, architecture_of
+
+if TYPE_CHECKING:
+    from hetmesh.partition.synth import SynthSpec
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +109,10 @@ def resolve_model(
         raise ModelNotFound("empty model name")
     if text in _DEFAULT_ALIASES:
         return pull_default(cache, progress=report)
+    from hetmesh.partition.synth import is_synth_name, parse_synth_name
+
+    if is_synth_name(text) and not Path(text).exists():  # written on first use
+        return ensure_synth(parse_synth_name(text), cache, progress=report)
     path = Path(text).expanduser()
     if not path.exists():
         raise ModelNotFound(
@@ -466,6 +476,53 @@ def _carry_gguf_attention(reader: Any, plain: dict[str, Any], path: Path) -> Non
         plain.pop("rope_scaling", None)
 
 
+def ensure_synth(spec: SynthSpec, cache: Path, *, progress: Progress | None = None) -> Path:
+    """``spec``'s folder in the model cache, written on first use (like the default
+    model's pull: into a temporary folder, renamed into place when complete, under a
+    lock so two processes never write it twice)."""
+    from hetmesh.partition.synth import stored_bytes
+    from hetmesh.partition.synth_write import NOTE, check_disk, write_folder
+
+    report = progress or _no_progress
+    target = _models_root(cache) / spec.name
+    if _complete(target):
+        return target
+    tokenizer_dir = pull_default(cache, progress=report)
+    with _locked(cache, spec.name):
+        if _complete(target):
+            return target
+        tmp_root = _tmp_root(cache)
+        check_disk(tmp_root, stored_bytes(spec))
+        with tempfile.TemporaryDirectory(dir=tmp_root) as tmp:
+            out = Path(tmp) / spec.name
+            try:
+                write_folder(spec, out, tokenizer_dir, report)
+                marker = {
+                    "format_version": _FORMAT_VERSION,
+                    "layout": "bf16" if spec.fmt.value == "bf16" else "compact",
+                    "source": "synth",
+                    "synth": {
+                        "shape": spec.shape.name,
+                        "copies": spec.shape.copies,
+                        "format": spec.fmt.value,
+                        "seed": spec.seed,
+                        "note": NOTE,
+                    },
+                    "files": {f.name: f.stat().st_size for f in sorted(out.glob("*.safetensors"))},
+                }
+                (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if target.exists():  # a stale or damaged folder
+                    shutil.rmtree(target)
+                os.replace(out, target)
+            except OSError as exc:
+                raise ModelError(
+                    f"cannot write {spec.name} to {target}: {brief_error(exc)}"
+                ) from exc
+    report("done", 1.0)
+    return target
+
+
 def _check_complete(names: set[str], layers: int, path: Path) -> None:
     """Every tensor a model needs is in the GGUF (else ``CorruptModel``, before writing)."""
     needed = ["token_embd.weight", "output_norm.weight"]
@@ -495,6 +552,7 @@ __all__ = [
     "check_model_dir",
     "convert_local_gguf",
     "default_cache_dir",
+    "ensure_synth",
     "gguf_architecture",
     "pull_default",
     "resolve_model",
