@@ -30,8 +30,7 @@ from typing import Any
 import trio
 
 from hetmesh.errors import Rejected
-from hetmesh.node.peer_view import PeerView
-from hetmesh.node.readiness import ready_stages_in_view
+from hetmesh.node.peer_view import PeerView, ready_stages_in_view
 from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
 from hetmesh.scheduler.records import Plan
 

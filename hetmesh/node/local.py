@@ -134,7 +134,7 @@ def _stop(nodes: Sequence[LocalNode], grace_s: float = 10.0) -> None:
 
 def ready_pipelines(view: dict[str, Any]) -> int:
     """Pipelines of the newest plan in a status view whose every stage is ready."""
-    from hetmesh.node.readiness import ready_pipelines_in_view
+    from hetmesh.node.peer_view import ready_pipelines_in_view
 
     return len(ready_pipelines_in_view(view))
 

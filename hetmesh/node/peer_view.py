@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hetmesh.discovery.wire import Announcement
-from hetmesh.node.readiness import StageKey
+from hetmesh.node.readiness import StageKey, ready_pipelines
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import (
     Calibration,
@@ -26,7 +26,7 @@ from hetmesh.scheduler.announcement import (
     ServingAnnouncement,
     read_serving,
 )
-from hetmesh.scheduler.records import Plan, Stage
+from hetmesh.scheduler.records import Pipeline, Plan, Stage
 
 ALIVE = frozenset({"self", "alive"})
 
@@ -160,4 +160,26 @@ class PeerViews:
         return self._view
 
 
-__all__ = ["ALIVE", "Entry", "PeerState", "PeerView", "PeerViews"]
+def ready_stages_in_view(view: Mapping[str, Any]) -> set[StageKey]:
+    """The ready stages a status view shows (its own and its live peers'), as its
+    :class:`PeerView` decides them."""
+    return PeerView.of_status(view).ready_stages()
+
+
+def ready_pipelines_in_view(view: Mapping[str, Any]) -> tuple[Pipeline, ...]:
+    """The pipelines of a status view's newest plan whose every stage is ready."""
+    from hetmesh.scheduler.announcement import parse_plan
+
+    peers = PeerView.of_status(view, plan_of=parse_plan)
+    return ready_pipelines(peers.newest_plan(), peers.ready_stages())
+
+
+__all__ = [
+    "ALIVE",
+    "Entry",
+    "PeerState",
+    "PeerView",
+    "PeerViews",
+    "ready_pipelines_in_view",
+    "ready_stages_in_view",
+]

@@ -9,8 +9,7 @@ ask these functions. Pure: no I/O, no trio.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
-from typing import Any
+from collections.abc import Set
 
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.records import Pipeline, Plan
@@ -40,28 +39,9 @@ def unready_peers(plan: Plan, ready: Set[StageKey]) -> frozenset[PeerId]:
     )
 
 
-def ready_stages_in_view(view: Mapping[str, Any]) -> set[StageKey]:
-    """The ready stages a status view shows (its own and its live peers'), as its
-    :class:`~hetmesh.node.peer_view.PeerView` decides them."""
-    from hetmesh.node.peer_view import PeerView
-
-    return PeerView.of_status(view).ready_stages()
-
-
-def ready_pipelines_in_view(view: Mapping[str, Any]) -> tuple[Pipeline, ...]:
-    """The pipelines of a status view's newest plan whose every stage is ready."""
-    from hetmesh.node.peer_view import PeerView
-    from hetmesh.scheduler.announcement import parse_plan
-
-    peers = PeerView.of_status(view, plan_of=parse_plan)
-    return ready_pipelines(peers.newest_plan(), peers.ready_stages())
-
-
 __all__ = [
     "StageKey",
     "pipeline_ready",
     "ready_pipelines",
-    "ready_pipelines_in_view",
-    "ready_stages_in_view",
     "unready_peers",
 ]

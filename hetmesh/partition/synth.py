@@ -160,9 +160,11 @@ SHAPES: dict[str, SynthShape] = {
             family="llama",
             hidden_size=64,
             num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
+            # one head of 64: 32 rope frequencies, so the llama3 scaling's transition
+            # band holds several and survives a GGUF's rope_freqs (16 leave one there)
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=64,
             intermediate_size=128,
             rope_theta=500_000.0,
             rope_scaling=_LLAMA3_1B_ROPE,

@@ -190,7 +190,7 @@ def test_hostile_records_never_break_the_status_readers() -> None:
     """A stage entry with ``"start": "x"`` (and its kin) reads as absent in every
     reader /health, the status view and the dashboard use."""
     from hetmesh.cli.status_view import summarize
-    from hetmesh.node.readiness import ready_stages_in_view
+    from hetmesh.node.peer_view import ready_stages_in_view
 
     bad_plan = {**PLAN, "pipelines": [{"stages": [{"peer_id": B, "start": "x", "end": 4}]}]}
     hostile = [

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetmesh.node.readiness import (
-    ready_pipelines,
-    ready_stages_in_view,
-    unready_peers,
-)
+from hetmesh.node.peer_view import ready_stages_in_view
+from hetmesh.node.readiness import ready_pipelines, unready_peers
 from hetmesh.scheduler.records import Pipeline, Plan, Stage
 from tests.unit.scheduler.sched_helpers import hand_stage
 
