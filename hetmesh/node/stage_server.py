@@ -401,12 +401,17 @@ class StageServer:
                     session.kv.fill(awaiting.layers.start or 0, start, keys, values)
             except (InvalidRequest, Rejected) as exc:
                 log.warning("session %s: KV refused: %s", sid, exc)
-                if migrating:
+                if migrating:  # its sender hears it too (an Error frame from the caller)
                     self._fail(session, sid, InvalidRequest(f"migrated KV refused: {exc}"))
-                else:  # not its client's fault: its gateway replays it whole
-                    self._fail(session, sid, ComputeError(f"the helper's KV refused: {exc}"))
+                    self.close(sid)
+                    raise
+                # not its client's fault: its gateway replays it whole. Nothing is raised:
+                # the caller would tell the sender, and where the helper shares the
+                # gateway's node that Error could reach the gateway before this ComputeError
+                # and end the stream (seen once under load)
+                self._fail(session, sid, ComputeError(f"the helper's KV refused: {exc}"))
                 self.close(sid)
-                raise
+                return
         finally:
             release()  # loaded (copied into the pool) or refused
         session.awaiting = None
