@@ -431,23 +431,24 @@ def _convert_into(
         transformers.GenerationConfig.from_model_config(plain_config).save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
         report("writing", 0.95)
-        marker = {
-            "format_version": _FORMAT_VERSION,
-            "layout": "compact",
-            "source": source,
-            "gguf_sha256": sha,
-            "files": {f.name: f.stat().st_size for f in sorted(out.glob("*.safetensors"))},
-        }
-        (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # a stale or damaged folder
-            shutil.rmtree(target)
-        os.replace(out, target)
+        _install(out, target, {"layout": "compact", "source": source, "gguf_sha256": sha})
     except OSError as exc:
         raise ModelError(
             f"cannot write the converted model to {target}: {brief_error(exc)}"
         ) from exc
     report("done", 1.0)
+
+
+def _install(out: Path, target: Path, marker: dict[str, Any]) -> None:
+    """Mark the finished folder ``out`` (its files' sizes, the format version) and
+    rename it into place over any stale ``target``; OSError is the caller's to word."""
+    files = {f.name: f.stat().st_size for f in sorted(out.glob("*.safetensors"))}
+    marked = {"format_version": _FORMAT_VERSION, **marker, "files": files}
+    (out / MARKER).write_text(json.dumps(marked, indent=2) + "\n")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # a stale or damaged folder
+        shutil.rmtree(target)
+    os.replace(out, target)
 
 
 def _carry_gguf_attention(reader: Any, plain: dict[str, Any], path: Path) -> None:
@@ -497,24 +498,15 @@ def ensure_synth(spec: SynthSpec, cache: Path, *, progress: Progress | None = No
             out = Path(tmp) / spec.name
             try:
                 write_folder(spec, out, tokenizer_dir, report)
-                marker = {
-                    "format_version": _FORMAT_VERSION,
-                    "layout": "bf16" if spec.fmt.value == "bf16" else "compact",
-                    "source": "synth",
-                    "synth": {
-                        "shape": spec.shape.name,
-                        "copies": spec.shape.copies,
-                        "format": spec.fmt.value,
-                        "seed": spec.seed,
-                        "note": NOTE,
-                    },
-                    "files": {f.name: f.stat().st_size for f in sorted(out.glob("*.safetensors"))},
+                synth = {
+                    "shape": spec.shape.name,
+                    "copies": spec.shape.copies,
+                    "format": spec.fmt.value,
+                    "seed": spec.seed,
+                    "note": NOTE,
                 }
-                (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if target.exists():  # a stale or damaged folder
-                    shutil.rmtree(target)
-                os.replace(out, target)
+                layout = "bf16" if spec.fmt.value == "bf16" else "compact"
+                _install(out, target, {"layout": layout, "source": "synth", "synth": synth})
             except OSError as exc:
                 raise ModelError(
                     f"cannot write {spec.name} to {target}: {brief_error(exc)}"
