@@ -79,7 +79,11 @@ async def test_a_draining_replica_hands_its_session_over_with_its_kv(
             victim.request_stop()  # drains: its session moves to a replica of its stage
         assert got == [expected]
         stats = gateway.statistics()
-        assert (stats.migrations, stats.recoveries, stats.move_replays) == (1, 0, 0)
+        # one move off the victim; the re-plan after it left may re-balance the cut and
+        # move the session once more (seen once in a loaded CI run): with its KV each
+        # time, never a replay or a recovery
+        assert stats.migrations in (1, 2), stats
+        assert (stats.recoveries, stats.move_replays) == (0, 0)
         # a node may hold no stage by now (the re-plan after the victim left)
         heirs = [
             server.statistics()
@@ -89,8 +93,8 @@ async def test_a_draining_replica_hands_its_session_over_with_its_kv(
             if server.statistics().kv.migrations
         ]
         assert heirs  # the KV arrived somewhere
-        for heir in heirs:
-            assert heir.kv.migrations == 1
+        for heir in heirs:  # each move took in at most one session's KV per stage
+            assert 1 <= heir.kv.migrations <= stats.migrations
             assert heir.kv.migrated_bytes > 0
             # no replay: an heir computed one token per step after the move, not the history
             assert heir.tokens < TOKENS
