@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hetmesh.node.daemon import NodeConfig
 from hetmesh.node.local import LocalNode
 
 REPO = Path(__file__).resolve().parents[3]
@@ -339,4 +340,18 @@ def run_status(
     argv = [sys.executable, "-m", "hetmesh", "status", *argv_tail]
     return subprocess.run(
         argv, capture_output=True, text=True, env=node_env(), cwd=str(REPO), timeout=timeout_s
+    )
+
+
+def in_process_config(tmp_path: Path, name: str, *bootstrap: str) -> NodeConfig:
+    """A daemon for one trio run on loopback, discovery alone (a serving node would
+    publish its own stages and plan)."""
+    return NodeConfig(
+        listen=("/ip4/127.0.0.1/tcp/0",),
+        bootstrap=bootstrap,
+        mesh_secret="in-process",
+        mdns=False,
+        data_dir=tmp_path / name,
+        benchmark_budget_s=0.2,
+        serving=None,
     )

@@ -18,21 +18,10 @@ from hetmesh.discovery import wire
 from hetmesh.discovery.membership_types import Kind, Message, Update
 from hetmesh.discovery.membership_wire import MEMBERSHIP_PROTOCOL, encode_message
 from hetmesh.discovery.table import Health
-from hetmesh.node.daemon import Node, NodeConfig, run_node
+from hetmesh.node.daemon import Node, run_node
+from tests.integration.discovery.discovery_nodes import in_process_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def _config(tmp_path: Path, name: str, *bootstrap: str) -> NodeConfig:
-    return NodeConfig(
-        listen=("/ip4/127.0.0.1/tcp/0",),
-        bootstrap=bootstrap,
-        mesh_secret="in-process",
-        mdns=False,
-        data_dir=tmp_path / name,
-        benchmark_budget_s=0.2,
-        serving=None,
-    )
 
 
 async def _until(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
@@ -45,9 +34,13 @@ async def _until(predicate: Callable[[], object], timeout_s: float, what: str) -
 async def _three(tmp_path: Path) -> AsyncIterator[tuple[Node, Node, Node]]:
     """A, B and the attacker C, each alive in the others' tables."""
     async with trio.open_nursery() as nursery:
-        a: Node = await nursery.start(run_node, _config(tmp_path, "a"))
-        b: Node = await nursery.start(run_node, _config(tmp_path, "b", a.discovery.addrs[0]))
-        c: Node = await nursery.start(run_node, _config(tmp_path, "c", a.discovery.addrs[0]))
+        a: Node = await nursery.start(run_node, in_process_config(tmp_path, "a"))
+        b: Node = await nursery.start(
+            run_node, in_process_config(tmp_path, "b", a.discovery.addrs[0])
+        )
+        c: Node = await nursery.start(
+            run_node, in_process_config(tmp_path, "c", a.discovery.addrs[0])
+        )
         nodes = (a, b, c)
 
         def converged() -> bool:

@@ -12,21 +12,10 @@ from hetmesh.discovery import wire
 from hetmesh.discovery.table import Health
 from hetmesh.discovery.wire import Load
 from hetmesh.errors import StreamReset
-from hetmesh.node.daemon import Node, NodeConfig, run_node
+from hetmesh.node.daemon import Node, run_node
+from tests.integration.discovery.discovery_nodes import in_process_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # a few seconds; generous for load
-
-
-def _config(tmp_path: Path, name: str, *bootstrap: str) -> NodeConfig:
-    return NodeConfig(
-        listen=("/ip4/127.0.0.1/tcp/0",),
-        bootstrap=bootstrap,
-        mesh_secret="in-process",
-        mdns=False,
-        data_dir=tmp_path / name,
-        benchmark_budget_s=0.2,
-        serving=None,  # discovery alone: a serving node would publish its own stages and plan
-    )
 
 
 async def _until(predicate: object, timeout_s: float) -> None:
@@ -40,8 +29,10 @@ async def _until(predicate: object, timeout_s: float) -> None:
 
 async def test_node_daemons_publish_and_see_each_other_and_leave_cleanly(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
-        a: Node = await nursery.start(run_node, _config(tmp_path, "a"))
-        b: Node = await nursery.start(run_node, _config(tmp_path, "b", a.discovery.addrs[0]))
+        a: Node = await nursery.start(run_node, in_process_config(tmp_path, "a"))
+        b: Node = await nursery.start(
+            run_node, in_process_config(tmp_path, "b", a.discovery.addrs[0])
+        )
         events = a.discovery.subscribe()
 
         # what the stage runtime will publish

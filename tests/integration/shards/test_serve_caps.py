@@ -12,24 +12,13 @@ import pytest
 import trio
 
 from hetmesh.discovery.table import Health
-from hetmesh.node.daemon import Node, NodeConfig, run_node
+from hetmesh.node.daemon import Node, run_node
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, request_bytes
 from hetmesh.shards.manifest import load_or_build
 from hetmesh.shards.serve_caps import MAX_REQUESTS_PER_PEER
+from tests.integration.discovery.discovery_nodes import in_process_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def _config(tmp_path: Path, name: str, *bootstrap: str) -> NodeConfig:
-    return NodeConfig(
-        listen=("/ip4/127.0.0.1/tcp/0",),
-        bootstrap=bootstrap,
-        mesh_secret="in-process",
-        mdns=False,
-        data_dir=tmp_path / name,
-        benchmark_budget_s=0.2,
-        serving=None,
-    )
 
 
 async def _until(predicate: Callable[[], object], timeout_s: float) -> None:
@@ -48,8 +37,10 @@ async def test_a_peer_holding_requests_open_is_refused_more_until_it_lets_go(
     shutil.copytree(tiny_model_dir, folder)
     manifest = load_or_build(folder)
     async with trio.open_nursery() as nursery:
-        a: Node = await nursery.start(run_node, _config(tmp_path, "a"))
-        b: Node = await nursery.start(run_node, _config(tmp_path, "b", a.discovery.addrs[0]))
+        a: Node = await nursery.start(run_node, in_process_config(tmp_path, "a"))
+        b: Node = await nursery.start(
+            run_node, in_process_config(tmp_path, "b", a.discovery.addrs[0])
+        )
         await _until(lambda: b.discovery.table.health_of(a.peer_id) is Health.ALIVE, 60)
         shards = Shards(a.discovery, folder, manifest, partial=False)
         a.discovery.add_handler(SHARDS_PROTOCOL, shards.handle)
@@ -109,8 +100,10 @@ async def test_a_reply_is_streamed_from_disk_and_a_reader_that_stops_costs_a_chu
 
     monkeypatch.setattr(serve, "read_span", counted)
     async with trio.open_nursery() as nursery:
-        a: Node = await nursery.start(run_node, _config(tmp_path, "a"))
-        b: Node = await nursery.start(run_node, _config(tmp_path, "b", a.discovery.addrs[0]))
+        a: Node = await nursery.start(run_node, in_process_config(tmp_path, "a"))
+        b: Node = await nursery.start(
+            run_node, in_process_config(tmp_path, "b", a.discovery.addrs[0])
+        )
         await _until(lambda: b.discovery.table.health_of(a.peer_id) is Health.ALIVE, 60)
         shards = Shards(a.discovery, folder, manifest, partial=False)
         a.discovery.add_handler(SHARDS_PROTOCOL, shards.handle)
