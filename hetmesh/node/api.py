@@ -63,6 +63,7 @@ from starlette.types import Receive, Scope, Send
 from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
+from hetmesh.node.api_choices import Choice, Event, LogprobsShape, choice_params, produce
 from hetmesh.node.api_guard import (
     LocalGuard,
     LocalOnly,
@@ -89,6 +90,7 @@ from hetmesh.node.api_requests import (
 from hetmesh.node.dashboard import dashboard_routes
 from hetmesh.node.events import Feed
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams, finish_reason
+from hetmesh.protocol.logprobs import logprobs_of
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -108,6 +110,7 @@ class Backend(Protocol):
     ``encode``: a request's prompt token ids (``InvalidRequest`` for a malformed
     conversation, ``NoRoute`` when nothing is served); ``stream``: ``(token id, text)``
     pairs (id -1 for a final text-only flush), raising from the error tree;
+    ``token_texts``: each token id's own text (the log-probabilities' ``token``);
     ``gauges``/``view``: what ``/metrics`` and ``/v1/hetmesh/status`` show.
     """
 
@@ -118,6 +121,7 @@ class Backend(Protocol):
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncGenerator[tuple[int, str], None]: ...
+    def token_texts(self, ids: Sequence[int]) -> list[str]: ...
     def gauges(self) -> MeshGauges: ...
     def view(self) -> dict[str, Any]: ...
 
@@ -345,38 +349,70 @@ class _Api:
             return self._error(request, err)
         except MeshError as exc:
             return self._error(request, api_error(exc))
-        if parsed.stream:
-            return await self._stream(request, parsed, ids, params, timing, release)
+        # bounded: a client that stops reading pauses its generation instead of
+        # letting the producer pile up every token it has not read
+        send, receive = trio.open_memory_channel[Event](STREAM_BUFFER)
+        scope = trio.CancelScope()
+        self.nursery.start_soon(self._produce, ids, choice_params(params, parsed.n), send, scope)
         self.metrics.inflight.inc()
-        tokens: list[int] = []
-        text: list[str] = []
         try:
-            async with contextlib.aclosing(self.backend.stream(ids, params)) as events:
-                async for token, delta in events:
-                    if token >= 0:
-                        tokens.append(token)
-                        timing.token()
-                    text.append(delta)
-        except MeshError as exc:
-            return self._error(request, api_error(exc))
+            first = await receive.receive()
+        except BaseException:
+            scope.cancel()
+            self.metrics.inflight.dec()
+            raise
+        if first.what == "error":
+            scope.cancel()
+            self.metrics.inflight.dec()
+            assert first.error is not None
+            return self._error(request, api_error(first.error))
+        if parsed.stream:
+            self.metrics.requests.labels(self.route_label(request), "200").inc()
+            events = self._events(parsed, ids, params, first, receive, scope, timing, release)
+            return _HeldStream(events, release, media_type="text/event-stream")
+        choices = [Choice() for _ in range(parsed.n)]
+        try:
+            with receive:
+                event: Event | None = first
+                while event is not None:
+                    if event.what == "error":
+                        assert event.error is not None
+                        return self._error(request, api_error(event.error))
+                    if event.what == "token":
+                        choices[event.index].add(event.token, event.text)
+                        if event.token >= 0:
+                            timing.token()
+                    event = await _next(receive)
         finally:
+            scope.cancel()
             self.metrics.inflight.dec()
         self._observe(timing)
-        reason = finish_reason(len(tokens), params.max_new_tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "token_ids": tokens}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice |= {"text": "".join(text), "logprobs": None}
         body = {
             "id": _new_id(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": parsed.model,
-            "choices": [choice],
-            "usage": _usage(len(ids), len(tokens)),
+            "choices": [self._choice(parsed, params, i, c) for i, c in enumerate(choices)],
+            "usage": _usage(len(ids), sum(len(c.tokens) for c in choices)),
         }
         return self._json(request, body)
+
+    def _choice(
+        self, parsed: ApiRequest, params: SamplingParams, index: int, choice: Choice
+    ) -> dict[str, Any]:
+        reason = finish_reason(len(choice.tokens), params.max_new_tokens)
+        out: dict[str, Any] = {"index": index, "finish_reason": reason}
+        logprobs = None
+        if parsed.logprobs:
+            shape = LogprobsShape(self.backend.token_texts, chat=parsed.chat)
+            logprobs = shape.render(choice.logprobs)
+        if parsed.chat:
+            out["message"] = {"role": "assistant", "content": "".join(choice.text)}
+        else:
+            out["text"] = "".join(choice.text)
+        out["logprobs"] = logprobs
+        out["token_ids"] = choice.tokens
+        return out
 
     def _observe(self, timing: _Timing) -> None:
         ttft = tpot = None
@@ -388,64 +424,23 @@ class _Api:
             self.metrics.tpot.observe(tpot)
         self.feed.observe(ttft, tpot)
 
-    async def _stream(
-        self,
-        request: Request,
-        parsed: ApiRequest,
-        ids: list[int],
-        params: SamplingParams,
-        timing: _Timing,
-        release: Callable[[], None],
-    ) -> Response:
-        # bounded: a client that stops reading pauses its generation instead of
-        # letting the producer pile up every token it has not read
-        send, receive = trio.open_memory_channel[tuple[str, int, str, MeshError | None]](
-            STREAM_BUFFER
-        )
-        scope = trio.CancelScope()
-        self.nursery.start_soon(self._produce, ids, params, send, scope)
-        self.metrics.inflight.inc()
-        try:
-            first = await receive.receive()
-        except BaseException:
-            scope.cancel()
-            self.metrics.inflight.dec()
-            raise
-        if first[0] == "error":
-            scope.cancel()
-            self.metrics.inflight.dec()
-            assert first[3] is not None
-            return self._error(request, api_error(first[3]))
-        self.metrics.requests.labels(self.route_label(request), "200").inc()
-        body = self._events(parsed, ids, params, first, receive, scope, timing, release)
-        return _HeldStream(body, release, media_type="text/event-stream")
-
     async def _produce(
         self,
         ids: list[int],
-        params: SamplingParams,
-        send: trio.MemorySendChannel[tuple[str, int, str, MeshError | None]],
+        params: list[SamplingParams],
+        send: trio.MemorySendChannel[Event],
         scope: trio.CancelScope,
     ) -> None:
-        with scope, send:
-            try:
-                async with contextlib.aclosing(self.backend.stream(ids, params)) as events:
-                    async for token, delta in events:
-                        await send.send(("token", token, delta, None))
-                await send.send(("done", -1, "", None))
-            except MeshError as exc:
-                await send.send(("error", -1, "", exc))
-            except Exception as exc:
-                log.exception("a stream failed")
-                await send.send(("error", -1, "", MeshError(f"internal error: {exc}")))
+        with scope:
+            await produce(self.backend.stream, ids, params, send)
 
     async def _events(
         self,
         parsed: ApiRequest,
         ids: list[int],
         params: SamplingParams,
-        first: tuple[str, int, str, MeshError | None],
-        receive: trio.MemoryReceiveChannel[tuple[str, int, str, MeshError | None]],
+        first: Event,
+        receive: trio.MemoryReceiveChannel[Event],
         scope: trio.CancelScope,
         timing: _Timing,
         release: Callable[[], None],
@@ -454,6 +449,7 @@ class _Api:
         cid = _new_id(chat)
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
+        shapes = [LogprobsShape(self.backend.token_texts, chat=chat) for _ in range(parsed.n)]
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
             body: dict[str, Any] = {
@@ -467,54 +463,64 @@ class _Api:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        def piece(text: str, tokens: list[int], reason: str | None = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"index": 0, "finish_reason": reason, "token_ids": tokens}
+        def piece(index: int, text: str, token: int, reason: str | None = None) -> dict[str, Any]:
+            tokens = [int(token)] if token >= 0 else []
+            out: dict[str, Any] = {"index": index, "finish_reason": reason}
             if chat:
                 out["delta"] = {"content": text} if text or reason is None else {}
             else:
-                out |= {"text": text, "logprobs": None}
+                out["text"] = text
+            info = logprobs_of(token)
+            lp = shapes[index].render([(int(token), info)]) if info and parsed.logprobs else None
+            if parsed.logprobs and token >= 0 and lp is None:  # the last stage sent none
+                lp = shapes[index].render([])
+            out["logprobs"] = lp
+            out["token_ids"] = tokens
             return out
 
-        count = 0
+        counts = [0] * parsed.n
         try:
             if chat:
-                yield chunk(
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            item = first
+                for i in range(parsed.n):
+                    role = {"role": "assistant", "content": ""}
+                    yield chunk(
+                        [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
+                    )
+            event: Event | None = first
             with receive:
-                while True:
-                    what, token, delta, exc = item
-                    if what == "token":
-                        if token >= 0:
-                            count += 1
+                while event is not None:
+                    if event.what == "token":
+                        if event.token >= 0:
+                            counts[event.index] += 1
                             timing.token()
-                        yield chunk([piece(delta, [token] if token >= 0 else [])])
-                    elif what == "done":
-                        reason = finish_reason(count, params.max_new_tokens)
-                        yield chunk([piece("", [], reason)])
-                        if parsed.include_usage:
-                            yield chunk([], _usage(len(ids), count))
-                        break
+                        yield chunk([piece(event.index, event.text, event.token)])
+                    elif event.what == "end":
+                        reason = finish_reason(counts[event.index], params.max_new_tokens)
+                        yield chunk([piece(event.index, "", -1, reason)])
                     else:
-                        assert exc is not None
-                        err = api_error(exc)
+                        assert event.error is not None
+                        err = api_error(event.error)
                         self.metrics.rejected.labels(err.code or err.type).inc()
                         yield f"data: {json.dumps(err.body())}\n\n"
                         break
-                    item = await receive.receive()
+                    event = await _next(receive)
+                else:
+                    if parsed.include_usage:
+                        yield chunk([], _usage(len(ids), sum(counts)))
             yield "data: [DONE]\n\n"
             self._observe(timing)
         finally:
             scope.cancel()
             self.metrics.inflight.dec()
             release()
+
+
+async def _next(receive: trio.MemoryReceiveChannel[Event]) -> Event | None:
+    """The next event of a completion's choices; None once every choice has ended."""
+    try:
+        return await receive.receive()
+    except trio.EndOfChannel:
+        return None
 
 
 class _HeldStream(StreamingResponse):

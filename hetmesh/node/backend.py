@@ -52,6 +52,10 @@ class NodeBackend:
     ) -> AsyncGenerator[tuple[int, str], None]:
         return self._serving().stream(prompt_ids, params)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        tokenizer = self._serving().tokenizer
+        return [str(tokenizer.decode([int(i)])) for i in ids]
+
     def gauges(self) -> MeshGauges:
         serving = self.serving
         load = self.discovery.load

@@ -81,6 +81,7 @@ from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
+from hetmesh.protocol.logprobs import wire_of
 from hetmesh.resources import PeerId
 from hetmesh.transport.frames import Activations, Error, Frame, KVBlock, Tokens
 
@@ -984,7 +985,11 @@ def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | Non
         # the token's place in the sequence: right after the item's last position
         position = item.positions[-1] + 1 if item.positions else 0
         return Tokens(
-            session_id=item.session_id, step=item.step, token_ids=(output,), position=position
+            session_id=item.session_id,
+            step=item.step,
+            token_ids=(int(output),),
+            position=position,
+            logprobs=wire_of(output),  # a Sampled token's log-probabilities (api issue 49)
         )
     if output is None:
         return None

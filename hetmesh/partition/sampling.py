@@ -24,6 +24,7 @@ import torch
 
 from hetmesh.errors import ComputeError, InvalidRequest
 from hetmesh.protocol.generate import SamplingParams  # the one sampling record, validated there
+from hetmesh.protocol.logprobs import Sampled, TokenLogprobs
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -42,10 +43,19 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else self.generator.seed()
 
     def __call__(self, logits: torch.Tensor, step: int) -> int:
-        """``logits``: ``(vocab,)`` for the position to fill; ``step``: tokens drawn so far."""
+        """``logits``: ``(vocab,)`` for the position to fill; ``step``: tokens drawn so far.
+
+        With ``params.logprobs`` set the id comes as a :class:`Sampled` carrying its
+        log-probabilities (see :mod:`hetmesh.protocol.logprobs`)."""
         scores = logits.detach().reshape(-1).to("cpu", torch.float32)
         if not bool(torch.isfinite(scores).all()):
             raise ComputeError("the model produced non-finite logits")
+        token = self._draw(scores, step)
+        if self.params.logprobs is None:
+            return token
+        return Sampled(token, token_logprobs(scores, token, self.params.logprobs))
+
+    def _draw(self, scores: torch.Tensor, step: int) -> int:
         if self.params.greedy:
             return int(scores.argmax())
         self.generator.manual_seed(step_seed(self.seed, step))
@@ -72,4 +82,14 @@ class Sampler:
             raise ComputeError(f"sampling failed: {exc}") from exc
 
 
-__all__ = ["Sampler", "SamplingParams", "step_seed"]
+def token_logprobs(scores: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under ``scores`` (fp32 logits) and the ``top`` likeliest."""
+    logprobs = torch.log_softmax(scores, dim=-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(float(logprobs[token]), alternatives)
+
+
+__all__ = ["Sampler", "SamplingParams", "step_seed", "token_logprobs"]

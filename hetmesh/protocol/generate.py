@@ -8,7 +8,8 @@ The libp2p generate RPC (:data:`GENERATE_PROTOCOL`) carries it as one
 length-prefixed msgpack map, :meth:`GenerateRequest.to_wire`: ``prompt``,
 ``prompt_ids`` or ``messages`` (a conversation of ``{"role", "content"}`` maps
 put through the chat template), ``chat``, and the sampling keys
-``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``.
+``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
+``logprobs`` (:mod:`hetmesh.protocol.logprobs`).
 The node answers with a sequence of maps: ``{"token": id, "text": delta}`` per
 generated token (``token`` -1 for a final text-only flush), then either
 ``{"done": true, "finish_reason", "prompt_tokens", "completion_tokens"}`` or
@@ -39,6 +40,7 @@ from typing import Any, Literal, Self
 
 from hetmesh.error_codec import error_from_wire, error_name
 from hetmesh.errors import InvalidRequest, MeshError, RemoteProtocolError
+from hetmesh.protocol.logprobs import MAX_TOP_LOGPROBS
 from hetmesh.resources import WireRecord
 
 GENERATE_PROTOCOL = "/hetmesh/generate/1.0.0"
@@ -84,6 +86,8 @@ class SamplingParams(WireRecord):
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # log-probabilities of each drawn token and of this many alternatives (None: none)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
@@ -118,6 +122,12 @@ class SamplingParams(WireRecord):
             not isinstance(s, str) or not s for s in self.stop
         ):
             raise InvalidRequest("stop must be a sequence of non-empty strings", param="stop")
+        k = self.logprobs
+        if k is not None and (not _integer(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(
+                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}",
+                param="logprobs",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -155,7 +165,7 @@ class SamplingParams(WireRecord):
     def to_wire(self) -> dict[str, object]:
         """The sampling part of a generate RPC request (unset values left out)."""
         out: dict[str, object] = {"max_new_tokens": self.max_new_tokens}
-        for key in ("temperature", "top_k", "top_p", "seed"):
+        for key in ("temperature", "top_k", "top_p", "seed", "logprobs"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value

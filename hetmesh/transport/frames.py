@@ -224,6 +224,7 @@ class Tokens(Frame):
     step: int
     token_ids: tuple[int, ...]
     position: int = 0
+    logprobs: bytes = b""  # packed by hetmesh.protocol.logprobs when a request asks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -295,6 +296,7 @@ _KIND: Final[dict[str, int]] = {
     "tensors": _TENSORS,
     "token_ids": _INTS,
     "position": _UINT,
+    "logprobs": _BYTES,
     "first_layer": _UINT,
     "start": _UINT,
     "code": _UINT,
@@ -348,7 +350,7 @@ _SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
 # _fast_header and _parse_items take a shortcut for the two hot frames, by position:
 # refuse to load if a change to either frame's fields would make that shortcut wrong
 _HOT_LAYOUTS: Final = {
-    Tokens: ("session_id", "step", "token_ids", "position"),
+    Tokens: ("session_id", "step", "token_ids", "position", "logprobs"),
     Activations: ("session_id", "step", "positions", "tensors"),
 }
 if any(_FIELDS[cls] != names for cls, names in _HOT_LAYOUTS.items()):
@@ -489,10 +491,12 @@ def _fast_header(frame: Frame, limits: Limits, out: list[Any]) -> tuple[list[Any
         return None
     if type(frame) is Tokens:
         ids = _local_ints(frame.token_ids, limits)
-        position = frame.position
+        position, logprobs = frame.position, frame.logprobs
         if ids is None or type(position) is not int or not 0 <= position <= _INT64_MAX:
             return None
-        return [session_id, step, ids, position], 0
+        if type(logprobs) is not bytes or len(logprobs) > limits.max_string_bytes:
+            return None
+        return [session_id, step, ids, position, logprobs], 0
     assert isinstance(frame, Activations)
     positions = _local_ints(frame.positions, limits)
     if positions is None:
@@ -738,11 +742,13 @@ def _parse_items(
             raise RemoteProtocolError(f"malformed header field {step!r:.80}")
         ints = _remote_ints(items[2], limits)
         if cls is Tokens:
-            position = items[3]
+            position, logprobs = items[3], items[4]
             if type(position) is not int or position < 0:
                 raise RemoteProtocolError(f"malformed header field {position!r:.80}")
+            if type(logprobs) is not bytes or len(logprobs) > limits.max_string_bytes:
+                raise RemoteProtocolError(f"malformed header field {logprobs!r:.80}")
             values = {"session_id": session_id, "step": step, "token_ids": ints}
-            values["position"] = position
+            values["position"], values["logprobs"] = position, logprobs
         else:
             specs = _remote_specs(items[3], limits)
             values = {"session_id": session_id, "step": step, "positions": ints}
