@@ -87,6 +87,7 @@ from hetmesh.node.api_requests import (
     default_max_tokens,
     parse_api_request,
 )
+from hetmesh.node.api_structured import schema_grammar
 from hetmesh.node.dashboard import dashboard_routes
 from hetmesh.node.events import Feed
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams, finish_reason
@@ -275,6 +276,8 @@ class _Api:
         params = parsed.request.sampling
         if parsed.max_tokens is None:
             params = dataclasses.replace(params, max_new_tokens=default_max_tokens(chat, room))
+        if parsed.schema is not None:  # response_format: a grammar for the last stage
+            params = dataclasses.replace(params, grammar=await schema_grammar(parsed.schema))
         return parsed, ids, params
 
     def _client(self, request: Request) -> str | None:

@@ -30,7 +30,7 @@ SUPPORTED = frozenset(
         "logprobs",
     }
 )
-SUPPORTED_CHAT = frozenset({"messages", "top_logprobs"})
+SUPPORTED_CHAT = frozenset({"messages", "top_logprobs", "response_format"})
 SUPPORTED_COMPLETION = frozenset({"prompt"})
 # accepted and without effect on the output
 IGNORED = frozenset(

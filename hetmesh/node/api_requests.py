@@ -79,7 +79,8 @@ def api_error(exc: MeshError) -> ApiError:
     """The HTTP answer for a hetmesh error (pure)."""
     for cls, status, kind, code in _STATUS:
         if isinstance(exc, cls):
-            return ApiError(status, str(exc), kind, None, code, error_name(exc))
+            param = getattr(exc, "param", None)
+            return ApiError(status, str(exc), kind, param, code, error_name(exc))
     return ApiError(500, str(exc), "server_error", None, "internal", error_name(exc))
 
 
@@ -102,6 +103,7 @@ class ApiRequest:
     include_usage: bool = False
     n: int = 1  # choices, each its own session (the prefix cache shares the prompt's KV)
     logprobs: bool = False  # the choices carry log-probabilities (request.sampling.logprobs)
+    schema: dict[str, Any] | None = None  # response_format: the JSON schema output must follow
 
     @property
     def chat(self) -> bool:
@@ -193,6 +195,7 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
         "include_usage": bool(options.get("include_usage")),
         "n": n,
         "logprobs": top is not None,
+        "schema": _response_schema(body.get("response_format")) if chat else None,
     }
     if chat:
         messages = _messages(body.get("messages"))
@@ -243,6 +246,30 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     if not _integer(given) or not 0 <= given <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     return int(given)
+
+
+def _response_schema(given: Any) -> dict[str, Any] | None:
+    """The JSON schema ``response_format`` asks output to follow (None: free text)."""
+    if given is None:
+        return None
+    kind = given.get("type") if isinstance(given, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise bad_request(
+            "response_format must be {type: text}, {type: json_object} or "
+            "{type: json_schema, json_schema: {name, schema, strict}}",
+            "response_format",
+        )
+    spec = given.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_request("response_format.json_schema needs a name", "response_format")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be an object", "response_format")
+    return schema
 
 
 def prompt_chars(request: GenerateRequest) -> int:

@@ -32,6 +32,8 @@ from hetmesh.node.config import ServingConfig
 from hetmesh.node.control import CloseSession, MoveSession, Reply, Request
 from hetmesh.node.kvcache import kv_counters, stage_kv_limits
 from hetmesh.node.stage_server import SendNow, StageServer
+from hetmesh.partition.grammar import Grammars
+from hetmesh.partition.text import load_tokenizer
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServedStage
 from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, encode_summary
@@ -105,6 +107,8 @@ class StageHost:
     ) -> None:
         self.model_dir = model_dir
         self.model_key = model_key
+        # the model's grammar engine (JSON-schema output), its tokenizer built on first use
+        self.grammars = Grammars(functools.partial(load_tokenizer, model_dir))
         self.config = config
         self.constraints = constraints
         self.device = device
@@ -251,6 +255,7 @@ class StageHost:
             device_limiter=self._limiter,
             threads=self.config.threads,
             send_now=self._send_now,
+            grammars=self.grammars,
         )
         scope = trio.CancelScope()
         assert self._nursery is not None

@@ -77,6 +77,7 @@ from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
+from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS
 from hetmesh.partition.sampling import Sampler
@@ -200,13 +201,15 @@ class StageServer:
         threads: int | None = None,
         send_now: SendNow | None = None,
         micro_batches: int | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """``send``: a frame to a peer, from trio; ``send_now``: the fast path from the
         device thread (None: every frame goes through trio); ``micro_batches``: the
         share of the open sessions one round may take (1: all of them at once;
         None: 1 for a stage holding the whole model, which has no next stage to
-        overlap with, else 2)."""
+        overlap with, else 2); ``grammars``: the model's grammar engine (api, issue 49)."""
         self.stage = stage
+        self._grammars = grammars
         self._threads = threads or torch.get_num_threads()
         self.pool = stage.new_pool(_pool_blocks(stage, limits))
         self.kv = KVManager(limits, pool=self.pool, factory=lambda: stage.new_kv(self.pool))
@@ -298,7 +301,7 @@ class StageServer:
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
         helping = split_role(request) == "helper"  # runs the prompt's first units only
-        sampler = Sampler(request.sampling) if self.stage.has_head and not helping else None
+        sampler = _sampler(request, self._grammars) if self.stage.has_head and not helping else None
         awaiting = None
         if migrating:
             awaiting = _Awaiting(request.migrate_from, slice(None))
@@ -956,6 +959,12 @@ class StageServer:
 def _session_of(frame: Frame) -> str:
     """The session a frame is for ("" for one that names none)."""
     return str(getattr(frame, "session_id", ""))
+
+
+def _sampler(request: OpenSession, grammars: Grammars | None) -> Sampler:
+    """A head stage's sampler for a session; a request with a grammar (response_format,
+    tools: api, issue 49) draws within it (:mod:`hetmesh.partition.grammar`)."""
+    return Sampler(request.sampling, grammars)
 
 
 def _samples(item: _Item, session: _Session) -> bool:

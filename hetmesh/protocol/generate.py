@@ -9,7 +9,7 @@ length-prefixed msgpack map, :meth:`GenerateRequest.to_wire`: ``prompt``,
 ``prompt_ids`` or ``messages`` (a conversation of ``{"role", "content"}`` maps
 put through the chat template), ``chat``, and the sampling keys
 ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
-``logprobs`` (:mod:`hetmesh.protocol.logprobs`).
+``logprobs`` (:mod:`hetmesh.protocol.logprobs`), ``grammar`` (:mod:`hetmesh.partition.grammar`).
 The node answers with a sequence of maps: ``{"token": id, "text": delta}`` per
 generated token (``token`` -1 for a final text-only flush), then either
 ``{"done": true, "finish_reason", "prompt_tokens", "completion_tokens"}`` or
@@ -58,6 +58,7 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_COUNT = 2**31 - 1  # max_new_tokens, top_k: far past any context or vocabulary
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
+MAX_GRAMMAR_BYTES = 32 * 1024  # a grammar travels in the session's OpenSession (64 KiB)
 
 FinishReason = Literal["stop", "length"]
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -88,6 +89,8 @@ class SamplingParams(WireRecord):
     stop: tuple[str, ...] = ()
     # log-probabilities of each drawn token and of this many alternatives (None: none)
     logprobs: int | None = None
+    # llguidance grammar text the tokens must follow (hetmesh.partition.grammar); "": none
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
@@ -122,6 +125,10 @@ class SamplingParams(WireRecord):
             not isinstance(s, str) or not s for s in self.stop
         ):
             raise InvalidRequest("stop must be a sequence of non-empty strings", param="stop")
+        if not isinstance(self.grammar, str) or len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequest(
+                f"grammar must be a string of at most {MAX_GRAMMAR_BYTES} bytes", param="grammar"
+            )
         k = self.logprobs
         if k is not None and (not _integer(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise InvalidRequest(
@@ -171,6 +178,8 @@ class SamplingParams(WireRecord):
                 out[key] = value
         if self.stop:
             out["stop"] = list(self.stop)
+        if self.grammar:
+            out["grammar"] = self.grammar
         return out
 
     def to_openai(self) -> dict[str, object]:
@@ -323,6 +332,7 @@ __all__ = [
     "HTTP_DEFAULT_MAX_TOKENS",
     "HTTP_DEFAULT_MAX_TOKENS_CHAT",
     "MAX_COUNT",
+    "MAX_GRAMMAR_BYTES",
     "MAX_REQUEST_BYTES",
     "MAX_SEED",
     "MAX_TEMPERATURE",
