@@ -87,7 +87,8 @@ from hetmesh.node.api_requests import (
     default_max_tokens,
     parse_api_request,
 )
-from hetmesh.node.api_structured import schema_grammar
+from hetmesh.node.api_structured import schema_grammar, tools_grammar
+from hetmesh.node.api_tools import HeldCall, call_deltas, parse_call
 from hetmesh.node.dashboard import dashboard_routes
 from hetmesh.node.events import Feed
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams, finish_reason
@@ -278,6 +279,8 @@ class _Api:
             params = dataclasses.replace(params, max_new_tokens=default_max_tokens(chat, room))
         if parsed.schema is not None:  # response_format: a grammar for the last stage
             params = dataclasses.replace(params, grammar=await schema_grammar(parsed.schema))
+        elif parsed.tools is not None:  # what tool_choice lets the model write
+            params = dataclasses.replace(params, grammar=await tools_grammar(parsed.tools))
         return parsed, ids, params
 
     def _client(self, request: Request) -> str | None:
@@ -410,7 +413,12 @@ class _Api:
             shape = LogprobsShape(self.backend.token_texts, chat=parsed.chat)
             logprobs = shape.render(choice.logprobs)
         if parsed.chat:
-            out["message"] = {"role": "assistant", "content": "".join(choice.text)}
+            text = "".join(choice.text)
+            out["message"] = {"role": "assistant", "content": text}
+            calls = parse_call(text, parsed.tools)
+            if calls is not None:
+                out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                out["finish_reason"] = "tool_calls"
         else:
             out["text"] = "".join(choice.text)
         out["logprobs"] = logprobs
@@ -489,17 +497,28 @@ class _Api:
                     yield chunk(
                         [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
                     )
+            tools = parsed.tools if parsed.tools is not None and parsed.tools.active else None
+            held = [HeldCall(tools) if tools else None for _ in range(parsed.n)]
             event: Event | None = first
             with receive:
                 while event is not None:
+                    index, call = event.index, held[event.index]
                     if event.what == "token":
                         if event.token >= 0:
-                            counts[event.index] += 1
+                            counts[index] += 1
                             timing.token()
-                        yield chunk([piece(event.index, event.text, event.token)])
+                        text = call.feed(event.text) if call is not None else event.text
+                        if call is None or text or not call.calling:
+                            yield chunk([piece(index, text, event.token)])
                     elif event.what == "end":
-                        reason = finish_reason(counts[event.index], params.max_new_tokens)
-                        yield chunk([piece(event.index, "", -1, reason)])
+                        reason: str = finish_reason(counts[index], params.max_new_tokens)
+                        calls, rest = call.finish() if call is not None else (None, "")
+                        if rest:
+                            yield chunk([piece(index, rest, -1)])
+                        for delta in call_deltas(calls or []):
+                            yield chunk([{"index": index, "delta": delta, "finish_reason": None}])
+                        reason = "tool_calls" if calls else reason
+                        yield chunk([piece(index, "", -1, reason)])
                     else:
                         assert event.error is not None
                         err = api_error(event.error)

@@ -30,11 +30,19 @@ SUPPORTED = frozenset(
         "logprobs",
     }
 )
-SUPPORTED_CHAT = frozenset({"messages", "top_logprobs", "response_format"})
+SUPPORTED_CHAT = frozenset({"messages", "top_logprobs", "response_format", "tools", "tool_choice"})
 SUPPORTED_COMPLETION = frozenset({"prompt"})
 # accepted and without effect on the output
 IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"}
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "parallel_tool_calls",  # a permission: the model makes at most one call a turn
+    }
 )
 # accepted only at the value that changes nothing (None is always accepted)
 NEUTRAL: Mapping[str, tuple[Any, ...]] = {

@@ -17,6 +17,7 @@ from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import InvalidRequest, MeshError
 from hetmesh.node.api_fields import unsupported_field
+from hetmesh.node.api_tools import Tools, parse_tools, render_messages
 from hetmesh.protocol.generate import (
     HTTP_DEFAULT_MAX_TOKENS,
     HTTP_DEFAULT_MAX_TOKENS_CHAT,
@@ -35,6 +36,7 @@ DEFAULT_MAX_REQUESTS_PER_CLIENT = 4
 DEFAULT_MAX_REQUESTS_PER_KEY = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limits, on top of the sampling record's own bounds
 MAX_CHOICES = 8  # n: each choice is a session of its own
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 OPENAI_MAX_TEMPERATURE = 2.0
 
 # -- errors ---------------------------------------------------------------------
@@ -104,6 +106,7 @@ class ApiRequest:
     n: int = 1  # choices, each its own session (the prefix cache shares the prompt's KV)
     logprobs: bool = False  # the choices carry log-probabilities (request.sampling.logprobs)
     schema: dict[str, Any] | None = None  # response_format: the JSON schema output must follow
+    tools: Tools | None = None  # tools and tool_choice (hetmesh.node.api_tools)
 
     @property
     def chat(self) -> bool:
@@ -198,7 +201,9 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
         "schema": _response_schema(body.get("response_format")) if chat else None,
     }
     if chat:
-        messages = _messages(body.get("messages"))
+        tools = _tools(body)
+        common["tools"] = tools
+        messages = _messages(body.get("messages"), tools)
         request = GenerateRequest(messages=messages, chat=True, sampling=sampling)
         return ApiRequest(request=request, **common)
     prompt = body.get("prompt")
@@ -382,18 +387,17 @@ class ClientLimits:
         return self._active.get(client, 0)
 
 
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
+def _messages(raw: Any, tools: Tools | None) -> tuple[dict[str, str], ...]:
+    """The conversation as template turns (tool calls and results rendered: api_tools)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
     for m in raw:
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-        ):
-            raise bad_request("each message needs a role of system, user or assistant", "messages")
+        if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+            raise bad_request(
+                "each message needs a role of system, developer, user, assistant or tool",
+                "messages",
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
             content = "".join(
@@ -401,11 +405,27 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
                 for p in content
                 if isinstance(p, dict) and p.get("type") == "text"
             )
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             raise bad_request("each message needs a string content", "messages")
         role = "system" if m["role"] == "developer" else str(m["role"])
-        out.append({"role": role, "content": content})
-    return tuple(out)
+        out.append({"role": role, "content": content, "tool_calls": m.get("tool_calls")})
+    try:
+        return tuple(render_messages(out, tools))
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), exc.param) from exc
+
+
+def _tools(body: Mapping[str, Any]) -> Tools | None:
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    fmt = body.get("response_format")
+    if tools is not None and tools.active and isinstance(fmt, dict) and fmt.get("type") != "text":
+        raise bad_request("response_format together with tools is not supported", "response_format")
+    return tools
 
 
 __all__ = [

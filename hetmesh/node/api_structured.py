@@ -13,7 +13,8 @@ from typing import Any
 
 import trio
 
-from hetmesh.partition.grammar import json_schema_grammar
+from hetmesh.node.api_tools import Tools, call_lark
+from hetmesh.partition.grammar import json_schema_grammar, lark_grammar
 
 
 async def schema_grammar(schema: dict[str, Any]) -> str:
@@ -21,4 +22,12 @@ async def schema_grammar(schema: dict[str, Any]) -> str:
     return await trio.to_thread.run_sync(json_schema_grammar, schema)
 
 
-__all__ = ["schema_grammar"]
+async def tools_grammar(tools: Tools) -> str:
+    """The grammar text of what ``tools``' ``tool_choice`` lets the model write ("": any)."""
+    lark = call_lark(tools)
+    if lark is None:
+        return ""
+    return await trio.to_thread.run_sync(lark_grammar, lark)
+
+
+__all__ = ["schema_grammar", "tools_grammar"]

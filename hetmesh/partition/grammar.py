@@ -53,17 +53,27 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     return grammar
 
 
-def check_grammar(grammar: str) -> None:
+def lark_grammar(lark: str) -> str:
+    """The grammar text of a Lark grammar (llguidance's dialect, ``%json`` included)."""
+    import llguidance
+
+    try:
+        grammar: str = llguidance.grammar_from("lark", lark)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"the tools cannot be enforced: {exc}", param="tools") from exc
+    check_grammar(grammar, "tools")
+    return grammar
+
+
+def check_grammar(grammar: str, param: str = "response_format") -> None:
     """``InvalidRequest`` unless ``grammar`` is grammar text the engine compiles."""
     import llguidance
 
     if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
-        raise InvalidRequest(
-            f"the schema's grammar is over {MAX_GRAMMAR_BYTES} bytes", param="response_format"
-        )
+        raise InvalidRequest(f"the schema's grammar is over {MAX_GRAMMAR_BYTES} bytes", param=param)
     error = llguidance.LLMatcher.validate_grammar(grammar, None)
     if error:
-        raise InvalidRequest(f"the schema cannot be enforced: {error}", param="response_format")
+        raise InvalidRequest(f"the schema cannot be enforced: {error}", param=param)
 
 
 class Grammars:
@@ -154,4 +164,5 @@ __all__ = [
     "Grammars",
     "check_grammar",
     "json_schema_grammar",
+    "lark_grammar",
 ]
