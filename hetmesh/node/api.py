@@ -46,7 +46,6 @@ import ipaddress
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,12 +57,11 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
-from hetmesh.node.api_choices import Choice, Event, LogprobsShape, choice_params, produce
+from hetmesh.node.api_choices import Choice, Event, choice_params, produce
 from hetmesh.node.api_guard import (
     LocalGuard,
     LocalOnly,
@@ -87,12 +85,11 @@ from hetmesh.node.api_requests import (
     default_max_tokens,
     parse_api_request,
 )
+from hetmesh.node.api_stream import HeldStream, choice_body, new_id, next_event, sse_events, usage
 from hetmesh.node.api_structured import schema_grammar, tools_grammar
-from hetmesh.node.api_tools import HeldCall, call_deltas, parse_call
 from hetmesh.node.dashboard import dashboard_routes
 from hetmesh.node.events import Feed
-from hetmesh.protocol.generate import GenerateRequest, SamplingParams, finish_reason
-from hetmesh.protocol.logprobs import logprobs_of
+from hetmesh.protocol.generate import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -375,7 +372,7 @@ class _Api:
         if parsed.stream:
             self.metrics.requests.labels(self.route_label(request), "200").inc()
             events = self._events(parsed, ids, params, first, receive, scope, timing, release)
-            return _HeldStream(events, release, media_type="text/event-stream")
+            return HeldStream(events, release, media_type="text/event-stream")
         choices = [Choice() for _ in range(parsed.n)]
         try:
             with receive:
@@ -388,42 +385,23 @@ class _Api:
                         choices[event.index].add(event.token, event.text)
                         if event.token >= 0:
                             timing.token()
-                    event = await _next(receive)
+                    event = await next_event(receive)
         finally:
             scope.cancel()
             self.metrics.inflight.dec()
         self._observe(timing)
         body = {
-            "id": _new_id(chat),
+            "id": new_id(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": parsed.model,
-            "choices": [self._choice(parsed, params, i, c) for i, c in enumerate(choices)],
-            "usage": _usage(len(ids), sum(len(c.tokens) for c in choices)),
+            "choices": [
+                choice_body(parsed, params.max_new_tokens, i, c, self.backend.token_texts)
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage(len(ids), sum(len(c.tokens) for c in choices)),
         }
         return self._json(request, body)
-
-    def _choice(
-        self, parsed: ApiRequest, params: SamplingParams, index: int, choice: Choice
-    ) -> dict[str, Any]:
-        reason = finish_reason(len(choice.tokens), params.max_new_tokens)
-        out: dict[str, Any] = {"index": index, "finish_reason": reason}
-        logprobs = None
-        if parsed.logprobs:
-            shape = LogprobsShape(self.backend.token_texts, chat=parsed.chat)
-            logprobs = shape.render(choice.logprobs)
-        if parsed.chat:
-            text = "".join(choice.text)
-            out["message"] = {"role": "assistant", "content": text}
-            calls = parse_call(text, parsed.tools)
-            if calls is not None:
-                out["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-                out["finish_reason"] = "tool_calls"
-        else:
-            out["text"] = "".join(choice.text)
-        out["logprobs"] = logprobs
-        out["token_ids"] = choice.tokens
-        return out
 
     def _observe(self, timing: _Timing) -> None:
         ttft = tpot = None
@@ -456,122 +434,27 @@ class _Api:
         timing: _Timing,
         release: Callable[[], None],
     ) -> AsyncIterator[str]:
-        chat = parsed.chat
-        cid = _new_id(chat)
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        shapes = [LogprobsShape(self.backend.token_texts, chat=chat) for _ in range(parsed.n)]
+        def rejected(err: ApiError) -> None:
+            self.metrics.rejected.labels(err.code or err.type).inc()
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            body: dict[str, Any] = {
-                "id": cid,
-                "object": kind,
-                "created": created,
-                "model": parsed.model,
-                "choices": choices,
-            }
-            if usage is not None:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
-
-        def piece(index: int, text: str, token: int, reason: str | None = None) -> dict[str, Any]:
-            tokens = [int(token)] if token >= 0 else []
-            out: dict[str, Any] = {"index": index, "finish_reason": reason}
-            if chat:
-                out["delta"] = {"content": text} if text or reason is None else {}
-            else:
-                out["text"] = text
-            info = logprobs_of(token)
-            lp = shapes[index].render([(int(token), info)]) if info and parsed.logprobs else None
-            if parsed.logprobs and token >= 0 and lp is None:  # the last stage sent none
-                lp = shapes[index].render([])
-            out["logprobs"] = lp
-            out["token_ids"] = tokens
-            return out
-
-        counts = [0] * parsed.n
         try:
-            if chat:
-                for i in range(parsed.n):
-                    role = {"role": "assistant", "content": ""}
-                    yield chunk(
-                        [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
-                    )
-            tools = parsed.tools if parsed.tools is not None and parsed.tools.active else None
-            held = [HeldCall(tools) if tools else None for _ in range(parsed.n)]
-            event: Event | None = first
-            with receive:
-                while event is not None:
-                    index, call = event.index, held[event.index]
-                    if event.what == "token":
-                        if event.token >= 0:
-                            counts[index] += 1
-                            timing.token()
-                        text = call.feed(event.text) if call is not None else event.text
-                        if call is None or text or not call.calling:
-                            yield chunk([piece(index, text, event.token)])
-                    elif event.what == "end":
-                        reason: str = finish_reason(counts[index], params.max_new_tokens)
-                        calls, rest = call.finish() if call is not None else (None, "")
-                        if rest:
-                            yield chunk([piece(index, rest, -1)])
-                        for delta in call_deltas(calls or []):
-                            yield chunk([{"index": index, "delta": delta, "finish_reason": None}])
-                        reason = "tool_calls" if calls else reason
-                        yield chunk([piece(index, "", -1, reason)])
-                    else:
-                        assert event.error is not None
-                        err = api_error(event.error)
-                        self.metrics.rejected.labels(err.code or err.type).inc()
-                        yield f"data: {json.dumps(err.body())}\n\n"
-                        break
-                    event = await _next(receive)
-                else:
-                    if parsed.include_usage:
-                        yield chunk([], _usage(len(ids), sum(counts)))
-            yield "data: [DONE]\n\n"
+            lines = sse_events(
+                parsed,
+                len(ids),
+                params.max_new_tokens,
+                first,
+                receive,
+                self.backend.token_texts,
+                on_token=timing.token,
+                on_error=rejected,
+            )
+            async for line in lines:
+                yield line
             self._observe(timing)
         finally:
             scope.cancel()
             self.metrics.inflight.dec()
             release()
-
-
-async def _next(receive: trio.MemoryReceiveChannel[Event]) -> Event | None:
-    """The next event of a completion's choices; None once every choice has ended."""
-    try:
-        return await receive.receive()
-    except trio.EndOfChannel:
-        return None
-
-
-class _HeldStream(StreamingResponse):
-    """A streamed response that gives its client's slot back when it is done, sent or not
-    (a client gone before the first chunk never starts the body's generator)."""
-
-    def __init__(
-        self, content: AsyncIterator[str], release: Callable[[], None], media_type: str
-    ) -> None:
-        super().__init__(content, media_type=media_type)
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
-
-
-def _new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
 
 
 def build_app(
