@@ -13,6 +13,7 @@ stream: each event is JSON, token ids arrive one per token, exactly one
     .venv/bin/python bench/load.py                 # 32 clients, 60 s, a table
     .venv/bin/python bench/load.py --json          # one JSON object
     .venv/bin/python bench/load.py --url http://127.0.0.1:8000   # an existing API
+    .venv/bin/python bench/load.py --chat / --structured   # chats, plain / JSON-schema output
 
 Keys: ``errors`` (failed or malformed streams), ``streams``, ``tokens``,
 ``ttft_p50_s``/``ttft_p99_s`` (request sent → first token), ``tpot_p50_s``/
@@ -152,10 +153,25 @@ def local_mesh(workdir: Path, *, sessions: int, memory: str, context: int) -> It
                 p.wait()
 
 
+# --structured: every request a chat whose answer must follow this schema (a grammar on
+# the last stage); --chat: the same chats without it, the baseline to compare with
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string"},
+        "facts": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["answer", "facts"],
+    "additionalProperties": False,
+}
+MODE = {"chat": False, "structured": False}
+
+
 async def one_stream(
     http: httpx.AsyncClient, model: str, index: int, max_tokens: int, results: Results
 ) -> None:
-    chat = index % 4 == 0  # one request in four is a chat (its template adds ~30 tokens)
+    # one request in four is a chat (its template adds ~30 tokens), unless --chat/--structured
+    chat = index % 4 == 0 or MODE["chat"] or MODE["structured"]
     prompt = CHATS[index % len(CHATS)] if chat else PROMPTS[index % len(PROMPTS)]
     body: dict[str, Any] = {
         "model": model,
@@ -166,6 +182,9 @@ async def one_stream(
     }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
+    if MODE["structured"]:
+        schema = {"name": "answer", "schema": SCHEMA, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     began = time.perf_counter()
     stamps: list[float] = []
@@ -322,7 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stages", type=int, default=3, help="the cut the mesh must have")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--chat", action="store_true", help="every request a chat")
+    parser.add_argument(
+        "--structured", action="store_true", help="every request a chat with a JSON schema"
+    )
     args = parser.parse_args(argv)
+    MODE.update(chat=args.chat, structured=args.structured)
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
