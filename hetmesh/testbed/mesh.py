@@ -19,16 +19,15 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from hetmesh.node.local import LocalNode
 from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.cgroups import CPU, MEMORY
+from hetmesh.testbed.local_mesh import LocalNode, node_argv
 from hetmesh.testbed.netns import NetnsTestbed, Spawn, open_testbed, unavailable_reason
 
 if TYPE_CHECKING:
@@ -135,24 +134,13 @@ class MeshTestbed:
         config.write_text(
             f"backends = {json.dumps(list(spec.backends))}\n" if spec.backends else ""
         )
-        argv = [
-            sys.executable,
-            "-m",
-            "hetmesh",
-            "node",
-            "start",
-            "--config",
-            str(config),
-            "--data-dir",
-            str(data_dir),
-            "--listen",
+        argv = node_argv(
+            data_dir,
             f"/ip4/{self.net.hosts[host].ip}/tcp/{PORT}",
-            "--mesh-secret",
-            self.secret,
-            "--no-mdns",
-            "--threads",  # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
-            "1",
-        ]
+            *("--config", str(config), "--mesh-secret", self.secret),
+            # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
+            *("--threads", "1"),
+        )
         if spec.max_memory:
             argv += ["--max-memory", spec.max_memory]
         if bootstrap:

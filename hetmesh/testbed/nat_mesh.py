@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import secrets
 import subprocess
-import sys
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetmesh.testbed.agent import HostAgent, HostAgents
+from hetmesh.testbed.local_mesh import node_argv
 from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, plan_of, wait_for
 from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
 from hetmesh.testbed.netns import Spawn
@@ -42,23 +42,13 @@ class NatMesh:
         data_dir = self.workdir / host.name
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / "node.json").unlink(missing_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "hetmesh",
-            "node",
-            "start",
-            "--data-dir",
-            str(data_dir),
-            "--listen",
+        argv = node_argv(
+            data_dir,
             f"/ip4/{host.ip}/tcp/{PORT}",
-            "--mesh-secret",
-            self.secret,
-            "--no-mdns",
-            "--threads",  # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
-            "1",
-            *args,
-        ]
+            *("--mesh-secret", self.secret),
+            # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
+            *("--threads", "1", *args),
+        )
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
         log_path = self.workdir / f"{host.name}.log"
