@@ -10,6 +10,7 @@ node processes killed by PID, then the namespaces — also on failure.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import subprocess
 from collections.abc import Collection, Iterator, Sequence
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.local_mesh import node_argv
-from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, plan_of, wait_for
+from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, launch, plan_of, wait_for
 from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
 from hetmesh.testbed.netns import Spawn
 
@@ -52,16 +53,9 @@ class NatMesh:
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
         log_path = self.workdir / f"{host.name}.log"
-        with log_path.open("ab") as log_file:
-            kwargs: dict[str, Any] = {
-                "stdout": log_file,
-                "stderr": subprocess.STDOUT,
-                "env": child_env(),
-                "cwd": REPO,
-            }
-            proc = self.spawn(argv, self.bed.placement(host), kwargs) if self.spawn else None
-            if proc is None:
-                proc = self.bed.popen(host, argv, **kwargs)
+        place = self.bed.placement(host) if self.spawn else None  # only a spawn asks
+        popen = functools.partial(self.bed.popen, host)
+        proc = launch(argv, log_path, place, popen, self.spawn)
         node = MeshNode(proc, data_dir, log_path, host=index)
         self.nodes.append(node)
         return node
