@@ -4,7 +4,7 @@ Two members behind different NAT routers first meet through a relay
 (:mod:`hetmesh.nat.relay`), so their libp2p connection — membership pings,
 RPCs, plan and session control — lives and dies with the relay. Their data
 plane is already hole-punched where the routers allow
-(:mod:`hetmesh.transport.punch`); this module punches one more TCP connection
+(:mod:`hetmesh.nat.punch`); this module punches one more TCP connection
 the same way and hands it to libp2p as an ordinary connection: the private
 network key, noise (which proves the far peer's id end to end) and yamux run
 over it exactly as over a dialled socket. The swarm then prefers it, trims
@@ -38,15 +38,10 @@ import trio
 
 from hetmesh.discovery.rpc import open_stream
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
-from hetmesh.nat.punch_probe import (
-    punch_from,
-    read_line,
-    read_offer,
-    recv_exact,
-    reserve_candidate,
-)
+from hetmesh.nat.punch import punch_from, read_line, read_offer, recv_exact, reserve_candidate
+from hetmesh.nat.punch_plan import DEFAULT_SCHEDULE, parse_candidate
+from hetmesh.nat.state import NatState
 from hetmesh.transport.p2p import PUNCHED_MARK
-from hetmesh.transport.punch_plan import DEFAULT_SCHEDULE, parse_candidate
 from hetmesh.transport.threads import in_thread
 
 if TYPE_CHECKING:
@@ -90,8 +85,9 @@ def _rwc(sock: socket.socket) -> Any:
 class ControlPuncher:
     """Punches direct control connections to members we only reach through a relay."""
 
-    def __init__(self, discovery: Discovery) -> None:
+    def __init__(self, discovery: Discovery, nat: NatState | None = None) -> None:
         self.discovery = discovery
+        self.nat = nat if nat is not None else NatState()  # the public IP to punch from
         self.direct: dict[str, Any] = {}  # peer -> the punched swarm connection
         self.attempts = 0
         self.failures = 0
@@ -195,7 +191,7 @@ class ControlPuncher:
             self._busy.discard(peer_id)
 
     async def _ask(self, peer_id: str) -> None:
-        reservation = reserve_candidate(self.discovery)
+        reservation = reserve_candidate(self.nat, self.discovery.addrs)
         if reservation is None:
             raise PeerUnreachable("no public mapping known here: nothing to punch from")
         reserved, mine = reservation
@@ -235,7 +231,7 @@ class ControlPuncher:
             wanted = (
                 offer is not None and asker < self.discovery.peer_id and asker not in self._busy
             )
-            reservation = reserve_candidate(self.discovery) if wanted else None
+            reservation = reserve_candidate(self.nat, self.discovery.addrs) if wanted else None
             await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
             await stream.close()
             if reservation is not None and offer is not None:
