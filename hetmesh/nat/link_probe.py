@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import secrets
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +47,8 @@ from hetmesh.discovery.probe import (
 )
 from hetmesh.discovery.rpc import open_stream
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
-from hetmesh.nat.punch import punch_from, read_line, read_offer, reserve_candidate
-from hetmesh.nat.punch_plan import DEFAULT_SCHEDULE, parse_candidate
+from hetmesh.nat.punch import TOKEN_BYTES, answer_offer, punch_from, punch_to
+from hetmesh.nat.punch_plan import DEFAULT_SCHEDULE
 from hetmesh.nat.state import NatState
 
 if TYPE_CHECKING:
@@ -59,7 +58,6 @@ log = logging.getLogger(__name__)
 
 P2P_PROBE_PROTOCOL = "/hetmesh/p2p-probe/1.0.0"
 PUNCH_PROBE_PROTOCOL = "/hetmesh/punch-probe/1.0.0"
-_TOKEN_BYTES = 16
 _IO_TIMEOUT_S = 30.0
 # punched probes answered at once (each holds a reserved port for up to ~10 s):
 # more are told "-" (no candidate), and the asker probes over libp2p instead
@@ -90,7 +88,7 @@ async def answer_punched(sock: socket.socket, token: bytes) -> None:
     async with stream:
         channel = SocketChannel(stream, stamped=stamped)
         with trio.fail_after(_IO_TIMEOUT_S):
-            got = await read_exact(channel, _TOKEN_BYTES)
+            got = await read_exact(channel, TOKEN_BYTES)
         if not hmac.compare_digest(got, token):
             raise RemoteProtocolError("punched probe connection without the token")
         await answer(channel, PUNCHED_PROBE)
@@ -167,29 +165,17 @@ class LinkProber:
     ) -> LinkMeasurement:
         """Over a freshly hole-punched connection (no candidate, a failed punch or a
         timeout: :class:`PeerUnreachable`)."""
-        try:
-            reservation = reserve_candidate(self.nat, self.discovery.addrs)
-        except OSError as exc:
-            raise PeerUnreachable(f"no local port to punch from: {exc!r}") from exc
-        if reservation is None:
-            raise PeerUnreachable("no public mapping known here: nothing to punch from")
-        reserved, mine = reservation
-        token = secrets.token_bytes(_TOKEN_BYTES)
+        discovery = self.discovery
         try:
             with trio.fail_after(timeout_s):
-                stream = await open_stream(
-                    self.discovery.host, peer_id, PUNCH_PROBE_PROTOCOL, timeout_s=timeout_s
+                sock, token = await punch_to(
+                    self.nat,
+                    discovery.addrs,
+                    discovery.host,
+                    peer_id,
+                    PUNCH_PROBE_PROTOCOL,
+                    timeout_s,
                 )
-                try:
-                    await stream.write(f"{mine} {token.hex()}\n".encode())
-                    theirs = parse_candidate(await read_line(stream))
-                finally:
-                    await stream.close()
-                if theirs is None:
-                    raise PeerUnreachable(f"{peer_id} offered no punch candidate")
-                sock = await punch_from(reserved, theirs)
-                if sock is None:
-                    raise PeerUnreachable(f"hole punching to {peer_id} ({theirs}) failed")
                 return await measure_punched(sock, token, nbytes)
         except trio.TooSlowError as exc:
             raise PeerUnreachable(f"punched link probe to {peer_id} timed out") from exc
@@ -197,29 +183,20 @@ class LinkProber:
             raise
         except Exception as exc:  # libp2p stream and socket errors
             raise PeerUnreachable(f"punched link probe to {peer_id} failed: {exc!r}") from exc
-        finally:
-            reserved.close()
 
     async def _answer_libp2p(self, stream: Any) -> None:
         await answer(StreamChannel(stream), LIBP2P_PROBE)
 
     async def _answer_punch(self, stream: Any) -> None:
         with trio.fail_after(_IO_TIMEOUT_S + DEFAULT_SCHEDULE.total_s):
-            offer = await read_offer(stream, _TOKEN_BYTES)
             free = self._answering < MAX_CONCURRENT_ANSWERS
-            reservation = (
-                reserve_candidate(self.nat, self.discovery.addrs)
-                if offer is not None and free
-                else None
-            )
-            await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
-            await stream.close()
-            if reservation is None or offer is None:
+            offer = await answer_offer(stream, self.nat, self.discovery.addrs, willing=free)
+            if offer is None:
                 return
-            theirs, token = offer
+            reserved, theirs, token = offer
             self._answering += 1
             try:
-                sock = await punch_from(reservation[0], theirs)
+                sock = await punch_from(reserved, theirs)
                 if sock is not None:
                     await answer_punched(sock, token)
             finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Iterable
@@ -22,7 +23,7 @@ from typing import Any
 
 import trio
 
-from hetmesh.errors import RemoteProtocolError
+from hetmesh.errors import PeerUnreachable, RemoteProtocolError
 from hetmesh.nat.punch_plan import DEFAULT_SCHEDULE, AttemptSchedule, Candidate, parse_candidate
 from hetmesh.nat.state import NatState
 from hetmesh.transport.threads import in_thread
@@ -92,6 +93,7 @@ def simultaneous_open(
 # the exchange before a punch (over the authenticated libp2p connection): the asker
 # writes "<candidate> <token hex>\n", the answerer "<candidate>\n" ("-": none)
 _LINE_BYTES = 128
+TOKEN_BYTES = 16  # the one-time token the asker proves on the punched socket
 
 
 def local_host(addrs: Iterable[Any]) -> str | None:
@@ -152,6 +154,56 @@ async def read_offer(stream: Any, token_bytes: int) -> tuple[Candidate, bytes] |
     return None if theirs is None or len(token) != token_bytes else (theirs, token)
 
 
+async def punch_to(
+    nat: NatState, addrs: Iterable[Any], host: Any, peer_id: str, protocol: str, timeout_s: float
+) -> tuple[socket.socket, bytes]:
+    """The asker's side of a punch: reserve a port, trade candidates with ``peer_id``
+    over a ``protocol`` stream (ours with a fresh token), open simultaneously. The
+    punched socket and the token the asker must prove on it first; raises
+    :class:`PeerUnreachable` (nothing to punch from, no candidate, a failed punch)."""
+    from hetmesh.discovery.rpc import open_stream
+
+    try:
+        reservation = reserve_candidate(nat, addrs)
+    except OSError as exc:
+        raise PeerUnreachable(f"no local port to punch from: {exc!r}") from exc
+    if reservation is None:
+        raise PeerUnreachable("no public mapping known here: nothing to punch from")
+    reserved, mine = reservation
+    token = secrets.token_bytes(TOKEN_BYTES)
+    try:
+        stream = await open_stream(host, peer_id, protocol, timeout_s=timeout_s)
+        try:
+            await stream.write(f"{mine} {token.hex()}\n".encode())
+            theirs = parse_candidate(await read_line(stream))
+        finally:
+            await stream.close()
+        if theirs is None:
+            raise PeerUnreachable(f"{peer_id} offered no punch candidate")
+        sock = await punch_from(reserved, theirs)
+        if sock is None:
+            raise PeerUnreachable(f"hole punching to {peer_id} ({theirs}) failed")
+        return sock, token
+    finally:
+        reserved.close()
+
+
+async def answer_offer(
+    stream: Any, nat: NatState, addrs: Iterable[Any], *, willing: bool
+) -> tuple[socket.socket, Candidate, bytes] | None:
+    """The answerer's side of the exchange on ``stream`` (closed after): the asker's
+    offer, then our candidate when ``willing`` (else ``"-"``). The port reserved for
+    the punch (:func:`punch_from` it), the asker's candidate and its token; None when
+    either side has none."""
+    offer = await read_offer(stream, TOKEN_BYTES)
+    reservation = reserve_candidate(nat, addrs) if offer is not None and willing else None
+    await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
+    await stream.close()
+    if reservation is None or offer is None:
+        return None
+    return reservation[0], *offer
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     """Blocking: exactly ``n`` bytes from a punched socket."""
     buf = bytearray()
@@ -164,8 +216,11 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 __all__ = [
+    "TOKEN_BYTES",
+    "answer_offer",
     "local_host",
     "punch_from",
+    "punch_to",
     "punchable_host",
     "read_line",
     "read_offer",
