@@ -17,7 +17,12 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from hetmesh.node.peer_view import PeerView, ready_pipelines_in_view, ready_stages_in_view
+from hetmesh.node.peer_view import (
+    ALIVE,
+    PeerView,
+    ready_pipelines_in_view,
+    ready_stages_in_view,
+)
 from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
 
 
@@ -211,7 +216,9 @@ def plan_table(summary: Mapping[str, Any]) -> Table | Text:
         table.add_column(col)
     for i, pipe in enumerate(plan["pipelines"]):
         for j, st in enumerate(pipe["stages"]):
-            state = ("ready" if st["ready"] else "loading") + f", {st['health']}"
+            # not ready: loading on a live peer, out of the routes on any other
+            waiting = "loading" if st["health"] in ALIVE else "unreachable"
+            state = ("ready" if st["ready"] else waiting) + f", {st['health']}"
             style = None
             if st["bottleneck"]:
                 state += "  ◀ bottleneck"
