@@ -154,9 +154,6 @@ class Constraint:
         self.consumed += 1
         self._next = _WORKERS.submit(self._mask)  # stopped: only end-of-sequence
 
-    def close(self) -> None:
-        self._next.cancel()
-
 
 __all__ = [
     "MAX_GRAMMAR_BYTES",
