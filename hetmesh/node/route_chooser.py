@@ -21,6 +21,7 @@ from hetmesh.node import routing
 from hetmesh.node.gateway import Hop
 from hetmesh.node.peer_view import PeerView
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
+from hetmesh.node.route_wait import hopeless
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServingAnnouncement
 from hetmesh.scheduler.records import MeshLoad, PipelineLoad, Plan, RouteRequest
@@ -177,16 +178,26 @@ class RouteChooser:
     async def choose(
         self, session_id: str, avoid: frozenset[PeerId], hashes: Sequence[int] = ()
     ) -> Sequence[Hop]:
-        """A route, waiting up to ``route_wait_s`` for one; ``InsufficientCapacity`` at
-        once when the coordinator cannot place the model, else ``NoRoute``."""
-        with trio.move_on_after(self.route_wait_s):
+        """A route, waiting up to ``route_wait_s`` for one (counted afresh when a new plan
+        is adopted: a re-plan after a peer left loads stages); ``InsufficientCapacity`` at
+        once when the coordinator cannot place the model on the live members and no
+        pipeline of the plan followed can serve (:func:`~hetmesh.node.route_wait.hopeless`),
+        else ``NoRoute``."""
+        waited_on = self.follower.plan
+        with trio.CancelScope(deadline=trio.current_time() + self.route_wait_s) as scope:
             while True:
                 hops = self.route(session_id, avoid, hashes)
                 if hops:
                     return hops
-                verdict = self.follower.insufficient or self._view().insufficient()
-                if self.follower.plan is None and verdict:  # it cannot place it: say so now
-                    raise InsufficientCapacity(f"cannot serve {self.model_key}: {verdict}")
+                view = self._view()
+                verdict = self.follower.insufficient or view.insufficient()
+                live = {self.me} | {m.peer_id for m in view.members}
+                why = hopeless(self.follower.plan, live, verdict)
+                if why:  # it cannot place it on who is left: say so now
+                    raise InsufficientCapacity(f"cannot serve {self.model_key}: {why}")
+                if self.follower.plan is not waited_on:  # a new plan: its stages load
+                    waited_on = self.follower.plan
+                    scope.deadline = trio.current_time() + self.route_wait_s
                 await self._changed.wait()
         if self.follower.plan is None:
             why = self.follower.insufficient or "no plan yet (is the coordinator up?)"
