@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import trio
 
+from hetmesh.errors import InsufficientCapacity, NoRoute
 from hetmesh.node.route_wait import hopeless, lost_units
 from hetmesh.scheduler.records import Pipeline, Plan, Stage
 from tests.unit.scheduler.sched_helpers import hand_stage
@@ -80,3 +82,103 @@ def test_the_refusal_names_the_memory_and_the_units_that_lost_their_host() -> No
     assert "units [4,6) (their host E left)" in why
     assert "[0,2)" not in why
     assert lost_units(CUT, {"A", "B", "C", "D"}) == []
+
+
+# -- the wait itself (RouteChooser.choose), on trio's virtual clock -------------------
+
+
+class _Follower:
+    def __init__(self, plan: Plan | None, insufficient: str = "") -> None:
+        self.plan = plan
+        self.insufficient = insufficient
+
+
+class _View:
+    def __init__(self, live: set[str], insufficient: str = "") -> None:
+        from hetmesh.node.peer_view import PeerState
+        from hetmesh.scheduler.announcement import ServingAnnouncement
+
+        self.members = tuple(PeerState(p, ServingAnnouncement()) for p in sorted(live))
+        self._insufficient = insufficient
+
+    def insufficient(self) -> str:
+        return self._insufficient
+
+
+def _chooser(follower: _Follower, view: _View, routes: list[tuple[object, ...]]) -> object:
+    """A RouteChooser over fakes: ``routes`` pops one route per look (empty: none)."""
+    from hetmesh.node.route_chooser import RouteChooser
+
+    chooser = RouteChooser.__new__(RouteChooser)
+    chooser.me, chooser.model_key, chooser.route_wait_s = "A", "m", 30.0
+    chooser.follower = follower  # type: ignore[assignment]
+    chooser._view = lambda: view  # type: ignore[assignment,return-value]
+    chooser._changed = trio.Event()
+    chooser.route = lambda *_: routes.pop(0) if routes else ()  # type: ignore[method-assign]
+    return chooser
+
+
+def _run(body: object) -> object:
+    from trio.testing import MockClock
+
+    return trio.run(body, clock=MockClock(autojump_threshold=0))  # type: ignore[arg-type]
+
+
+def test_a_hopeless_wait_is_refused_at_once() -> None:
+    chooser = _chooser(_Follower(CUT), _View({"A", "B", "D"}, VERDICT), [])
+
+    async def body() -> float:
+        with pytest.raises(InsufficientCapacity, match=r"units \[4,6\) \(their host C left\)"):
+            await chooser.choose("s", frozenset())  # type: ignore[attr-defined]
+        return trio.current_time()
+
+    assert _run(body) == 0.0
+
+
+def test_a_wait_without_a_verdict_ends_in_no_route_after_the_route_wait() -> None:
+    chooser = _chooser(_Follower(CUT), _View({"A", "B", "D"}), [])
+
+    async def body() -> float:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_tick, chooser, 100)
+            with pytest.raises(NoRoute):
+                await chooser.choose("s", frozenset())  # type: ignore[attr-defined]
+            nursery.cancel_scope.cancel()
+        return trio.current_time()
+
+    assert _run(body) == pytest.approx(30.0, abs=1.0)
+
+
+def test_a_new_plan_counts_the_route_wait_afresh() -> None:
+    """A re-plan adopted 20 s into the wait: its stages load for up to another 30 s."""
+    follower = _Follower(CUT)
+    chooser = _chooser(follower, _View({"A", "B", "D"}), [])
+    replanned = _plan(
+        _pipeline(hand_stage("A", 0, 3), hand_stage("B", 3, 6), hand_stage("D", 6, 8))
+    )
+
+    async def body() -> tuple[object, float]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_tick, chooser, 100)
+
+            async def replan() -> None:
+                await trio.sleep(20)
+                follower.plan = replanned
+                await trio.sleep(25)  # ready 45 s into the wait
+                chooser.route = lambda *_: ("hops",)  # type: ignore[attr-defined]
+
+            nursery.start_soon(replan)
+            hops = await chooser.choose("s", frozenset())  # type: ignore[attr-defined]
+            nursery.cancel_scope.cancel()
+        return hops, trio.current_time()
+
+    hops, when = _run(body)  # type: ignore[misc]
+    assert hops == ("hops",)
+    assert when == pytest.approx(45.0, abs=1.0)
+
+
+async def _tick(chooser: object, times: int) -> None:
+    """The plan loop's once-a-second ``changed()``."""
+    for _ in range(times):
+        await trio.sleep(1)
+        chooser.changed()  # type: ignore[attr-defined]
