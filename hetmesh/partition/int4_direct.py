@@ -68,12 +68,15 @@ def scales_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     ``w = d * q + m`` (``d``, ``m``: ``(n, groups)``); the kernel computes
     ``(q - 8) * scale + zero``, so the zero point is ``m + 8 d`` (rounded to bf16, as
     :meth:`~hetmesh.partition.quant.Int4Linear.pack` rounds it)."""
+    n, groups = d.shape
+    pairs = torch.empty((n, groups, 2), dtype=torch.bfloat16)
     d32 = d.float()
-    zeros = torch.add(m.float(), d32, alpha=8.0)
-    pairs = torch.stack([d32, zeros], dim=-1).to(torch.bfloat16)  # (n, groups, 2)
+    pairs[..., 0].copy_(d32)
+    torch.add(m.float(), d32, alpha=8.0, out=d32)  # exact: 8 d is, then one rounding
+    pairs[..., 1].copy_(d32)
     # rows before groups: each (scale, zero) pair moves as one 4-byte word
-    words = pairs.view(torch.int32).reshape(pairs.shape[:2]).t().contiguous()
-    return words.view(torch.bfloat16).reshape(words.shape[0], words.shape[1], 2)
+    words = pairs.view(torch.int32).reshape(n, groups).t().contiguous()
+    return words.view(torch.bfloat16).reshape(groups, n, 2)
 
 
 __all__ = ["GROUP", "PAD_ROWS", "pack_q4_1_into", "scales_zeros"]
