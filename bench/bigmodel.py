@@ -8,12 +8,14 @@ each; ``hetmesh/testbed/mesh.py``), starts ``hetmesh node start --model MODEL
 host joins, the planner keeps it as a standby replica of a stage (``--standby 0``: none).
 
 Each node offers the planner its limit less ``--runtime-headroom`` (``--max-memory``):
-the planner charges a stage's weights, KV, workspace and a 64 MiB reserve, not the
-node process itself (~0.5 GiB: Python, torch, transformers, libp2p, calibration), so a
-node offering its whole limit is given stages it cannot hold with its runtime and is
-OOM-killed. Three 2 GiB hosts cannot hold the 8B shape in int4 (4.61 GiB of stages +
-3 x ~0.5 GiB of runtime > 6 GiB): the default limit is 2.5 GiB, under which still no
-host holds the model (docs/journal/2026-12-05-bigmodel.md).
+the planner charges a stage's weights, KV, workspace and a reserve (the larger of 64 MiB
+and 5 % of the offer), not the node process itself (~335 MiB with ``--block-step-ms``:
+Python, torch, transformers, libp2p; more after a calibration), so a node offering its
+whole limit is given stages it cannot hold with its runtime and is OOM-killed. The
+defaults, three 2 GiB hosts offering 1748 MiB each, hold the 8B shape's 4625 MiB of
+stages in three (docs/journal/2026-12-05-bigmodel2.md); a calibrating node needs more
+headroom than that. The loader drops the file's pages as it reads them
+(``checkpoint.drop_read_pages``), so a cgroup's peak is the node's own memory.
 
 Keys (``--json`` prints one object):
 
@@ -484,10 +486,10 @@ def parse_size(text: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="synth-llama-3.1-8b")
-    parser.add_argument("--memory-limit", default="2.5GiB", help="cgroup memory limit per host")
+    parser.add_argument("--memory-limit", default="2GiB", help="cgroup memory limit per host")
     parser.add_argument(
         "--runtime-headroom",
-        default="640MiB",
+        default="300MiB",
         help="each node offers the planner its limit less this (its own process); 0: all",
     )
     parser.add_argument(
