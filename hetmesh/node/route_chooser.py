@@ -21,7 +21,7 @@ from hetmesh.node import routing
 from hetmesh.node.gateway import Hop
 from hetmesh.node.peer_view import PeerView
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
-from hetmesh.node.route_wait import hopeless
+from hetmesh.node.route_wait import hopeless, mesh_verdict
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServingAnnouncement
 from hetmesh.scheduler.records import MeshLoad, PipelineLoad, Plan, RouteRequest
@@ -190,8 +190,11 @@ class RouteChooser:
                 if hops:
                     return hops
                 view = self._view()
-                verdict = self.follower.insufficient or view.insufficient()
-                live = {self.me} | {m.peer_id for m in view.members}
+                announced = {m.peer_id: m.serving.insufficient for m in view.members}
+                verdict = mesh_verdict(
+                    self.me, self.follower.boss, self.follower.insufficient, announced
+                )
+                live = {self.me} | announced.keys()
                 why = hopeless(self.follower.plan, live, verdict)
                 if why:  # it cannot place it on who is left: say so now
                     raise InsufficientCapacity(f"cannot serve {self.model_key}: {why}")

@@ -13,7 +13,7 @@ Pure: no I/O, no trio.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Mapping, Set
 
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.records import Plan
@@ -24,6 +24,21 @@ def lost_units(plan: Plan, live: Set[PeerId]) -> list[tuple[int, int, PeerId]]:
     order, each once."""
     found = {(s.start, s.end, s.peer_id) for p in plan.pipelines for s in p.stages}
     return sorted(x for x in found if x[2] not in live)
+
+
+def mesh_verdict(me: PeerId, boss: PeerId | None, own: str, announced: Mapping[PeerId, str]) -> str:
+    """Why the coordinator cannot place the model, as this node knows it ("" if it can).
+
+    ``boss``: the coordinator this node's last plan step named (None: not yet); ``own``:
+    this node's own verdict (only the coordinator's is current: a node that once
+    coordinated keeps its last one); ``announced``: each live member's announced
+    verdict. Without a known coordinator, any verdict counts.
+    """
+    if boss is None:
+        return own or next((v for v in announced.values() if v), "")
+    if boss == me:
+        return own
+    return announced.get(boss, "")
 
 
 def hopeless(plan: Plan | None, live: Set[PeerId], verdict: str) -> str:
@@ -46,4 +61,4 @@ def hopeless(plan: Plan | None, live: Set[PeerId], verdict: str) -> str:
     return f"{verdict}; no live member holds {named}"
 
 
-__all__ = ["hopeless", "lost_units"]
+__all__ = ["hopeless", "lost_units", "mesh_verdict"]

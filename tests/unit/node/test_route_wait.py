@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from hetmesh.errors import InsufficientCapacity, NoRoute
-from hetmesh.node.route_wait import hopeless, lost_units
+from hetmesh.node.route_wait import hopeless, lost_units, mesh_verdict
 from hetmesh.scheduler.records import Pipeline, Plan, Stage
 from tests.unit.scheduler.sched_helpers import hand_stage
 
@@ -84,25 +84,45 @@ def test_the_refusal_names_the_memory_and_the_units_that_lost_their_host() -> No
     assert lost_units(CUT, {"A", "B", "C", "D"}) == []
 
 
+@pytest.mark.parametrize(
+    ("boss", "own", "announced", "verdict"),
+    [
+        ("A", VERDICT, {"B": ""}, VERDICT),  # we coordinate: our own verdict
+        ("A", "", {"B": VERDICT}, ""),  # we coordinate and can place it: a peer's is stale
+        ("B", VERDICT, {"B": ""}, ""),  # ours is from when we coordinated: stale
+        ("B", "", {"B": VERDICT, "C": ""}, VERDICT),  # the coordinator's announced verdict
+        ("C", "", {"B": VERDICT}, ""),  # the coordinator (not live here) said nothing
+        (None, "", {"B": "", "C": VERDICT}, VERDICT),  # no coordinator known: any verdict
+        (None, VERDICT, {}, VERDICT),
+    ],
+)
+def test_only_the_coordinators_verdict_counts(
+    boss: str | None, own: str, announced: dict[str, str], verdict: str
+) -> None:
+    assert mesh_verdict("A", boss, own, announced) == verdict
+
+
 # -- the wait itself (RouteChooser.choose), on trio's virtual clock -------------------
 
 
 class _Follower:
-    def __init__(self, plan: Plan | None, insufficient: str = "") -> None:
+    def __init__(self, plan: Plan | None, insufficient: str = "", boss: str | None = "B") -> None:
         self.plan = plan
         self.insufficient = insufficient
+        self.boss = boss
 
 
 class _View:
-    def __init__(self, live: set[str], insufficient: str = "") -> None:
+    """Live members; ``verdicts``: what some of them announce they cannot place."""
+
+    def __init__(self, live: set[str], verdicts: dict[str, str] | None = None) -> None:
         from hetmesh.node.peer_view import PeerState
         from hetmesh.scheduler.announcement import ServingAnnouncement
 
-        self.members = tuple(PeerState(p, ServingAnnouncement()) for p in sorted(live))
-        self._insufficient = insufficient
-
-    def insufficient(self) -> str:
-        return self._insufficient
+        said = verdicts or {}
+        self.members = tuple(
+            PeerState(p, ServingAnnouncement(insufficient=said.get(p, ""))) for p in sorted(live)
+        )
 
 
 def _chooser(follower: _Follower, view: _View, routes: list[tuple[object, ...]]) -> object:
@@ -125,7 +145,7 @@ def _run(body: object) -> object:
 
 
 def test_a_hopeless_wait_is_refused_at_once() -> None:
-    chooser = _chooser(_Follower(CUT), _View({"A", "B", "D"}, VERDICT), [])
+    chooser = _chooser(_Follower(CUT), _View({"A", "B", "D"}, {"B": VERDICT}), [])
 
     async def body() -> float:
         with pytest.raises(InsufficientCapacity, match=r"units \[4,6\) \(their host C left\)"):
