@@ -181,6 +181,7 @@ class Serving:
             gloo="torchdist" in self.config.backends,
             device=self.node.config.device,
             limits=limits_for_profile(self.profile),  # frames sized to the model (issue 45)
+            nat=self.node.nat,  # a punch candidate's public IP; punched links noted there
         )
         async with (
             open_data_plane(plane_config) as plane,
