@@ -44,6 +44,7 @@ from hetmesh.protocol.generate import (
 )
 from hetmesh.resources import ModelProfile
 from hetmesh.scheduler.announcement import ServingAnnouncement, serving_extra, serving_stages
+from hetmesh.scheduler.prefix_summary import summary_salt
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
@@ -144,6 +145,8 @@ class Serving:
             mine=lambda: self._announced,
             local=lambda: discovery.local_record(advance=False).load,
         )
+        # announced prefix names are salted with a mesh-private key (issue 45, item 8)
+        self.stages.summary_salt = self.routes.summary_salt = summary_salt(discovery.psk)
         self._applied: Plan | None = None  # the plan the stages last followed
         self.tokenizer: Any = None
         self.eos: frozenset[int] = frozenset()

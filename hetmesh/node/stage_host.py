@@ -34,7 +34,7 @@ from hetmesh.node.kvcache import kv_counters, stage_kv_limits
 from hetmesh.node.stage_server import SendNow, StageServer
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServedStage
-from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, encode_summary
+from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, encode_summary, salted
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.transport import Activations, Frame, KVBlock
 from hetmesh.transport.frames import Cancel
@@ -110,6 +110,7 @@ class StageHost:
         self.device = device
         self.weights = "float32"  # the format stages load in (the calibration settles it)
         self.shards: Shards | None = None
+        self.summary_salt = b""  # the mesh-private key of announced prefix names (serving)
         self._limiter = device_limiter
         self._send = send
         self._send_now = send_now
@@ -167,7 +168,9 @@ class StageHost:
     def prefix_summaries(self) -> dict[Key, str]:
         """What each of our ready stages holds in its prefix cache, as announced."""
         return {
-            key: encode_summary(server.pool.prefix.recent_hashes(SUMMARY_BLOCKS))
+            key: encode_summary(
+                salted(server.pool.prefix.recent_hashes(SUMMARY_BLOCKS), self.summary_salt)
+            )
             for key, server in self.serving().items()
         }
 

@@ -293,6 +293,7 @@ class StageServer:
                 request.prompt_tokens,
                 () if migrating else request.prefix_hashes,  # its KV comes whole
                 stamp=stamp,
+                scope=request.gateway,  # its blocks are shared with its gateway's only
             )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
