@@ -21,9 +21,10 @@ from hetmesh.node import routing
 from hetmesh.node.gateway import Hop
 from hetmesh.node.peer_view import PeerView
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
+from hetmesh.partition.prefix import scoped
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServingAnnouncement
-from hetmesh.scheduler.prefix_summary import names_for
+from hetmesh.scheduler.prefix_summary import salted
 from hetmesh.scheduler.records import MeshLoad, PipelineLoad, Plan, RouteRequest
 from hetmesh.scheduler.router import RouteMemory, cached_blocks, route
 
@@ -105,7 +106,7 @@ class RouteChooser:
     def summary_names(self, hashes: Sequence[int]) -> list[int]:
         """What stages announce for blocks of our sessions' ``hashes`` (scoped to us as
         their gateway, salted with the mesh's key: ``scheduler.prefix_summary``)."""
-        return names_for(hashes, self.me, self.summary_salt)
+        return salted(scoped(hashes, self.me), self.summary_salt)
 
     def route(
         self, session_id: str, avoid: frozenset[PeerId], hashes: Sequence[int] = ()

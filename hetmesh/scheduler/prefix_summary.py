@@ -19,7 +19,7 @@ What is announced is no prompt's hash (issue 45, item 8): each name is a
 mesh secret (:func:`summary_salt`), of a block's name in the stage's cache,
 itself scoped to the gateway whose sessions computed it
 (:func:`~hetmesh.partition.prefix.scoped`). A gateway matches its own
-request's names the same way (:func:`names_for`); whoever reads a record or
+request's names the same way (``salted(scoped(hashes, gateway), salt)``); whoever reads a record or
 a status without the secret cannot tell which prompt a summary holds, and
 outside the node only counts are shown.
 
@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-
-from hetmesh.partition.prefix import scoped
 
 SUMMARY_BLOCKS = 512  # hashes a stage announces at most (8,192 tokens of blocks of 16)
 _HEX_DIGITS = 8  # 32 bits per hash
@@ -60,13 +58,6 @@ def salted(names: Iterable[int], salt: bytes) -> list[int]:
         )
         for n in names
     ]
-
-
-def names_for(hashes: Sequence[int], gateway: str, salt: bytes) -> list[int]:
-    """What a stage announces for the blocks of ``gateway``'s request ``hashes``
-    (:func:`~hetmesh.partition.prefix.block_hashes`): match these with
-    :func:`matched_blocks`."""
-    return salted(scoped(hashes, gateway), salt)
 
 
 def encode_summary(hashes: Iterable[int], limit: int = SUMMARY_BLOCKS) -> str:
@@ -108,7 +99,6 @@ __all__ = [
     "decode_summary",
     "encode_summary",
     "matched_blocks",
-    "names_for",
     "salted",
     "summary_salt",
     "truncate",

@@ -12,7 +12,6 @@ from hetmesh.scheduler.prefix_summary import (
     decode_summary,
     encode_summary,
     matched_blocks,
-    names_for,
     salted,
     summary_salt,
     truncate,
@@ -21,6 +20,11 @@ from hetmesh.scheduler.prefix_summary import (
 PROMPT = list(range(200, 264))  # four full blocks
 HASHES = block_hashes(PROMPT)
 GATEWAY = "12D3KooWgateway"
+
+
+def names_for(hashes: list[int], gateway: str, salt: bytes) -> list[int]:
+    """What a gateway matches (``RouteChooser.summary_names``)."""
+    return salted(scoped(hashes, gateway), salt)
 
 
 def test_the_salt_comes_from_the_mesh_secret() -> None:
