@@ -183,7 +183,10 @@ class Serving:
             tcp_host=self.config.tcp_host or data_plane_host(self.node.discovery.addrs),
             gloo="torchdist" in self.config.backends,
             device=self.node.config.device,
-            limits=limits_for_profile(self.profile),  # frames sized to the model (issue 45)
+            # frames sized to the model, a KVBlock to its session's KV (issue 45)
+            limits=dataclasses.replace(
+                limits_for_profile(self.profile), kv_block_bytes=self.stages.kv_frame_bytes
+            ),
         )
         async with (
             open_data_plane(plane_config) as plane,

@@ -165,6 +165,12 @@ class StageHost:
         )
         return stages, counters, load
 
+    def kv_frame_bytes(self, session_id: str) -> int | None:
+        """The most payload bytes a KVBlock of ``session_id`` may carry to one of our
+        stages (None: none awaits it); see ``frames.Limits.kv_block_bytes``."""
+        sizes = [s.server.kv_frame_bytes(session_id) for s in list(self._served.values())]
+        return max((n for n in sizes if n is not None), default=None)
+
     def prefix_summaries(self) -> dict[Key, str]:
         """What each of our ready stages holds in its prefix cache, as announced."""
         return {
