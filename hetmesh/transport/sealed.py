@@ -124,6 +124,7 @@ class OpenedSocket:
         self._aead = AESGCM(key)
         self._counter = _Counter()
         self._raw = bytearray(_LENGTH.size + RECORD_BYTES + TAG_BYTES)
+        self._raw_view = memoryview(self._raw)
         self._raw_start = self._raw_end = 0  # received, not yet opened
         self._plain = bytearray(RECORD_BYTES)
         self._start = self._end = 0  # opened, not yet handed out
@@ -139,6 +140,20 @@ class OpenedSocket:
         view = memoryview(target).cast("B")
         if nbytes:
             view = view[:nbytes]
+        if self._start == self._end and self._raw_start == self._raw_end:
+            # nothing held (a decode step's frame, most often): one recv, and a record
+            # that came whole opens straight into the reader's memory
+            got = self._sock.recv_into(self._raw_view, 0, flags)
+            if got == 0:
+                return 0
+            self._raw_start, self._raw_end = 0, got
+            if got > _LENGTH.size:
+                length: int = _LENGTH.unpack_from(self._raw_view)[0]
+                size = length - TAG_BYTES
+                if got == _LENGTH.size + length and 0 < size <= min(len(view), RECORD_BYTES):
+                    self._raw_start = got
+                    self._open(self._raw_view[_LENGTH.size : got], view[:size])
+                    return size
         if self._start == self._end:
             sealed = self._next_record(flags)
             if sealed is None:
@@ -157,7 +172,7 @@ class OpenedSocket:
     def _next_record(self, flags: int) -> memoryview | None:
         """The next whole sealed record (a view of the raw buffer, valid until the next
         read); None if the peer closed between records."""
-        raw = memoryview(self._raw)
+        raw = self._raw_view
         length = -1
         while True:
             have = self._raw_end - self._raw_start
