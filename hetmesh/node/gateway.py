@@ -83,6 +83,7 @@ from hetmesh.node.control import (
     OpenSession,
     Reply,
 )
+from hetmesh.node.hop import Hop
 from hetmesh.node.migration import moves
 from hetmesh.node.outcomes import Verdict, classify
 from hetmesh.node.split import split_prefill_default, split_requests
@@ -101,15 +102,6 @@ from hetmesh.scheduler.standby import standby_takeovers
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Hop:
-    """One stage of a pipeline: which peer serves which units."""
-
-    peer_id: PeerId
-    start: int
-    end: int
 
 
 Control = Callable[[PeerId, OpenSession | CloseSession | MoveSession], Awaitable[Reply]]
@@ -594,27 +586,11 @@ class Gateway:
         leaves the prefill whole.
         Returns the prompt tokens every stage holds cached: the prefill starts there.
         """
-        session_id, hops, request = session.session_id, session.route, session.request
+        session_id, hops = session.session_id, session.route
         hashes = tuple(block_hashes(history)) if self.prefix_cache else ()
-        feed_steps, stop_ids = self._feeding(hops)
         requests = [
-            OpenSession(
-                session_id=session_id,
-                start=hop.start,
-                end=hop.end,
-                next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
-                gateway=self.peer_id,
-                previous_peer=hops[i - 1].peer_id if i > 0 else self.peer_id,
-                max_tokens=request.max_tokens,
-                prompt_tokens=len(history),
-                sampling=request.sampling,
-                prefix_hashes=hashes,
-                order_s=request.order_s,
-                order_id=request.base,
-                feed_steps=feed_steps,
-                stop_ids=stop_ids,
-            )
-            for i, hop in enumerate(hops)
+            self._opening(session, hops, i, len(history), prefix_hashes=hashes)
+            for i in range(len(hops))
         ]
         if helper is not None and len(hops) == 1:
             pair = (hops[0], helper[0])
@@ -658,6 +634,45 @@ class Gateway:
                 raise Rejected("busy: every pipeline is full; try again later")
             await trio.sleep(delay)  # back off while busy stages drain
             delay = min(delay * 2, 1.0)
+
+    def _neighbours(self, hops: Sequence[Hop], i: int) -> tuple[PeerId, PeerId]:
+        """The peers before and after stage ``i`` of ``hops``: this gateway at the ends."""
+        before = hops[i - 1].peer_id if i > 0 else self.peer_id
+        after = hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id
+        return before, after
+
+    def _opening(
+        self,
+        session: _Session,
+        hops: Sequence[Hop],
+        i: int,
+        prompt_tokens: int,
+        *,
+        prefix_hashes: tuple[int, ...] = (),
+        migrate_from: PeerId = "",
+    ) -> OpenSession:
+        """The ``OpenSession`` for stage ``i`` of ``hops`` (a try's route, or a move's
+        new one), its first chunk ``prompt_tokens`` long."""
+        request, hop = session.request, hops[i]
+        previous_peer, next_peer = self._neighbours(hops, i)
+        feed_steps, stop_ids = self._feeding(hops)
+        return OpenSession(
+            session_id=session.session_id,
+            start=hop.start,
+            end=hop.end,
+            next_peer=next_peer,
+            gateway=self.peer_id,
+            previous_peer=previous_peer,
+            max_tokens=request.max_tokens,
+            prompt_tokens=prompt_tokens,
+            sampling=request.sampling,
+            prefix_hashes=prefix_hashes,
+            migrate_from=migrate_from,
+            order_s=request.order_s,
+            order_id=request.base,
+            feed_steps=feed_steps,
+            stop_ids=stop_ids,
+        )
 
     def _split_helper(
         self,
@@ -843,24 +858,8 @@ class Gateway:
             raise _Replay(leaving)
         targets = [new[i] for i, _, _ in changes]
         session.moving = tuple(targets)
-        feed_steps, stop_ids = self._feeding(new)
         opens = [
-            OpenSession(
-                session_id=session_id,
-                start=new[i].start,
-                end=new[i].end,
-                next_peer=new[i + 1].peer_id if i + 1 < len(new) else self.peer_id,
-                gateway=self.peer_id,
-                previous_peer=new[i - 1].peer_id if i > 0 else self.peer_id,
-                max_tokens=request.max_tokens,
-                prompt_tokens=position,
-                sampling=request.sampling,
-                migrate_from=source,
-                order_s=request.order_s,
-                order_id=request.base,
-                feed_steps=feed_steps,
-                stop_ids=stop_ids,
-            )
+            self._opening(session, new, i, position, migrate_from=source)
             for i, source, _ in changes
         ]
         self._check_replies(targets, await self._ask_all(targets, opens), "open on")
@@ -870,8 +869,8 @@ class Gateway:
             MoveSession(
                 session_id=session_id,
                 kv_to=moved.get(i, ""),
-                next_peer=new[i + 1].peer_id if i + 1 < len(new) else self.peer_id,
-                previous_peer=new[i - 1].peer_id if i > 0 else self.peer_id,
+                next_peer=self._neighbours(new, i)[1],
+                previous_peer=self._neighbours(new, i)[0],
             )
             for i in range(len(old))
         ]

@@ -18,7 +18,7 @@ import trio
 from hetmesh.discovery.wire import Load
 from hetmesh.errors import InsufficientCapacity, NoRoute
 from hetmesh.node import routing
-from hetmesh.node.gateway import Hop
+from hetmesh.node.hop import Hop
 from hetmesh.node.peer_view import PeerView
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
 from hetmesh.partition.prefix import scoped

@@ -187,6 +187,7 @@ class Serving:
             limits=dataclasses.replace(
                 limits_for_profile(self.profile), kv_block_bytes=self.stages.kv_frame_bytes
             ),
+            nat=self.node.nat,  # a punch candidate's public IP; punched links noted there
         )
         async with (
             open_data_plane(plane_config) as plane,
