@@ -2,9 +2,9 @@
 
 :func:`produce` runs a request's ``n`` choices, each its own session through
 the backend, into one channel of :class:`Event`: the first alone until its
-first token (its prefill has then put the prompt's full KV blocks into every
-stage's prefix cache), then the others, which find the prompt cached and
-prefill only its last partial block. A seeded request gives choice ``i`` the
+second token (every stage has then put the prompt's full KV blocks into its
+prefix cache: :data:`SHARE_AFTER`) or its end, then the others, which find the
+prompt cached and prefill only its last partial block. A seeded request gives choice ``i`` the
 seed ``seed + i`` (deterministic, distinct draws); a greedy one gives ``n``
 equal choices. :class:`LogprobsShape` renders the log-probabilities the last
 stage sent with each token (:mod:`hetmesh.protocol.logprobs`) in OpenAI's two
@@ -29,6 +29,12 @@ from hetmesh.protocol.generate import MAX_SEED, SamplingParams
 from hetmesh.protocol.logprobs import TokenLogprobs, logprobs_of
 
 log = logging.getLogger(__name__)
+
+# the later choices start once the first has this many tokens: a stage names a prompt's
+# blocks after the round that computed them, and that round ends before the stage
+# computes the next step, so by the second token every stage has named them (the
+# first token leaves the last stage before its round has ended)
+SHARE_AFTER = 2
 
 StreamFn = Callable[[Sequence[int], SamplingParams], AsyncGenerator[tuple[int, str], None]]
 
@@ -59,13 +65,15 @@ async def produce(
     send: trio.MemorySendChannel[Event],
 ) -> None:
     """Run one session per entry of ``params`` into ``send`` (closed at the end):
-    the first alone until its first event, then the rest at once."""
+    the first alone until its second token or its end, then the rest at once."""
 
     async def one(index: int, sampling: SamplingParams, first: trio.Event | None) -> None:
         try:
+            seen = 0
             async with contextlib.aclosing(stream(ids, sampling)) as events:
                 async for token, text in events:
-                    if first is not None:
+                    seen += 1
+                    if first is not None and seen >= SHARE_AFTER:
                         first.set()
                     await send.send(Event(index, "token", token, text))
             await send.send(Event(index, "end"))
