@@ -63,6 +63,9 @@ class OpenSession(WireRecord):
     # sends those hidden states, then that KV, to ``next_peer``
     split: int = 0
     helper: PeerId = ""
+    # a grammar-constrained session resumed on a new last stage (a replay, a move): the
+    # tokens it drew before, which that stage's grammar takes before its next draw
+    drawn: tuple[int, ...] = ()
     op: str = "open"
 
     def __post_init__(self) -> None:
@@ -76,6 +79,8 @@ class OpenSession(WireRecord):
             raise ValueError("a helper helps with a split prefill only")
         if self.split and not self.helper and self.feed_steps != 1:
             raise ValueError("a split prefill's helper samples nothing: feed_steps 1")
+        if len(self.drawn) > self.max_tokens:
+            raise ValueError("more tokens drawn than the session may hold")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -219,6 +219,7 @@ class _Request:
     sampling: SamplingParams
     avoid: set[PeerId]
     order_s: float  # its place in the stages' admission queues (with ``base``)
+    generated: list[int]  # the tokens it has yielded so far (the request's, all tries)
 
 
 @dataclass(slots=True)
@@ -491,7 +492,12 @@ class Gateway:
                 if not hops:
                     raise NoRoute("no pipeline serves the model")
                 request = _Request(
-                    base, len(prompt_ids) + params.max_new_tokens, sampling, avoid, order_s
+                    base,
+                    len(prompt_ids) + params.max_new_tokens,
+                    sampling,
+                    avoid,
+                    order_s,
+                    generated,
                 )
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
                 session = _Session(session_id, request, inbox_send, hops, time.time())
@@ -673,6 +679,10 @@ class Gateway:
             order_id=request.base,
             feed_steps=feed_steps,
             stop_ids=stop_ids,
+            # a constrained session's last stage rebuilds its grammar's state from these
+            drawn=tuple(request.generated)
+            if request.sampling.grammar and i == len(hops) - 1
+            else (),
         )
 
     def _split_helper(

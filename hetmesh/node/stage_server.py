@@ -975,7 +975,7 @@ def _session_of(frame: Frame) -> str:
 def _sampler(request: OpenSession, grammars: Grammars | None) -> Sampler:
     """A head stage's sampler for a session; a request with a grammar (response_format,
     tools: api, issue 49) draws within it (:mod:`hetmesh.partition.grammar`)."""
-    return Sampler(request.sampling, grammars)
+    return Sampler(request.sampling, grammars, drawn=request.drawn)
 
 
 def _samples(item: _Item, session: _Session) -> bool:

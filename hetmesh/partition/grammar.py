@@ -14,21 +14,21 @@ for it (normally done) and fills the disallowed logits with ``-inf``. The first
 mask, and the tokenizer on first use, are built while the prompt is prefilled.
 
 A constrained session that resumes mid-generation on a stage that did not
-draw its earlier tokens (a replay after a failure, a move) cannot rebuild the
-matcher's state there: its draw fails with ``InvalidRequest`` (which the
-gateway does not replay) rather than emit text outside the grammar.
+draw its earlier tokens (a replay after a failure, a move) rebuilds the
+matcher's state there: its gateway names the tokens drawn so far
+(``OpenSession.drawn``) and the new matcher takes them before its first mask.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from hetmesh.errors import InvalidRequest
+from hetmesh.errors import ComputeError, InvalidRequest
 from hetmesh.protocol.generate import MAX_GRAMMAR_BYTES
 
 _WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
@@ -93,24 +93,34 @@ class Grammars:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._source())
             return self._tokenizer
 
-    def constraint(self, grammar: str) -> Constraint:
-        return Constraint(self, grammar)
+    def constraint(self, grammar: str, drawn: Sequence[int] = ()) -> Constraint:
+        return Constraint(self, grammar, drawn)
 
 
 class Constraint:
     """One session's grammar state and its next mask, computed ahead on a worker."""
 
-    def __init__(self, grammars: Grammars, grammar: str) -> None:
+    def __init__(self, grammars: Grammars, grammar: str, drawn: Sequence[int] = ()) -> None:
+        """``drawn``: the tokens a resumed session drew before (on another stage, or
+        before a replay); the matcher takes them before its first mask."""
         self._grammars = grammars
         self._grammar = grammar
         self._matcher: Any = None
-        self.consumed = 0  # tokens the matcher has taken: the next step it can mask
+        self._drawn = tuple(int(t) for t in drawn)
+        self.consumed = len(self._drawn)  # tokens the matcher has taken: the next step
         self._next: Future[torch.Tensor] = _WORKERS.submit(self._start)
 
     def _start(self) -> torch.Tensor:
         import llguidance
 
         self._matcher = llguidance.LLMatcher(self._grammars.tokenizer(), self._grammar)
+        for token in self._drawn:
+            if not self._matcher.consume_token(token):
+                raise InvalidRequest(
+                    f"the grammar refused the resumed session's token {token}: "
+                    f"{self._matcher.get_error()}",
+                    param="response_format",
+                )
         return self._mask()
 
     def _mask(self) -> torch.Tensor:
@@ -131,10 +141,9 @@ class Constraint:
     def apply(self, scores: torch.Tensor, step: int) -> torch.Tensor:
         """``scores`` (fp32 logits) with every token the grammar forbids at ``-inf``."""
         if step != self.consumed:
-            raise InvalidRequest(
-                f"a grammar-constrained session cannot resume at token {step} on a stage "
-                "that did not draw its earlier tokens (after a failure or a move): retry it",
-                param="response_format",
+            raise ComputeError(
+                f"a grammar-constrained session resumed at token {step} with "
+                f"{self.consumed} drawn tokens: its grammar's state does not match"
             )
         allowed = self._next.result()
         if not bool(allowed.any()):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -38,16 +39,23 @@ def step_seed(seed: int, step: int) -> int:
 class Sampler:
     """Picks one token id from a logits vector; owns the session's generator."""
 
-    def __init__(self, params: SamplingParams, grammars: Grammars | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        grammars: Grammars | None = None,
+        *,
+        drawn: Sequence[int] = (),
+    ) -> None:
         """``grammars``: the model's grammar engine, for a request with a ``grammar``
-        (without one, such a request's first draw fails with ``InvalidRequest``)."""
+        (without one, such a request's first draw fails with ``InvalidRequest``);
+        ``drawn``: the tokens a resumed session drew before (its grammar takes them)."""
         self.params = params
         self.generator = torch.Generator(device="cpu")
         # an unseeded session still seeds per step, from a seed drawn once
         self.seed = params.seed if params.seed is not None else self.generator.seed()
         self.constraint: Constraint | None = None
         if params.grammar and grammars is not None:
-            self.constraint = grammars.constraint(params.grammar)
+            self.constraint = grammars.constraint(params.grammar, drawn)
 
     def __call__(self, logits: torch.Tensor, step: int) -> int:
         """``logits``: ``(vocab,)`` for the position to fill; ``step``: tokens drawn so far.

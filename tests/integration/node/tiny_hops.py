@@ -19,6 +19,7 @@ from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
 from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.generate import LocalPipeline
+from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
@@ -60,7 +61,12 @@ class Hops:
         layout: dict[str, tuple[int, int]],
         pipelines: list[tuple[Hop, ...]],
         timeouts: GatewayTimeouts | None = None,
+        *,
+        grammars: Grammars | None = None,
+        max_tokens: int = 64,
     ) -> None:
+        """``grammars``: the model's grammar engine (a model with a tokenizer);
+        ``max_tokens``: each session's and the gateway's context."""
         self.servers: dict[str, StageServer] = {}
         for peer, (a, b) in layout.items():
             stage = load_stage(model_dir, a, b)
@@ -68,10 +74,11 @@ class Hops:
                 stage,
                 limits=KVLimits(
                     max_sessions=4,
-                    max_tokens_per_session=64,
-                    budget_bytes=4 * 64 * stage.kv_bytes_per_token(),
+                    max_tokens_per_session=max_tokens,
+                    budget_bytes=4 * max_tokens * stage.kv_bytes_per_token(),
                 ),
                 send=self._sender(peer),
+                grammars=grammars,
             )
         self.pipelines = pipelines
         self.frozen: set[str] = set()
@@ -83,7 +90,7 @@ class Hops:
             choose=self.choose,
             ping=self.ping,
             eos_token_ids=frozenset(),
-            max_context=64,
+            max_context=max_tokens,
             timeouts=timeouts or GatewayTimeouts(),
         )
         self.refused: list[str] = []  # errors told to the intruder
