@@ -13,6 +13,8 @@ stream: each event is JSON, token ids arrive one per token, exactly one
     .venv/bin/python bench/load.py                 # 32 clients, 60 s, a table
     .venv/bin/python bench/load.py --json          # one JSON object
     .venv/bin/python bench/load.py --url http://127.0.0.1:8000   # an existing API
+    .venv/bin/python bench/load.py --chat / --structured   # chats, plain / JSON-schema output
+    .venv/bin/python bench/load.py --compare-structured --clients 4 --duration 15 --max-tokens 24
 
 Keys: ``errors`` (failed or malformed streams), ``streams``, ``tokens``,
 ``ttft_p50_s``/``ttft_p99_s`` (request sent → first token), ``tpot_p50_s``/
@@ -152,10 +154,25 @@ def local_mesh(workdir: Path, *, sessions: int, memory: str, context: int) -> It
                 p.wait()
 
 
+# --structured: every request a chat whose answer must follow this schema (a grammar on
+# the last stage); --chat: the same chats without it, the baseline to compare with
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string"},
+        "facts": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["answer", "facts"],
+    "additionalProperties": False,
+}
+MODE = {"chat": False, "structured": False}
+
+
 async def one_stream(
     http: httpx.AsyncClient, model: str, index: int, max_tokens: int, results: Results
 ) -> None:
-    chat = index % 4 == 0  # one request in four is a chat (its template adds ~30 tokens)
+    # one request in four is a chat (its template adds ~30 tokens), unless --chat/--structured
+    chat = index % 4 == 0 or MODE["chat"] or MODE["structured"]
     prompt = CHATS[index % len(CHATS)] if chat else PROMPTS[index % len(PROMPTS)]
     body: dict[str, Any] = {
         "model": model,
@@ -166,6 +183,9 @@ async def one_stream(
     }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
+    if MODE["structured"]:
+        schema = {"name": "answer", "schema": SCHEMA, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     began = time.perf_counter()
     stamps: list[float] = []
@@ -306,6 +326,24 @@ def settled_plan(url: str, stages: int, timeout_s: float = 180.0) -> Any:
     return plan
 
 
+def compare_structured(url: str, args: argparse.Namespace) -> int:
+    """Plain chats against JSON-schema chats, alternating on one mesh (so both phases
+    see the same machine): one JSON line per phase, then each round's ratio."""
+    rows = []
+    for round_ in range(2):
+        for mode in ("chat", "structured"):
+            MODE.update(chat=mode == "chat", structured=mode == "structured")
+            report = trio.run(drive, url, args.clients, args.duration, args.max_tokens, args.ramp)
+            keys = ("errors", "streams", "tokens", "tokens_per_s", "tpot_p50_s", "ttft_p50_s")
+            row = {"mode": mode, "round": round_, **{k: report[k] for k in keys}}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    for plain, structured in zip(rows[::2], rows[1::2], strict=True):
+        ratio = structured["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
+        print(f"round {plain['round']}: structured/plain tokens/s = {ratio:.2f}")
+    return 1 if any(r["errors"] or not r["streams"] for r in rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
@@ -322,7 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stages", type=int, default=3, help="the cut the mesh must have")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--chat", action="store_true", help="every request a chat")
+    parser.add_argument(
+        "--structured", action="store_true", help="every request a chat with a JSON schema"
+    )
+    parser.add_argument(
+        "--compare-structured",
+        action="store_true",
+        help="on one mesh: --chat, then --structured, twice; each phase --duration seconds",
+    )
     args = parser.parse_args(argv)
+    MODE.update(chat=args.chat, structured=args.structured)
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
@@ -338,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = httpx.get(f"{url}/v1/hetmesh/status", timeout=10).json()
         else:
             plan = None
+        if args.compare_structured:
+            return compare_structured(url, args)
         report = trio.run(drive, url, args.clients, args.duration, args.max_tokens, args.ramp)
         if plan is not None:
             stages = sorted(

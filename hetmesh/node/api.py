@@ -46,7 +46,6 @@ import ipaddress
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,11 +57,11 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
+from hetmesh.node.api_choices import Choice, Event, choice_params, produce
 from hetmesh.node.api_guard import (
     LocalGuard,
     LocalOnly,
@@ -86,9 +85,11 @@ from hetmesh.node.api_requests import (
     default_max_tokens,
     parse_api_request,
 )
+from hetmesh.node.api_stream import HeldStream, choice_body, new_id, next_event, sse_events, usage
+from hetmesh.node.api_structured import schema_grammar, tools_grammar
 from hetmesh.node.dashboard import dashboard_routes
 from hetmesh.node.events import Feed
-from hetmesh.protocol.generate import GenerateRequest, SamplingParams, finish_reason
+from hetmesh.protocol.generate import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -108,6 +109,7 @@ class Backend(Protocol):
     ``encode``: a request's prompt token ids (``InvalidRequest`` for a malformed
     conversation, ``NoRoute`` when nothing is served); ``stream``: ``(token id, text)``
     pairs (id -1 for a final text-only flush), raising from the error tree;
+    ``token_texts``: each token id's own text (the log-probabilities' ``token``);
     ``gauges``/``view``: what ``/metrics`` and ``/v1/hetmesh/status`` show.
     """
 
@@ -118,6 +120,7 @@ class Backend(Protocol):
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncGenerator[tuple[int, str], None]: ...
+    def token_texts(self, ids: Sequence[int]) -> list[str]: ...
     def gauges(self) -> MeshGauges: ...
     def view(self) -> dict[str, Any]: ...
 
@@ -271,6 +274,10 @@ class _Api:
         params = parsed.request.sampling
         if parsed.max_tokens is None:
             params = dataclasses.replace(params, max_new_tokens=default_max_tokens(chat, room))
+        if parsed.schema is not None:  # response_format: a grammar for the last stage
+            params = dataclasses.replace(params, grammar=await schema_grammar(parsed.schema))
+        elif parsed.tools is not None:  # what tool_choice lets the model write
+            params = dataclasses.replace(params, grammar=await tools_grammar(parsed.tools))
         return parsed, ids, params
 
     def _client(self, request: Request) -> str | None:
@@ -345,36 +352,54 @@ class _Api:
             return self._error(request, err)
         except MeshError as exc:
             return self._error(request, api_error(exc))
-        if parsed.stream:
-            return await self._stream(request, parsed, ids, params, timing, release)
+        # bounded: a client that stops reading pauses its generation instead of
+        # letting the producer pile up every token it has not read
+        send, receive = trio.open_memory_channel[Event](STREAM_BUFFER)
+        scope = trio.CancelScope()
+        self.nursery.start_soon(self._produce, ids, choice_params(params, parsed.n), send, scope)
         self.metrics.inflight.inc()
-        tokens: list[int] = []
-        text: list[str] = []
         try:
-            async with contextlib.aclosing(self.backend.stream(ids, params)) as events:
-                async for token, delta in events:
-                    if token >= 0:
-                        tokens.append(token)
-                        timing.token()
-                    text.append(delta)
-        except MeshError as exc:
-            return self._error(request, api_error(exc))
+            first = await receive.receive()
+        except BaseException:
+            scope.cancel()
+            self.metrics.inflight.dec()
+            raise
+        if first.what == "error":
+            scope.cancel()
+            self.metrics.inflight.dec()
+            assert first.error is not None
+            return self._error(request, api_error(first.error))
+        if parsed.stream:
+            self.metrics.requests.labels(self.route_label(request), "200").inc()
+            events = self._events(parsed, ids, params, first, receive, scope, timing, release)
+            return HeldStream(events, release, media_type="text/event-stream")
+        choices = [Choice() for _ in range(parsed.n)]
+        try:
+            with receive:
+                event: Event | None = first
+                while event is not None:
+                    if event.what == "error":
+                        assert event.error is not None
+                        return self._error(request, api_error(event.error))
+                    if event.what == "token":
+                        choices[event.index].add(event.token, event.text)
+                        if event.token >= 0:
+                            timing.token()
+                    event = await next_event(receive)
         finally:
+            scope.cancel()
             self.metrics.inflight.dec()
         self._observe(timing)
-        reason = finish_reason(len(tokens), params.max_new_tokens)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "token_ids": tokens}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice |= {"text": "".join(text), "logprobs": None}
         body = {
-            "id": _new_id(chat),
+            "id": new_id(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": parsed.model,
-            "choices": [choice],
-            "usage": _usage(len(ids), len(tokens)),
+            "choices": [
+                choice_body(parsed, params.max_new_tokens, i, c, self.backend.token_texts)
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage(len(ids), sum(len(c.tokens) for c in choices)),
         }
         return self._json(request, body)
 
@@ -388,162 +413,48 @@ class _Api:
             self.metrics.tpot.observe(tpot)
         self.feed.observe(ttft, tpot)
 
-    async def _stream(
-        self,
-        request: Request,
-        parsed: ApiRequest,
-        ids: list[int],
-        params: SamplingParams,
-        timing: _Timing,
-        release: Callable[[], None],
-    ) -> Response:
-        # bounded: a client that stops reading pauses its generation instead of
-        # letting the producer pile up every token it has not read
-        send, receive = trio.open_memory_channel[tuple[str, int, str, MeshError | None]](
-            STREAM_BUFFER
-        )
-        scope = trio.CancelScope()
-        self.nursery.start_soon(self._produce, ids, params, send, scope)
-        self.metrics.inflight.inc()
-        try:
-            first = await receive.receive()
-        except BaseException:
-            scope.cancel()
-            self.metrics.inflight.dec()
-            raise
-        if first[0] == "error":
-            scope.cancel()
-            self.metrics.inflight.dec()
-            assert first[3] is not None
-            return self._error(request, api_error(first[3]))
-        self.metrics.requests.labels(self.route_label(request), "200").inc()
-        body = self._events(parsed, ids, params, first, receive, scope, timing, release)
-        return _HeldStream(body, release, media_type="text/event-stream")
-
     async def _produce(
         self,
         ids: list[int],
-        params: SamplingParams,
-        send: trio.MemorySendChannel[tuple[str, int, str, MeshError | None]],
+        params: list[SamplingParams],
+        send: trio.MemorySendChannel[Event],
         scope: trio.CancelScope,
     ) -> None:
-        with scope, send:
-            try:
-                async with contextlib.aclosing(self.backend.stream(ids, params)) as events:
-                    async for token, delta in events:
-                        await send.send(("token", token, delta, None))
-                await send.send(("done", -1, "", None))
-            except MeshError as exc:
-                await send.send(("error", -1, "", exc))
-            except Exception as exc:
-                log.exception("a stream failed")
-                await send.send(("error", -1, "", MeshError(f"internal error: {exc}")))
+        with scope:
+            await produce(self.backend.stream, ids, params, send)
 
     async def _events(
         self,
         parsed: ApiRequest,
         ids: list[int],
         params: SamplingParams,
-        first: tuple[str, int, str, MeshError | None],
-        receive: trio.MemoryReceiveChannel[tuple[str, int, str, MeshError | None]],
+        first: Event,
+        receive: trio.MemoryReceiveChannel[Event],
         scope: trio.CancelScope,
         timing: _Timing,
         release: Callable[[], None],
     ) -> AsyncIterator[str]:
-        chat = parsed.chat
-        cid = _new_id(chat)
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        def rejected(err: ApiError) -> None:
+            self.metrics.rejected.labels(err.code or err.type).inc()
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            body: dict[str, Any] = {
-                "id": cid,
-                "object": kind,
-                "created": created,
-                "model": parsed.model,
-                "choices": choices,
-            }
-            if usage is not None:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
-
-        def piece(text: str, tokens: list[int], reason: str | None = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"index": 0, "finish_reason": reason, "token_ids": tokens}
-            if chat:
-                out["delta"] = {"content": text} if text or reason is None else {}
-            else:
-                out |= {"text": text, "logprobs": None}
-            return out
-
-        count = 0
         try:
-            if chat:
-                yield chunk(
-                    [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            item = first
-            with receive:
-                while True:
-                    what, token, delta, exc = item
-                    if what == "token":
-                        if token >= 0:
-                            count += 1
-                            timing.token()
-                        yield chunk([piece(delta, [token] if token >= 0 else [])])
-                    elif what == "done":
-                        reason = finish_reason(count, params.max_new_tokens)
-                        yield chunk([piece("", [], reason)])
-                        if parsed.include_usage:
-                            yield chunk([], _usage(len(ids), count))
-                        break
-                    else:
-                        assert exc is not None
-                        err = api_error(exc)
-                        self.metrics.rejected.labels(err.code or err.type).inc()
-                        yield f"data: {json.dumps(err.body())}\n\n"
-                        break
-                    item = await receive.receive()
-            yield "data: [DONE]\n\n"
+            lines = sse_events(
+                parsed,
+                len(ids),
+                params.max_new_tokens,
+                first,
+                receive,
+                self.backend.token_texts,
+                on_token=timing.token,
+                on_error=rejected,
+            )
+            async for line in lines:
+                yield line
             self._observe(timing)
         finally:
             scope.cancel()
             self.metrics.inflight.dec()
             release()
-
-
-class _HeldStream(StreamingResponse):
-    """A streamed response that gives its client's slot back when it is done, sent or not
-    (a client gone before the first chunk never starts the body's generator)."""
-
-    def __init__(
-        self, content: AsyncIterator[str], release: Callable[[], None], media_type: str
-    ) -> None:
-        super().__init__(content, media_type=media_type)
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
-
-
-def _new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
 
 
 def build_app(

@@ -30,6 +30,7 @@ class MeshGauges:
     rejected_busy: int = 0
     tokens_out: int = 0
     sessions_failed: int = 0
+    prefix_tokens_skipped: int = 0  # prompt tokens this gateway's sessions found cached
     links: tuple[tuple[str, str, float, float], ...] = ()  # src, dst, rtt_s, bandwidth_bps
     shard_bytes_fetched: int = 0
     shard_bytes_served: int = 0
@@ -67,6 +68,11 @@ class _MeshCollector:
         counter("hetmesh_gateway_rejected_busy", "Admissions refused busy", g.rejected_busy)
         counter("hetmesh_tokens_out", "Tokens streamed by this gateway", g.tokens_out)
         counter("hetmesh_sessions_failed", "Sessions that ended in an error", g.sessions_failed)
+        counter(
+            "hetmesh_gateway_prefix_tokens_skipped",
+            "Prompt tokens of this gateway's sessions found in every stage's prefix cache",
+            g.prefix_tokens_skipped,
+        )
         counter(
             "hetmesh_shard_bytes_fetched", "Tensor bytes fetched from peers", g.shard_bytes_fetched
         )

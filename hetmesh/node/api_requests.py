@@ -16,6 +16,8 @@ from typing import Any
 from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import InvalidRequest, MeshError
+from hetmesh.node.api_fields import unsupported_field
+from hetmesh.node.api_tools import Tools, parse_tools, render_messages
 from hetmesh.protocol.generate import (
     HTTP_DEFAULT_MAX_TOKENS,
     HTTP_DEFAULT_MAX_TOKENS_CHAT,
@@ -23,6 +25,7 @@ from hetmesh.protocol.generate import (
     GenerateRequest,
     SamplingParams,
 )
+from hetmesh.protocol.logprobs import MAX_TOP_LOGPROBS
 
 MAX_BODY_BYTES = 4 << 20
 # No tokenizer's token spans more characters than this, so a prompt longer than
@@ -32,6 +35,8 @@ DEFAULT_MAX_REQUESTS_PER_CLIENT = 4
 # completions in flight per API key (whatever address they come from, loopback too)
 DEFAULT_MAX_REQUESTS_PER_KEY = 16
 MAX_STOP_SEQUENCES = 4  # OpenAI's limits, on top of the sampling record's own bounds
+MAX_CHOICES = 8  # n: each choice is a session of its own
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 OPENAI_MAX_TEMPERATURE = 2.0
 
 # -- errors ---------------------------------------------------------------------
@@ -76,7 +81,8 @@ def api_error(exc: MeshError) -> ApiError:
     """The HTTP answer for a hetmesh error (pure)."""
     for cls, status, kind, code in _STATUS:
         if isinstance(exc, cls):
-            return ApiError(status, str(exc), kind, None, code, error_name(exc))
+            param = getattr(exc, "param", None)
+            return ApiError(status, str(exc), kind, param, code, error_name(exc))
     return ApiError(500, str(exc), "server_error", None, "internal", error_name(exc))
 
 
@@ -97,6 +103,10 @@ class ApiRequest:
     max_tokens: int | None = None  # as given; None: the surface's default, capped by the context
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices, each its own session (the prefix cache shares the prompt's KV)
+    logprobs: bool = False  # the choices carry log-probabilities (request.sampling.logprobs)
+    schema: dict[str, Any] | None = None  # response_format: the JSON schema output must follow
+    tools: Tools | None = None  # tools and tool_choice (hetmesh.node.api_tools)
 
     @property
     def chat(self) -> bool:
@@ -108,7 +118,9 @@ def default_max_tokens(chat: bool, room: int) -> int:
     return min(HTTP_DEFAULT_MAX_TOKENS_CHAT if chat else HTTP_DEFAULT_MAX_TOKENS, room)
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: Any, stop: tuple[str, ...]) -> SamplingParams:
+def _sampling(
+    body: Mapping[str, Any], max_tokens: Any, stop: tuple[str, ...], logprobs: int | None
+) -> SamplingParams:
     """The sampling fields, through the one validator (OpenAI's names in its errors)."""
     temperature = body.get("temperature")
     if isinstance(temperature, int | float) and temperature > OPENAI_MAX_TEMPERATURE:
@@ -124,6 +136,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: Any, stop: tuple[str, ...]) -
             top_p=body.get("top_p"),
             seed=body.get("seed"),
             stop=stop,
+            logprobs=logprobs,
         )
     except InvalidRequest as exc:
         param = "max_tokens" if exc.param == "max_new_tokens" else exc.param
@@ -147,9 +160,14 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
             "model_not_found",
             error_name(errors.InvalidRequest),
         )
-    n = body.get("n", 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported", "n")
+    unsupported = unsupported_field(body, chat=chat)
+    if unsupported is not None:
+        raise bad_request(unsupported[1], unsupported[0], "unsupported_parameter")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _integer(n) or not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+    top = _logprobs(body, chat)
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -166,7 +184,7 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
         raise bad_request(f"stop takes at most {MAX_STOP_SEQUENCES} non-empty strings", "stop")
     # a placeholder length when none is given: the real default needs the prompt's length
     placeholder = max_tokens if max_tokens is not None else 1
-    sampling = _sampling(body, placeholder, stops)
+    sampling = _sampling(body, placeholder, stops, top)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream must be a boolean", "stream")
@@ -178,9 +196,14 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
         "max_tokens": max_tokens,
         "stream": stream,
         "include_usage": bool(options.get("include_usage")),
+        "n": n,
+        "logprobs": top is not None,
+        "schema": _response_schema(body.get("response_format")) if chat else None,
     }
     if chat:
-        messages = _messages(body.get("messages"))
+        tools = _tools(body)
+        common["tools"] = tools
+        messages = _messages(body.get("messages"), tools)
         request = GenerateRequest(messages=messages, chat=True, sampling=sampling)
         return ApiRequest(request=request, **common)
     prompt = body.get("prompt")
@@ -200,6 +223,58 @@ def parse_api_request(body: Any, *, chat: bool, models: Sequence[str]) -> ApiReq
         request = GenerateRequest(prompt_ids=tuple(prompt), sampling=sampling)
         return ApiRequest(request=request, **common)
     raise bad_request("prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """How many alternatives each token's log-probabilities list (None: none asked).
+
+    Chat: ``logprobs`` a boolean, ``top_logprobs`` an integer in [0, 20] that needs
+    it; completions: ``logprobs`` the integer itself (OpenAI's legacy shape)."""
+    given = body.get("logprobs")
+    if chat:
+        if given is not None and not isinstance(given, bool):
+            raise bad_request("logprobs must be a boolean", "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and not given:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if top is not None and (not _integer(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise bad_request(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
+            )
+        return (top or 0) if given else None
+    if given is None:
+        return None
+    if not _integer(given) or not 0 <= given <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    return int(given)
+
+
+def _response_schema(given: Any) -> dict[str, Any] | None:
+    """The JSON schema ``response_format`` asks output to follow (None: free text)."""
+    if given is None:
+        return None
+    kind = given.get("type") if isinstance(given, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise bad_request(
+            "response_format must be {type: text}, {type: json_object} or "
+            "{type: json_schema, json_schema: {name, schema, strict}}",
+            "response_format",
+        )
+    spec = given.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_request("response_format.json_schema needs a name", "response_format")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be an object", "response_format")
+    return schema
 
 
 def prompt_chars(request: GenerateRequest) -> int:
@@ -312,18 +387,17 @@ class ClientLimits:
         return self._active.get(client, 0)
 
 
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
+def _messages(raw: Any, tools: Tools | None) -> tuple[dict[str, str], ...]:
+    """The conversation as template turns (tool calls and results rendered: api_tools)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", "messages")
     out = []
     for m in raw:
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-        ):
-            raise bad_request("each message needs a role of system, user or assistant", "messages")
+        if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
+            raise bad_request(
+                "each message needs a role of system, developer, user, assistant or tool",
+                "messages",
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
             content = "".join(
@@ -331,11 +405,27 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
                 for p in content
                 if isinstance(p, dict) and p.get("type") == "text"
             )
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             raise bad_request("each message needs a string content", "messages")
         role = "system" if m["role"] == "developer" else str(m["role"])
-        out.append({"role": role, "content": content})
-    return tuple(out)
+        out.append({"role": role, "content": content, "tool_calls": m.get("tool_calls")})
+    try:
+        return tuple(render_messages(out, tools))
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), exc.param) from exc
+
+
+def _tools(body: Mapping[str, Any]) -> Tools | None:
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+    except InvalidRequest as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    fmt = body.get("response_format")
+    if tools is not None and tools.active and isinstance(fmt, dict) and fmt.get("type") != "text":
+        raise bad_request("response_format together with tools is not supported", "response_format")
+    return tools
 
 
 __all__ = [

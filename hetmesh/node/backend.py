@@ -52,6 +52,10 @@ class NodeBackend:
     ) -> AsyncGenerator[tuple[int, str], None]:
         return self._serving().stream(prompt_ids, params)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        tokenizer = self._serving().tokenizer
+        return [str(tokenizer.decode([int(i)])) for i in ids]
+
     def gauges(self) -> MeshGauges:
         serving = self.serving
         load = self.discovery.load
@@ -83,6 +87,7 @@ class NodeBackend:
             rejected_busy=gateway.rejected_busy if gateway else 0,
             tokens_out=gateway.tokens_out if gateway else 0,
             sessions_failed=gateway.sessions_failed if gateway else 0,
+            prefix_tokens_skipped=gateway.prefix_tokens_skipped if gateway else 0,
             links=links,
             shard_bytes_fetched=shards.bytes_fetched if shards else 0,
             shard_bytes_served=shards.bytes_served if shards else 0,

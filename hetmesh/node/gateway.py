@@ -96,6 +96,7 @@ from hetmesh.partition.prefill import (
 )
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.protocol.generate import SamplingParams
+from hetmesh.protocol.logprobs import token_of
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.records import Plan
 from hetmesh.scheduler.standby import standby_takeovers
@@ -954,7 +955,7 @@ class Gateway:
                         # the sender is not known here: the recovery pings the route
                         raise _StepFailed(f"a stage failed: {frame.message}")
                     if frame.step == step and frame.position == position and frame.token_ids:
-                        return int(frame.token_ids[0])
+                        return token_of(frame.token_ids[0], frame.logprobs)
                     self._counts.stale_frames += 1
             silent = await self._find_silent([*hops, *moving])  # a move's source too
             if silent & {h.peer_id for h in hops}:

@@ -77,10 +77,12 @@ from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
+from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
+from hetmesh.protocol.logprobs import wire_of
 from hetmesh.resources import PeerId
 from hetmesh.transport.frames import Activations, Error, Frame, KVBlock, Tokens
 
@@ -199,13 +201,15 @@ class StageServer:
         threads: int | None = None,
         send_now: SendNow | None = None,
         micro_batches: int | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """``send``: a frame to a peer, from trio; ``send_now``: the fast path from the
         device thread (None: every frame goes through trio); ``micro_batches``: the
         share of the open sessions one round may take (1: all of them at once;
         None: 1 for a stage holding the whole model, which has no next stage to
-        overlap with, else 2)."""
+        overlap with, else 2); ``grammars``: the model's grammar engine (api, issue 49)."""
         self.stage = stage
+        self._grammars = grammars
         self._threads = threads or torch.get_num_threads()
         self.pool = stage.new_pool(_pool_blocks(stage, limits))
         self.kv = KVManager(limits, pool=self.pool, factory=lambda: stage.new_kv(self.pool))
@@ -293,11 +297,12 @@ class StageServer:
                 request.prompt_tokens,
                 () if migrating else request.prefix_hashes,  # its KV comes whole
                 stamp=stamp,
+                scope=request.gateway,  # its blocks are shared with its gateway's only
             )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
         helping = split_role(request) == "helper"  # runs the prompt's first units only
-        sampler = Sampler(request.sampling) if self.stage.has_head and not helping else None
+        sampler = _sampler(request, self._grammars) if self.stage.has_head and not helping else None
         awaiting = None
         if migrating:
             awaiting = _Awaiting(request.migrate_from, slice(None))
@@ -420,6 +425,16 @@ class StageServer:
         self.kv.get(sid)
         for item in awaiting.held:
             self._enqueue(item)
+
+    def kv_frame_bytes(self, session_id: str) -> int | None:
+        """The most payload bytes a KVBlock of ``session_id`` may carry here (None: no KV
+        of it is awaited); asked from a link's reader thread, before allocation."""
+        session = self._sessions.get(session_id)
+        if session is None or session.awaiting is None:
+            return None
+        pool, layers = self.pool, len(range(self.pool.num_layers)[session.awaiting.layers])
+        per_token = 2 * layers * pool.kv_heads * pool.head_dim * pool.dtype.itemsize
+        return per_token * session.request.prompt_tokens
 
     def check_control(self, session_id: str, sender: PeerId | None) -> None:
         """``InvalidRequest`` unless ``sender`` (None: this node) may close or cancel the
@@ -957,6 +972,12 @@ def _session_of(frame: Frame) -> str:
     return str(getattr(frame, "session_id", ""))
 
 
+def _sampler(request: OpenSession, grammars: Grammars | None) -> Sampler:
+    """A head stage's sampler for a session; a request with a grammar (response_format,
+    tools: api, issue 49) draws within it (:mod:`hetmesh.partition.grammar`)."""
+    return Sampler(request.sampling, grammars)
+
+
 def _samples(item: _Item, session: _Session) -> bool:
     """Whether a head stage samples from this item: not from a prefill chunk short of
     the prompt's end (its next chunk does)."""
@@ -984,7 +1005,11 @@ def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | Non
         # the token's place in the sequence: right after the item's last position
         position = item.positions[-1] + 1 if item.positions else 0
         return Tokens(
-            session_id=item.session_id, step=item.step, token_ids=(output,), position=position
+            session_id=item.session_id,
+            step=item.step,
+            token_ids=(int(output),),
+            position=position,
+            logprobs=wire_of(output),  # a Sampled token's log-probabilities (api issue 49)
         )
     if output is None:
         return None

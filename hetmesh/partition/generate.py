@@ -17,6 +17,7 @@ import torch
 
 from hetmesh.errors import InvalidRequest
 from hetmesh.partition.formats import NATIVE, WeightFormat
+from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.kv import SessionKV
 from hetmesh.partition.profile import model_profile
 from hetmesh.partition.sampling import Sampler, SamplingParams
@@ -90,6 +91,7 @@ class LocalPipeline:
         self.profile = stages[0].profile
         self._tokenizer: Any = None
         self._eos: set[int] | None = None
+        self._grammars: Grammars | None = None
 
     @classmethod
     def load(
@@ -134,7 +136,10 @@ class LocalPipeline:
         return self._eos
 
     def new_session(self, params: SamplingParams) -> Session:
-        return Session(kvs=[s.new_kv() for s in self.stages], sampler=Sampler(params))
+        if params.grammar and self._grammars is None:  # JSON-schema output: the tokenizer's
+            self._grammars = Grammars(lambda: self.tokenizer)
+        sampler = Sampler(params, self._grammars)
+        return Session(kvs=[s.new_kv() for s in self.stages], sampler=sampler)
 
     def forward(
         self, inputs: torch.Tensor, kvs: Sequence[SessionKV], *, last_only: bool = False

@@ -8,7 +8,8 @@ The libp2p generate RPC (:data:`GENERATE_PROTOCOL`) carries it as one
 length-prefixed msgpack map, :meth:`GenerateRequest.to_wire`: ``prompt``,
 ``prompt_ids`` or ``messages`` (a conversation of ``{"role", "content"}`` maps
 put through the chat template), ``chat``, and the sampling keys
-``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``.
+``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
+``logprobs`` (:mod:`hetmesh.protocol.logprobs`), ``grammar`` (:mod:`hetmesh.partition.grammar`).
 The node answers with a sequence of maps: ``{"token": id, "text": delta}`` per
 generated token (``token`` -1 for a final text-only flush), then either
 ``{"done": true, "finish_reason", "prompt_tokens", "completion_tokens"}`` or
@@ -39,6 +40,7 @@ from typing import Any, Literal, Self
 
 from hetmesh.error_codec import error_from_wire, error_name
 from hetmesh.errors import InvalidRequest, MeshError, RemoteProtocolError
+from hetmesh.protocol.logprobs import MAX_TOP_LOGPROBS
 from hetmesh.resources import WireRecord
 
 GENERATE_PROTOCOL = "/hetmesh/generate/1.0.0"
@@ -56,6 +58,7 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_COUNT = 2**31 - 1  # max_new_tokens, top_k: far past any context or vocabulary
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
+MAX_GRAMMAR_BYTES = 32 * 1024  # a grammar travels in the session's OpenSession (64 KiB)
 
 FinishReason = Literal["stop", "length"]
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -84,6 +87,10 @@ class SamplingParams(WireRecord):
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # log-probabilities of each drawn token and of this many alternatives (None: none)
+    logprobs: int | None = None
+    # llguidance grammar text the tokens must follow (hetmesh.partition.grammar); "": none
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
@@ -118,6 +125,16 @@ class SamplingParams(WireRecord):
             not isinstance(s, str) or not s for s in self.stop
         ):
             raise InvalidRequest("stop must be a sequence of non-empty strings", param="stop")
+        if not isinstance(self.grammar, str) or len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequest(
+                f"grammar must be a string of at most {MAX_GRAMMAR_BYTES} bytes", param="grammar"
+            )
+        k = self.logprobs
+        if k is not None and (not _integer(k) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(
+                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}",
+                param="logprobs",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -155,12 +172,14 @@ class SamplingParams(WireRecord):
     def to_wire(self) -> dict[str, object]:
         """The sampling part of a generate RPC request (unset values left out)."""
         out: dict[str, object] = {"max_new_tokens": self.max_new_tokens}
-        for key in ("temperature", "top_k", "top_p", "seed"):
+        for key in ("temperature", "top_k", "top_p", "seed", "logprobs"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
         if self.stop:
             out["stop"] = list(self.stop)
+        if self.grammar:
+            out["grammar"] = self.grammar
         return out
 
     def to_openai(self) -> dict[str, object]:
@@ -313,6 +332,7 @@ __all__ = [
     "HTTP_DEFAULT_MAX_TOKENS",
     "HTTP_DEFAULT_MAX_TOKENS_CHAT",
     "MAX_COUNT",
+    "MAX_GRAMMAR_BYTES",
     "MAX_REQUEST_BYTES",
     "MAX_SEED",
     "MAX_TEMPERATURE",

@@ -508,6 +508,8 @@ class DataPlane:
     def _encrypts(self, theirs: Offer) -> bool:
         """Whether a tcp link with the peer of ``theirs`` is sealed (the dialer's rule)."""
         mode = self.config.tcp_encryption
+        if self.config.require_encryption or theirs.require_encryption:  # issue 45
+            return True
         return mode == "always" or (mode == "auto" and theirs.host_id != self._host_id)
 
     def _seal_accepted(self, link: Link, decision: Decision, theirs: Offer) -> None:
@@ -518,7 +520,7 @@ class DataPlane:
             return
         if decision.encrypted:
             link.seal()
-        elif self.config.tcp_encryption == "always":
+        elif self.config.tcp_encryption == "always" or self.config.require_encryption:
             raise RemoteProtocolError("the dialer would not seal a link we require sealed")
 
     def _verifier(self, dialer_id: str | None) -> handshake.Verifier:
@@ -827,7 +829,7 @@ async def open_data_plane(config: DataPlaneConfig) -> AsyncIterator[DataPlane]:
         async with trio.open_nursery() as nursery:
             plane = DataPlane(config, nursery)
             usable = set(config.backends) - set(config.deny)
-            if usable & {"tcp", "torchdist"} and not config.require_encryption:
+            if usable & {"tcp", "torchdist"}:  # under require_encryption: tcp, sealed
                 await nursery.start(plane._serve_tcp)
             if "shm" in usable and not config.require_encryption:
                 await nursery.start(plane._serve_shm)

@@ -79,6 +79,11 @@ class Limits:
     # prefix, before the header is read or a buffer allocated
     max_activation_bytes: int | None = None
     max_kv_block_bytes: int | None = None
+    # session id -> the most payload bytes a KVBlock of that session may carry here
+    # (None: no KV of it is expected here); asked with the KVBlock's header, before
+    # its payload is allocated (a stage server's sessions awaiting KV: issue 45). It
+    # may be called from a link's reader thread.
+    kv_block_bytes: Callable[[str], int | None] | None = None
 
 
 DEFAULT_LIMITS: Final = Limits()
@@ -224,6 +229,7 @@ class Tokens(Frame):
     step: int
     token_ids: tuple[int, ...]
     position: int = 0
+    logprobs: bytes = b""  # packed by hetmesh.protocol.logprobs when a request asks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -295,6 +301,7 @@ _KIND: Final[dict[str, int]] = {
     "tensors": _TENSORS,
     "token_ids": _INTS,
     "position": _UINT,
+    "logprobs": _BYTES,
     "first_layer": _UINT,
     "start": _UINT,
     "code": _UINT,
@@ -348,7 +355,7 @@ _SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
 # _fast_header and _parse_items take a shortcut for the two hot frames, by position:
 # refuse to load if a change to either frame's fields would make that shortcut wrong
 _HOT_LAYOUTS: Final = {
-    Tokens: ("session_id", "step", "token_ids", "position"),
+    Tokens: ("session_id", "step", "token_ids", "position", "logprobs"),
     Activations: ("session_id", "step", "positions", "tensors"),
 }
 if any(_FIELDS[cls] != names for cls, names in _HOT_LAYOUTS.items()):
@@ -489,10 +496,12 @@ def _fast_header(frame: Frame, limits: Limits, out: list[Any]) -> tuple[list[Any
         return None
     if type(frame) is Tokens:
         ids = _local_ints(frame.token_ids, limits)
-        position = frame.position
+        position, logprobs = frame.position, frame.logprobs
         if ids is None or type(position) is not int or not 0 <= position <= _INT64_MAX:
             return None
-        return [session_id, step, ids, position], 0
+        if type(logprobs) is not bytes or len(logprobs) > limits.max_string_bytes:
+            return None
+        return [session_id, step, ids, position, logprobs], 0
     assert isinstance(frame, Activations)
     positions = _local_ints(frame.positions, limits)
     if positions is None:
@@ -738,11 +747,13 @@ def _parse_items(
             raise RemoteProtocolError(f"malformed header field {step!r:.80}")
         ints = _remote_ints(items[2], limits)
         if cls is Tokens:
-            position = items[3]
+            position, logprobs = items[3], items[4]
             if type(position) is not int or position < 0:
                 raise RemoteProtocolError(f"malformed header field {position!r:.80}")
+            if type(logprobs) is not bytes or len(logprobs) > limits.max_string_bytes:
+                raise RemoteProtocolError(f"malformed header field {logprobs!r:.80}")
             values = {"session_id": session_id, "step": step, "token_ids": ints}
-            values["position"] = position
+            values["position"], values["logprobs"] = position, logprobs
         else:
             specs = _remote_specs(items[3], limits)
             values = {"session_id": session_id, "step": step, "positions": ints}
@@ -756,7 +767,24 @@ def _parse_items(
                 values[name] = _check_remote(kind, value, limits)
     if sum(s.nbytes for s in specs) != payload_bytes:
         raise RemoteProtocolError("payload length does not match the tensor descriptions")
+    if cls is KVBlock and limits.kv_block_bytes is not None:
+        _check_kv_block(values["session_id"], payload_bytes, limits.kv_block_bytes)
     return Pending(cls, values, specs)
+
+
+def _check_kv_block(
+    session_id: str, payload_bytes: int, expected: Callable[[str], int | None]
+) -> None:
+    """A KVBlock's declared size against what its session can hold here, before its
+    payload is read: none for a session not waiting for KV, at most its KV's shape."""
+    cap = expected(session_id)
+    if cap is None:
+        raise RemoteProtocolError(f"no KV of session {session_id[:64]!r} is expected here")
+    if payload_bytes > cap:
+        raise RemoteProtocolError(
+            f"a KVBlock of {payload_bytes} bytes for session {session_id[:64]!r}, whose KV "
+            f"here is at most {cap}"
+        )
 
 
 def _unpack_header(header: bytes | bytearray | memoryview) -> Any:

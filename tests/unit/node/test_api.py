@@ -74,6 +74,9 @@ class FakeBackend:
             yield 100 + i, f" t{i}"
         yield -1, "."
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        return [f" t{i - 100}" for i in ids]
+
     def gauges(self) -> MeshGauges:
         return MeshGauges(
             ready=self.is_ready,
@@ -190,7 +193,7 @@ async def test_an_error_mid_stream_is_an_error_event(
         ({"model": MODEL, "prompt": [5, 2**63]}, 400, "prompt", None),
         ({"model": MODEL, "prompt": [2**64]}, 400, "prompt", None),
         ({"model": MODEL, "prompt": [-1]}, 400, "prompt", None),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", None),
+        ({"model": MODEL, "prompt": "x", "n": 9}, 400, "n", None),
         ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", None),
         ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
         ({"model": MODEL, "prompt": "busy"}, 429, None, "busy"),
