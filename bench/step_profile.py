@@ -41,10 +41,13 @@ def _stage(weights: str) -> Any:
     return load_stage(model, 0, units, weights=weights)
 
 
-def _decode(stage: Any, steps: int) -> tuple[float, float]:
-    """Wall and CPU seconds per decode step over ``steps`` steps of a fresh session."""
+def _decode(stage: Any, steps: int, prof: Any = None) -> tuple[float, float]:
+    """Wall and CPU seconds per decode step over ``steps`` steps of a fresh session
+    (its prefill not counted; ``prof``: a torch profiler to start after it)."""
     kv = stage.new_kv()
     token = int(stage.forward(torch.tensor(PROMPT), kv, last_only=True)[-1].argmax())
+    if prof is not None:
+        prof.start()
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         token = int(stage.forward(torch.tensor([token]), kv, last_only=True)[-1].argmax())
@@ -59,8 +62,9 @@ def profile(stage: Any, threads: list[int], steps: int) -> dict[str, Any]:
     for count in threads:
         torch.set_num_threads(count)
         _decode(stage, 4)  # warm
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            wall, _cpu = _decode(stage, steps)
+        prof = torch_profile(activities=[ProfilerActivity.CPU])
+        wall, _cpu = _decode(stage, steps, prof)
+        prof.stop()
         total = sum(e.self_cpu_time_total for e in prof.key_averages())
         rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
         out[f"{count}t"] = {
