@@ -16,7 +16,10 @@ torch thread (a node's default), all from the same compact model folder:
 
 Ratios are format ÷ fp32 (``*_resident_ratio``, ``*_decode_ratio``,
 ``*_ttft_ratio``, ``*_ppl_ratio``). fp32 is the exact dequantisation of the
-shipped Q4_1 GGUF, so it is the reference for every format.
+shipped Q4_1 GGUF, so it is the reference for every format. ``auto_pick``: the
+format ``auto``'s rule picks from these decode speeds (``auto_avoids_int8``:
+whether that is not int8); ``slower_than_fp32_here``: formats that decoded
+slower than fp32 in this run.
 
 Usage: ``python bench/weights.py [--json] [--formats float32,bfloat16,...]``
 """
@@ -172,7 +175,23 @@ def run(formats: list[str]) -> dict[str, Any]:
             result[f"{key}_ttft_ratio"] = round(got["ttft_512_s"] / ref["ttft_512_s"], 3)
             result[f"{key}_ppl_ratio"] = round(got["perplexity"] / ref["perplexity"], 4)
             result[f"{key}_greedy_agreement"] = round(_agreement(got["greedy"], ref["greedy"]), 3)
+    result.update(_auto_pick(per_format))
     return result
+
+
+def _auto_pick(per_format: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What ``auto``'s rule (:func:`hetmesh.node.weights.choose_weights`) picks from these
+    decode speeds, every format fitting (a node times one block instead; same rule)."""
+    from hetmesh.node.weights import choose_weights
+
+    steps = {f: 1.0 / got["decode_tok_s"] for f, got in per_format.items()}
+    pick, _ = choose_weights(list(steps), lambda _f: True, steps.get)
+    slower = sorted(SHORT[f] for f in steps if "float32" in steps and steps[f] > steps["float32"])
+    return {
+        "auto_pick": pick,
+        "auto_avoids_int8": pick != "int8",
+        "slower_than_fp32_here": slower,
+    }
 
 
 def main() -> None:

@@ -94,7 +94,8 @@ def choose_weights(
     device holds a unit in ``f``; ``measure(f)``: one block's decode step in
     ``f`` (None if it could not be timed). The fastest fitting float format
     wins; int8 or int4 only where it measured faster than that, or where no
-    float format fits (then the most faithful compact one that fits).
+    float format fits (then the fastest compact one that fits, the most faithful
+    on equal or unmeasured steps): never a format slower than another that fits.
     """
     floats = [f for f in candidates if f in FLOAT_ORDER and fitting(f)]
     compact = [f for f in candidates if f in QUANTIZED_ORDER and fitting(f)]
@@ -111,8 +112,10 @@ def choose_weights(
             if fastest is not None and quick[fastest] < timed[best]:
                 return fastest, quick[fastest]
         return best, timed.get(best)
-    if compact:
-        return compact[0], measure(compact[0])
+    if compact:  # no float fits: the fastest compact format that does (the most faithful on ties)
+        steps = {f: step for f in compact if (step := measure(f)) is not None}
+        pick = min(steps, key=lambda f: (steps[f], QUANTIZED_ORDER.index(f)), default=compact[0])
+        return pick, steps.get(pick)
     # nothing fits here alone: serve the most compact format, the mesh may still pool it
     last = next((f for f in reversed((*FLOAT_ORDER, *QUANTIZED_ORDER)) if f in candidates), None)
     if last is None:
