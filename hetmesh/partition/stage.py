@@ -44,6 +44,7 @@ from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
 from hetmesh.partition.attention import EXACT_ATTENTION, QuerySpans
 from hetmesh.partition.attention import register as register_exact_attention
 from hetmesh.partition.checkpoint import settle_weights
+from hetmesh.partition.exact_linear import make_exact
 from hetmesh.partition.formats import (
     NATIVE,
     QUANTIZED_FORMATS,
@@ -588,6 +589,7 @@ def load_stage(
     attn_implementation: str | None = None,
     fuse: bool | None = None,
     transpose_head: bool | None = None,
+    exact_linears: bool | None = None,
 ) -> StageModule:
     """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
@@ -609,6 +611,10 @@ def load_stage(
     ``transpose_head`` stores an fp32 LM head column-major (a tied embedding shared
     with it too; the same bytes); ``None`` follows ``HETMESH_TRANSPOSED_HEAD`` (on
     unless it is ``0``).
+
+    ``exact_linears`` computes the float formats' linear layers so that a row's result
+    does not depend on the call's other rows (:mod:`hetmesh.partition.exact_linear`);
+    ``None``: where the attention is ``"exact"``.
     """
     import transformers
 
@@ -664,6 +670,8 @@ def load_stage(
         column_major_head=column_major,
     )
     stage._found_fused()
+    if attn_implementation == "exact" if exact_linears is None else exact_linears:
+        make_exact(stage)
     stage.eval()
     return stage
 
