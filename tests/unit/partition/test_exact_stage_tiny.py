@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetmesh.partition.exact_linear import ExactLinear
 from hetmesh.partition.formats import WeightFormat
-from hetmesh.partition.stage import load_stage
+from hetmesh.partition.stage import EXACT_LINEARS_ENV, load_stage
 from tests.unit.partition.invariance import (
     alone_and_in_a_round,
     decoded_and_replayed,
@@ -62,3 +63,17 @@ def test_float_formats_with_torchs_linear_layers_agree_only_to_rounding(
     assert torch.allclose(alone.float(), beside.float(), atol=tolerance)
     if fmt is WeightFormat.FLOAT32:  # MKL: 1 row, 2-15 rows and 16+ rows sum apart
         assert not torch.equal(whole, chunked)
+
+
+def test_float_stages_tile_their_linear_layers_unless_switched_off(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def tiled(**kw: object) -> int:
+        stage = load_stage(tiny_dir, 0, 6, weights=WeightFormat.FLOAT32, **kw)  # type: ignore[arg-type]
+        return sum(isinstance(m, ExactLinear) for m in stage.modules())
+
+    assert tiled() > 0
+    assert tiled(attn_implementation="sdpa") == 0
+    monkeypatch.setenv(EXACT_LINEARS_ENV, "0")
+    assert tiled() == 0
+    assert tiled(exact_linears=True) > 0
