@@ -36,7 +36,8 @@ sessions, a 291-token prefill.
 Figures are ratios of equal streams: a loaded machine makes the run slower,
 never different. A stream the mesh refuses as busy (admission: every pipeline
 full) is asked again a second later, as a client would (``busy_refusals``
-counts those); other failed streams (timed out, errors) are counted in
+counts those; ``preemptions`` sums the sessions the stages preempted for KV
+room, as their announced counters say); other failed streams (timed out, errors) are counted in
 ``streams_failed``, not compared.
 """
 
@@ -111,6 +112,7 @@ def mesh_streams(
     ]
     done: list[tuple[list[int], int, list[int]]] = []
     failed = busy = 0
+    preempted: list[int] = []
     with local_mesh(3, node_args=args) as mesh:
         view = wait_serving(mesh, pipelines=pipelines, timeout_s=600)
         # the units each node holds: whole-model replicas, or a cut
@@ -143,9 +145,29 @@ def mesh_streams(
                 async with trio.open_nursery() as nursery:
                     for _ in range(clients):
                         nursery.start_soon(client)
+                await trio.sleep(5)  # the stages' counters are announced every few seconds
+                preempted.append(_preemptions(await c.status()))
 
         trio.run(run)
-    return {"done": done, "failed": failed, "busy": busy, "layout": layout}
+    return {
+        "done": done,
+        "failed": failed,
+        "busy": busy,
+        "layout": layout,
+        "preempted": preempted[0] if preempted else 0,
+    }
+
+
+def _preemptions(view: dict[str, Any]) -> int:
+    """Sessions the mesh's stages preempted for KV room, as their counters announce."""
+    from hetmesh.scheduler.announcement import read_serving
+
+    total = 0
+    for peer in view["peers"]:
+        record = peer.get("record") or {}
+        serving = read_serving(record.get("extra"), record.get("stages") or (), plan_of=None)
+        total += sum(int(float(str(c.get("kv_preempted", 0)))) for c in serving.stage_servers)
+    return total
 
 
 def freeze_stream(
@@ -309,7 +331,12 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     per_format = max(1, args.streams // (2 * len(args.formats)))
-    result: dict[str, Any] = {"streams_checked": 0, "streams_failed": 0, "busy_refusals": 0}
+    result: dict[str, Any] = {
+        "streams_checked": 0,
+        "streams_failed": 0,
+        "busy_refusals": 0,
+        "preemptions": 0,
+    }
     began = time.perf_counter()
     for i, fmt in enumerate(args.formats if args.streams else ()):
         streams: list[tuple[list[int], int, list[int]]] = []
@@ -321,7 +348,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
-                f"{got['busy']} busy refusals asked again, layout {got['layout']}, "
+                f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
+                f"layout {got['layout']}, "
                 f"{time.perf_counter() - began:.0f} s",
                 file=sys.stderr,
                 flush=True,
@@ -329,6 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             streams.extend(got["done"])
             result["streams_failed"] += got["failed"]
             result["busy_refusals"] += got["busy"]
+            result["preemptions"] += got["preempted"]
             result[f"{fmt}_{topology}_layout"] = got["layout"]
         equal = reference(fmt, streams)
         print(f"{fmt}: reference done, {time.perf_counter() - began:.0f} s", file=sys.stderr)
