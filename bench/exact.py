@@ -25,14 +25,20 @@ replica serving it gets SIGSTOP and, once the stream has moved on (a replay on
 another replica) or 20 s passed, SIGCONT. 1 when every such stream equals the
 reference.
 
-``--speed`` instead measures what exact attention costs, in one process: the
-default model in ``--speed-format`` loaded twice (exact attention, and torch's
-kernel: ``attn_implementation="sdpa"``), measured in alternation in the same
-run, CPU time of one thread (steadier than wall time on a shared machine): a
-decode step of one session, a decode round of 8 sessions, a 291-token prefill.
+``--speed`` instead measures what exactness costs, in one process: the default
+model in ``--speed-format`` loaded three times (``exact``: exact attention and,
+in float32/bfloat16, row-tiled linear layers; ``plain_linear``: exact attention,
+torch's linear layers; ``sdpa``: torch's attention and linear layers), measured
+in alternation in the same run, CPU time of one thread (steadier than wall time
+on a shared machine): a decode step of one session, a decode round of 8
+sessions, a 291-token prefill.
 
 Figures are ratios of equal streams: a loaded machine makes the run slower,
-never different. Failed streams (refused, timed out) are counted, not compared.
+never different. A stream the mesh refuses as busy (admission: every pipeline
+full) is asked again a second later, as a client would (``busy_refusals``
+counts those; ``preemptions`` sums the sessions the stages preempted for KV
+room, as their announced counters say); other failed streams (timed out, errors) are counted in
+``streams_failed``, not compared.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from typing import Any
 
 import torch
 
-from hetmesh.errors import MeshError
+from hetmesh.errors import MeshError, Rejected
 
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
@@ -105,7 +111,8 @@ def mesh_streams(
         *("--kv-pool-tokens", str(pool_tokens)),
     ]
     done: list[tuple[list[int], int, list[int]]] = []
-    failed = 0
+    failed = busy = 0
+    preempted: list[int] = []
     with local_mesh(3, node_args=args) as mesh:
         view = wait_serving(mesh, pipelines=pipelines, timeout_s=600)
         # the units each node holds: whole-model replicas, or a cut
@@ -114,25 +121,53 @@ def mesh_streams(
         )
 
         async def run() -> None:
-            nonlocal failed
             async with open_mesh_client(mesh.addr, mesh_secret=mesh.secret, timeout_s=1800) as c:
                 turn = iter(mix)
 
                 async def client() -> None:
-                    nonlocal failed
+                    nonlocal failed, busy
                     for prompt, tokens in turn:
-                        try:
-                            done.append((prompt, tokens, await _collect(c, prompt, tokens)))
-                        except MeshError as exc:
-                            failed += 1
-                            print(f"{fmt}: stream failed: {exc!r}", file=sys.stderr)
+                        while True:
+                            try:
+                                done.append((prompt, tokens, await _collect(c, prompt, tokens)))
+                            except Rejected as exc:
+                                if "busy" not in str(exc):
+                                    raise
+                                # a full mesh refuses at admission: a client asks again
+                                busy += 1
+                                await trio.sleep(1.0)
+                                continue
+                            except MeshError as exc:
+                                failed += 1
+                                print(f"{fmt}: stream failed: {exc!r}", file=sys.stderr)
+                            break
 
                 async with trio.open_nursery() as nursery:
                     for _ in range(clients):
                         nursery.start_soon(client)
+                await trio.sleep(5)  # the stages' counters are announced every few seconds
+                preempted.append(_preemptions(await c.status()))
 
         trio.run(run)
-    return {"done": done, "failed": failed, "layout": layout}
+    return {
+        "done": done,
+        "failed": failed,
+        "busy": busy,
+        "layout": layout,
+        "preempted": preempted[0] if preempted else 0,
+    }
+
+
+def _preemptions(view: dict[str, Any]) -> int:
+    """Sessions the mesh's stages preempted for KV room, as their counters announce."""
+    from hetmesh.scheduler.announcement import read_serving
+
+    total = 0
+    for peer in view["peers"]:
+        record = peer.get("record") or {}
+        serving = read_serving(record.get("extra"), record.get("stages") or (), plan_of=None)
+        total += sum(int(float(str(c.get("kv_preempted", 0)))) for c in serving.stage_servers)
+    return total
 
 
 def freeze_stream(
@@ -239,8 +274,11 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
     model_dir = resolve_model()
     end = 32  # the default model's units: embedding, 30 layers, head
     stages = {
-        i: load_stage(model_dir, 0, end, weights=fmt, attn_implementation=i)
-        for i in ("exact", "sdpa")
+        "exact": load_stage(model_dir, 0, end, weights=fmt, attn_implementation="exact"),
+        "plain_linear": load_stage(model_dir, 0, end, weights=fmt, exact_linears=False),
+        "sdpa": load_stage(
+            model_dir, 0, end, weights=fmt, attn_implementation="sdpa", exact_linears=False
+        ),
     }
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (context + 13 * i,), generator=gen) for i in range(8)]
@@ -283,15 +321,22 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
                 best[name][what] = min(best[name].get(what, t), t)
     out: dict[str, Any] = {"speed_format": fmt, "speed_prefill_tokens": len(prompts[-1])}
     for what in ("decode", "round8", "prefill"):
-        out[f"speed_{what}_ms_exact"] = round(1e3 * best["exact"][what], 2)
-        out[f"speed_{what}_ms_sdpa"] = round(1e3 * best["sdpa"][what], 2)
+        for name in stages:
+            out[f"speed_{what}_ms_{name}"] = round(1e3 * best[name][what], 2)
         out[f"speed_{what}_ratio"] = round(best["exact"][what] / best["sdpa"][what], 3)
+        plain = best["plain_linear"][what]
+        out[f"speed_{what}_ratio_vs_plain_linear"] = round(best["exact"][what] / plain, 3)
     return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     per_format = max(1, args.streams // (2 * len(args.formats)))
-    result: dict[str, Any] = {"streams_checked": 0, "streams_failed": 0}
+    result: dict[str, Any] = {
+        "streams_checked": 0,
+        "streams_failed": 0,
+        "busy_refusals": 0,
+        "preemptions": 0,
+    }
     began = time.perf_counter()
     for i, fmt in enumerate(args.formats if args.streams else ()):
         streams: list[tuple[list[int], int, list[int]]] = []
@@ -303,14 +348,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
-                f"layout {got['layout']}",
+                f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
+                f"layout {got['layout']}, "
+                f"{time.perf_counter() - began:.0f} s",
                 file=sys.stderr,
                 flush=True,
             )
             streams.extend(got["done"])
             result["streams_failed"] += got["failed"]
+            result["busy_refusals"] += got["busy"]
+            result["preemptions"] += got["preempted"]
             result[f"{fmt}_{topology}_layout"] = got["layout"]
         equal = reference(fmt, streams)
+        print(f"{fmt}: reference done, {time.perf_counter() - began:.0f} s", file=sys.stderr)
         result["streams_checked"] += len(streams)
         key = "bf16" if fmt == "bfloat16" else fmt
         result[f"{key}_identical_ratio"] = round(equal / len(streams), 4) if streams else 0.0
@@ -337,7 +387,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--pool-tokens", type=int, default=None, help="KV tokens per stage")
     parser.add_argument("--freeze-runs", type=int, default=None)
-    parser.add_argument("--speed", action="store_true", help="what exact attention costs")
+    parser.add_argument("--speed", action="store_true", help="what exactness costs")
     parser.add_argument("--speed-format", choices=FORMATS, default="int4")
     args = parser.parse_args()
     if args.speed:

@@ -44,6 +44,7 @@ from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
 from hetmesh.partition.attention import EXACT_ATTENTION, QuerySpans
 from hetmesh.partition.attention import register as register_exact_attention
 from hetmesh.partition.checkpoint import settle_weights
+from hetmesh.partition.exact_linear import make_exact
 from hetmesh.partition.formats import (
     NATIVE,
     QUANTIZED_FORMATS,
@@ -588,6 +589,7 @@ def load_stage(
     attn_implementation: str | None = None,
     fuse: bool | None = None,
     transpose_head: bool | None = None,
+    exact_linears: bool | None = None,
 ) -> StageModule:
     """Build the stage for units ``[start, end)`` and load only its tensors, in ``weights``.
 
@@ -609,6 +611,12 @@ def load_stage(
     ``transpose_head`` stores an fp32 LM head column-major (a tied embedding shared
     with it too; the same bytes); ``None`` follows ``HETMESH_TRANSPOSED_HEAD`` (on
     unless it is ``0``).
+
+    ``exact_linears`` computes the float formats' linear layers so that a row's result
+    does not depend on the call's other rows (:mod:`hetmesh.partition.exact_linear`);
+    ``None``: where the attention is ``"exact"``, unless ``HETMESH_EXACT_LINEARS`` is
+    ``0`` (float32's prefill then costs what it did, and its rows follow their calls:
+    set it alike on every node and in the process compared with them).
     """
     import transformers
 
@@ -664,11 +672,21 @@ def load_stage(
         column_major_head=column_major,
     )
     stage._found_fused()
+    if exact_linears is None:
+        exact_linears = attn_implementation == "exact" and exact_linears_default()
+    if exact_linears:
+        make_exact(stage)
     stage.eval()
     return stage
 
 
 TRANSPOSED_HEAD_ENV = "HETMESH_TRANSPOSED_HEAD"
+EXACT_LINEARS_ENV = "HETMESH_EXACT_LINEARS"
+
+
+def exact_linears_default() -> bool:
+    """Whether float stages tile their linear layers when the caller does not say (env)."""
+    return os.environ.get(EXACT_LINEARS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def transposed_head_default() -> bool:
@@ -706,10 +724,12 @@ _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
+    "EXACT_LINEARS_ENV",
     "PAD_WASTE_TOKENS",
     "SUPPORTED_ARCHITECTURES",
     "TRANSPOSED_HEAD_ENV",
     "StageModule",
+    "exact_linears_default",
     "load_stage",
     "padding_groups",
     "transposed_head_default",

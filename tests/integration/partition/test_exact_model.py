@@ -1,6 +1,7 @@
-"""The default model in int4 and int8: a row's logits do not depend on its batch, its
-chunks or a replay (issue 44). The first test is the reproduction: with torch's own
-attention kernel (``attn_implementation="sdpa"``, the stages' kernel before) they did."""
+"""The default model in int4, int8, bfloat16 and float32: a row's logits do not depend on
+its batch, its chunks or a replay (issue 44). The first tests are the reproductions: with
+torch's own attention kernel (``attn_implementation="sdpa"``, the stages' kernel before)
+they did, and in the float formats with torch's own linear layers too."""
 
 from __future__ import annotations
 
@@ -31,7 +32,21 @@ def test_torch_attention_differs_with_chunks_and_batches(default_model_dir: Path
     assert (alone - rounded).abs().max() > 0.01  # measured 0.23
 
 
-@pytest.mark.parametrize("fmt", [WeightFormat.INT4, WeightFormat.INT8], ids=str)
+@pytest.mark.parametrize("fmt", [WeightFormat.FLOAT32, WeightFormat.BFLOAT16], ids=str)
+def test_torch_linear_layers_differ_with_chunks_and_batches(
+    default_model_dir: Path, fmt: WeightFormat
+) -> None:
+    stage = load_stage(default_model_dir, 0, 32, weights=fmt, exact_linears=False)
+    whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, CUTS)
+    alone, rounded, _, _ = alone_and_in_a_round(stage, [PROMPT_TOKENS, 336, 50])
+    assert not (torch.equal(whole, chunked) and torch.equal(alone, rounded))
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [WeightFormat.INT4, WeightFormat.INT8, WeightFormat.FLOAT32, WeightFormat.BFLOAT16],
+    ids=str,
+)
 def test_exact_stages_are_bit_identical(default_model_dir: Path, fmt: WeightFormat) -> None:
     stage = load_stage(default_model_dir, 0, 32, weights=fmt)
     whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, CUTS)

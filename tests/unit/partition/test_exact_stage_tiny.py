@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetmesh.partition.exact_linear import ExactLinear
 from hetmesh.partition.formats import WeightFormat
-from hetmesh.partition.stage import load_stage
+from hetmesh.partition.stage import EXACT_LINEARS_ENV, load_stage
 from tests.unit.partition.invariance import (
     alone_and_in_a_round,
     decoded_and_replayed,
@@ -17,9 +18,9 @@ from tests.unit.partition.invariance import (
 )
 from tests.unit.partition.tiny_models import save_tiny
 
-# their products are row-invariant kernels (integer sums, torch's int4 kernel); float
-# products are not (docs/weights.md, "Exactness"): those are held to rounding below
-EXACT_FORMATS = [WeightFormat.INT4, WeightFormat.INT8]
+# int4/int8: row-invariant kernels (integer sums, torch's int4 kernel); float32/bfloat16:
+# linear layers in row tiles (hetmesh.partition.exact_linear; docs/weights.md, "Exactness")
+EXACT_FORMATS = [WeightFormat.INT4, WeightFormat.INT8, WeightFormat.FLOAT32, WeightFormat.BFLOAT16]
 
 
 @pytest.fixture(scope="module", params=["llama-tied", "mistral-window"])
@@ -48,11 +49,31 @@ def test_whole_chunked_batched_and_replayed_rows_are_bit_identical(
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat.FLOAT32, WeightFormat.BFLOAT16], ids=str)
-def test_float_formats_agree_to_rounding(tiny_dir: Path, fmt: WeightFormat) -> None:
-    stage = load_stage(tiny_dir, 0, 6, weights=fmt)
+def test_float_formats_with_torchs_linear_layers_agree_only_to_rounding(
+    tiny_dir: Path, fmt: WeightFormat
+) -> None:
+    """The reproduction: torch's float linear layers (the stages' before) are not
+    row-invariant, so the checks above fail without the row tiles."""
+    stage = load_stage(tiny_dir, 0, 6, weights=fmt, exact_linears=False)
     tolerance = 1e-4 if fmt is WeightFormat.FLOAT32 else 0.1
     whole, chunked = whole_and_chunked(stage, 40, [1, 1, 1, 37])
     assert torch.allclose(whole.float(), chunked.float(), atol=tolerance)
     alone, rounded, beside, _ = alone_and_in_a_round(stage, [30, 47, 3, 16])
     assert torch.allclose(alone.float(), rounded.float(), atol=tolerance)
     assert torch.allclose(alone.float(), beside.float(), atol=tolerance)
+    if fmt is WeightFormat.FLOAT32:  # MKL: 1 row, 2-15 rows and 16+ rows sum apart
+        assert not torch.equal(whole, chunked)
+
+
+def test_float_stages_tile_their_linear_layers_unless_switched_off(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def tiled(**kw: object) -> int:
+        stage = load_stage(tiny_dir, 0, 6, weights=WeightFormat.FLOAT32, **kw)  # type: ignore[arg-type]
+        return sum(isinstance(m, ExactLinear) for m in stage.modules())
+
+    assert tiled() > 0
+    assert tiled(attn_implementation="sdpa") == 0
+    monkeypatch.setenv(EXACT_LINEARS_ENV, "0")
+    assert tiled() == 0
+    assert tiled(exact_linears=True) > 0

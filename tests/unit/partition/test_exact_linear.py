@@ -1,0 +1,125 @@
+"""Float linear layers whose rows do not depend on the call's other rows (issue 44).
+
+The shapes are the default model's (SmolLM2-135M: hidden 576, MLP 1,536, k/v 192,
+vocabulary 49,152; the fp32 head column-major as load_stage stores it), with
+random weights: the kernels' choices follow shapes, not values."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmesh.partition import exact_linear as el
+from hetmesh.partition.exact_linear import ExactLinear, exact_linear, make_exact
+
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (out, in)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _weight(out: int, inp: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out, inp, generator=g).to(dtype)
+
+
+def _rows(n: int, width: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g).to(dtype)
+
+
+def _alone(weight: torch.Tensor, x: torch.Tensor, **kw: bool) -> torch.Tensor:
+    return torch.cat([exact_linear(row, weight, None, **kw) for row in x.split(1)])
+
+
+def test_torch_linear_rows_depend_on_the_call() -> None:
+    """The reproduction: torch's own products give a row other sums in a larger call."""
+    differs = []
+    for out, inp in SHAPES:
+        for dtype, rows in ((torch.float32, 16), (torch.bfloat16, 340)):
+            w, x = _weight(out, inp, dtype), _rows(rows, inp, dtype)
+            alone = torch.cat([F.linear(row, w) for row in x.split(1)])
+            differs.append(not torch.equal(F.linear(x, w), alone))
+    assert any(differs)
+    assert all(differs[0::2])  # fp32: 1 row and 16 rows never share a kernel here
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_rows_equal_their_lone_result_in_any_call(out: int, inp: int, dtype: torch.dtype) -> None:
+    w = _weight(out, inp, dtype)
+    assert el.tiles_are_exact(w)  # this machine takes the tiled path for these shapes
+    x = _rows(360, inp, dtype)
+    alone = _alone(w, x)
+    rng = random.Random(out * inp)
+    for _ in range(25):
+        lo = rng.randrange(0, 359)
+        hi = rng.randrange(lo + 1, 361)
+        assert torch.equal(exact_linear(x[lo:hi], w, None), alone[lo:hi]), (lo, hi)
+    # a batch of padded rows (batch, seq, hidden) is its rows
+    assert torch.equal(exact_linear(x[:40].view(4, 10, inp), w, None), alone[:40].view(4, 10, -1))
+    assert torch.allclose(alone.float(), F.linear(x, w).float(), rtol=0.02, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_heads_rows_equal_their_lone_result(dtype: torch.dtype) -> None:
+    w = _weight(49152, 576, dtype)
+    if dtype is torch.float32:
+        w = w.t().contiguous().t()  # column-major, as load_stage stores an fp32 head
+    assert el.tiles_are_exact(w)
+    x = _rows(40, 576, dtype)
+    alone = _alone(w, x)
+    for lo, hi in ((0, 40), (3, 20), (5, 6), (7, 9), (1, 33)):
+        assert torch.equal(exact_linear(x[lo:hi], w, None), alone[lo:hi])
+
+
+def test_float32_tiles_hold_2_to_15_rows() -> None:
+    for rows in range(2, 200):
+        tiles = el._float32_tiles(rows)
+        assert sum(tiles) == rows
+        assert all(2 <= t <= el.FLOAT32_TILE for t in tiles)
+
+
+def _layers(dtype: torch.dtype, bias: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96, bias=bias), nn.Linear(96, 64, bias=bias)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_shape_whose_tiles_fail_the_probe_computes_one_row_per_call(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(el, "tiles_are_exact", lambda weight: False)
+    model = _layers(dtype, bias=True)
+    before = model.state_dict()
+    assert make_exact(model) == 2
+    assert all(isinstance(m, ExactLinear) and not m.tiled for m in model)
+    assert model.state_dict().keys() == before.keys()
+    x = _rows(50, 64, dtype)
+    with torch.no_grad():
+        alone = torch.cat([model(row) for row in x.split(1)])
+        for lo, hi in ((0, 50), (4, 21), (10, 11)):
+            assert torch.equal(model(x[lo:hi]), alone[lo:hi])
+
+
+def test_make_exact_leaves_other_modules_and_dtypes_alone() -> None:
+    model = nn.Sequential(nn.Linear(8, 8).half(), nn.Embedding(10, 8), nn.Linear(8, 8))
+    make_exact(model)
+    assert type(model[0]) is nn.Linear  # fp16: not a format tiled here
+    assert type(model[1]) is nn.Embedding
+    assert isinstance(model[2], ExactLinear)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_is_added_after_the_product(dtype: torch.dtype) -> None:
+    model = _layers(dtype, bias=True)
+    x = _rows(30, 64, dtype)
+    with torch.no_grad():
+        want = model[0](x)
+        make_exact(model)
+        got = model[0](x)
+        alone = torch.cat([model[0](row) for row in x.split(1)])
+    assert torch.equal(got, alone)
+    assert torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.05)
