@@ -191,13 +191,7 @@ def epoch_floor(offers: Sequence[Offer], verify: Verify) -> int:
     (-1: none): a coordinator with no plan of its own numbers its first one above it,
     so epochs keep rising. An unsigned or forged plan moves nothing, and no floor
     leaves a coordinator fewer than :data:`FLOOR_HEADROOM` epochs to number its plans."""
-    for offer in sorted(offers, key=lambda o: o.plan.epoch, reverse=True):
-        signed = offer.signature
-        if offer.plan.epoch > MAX_FLOOR or signed is None:
-            continue
-        if verify(signed.signer, plan_message(offer.plan), signed.raw):
-            return offer.plan.epoch
-    return -1
+    return _signed_floor(offers, verify, lambda plan: plan.epoch)
 
 
 def term_floor(offers: Sequence[Offer], verify: Verify) -> int:
@@ -205,12 +199,18 @@ def term_floor(offers: Sequence[Offer], verify: Verify) -> int:
     (-1: none): a coordinator taking over numbers its term above it, and one whose
     term is below it starts a new term, so no member refuses its plans as old.
     Unsigned or forged plans move nothing, as for :func:`epoch_floor`."""
-    for offer in sorted(offers, key=lambda o: o.plan.term, reverse=True):
+    return _signed_floor(offers, verify, lambda plan: plan.term)
+
+
+def _signed_floor(offers: Sequence[Offer], verify: Verify, number: Callable[[Plan], int]) -> int:
+    """The highest ``number`` (an epoch, a term) of an announced plan its signer signed,
+    up to :data:`MAX_FLOOR`; -1 for none."""
+    for offer in sorted(offers, key=lambda o: number(o.plan), reverse=True):
         signed = offer.signature
-        if offer.plan.term > MAX_FLOOR or signed is None:
+        if number(offer.plan) > MAX_FLOOR or signed is None:
             continue
         if verify(signed.signer, plan_message(offer.plan), signed.raw):
-            return offer.plan.term
+            return number(offer.plan)
     return -1
 
 
