@@ -108,7 +108,10 @@ def _publish_memory(node: Node, report: MemoryReport) -> None:
     """Announce the memory in use beside the plan's charge (:mod:`hetmesh.node.memory`)."""
     serving = node.serving
     plan = serving.plan if serving is not None else None
-    entry = report.update(memory_in_use(), charged_bytes(plan, node.peer_id))
+    used = memory_in_use()
+    if serving is None or not serving.stages.holding():  # the runtime: no stage yet
+        report.runtime = max(report.runtime, used.bytes)
+    entry = report.update(used, charged_bytes(plan, node.peer_id))
     if entry is not None:
         node.discovery.set_extra(MEMORY_KEY, entry)
 

@@ -9,9 +9,9 @@ about this node: then the resident set.
 
 ``charged``: the adopted plan's ``memory_bytes`` of the stages it gives this
 node (weights + KV budget + workspace + reserve, see
-:class:`~hetmesh.scheduler.cost.CostModel`); ``runtime``: what the process used
-before it held any stage (the interpreter, torch, libp2p), which the plan does
-not charge.
+:class:`~hetmesh.scheduler.cost.CostModel`); ``runtime``: the most the process
+used while it held no stage (the interpreter, torch, libp2p, the tokenizer, the
+calibration's leftovers), which the plan does not charge.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class MemoryReport:
     def update(self, used: MemoryInUse, charged: int) -> dict[str, int | str] | None:
         """The entry to announce now, or None to keep the last one."""
         last = self._last
-        if last is not None and last["charged"] == charged and last["source"] == used.source:
+        kept = (self.runtime // _MIB * _MIB, charged, used.source)
+        if last is not None and (last["runtime"], last["charged"], last["source"]) == kept:
             before = int(last["in_use"])
             if abs(used.bytes - before) <= max(8 * _MIB, self._threshold * before):
                 return None

@@ -136,6 +136,10 @@ class StageHost:
         """The stage servers taking sessions (not retiring)."""
         return {key: s.server for key, s in sorted(self._served.items()) if not s.retiring}
 
+    def holding(self) -> bool:
+        """Whether a stage is served or loading here (its memory is the plan's charge)."""
+        return bool(self._served or self._loading)
+
     def sessions(self) -> int:
         """Sessions the stages here hold."""
         return sum(s.server.kv.statistics().sessions for s in self._served.values())
