@@ -798,7 +798,9 @@ class StageServer:
                 outcomes[:] = ready = following  # the batch's outcomes are its last round's
             if self._send_now is not None:
                 self._send_outputs(ready, self._send_now, via_trio)
-                outcomes[:] = ready = self._run_parked(ready, self._send_now)
+                # one item, none failed before the forward (its Error goes from trio)
+                if len(outcomes) == 1 and len(ready) == 1 and ready[0] is outcomes[0]:
+                    outcomes[:] = self._run_parked(ready, self._send_now)
         finally:
             for outcome in first:
                 outcome.item.release()
