@@ -8,12 +8,14 @@ each; ``hetmesh/testbed/mesh.py``), starts ``hetmesh node start --model MODEL
 host joins, the planner keeps it as a standby replica of a stage (``--standby 0``: none).
 
 Each node offers the planner its limit less ``--runtime-headroom`` (``--max-memory``):
-the planner charges a stage's weights, KV, workspace and a 64 MiB reserve, not the
-node process itself (~0.5 GiB: Python, torch, transformers, libp2p, calibration), so a
-node offering its whole limit is given stages it cannot hold with its runtime and is
-OOM-killed. Three 2 GiB hosts cannot hold the 8B shape in int4 (4.61 GiB of stages +
-3 x ~0.5 GiB of runtime > 6 GiB): the default limit is 2.5 GiB, under which still no
-host holds the model (docs/journal/2026-12-05-bigmodel.md).
+the planner charges a stage's weights, KV, workspace and a reserve (the larger of 64 MiB
+and 5 % of the offer), not the node process itself (~335 MiB with ``--block-step-ms``:
+Python, torch, transformers, libp2p; more after a calibration), so a node offering its
+whole limit is given stages it cannot hold with its runtime and is OOM-killed. The
+defaults, three 2 GiB hosts offering 1748 MiB each, hold the 8B shape's 4625 MiB of
+stages in three (docs/journal/2026-12-05-bigmodel2.md); a calibrating node needs more
+headroom than that. The loader drops the file's pages as it reads them
+(``checkpoint.drop_read_pages``), so a cgroup's peak is the node's own memory.
 
 Keys (``--json`` prints one object):
 
@@ -92,6 +94,15 @@ def stage_spans(
         else:
             merged.append([a, b])
     return [(a, b - a) for a, b in merged]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process ``pid`` has used so far (0.0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ratio_max(pairs: Iterable[tuple[float, float]]) -> float:
@@ -213,6 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sampler.start()
         log("nodes up; waiting for the plan to be served")
         ready_at: dict[tuple[str, int, int], float] = {}
+        cpu_at: dict[tuple[str, int, int], dict[int, float]] = {}
         plan_at: list[float] = []
 
         def serving() -> dict[str, Any] | None:
@@ -228,7 +240,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return None
             now = time.monotonic()
             for key in ready_stages(view):
-                ready_at.setdefault(key, now)
+                if key not in ready_at:
+                    ready_at[key] = now
+                    # every node's CPU time then: the stage host's is read once hosts are known
+                    cpu_at[key] = {n.host: cpu_seconds(n.proc.pid) for n in bed.nodes}
             plan = plan_of(view)
             if plan is None:
                 return None
@@ -319,11 +334,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "disk_read_s": round(read_s, 4),
                 "disk_mb_per_s": round(nbytes / 1e6 / read_s, 1),
                 "start_to_serving_s": round(up_s, 1),
+                # the node process's own CPU time to then: what its start-up and load cost
+                # apart from waiting for the machine's other work (shared cores)
+                "start_to_serving_cpu_s": round(cpu_at[(s.peer_id, s.start, s.end)][h], 1),
                 "plan_to_ready_s": round(load_s, 1),
             }
         out["stage_hosts"] = per_host
         out["start_to_serving_over_disk_read"] = ratio_max(
             (v["start_to_serving_s"], v["disk_read_s"]) for v in per_host.values()
+        )
+        out["start_to_serving_cpu_over_disk_read"] = ratio_max(
+            (v["start_to_serving_cpu_s"], v["disk_read_s"]) for v in per_host.values()
         )
         out["load_over_disk_read"] = ratio_max(
             (v["plan_to_ready_s"], v["disk_read_s"]) for v in per_host.values()
@@ -465,10 +486,10 @@ def parse_size(text: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="synth-llama-3.1-8b")
-    parser.add_argument("--memory-limit", default="2.5GiB", help="cgroup memory limit per host")
+    parser.add_argument("--memory-limit", default="2GiB", help="cgroup memory limit per host")
     parser.add_argument(
         "--runtime-headroom",
-        default="640MiB",
+        default="300MiB",
         help="each node offers the planner its limit less this (its own process); 0: all",
     )
     parser.add_argument(
@@ -510,6 +531,7 @@ def main() -> int:
         "outputs_identical",
         "rss_over_planned_max",
         "start_to_serving_over_disk_read",
+        "start_to_serving_cpu_over_disk_read",
         "load_over_disk_read",
         "failover_outputs_identical",
         "seconds",

@@ -4,7 +4,7 @@
     python bench/exact.py --quick --json       # fewer streams, formats and freezes
 
 For each weight format (``--formats``: int4, int8, bfloat16, float32) it starts
-two loopback meshes of node processes (``hetmesh.node.local``) serving the
+two loopback meshes of node processes (``hetmesh.testbed.local_mesh``) serving the
 default model in that format:
 
 * ``replicas``: three nodes, each able to hold the whole model;
@@ -98,7 +98,7 @@ def mesh_streams(
     import trio
 
     from hetmesh.client.mesh import open_mesh_client
-    from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
 
     args = [
         *("--weights", fmt, "--max-memory", memory, "--max-context", str(CONTEXT)),
@@ -143,7 +143,7 @@ def freeze_stream(
     import trio
 
     from hetmesh.client.mesh import TokenEvent, open_mesh_client
-    from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
 
     args = [
         *("--weights", "int4", "--max-memory", WHOLE_MEMORY, "--max-context", str(CONTEXT)),

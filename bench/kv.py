@@ -30,7 +30,7 @@ The session-count cap is set out of the way: in a node it is
 ``--max-sessions``, which bounds both policies alike.
 
 With ``--mesh`` it also starts three node processes on loopback serving the
-default model (``hetmesh.node.local``; the third started with
+default model (``hetmesh.testbed.local_mesh``; the third started with
 ``--no-prefix-cache``, so requests entering there always prefill their whole
 prompt) and measures, through the SDK:
 
@@ -263,11 +263,11 @@ def mesh_run(repeats: int, tokens: int, clients: int) -> dict[str, Any]:
     import trio
 
     from hetmesh.client.mesh import open_mesh_client
-    from hetmesh.node.local import local_mesh, wait_serving
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.sampling import SamplingParams
     from hetmesh.partition.store import resolve_model
     from hetmesh.partition.text import encode_prompt, eos_token_ids, load_tokenizer
+    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
 
     model_dir = resolve_model()
     tokenizer = load_tokenizer(model_dir)
@@ -400,9 +400,9 @@ def _moved_stream(
 
     from hetmesh.client.mesh import TokenEvent, open_mesh_client
     from hetmesh.discovery.status import fetch_status
-    from hetmesh.node.local import local_mesh, wait_serving
     from hetmesh.partition.store import resolve_model
     from hetmesh.scheduler.replan import newest_in_view
+    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
 
     args = cut.node_args_for(resolve_model(), MIGRATION_STAGES, MIGRATION_ARGS)
     args += [] if migrate else ["--no-migrate"]
@@ -535,7 +535,7 @@ def admitted_mesh(
     import trio
 
     from hetmesh.client.mesh import TokenEvent, open_mesh_client
-    from hetmesh.node.local import local_mesh, wait_serving
+    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
 
     args = [*MESH_ARGS[:4], "--kv-pool-tokens", str(pool_tokens)]
     if whole:

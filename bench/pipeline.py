@@ -192,8 +192,8 @@ def run_layout(
     plan checked, and its figures against ``reference``."""
     import cut  # bench/cut.py, beside this file
 
-    from hetmesh.node.local import local_mesh, wait_settled
     from hetmesh.scheduler.replan import newest_in_view
+    from hetmesh.testbed.local_mesh import local_mesh, wait_settled
 
     node_args = [*NODE_ARGS, "--weights", args.weights, "--model", str(model_dir)]
     node_args = cut.node_args_for(model_dir, stages, node_args)

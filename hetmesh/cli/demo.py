@@ -66,8 +66,8 @@ def demo(
     """Start a local mesh, stream one chat generation through it, show its status, stop it."""
     from hetmesh.cli.model import _resolve, _stream_mesh
     from hetmesh.cli.status import render_status
-    from hetmesh.node.local import local_mesh, wait_serving
     from hetmesh.scheduler.replan import newest_in_view
+    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
 
     if weights not in WEIGHT_CHOICES:
         raise typer.BadParameter(

@@ -17,7 +17,12 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from hetmesh.node.peer_view import PeerView
+from hetmesh.node.peer_view import (
+    ALIVE,
+    PeerView,
+    ready_pipelines_in_view,
+    ready_stages_in_view,
+)
 from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
 
 
@@ -81,6 +86,9 @@ def summarize(
     raw = _newest_plan(view)
     plan: dict[str, Any] | None = None
     if raw is not None:
+        # what is ready is the peer view's to say (as the node's router sees it)
+        ready_stages = ready_stages_in_view(view)
+        ready_pipelines = [p.to_wire() for p in ready_pipelines_in_view(view)]
         pipelines = []
         for pipe in raw.get("pipelines") or ():
             stages = []
@@ -88,10 +96,6 @@ def summarize(
                 pid = str(s.get("peer_id"))
                 record = records.get(pid, {})
                 recent = [float(x) for x in (record.get("load") or {}).get("recent_step_s") or ()]
-                ready = any(
-                    st.ready and st.start == s.get("start") and st.end == s.get("end")
-                    for st in _serving(record).stages
-                )
                 stages.append(
                     {
                         "peer_id": pid,
@@ -101,7 +105,7 @@ def summarize(
                         "end": int(s.get("end", 0)),
                         "predicted_step_s": float(s.get("decode_step_s", 0.0)),
                         "measured_step_s": statistics.median(recent) if recent else None,
-                        "ready": bool(ready),
+                        "ready": (pid, s.get("start"), s.get("end")) in ready_stages,
                         "health": record.get("health", "unknown"),
                         "bottleneck": False,
                     }
@@ -121,7 +125,7 @@ def summarize(
                     "stages": stages,
                     "predicted_latency_s": float(pipe.get("decode_latency_s", 0.0)),
                     "predicted_tokens_per_s": float(pipe.get("throughput_tps", 0.0)),
-                    "ready": bool(stages) and all(st["ready"] for st in stages),
+                    "ready": pipe in ready_pipelines,
                 }
             )
         plan = {
@@ -212,7 +216,9 @@ def plan_table(summary: Mapping[str, Any]) -> Table | Text:
         table.add_column(col)
     for i, pipe in enumerate(plan["pipelines"]):
         for j, st in enumerate(pipe["stages"]):
-            state = ("ready" if st["ready"] else "loading") + f", {st['health']}"
+            # not ready: loading on a live peer, out of the routes on any other
+            waiting = "loading" if st["health"] in ALIVE else "unreachable"
+            state = ("ready" if st["ready"] else waiting) + f", {st['health']}"
             style = None
             if st["bottleneck"]:
                 state += "  ◀ bottleneck"

@@ -1,21 +1,31 @@
-"""Link probe: RTT and bandwidth between two nodes over a plain TCP socket.
+"""The link prober: RTT and bandwidth between two nodes, one protocol over every path.
 
-This is the only module that knows how links are measured; when the
-transport's ``tcp`` backend lands, swap :func:`probe_link` and
-:func:`serve_probe` for it and nothing else changes.
-
-Protocol (one connection per probe): the server opens with a 16-byte random
-challenge; the client answers with an HMAC of it under a key derived from the
-mesh secret (so strangers cannot use the port as a sink, and an answer seen
-on the wire is worth nothing on the next connection), then
-``b"P"`` pings, each echoed by one byte, then ``b"B"`` + an 8-byte length +
+This is the only module that knows how a link is measured. The asker sends
+``b"P"`` pings, each echoed by ``b"p"``, then ``b"B"`` + an 8-byte length +
 that many bytes, acknowledged by ``b"K"`` and the receiver's time (float64
-seconds) between the arrival of the first quarter and of the last byte.
-Timing the tail at the receiver keeps TCP slow start, the sender's socket
-buffer and a token bucket's initial burst out of the figure. Arrival times
-are the kernel's receive timestamps (``SO_TIMESTAMPNS``) where it gives them:
-a receiver starved of CPU (a cgroup quota) reads late and then drains a
+seconds) between the arrival of the first quarter and of the last byte
+(:func:`measure`; the answerer: :func:`answer`). Timing the tail at the
+receiver keeps TCP slow start, the sender's socket buffer and a token
+bucket's initial burst out of the figure. Arrival times are the kernel's
+receive timestamps (``SO_TIMESTAMPNS``) where the path is a socket: a
+receiver starved of CPU (a cgroup quota) reads late and then drains a
 backlog at once, which a clock read in user space would count as a fast link.
+
+The paths differ only in how the connection is made and what the answerer's
+clock can see, and are data (:class:`ProbeKind`):
+
+- :data:`TCP_PROBE`: a plain TCP connection to the peer's announced probe
+  port (:func:`probe_link` / :func:`serve_probe`, here). The server opens
+  with a 16-byte random challenge; the client answers with an HMAC of it
+  under a key derived from the mesh secret (so strangers cannot use the port
+  as a sink, and an answer seen on the wire is worth nothing on the next
+  connection).
+- :data:`LIBP2P_PROBE`: a stream of the libp2p connection, relayed or not,
+  for a member no TCP probe reaches (:mod:`hetmesh.nat.link_probe`). The
+  receiver reads after the muxer buffered the bytes, so its clock is in user
+  space and the asker never reports more than its own whole-transfer figure.
+- :data:`PUNCHED_PROBE`: a hole-punched TCP connection of its own, for a
+  member whose data plane is punched (:mod:`hetmesh.nat.link_probe`).
 
 A stranger costs little: at most ``max_pending`` connections wait for their
 answer at once (``max_pending_per_address`` from one address; more are
@@ -24,6 +34,7 @@ closed on accept), each for ``auth_timeout_s`` at most.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -34,7 +45,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -59,6 +70,81 @@ class LinkMeasurement:
     bandwidth_bps: float
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeKind:
+    """One path a link is probed over: the same protocol, its own limits and clock."""
+
+    name: str
+    path: str  # what it measures, for the logs
+    max_bytes: int  # the largest bulk transfer its answerer takes
+    # the answerer times arrivals in user space (a muxed stream): the asker's own
+    # whole-transfer figure caps what it reports (:func:`stream_bandwidth`)
+    user_clock: bool = False
+
+    def bandwidth(self, nbytes: int, tail_s: float, elapsed_s: float, rtt_s: float) -> float:
+        """The link's rate from one probe: the answerer's tail, ``elapsed_s`` the asker's
+        time from the first byte written to the acknowledgement read."""
+        if self.user_clock:
+            return stream_bandwidth(nbytes, tail_s, elapsed_s)
+        return tail_bandwidth(nbytes, tail_s, elapsed_s - rtt_s)
+
+
+TCP_PROBE = ProbeKind("tcp", "the probe port", MAX_PROBE_BYTES)
+LIBP2P_PROBE = ProbeKind("libp2p", "the libp2p connection", 16 * 1024 * 1024, user_clock=True)
+PUNCHED_PROBE = ProbeKind("punched", "the hole-punched path", 16 * 1024 * 1024)
+ANSWER_S = 30.0  # how long one probe session may last at the answerer
+
+
+class ProbeChannel(Protocol):
+    """A connected byte path a probe runs over."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes; ``b""`` once the other end closed."""
+        ...
+
+    async def read_timed(self, n: int) -> tuple[bytes, float | None]:
+        """Up to ``n`` bytes and the kernel's arrival time of the last (None: unknown)."""
+        ...
+
+
+class SocketChannel:
+    """A TCP connection (the probe port's, or a punched one) as a probe channel."""
+
+    def __init__(self, stream: trio.SocketStream, *, stamped: bool = False) -> None:
+        self.stream = stream
+        self.stamped = stamped  # the kernel timestamps arrivals (enable_timestamps)
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def read(self, n: int) -> bytes:
+        return bytes(await self.stream.receive_some(n))
+
+    async def read_timed(self, n: int) -> tuple[bytes, float | None]:
+        if not self.stamped:
+            return await self.read(n), None
+        chunk, ancillary, _, _ = await self.stream.socket.recvmsg(n, socket.CMSG_SPACE(16))
+        return chunk, arrival_s(ancillary)
+
+
+class StreamChannel:
+    """A libp2p stream as a probe channel (no kernel clock: arrivals are the muxer's)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.write(data)
+
+    async def read(self, n: int) -> bytes:
+        return bytes(await self.stream.read(n))
+
+    async def read_timed(self, n: int) -> tuple[bytes, float | None]:
+        return await self.read(n), None
+
+
 CHALLENGE_BYTES = 16
 AUTH_TIMEOUT_S = 5.0
 
@@ -73,10 +159,10 @@ def probe_answer(token: bytes, challenge: bytes) -> bytes:
     return hmac.new(token, b"hetmesh/probe/v2\x00" + challenge, hashlib.sha256).digest()
 
 
-async def _receive_exact(stream: trio.SocketStream, n: int) -> bytes:
+async def read_exact(channel: ProbeChannel, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = await stream.receive_some(n - len(buf))
+        chunk = await channel.read(n - len(buf))
         if not chunk:
             raise RemoteProtocolError("probe connection closed early")
         buf += chunk
@@ -107,33 +193,59 @@ def arrival_s(ancillary: list[tuple[int, int, bytes]]) -> float | None:
     return None
 
 
-async def _authenticate(stream: trio.SocketStream, token: bytes, timeout_s: float) -> bool:
+async def _authenticate(channel: SocketChannel, token: bytes, timeout_s: float) -> bool:
     """Challenge the client; True once it proved the mesh secret within ``timeout_s``."""
     challenge = secrets.token_bytes(CHALLENGE_BYTES)
     with trio.move_on_after(timeout_s):
-        await stream.send_all(challenge)
-        got = await _receive_exact(stream, 32)
+        await channel.write(challenge)
+        got = await read_exact(channel, 32)
         return hmac.compare_digest(got, probe_answer(token, challenge))
     return False
 
 
-async def _handle(stream: trio.SocketStream, bulk_lock: trio.Lock) -> None:
-    """One authenticated probe session: pings, then bulk transfers."""
-    stamped = enable_timestamps(stream.socket)
-    async with stream:
-        with trio.move_on_after(30):
-            while True:
-                op = await stream.receive_some(1)
-                if op == b"P":
-                    await stream.send_all(b"p")
-                elif op == b"B":
-                    (n,) = _LEN.unpack(await _receive_exact(stream, _LEN.size))
-                    if n > MAX_PROBE_BYTES:
-                        return
-                    async with bulk_lock:  # one bulk at a time, or probes share the link
-                        await _receive_bulk(stream, n, stamped=stamped)
-                else:
-                    return
+async def answer(
+    channel: ProbeChannel, kind: ProbeKind, *, bulk_lock: trio.Lock | None = None
+) -> None:
+    """The answerer's side of one probe session: echo pings, time each bulk transfer
+    (one at a time under ``bulk_lock``, or probes share the link), until the asker
+    closes or sends anything else; at most :data:`ANSWER_S`."""
+    with trio.move_on_after(ANSWER_S):
+        while True:
+            op = await channel.read(1)
+            if op == b"P":
+                await channel.write(b"p")
+            elif op == b"B":
+                (n,) = _LEN.unpack(await read_exact(channel, _LEN.size))
+                if n > kind.max_bytes:
+                    raise RemoteProtocolError(f"{kind.name} probe of {n} bytes")
+                async with bulk_lock or contextlib.nullcontext():
+                    await receive_bulk(channel, n)
+            else:
+                return
+
+
+async def measure(channel: ProbeChannel, kind: ProbeKind, nbytes: int) -> LinkMeasurement:
+    """The asker's side: RTT (median of 5 pings) and the rate of one bulk transfer."""
+    rtts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        await channel.write(b"P")
+        await read_exact(channel, 1)
+        rtts.append(time.perf_counter() - t0)
+    rtt = statistics.median(rtts)
+    t0 = time.perf_counter()
+    await channel.write(b"B" + _LEN.pack(nbytes))
+    remaining = nbytes
+    while remaining:
+        piece = _CHUNK[: min(remaining, len(_CHUNK))]
+        await channel.write(piece)
+        remaining -= len(piece)
+    reply = await read_exact(channel, 1 + _SECONDS.size)
+    elapsed = time.perf_counter() - t0
+    if reply[:1] != b"K":
+        raise RemoteProtocolError(f"{kind.name} probe peer did not acknowledge")
+    (tail_s,) = _SECONDS.unpack(reply[1:])
+    return LinkMeasurement(rtt_s=rtt, bandwidth_bps=kind.bandwidth(nbytes, tail_s, elapsed, rtt))
 
 
 class TailClock:
@@ -181,19 +293,29 @@ def tail_bandwidth(nbytes: int, tail_s: float, elapsed_s: float) -> float:
     return nbytes / max(elapsed_s, 1e-6)
 
 
-async def _receive_bulk(stream: trio.SocketStream, n: int, *, stamped: bool) -> None:
+def stream_bandwidth(nbytes: int, tail_s: float, elapsed_s: float) -> float:
+    """The link's rate from one probe over a stream: the receiver's tail figure, never
+    above the asker's whole one (``nbytes`` over ``elapsed_s``, from the first byte
+    written to the acknowledgement read).
+
+    The receiver reads the stream after the muxer buffered it, so its clock is in user
+    space: a receiver that got no CPU for a while drains the backlog at once and times
+    it as a fast link (a relayed 12.5 MB/s path once read as 31 MB/s). The asker's
+    figure cannot be fooled that way: no acknowledgement comes back before every byte
+    has crossed the link.
+    """
+    return min(tail_bandwidth(nbytes, tail_s, elapsed_s), nbytes / max(elapsed_s, 1e-6))
+
+
+async def receive_bulk(channel: ProbeChannel, n: int) -> None:
     """Receive ``n`` bytes; answer with the time the last three quarters took to arrive."""
     clock = TailClock(n)
     while clock.remaining:
-        size = min(clock.remaining, 1 << 20)
-        if stamped:
-            chunk, ancillary, _, _ = await stream.socket.recvmsg(size, socket.CMSG_SPACE(16))
-        else:
-            chunk, ancillary = await stream.receive_some(size), []
+        chunk, arrived = await channel.read_timed(min(clock.remaining, 1 << 20))
         if not chunk:
             raise RemoteProtocolError("probe connection closed mid-transfer")
-        clock.read(len(chunk), arrival_s(ancillary))
-    await stream.send_all(b"K" + _SECONDS.pack(clock.seconds()))
+        clock.read(len(chunk), arrived)
+    await channel.write(b"K" + _SECONDS.pack(clock.seconds()))
 
 
 async def serve_probe(
@@ -221,13 +343,14 @@ async def serve_probe(
         if not gate.admit(source):
             await stream.aclose()  # over the cap: closed before a byte is read
             return
+        channel = SocketChannel(stream, stamped=enable_timestamps(stream.socket))
         try:
             try:
-                trusted = await _authenticate(stream, token, auth_timeout_s)
+                trusted = await _authenticate(channel, token, auth_timeout_s)
             finally:
                 gate.release(source)
             if trusted:
-                await _handle(stream, bulk_lock)
+                await answer(channel, TCP_PROBE, bulk_lock=bulk_lock)
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError):
             pass
         except Exception:
@@ -248,28 +371,10 @@ async def probe_link(
         with trio.fail_after(timeout_s):
             stream = await trio.open_tcp_stream(host, port)
             async with stream:
-                challenge = await _receive_exact(stream, CHALLENGE_BYTES)
-                await stream.send_all(probe_answer(probe_token(psk), challenge))
-                rtts = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    await stream.send_all(b"P")
-                    await _receive_exact(stream, 1)
-                    rtts.append(time.perf_counter() - t0)
-                rtt = statistics.median(rtts)
-                t0 = time.perf_counter()
-                await stream.send_all(b"B" + _LEN.pack(nbytes))
-                remaining = nbytes
-                while remaining:
-                    piece = _CHUNK[: min(remaining, len(_CHUNK))]
-                    await stream.send_all(piece)
-                    remaining -= len(piece)
-                reply = await _receive_exact(stream, 1 + _SECONDS.size)
-                if reply[:1] != b"K":
-                    raise RemoteProtocolError("probe server did not acknowledge")
-                (tail_s,) = _SECONDS.unpack(reply[1:])
-                bandwidth = tail_bandwidth(nbytes, tail_s, time.perf_counter() - t0 - rtt)
-                return LinkMeasurement(rtt_s=rtt, bandwidth_bps=bandwidth)
+                channel = SocketChannel(stream)
+                challenge = await read_exact(channel, CHALLENGE_BYTES)
+                await channel.write(probe_answer(probe_token(psk), challenge))
+                return await measure(channel, TCP_PROBE, nbytes)
     except trio.TooSlowError as exc:
         raise PeerUnreachable(f"link probe to {host}:{port} timed out") from exc
     except (OSError, trio.BrokenResourceError) as exc:
@@ -277,11 +382,23 @@ async def probe_link(
 
 
 __all__ = [
+    "LIBP2P_PROBE",
     "PROBE_BYTES",
+    "PUNCHED_PROBE",
+    "TCP_PROBE",
     "LinkMeasurement",
+    "ProbeChannel",
+    "ProbeKind",
+    "SocketChannel",
+    "StreamChannel",
+    "answer",
+    "measure",
     "probe_answer",
     "probe_link",
     "probe_token",
+    "read_exact",
+    "receive_bulk",
     "serve_probe",
+    "stream_bandwidth",
     "tail_bandwidth",
 ]

@@ -50,8 +50,8 @@ from hetmesh.nat.reachability import (
     to_wire,
     verdict,
 )
+from hetmesh.nat.state import NatState
 from hetmesh.transport.p2p import control_path
-from hetmesh.transport.punch import set_public_ip
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -107,8 +107,12 @@ class Reachability:
         every_s: float = 300.0,
         nat_every_s: float = 20.0,
         first_after_s: float = 1.0,
+        nat: NatState | None = None,
     ) -> None:
+        """``nat``: where the public IP members see us from is recorded (behind NAT: our
+        side of a hole punch), the node's one traversal state (None: one of its own)."""
         self.discovery = discovery
+        self.nat = nat if nat is not None else NatState()
         self.ask = ask
         self.retry_s = retry_s
         self.every_s = every_s
@@ -194,7 +198,9 @@ class Reachability:
         observed = sorted({r.observed for r in replies.values() if r.observed})
         # behind NAT, the IP members see us from is our side of a hole punch
         if reach != UNKNOWN:
-            set_public_ip(observed[0] if reach == BEHIND_NAT and len(observed) == 1 else None)
+            self.nat.set_public_ip(
+                observed[0] if reach == BEHIND_NAT and len(observed) == 1 else None
+            )
         if reach != self.reach:
             log.info("reachability: %s (members seeing us from %s)", reach, observed or "?")
         self.reach = reach

@@ -4,7 +4,7 @@ Two members behind different NAT routers first meet through a relay
 (:mod:`hetmesh.nat.relay`), so their libp2p connection — membership pings,
 RPCs, plan and session control — lives and dies with the relay. Their data
 plane is already hole-punched where the routers allow
-(:mod:`hetmesh.transport.punch`); this module punches one more TCP connection
+(:mod:`hetmesh.nat.punch`); this module punches one more TCP connection
 the same way and hands it to libp2p as an ordinary connection: the private
 network key, noise (which proves the far peer's id end to end) and yamux run
 over it exactly as over a dialled socket. The swarm then prefers it, trims
@@ -30,23 +30,16 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import secrets
 import socket
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from hetmesh.discovery.rpc import open_stream
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
-from hetmesh.nat.punch_probe import (
-    punch_from,
-    read_line,
-    read_offer,
-    recv_exact,
-    reserve_candidate,
-)
+from hetmesh.nat.punch import TOKEN_BYTES, answer_offer, punch_from, punch_to, recv_exact
+from hetmesh.nat.punch_plan import DEFAULT_SCHEDULE
+from hetmesh.nat.state import NatState
 from hetmesh.transport.p2p import PUNCHED_MARK
-from hetmesh.transport.punch_plan import DEFAULT_SCHEDULE, parse_candidate
 from hetmesh.transport.threads import in_thread
 
 if TYPE_CHECKING:
@@ -55,7 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PUNCH_CONTROL_PROTOCOL = "/hetmesh/punch-control/1.0.0"
-_TOKEN_BYTES = 16
 _TOKEN_TIMEOUT_S = 10.0
 _UPGRADE_TIMEOUT_S = 30.0  # the private network, noise and yamux handshakes
 FIRST_RETRY_S = 30.0
@@ -70,7 +62,7 @@ def _token_on(sock: socket.socket, token: bytes, send: bool) -> None:
     sock.settimeout(_TOKEN_TIMEOUT_S)
     if send:
         sock.sendall(token)
-    elif not hmac.compare_digest(recv_exact(sock, _TOKEN_BYTES), token):
+    elif not hmac.compare_digest(recv_exact(sock, TOKEN_BYTES), token):
         raise RemoteProtocolError("punched control connection without the token")
     sock.settimeout(None)
 
@@ -90,8 +82,9 @@ def _rwc(sock: socket.socket) -> Any:
 class ControlPuncher:
     """Punches direct control connections to members we only reach through a relay."""
 
-    def __init__(self, discovery: Discovery) -> None:
+    def __init__(self, discovery: Discovery, nat: NatState | None = None) -> None:
         self.discovery = discovery
+        self.nat = nat if nat is not None else NatState()  # the public IP to punch from
         self.direct: dict[str, Any] = {}  # peer -> the punched swarm connection
         self.attempts = 0
         self.failures = 0
@@ -195,29 +188,10 @@ class ControlPuncher:
             self._busy.discard(peer_id)
 
     async def _ask(self, peer_id: str) -> None:
-        reservation = reserve_candidate(self.discovery)
-        if reservation is None:
-            raise PeerUnreachable("no public mapping known here: nothing to punch from")
-        reserved, mine = reservation
-        token = secrets.token_bytes(_TOKEN_BYTES)
-        try:
-            stream = await open_stream(
-                self.discovery.host, peer_id, PUNCH_CONTROL_PROTOCOL, timeout_s=10.0
-            )
-            try:
-                await stream.write(f"{mine} {token.hex()}\n".encode())
-                theirs = parse_candidate(await read_line(stream))
-            finally:
-                await stream.close()
-        except BaseException:
-            reserved.close()
-            raise
-        if theirs is None:
-            reserved.close()
-            raise PeerUnreachable(f"{peer_id} offered no punch candidate")
-        sock = await punch_from(reserved, theirs)
-        if sock is None:
-            raise PeerUnreachable(f"hole punching to {peer_id} ({theirs}) failed")
+        discovery = self.discovery
+        sock, token = await punch_to(
+            self.nat, discovery.addrs, discovery.host, peer_id, PUNCH_CONTROL_PROTOCOL, 10.0
+        )
         try:
             await in_thread(_token_on, sock, token, True)
             await self._adopt(peer_id, sock)
@@ -230,18 +204,13 @@ class ControlPuncher:
 
         async def handle(stream: Any) -> None:
             asker = str(stream.muxed_conn.peer_id)
+            willing = asker < self.discovery.peer_id and asker not in self._busy
             with trio.fail_after(10.0):
-                offer = await read_offer(stream, _TOKEN_BYTES)
-            wanted = (
-                offer is not None and asker < self.discovery.peer_id and asker not in self._busy
-            )
-            reservation = reserve_candidate(self.discovery) if wanted else None
-            await stream.write(f"{reservation[1] if reservation else '-'}\n".encode())
-            await stream.close()
-            if reservation is not None and offer is not None:
-                theirs, token = offer
+                offer = await answer_offer(stream, self.nat, self.discovery.addrs, willing=willing)
+            if offer is not None:
+                reserved, theirs, token = offer
                 self._busy.add(asker)
-                nursery.start_soon(self._answer, asker, reservation[0], theirs, token, nursery)
+                nursery.start_soon(self._answer, asker, reserved, theirs, token, nursery)
 
         return handle
 

@@ -37,11 +37,9 @@ import trio
 
 from hetmesh.discovery import wire
 from hetmesh.discovery.host import dial, guarded_handler, set_dial_fallback
-from hetmesh.discovery.probe import LinkMeasurement
 from hetmesh.errors import MeshError, PeerUnreachable, RemoteProtocolError
-from hetmesh.nat.p2p_probe import P2P_PROBE_PROTOCOL, handle_p2p_probe, probe_over_libp2p
+from hetmesh.nat.link_probe import LinkProber
 from hetmesh.nat.punch_control import PUNCH_CONTROL_PROTOCOL, ControlPuncher
-from hetmesh.nat.punch_probe import PUNCH_PROBE_PROTOCOL, probe_over_punch, punch_probe_handler
 from hetmesh.nat.reachability import (
     BEHIND_NAT,
     PUBLIC,
@@ -52,7 +50,7 @@ from hetmesh.nat.reachability import (
     reach_of,
 )
 from hetmesh.nat.relay_limits import RelayBook, RelayLimits
-from hetmesh.transport.punch import punched_peers
+from hetmesh.nat.state import NatState
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -131,8 +129,12 @@ class RelayClient:
         offer: bool = True,
         limits: RelayLimits | None = None,
         check_every_s: float = 3.0,
+        nat: NatState | None = None,
     ) -> None:
+        """``nat``: the node's traversal state, the one its dial-back fills and its data
+        plane notes punched links in (None: a state of its own)."""
         self.discovery = discovery
+        self.nat = nat if nat is not None else NatState()
         self.reachability = reachability
         self.offer = offer
         self.book = RelayBook(limits or RelayLimits())
@@ -144,10 +146,11 @@ class RelayClient:
         self._offering = False
         # peers our connection to runs through a relay -> when it was made
         self._relayed: dict[str, float] = {}
-        self._punch_measured: set[str] = set()  # peers whose link a punched probe measured
         self._punched_seen: set[str] = set()  # punched peers at the last publication
         # moves relayed control connections onto hole-punched ones where the NATs allow
-        self.control = ControlPuncher(discovery)
+        self.control = ControlPuncher(discovery, self.nat)
+        # links no TCP probe reaches (a member behind NAT): over libp2p or a punched path
+        self.prober = LinkProber(discovery, self.nat)
 
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(
@@ -329,7 +332,7 @@ class RelayClient:
         relayed = sorted(self._relayed)[:MAX_RELAYED_ANNOUNCED]
         self.discovery.set_extra(RELAYED_KEY, relayed)
         # whose relayed connection carries a hole-punched data plane beside it
-        punched = punched_peers()[:MAX_RELAYED_ANNOUNCED]
+        punched = self.nat.punched_peers()[:MAX_RELAYED_ANNOUNCED]
         self.discovery.set_extra(PUNCHED_KEY, punched)
         if set(punched) - self._punched_seen:
             # a link just moved onto a punched path: measure it now rather than at the
@@ -373,25 +376,6 @@ class RelayClient:
         log.debug("connected to %s through relay %s", peer_id, relay)
         return True
 
-    async def _probe_link(self, peer_id: str, nbytes: int) -> LinkMeasurement:
-        if peer_id in punched_peers():
-            # the data plane to it is hole-punched: measure that path, not the relay's
-            try:
-                measured = await probe_over_punch(self.discovery, peer_id, nbytes=nbytes)
-            except MeshError as exc:
-                log.info("punched link probe to %s failed (%r): probing over libp2p", peer_id, exc)
-            else:
-                if peer_id not in self._punch_measured:
-                    self._punch_measured.add(peer_id)
-                    log.info(
-                        "link to %s measured over the hole-punched path: %.3f ms, %.2f MB/s",
-                        peer_id,
-                        measured.rtt_s * 1e3,
-                        measured.bandwidth_bps / 1e6,
-                    )
-                return measured
-        return await probe_over_libp2p(self.discovery, peer_id, nbytes=nbytes)
-
     async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve relay requests (when offering) and keep our own slot; never returns."""
         from libp2p.custom_types import TProtocol
@@ -405,14 +389,9 @@ class RelayClient:
         )
         set_dial_fallback(host, self.dial_via_relay)
         # links no TCP probe reaches (a member behind NAT) are measured over libp2p
-        host.set_stream_handler(
-            TProtocol(P2P_PROBE_PROTOCOL), guarded_handler(P2P_PROBE_PROTOCOL, handle_p2p_probe)
-        )
-        host.set_stream_handler(
-            TProtocol(PUNCH_PROBE_PROTOCOL),
-            guarded_handler(PUNCH_PROBE_PROTOCOL, punch_probe_handler(self.discovery)),
-        )
-        self.discovery.link_prober = self._probe_link
+        for protocol, handler in self.prober.handlers().items():
+            host.set_stream_handler(TProtocol(protocol), guarded_handler(protocol, handler))
+        self.discovery.link_prober = self.prober.probe
         async with trio.open_nursery() as nursery:
             # punched control connections are upgraded and held in this nursery
             host.set_stream_handler(

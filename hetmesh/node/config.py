@@ -160,7 +160,7 @@ def default_threads() -> int:
 
     A node on its own machine decodes faster with them (2 threads against one:
     fp32 1.65x, int4 1.37x, docs/benchmarks.md); several nodes on one host are
-    started with their share (:func:`hetmesh.node.local.share_threads`).
+    started with their share (:func:`hetmesh.testbed.local_mesh.share_threads`).
     """
     import psutil
 

@@ -167,9 +167,10 @@ async def run_node(
             discovery.enable_link_probes()
             # members dial us back: public / behind NAT, published in our record; behind
             # NAT we hold a slot on a public member's relay, public we offer slots
-            reachability = Reachability(discovery)
+            reachability = Reachability(discovery, nat=node.nat)
             await nursery.start(reachability.serve)
-            await nursery.start(RelayClient(discovery, reachability, offer=config.relay).serve)
+            relay = RelayClient(discovery, reachability, offer=config.relay, nat=node.nat)
+            await nursery.start(relay.serve)
             if config.serving is not None:
                 from hetmesh.node.serving import serve_model
 

@@ -83,7 +83,9 @@ from hetmesh.node.control import (
     OpenSession,
     Reply,
 )
+from hetmesh.node.hop import Hop
 from hetmesh.node.migration import moves
+from hetmesh.node.outcomes import Verdict, classify
 from hetmesh.node.split import split_prefill_default, split_requests
 from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefill import (
@@ -100,15 +102,6 @@ from hetmesh.scheduler.standby import standby_takeovers
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Hop:
-    """One stage of a pipeline: which peer serves which units."""
-
-    peer_id: PeerId
-    start: int
-    end: int
 
 
 Control = Callable[[PeerId, OpenSession | CloseSession | MoveSession], Awaitable[Reply]]
@@ -168,6 +161,30 @@ class GatewayStatistics:
     split_prefills: int = 0  # prompts prefilled by their stage and an idle helper together
 
 
+@dataclass(slots=True)
+class _Counters:
+    """The gateway's counters, one record: :class:`GatewayStatistics` less what is
+    read off the sessions running now (internal)."""
+
+    sessions_started: int = 0
+    sessions_finished: int = 0
+    sessions_failed: int = 0
+    recoveries: int = 0
+    tokens_out: int = 0
+    stale_frames: int = 0
+    rejected_busy: int = 0
+    slow_steps: int = 0
+    preemptions: int = 0
+    prefix_tokens_skipped: int = 0
+    early_recoveries: int = 0
+    early_recovery_s: float = 0.0
+    foreign_frames: int = 0
+    migrations: int = 0
+    migration_fallbacks: int = 0
+    move_replays: int = 0
+    split_prefills: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class _PeerGone:
     """Put in a session's inbox when a peer of its route is declared dead (internal)."""
@@ -203,6 +220,27 @@ class _Request:
     order_s: float  # its place in the stages' admission queues (with ``base``)
 
 
+@dataclass(slots=True)
+class _Session:
+    """One try of a request on one route: all the gateway keeps of it (internal).
+
+    Made when the try is routed, dropped when it ends (its stages closed)."""
+
+    session_id: str
+    request: _Request
+    inbox: trio.MemorySendChannel[_Inbound]  # its token and error frames (on_frame)
+    route: tuple[Hop, ...]  # the hops it runs on (a move changes them)
+    began: float  # when it was routed (wall clock): see Gateway.sessions_during
+    helper: Hop | None = None  # its prefill's helper until the first token (split)
+    leaving: frozenset[PeerId] = frozenset()  # peers to move off at its next step
+    # the other peers of a move not yet confirmed by a step (its sources, targets)
+    moving: tuple[Hop, ...] = ()
+
+    def peers(self) -> tuple[Hop, ...]:
+        """Every hop it may still hold KV on: its route, a move's other ends, its helper."""
+        return self.route + self.moving + ((self.helper,) if self.helper else ())
+
+
 class _Replay(Exception):
     """Move the session by replaying it on a new route (internal: migration is off)."""
 
@@ -234,6 +272,15 @@ class _StepFailed(Exception):
     def __init__(self, reason: str, suspects: frozenset[PeerId] = frozenset()) -> None:
         super().__init__(reason)
         self.suspects = suspects
+
+
+def _refusals(hops: Sequence[Hop], replies: Sequence[Reply]) -> list[tuple[Hop, MeshError]]:
+    """The hops whose reply is an error, each with that error."""
+    return [
+        (hop, reply.error() or MeshError("refused"))
+        for hop, reply in zip(hops, replies, strict=True)
+        if not reply.ok
+    ]
 
 
 class Gateway:
@@ -286,48 +333,35 @@ class Gateway:
         self.feed_steps = feed_steps_default() if feed_steps is None else feed_steps
         self._helper = helper
         self.split_prefill = split_prefill_default() if split_prefill is None else split_prefill
-        self._helpers: dict[str, Hop] = {}  # session id -> its prefill's helper (this try)
-        self._splits = 0
         if not 1 <= self.feed_steps <= MAX_FEED_STEPS:
             raise ValueError(f"feed_steps must be within [1, {MAX_FEED_STEPS}]")
-        self._inboxes: dict[str, trio.MemorySendChannel[_Inbound]] = {}
-        self._routes: dict[str, tuple[Hop, ...]] = {}  # session id -> the hops it runs on
-        self._began: dict[str, float] = {}  # session id -> when it was routed (wall clock)
+        self._sessions: dict[str, _Session] = {}  # the tries running now, by session id
         # (began, ended, peers) of the latest sessions that ended: see sessions_during
         self._ended: deque[tuple[float, float, frozenset[PeerId]]] = deque(maxlen=ENDED_SESSIONS)
-        # session id -> peers it should move off at its next step (a planned change)
-        self._leaving: dict[str, frozenset[PeerId]] = {}
-        # session id -> the other peers of a move not yet confirmed by a step (source, target)
-        self._moving: dict[str, tuple[Hop, ...]] = {}
-        self._migrations = self._migration_fallbacks = self._move_replays = 0
+        self._counts = _Counters()
         self._step_s = 0.0  # moving average of decode step time
-        self._started = self._finished = self._failed = 0
-        self._recoveries = self._tokens = self._stale = self._busy = 0
-        self._slow_steps = self._preemptions = self._foreign = self._early = 0
-        self._skipped = 0
-        self._early_s = 0.0
 
     # -- inbound ------------------------------------------------------------------
 
     def on_frame(self, frame: Tokens | Error, sender: PeerId | None = None) -> None:
         """Route a token or error frame from ``sender`` (None: this node) to its session;
         stale frames are dropped, and so are frames from a peer not on its route."""
-        inbox = self._inboxes.get(frame.session_id)
-        if inbox is None:
-            self._stale += 1
+        session = self._sessions.get(frame.session_id)
+        if session is None:
+            self._counts.stale_frames += 1
             return
-        hops = self._routes.get(frame.session_id, ())
+        hops = session.route
         if sender is not None and hops:
             # tokens come from the last stage only; an error from any stage of the route
             # (or its prefill's helper)
-            helper = self._helpers.get(frame.session_id)
+            helper = session.helper
             allowed = (
                 {hops[-1].peer_id}
                 if isinstance(frame, Tokens)
                 else {h.peer_id for h in (*hops, *((helper,) if helper else ()))}
             )
             if sender not in allowed:
-                self._foreign += 1
+                self._counts.foreign_frames += 1
                 log.warning(
                     "dropped a %s frame for session %s from %s, not on its route",
                     type(frame).__name__,
@@ -336,30 +370,29 @@ class Gateway:
                 )
                 return
         try:
-            inbox.send_nowait(frame)
+            session.inbox.send_nowait(frame)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            self._stale += 1
+            self._counts.stale_frames += 1
 
     def peer_gone(self, peer_id: PeerId) -> None:
         """``peer_id`` was declared dead: every session whose route uses it recovers now
         (replays on a route that avoids it) instead of waiting for its step timeout."""
-        for session_id, hops in list(self._routes.items()):
-            inbox = self._inboxes.get(session_id)
-            helper = self._helpers.get(session_id)
+        for session in list(self._sessions.values()):
+            helper = session.helper
             # not the source of a move: a drained node leaves once its KV is sent (a
             # source dead before it sent the KV shows as a step that times out)
-            ends = [h.peer_id for h in hops] + ([helper.peer_id] if helper else [])
-            if inbox is not None and peer_id in ends:
+            ends = [h.peer_id for h in session.route] + ([helper.peer_id] if helper else [])
+            if peer_id in ends:
                 with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
-                    inbox.send_nowait(_PeerGone(peer_id))  # full: its timeout still fires
+                    session.inbox.send_nowait(_PeerGone(peer_id))  # full: its timeout fires
 
     def move_off(self, peer_id: PeerId) -> int:
         """Sessions whose route uses ``peer_id`` (alive, but leaving: re-planned, draining)
         move off it at their next step, with their KV; returns how many were asked."""
         asked = 0
-        for session_id, hops in self._routes.items():
-            if any(h.peer_id == peer_id for h in hops):
-                self._leaving[session_id] = self._leaving.get(session_id, frozenset()) | {peer_id}
+        for session in self._sessions.values():
+            if any(h.peer_id == peer_id for h in session.route):
+                session.leaving |= {peer_id}
                 asked += 1
         return asked
 
@@ -374,15 +407,19 @@ class Gateway:
         """:meth:`move_off` every peer of a running route whose stage is not in ``ready``."""
         gone = {
             h.peer_id
-            for hops in self._routes.values()
-            for h in hops
+            for session in self._sessions.values()
+            for h in session.route
             if (h.peer_id, h.start, h.end) not in ready
         }
         return sum(self.move_off(peer) for peer in sorted(gone))
 
     def routes(self) -> list[tuple[Hop, ...]]:
         """The hops of every session running now (the router's view of its own load)."""
-        return list(self._routes.values())
+        return [session.route for session in self._sessions.values()]
+
+    def session_ids(self) -> list[str]:
+        """The ids of the sessions running now (one per request being served)."""
+        return list(self._sessions)
 
     def sessions_during(self, windows: Mapping[PeerId, tuple[float, float]]) -> dict[PeerId, int]:
         """For each peer, this gateway's sessions that ran on it at some time in its window
@@ -392,8 +429,8 @@ class Gateway:
         """
         counts = dict.fromkeys(windows, 0)
         spans = [
-            (self._began.get(sid, -math.inf), math.inf, {h.peer_id for h in hops})
-            for sid, hops in self._routes.items()
+            (session.began, math.inf, {h.peer_id for h in session.route})
+            for session in self._sessions.values()
         ]
         spans += [(began, end, set(peers)) for began, end, peers in self._ended]
         for began, end, peers in spans:
@@ -432,7 +469,8 @@ class Gateway:
         history = [int(t) for t in prompt_ids]
         generated: list[int] = []
         avoid: set[PeerId] = set()
-        self._started += 1
+        counts = self._counts
+        counts.sessions_started += 1
         finished = False
         recoveries = preemptions = 0
         split_failed = False
@@ -455,27 +493,18 @@ class Gateway:
                     base, len(prompt_ids) + params.max_new_tokens, sampling, avoid, order_s
                 )
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
-                self._inboxes[session_id] = inbox_send
-                self._routes[session_id] = hops
-                self._began[session_id] = time.time()
+                session = _Session(session_id, request, inbox_send, hops, time.time())
+                self._sessions[session_id] = session
                 helper = None
                 split = False  # this try's prefill split with a helper
                 if not split_failed:  # a split that failed once: replay it whole
                     helper = self._split_helper(hops, frozenset(avoid) | leaving, history, hashes)
                 try:
-                    cached = await self._open(
-                        session_id, hops, request, history, admission_s, helper
-                    )
-                    split = session_id in self._helpers
-                    self._skipped += cached
+                    cached = await self._open(session, history, admission_s, helper)
+                    split = session.helper is not None
+                    counts.prefix_tokens_skipped += cached
                     async for token in self._run(
-                        session_id,
-                        request,
-                        inbox,
-                        history,
-                        generated,
-                        params.max_new_tokens,
-                        cached,
+                        session, inbox, history, generated, params.max_new_tokens, cached
                     ):
                         yield token
                     finished = True
@@ -484,7 +513,7 @@ class Gateway:
                     # not a fault: the pool was short. Resume later by replaying the
                     # history; the open waits (Rejected: busy) until blocks are free.
                     preemptions += 1
-                    self._preemptions += 1
+                    counts.preemptions += 1
                     # behind the requests already waiting: with its old place it would
                     # head every queue with its whole history and hold back smaller ones
                     order_s = time.time()
@@ -497,11 +526,11 @@ class Gateway:
                         ) from None
                 except _Replay as exc:
                     leaving = exc.leaving
-                    self._move_replays += 1
+                    counts.move_replays += 1
                     log.info("session %s: moved by replay after %d tokens", base, len(generated))
                 except _StepFailed as exc:
-                    if session_id in self._moving:  # a move that failed: replay instead
-                        self._migration_fallbacks += 1
+                    if session.moving:  # a move that failed: replay instead
+                        counts.migration_fallbacks += 1
                     split_failed |= split
                     recoveries += 1
                     if recoveries > self.timeouts.max_recoveries:
@@ -509,12 +538,12 @@ class Gateway:
                             f"session gave up after {self.timeouts.max_recoveries} recoveries"
                         ) from None
                     # the route it failed on (a move may have changed it) and a move's ends
-                    current = self._routes[session_id] + self._moving.get(session_id, ())
+                    current = session.route + session.moving
                     suspects = exc.suspects or await self._find_silent(current)
                     if not exc.suspects and not suspects:
                         await trio.sleep(self.timeouts.replan_pause_s)  # let the plan settle
                     avoid |= suspects
-                    self._recoveries += 1
+                    counts.recoveries += 1
                     log.warning(
                         "session %s: %s; recovering after %d tokens, avoiding %s",
                         base,
@@ -523,15 +552,13 @@ class Gateway:
                         sorted(suspects) or "nobody",
                     )
                 finally:
-                    del self._inboxes[session_id]
-                    # the route it ended on, and the other end of a move in progress
-                    hops = self._routes.pop(session_id) + self._moving.pop(session_id, ())
-                    if session_id in self._helpers:  # its helper, if it has not let go
-                        hops += (self._helpers.pop(session_id),)
-                    self._leaving.pop(session_id, None)
-                    now = time.time()
-                    began = self._began.pop(session_id, now)
-                    self._ended.append((began, now, frozenset(h.peer_id for h in hops)))
+                    del self._sessions[session_id]
+                    # the route it ended on, the other end of a move in progress, and its
+                    # helper if it has not let go
+                    hops = session.peers()
+                    self._ended.append(
+                        (session.began, time.time(), frozenset(h.peer_id for h in hops))
+                    )
                     # not on a peer to avoid: dead or stuck, it would hold the recovery
                     alive = [h for h in hops if h.peer_id not in avoid]
                     with trio.CancelScope(shield=True):
@@ -541,15 +568,13 @@ class Gateway:
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
             if finished:
-                self._finished += 1
+                counts.sessions_finished += 1
             else:
-                self._failed += 1
+                counts.sessions_failed += 1
 
     async def _open(
         self,
-        session_id: str,
-        hops: Sequence[Hop],
-        request: _Request,
+        session: _Session,
         history: Sequence[int],
         admission_s: float,
         helper: tuple[Hop, int] | None = None,
@@ -561,26 +586,11 @@ class Gateway:
         leaves the prefill whole.
         Returns the prompt tokens every stage holds cached: the prefill starts there.
         """
+        session_id, hops = session.session_id, session.route
         hashes = tuple(block_hashes(history)) if self.prefix_cache else ()
-        feed_steps, stop_ids = self._feeding(hops)
         requests = [
-            OpenSession(
-                session_id=session_id,
-                start=hop.start,
-                end=hop.end,
-                next_peer=hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id,
-                gateway=self.peer_id,
-                previous_peer=hops[i - 1].peer_id if i > 0 else self.peer_id,
-                max_tokens=request.max_tokens,
-                prompt_tokens=len(history),
-                sampling=request.sampling,
-                prefix_hashes=hashes,
-                order_s=request.order_s,
-                order_id=request.base,
-                feed_steps=feed_steps,
-                stop_ids=stop_ids,
-            )
-            for i, hop in enumerate(hops)
+            self._opening(session, hops, i, len(history), prefix_hashes=hashes)
+            for i in range(len(hops))
         ]
         if helper is not None and len(hops) == 1:
             pair = (hops[0], helper[0])
@@ -588,41 +598,81 @@ class Gateway:
                 pair, split_requests(requests[0], hops[0].peer_id, helper[0].peer_id, helper[1])
             )
             if all(r.ok for r in replies):
-                self._helpers[session_id] = helper[0]
-                self._splits += 1
+                session.helper = helper[0]
+                self._counts.split_prefills += 1
                 cached = min(r.cached_tokens for r in replies)
                 return max(0, min(cached, len(history) - 1)) // BLOCK_TOKENS * BLOCK_TOKENS
-            refused = [(h, r) for h, r in zip(pair, replies, strict=True) if not r.ok]
-            why = "; ".join(f"{h.peer_id}: {r.message}" for h, r in refused)
+            declined = _refusals(pair, replies)
+            why = "; ".join(f"{h.peer_id}: {error}" for h, error in declined)
             log.info("session %s: no split prefill (%s)", session_id, why)
             await self._close(session_id, pair)  # busy since it was chosen: prefill whole
         deadline = trio.current_time() + admission_s
         delay = 0.05
         while True:
             replies = await self._ask_all(hops, requests)
-            failed = [(hop, r) for hop, r in zip(hops, replies, strict=True) if not r.ok]
-            if not failed:
+            refused = _refusals(hops, replies)
+            if not refused:
                 cached = min(r.cached_tokens for r in replies)
                 # a block boundary short of the prompt's end (a stage could claim anything)
                 return max(0, min(cached, len(history) - 1)) // BLOCK_TOKENS * BLOCK_TOKENS
             await self._close(session_id, hops)
-            errors = [(hop, r.error()) for hop, r in failed]
-            for _, error in errors:
-                if isinstance(error, InvalidRequest):
+            verdicts = [(hop, e, classify(e, data_plane=False)) for hop, e in refused]
+            for _, error, verdict in verdicts:
+                if verdict is Verdict.FATAL:
                     raise error
             unreachable = frozenset(
-                hop.peer_id for hop, error in errors if not isinstance(error, Rejected | NoRoute)
+                hop.peer_id for hop, _, verdict in verdicts if verdict is Verdict.SUSPECT
             )
             if unreachable:
                 raise _StepFailed("a stage refused or did not answer the session", unreachable)
-            if any(isinstance(error, NoRoute) for _, error in errors):
+            if any(verdict is Verdict.REPLAN for _, _, verdict in verdicts):
                 # a new plan moved a stage: route again once it is ready, avoid nobody for it
                 raise _StepFailed("the plan changed under the session")
-            self._busy += 1
+            # busy (or a session a stage let go at once): wait for room, ask again
+            self._counts.rejected_busy += 1
             if trio.current_time() + delay > deadline:
                 raise Rejected("busy: every pipeline is full; try again later")
             await trio.sleep(delay)  # back off while busy stages drain
             delay = min(delay * 2, 1.0)
+
+    def _neighbours(self, hops: Sequence[Hop], i: int) -> tuple[PeerId, PeerId]:
+        """The peers before and after stage ``i`` of ``hops``: this gateway at the ends."""
+        before = hops[i - 1].peer_id if i > 0 else self.peer_id
+        after = hops[i + 1].peer_id if i + 1 < len(hops) else self.peer_id
+        return before, after
+
+    def _opening(
+        self,
+        session: _Session,
+        hops: Sequence[Hop],
+        i: int,
+        prompt_tokens: int,
+        *,
+        prefix_hashes: tuple[int, ...] = (),
+        migrate_from: PeerId = "",
+    ) -> OpenSession:
+        """The ``OpenSession`` for stage ``i`` of ``hops`` (a try's route, or a move's
+        new one), its first chunk ``prompt_tokens`` long."""
+        request, hop = session.request, hops[i]
+        previous_peer, next_peer = self._neighbours(hops, i)
+        feed_steps, stop_ids = self._feeding(hops)
+        return OpenSession(
+            session_id=session.session_id,
+            start=hop.start,
+            end=hop.end,
+            next_peer=next_peer,
+            gateway=self.peer_id,
+            previous_peer=previous_peer,
+            max_tokens=request.max_tokens,
+            prompt_tokens=prompt_tokens,
+            sampling=request.sampling,
+            prefix_hashes=prefix_hashes,
+            migrate_from=migrate_from,
+            order_s=request.order_s,
+            order_id=request.base,
+            feed_steps=feed_steps,
+            stop_ids=stop_ids,
+        )
 
     def _split_helper(
         self,
@@ -679,8 +729,7 @@ class Gateway:
 
     async def _run(
         self,
-        session_id: str,
-        request: _Request,
+        session: _Session,
         inbox: trio.MemoryReceiveChannel[_Inbound],
         history: list[int],
         generated: list[int],
@@ -701,13 +750,13 @@ class Gateway:
         feed = list(history[cached:])
         position = cached
         in_flight: _InFlight | None = None
-        helper = self._helpers.get(session_id)  # the prompt goes through it (split)
+        helper = session.helper  # the prompt goes through it (split)
         while len(generated) < max_new_tokens:
             if in_flight is None:
-                if session_id in self._leaving and len(feed) == 1:  # nothing in flight
-                    await self._migrate(session_id, request, position)
+                if session.leaving and len(feed) == 1:  # nothing in flight
+                    await self._migrate(session, position)
                 in_flight = await self._send_step(
-                    session_id, feed, position, len(generated), max_new_tokens, helper
+                    session, feed, position, len(generated), max_new_tokens, helper
                 )
                 helper = None
             token = await self._await_token(
@@ -715,13 +764,14 @@ class Gateway:
                 in_flight.step,
                 in_flight.fed,
                 in_flight.hops,
-                self._moving.get(session_id, ()),
+                session.moving,
                 position=len(history),
             )
-            self._moving.pop(session_id, None)  # a step on the new route: the move is done
-            if self._helpers.pop(session_id, None) is not None:
+            session.moving = ()  # a step on the new route: the move is done
+            if session.helper is not None:
                 # a first token: the helper sent its part and let the session go
-                in_flight.hops = self._routes[session_id]
+                session.helper = None
+                in_flight.hops = session.route
             now = time.perf_counter()
             self._note_step(now - in_flight.started, in_flight.fed)
             position += in_flight.fed
@@ -733,15 +783,15 @@ class Gateway:
                 return
             generated.append(token)
             history.append(token)
-            self._tokens += 1
+            self._counts.tokens_out += 1
             feed = [token]
             failed: _StepFailed | None = None
             # a session leaving its peers moves between steps, with nothing in flight
-            more = len(generated) < max_new_tokens and session_id not in self._leaving
+            more = len(generated) < max_new_tokens and not session.leaving
             if in_flight is None and more:
                 try:
                     in_flight = await self._send_step(
-                        session_id, feed, position, len(generated), max_new_tokens
+                        session, feed, position, len(generated), max_new_tokens
                     )
                 except _StepFailed as exc:
                     failed = exc
@@ -751,7 +801,7 @@ class Gateway:
 
     async def _send_step(
         self,
-        session_id: str,
+        session: _Session,
         feed: Sequence[int],
         position: int,
         step: int,
@@ -761,7 +811,7 @@ class Gateway:
         """Send one step's token ids to the session's first stage (a long prefill in
         chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`), or to its
         ``helper`` (a split prefill's); ``step`` tokens are out of ``max_new``."""
-        route = self._routes[session_id]
+        session_id, route = session.session_id, session.route
         hops = (helper, *route) if helper is not None else route
         first = hops[0].peer_id
         started = time.perf_counter()
@@ -784,12 +834,13 @@ class Gateway:
         tokens = min(self._feeding(route)[0], max_new - step)
         return _InFlight(step, started, hops, tokens, len(feed))
 
-    async def _migrate(self, session_id: str, request: _Request, position: int) -> None:
+    async def _migrate(self, session: _Session, position: int) -> None:
         """Move the session's stages off the peers it is leaving, KV and all, or
         raise ``_StepFailed`` (the caller replays). Keeps the route when no ready
         route cuts the model the same way (the session finishes where it is)."""
-        leaving = self._leaving.pop(session_id)
-        old = self._routes[session_id]
+        session_id, request = session.session_id, session.request
+        leaving, session.leaving = session.leaving, frozenset()
+        old = session.route
         new: tuple[Hop, ...] = ()
         # a ready route is found at once; none now: stay (asked again at the next re-plan)
         with trio.move_on_after(MOVE_ROUTE_WAIT_S):
@@ -806,42 +857,26 @@ class Gateway:
         if not self.migrate:
             raise _Replay(leaving)
         targets = [new[i] for i, _, _ in changes]
-        self._moving[session_id] = tuple(targets)
-        feed_steps, stop_ids = self._feeding(new)
+        session.moving = tuple(targets)
         opens = [
-            OpenSession(
-                session_id=session_id,
-                start=new[i].start,
-                end=new[i].end,
-                next_peer=new[i + 1].peer_id if i + 1 < len(new) else self.peer_id,
-                gateway=self.peer_id,
-                previous_peer=new[i - 1].peer_id if i > 0 else self.peer_id,
-                max_tokens=request.max_tokens,
-                prompt_tokens=position,
-                sampling=request.sampling,
-                migrate_from=source,
-                order_s=request.order_s,
-                order_id=request.base,
-                feed_steps=feed_steps,
-                stop_ids=stop_ids,
-            )
+            self._opening(session, new, i, position, migrate_from=source)
             for i, source, _ in changes
         ]
         self._check_replies(targets, await self._ask_all(targets, opens), "open on")
-        self._moving[session_id] = tuple(targets) + tuple(old[i] for i, _, _ in changes)
+        session.moving = tuple(targets) + tuple(old[i] for i, _, _ in changes)
         moved = {i: target for i, _, target in changes}
         requests = [
             MoveSession(
                 session_id=session_id,
                 kv_to=moved.get(i, ""),
-                next_peer=new[i + 1].peer_id if i + 1 < len(new) else self.peer_id,
-                previous_peer=new[i - 1].peer_id if i > 0 else self.peer_id,
+                next_peer=self._neighbours(new, i)[1],
+                previous_peer=self._neighbours(new, i)[0],
             )
             for i in range(len(old))
         ]
         self._check_replies(old, await self._ask_all(old, requests), "move from")
-        self._routes[session_id] = new
-        self._migrations += 1
+        session.route = new
+        self._counts.migrations += 1
         log.info(
             "session %s: moved at %d tokens from %s to %s",
             session_id,
@@ -853,14 +888,15 @@ class Gateway:
     @staticmethod
     def _check_replies(hops: Sequence[Hop], replies: Sequence[Reply], what: str) -> None:
         """``_StepFailed`` when a stage refused or did not answer its part of a move."""
-        failed = [(hop, r.error()) for hop, r in zip(hops, replies, strict=True) if not r.ok]
+        failed = _refusals(hops, replies)
         if not failed:
             return
-        # refused (busy, full, the plan changed): a replay; silent: avoid the peer too
+        # refused (busy, full, the plan changed, the session let go): a replay; a suspect
+        # (failed, silent): avoid the peer too
         silent = frozenset(
             hop.peer_id
             for hop, error in failed
-            if not isinstance(error, Rejected | InvalidRequest | NoRoute)
+            if classify(error, data_plane=False) is Verdict.SUSPECT
         )
         reasons = "; ".join(f"{hop.peer_id}: {error}" for hop, error in failed)
         raise _StepFailed(f"the move failed to {what} a stage ({reasons})", silent)
@@ -904,23 +940,22 @@ class Gateway:
                         if not gone:
                             log.info("stage %s declared dead but answers: kept", frame.peer_id)
                             continue
-                        self._early += 1
-                        self._early_s += max(0.0, waiting.deadline - trio.current_time())
+                        self._counts.early_recoveries += 1
+                        left_s = waiting.deadline - trio.current_time()
+                        self._counts.early_recovery_s += max(0.0, left_s)
                         raise _StepFailed(f"stage {frame.peer_id} was declared dead", gone)
                     if isinstance(frame, Error):
                         error = error_from_wire(frame.code, frame.message)
-                        if isinstance(error, InvalidRequest):
-                            if frame.message.startswith("unknown session "):
-                                # a stage let the session go (preempted: its Rejected may
-                                # come second) before this step reached it: resume
-                                raise _Preempted(frame.message)
-                            raise error
-                        if isinstance(error, Rejected):  # only a preemption sends it here
+                        verdict = classify(error, data_plane=True)
+                        if verdict is Verdict.PREEMPTED:  # resume by replay, later
                             raise _Preempted(frame.message)
+                        if verdict is Verdict.FATAL:
+                            raise error
+                        # the sender is not known here: the recovery pings the route
                         raise _StepFailed(f"a stage failed: {frame.message}")
                     if frame.step == step and frame.position == position and frame.token_ids:
                         return int(frame.token_ids[0])
-                    self._stale += 1
+                    self._counts.stale_frames += 1
             silent = await self._find_silent([*hops, *moving])  # a move's source too
             if silent & {h.peer_id for h in hops}:
                 raise _StepFailed(f"no token for step {step} within {timeout:.1f} s", silent)
@@ -930,7 +965,7 @@ class Gateway:
                 # route is waited on like a slow one; a KV lost with it ends as a stall
                 log.info("step %d: the move's source %s is gone; waiting on", step, sorted(silent))
                 moving = ()
-            self._slow_steps += 1
+            self._counts.slow_steps += 1
         raise _StepFailed(f"step {step} stalled although every stage answers pings")
 
     def _note_step(self, elapsed: float, fed: int) -> None:
@@ -974,22 +1009,5 @@ class Gateway:
 
     def statistics(self) -> GatewayStatistics:
         return GatewayStatistics(
-            sessions_started=self._started,
-            sessions_finished=self._finished,
-            sessions_failed=self._failed,
-            active_sessions=len(self._inboxes),
-            recoveries=self._recoveries,
-            tokens_out=self._tokens,
-            stale_frames=self._stale,
-            rejected_busy=self._busy,
-            slow_steps=self._slow_steps,
-            preemptions=self._preemptions,
-            early_recoveries=self._early,
-            early_recovery_s=self._early_s,
-            foreign_frames=self._foreign,
-            migrations=self._migrations,
-            migration_fallbacks=self._migration_fallbacks,
-            move_replays=self._move_replays,
-            split_prefills=self._splits,
-            prefix_tokens_skipped=self._skipped,
+            active_sessions=len(self._sessions), **dataclasses.asdict(self._counts)
         )

@@ -60,6 +60,8 @@ class PagedCache(Protocol):
     @property
     def length(self) -> int: ...
 
+    scope: str  # whose sessions share its blocks (its gateway's peer id)
+
     def attach(self, hashes: Sequence[int], max_tokens: int) -> int: ...
 
     @property
@@ -277,6 +279,7 @@ class KVManager(Generic[KV]):
         prompt_tokens: int = 0,
         prefix_hashes: Sequence[int] = (),
         stamp: Stamp | None = None,
+        scope: str = "",
     ) -> KV:
         """Admit a session of ``prompt_tokens`` that will hold at most ``max_tokens``.
 
@@ -287,8 +290,10 @@ class KVManager(Generic[KV]):
         ``prefix_hashes`` (:func:`~hetmesh.partition.prefix.block_hashes` of
         the prompt) find, never all of the prompt (one token at least is fed),
         then fresh ones for the rest; ``cache.length`` is where its prefill
-        starts. Raises ``InvalidRequest`` for an impossible request (more
-        tokens than a session may ever hold or than the whole pool, a
+        starts. ``scope`` (its gateway's peer id) is whose sessions share its
+        blocks (:func:`~hetmesh.partition.prefix.scoped`). Raises
+        ``InvalidRequest`` for an impossible request (more tokens than a
+        session may ever hold or than the whole pool, a
         duplicate id) and ``Rejected`` when the stage is merely full right
         now (retry later).
         """
@@ -311,6 +316,7 @@ class KVManager(Generic[KV]):
             raise InvalidRequest(f"{len(prefix_hashes)} prefix hashes for {max_tokens} tokens")
         now = max_tokens if self._limits.reserve_whole else prompt_tokens
         cache = self._factory()
+        cache.scope = scope
         cached = 0
         if prefix_hashes and not self._limits.reserve_whole:
             cached = cache.attach(prefix_hashes, prompt_tokens - 1)

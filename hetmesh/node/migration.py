@@ -27,27 +27,16 @@ and checking a received frame. It does no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from hetmesh.errors import InvalidRequest
+from hetmesh.node.hop import Hop
 from hetmesh.resources import PeerId
 from hetmesh.transport.frames import KVBlock
 
 
-class _Hop(Protocol):
-    @property
-    def peer_id(self) -> PeerId: ...
-
-    @property
-    def start(self) -> int: ...
-
-    @property
-    def end(self) -> int: ...
-
-
-def moves(old: Sequence[_Hop], new: Sequence[_Hop]) -> list[tuple[int, PeerId, PeerId]] | None:
+def moves(old: Sequence[Hop], new: Sequence[Hop]) -> list[tuple[int, PeerId, PeerId]] | None:
     """``(index, old peer, new peer)`` of each stage that changes peer between two routes.
 
     None when the routes cut the model differently (their KV cannot be

@@ -43,6 +43,7 @@ from hetmesh.scheduler.plan_trust import (
     epoch_floor,
     plan_message,
     plan_refusal,
+    term_floor,
 )
 from hetmesh.scheduler.records import Plan, PlanConstraints, WeightBytes
 from hetmesh.scheduler.replan import MeshSnapshot
@@ -244,6 +245,7 @@ class PlanFollower:
             plans=tuple(p for p, _ in self._signatures),
             settled=now - self.started_at >= self.settle_s,
             epoch_floor=epoch_floor(offers, self._verify),  # signed plans only (issue 45)
+            term_floor=term_floor(offers, self._verify),  # a new coordinator's term above it
             following=tuple(following.items()),
         ), missing
 

@@ -3,7 +3,7 @@
 A stage is *ready* when a live peer announces it loaded and not retiring
 (``(peer_id, start, end)``); a pipeline is ready when every one of its stages
 is. The node's routing (:meth:`~hetmesh.node.serving.Serving.ready`, its
-router input) and the tools that read a status view (:mod:`hetmesh.node.local`)
+router input) and the tools that read a status view (:mod:`hetmesh.testbed.local_mesh`)
 ask these functions. Pure: no I/O, no trio.
 """
 

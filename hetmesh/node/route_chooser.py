@@ -18,11 +18,14 @@ import trio
 from hetmesh.discovery.wire import Load
 from hetmesh.errors import InsufficientCapacity, NoRoute
 from hetmesh.node import routing
-from hetmesh.node.gateway import Hop
+from hetmesh.node.hop import Hop
 from hetmesh.node.peer_view import PeerView
 from hetmesh.node.readiness import StageKey, ready_pipelines, unready_peers
+from hetmesh.node.route_wait import hopeless, mesh_verdict
+from hetmesh.partition.prefix import scoped
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServingAnnouncement
+from hetmesh.scheduler.prefix_summary import salted
 from hetmesh.scheduler.records import MeshLoad, PipelineLoad, Plan, RouteRequest
 from hetmesh.scheduler.router import RouteMemory, cached_blocks, route
 
@@ -53,6 +56,7 @@ class RouteChooser:
         local: Callable[[], Load],
     ) -> None:
         self.me = me
+        self.summary_salt = b""  # the mesh-private key of announced prefix names (serving)
         self.model_key = model_key
         self.route_wait_s = route_wait_s
         self.plan_interval_s = plan_interval_s
@@ -100,6 +104,11 @@ class RouteChooser:
         """A stage's announced prefix summary (our own stages': read from their pools)."""
         return routing.summaries(self._view(), self.me, self.stages.prefix_summaries())
 
+    def summary_names(self, hashes: Sequence[int]) -> list[int]:
+        """What stages announce for blocks of our sessions' ``hashes`` (scoped to us as
+        their gateway, salted with the mesh's key: ``scheduler.prefix_summary``)."""
+        return salted(scoped(hashes, self.me), self.summary_salt)
+
     def route(
         self, session_id: str, avoid: frozenset[PeerId], hashes: Sequence[int] = ()
     ) -> tuple[Hop, ...]:
@@ -114,8 +123,9 @@ class RouteChooser:
         cached: dict[str, int] = {}
         if hashes and several:
             summary = self.summary_of()
+            names = self.summary_names(hashes)
             cached = {
-                p.key: max(cached_blocks(p, hashes, summary), self._memory.matched(hashes, p.key))
+                p.key: max(cached_blocks(p, names, summary), self._memory.matched(hashes, p.key))
                 for p in plan.pipelines
             }
         loads = self.loads(plan) if several else {}
@@ -162,7 +172,7 @@ class RouteChooser:
             unhealthy=frozenset(avoid) | unready_peers(plan, self.ready_stages()),
             loads=self.loads(plan),
             row_costs=costs,
-            hashes=hashes,
+            hashes=self.summary_names(hashes),  # as the stages announce them
             summary=self.summary_of() if hashes else None,
         )
         if found is None:
@@ -177,16 +187,29 @@ class RouteChooser:
     async def choose(
         self, session_id: str, avoid: frozenset[PeerId], hashes: Sequence[int] = ()
     ) -> Sequence[Hop]:
-        """A route, waiting up to ``route_wait_s`` for one; ``InsufficientCapacity`` at
-        once when the coordinator cannot place the model, else ``NoRoute``."""
-        with trio.move_on_after(self.route_wait_s):
+        """A route, waiting up to ``route_wait_s`` for one (counted afresh when a new plan
+        is adopted: a re-plan after a peer left loads stages); ``InsufficientCapacity`` at
+        once when the coordinator cannot place the model on the live members and no
+        pipeline of the plan followed can serve (:func:`~hetmesh.node.route_wait.hopeless`),
+        else ``NoRoute``."""
+        waited_on = self.follower.plan
+        with trio.CancelScope(deadline=trio.current_time() + self.route_wait_s) as scope:
             while True:
                 hops = self.route(session_id, avoid, hashes)
                 if hops:
                     return hops
-                verdict = self.follower.insufficient or self._view().insufficient()
-                if self.follower.plan is None and verdict:  # it cannot place it: say so now
-                    raise InsufficientCapacity(f"cannot serve {self.model_key}: {verdict}")
+                view = self._view()
+                announced = {m.peer_id: m.serving.insufficient for m in view.members}
+                verdict = mesh_verdict(
+                    self.me, self.follower.boss, self.follower.insufficient, announced
+                )
+                live = {self.me} | announced.keys()
+                why = hopeless(self.follower.plan, live, verdict)
+                if why:  # it cannot place it on who is left: say so now
+                    raise InsufficientCapacity(f"cannot serve {self.model_key}: {why}")
+                if self.follower.plan is not waited_on:  # a new plan: its stages load
+                    waited_on = self.follower.plan
+                    scope.deadline = trio.current_time() + self.route_wait_s
                 await self._changed.wait()
         if self.follower.plan is None:
             why = self.follower.insufficient or "no plan yet (is the coordinator up?)"

@@ -11,8 +11,8 @@ gateway's own sessions, and chooses a split prefill's helper
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
+from hetmesh.node.hop import Hop
 from hetmesh.node.peer_view import PeerView
 from hetmesh.node.split import Replica, choose_helper
 from hetmesh.partition.blocks import BLOCK_TOKENS
@@ -25,20 +25,7 @@ from hetmesh.scheduler.router import cached_blocks
 Summary = Callable[[Stage], frozenset[int]]
 
 
-class HopLike(Protocol):
-    """One stage of a route: which peer serves which units."""
-
-    @property
-    def peer_id(self) -> PeerId: ...
-
-    @property
-    def start(self) -> int: ...
-
-    @property
-    def end(self) -> int: ...
-
-
-def _key(hops: Sequence[HopLike]) -> tuple[tuple[PeerId, int, int], ...]:
+def _key(hops: Sequence[Hop]) -> tuple[tuple[PeerId, int, int], ...]:
     return tuple((h.peer_id, h.start, h.end) for h in hops)
 
 
@@ -56,7 +43,7 @@ def pipeline_loads(
     view: PeerView,
     *,
     me: PeerId,
-    routes: Sequence[Sequence[HopLike]],
+    routes: Sequence[Sequence[Hop]],
     local_sessions: int,
     local_queue: int,
     counted: Mapping[PeerId, int],
@@ -131,7 +118,7 @@ def summaries(view: PeerView, me: PeerId, mine: Mapping[tuple[int, int], str]) -
 
 
 def chunk_costs(
-    hops: Sequence[HopLike], view: PeerView, me: PeerId, mine: ServingAnnouncement
+    hops: Sequence[Hop], view: PeerView, me: PeerId, mine: ServingAnnouncement
 ) -> list[float | None]:
     """Each hop's announced prefill chunk cost (None: not measured or not known)."""
     costs: list[float | None] = []
@@ -144,7 +131,7 @@ def chunk_costs(
 
 def split_helper(
     plan: Plan,
-    hops: Sequence[HopLike],
+    hops: Sequence[Hop],
     *,
     view: PeerView,
     me: PeerId,
@@ -205,7 +192,6 @@ def split_helper(
 
 
 __all__ = [
-    "HopLike",
     "Summary",
     "chunk_costs",
     "pipeline_loads",

@@ -15,6 +15,7 @@ import trio
 
 from hetmesh.discovery.service import Discovery
 from hetmesh.discovery.table import LivenessPolicy
+from hetmesh.nat.state import NatState
 from hetmesh.node.config import ServingConfig
 
 
@@ -58,6 +59,8 @@ class Node:
     device_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     stop_requested: trio.Event = field(default_factory=trio.Event)
     serving: Any = None  # hetmesh.node.serving.Serving, once the model is served
+    # what NAT traversal learned (public IP, punched links): dial-back, relay, data plane
+    nat: NatState = field(default_factory=NatState)
 
     def request_stop(self) -> None:
         """Ask :func:`run_node` to say goodbye, cancel its services and return."""

@@ -45,6 +45,7 @@ from hetmesh.protocol.generate import (
 )
 from hetmesh.resources import ModelProfile
 from hetmesh.scheduler.announcement import ServingAnnouncement, serving_extra, serving_stages
+from hetmesh.scheduler.prefix_summary import summary_salt
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
@@ -145,6 +146,8 @@ class Serving:
             mine=lambda: self._announced,
             local=lambda: discovery.local_record(advance=False).load,
         )
+        # announced prefix names are salted with a mesh-private key (issue 45, item 8)
+        self.stages.summary_salt = self.routes.summary_salt = summary_salt(discovery.psk)
         self._applied: Plan | None = None  # the plan the stages last followed
         self.tokenizer: Any = None
         self.eos: frozenset[int] = frozenset()
@@ -181,7 +184,11 @@ class Serving:
             tcp_host=self.config.tcp_host or data_plane_host(self.node.discovery.addrs),
             gloo="torchdist" in self.config.backends,
             device=self.node.config.device,
-            limits=limits_for_profile(self.profile),  # frames sized to the model (issue 45)
+            # frames sized to the model, a KVBlock to its session's KV (issue 45)
+            limits=dataclasses.replace(
+                limits_for_profile(self.profile), kv_block_bytes=self.stages.kv_frame_bytes
+            ),
+            nat=self.node.nat,  # a punch candidate's public IP; punched links noted there
         )
         async with (
             open_data_plane(plane_config) as plane,

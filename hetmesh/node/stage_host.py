@@ -35,7 +35,7 @@ from hetmesh.node.kvcache import kv_counters, stage_kv_limits
 from hetmesh.node.stage_server import SendNow, StageServer
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServedStage
-from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, encode_summary
+from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, encode_summary, salted
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.transport import Activations, Frame, KVBlock, Link
 from hetmesh.transport.frames import Cancel
@@ -111,6 +111,7 @@ class StageHost:
         self.device = device
         self.weights = "float32"  # the format stages load in (the calibration settles it)
         self.shards: Shards | None = None
+        self.summary_salt = b""  # the mesh-private key of announced prefix names (serving)
         self._limiter = device_limiter
         self._send = send
         self._send_now = send_now
@@ -169,10 +170,18 @@ class StageHost:
         )
         return stages, counters, load
 
+    def kv_frame_bytes(self, session_id: str) -> int | None:
+        """The most payload bytes a KVBlock of ``session_id`` may carry to one of our
+        stages (None: none awaits it); see ``frames.Limits.kv_block_bytes``."""
+        sizes = [s.server.kv_frame_bytes(session_id) for s in list(self._served.values())]
+        return max((n for n in sizes if n is not None), default=None)
+
     def prefix_summaries(self) -> dict[Key, str]:
         """What each of our ready stages holds in its prefix cache, as announced."""
         return {
-            key: encode_summary(server.pool.prefix.recent_hashes(SUMMARY_BLOCKS))
+            key: encode_summary(
+                salted(server.pool.prefix.recent_hashes(SUMMARY_BLOCKS), self.summary_salt)
+            )
             for key, server in self.serving().items()
         }
 

@@ -316,6 +316,7 @@ class StageServer:
                 request.prompt_tokens,
                 () if migrating else request.prefix_hashes,  # its KV comes whole
                 stamp=stamp,
+                scope=request.gateway,  # its blocks are shared with its gateway's only
             )
         except (Rejected, InvalidRequest) as exc:  # busy, or a session it can never hold
             return Reply.failed(exc)
@@ -446,6 +447,16 @@ class StageServer:
         self.kv.get(sid)
         for item in awaiting.held:
             self._enqueue(item)
+
+    def kv_frame_bytes(self, session_id: str) -> int | None:
+        """The most payload bytes a KVBlock of ``session_id`` may carry here (None: no KV
+        of it is awaited); asked from a link's reader thread, before allocation."""
+        session = self._sessions.get(session_id)
+        if session is None or session.awaiting is None:
+            return None
+        pool, layers = self.pool, len(range(self.pool.num_layers)[session.awaiting.layers])
+        per_token = 2 * layers * pool.kv_heads * pool.head_dim * pool.dtype.itemsize
+        return per_token * session.request.prompt_tokens
 
     def check_control(self, session_id: str, sender: PeerId | None) -> None:
         """``InvalidRequest`` unless ``sender`` (None: this node) may close or cancel the

@@ -61,6 +61,21 @@ _DTYPES = {
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
+def drop_read_pages(handle: BinaryIO, offset: int, count: int) -> None:
+    """Tell the kernel the file's bytes ``[offset, offset + count)`` just read are not
+    needed again (``POSIX_FADV_DONTNEED``): a node holds its stage in its own format,
+    and the file's page cache would otherwise stay charged to its memory (a cgroup's
+    limit counts it) after the load. A later read of the same bytes (a re-plan, a
+    standby) reads the disk again. No-op where the call does not exist."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or count <= 0:
+        return
+    try:
+        advise(handle.fileno(), offset, count, os.POSIX_FADV_DONTNEED)
+    except (OSError, ValueError, AttributeError):  # not a real file: nothing to drop
+        return
+
+
 class _Entry:
     """Where one tensor's bytes lie in its safetensors file."""
 
@@ -90,6 +105,7 @@ class _Entry:
         self.handle.seek(self.begin + start * row_bytes)
         if self.handle.readinto(out.numpy().data) != count:  # type: ignore[attr-defined]
             raise ValueError("file shorter than its header says")
+        drop_read_pages(self.handle, self.begin + start * row_bytes, count)
         shape = (stop - start, *self.shape[1:]) if self.shape else ()
         return out.view(self.dtype).reshape(shape)
 
@@ -235,6 +251,22 @@ class CheckpointReader:
         blocks = qs.reshape(n, half // (BLOCK // 2), BLOCK // 2)
         q = torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
         return q, d, m
+
+    def q4_1_bytes(
+        self, name: str, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows ``[start, stop)`` of a Q4_1 tensor as stored: ``(qs uint8 (n, k/2), d fp16
+        (n, k/32), m fp16 (n, k/32))`` (see the module docstring for the byte order)."""
+        if self.kind(name) != "q4_1":
+            raise CorruptModel(f"{self.folder}: {name} is not stored as Q4_1 blocks")
+        try:
+            return (
+                self._slice(f"{name}.q4_1.qs")[start:stop],
+                self._slice(f"{name}.q4_1.d")[start:stop],
+                self._slice(f"{name}.q4_1.m")[start:stop],
+            )
+        except Exception as exc:
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
 
     def k_blocks(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a K-quant tensor's blocks, as stored (uint8)."""

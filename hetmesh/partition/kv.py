@@ -22,7 +22,9 @@ starts with (:meth:`SessionKV.attach`) and computes only the rest; its own
 blocks are named once full (:meth:`SessionKV.publish`). A shared block is
 never written (a session appends only after its last full block), and when
 no session holds it any more it stays cached, counted as free, until the
-pool needs it for new tokens (least recently used first).
+pool needs it for new tokens (least recently used first). A block is found
+only by sessions of the same ``scope`` (their gateway), and KV loaded from
+another peer is never named (:mod:`hetmesh.partition.prefix`).
 
 A stage server's pool is fixed in size (its KV budget) and only the trio
 thread allocates or frees; a session made without a pool
@@ -42,7 +44,7 @@ import torch
 
 from hetmesh.errors import InvalidRequest, Rejected
 from hetmesh.partition.blocks import BLOCK_TOKENS, BlockAllocator, blocks_for, is_run
-from hetmesh.partition.prefix import PrefixCache
+from hetmesh.partition.prefix import PrefixCache, scoped
 
 _MIN_PRIVATE_BLOCKS = 4
 
@@ -133,6 +135,9 @@ class SessionKV:
         self._length = 0
         self._published = 0  # leading blocks already named in the pool's prefix cache
         self._freed = False
+        # whose sessions may share its blocks (its gateway's peer id: prefix.scoped)
+        self.scope = ""
+        self._foreign = False  # holds KV another peer computed (a migration's): never named
 
     @property
     def length(self) -> int:
@@ -191,7 +196,7 @@ class SessionKV:
         if self.num_layers == 0:
             self._length = len(usable) * size
             return self._length
-        self.blocks = self.pool.prefix.lookup(usable)
+        self.blocks = self.pool.prefix.lookup(scoped(usable, self.scope))
         self._length = len(self.blocks) * size
         self._published = len(self.blocks)
         self._index()
@@ -202,14 +207,19 @@ class SessionKV:
 
         ``hashes[i]`` must be the chained hash of the tokens in positions
         ``[0, 16 (i + 1))`` as fed to this session; only blocks whose tokens
-        are all committed are named.
+        are all committed are named, by their :func:`~hetmesh.partition.prefix.scoped`
+        names for the session's ``scope``. A session that loaded KV another peer
+        computed (:meth:`load`) names nothing: what it holds is that peer's word.
         """
-        if self._freed or self.num_layers == 0:
+        if self._freed or self.num_layers == 0 or self._foreign:
             return
         full = min(len(hashes), self._length // self.pool.block_tokens)
-        for i in range(self._published, full):
-            self.pool.prefix.insert(self.blocks[i], int(hashes[i]))
-        self._published = max(self._published, full)
+        if full <= self._published:
+            return
+        names = scoped(hashes[self._published : full], self.scope)
+        for i, name in enumerate(names, start=self._published):
+            self.pool.prefix.insert(self.blocks[i], name)
+        self._published = full
 
     def rewind(self, position: int) -> None:
         """Forget the tokens from ``position`` (a block boundary) on, letting their blocks go.
@@ -326,6 +336,7 @@ class SessionKV:
         """
         if self._freed or self._length:
             raise InvalidRequest("migrated KV loads only into a new, empty session")
+        self._foreign = True  # its blocks never join the prefix cache (issue 45)
         n = int(keys.shape[2])
         if self.num_layers and n:
             if not self.reserve(n):

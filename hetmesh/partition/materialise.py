@@ -27,6 +27,8 @@ from hetmesh.errors import CorruptModel
 from hetmesh.partition.checkpoint import K_KINDS, ROW_CHUNK, CheckpointReader
 from hetmesh.partition.formats import bf16_int8_head
 from hetmesh.partition.fused import fuse_layer
+from hetmesh.partition.int4_direct import GROUP as INT4_GROUP
+from hetmesh.partition.int4_direct import pack_q4_1_into, scales_zeros
 from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.quant import (
     Int4Linear,
@@ -160,6 +162,16 @@ def _keep_table_blocks(stage: Any, reader: CheckpointReader) -> None:
         stage.embed_tokens = KQuantEmbedding(kind, table.num_embeddings, table.dim, device="meta")
 
 
+def rows_into_int8(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """:func:`~hetmesh.partition.quant.quantize_rows_int8` of fp32 rows ``w`` into ``q``
+    and ``scale``, bit for bit, computed in ``w``'s own storage (which it overwrites):
+    no absolute-value, quotient or rounded temporaries of the slice."""
+    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg_())  # |w|'s largest, exactly
+    torch.div(amax.clamp_min_(1e-30), 127.0, out=scale)
+    w.div_(scale[:, None]).round_().clamp_(-127, 127)
+    q.copy_(w)
+
+
 def _tensors(stage: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*stage.named_parameters(), *stage.named_buffers()]
 
@@ -258,8 +270,11 @@ class _Loader:
         input (4 bytes a weight), so a whole 8B MLP matrix would cost 235 MB at once."""
         rows_n, k = module.out_features, module.in_features
         self.expect(source, (rows_n, k))
-        # the shipped blocks (Q4_1, or Q4_K's exact groups of 32), kept exactly
-        shipped = self.reader.kind(source) in ("q4_1", "q4_k")
+        if self.reader.kind(source) == "q4_1":
+            self.int4_q4_1(path, source, rows_n, k)
+            return
+        # the shipped blocks (Q4_K's exact groups of 32), kept exactly
+        shipped = self.reader.kind(source) == "q4_k"
         chunk = max(INT4_ROW_BLOCK, INT4_CHUNK_WEIGHTS // k // INT4_ROW_BLOCK * INT4_ROW_BLOCK)
         packed: torch.Tensor | None = None
         scales_zeros: torch.Tensor | None = None
@@ -286,6 +301,25 @@ class _Loader:
         self.put(f"{path}.weight_packed", packed.to(self.device))
         self.put(f"{path}.scales_zeros", scales_zeros.to(self.device))
 
+    def int4_q4_1(self, path: str, source: str, rows_n: int, k: int) -> None:
+        """A Q4_1 matrix packed straight from its bytes (:mod:`hetmesh.partition.int4_direct`):
+        no one-byte-a-weight or int32 copy; a slice of rows at a time."""
+        padded = -(-rows_n // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
+        packed = torch.empty((padded, k // 2), dtype=torch.uint8)
+        d = torch.zeros((padded, k // INT4_GROUP), dtype=torch.float16)
+        m = torch.zeros((padded, k // INT4_GROUP), dtype=torch.float16)
+        chunk = max(INT4_ROW_BLOCK, INT4_CHUNK_WEIGHTS // k // INT4_ROW_BLOCK * INT4_ROW_BLOCK)
+        for start in range(0, rows_n, chunk):
+            stop = min(start + chunk, rows_n)
+            qs, d[start:stop], m[start:stop] = self.reader.q4_1_bytes(source, start, stop)
+            whole = -(-(stop - start) // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
+            if whole != stop - start:  # the last rows, padded with zero weights
+                qs = torch.cat([qs, qs.new_zeros((whole - (stop - start), k // 2))])
+            pack_q4_1_into(qs, packed[start : start + whole])
+            del qs
+        self.put(f"{path}.weight_packed", packed.to(self.device))
+        self.put(f"{path}.scales_zeros", scales_zeros(d, m).to(self.device))
+
     def blocks(self, path: str, module: KQuantEmbedding, source: str) -> None:
         """A table kept as its K-quant blocks, a slice of rows at a time."""
         self.expect(source, (module.num_embeddings, module.dim))
@@ -308,8 +342,8 @@ class _Loader:
             step = _rows_per_chunk(int(module.weight_q.shape[1]))
             for start in range(0, rows_n, step):
                 stop = min(start + step, rows_n)
-                q[start:stop], scale[start:stop] = quantize_rows_int8(
-                    self.reader.rows(source, start, stop)
+                rows_into_int8(
+                    self.reader.rows(source, start, stop), q[start:stop], scale[start:stop]
                 )
                 _release_freed_memory()  # the slice's fp32 temporaries
             self.put(f"{path}.weight_q", q)

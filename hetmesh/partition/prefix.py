@@ -15,6 +15,15 @@ least recently used when it runs short (:class:`~hetmesh.partition.kv.KVPool`).
 A cached block is never written again — sessions only append after their
 last full block — so sharing needs no copy.
 
+Whose blocks are shared with whom (issue 45): a stage cannot tell whether
+the tokens a gateway names by ``prefix_hashes`` are the tokens it was fed (a
+later stage never sees tokens at all), so a cached block is found only by
+sessions of the gateway whose session computed it. :class:`SessionKV
+<hetmesh.partition.kv.SessionKV>` names its blocks by :func:`scoped` names of
+its gateway's hashes: a gateway naming its blocks with another prompt's
+hashes poisons only its own sessions. KV that came whole from another peer (a
+migration) is never named at all.
+
 Pure and single-threaded (the stage server's trio thread); tested with
 plain tables in ``tests/unit/partition/test_prefix.py``.
 """
@@ -45,6 +54,24 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int = BLOCK_TOKENS) -> 
         previous = hashlib.blake2b(previous + packed, digest_size=8).digest()
         hashes.append(int.from_bytes(previous, "big") >> 1)
     return hashes
+
+
+def scoped(hashes: Sequence[int], scope: str) -> list[int]:
+    """The names ``hashes`` take in a stage's cache for the sessions of ``scope`` (their
+    gateway's peer id): equal hashes of two scopes never name the same block.
+
+    Below 2**63 (blake2b of the scope and the hash), so they travel and announce as
+    the hashes themselves do.
+    """
+    key = hashlib.blake2b(scope.encode(), digest_size=32).digest()
+    return [
+        int.from_bytes(
+            hashlib.blake2b((int(h) & _MASK).to_bytes(8, "big"), key=key, digest_size=8).digest(),
+            "big",
+        )
+        >> 1
+        for h in hashes
+    ]
 
 
 class PrefixCache:
@@ -129,4 +156,4 @@ class PrefixCache:
         return evicted
 
 
-__all__ = ["PrefixCache", "block_hashes"]
+__all__ = ["PrefixCache", "block_hashes", "scoped"]

@@ -68,6 +68,7 @@ HETMESH_STRATEGY = "hetmesh"
 LOST_PEER_REASON = "pipelines with a lost peer dropped; the rest serve on"
 STANDBY_REASON = "a spare device becomes a standby replica"
 INHERITED_REASON = "a new coordinator signs the plan it inherits"
+NEW_TERM_REASON = "a term above the one other members follow"
 UNMEASURED_REASON = "no plan the members would follow yet"
 
 
@@ -98,6 +99,7 @@ class MeshView:
     plans: tuple[Plan, ...] = ()
     settled: bool = True  # past the start-up wait: enough peers heard of to plan
     epoch_floor: int = -1  # the highest epoch announced (plan_trust.epoch_floor)
+    term_floor: int = -1  # the highest term announced (plan_trust.term_floor)
     # (member, signer of the plan it announces following) for each peer that announces
     # one: who the mesh follows (choose_coordinator)
     following: tuple[tuple[PeerId, PeerId], ...] = ()
@@ -232,7 +234,7 @@ def _adopt(
         published is not None
         and state.plan is not None
         and state.signer not in (None, view.me)
-        and published.epoch <= state.plan.epoch
+        and (published.epoch <= state.plan.epoch or published.term < state.plan.term)
     ):
         published = None
     mine = [published] if published is not None else []
@@ -263,6 +265,7 @@ def _coordinate(
     # (a floor past MAX_FLOOR, whoever computed it, would leave us no epochs: ignored)
     floor = view.epoch_floor if view.epoch_floor <= MAX_FLOOR else -1
     epoch = (state.plan.epoch + 1) if state.plan is not None else floor + 1
+    term, new_term = _term(view, state)
     try:
         candidate, reason = _candidate(current, state.planned_on, snapshot, constraints, config)
     except InsufficientCapacity as exc:
@@ -273,6 +276,8 @@ def _coordinate(
         candidate, reason = current, LOST_PEER_REASON
     if candidate is None and current is not None and state.signer != view.me:
         candidate, reason = current, INHERITED_REASON
+    if candidate is None and current is not None and new_term:
+        candidate, reason = current, NEW_TERM_REASON
     if candidate is None and current is not None and config.standby:
         backed = add_standby_replicas(
             current, snapshot.devices, snapshot.links, model, constraints=constraints
@@ -281,7 +286,7 @@ def _coordinate(
             candidate, reason = backed, STANDBY_REASON
     if candidate is None:
         return state
-    plan = candidate.with_epoch(max(epoch, candidate.epoch))
+    plan = candidate.with_epoch(max(epoch, candidate.epoch)).with_term(term)
     if plan.epoch > MAX_EPOCH:  # followers would refuse it (only an inflated floor gets here)
         return state
     why = unmeasured_majority(plan, model=model, constraints=constraints)
@@ -289,6 +294,20 @@ def _coordinate(
         return dataclasses.replace(state, insufficient=f"{UNMEASURED_REASON}: {why}")
     actions.append(Publish(plan, reason))
     return dataclasses.replace(state, published=plan)
+
+
+def _term(view: MeshView, state: CoordinatorState) -> tuple[int, bool]:
+    """The term this coordinator signs its next plan in, and whether it is a new one.
+
+    Its own term while it follows its own plan and no member follows a later
+    term; else one above every term announced (a floor past ``MAX_FLOOR`` is
+    ignored, as for epochs): followers refuse a plan of a term before theirs.
+    """
+    floor = view.term_floor if view.term_floor <= MAX_FLOOR else -1
+    if state.plan is not None and state.signer == view.me and floor <= state.plan.term:
+        return state.plan.term, False
+    held = state.plan.term if state.plan is not None else -1
+    return max(held, floor) + 1, True
 
 
 def _candidate(

@@ -8,12 +8,18 @@ a plan that passes :func:`plan_refusal` (``""``: acceptable; else why not):
 2. the signer is the peer this node's own rule names coordinator
    (:func:`~hetmesh.scheduler.replan.coordinator` over the live members it sees),
    whoever relayed it;
-3. its epoch is at most :data:`MAX_EPOCH` (far below msgpack's 2**64 limit, so
+3. its term (:attr:`~hetmesh.scheduler.records.Plan.term`, covered by the
+   signature) is not before the term of the plan this node follows: a
+   coordinator's old plan, relayed again after another coordinator's term,
+   is refused whatever its epoch, even once its signer coordinates again (a
+   coordinator taking over numbers its term above every term announced,
+   :func:`term_floor`);
+4. its epoch is at most :data:`MAX_EPOCH` (far below msgpack's 2**64 limit, so
    the next coordinator's ``epoch + 1`` always encodes) and, while the same
    coordinator signs, at most :data:`EPOCH_WINDOW` above the plan followed;
-4. the signature verifies (an injected callable: the pure scheduler never
+5. the signature verifies (an injected callable: the pure scheduler never
    touches keys or libp2p);
-5. it is sane on this node's view: every stage's device is announced by a live
+6. it is sane on this node's view: every stage's device is announced by a live
    member, a device's unit ranges are equal or disjoint, every pipeline covers
    the model, no device holds more weight bytes than the memory it announced,
    and no pipeline puts most of the model on one member's unmeasured claims
@@ -106,8 +112,10 @@ def plan_refusal(
         return "an unsigned plan"
     if signed.signer != coordinator:
         return f"a plan signed by {signed.signer[-8:]}, not by the coordinator"
-    if plan.epoch > MAX_EPOCH:
-        return f"epoch {plan.epoch} beyond the limit {MAX_EPOCH}"
+    if plan.epoch > MAX_EPOCH or plan.term > MAX_EPOCH:
+        return f"epoch {plan.epoch} or term {plan.term} beyond the limit {MAX_EPOCH}"
+    if current is not None and plan.term < current.term:
+        return f"a plan of term {plan.term}, before the term {current.term} followed"
     if (
         current is not None
         and current_signer == coordinator
@@ -192,6 +200,20 @@ def epoch_floor(offers: Sequence[Offer], verify: Verify) -> int:
     return -1
 
 
+def term_floor(offers: Sequence[Offer], verify: Verify) -> int:
+    """The highest term of an announced plan its signer signed, up to :data:`MAX_FLOOR`
+    (-1: none): a coordinator taking over numbers its term above it, and one whose
+    term is below it starts a new term, so no member refuses its plans as old.
+    Unsigned or forged plans move nothing, as for :func:`epoch_floor`."""
+    for offer in sorted(offers, key=lambda o: o.plan.term, reverse=True):
+        signed = offer.signature
+        if offer.plan.term > MAX_FLOOR or signed is None:
+            continue
+        if verify(signed.signer, plan_message(offer.plan), signed.raw):
+            return offer.plan.term
+    return -1
+
+
 __all__ = [
     "EPOCH_WINDOW",
     "FLOOR_HEADROOM",
@@ -204,5 +226,6 @@ __all__ = [
     "insane",
     "plan_message",
     "plan_refusal",
+    "term_floor",
     "unmeasured_majority",
 ]

@@ -14,11 +14,21 @@ answers at open how many tokens it really holds). Because the hashes are
 chained, a match is counted as the leading run of a request's hashes found
 (:func:`matched_blocks`): one stray hit past a miss counts for nothing.
 
+What is announced is no prompt's hash (issue 45, item 8): each name is a
+32-bit keyed hash (:func:`salted`) under a mesh-private key derived from the
+mesh secret (:func:`summary_salt`), of a block's name in the stage's cache,
+itself scoped to the gateway whose sessions computed it
+(:func:`~hetmesh.partition.prefix.scoped`). A gateway matches its own
+request's names the same way (``salted(scoped(hashes, gateway), salt)``); whoever reads a record or
+a status without the secret cannot tell which prompt a summary holds, and
+outside the node only counts are shown.
+
 Pure: no I/O, no trio, no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 
 SUMMARY_BLOCKS = 512  # hashes a stage announces at most (8,192 tokens of blocks of 16)
@@ -29,6 +39,25 @@ _MASK = (1 << 32) - 1
 def truncate(block_hash: int) -> int:
     """The part of a block hash a summary keeps."""
     return block_hash & _MASK
+
+
+def summary_salt(psk: str) -> bytes:
+    """The mesh-private key of announced names, from the private-network key (itself
+    derived from the mesh secret: ``discovery.host.derive_psk``)."""
+    return hashlib.sha256(b"hetmesh/prefix-summary/v1\x00" + psk.encode()).digest()
+
+
+def salted(names: Iterable[int], salt: bytes) -> list[int]:
+    """The 32-bit names announced for a cache's block ``names`` under ``salt``."""
+    return [
+        int.from_bytes(
+            hashlib.blake2b(
+                (int(n) & ((1 << 64) - 1)).to_bytes(8, "big"), key=salt, digest_size=4
+            ).digest(),
+            "big",
+        )
+        for n in names
+    ]
 
 
 def encode_summary(hashes: Iterable[int], limit: int = SUMMARY_BLOCKS) -> str:
@@ -65,4 +94,12 @@ def matched_blocks(hashes: Sequence[int], summary: frozenset[int]) -> int:
     return count
 
 
-__all__ = ["SUMMARY_BLOCKS", "decode_summary", "encode_summary", "matched_blocks", "truncate"]
+__all__ = [
+    "SUMMARY_BLOCKS",
+    "decode_summary",
+    "encode_summary",
+    "matched_blocks",
+    "salted",
+    "summary_salt",
+    "truncate",
+]

@@ -7,6 +7,7 @@ coordinator publishes a :class:`Plan` over the control plane), through
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -234,11 +235,17 @@ class Plan(WireRecord):
     prefill_s_per_1k: float  # of the fastest pipeline
     throughput_tps: float  # all pipelines together
     constraints: PlanConstraints = field(default_factory=PlanConstraints)
+    # the coordinator's term it was signed in: a new coordinator numbers its term above
+    # every term followed, and a node never follows a plan of a term before its plan's
+    # (scheduler.plan_trust: an old plan of a former coordinator is not adopted again)
+    term: int = 0
     schema_version: int = 1
 
     def __post_init__(self) -> None:
         if self.epoch < 0:
             raise ValueError("epoch must be non-negative")
+        if self.term < 0:
+            raise ValueError("term must be non-negative")
         if not self.pipelines:
             raise ValueError("a plan needs at least one pipeline")
 
@@ -254,7 +261,11 @@ class Plan(WireRecord):
             prefill_s_per_1k=self.prefill_s_per_1k,
             throughput_tps=self.throughput_tps,
             constraints=self.constraints,
+            term=self.term,
         )
+
+    def with_term(self, term: int) -> Plan:
+        return dataclasses.replace(self, term=term)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,20 +15,20 @@ also on failure: node processes (killed by PID), cgroups, namespaces.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from hetmesh.node.local import LocalNode
 from hetmesh.testbed.agent import HostAgent, HostAgents
 from hetmesh.testbed.cgroups import CPU, MEMORY
+from hetmesh.testbed.local_mesh import LocalNode, node_argv
 from hetmesh.testbed.netns import NetnsTestbed, Spawn, open_testbed, unavailable_reason
 
 if TYPE_CHECKING:
@@ -76,6 +76,26 @@ def wait_for(
             return last
         time.sleep(every_s)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+
+
+def launch(
+    argv: Sequence[str],
+    log_path: Path,
+    placement: Any,
+    popen: Callable[..., subprocess.Popen[Any]],
+    spawn: Spawn | None,
+) -> Any:
+    """Start a node process in a testbed host, its output appended to ``log_path``:
+    through ``spawn`` where one is given and takes it, else ``popen`` (the host's)."""
+    with log_path.open("ab") as log_file:
+        kwargs: dict[str, Any] = {
+            "stdout": log_file,
+            "stderr": subprocess.STDOUT,
+            "env": child_env(),
+            "cwd": str(REPO),
+        }
+        proc = spawn(argv, placement, kwargs) if spawn else None
+        return proc if proc is not None else popen(argv, **kwargs)
 
 
 def child_env(threads: int = 1) -> dict[str, str]:
@@ -135,40 +155,22 @@ class MeshTestbed:
         config.write_text(
             f"backends = {json.dumps(list(spec.backends))}\n" if spec.backends else ""
         )
-        argv = [
-            sys.executable,
-            "-m",
-            "hetmesh",
-            "node",
-            "start",
-            "--config",
-            str(config),
-            "--data-dir",
-            str(data_dir),
-            "--listen",
+        argv = node_argv(
+            data_dir,
             f"/ip4/{self.net.hosts[host].ip}/tcp/{PORT}",
-            "--mesh-secret",
-            self.secret,
-            "--no-mdns",
-            "--threads",  # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
-            "1",
-        ]
+            *("--config", str(config), "--mesh-secret", self.secret),
+            # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
+            *("--threads", "1"),
+        )
         if spec.max_memory:
             argv += ["--max-memory", spec.max_memory]
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
         argv += [*spec.args, *args]
         log_path = self.workdir / f"h{host}.log"
-        with log_path.open("ab") as log_file:
-            kwargs: dict[str, Any] = {
-                "stdout": log_file,
-                "stderr": subprocess.STDOUT,
-                "env": child_env(),
-                "cwd": str(REPO),
-            }
-            proc = self.spawn(argv, self.net.placement(host), kwargs) if self.spawn else None
-            if proc is None:
-                proc = self.net.popen(host, argv, **kwargs)
+        place = self.net.placement(host) if self.spawn else None  # only a spawn asks
+        popen = functools.partial(self.net.popen, host)
+        proc = launch(argv, log_path, place, popen, self.spawn)
         node = MeshNode(proc, data_dir, log_path, host=host)
         self.nodes.append(node)
         return node

@@ -206,13 +206,13 @@ def udp_mappings(bed: NatTestbed, src: NatHost, dst: NatHost) -> tuple[str, str]
     return first, second
 
 
-# One side of a hole punch (hetmesh.transport.punch) from a fixed local port: says
+# One side of a hole punch (hetmesh.nat.punch) from a fixed local port: says
 # "ready" once imported, reads the shared start (a CLOCK_MONOTONIC time) on stdin,
 # punches, then sends (or receives) the given bytes and prints one JSON line
 _PUNCH = """
 import json, socket, sys, time
-from hetmesh.transport.punch import simultaneous_open
-from hetmesh.transport.punch_plan import AttemptSchedule, Candidate
+from hetmesh.nat.punch import simultaneous_open
+from hetmesh.nat.punch_plan import AttemptSchedule, Candidate
 local_ip, local_port, remote_ip, remote_port, role, nbytes = sys.argv[1:7]
 nbytes = int(nbytes)
 print("ready", flush=True)

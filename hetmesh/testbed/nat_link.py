@@ -71,16 +71,16 @@ class RelayedControl:
 async def home(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from hetmesh.nat.state import NatState
     from hetmesh.transport.dataplane import DataPlaneConfig, open_data_plane
     from hetmesh.transport.frames import Activations, Tokens
-    from hetmesh.transport.punch import set_public_ip
 
-    set_public_ip(args.router_ip)
     config = DataPlaneConfig(
         peer_id=f"home-{args.role}",
         backends=("tcp", "libp2p"),
         tcp_host=args.home_ip,
         tcp_encryption="always",
+        nat=NatState(public_ip=args.router_ip),
     )
     async with open_data_plane(config) as plane:
         control = RelayedControl(await trio.open_tcp_stream(args.public, args.port))

@@ -10,16 +10,17 @@ node processes killed by PID, then the namespaces — also on failure.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import subprocess
-import sys
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetmesh.testbed.agent import HostAgent, HostAgents
-from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, plan_of, wait_for
+from hetmesh.testbed.local_mesh import node_argv
+from hetmesh.testbed.mesh import PORT, REPO, MeshNode, child_env, launch, plan_of, wait_for
 from hetmesh.testbed.nat import NatHost, NatTestbed, open_nat_testbed
 from hetmesh.testbed.netns import Spawn
 
@@ -42,36 +43,19 @@ class NatMesh:
         data_dir = self.workdir / host.name
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / "node.json").unlink(missing_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "hetmesh",
-            "node",
-            "start",
-            "--data-dir",
-            str(data_dir),
-            "--listen",
+        argv = node_argv(
+            data_dir,
             f"/ip4/{host.ip}/tcp/{PORT}",
-            "--mesh-secret",
-            self.secret,
-            "--no-mdns",
-            "--threads",  # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
-            "1",
-            *args,
-        ]
+            *("--mesh-secret", self.secret),
+            # the testbed's hosts share this machine's cores (and OMP_NUM_THREADS)
+            *("--threads", "1", *args),
+        )
         if bootstrap:
             argv += ["--bootstrap", bootstrap]
         log_path = self.workdir / f"{host.name}.log"
-        with log_path.open("ab") as log_file:
-            kwargs: dict[str, Any] = {
-                "stdout": log_file,
-                "stderr": subprocess.STDOUT,
-                "env": child_env(),
-                "cwd": REPO,
-            }
-            proc = self.spawn(argv, self.bed.placement(host), kwargs) if self.spawn else None
-            if proc is None:
-                proc = self.bed.popen(host, argv, **kwargs)
+        place = self.bed.placement(host) if self.spawn else None  # only a spawn asks
+        popen = functools.partial(self.bed.popen, host)
+        proc = launch(argv, log_path, place, popen, self.spawn)
         node = MeshNode(proc, data_dir, log_path, host=index)
         self.nodes.append(node)
         return node

@@ -26,6 +26,16 @@ from hetmesh.errors import (
     StreamReset,
     TransportError,
 )
+from hetmesh.nat.punch import punchable_host, reserve_port, simultaneous_open
+from hetmesh.nat.punch_plan import (
+    DEFAULT_SCHEDULE,
+    PUNCH_KEY,
+    AttemptSchedule,
+    Candidate,
+    candidate_of,
+    punch_pair,
+)
+from hetmesh.nat.state import NatState
 from hetmesh.transport import handshake
 from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.credentials import (
@@ -61,21 +71,6 @@ from hetmesh.transport.links import (
 )
 from hetmesh.transport.negotiation import BACKENDS, Choice, choose_backend
 from hetmesh.transport.p2p import control_path
-from hetmesh.transport.punch import (
-    note_punched,
-    public_ip,
-    punchable_host,
-    reserve_port,
-    simultaneous_open,
-)
-from hetmesh.transport.punch_plan import (
-    DEFAULT_SCHEDULE,
-    PUNCH_KEY,
-    AttemptSchedule,
-    Candidate,
-    candidate_of,
-    punch_pair,
-)
 from hetmesh.transport.shm import MAX_SEGMENTS, PeerMappings, ShmLink, packet_framer
 
 log = logging.getLogger(__name__)
@@ -135,9 +130,12 @@ class DataPlaneConfig:
     torchdist_timeout_s: float = 60.0
     spin_us: float = 50.0  # a wake-up from recv costs tens of µs on a shared VM
     # over a relayed control connection, try a hole-punched direct tcp link first
-    # (hetmesh.transport.punch_plan); where it fails the link rides the relayed stream
+    # (hetmesh.nat.punch_plan); where it fails the link rides the relayed stream
     punch: bool = True
     punch_schedule: AttemptSchedule = DEFAULT_SCHEDULE
+    # the node's NAT traversal state: the public IP a punch candidate names, where the
+    # punched links are noted (None: no candidate is offered)
+    nat: NatState | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,8 +214,9 @@ class DataPlane:
         link.reason = reason
         self._opened[link.backend.value] = self._opened.get(link.backend.value, 0) + 1
         self._choices.append(f"{link.remote_peer_id}: {reason}")
-        if "hole-punched" in reason:  # status marks the link (hetmesh.nat.relay publishes it)
-            note_punched(link.remote_peer_id, lambda: not link.statistics().closed)
+        nat = self.config.nat
+        if "hole-punched" in reason and nat is not None:  # status marks it (nat.relay)
+            nat.note_punched(link.remote_peer_id, lambda: not link.statistics().closed)
         log.info("data-plane link to %s: %s", link.remote_peer_id, reason)
         return link
 
@@ -338,8 +337,8 @@ class DataPlane:
 
     def _reserve_punch(self, relayed: bool) -> tuple[socket.socket, Candidate] | None:
         """A local port held for a punch and our candidate, when this link may punch."""
-        ip = public_ip()
         c = self.config
+        ip = c.nat.public_ip if c.nat is not None else None
         if not (relayed and c.punch and ip and punchable_host(c.tcp_host)):
             return None
         try:
@@ -509,6 +508,8 @@ class DataPlane:
     def _encrypts(self, theirs: Offer) -> bool:
         """Whether a tcp link with the peer of ``theirs`` is sealed (the dialer's rule)."""
         mode = self.config.tcp_encryption
+        if self.config.require_encryption or theirs.require_encryption:  # issue 45
+            return True
         return mode == "always" or (mode == "auto" and theirs.host_id != self._host_id)
 
     def _seal_accepted(self, link: Link, decision: Decision, theirs: Offer) -> None:
@@ -519,7 +520,7 @@ class DataPlane:
             return
         if decision.encrypted:
             link.seal()
-        elif self.config.tcp_encryption == "always":
+        elif self.config.tcp_encryption == "always" or self.config.require_encryption:
             raise RemoteProtocolError("the dialer would not seal a link we require sealed")
 
     def _verifier(self, dialer_id: str | None) -> handshake.Verifier:
@@ -828,7 +829,7 @@ async def open_data_plane(config: DataPlaneConfig) -> AsyncIterator[DataPlane]:
         async with trio.open_nursery() as nursery:
             plane = DataPlane(config, nursery)
             usable = set(config.backends) - set(config.deny)
-            if usable & {"tcp", "torchdist"} and not config.require_encryption:
+            if usable & {"tcp", "torchdist"}:  # under require_encryption: tcp, sealed
                 await nursery.start(plane._serve_tcp)
             if "shm" in usable and not config.require_encryption:
                 await nursery.start(plane._serve_shm)

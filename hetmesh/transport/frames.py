@@ -79,6 +79,11 @@ class Limits:
     # prefix, before the header is read or a buffer allocated
     max_activation_bytes: int | None = None
     max_kv_block_bytes: int | None = None
+    # session id -> the most payload bytes a KVBlock of that session may carry here
+    # (None: no KV of it is expected here); asked with the KVBlock's header, before
+    # its payload is allocated (a stage server's sessions awaiting KV: issue 45). It
+    # may be called from a link's reader thread.
+    kv_block_bytes: Callable[[str], int | None] | None = None
 
 
 DEFAULT_LIMITS: Final = Limits()
@@ -756,7 +761,24 @@ def _parse_items(
                 values[name] = _check_remote(kind, value, limits)
     if sum(s.nbytes for s in specs) != payload_bytes:
         raise RemoteProtocolError("payload length does not match the tensor descriptions")
+    if cls is KVBlock and limits.kv_block_bytes is not None:
+        _check_kv_block(values["session_id"], payload_bytes, limits.kv_block_bytes)
     return Pending(cls, values, specs)
+
+
+def _check_kv_block(
+    session_id: str, payload_bytes: int, expected: Callable[[str], int | None]
+) -> None:
+    """A KVBlock's declared size against what its session can hold here, before its
+    payload is read: none for a session not waiting for KV, at most its KV's shape."""
+    cap = expected(session_id)
+    if cap is None:
+        raise RemoteProtocolError(f"no KV of session {session_id[:64]!r} is expected here")
+    if payload_bytes > cap:
+        raise RemoteProtocolError(
+            f"a KVBlock of {payload_bytes} bytes for session {session_id[:64]!r}, whose KV "
+            f"here is at most {cap}"
+        )
 
 
 def _unpack_header(header: bytes | bytearray | memoryview) -> Any:

@@ -9,15 +9,26 @@ connections costs the node a bounded number of sockets and nothing else.
 
 Addresses are also counted by network (:func:`source_prefix`: an IPv4 /24, an
 IPv6 /64, where one holder usually has every address): a stranger with many
-addresses of one network holds at most ``max_per_prefix`` places, and the rest
-stay open to everyone else. Loopback addresses count each on its own (they are
-all this machine's).
+addresses of one network holds at most ``max_per_prefix`` places once the gate
+is half full, and the rest stay open to everyone else.
+
+Members of one LAN are never starved by that cap (issue 45): a home LAN is one
+/24 whose addresses are different machines, and a mesh starting there has all
+its members probing and dialling each other at once. So loopback addresses
+(this machine's) and private-LAN ones (RFC 1918, link-local, IPv6 unique-local:
+:data:`LAN_NETWORKS`) count each on its own, bounded per address and in total
+only (a stranger there is already inside that network); and a public network
+(an IPv6 home LAN's /64 is one) counts against ``max_per_prefix`` only while
+the gate is at least half full: alone, its members may take half the places.
+A stranger with one network holds at most ``max(max_total // 2,
+max_per_prefix)`` places; a member elsewhere still gets in.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import Final
 
 from hetmesh.errors import LocalProtocolError
 
@@ -29,16 +40,31 @@ class GateStatistics:
     refused: int
 
 
+# private LANs: their addresses are counted one by one (see the module docstring);
+# not 100.64.0.0/10 (carrier-grade NAT: one network of many customers)
+LAN_NETWORKS: Final = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "169.254.0.0/16",
+        "fc00::/7",
+        "fe80::/10",
+    )
+)
+
+
 def source_prefix(address: str) -> str:
     """The network ``address`` is counted under: its /24 (IPv4, mapped ones included)
-    or /64 (IPv6); a loopback or unparsable address is its own."""
+    or /64 (IPv6); a loopback, private-LAN or unparsable address is its own."""
     try:
         ip = ipaddress.ip_address(address.strip("[]").split("%", 1)[0])
     except ValueError:
         return address
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    if ip.is_loopback:
+    if ip.is_loopback or any(ip in net for net in LAN_NETWORKS):
         return address
     bits = 24 if ip.version == 4 else 64
     return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
@@ -46,8 +72,8 @@ def source_prefix(address: str) -> str:
 
 class ConnectionGate:
     """At most ``max_total`` pending connections, ``max_per_address`` from any one
-    address and ``max_per_prefix`` from any one network (default: a quarter of the
-    total, at least ``max_per_address``)."""
+    address and, once half full, ``max_per_prefix`` from any one network (default: a
+    quarter of the total, at least ``max_per_address``)."""
 
     def __init__(
         self, max_total: int, max_per_address: int, max_per_prefix: int | None = None
@@ -68,10 +94,11 @@ class ConnectionGate:
         held = self._pending.get(address, 0)
         prefix = source_prefix(address)
         in_prefix = self._prefixes.get(prefix, 0)
+        pressed = 2 * self._total >= self.max_total  # half full: networks keep to a share
         if (
             self._total >= self.max_total
             or held >= self.max_per_address
-            or in_prefix >= self.max_per_prefix
+            or (pressed and in_prefix >= self.max_per_prefix)
         ):
             self._refused += 1
             return False
@@ -101,4 +128,4 @@ class ConnectionGate:
         return GateStatistics(pending=self._total, admitted=self._admitted, refused=self._refused)
 
 
-__all__ = ["ConnectionGate", "GateStatistics", "source_prefix"]
+__all__ = ["LAN_NETWORKS", "ConnectionGate", "GateStatistics", "source_prefix"]

@@ -10,8 +10,12 @@ does not offer:
 * ``tcp`` — the listener offers a TCP endpoint;
 * ``libp2p`` — always possible: it rides the control stream itself.
 
-If either side requires an encrypted data plane, only ``libp2p`` remains.
-The returned :class:`Choice` carries a human-readable reason naming every
+If either side requires an encrypted data plane, ``shm`` and ``torchdist``
+are refused (neither is ever sealed: a torch.distributed link carries prompts'
+activations in clear, between hosts too) and ``tcp`` remains, sealed by both
+ends whatever the hosts (:mod:`hetmesh.transport.sealed`), then ``libp2p``.
+A ``torchdist`` link chosen without the flag says in its reason that it is
+in clear. The returned :class:`Choice` carries a human-readable reason naming every
 backend that was skipped and why: there is never a silent fallback.
 
 Pure: no trio, no libp2p, no I/O.
@@ -46,6 +50,14 @@ class Choice:
     endpoint: str  # where the dialer connects ("" for libp2p)
 
 
+# the backends no link of which is ever sealed, and why that matters
+_NEVER_SEALED: Final[dict[str, str]] = {
+    "shm": "shm links are never sealed",
+    "torchdist": "torch.distributed links are never sealed: activations would cross in clear",
+}
+_IN_CLEAR = "; in clear: torch.distributed links are never sealed"
+
+
 def _why_not(backend: str, dialer: Offer, listener: Offer, endpoints: dict[str, str]) -> str:
     """Empty when ``backend`` is usable, else why not."""
     if backend not in BACKENDS:
@@ -55,8 +67,8 @@ def _why_not(backend: str, dialer: Offer, listener: Offer, endpoints: dict[str, 
             return f"denied by the {side}"
         if backend not in offer.backends:
             return f"not offered by the {side}"
-    if backend != "libp2p" and (dialer.require_encryption or listener.require_encryption):
-        return "an encrypted data plane is required"
+    if backend in _NEVER_SEALED and (dialer.require_encryption or listener.require_encryption):
+        return f"an encrypted data plane is required ({_NEVER_SEALED[backend]})"
     if backend == "libp2p":
         return ""
     if not endpoints.get(backend):
@@ -82,10 +94,16 @@ def choose_backend(dialer: Offer, listener: Offer) -> Choice:
         if not why:
             head = {
                 "shm": "same host",
-                "torchdist": "NCCL on both ends"
-                if dialer.nccl and listener.nccl
-                else "gloo enabled",
-                "tcp": "direct TCP endpoint offered",
+                "torchdist": (
+                    "NCCL on both ends" if dialer.nccl and listener.nccl else "gloo enabled"
+                )
+                + _IN_CLEAR,
+                "tcp": "direct TCP endpoint offered"
+                + (
+                    ", sealed: an encrypted data plane is required"
+                    if dialer.require_encryption or listener.require_encryption
+                    else ""
+                ),
                 "libp2p": "encrypted control stream",
             }[backend]
             tail = f" (skipped: {'; '.join(skipped)})" if skipped else ""

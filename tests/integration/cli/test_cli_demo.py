@@ -16,8 +16,8 @@ import pytest
 from hetmesh.cli.demo import DEMO_WEIGHTS
 from hetmesh.discovery.profiling import CACHE_FILE
 from hetmesh.errors import MeshError, RequestTimeout
-from hetmesh.node.local import local_mesh, ready_pipelines, wait_serving, wait_settled
 from hetmesh.scheduler.replan import newest_in_view
+from hetmesh.testbed.local_mesh import local_mesh, ready_pipelines, wait_serving, wait_settled
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -302,7 +302,7 @@ def test_status_reads_the_mesh_secret_from_its_file(mesh: SecuredMesh) -> None:
     assert len(json.loads(done.stdout)["peers"]) == 2
 
 
-def test_require_encryption_keeps_the_data_plane_on_libp2p(
+def test_require_encryption_keeps_the_data_plane_sealed(
     mesh: SecuredMesh, reference: list[int]
 ) -> None:
     httpx.post(
@@ -319,9 +319,12 @@ def test_require_encryption_keeps_the_data_plane_on_libp2p(
     ]
     assert links, "no data-plane link was opened"
     for link in links:
-        # same host: shm (then tcp) would be chosen if encryption were not required
-        assert re.match(r"\S+: libp2p: ", link), link
+        # same host: shm would be chosen, and tcp left plain, if encryption were not
+        # required; torchdist and shm are never sealed (issue 45): tcp, sealed, or libp2p
+        assert re.match(r"\S+: (tcp|libp2p): ", link), link
         assert "shm: an encrypted data plane is required" in link, link
+        if " tcp: " in link:
+            assert "sealed (AES-256-GCM)" in link, link
 
 
 def _status_argv(mesh: SecuredMesh, *extra: str) -> list[str]:

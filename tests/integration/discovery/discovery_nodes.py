@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hetmesh.node.daemon import NodeConfig
-from hetmesh.node.local import LocalNode
+from hetmesh.testbed.local_mesh import LocalNode
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -248,7 +248,7 @@ def test_homes_serve_the_default_model_through_the_relay_like_one_process(
 
     wait_for(punched, 60, "status to mark the homes' link hole-punched", every_s=2.0)
     # the link probe between them follows the data plane onto a punched path of its own
-    # (hetmesh.nat.punch_probe), so the planner prices the path the tensors take
+    # (hetmesh.nat.link_probe), so the planner prices the path the tensors take
     wait_for(
         lambda: "measured over the hole-punched path" in home0.log() + home1.log(),
         150,

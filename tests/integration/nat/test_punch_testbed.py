@@ -1,7 +1,7 @@
 """Hole punching through the NAT testbed's routers: cone homes meet, a symmetric one does not.
 
 One topology (three homes, home 2 behind a symmetric router, 100 Mbit/s
-uplinks), no node processes: each side runs hetmesh.transport.punch's
+uplinks), no node processes: each side runs hetmesh.nat.punch's
 simultaneous open from a fixed local port towards the other router at that
 port (the candidate a port-preserving router gives), on one shared clock.
 """

@@ -23,8 +23,8 @@ from hetmesh.errors import MeshError
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.control import OpenSession
 from hetmesh.node.daemon import Node, NodeConfig, run_node
-from hetmesh.node.local import ready_pipelines
 from hetmesh.protocol.generate import SamplingParams
+from hetmesh.testbed.local_mesh import ready_pipelines
 
 SECRET = "in-process-mesh"
 # Neither node alone can hold the weights (~0.54 GB) with its reserve and KV budget:

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from hetmesh.node.local import ready_pipelines
 from hetmesh.partition.sampling import SamplingParams
+from hetmesh.testbed.local_mesh import ready_pipelines
 from tests.integration.discovery.discovery_nodes import (
     SECRET,
     NodeFactory,

@@ -75,7 +75,7 @@ async def test_a_position_already_delivered_is_dropped(tiny_model):
                 out.append(token)
                 if len(out) == 4:
                     hops.hold("b")  # b's real token for step 4 waits behind the forgery
-                    (session_id,) = hops.gateway._routes
+                    (session_id,) = hops.gateway.session_ids()
                     stale = Tokens(
                         session_id=session_id,
                         step=len(out),  # the step the gateway awaits ...

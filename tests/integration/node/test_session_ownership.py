@@ -103,7 +103,7 @@ async def test_a_member_off_the_route_cannot_touch_a_session(tiny_model):
                 async for token in tokens:
                     out.append(token)
                     if len(out) == 4:
-                        (session_id,) = hops.gateway._routes
+                        (session_id,) = hops.gateway.session_ids()
                         await attack(session_id)
 
         await observe()

@@ -26,7 +26,7 @@ from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.split import split_unit
 from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.generate import LocalPipeline
-from hetmesh.partition.prefix import block_hashes
+from hetmesh.partition.prefix import block_hashes, scoped
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
 from hetmesh.transport.frames import Activations, Error, Frame, KVBlock, Tokens
@@ -168,7 +168,7 @@ async def test_long_prompts_split_with_a_helper_equal_the_reference(
     assert sessions(wiring, "a") == sessions(wiring, "b") == 0
     # the prompts' blocks join the prefix cache where every layer's KV is: not the helper's
     for prompt in LONG:
-        hashes = set(block_hashes(prompt))
+        hashes = set(scoped(block_hashes(prompt), wiring.gateway.peer_id))
         assert hashes <= set(wiring.servers["a"].pool.prefix.recent_hashes(64))
         assert not hashes & set(wiring.servers["b"].pool.prefix.recent_hashes(64))
 

@@ -141,3 +141,16 @@ def test_render_shows_plan_bottleneck_and_load() -> None:
 def test_render_without_a_plan_says_so() -> None:
     text = render_status({"self": A, "peers": [], "links": []})
     assert "no plan published yet" in text
+
+
+def test_a_dead_peers_stage_is_not_ready_as_the_router_sees_it() -> None:
+    """Readiness is the peer view's (ready_stages_in_view): a stage a dead peer still
+    announces loaded is out of every route, and status says so."""
+    view = copy.deepcopy(VIEW)
+    view["peers"][1]["health"] = "dead"
+    pipeline = summarize(view)["plan"]["pipelines"][0]
+    assert [s["ready"] for s in pipeline["stages"]] == [True, False]
+    assert pipeline["ready"] is False
+    text = render_status({**view, "summary": summarize(view)}, width=220)
+    assert "unreachable, dead" in text
+    assert "ready, self" in text

@@ -11,11 +11,12 @@ import trio
 
 from hetmesh.discovery.probe import (
     CHALLENGE_BYTES,
-    _receive_bulk,
+    SocketChannel,
     enable_timestamps,
     probe_answer,
     probe_link,
     probe_token,
+    receive_bulk,
     serve_probe,
 )
 from tests.unit.discovery.pacing import NBYTES, backlog_listener, paced_sender
@@ -38,7 +39,7 @@ async def test_a_starved_receiver_still_measures_the_link_rate() -> None:
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
         assert enable_timestamps(stream.socket)
         time.sleep(0.3)  # noqa: ASYNC251 - starved: nothing in this process runs
-        await _receive_bulk(stream, NBYTES, stamped=True)
+        await receive_bulk(SocketChannel(stream, stamped=True), NBYTES)
         await trio.to_thread.run_sync(sender.join)
         await stream.aclose()
     finally:

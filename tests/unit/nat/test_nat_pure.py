@@ -8,7 +8,17 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["hetmesh.nat.reachability", "hetmesh.nat.relay_limits"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "hetmesh.nat.reachability",
+        "hetmesh.nat.relay_limits",
+        "hetmesh.nat.punch_plan",
+        "hetmesh.nat.state",
+        "hetmesh.node.outcomes",
+        "hetmesh.node.hop",
+    ],
+)
 def test_nat_pure_cores_import_no_trio_or_libp2p(module: str) -> None:
     probe = (
         f"import sys, {module}\n"

@@ -14,16 +14,11 @@ import trio
 import trio.testing
 
 from hetmesh.cli.status import render_status
-from hetmesh.discovery.probe import TailClock
+from hetmesh.discovery.probe import TailClock, enable_timestamps, stream_bandwidth
 from hetmesh.errors import RemoteProtocolError
-from hetmesh.nat.p2p_probe import stream_bandwidth
-from hetmesh.nat.punch_probe import _answer, _measure, local_host
-from hetmesh.nat.reachability import PUNCHED_KEY, RELAYED_KEY, link_kind
-from hetmesh.transport import Activations, DataPlaneConfig, open_data_plane
-from hetmesh.transport import dataplane as dataplane_module
-from hetmesh.transport.links import TcpLink
-from hetmesh.transport.punch import note_punched, punched_peers, reserve_port, simultaneous_open
-from hetmesh.transport.punch_plan import (
+from hetmesh.nat.link_probe import answer_punched, measure_punched
+from hetmesh.nat.punch import local_host, reserve_port, simultaneous_open
+from hetmesh.nat.punch_plan import (
     PUNCH_KEY,
     AttemptSchedule,
     Candidate,
@@ -31,6 +26,11 @@ from hetmesh.transport.punch_plan import (
     parse_candidate,
     punch_pair,
 )
+from hetmesh.nat.reachability import PUNCHED_KEY, RELAYED_KEY, link_kind
+from hetmesh.nat.state import NatState
+from hetmesh.transport import Activations, DataPlaneConfig, open_data_plane
+from hetmesh.transport import dataplane as dataplane_module
+from hetmesh.transport.links import TcpLink
 from tests.unit.discovery.pacing import NBYTES, backlog_listener, paced_sender
 
 
@@ -182,7 +182,6 @@ async def test_a_relayed_link_is_hole_punched_sealed_tcp_or_stays_on_the_stream(
     no candidate is known the link rides the control stream, as before."""
     monkeypatch.setattr(dataplane_module, "control_path", lambda _stream: "relayed")
     monkeypatch.setattr(dataplane_module, "punchable_host", lambda _host: True)
-    monkeypatch.setattr(dataplane_module, "public_ip", lambda: "127.0.0.1" if punchable else None)
     monkeypatch.setattr(dataplane_module, "punch_pair", _loose_pair)
     monkeypatch.setattr(dataplane_module, "candidate_of", _loose_candidate)
     monkeypatch.setattr(dataplane_module, "simultaneous_open", _loopback_open)
@@ -194,9 +193,11 @@ async def test_a_relayed_link_is_hole_punched_sealed_tcp_or_stays_on_the_stream(
         "tcp_encryption": "always",
         "punch_schedule": schedule,
     }
+    # the public IP each node's dial-back would have learned (none: nothing to punch from)
+    nat = {"nat": NatState(public_ip="127.0.0.1" if punchable else None)}
     async with (
-        open_data_plane(DataPlaneConfig(peer_id="A", **common)) as a,
-        open_data_plane(DataPlaneConfig(peer_id="B", **common)) as b,
+        open_data_plane(DataPlaneConfig(peer_id="A", **common, **nat)) as a,
+        open_data_plane(DataPlaneConfig(peer_id="B", **common, **nat)) as b,
     ):
         left, right = trio.testing.memory_stream_pair()
         links: dict[str, Any] = {}
@@ -264,10 +265,11 @@ def test_status_marks_a_hole_punched_link() -> None:
 
 def test_punched_peers_forgets_closed_links() -> None:
     state = {"open": True}
-    note_punched("P1", lambda: state["open"])
-    assert "P1" in punched_peers()
+    nat = NatState()
+    nat.note_punched("P1", lambda: state["open"])
+    assert "P1" in nat.punched_peers()
     state["open"] = False
-    assert "P1" not in punched_peers()
+    assert "P1" not in nat.punched_peers()
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -285,14 +287,14 @@ def test_punch_probe_measures_over_a_socket_and_demands_the_token() -> None:
 
     def answer() -> None:
         try:
-            _answer(answerer, token)
+            trio.run(answer_punched, answerer, token)
             done["error"] = None
         except BaseException as exc:
             done["error"] = exc
 
     thread = threading.Thread(target=answer)
     thread.start()
-    measured = _measure(asker, token, 1 << 20)
+    measured = trio.run(measure_punched, asker, token, 1 << 20)
     thread.join(30)
     assert done == {"error": None}
     assert measured.rtt_s > 0
@@ -301,27 +303,8 @@ def test_punch_probe_measures_over_a_socket_and_demands_the_token() -> None:
     stranger, answerer = _tcp_pair()
     stranger.sendall(b"x" * 16)
     with pytest.raises(RemoteProtocolError, match="token"):
-        _answer(answerer, token)
+        trio.run(answer_punched, answerer, token)
     stranger.close()
-
-
-class _StarvedSocket(socket.socket):
-    """A real socket whose first bulk read comes 0.3 s late (no CPU for its thread)."""
-
-    late = True
-
-    def _starve(self) -> None:
-        if self.late:
-            self.late = False
-            time.sleep(0.3)  # starved: the backlog builds up in the kernel
-
-    def recvmsg(self, *args: Any) -> Any:  # the bulk's reads (either way of reading)
-        self._starve()
-        return super().recvmsg(*args)
-
-    def recv_into(self, *args: Any) -> Any:
-        self._starve()
-        return super().recv_into(*args)
 
 
 @pytest.mark.slow
@@ -337,7 +320,9 @@ def test_a_starved_punch_answerer_still_measures_the_link_rate() -> None:
     sender.start()
     try:
         conn, _ = listener.accept()
-        _answer(_StarvedSocket(fileno=conn.detach()), token)
+        assert enable_timestamps(conn)
+        time.sleep(0.3)  # starved: the backlog builds up in the kernel
+        trio.run(answer_punched, conn, token)
         sender.join(60)
     finally:
         listener.close()

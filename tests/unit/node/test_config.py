@@ -107,7 +107,7 @@ def test_a_node_not_told_its_threads_takes_the_cores_it_may_use():
     import os
 
     from hetmesh.node.config import default_threads
-    from hetmesh.node.local import share_threads
+    from hetmesh.testbed.local_mesh import share_threads
 
     threads = default_threads()
     assert 1 <= threads <= len(os.sched_getaffinity(0))

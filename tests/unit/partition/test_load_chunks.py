@@ -40,3 +40,28 @@ def test_int4_stage_loaded_in_slices_equals_loaded_whole(
     assert any(k.endswith("weight_q") for k in whole)  # an int8 table
     for key, value in whole.items():
         assert torch.equal(sliced[key], value), key
+
+
+def test_q4_1_matrices_packed_from_their_bytes_equal_torchs_packer(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader packs Q4_1 bytes itself (hetmesh.partition.int4_direct): a stage so
+    loaded equals one whose matrices went through torch's packer, padded blocks too."""
+    from hetmesh.partition.quant import Int4Linear
+
+    folder = resolve_model("synth-tiny-qwen2", cache_dir=cache)
+    units = load_stage(folder, 0, 2, weights="int4").profile.num_units
+    monkeypatch.setattr(materialise, "INT4_CHUNK_WEIGHTS", 1)  # 64 rows a slice
+    direct = load_stage(folder, 0, units, weights="int4").state_dict()
+
+    def through_torch(self: object, path: str, source: str, rows_n: int, k: int) -> None:
+        packed, scales_zeros = Int4Linear.pack(*self.reader.q4_blocks(source))  # type: ignore[attr-defined]
+        self.put(f"{path}.weight_packed", packed)  # type: ignore[attr-defined]
+        self.put(f"{path}.scales_zeros", scales_zeros)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(materialise._Loader, "int4_q4_1", through_torch)
+    packed = load_stage(folder, 0, units, weights="int4").state_dict()
+    assert direct.keys() == packed.keys()
+    assert sum(k.endswith("weight_packed") for k in direct) >= 7
+    for key, value in packed.items():
+        assert torch.equal(direct[key], value), key

@@ -11,7 +11,7 @@ the two sides' simultaneous TCP opens from those ports meet in the middle.
 A symmetric router picks a fresh port per destination: the candidate is then
 wrong, the attempts fail, and the link stays on the relayed stream.
 
-Pure: no trio, no libp2p, no sockets. :mod:`hetmesh.transport.punch` does the I/O.
+Pure: no trio, no libp2p, no sockets. :mod:`hetmesh.nat.punch` does the I/O.
 """
 
 from __future__ import annotations

@@ -61,6 +61,18 @@ class LocalMesh:
         return self.nodes[0].addr
 
 
+def node_argv(data_dir: Path, listen: str, *args: str) -> list[str]:
+    """The command line of a ``hetmesh node start`` process keeping its state in
+    ``data_dir``, listening on ``listen`` (a multiaddr), with mDNS off, then ``args``
+    (every harness here and in the testbed starts its nodes so)."""
+    return [
+        sys.executable,
+        *("-m", "hetmesh", "node", "start"),
+        *("--data-dir", str(data_dir), "--listen", listen, "--no-mdns"),
+        *args,
+    ]
+
+
 def _wait_info(node: LocalNode, timeout_s: float) -> None:
     info_file = node.data_dir / "node.json"
     deadline = time.monotonic() + timeout_s
@@ -97,20 +109,7 @@ def _start(
     if benchmark is not None:
         (data_dir / CACHE_FILE).write_text(benchmark)
     log_path = root / f"{name}.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "hetmesh",
-        "node",
-        "start",
-        "--serve",
-        "--no-mdns",
-        "--listen",
-        "/ip4/127.0.0.1/tcp/0",
-        "--data-dir",
-        str(data_dir),
-        *args,
-    ]
+    argv = node_argv(data_dir, "/ip4/127.0.0.1/tcp/0", "--serve", *args)
     env = dict(os.environ, HETMESH_MESH_SECRET=secret)
     with log_path.open("ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -237,6 +236,7 @@ __all__ = [
     "LocalMesh",
     "LocalNode",
     "local_mesh",
+    "node_argv",
     "ready_pipelines",
     "share_threads",
     "wait_serving",

@@ -1,0 +1,82 @@
+"""torch's packed int4 layout built straight from Q4_1 bytes, by byte operations.
+
+:meth:`~hetmesh.partition.quant.Int4Linear.pack` unpacks a Q4_1 matrix to one
+byte a weight, widens it to int32 (four bytes a weight) and hands it to torch's
+packer: three full-size temporaries and most of a stage's load time. Both
+layouts put two 4-bit weights in a byte, so the packed bytes can be computed
+from the file's bytes directly:
+
+- a Q4_1 row's block of 32 inputs is 16 bytes; byte ``t`` holds input ``t`` in its
+  low nibble and input ``t + 16`` in its high nibble;
+- torch's CPU packing (:func:`~hetmesh.partition.quant.int4_layout_name`) groups
+  rows in blocks of ``B`` (32 or 64) and, per block and per input, stores ``B / 2``
+  bytes whose low nibbles are one half of the block's rows and high nibbles the
+  other half ("halves": rows ``j`` and ``j + B/2``; "pairs": rows ``2j`` and
+  ``2j + 1``).
+
+So for the two rows ``L`` and ``H`` that share a packed byte, inputs ``t < 16`` of a
+block are ``(L & 0x0F) | (H << 4)`` and inputs ``t + 16`` are ``(L >> 4) | (H & 0xF0)``
+of the file's bytes; a transpose puts inputs before rows. The result equals
+torch's packer's, byte for byte (tests/unit/partition/test_int4_direct.py), and
+the scales and zero points are :meth:`Int4Linear.pack`'s.
+
+Pure torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetmesh.partition.quant import int4_layout_name
+
+GROUP = 32  # inputs per Q4_1 block (and per int4 scale group)
+_LAYOUTS = {"halves of 64": (True, 64), "halves of 32": (True, 32)}
+_LAYOUTS |= {"pairs in 32": (False, 32), "pairs in 64": (False, 64)}
+PAD_ROWS = 64  # int4 matrices are padded to whole blocks of 64 rows (quant._INT4_BLOCK_N)
+
+
+def pack_q4_1_into(qs: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the packed int4 rows of Q4_1 bytes ``qs`` (uint8 ``(n, k/2)``, ``n`` a
+    multiple of 64) into ``out`` (uint8 ``(n, k/2)``, contiguous; e.g. a slice of rows
+    of the whole matrix's packed tensor)."""
+    n, half = qs.shape
+    if n % PAD_ROWS or half % (GROUP // 2):
+        raise ValueError(f"Q4_1 rows of shape {tuple(qs.shape)}: not whole blocks")
+    if out.shape != qs.shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError("out must be a contiguous uint8 tensor shaped like qs")
+    halves, block = _LAYOUTS[int4_layout_name()]
+    blocks, width, groups = n // block, block // 2, half // (GROUP // 2)
+    if halves:  # rows j (low nibbles) and j + block / 2 (high) of each block
+        rows = qs.reshape(blocks, 2, width, groups, GROUP // 2)
+        low, high = rows[:, 0], rows[:, 1]
+    else:  # rows 2j (low) and 2j + 1 (high)
+        rows = qs.reshape(blocks, width, 2, groups, GROUP // 2)
+        low, high = rows[:, :, 0], rows[:, :, 1]
+    # (blocks, width, groups, 2, 16): each group's first 16 inputs, then its last 16
+    both = torch.empty((blocks, width, groups, 2, GROUP // 2), dtype=torch.uint8)
+    first, second = both[:, :, :, 0], both[:, :, :, 1]
+    torch.bitwise_left_shift(high, 4, out=first)
+    first |= low & 0x0F
+    torch.bitwise_right_shift(low, 4, out=second)
+    second |= high & 0xF0
+    # inputs before rows: out viewed as (blocks, k, width)
+    out.view(blocks, half * 2, width).copy_(both.view(blocks, width, half * 2).transpose(1, 2))
+
+
+def scales_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel's ``(groups, n, 2)`` bf16 scales and zero points of Q4_1's
+    ``w = d * q + m`` (``d``, ``m``: ``(n, groups)``); the kernel computes
+    ``(q - 8) * scale + zero``, so the zero point is ``m + 8 d`` (rounded to bf16, as
+    :meth:`~hetmesh.partition.quant.Int4Linear.pack` rounds it)."""
+    n, groups = d.shape
+    pairs = torch.empty((n, groups, 2), dtype=torch.bfloat16)
+    d32 = d.float()
+    pairs[..., 0].copy_(d32)
+    torch.add(m.float(), d32, alpha=8.0, out=d32)  # exact: 8 d is, then one rounding
+    pairs[..., 1].copy_(d32)
+    # rows before groups: each (scale, zero) pair moves as one 4-byte word
+    words = pairs.view(torch.int32).reshape(n, groups).t().contiguous()
+    return words.view(torch.bfloat16).reshape(groups, n, 2)
+
+
+__all__ = ["GROUP", "PAD_ROWS", "pack_q4_1_into", "scales_zeros"]

@@ -1,0 +1,69 @@
+"""torch's int4 layout built from Q4_1 bytes equals torch's own packer, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetmesh.partition.int4_direct import pack_q4_1_into, scales_zeros
+from hetmesh.partition.quant import Int4Linear
+
+
+def _q4_1(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random Q4_1 rows: bytes ``(n, k/2)``, ``d`` and ``m`` fp16 ``(n, k/32)``."""
+    gen = torch.Generator().manual_seed(seed)
+    qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    m = (torch.randn(n, k // 32, generator=gen) * 0.1).half()
+    return qs, d, m
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """One byte a weight, in input order (the file's low nibbles, then its high ones)."""
+    n, half = qs.shape
+    blocks = qs.reshape(n, half // 16, 16)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(n, half * 2)
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (128, 576), (192, 1536)])
+def test_packed_bytes_equal_torchs_packer(n: int, k: int) -> None:
+    qs, d, m = _q4_1(n, k, seed=n + k)
+    expected, expected_sz = Int4Linear.pack(_nibbles(qs), d.float(), m.float())
+    out = torch.empty_like(qs)
+    pack_q4_1_into(qs, out)
+    assert torch.equal(out, expected)
+    assert torch.equal(scales_zeros(d, m), expected_sz)
+
+
+def test_packs_into_a_slice_of_rows_of_a_larger_matrix() -> None:
+    qs, _, _ = _q4_1(256, 64, seed=1)
+    whole = torch.full((320, 32), 0xAB, dtype=torch.uint8)
+    pack_q4_1_into(qs[64:192], whole[64:192])
+    expected, _ = Int4Linear.pack(_nibbles(qs[64:192]), torch.ones(128, 2), torch.zeros(128, 2))
+    assert torch.equal(whole[64:192], expected)
+    assert bool((whole[:64] == 0xAB).all())
+    assert bool((whole[192:] == 0xAB).all())
+
+
+def test_partial_blocks_are_refused() -> None:
+    qs, _, _ = _q4_1(64, 64, seed=2)
+    with pytest.raises(ValueError, match="whole blocks"):
+        pack_q4_1_into(qs[:32], torch.empty_like(qs[:32]))
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        pack_q4_1_into(qs, torch.empty((64, 16), dtype=torch.uint8))
+
+
+def test_int8_rows_in_place_equal_quantize_rows_int8() -> None:
+    from hetmesh.partition.materialise import rows_into_int8
+    from hetmesh.partition.quant import quantize_rows_int8
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(9, 300, generator=gen) * torch.rand(9, 1, generator=gen)
+    w[4] = 0.0  # an all-zero row: its scale is the floor
+    w[5, 7] = -50.0  # a row whose largest magnitude is negative
+    expected_q, expected_scale = quantize_rows_int8(w)
+    q = torch.empty(9, 300, dtype=torch.int8)
+    scale = torch.empty(9)
+    rows_into_int8(w.clone(), q, scale)
+    assert torch.equal(q, expected_q)
+    assert torch.equal(scale, expected_scale)
