@@ -31,9 +31,9 @@ a move); its tokens leave from the device thread as they come.
 
 A stage of a cut serving one stream takes that session's next decode step from
 the link's reader thread on its device thread (:mod:`hetmesh.node.stage_lane`):
-after a round of one session's step whose output left at once, the device
-thread parks for the next step instead of returning to trio, and computes it
-there; anything that needs trio (another session, a prefill chunk, a control
+after a round of the one session's decode step whose output left at once, the
+device thread parks for the next step instead of returning to trio, and computes
+it there; anything that needs trio (another session, a prefill chunk, a control
 request, a KV block) wakes it back to the batching loop.
 
 A session can move here from another peer with its KV (see
@@ -860,8 +860,11 @@ class StageServer:
             return False
         if self.stage.has_embed and self.stage.has_head:  # whole model: it feeds itself
             return False
-        # more sessions than micro-batches: trio's rounds batch them
-        return len(self._sessions) <= self._micro_batches and not session.request.split
+        # a decode step (a prefill chunk's successor is a chunk: trio's) of the one
+        # session here: with more, another's frame would wake it back to trio on the
+        # critical path, and trio's rounds batch them anyway
+        one_step = int(outcome.item.inputs.shape[0]) == 1
+        return one_step and len(self._sessions) == 1 and not session.request.split
 
     def _stay_parked(self) -> bool:
         """Asked by the parked thread: nothing waits for trio or for the device."""

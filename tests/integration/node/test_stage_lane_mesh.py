@@ -3,7 +3,8 @@ reader threads (hetmesh.node.stage_lane), and the outputs stay the reference's.
 
 Two in-process daemons split the tiny test model over the real data plane: one
 stream's steps reach a stage over a link, so that stage takes them on its
-parked device thread; two streams at once still match the reference, and every
+parked device thread; two streams at once (trio batches them, the lane waits for a
+session alone) still match the reference, and every
 session ends, freeing every stage's KV.
 """
 
@@ -49,7 +50,7 @@ async def test_a_cut_takes_its_decode_steps_on_the_device_thread_and_matches_the
         async def run(i: int, prompt: list[int]) -> None:
             results[i] = await generate(mesh.addr, TOKENS, prompt)
 
-        async with trio.open_nursery() as nursery:  # two sessions: the lane and trio mix
+        async with trio.open_nursery() as nursery:  # two sessions: trio batches them
             nursery.start_soon(run, 0, list(PROMPT_IDS))
             nursery.start_soon(run, 1, other_prompt)
         assert results == {0: expected, 1: other}
