@@ -28,10 +28,14 @@ drifts moves both alike):
 
 ``--model`` serves another model (a folder, a .gguf, or a name ``hetmesh model``
 knows); ``--prefix`` names its keys (``--model synth-llama-3.2-1b --prefix synth1b_``
-gives ``synth1b_split_decode_ratio``…).
+gives ``synth1b_split_decode_ratio``…). With the default model, the same split
+layout of ``synth-llama-3.2-1b`` (a model of a size people join a mesh for, its
+text noise) follows, its keys ``synth1b_split_*`` and its plan checked alike
+(``--no-synth1b`` skips it; a machine without the checkpoint says
+``synth1b_skipped``; ``hetmesh model synth --shape synth-llama-3.2-1b`` writes it).
 
 Usage: ``python bench/pipeline.py [--json] [--tokens 64] [--repeats 5] [--stages 3]
-[--no-replicas] [--weights native] [--model NAME] [--prefix P]``
+[--no-replicas] [--no-synth1b] [--weights native] [--model NAME] [--prefix P]``
 """
 
 from __future__ import annotations
@@ -270,6 +274,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="the model to serve (default: hetmesh's)")
     parser.add_argument("--prefix", default="", help="prepended to every key (synth1b_…)")
     parser.add_argument(
+        "--no-synth1b",
+        action="store_true",
+        help=f"skip the split layout of {SYNTH1B} (run with the default model only)",
+    )
+    parser.add_argument(
         "--no-single-process",
         action="store_true",
         help="skip bench/decode.py's single-process speedup",
@@ -299,6 +308,8 @@ def main() -> None:
             keys(run_layout(model_dir, base, args.stages, args, prompt_ids, long_ids), "split_")
         )
     del base
+    if args.stages and args.model is None and not args.no_synth1b:
+        result.update(synth1b(args))
     if not args.no_single_process:
         import decode  # bench/decode.py, beside this file
 
@@ -314,10 +325,33 @@ def main() -> None:
     report(result, args.prefix)
 
 
+SYNTH1B = "synth-llama-3.2-1b"
+
+
+def synth1b(args: argparse.Namespace) -> dict[str, Any]:
+    """The split layout of :data:`SYNTH1B` against its own single process: ``synth1b_split_*``
+    (``synth1b_skipped`` where the checkpoint is not on this machine)."""
+    from hetmesh.errors import MeshError
+    from hetmesh.partition.store import resolve_model
+    from hetmesh.partition.text import encode_prompt, load_tokenizer
+
+    try:
+        model_dir = resolve_model(SYNTH1B)
+    except (MeshError, OSError) as exc:
+        return {"synth1b_skipped": f"{SYNTH1B} is not here: {exc}"}
+    tokenizer = load_tokenizer(model_dir)
+    prompt_ids = encode_prompt(tokenizer, PROMPT, chat=True)
+    long_ids = encode_prompt(tokenizer, "The sea is wide and the night is long. " * 80)[:512]
+    reference = Reference(model_dir, args.weights)
+    layout = run_layout(model_dir, reference, args.stages, args, prompt_ids, long_ids)
+    return {f"synth1b_{k}": v for k, v in keys(layout, "split_").items()}
+
+
 def report(result: dict[str, Any], prefix: str) -> None:
     """The figures as text, one layout after the other."""
     layouts = [("replicas", f"{prefix}", "decode_ratio_single_stream")]
     layouts.append(("split", f"{prefix}split_", "decode_ratio"))
+    layouts.append((f"split, {SYNTH1B}", f"{prefix}synth1b_split_", "decode_ratio"))
     for label, at, ratio in layouts:
         if f"{at}ttft_ratio_512" not in result:
             continue

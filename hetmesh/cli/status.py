@@ -54,6 +54,25 @@ def _host_of(record: dict[str, Any]) -> str:
     return "?"
 
 
+def memory_texts(record: dict[str, Any], devices: list[dict[str, Any]]) -> tuple[str, str]:
+    """(used, charged) of a node: the memory it really uses (RSS, or its own cgroup's
+    usage) and what the plan charged it plus the runtime the plan does not charge (its
+    record's ``memory`` entry, :mod:`hetmesh.node.memory`); a node announcing none:
+    its devices' total less free, and "-"."""
+    extra = record.get("extra") or {}
+    memory = extra.get("memory") if isinstance(extra, dict) else None
+    if not isinstance(memory, dict):
+        used = ", ".join(
+            _bytes(d.get("memory_total_bytes", 0) - d.get("memory_free_bytes", 0)) for d in devices
+        )
+        return used, "-"
+    source = str(memory.get("source", "rss"))
+    used = f"{_bytes(int(memory.get('in_use', 0)))} ({source})"
+    charged = int(memory.get("charged", 0))
+    runtime = int(memory.get("runtime", 0))
+    return used, f"{_bytes(charged)} + {_bytes(runtime)} runtime"
+
+
 def status_renderable(view: dict[str, Any]) -> Group:
     """The peers table and the link matrix for a status view (pure)."""
     peers = Table(title=f"mesh seen from {short_id(str(view.get('self', '?')))}")
@@ -65,6 +84,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
         "devices",
         "weights",
         "memory used",
+        "plan charged",
         "memory free/total",
         "FLOP/s",
         "mem BW",
@@ -85,10 +105,7 @@ def status_renderable(view: dict[str, Any]) -> Group:
             reach_text(record),
             ", ".join(str(d.get("device", "?")) for d in devices) or "(profiling)",
             read_serving(record.get("extra"), plan_of=None).weights or "-",
-            ", ".join(
-                _bytes(d.get("memory_total_bytes", 0) - d.get("memory_free_bytes", 0))
-                for d in devices
-            ),
+            *memory_texts(record, devices),
             ", ".join(
                 f"{_bytes(d.get('memory_free_bytes', 0))}/{_bytes(d.get('memory_total_bytes', 0))}"
                 for d in devices

@@ -37,6 +37,10 @@ class MeshGauges:
     shard_verification_failures: int = 0
     # per stage served here: its units ("start-end") and kv_* counters (node.kvcache.kv_counters)
     stages_kv: tuple[tuple[str, Mapping[str, float]], ...] = ()
+    # hetmesh.node.memory: really in use, what the plan charged, the uncharged runtime
+    memory_in_use_bytes: int = 0
+    memory_charged_bytes: int = 0
+    memory_runtime_bytes: int = 0
 
 
 class GaugeSource(Protocol):
@@ -82,6 +86,9 @@ class _MeshCollector:
             "Tensors from peers whose bytes did not match the manifest",
             g.shard_verification_failures,
         )
+        gauge("hetmesh_memory_in_use_bytes", "Memory really in use", g.memory_in_use_bytes)
+        gauge("hetmesh_memory_charged_bytes", "Memory the plan charged", g.memory_charged_bytes)
+        gauge("hetmesh_memory_runtime_bytes", "In use before any stage", g.memory_runtime_bytes)
         bandwidth = GaugeMetricFamily(
             "hetmesh_link_bandwidth_bytes_per_second",
             "Measured bandwidth of a link",

@@ -14,6 +14,7 @@ import trio
 
 from hetmesh import errors
 from hetmesh.node.api_metrics import MeshGauges
+from hetmesh.node.memory import MEMORY_KEY
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams
 from hetmesh.scheduler.announcement import read_serving
 
@@ -65,9 +66,10 @@ class NodeBackend:
         )
         gateway = serving.gateway.statistics() if serving and serving.gateway else None
         shards = serving.shards.statistics() if serving and serving.shards else None
-        mine = read_serving(
-            self.discovery.local_record(advance=False).extra, (), plan_of=None
-        ).stage_servers
+        extra = self.discovery.local_record(advance=False).extra
+        mine = read_serving(extra, (), plan_of=None).stage_servers
+        memory = extra.get(MEMORY_KEY)
+        memory = memory if isinstance(memory, dict) else {}  # hetmesh.node.memory
         stages_kv = tuple(
             (
                 f"{s.get('start')}-{s.get('end')}",
@@ -93,6 +95,9 @@ class NodeBackend:
             shard_bytes_served=shards.bytes_served if shards else 0,
             shard_verification_failures=shards.verification_failures if shards else 0,
             stages_kv=stages_kv,
+            memory_in_use_bytes=int(memory.get("in_use", 0)),
+            memory_charged_bytes=int(memory.get("charged", 0)),
+            memory_runtime_bytes=int(memory.get("runtime", 0)),
         )
 
     def view(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_hos
 from hetmesh.discovery.service import Discovery, DiscoveryConfig
 from hetmesh.nat.dialback import Reachability
 from hetmesh.nat.relay import RelayClient
+from hetmesh.node.memory import MEMORY_KEY, MemoryReport, charged_bytes, memory_in_use
 from hetmesh.node.runtime import Node, NodeConfig, default_data_dir
 
 if TYPE_CHECKING:
@@ -80,8 +81,11 @@ async def serve_profiling(
             only=cfg.device,
         )
 
+    # what the process holds before any stage: the runtime the plan does not charge
+    memory = MemoryReport(runtime=memory_in_use().bytes)
     bench, gpu = await trio.to_thread.run_sync(measure, False, limiter=node.device_limiter)
     node.discovery.set_devices(await trio.to_thread.run_sync(profiles, bench, gpu))
+    _publish_memory(node, memory)
     log.info(
         "profiled: %.1f GFLOP/s, %.1f GB/s memory",
         bench.matmul_flops / 1e9,
@@ -97,6 +101,19 @@ async def serve_profiling(
             bench, gpu = await trio.to_thread.run_sync(measure, True, limiter=node.device_limiter)
             last_bench = trio.current_time()
         node.discovery.set_devices(await trio.to_thread.run_sync(profiles, bench, gpu))
+        _publish_memory(node, memory)
+
+
+def _publish_memory(node: Node, report: MemoryReport) -> None:
+    """Announce the memory in use beside the plan's charge (:mod:`hetmesh.node.memory`)."""
+    serving = node.serving
+    plan = serving.plan if serving is not None else None
+    used = memory_in_use()
+    if serving is None or not serving.stages.holding():  # the runtime: no stage yet
+        report.runtime = max(report.runtime, used.bytes)
+    entry = report.update(used, charged_bytes(plan, node.peer_id))
+    if entry is not None:
+        node.discovery.set_extra(MEMORY_KEY, entry)
 
 
 def _write_node_info(node: Node) -> None:

@@ -12,6 +12,7 @@ dispatcher. The link of a peer discovery declares dead is closed
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from hetmesh.discovery.table import Health, TableEvent
 from hetmesh.errors import PeerUnreachable, RemoteProtocolError, TransportError
 from hetmesh.resources import PeerId
 from hetmesh.transport import DataPlane, Frame, Libp2pStream, Link
+from hetmesh.transport.links import ThreadedLink
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ DATAPLANE_PROTOCOL = "/hetmesh/dataplane/1.0.0"
 LEFT_LINGER_S = 5.0
 
 Dispatch = Callable[[PeerId, Link, Frame], None]
+# from a link's reader thread: True if it took the frame there (it never reaches trio)
+Offer = Callable[[PeerId, Link, Frame], bool]
 
 
 class LinkPool:
@@ -46,8 +50,13 @@ class LinkPool:
         nursery: trio.Nursery,
         connect_timeout_s: float = 15.0,
         send_timeout_s: float = 20.0,
+        offer: Offer | None = None,
     ) -> None:
+        """``offer``: each link's reader thread offers it every frame first (a stage's
+        fast lane, :meth:`StageHost.offer`); what it does not take goes to ``dispatch``
+        on trio."""
         self._host = host
+        self._offer = offer
         self._plane = plane
         self._dispatch = dispatch
         self._nursery = nursery
@@ -123,6 +132,9 @@ class LinkPool:
         done = trio.Event()
         self._closed[id(link)] = done
         self._links.setdefault(peer, link)
+        offer = self._offer
+        if offer is not None and isinstance(link, ThreadedLink):
+            link.sink = functools.partial(offer, peer, link)
         self._nursery.start_soon(self._receive_loop, peer, link, done)
         return done
 

@@ -36,6 +36,7 @@ from hetmesh.node.plan_follower import PlanFollower, unheld, verify_signature
 from hetmesh.node.readiness import StageKey
 from hetmesh.node.route_chooser import RouteChooser
 from hetmesh.node.stage_host import StageHost, as_dict
+from hetmesh.node.stage_lane import lane_enabled
 from hetmesh.node.text_stream import answer_generate, encode_request, text_stream
 from hetmesh.protocol.generate import (
     GENERATE_PROTOCOL,
@@ -196,7 +197,11 @@ class Serving:
         ):
             self.plane = plane
             self.pool = LinkPool(
-                host=self.node.host, plane=plane, dispatch=self.calls.dispatch, nursery=nursery
+                host=self.node.host,
+                plane=plane,
+                dispatch=self.calls.dispatch,
+                nursery=nursery,
+                offer=self.stages.offer if lane_enabled() else None,  # hetmesh.node.stage_lane
             )
             self.calls.start(nursery, self.pool)
             self.stages.start(nursery)

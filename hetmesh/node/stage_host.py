@@ -6,6 +6,7 @@ StageHost
 ├── follow(plan)  carries it out: loads (fetch + load, with retries), retirements
 ├── control()     the one path of a session control request: StageServer.handle
 ├── deliver()     frames for a stage here (activations, KV, cancels)
+├── offer()       a decode step, from a link's reader thread to a parked stage
 └── drain, retire_idle, expire_loop
 ```
 
@@ -38,7 +39,7 @@ from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import ServedStage
 from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, encode_summary, salted
 from hetmesh.scheduler.records import Plan, PlanConstraints
-from hetmesh.transport import Activations, Frame, KVBlock
+from hetmesh.transport import Activations, Frame, KVBlock, Link
 from hetmesh.transport.frames import Cancel
 
 if TYPE_CHECKING:
@@ -139,6 +140,10 @@ class StageHost:
     def serving(self) -> dict[Key, StageServer]:
         """The stage servers taking sessions (not retiring)."""
         return {key: s.server for key, s in sorted(self._served.items()) if not s.retiring}
+
+    def holding(self) -> bool:
+        """Whether a stage is served or loading here (its memory is the plan's charge)."""
+        return bool(self._served or self._loading)
 
     def sessions(self) -> int:
         """Sessions the stages here hold."""
@@ -346,6 +351,19 @@ class StageHost:
                 NoRoute(f"units [{request.start}, {request.end}) are not served here")
             )
         return target.server.handle(request, sender)
+
+    def offer(self, sender: PeerId, link: Link, frame: Frame) -> bool:
+        """From ``link``'s reader thread: give a decode step to the stage whose device
+        thread is parked for it (:meth:`StageServer.offer`); False: ``frame`` goes
+        through trio (:meth:`deliver`) as before. Never raises."""
+        if not isinstance(frame, Activations):
+            return False
+        try:  # trio may change the stages meanwhile: then this frame takes the slow way
+            servers = [served.server for served in list(self._served.values())]
+        except RuntimeError:
+            return False
+        release = functools.partial(link.release, frame)
+        return any(server.offer(frame, release, sender) for server in servers)
 
     def deliver(self, frame: Frame, release: Callable[[], None], sender: PeerId | None) -> bool:
         """Hand a stage here its frame from ``sender`` (None: this node); False for a

@@ -29,6 +29,13 @@ thread, round after round, while every session of the round feeds itself, its
 KV blocks hold the next token, and nothing new waits on trio (a frame, a close,
 a move); its tokens leave from the device thread as they come.
 
+A stage of a cut serving one stream takes that session's next decode step from
+the link's reader thread on its device thread (:mod:`hetmesh.node.stage_lane`):
+after a round of the one session's decode step whose output left at once, the
+device thread parks for the next step instead of returning to trio, and computes
+it there; anything that needs trio (another session, a prefill chunk, a control
+request, a KV block) wakes it back to the batching loop.
+
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
 activations until the KV arrives from that peer, and then runs like any other.
@@ -76,6 +83,7 @@ from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
+from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.kv import SessionKV
@@ -169,6 +177,7 @@ class StageStatistics:
     kv: KVStatistics
     device_rounds: int = 0  # rounds run on in the device thread (fed sessions, no trio)
     helped: int = 0  # split prefills whose first units this stage ran for another peer
+    lane_steps: int = 0  # steps taken from a link's reader thread (hetmesh.node.stage_lane)
 
 
 @dataclass(slots=True)
@@ -236,11 +245,25 @@ class StageServer:
         self._unsent: dict[str, int] = {}  # session id -> its frames in an outbox, unsent
         # set on trio when something waits for the batching loop: a step running on in
         # the device thread then returns after its round
-        self._interrupt = False
+        self._lane: Lane[_Item] = Lane()
+        self._wants_trio = False
+        self._parked_s = 0.0  # of the batch on the device thread: time parked, not computing
         self._trio_token: trio.lowlevel.TrioToken | None = None
         # (items, tokens, seconds) of each round of the batch on the device thread
         self._rounds: list[tuple[int, int, float]] = []
         self._helped = 0  # split prefills this stage helped with (its part sent on)
+
+    @property
+    def _interrupt(self) -> bool:
+        """Set on trio when something waits for the batching loop: a step running on in
+        the device thread then returns after its round, a parked one at once."""
+        return self._wants_trio
+
+    @_interrupt.setter
+    def _interrupt(self, value: bool) -> None:
+        self._wants_trio = value
+        if value:
+            self._lane.wake()
 
     # -- control ----------------------------------------------------------------
 
@@ -324,6 +347,9 @@ class StageServer:
             self.check_control(sid, sender)
         except InvalidRequest as exc:
             return Reply.failed(exc)
+        # a batch parked after its step (hetmesh.node.stage_lane) is not mid-step: asked
+        # first, while the parked thread still waits (the interrupt below sends it back)
+        in_step = sid in self._inflight and not self._lane.call_off()
         self._interrupt = True
         if not request.kv_to:
             session.request = dataclasses.replace(
@@ -332,7 +358,7 @@ class StageServer:
                 previous_peer=request.previous_peer or session.request.previous_peer,
             )
             return Reply(ok=True)
-        if sid in self._inflight or self._queued.get(sid) or session.awaiting is not None:
+        if in_step or self._queued.get(sid) or session.awaiting is not None:
             # mid-step (or still arriving itself): the gateway replays it instead
             return Reply.failed(Rejected(f"busy: session {sid} is mid-step here"))
         keys, values = session.kv.export()  # a copy: the blocks are freed below
@@ -556,6 +582,7 @@ class StageServer:
                 self._inbox.statistics().current_buffer_used
             )
             self._rounds = []
+            self._parked_s = 0.0
             started = time.perf_counter()
             try:
                 await trio.to_thread.run_sync(self._compute, outcomes, limiter=self._limiter)
@@ -580,7 +607,7 @@ class StageServer:
                 (len(batch), sum(item.inputs.shape[0] for item in batch), 0.0)
             ]
             # the first round's time counts the hand-off to the device thread and back
-            handoff = time.perf_counter() - started - sum(r[2] for r in rounds)
+            handoff = time.perf_counter() - started - sum(r[2] for r in rounds) - self._parked_s
             for i, (items, tokens, elapsed) in enumerate(rounds):
                 self._counters.note_round(items, tokens, elapsed + (handoff if i == 0 else 0.0))
             self._counters.device_rounds += len(rounds) - 1
@@ -786,9 +813,86 @@ class StageServer:
                 outcomes[:] = ready = following  # the batch's outcomes are its last round's
             if self._send_now is not None:
                 self._send_outputs(ready, self._send_now, via_trio)
+                # one item, none failed before the forward (its Error goes from trio)
+                if len(outcomes) == 1 and len(ready) == 1 and ready[0] is outcomes[0]:
+                    outcomes[:] = self._run_parked(ready, self._send_now)
         finally:
             for outcome in first:
                 outcome.item.release()
+
+    # -- the fast lane (hetmesh.node.stage_lane) ------------------------------------
+
+    def offer(self, frame: Activations, release: Callable[[], None], sender: PeerId | None) -> bool:
+        """From a link's reader thread: hand ``frame`` to the device thread parked after
+        its session's last step, if it can run there with no help from trio (True: it
+        is the stage's now); False: it goes through trio (:meth:`submit`) as before.
+
+        Taken: one decode step (one position, right after what the session's cache
+        holds, in a block it already has) of the session the parked round computed,
+        from the peer that feeds it, with nothing of it queued, unsent or closing.
+        """
+        if len(frame.positions) != 1 or len(frame.tensors) != 1 or sender is None:
+            return False
+        sid = frame.session_id
+
+        def accept() -> _Item | None:
+            session = self._sessions.get(sid)
+            if session is None or sid not in self._inflight or sid in self._closing:
+                return None
+            request = session.request
+            if self._wants_trio or session.awaiting is not None or request.split:
+                return None
+            if sender != (request.previous_peer or request.gateway):
+                return None
+            if self._queued.get(sid) or self._unsent.get(sid):
+                return None
+            kv = session.kv
+            if frame.positions[0] != kv.length or kv.capacity <= kv.length:
+                return None  # a new block: trio's _grow
+            return _Item(sid, frame.step, frame.positions, frame.tensors[0], release)
+
+        return self._lane.offer(accept)
+
+    def _may_park(self, ready: list[_Outcome]) -> bool:
+        """Whether the device thread waits here for the session's next step: one
+        session's step of a cut, sent on at once, and nothing else for trio to batch."""
+        if len(ready) != 1 or self._wants_trio or self._trio_token is None:
+            return False
+        outcome = ready[0]
+        session = outcome.session
+        if not outcome.sent or outcome.error is not None or outcome.follow or session is None:
+            return False
+        if self.stage.has_embed and self.stage.has_head:  # whole model: it feeds itself
+            return False
+        # a decode step (a prefill chunk's successor is a chunk: trio's) of the one
+        # session here: with more, another's frame would wake it back to trio on the
+        # critical path, and trio's rounds batch them anyway
+        one_step = int(outcome.item.inputs.shape[0]) == 1
+        return one_step and len(self._sessions) == 1 and not session.request.split
+
+    def _stay_parked(self) -> bool:
+        """Asked by the parked thread: nothing waits for trio or for the device."""
+        return not self._wants_trio and not self._limiter.statistics().tasks_waiting
+
+    def _run_parked(self, ready: list[_Outcome], send_now: SendNow) -> list[_Outcome]:
+        """On the device thread: while :meth:`_may_park`, wait for the session's next
+        step from :meth:`offer` and compute it here, its output sent on from here;
+        returns the last round's outcomes (trio delivers them, see :meth:`_compute`)."""
+        while self._may_park(ready):
+            item, waited = self._lane.park(PARK_S, self._stay_parked)
+            self._parked_s += waited
+            if item is None:
+                break
+            outcome = _Outcome(item, self._sessions.get(item.session_id))
+            try:
+                began = time.perf_counter()
+                self._forward_isolated([outcome])
+                self._rounds.append((1, int(item.inputs.shape[0]), time.perf_counter() - began))
+                self._send_outputs([outcome], send_now)
+            finally:
+                item.release()
+            ready = [outcome]
+        return ready
 
     def _forward_isolated(self, ready: list[_Outcome]) -> None:
         try:
@@ -964,6 +1068,7 @@ class StageServer:
             kv=self.kv.statistics(),
             device_rounds=c.device_rounds,
             helped=self._helped,
+            lane_steps=self._lane.taken,
         )
 
 

@@ -180,6 +180,11 @@ class CostModel:
             constraints.unit_overhead_for(d.peer_id, d.device, d.backend) for d in self.devices
         ]
         self._scales = [self._calibration_scale(i) for i in range(len(self.devices))]
+        head = next((i for i, u in enumerate(units) if u.kind == "head"), None)
+        self._head_flops = float(units[head].flops_per_token) if head is not None else 0.0
+        self._head = head or 0
+        self._has_head = (self._heads[b] - self._heads[a]) > 0
+        self._head_rates = [self._head_rate(i) for i in range(len(self.devices))]
         self._shares = [constraints.cpu_share_for(d.peer_id, d.device) for d in self.devices]
         self._matrix_cache: dict[tuple[object, ...], FloatArray] = {}
         self._device_matrix: dict[tuple[int, int], FloatArray] = {}
@@ -293,6 +298,45 @@ class CostModel:
         modelled = max(compute, memory) + self._overheads[dev]
         return measured / modelled if modelled > 0 else 1.0
 
+    def _head_rate(self, dev: int) -> float:
+        """Seconds per FLOP of ``dev``'s measured block, its dispatch overhead taken off
+        (0.0 if uncalibrated): what the head's matmul costs at the least, see
+        :meth:`head_extra_s`."""
+        d = self.devices[dev]
+        measured = self.constraints.block_step_for(d.peer_id, d.device)
+        first = self._first_block
+        if measured is None or first is None:
+            return 0.0
+        block = self.model.units[first]
+        c = float(self.constraints.calibration_context_tokens)
+        flops = block.flops_per_token + c * block.attention_flops_per_token_per_context
+        busy = measured - self._overheads[dev]
+        return busy / flops if flops > 0 and busy > 0 else 0.0
+
+    def head_extra_s(self, dev: int, tokens: int = 1) -> float:
+        """What a step of ``tokens`` tokens through the head costs on ``dev`` beyond the
+        roofline's share (0.0 where the roofline is the larger).
+
+        The roofline scaled by the calibrated block keeps the roofline's proportions,
+        so a head that reads 13 blocks' bytes costs ~13 blocks' memory time where the
+        bandwidth binds, and ~4 where it measured high. A quantised head on a CPU is
+        bound by its kernel's arithmetic instead (int8: one default-model head ran
+        7.4 blocks' time, its FLOPs are 8 blocks'; docs/journal/2026-12-05-fast-cut.md):
+        it costs at least its FLOPs at the rate the measured block ran at.
+        """
+        rate = self._head_rates[dev]
+        if rate <= 0.0 or self._head_flops <= 0.0:
+            return 0.0
+        d = self.devices[dev]
+        if d.matmul_flops <= 0 or d.memory_bandwidth_bps <= 0:
+            return 0.0  # it computes nothing: its steps are inf anyway
+        head = self._head
+        t = float(tokens)
+        compute = t * self._head_flops / d.matmul_flops
+        memory = float(self._device_formats[dev].read[head, head + 1]) / d.memory_bandwidth_bps
+        roofline = self._scales[dev] * max(compute, memory)
+        return max(0.0, t * self._head_flops * rate - roofline)
+
     def calibration_scale(self, dev: int) -> float:
         """How much slower (> 1) or faster a measured block ran than the roofline says."""
         return self._scales[dev]
@@ -329,6 +373,7 @@ class CostModel:
             out = (
                 scale * (np.maximum(compute, memory) + self._units * overhead)
                 + self._stage_overhead
+                + np.where(self._has_head, self.head_extra_s(dev, tokens), 0.0)
             )
             out = np.where(self._valid & (fmt.resident <= usable), out, INF)
         self._matrix_cache[sig] = out
@@ -345,9 +390,12 @@ class CostModel:
         memory = (
             float(fmt.read[start, end]) + tokens * self.context * float(fmt.kv[start, end])
         ) / d.memory_bandwidth_bps
-        return self._scales[dev] * (
-            max(compute, memory) + (end - start) * self._overheads[dev]
-        ) + self.stage_overhead_s(start, end)
+        head = self.head_extra_s(dev, tokens) if self._has_head[start, end] else 0.0
+        return (
+            self._scales[dev] * (max(compute, memory) + (end - start) * self._overheads[dev])
+            + self.stage_overhead_s(start, end)
+            + head
+        )
 
     def burst_step_s(self, dev: int, start: int, end: int) -> float:
         """One decode step over ``[start, end)`` on ``dev`` while the device is otherwise

@@ -446,6 +446,12 @@ class ThreadedLink(Link):
         self._mode: LinkMode | None = None
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
+        # async mode: the reader thread offers each frame here first; True takes it
+        # (released by whoever took it), False hands it to trio as usual
+        self.sink: Callable[[Frame], bool] | None = None
+        # frames handed to trio (counted by the reader) and received there (by trio):
+        # each counter has one writer
+        self._handed = self._taken = 0
 
     def start(self, blocking: bool = False, spin_us: float = 0.0) -> None:
         """Pick the receive mode; async mode starts the reader thread (call from trio).
@@ -508,13 +514,32 @@ class ThreadedLink(Link):
                 if isinstance(item, Frame):
                     self.release(item)
                 return
+            if isinstance(item, Frame) and self._sunk(item):
+                continue
             assert self._token is not None
+            self._handed += 1
             try:
                 self._token.run_sync_soon(self._send_items.send_nowait, item)
             except trio.RunFinishedError:
                 return
             if isinstance(item, BaseException):
                 return
+
+    def _sunk(self, frame: Frame) -> bool:
+        """On the reader thread: whether :attr:`sink` took ``frame``. Only while trio has
+        every earlier frame of this link, so frames are taken in the order sent."""
+        sink = self.sink
+        if sink is None or self._handed != self._taken:
+            return False
+        try:
+            taken = sink(frame)
+        except Exception:  # a bug there: the frame goes the usual way
+            log.exception("%s link: the frame sink failed", self.backend)
+            return False
+        if taken:
+            self._count_received(frame)
+            self._credit.release()
+        return taken
 
     def _account_received(self, item: Frame | BaseException) -> Frame:
         if isinstance(item, BaseException):
@@ -528,6 +553,7 @@ class ThreadedLink(Link):
         if self._reader is None:
             raise LocalProtocolError("link not started")
         item = await self._receive_items.receive()
+        self._taken += 1
         self._credit.release()
         return self._account_received(item)
 

@@ -44,6 +44,15 @@ function bar(pct, label) {
 function peerCard(peer, reserved) {
   const r = peer.record || {};
   const load = r.load || {};
+  // what the node really uses (RSS, or its own cgroup's usage) beside the plan's charge
+  const mem = (r.extra || {}).memory || null;
+  const inUse = mem
+    ? h(
+        "p",
+        { className: "memory-in-use" },
+        `in use ${mib(mem.in_use || 0)} (${mem.source || "rss"}) · the plan charged ${mib(mem.charged || 0)} + runtime ${mib(mem.runtime || 0)}`,
+      )
+    : null;
   const devices = (r.devices || []).map((d) => {
     const total = d.memory_total_bytes || 0;
     const used = Math.max(0, total - (d.memory_free_bytes || 0));
@@ -69,6 +78,7 @@ function peerCard(peer, reserved) {
     h("h3", { title: peer.peer_id }, short(peer.peer_id)),
     h("p", {}, h("span", { className: "health", dataset: { health: peer.health } }, healthWord(peer.health)), ` ${host(r)}${heard}`),
     devices,
+    inUse,
     h("p", {}, stages.length ? stages.join("; ") : "no stage"),
     h("p", { className: "muted" }, `sessions ${load.active_sessions || 0} · queue ${load.queue_depth || 0} · KV ${mib(load.kv_bytes_used || 0)}`),
   );

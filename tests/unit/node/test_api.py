@@ -84,6 +84,8 @@ class FakeBackend:
             active_sessions=1,
             kv_bytes_used=4096,
             links=(("A", "B", 0.001, 1e9),),
+            memory_in_use_bytes=612 << 20,
+            memory_charged_bytes=215 << 20,
         )
 
     def view(self) -> dict[str, Any]:
@@ -292,6 +294,8 @@ async def test_metrics_export_histograms_and_node_gauges(
     assert "hetmesh_tpot_seconds_count 1.0" in text
     assert "hetmesh_queue_depth 2.0" in text
     assert "hetmesh_kv_bytes_used 4096.0" in text
+    assert "hetmesh_memory_in_use_bytes 6.41728512e+08" in text  # 612 MiB
+    assert "hetmesh_memory_charged_bytes 2.2544384e+08" in text  # 215 MiB
     assert 'hetmesh_link_bandwidth_bytes_per_second{dst="B",src="A"} 1e+09' in text
     assert 'hetmesh_rejected_requests_total{reason="model_not_found"} 1.0' in text
 
