@@ -9,6 +9,7 @@ node, straight to the stage host's one path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,10 +19,11 @@ import trio
 from hetmesh.discovery.rpc import call
 from hetmesh.error_codec import error_code
 from hetmesh.errors import InvalidRequest, MeshError, Rejected, RemoteProtocolError
+from hetmesh.node.config import ServingConfig
 from hetmesh.node.control import SESSION_PROTOCOL, Reply, Request
 from hetmesh.node.stage_host import StageHost
-from hetmesh.resources import PeerId
-from hetmesh.transport import Error, Frame, Link, Tokens
+from hetmesh.resources import ModelProfile, PeerId
+from hetmesh.transport import DataPlaneConfig, Error, Frame, Link, Tokens
 
 if TYPE_CHECKING:
     from hetmesh.node.gateway import Gateway
@@ -142,4 +144,24 @@ def data_plane_host(addrs: Sequence[str]) -> str:
     return "127.0.0.1"
 
 
-__all__ = ["PeerCalls", "data_plane_host"]
+def node_plane_config(
+    node: Any, config: ServingConfig, profile: ModelProfile, stages: StageHost
+) -> DataPlaneConfig:
+    """The data plane of a serving ``node``: its backends and encryption as configured,
+    frames sized to the model and a KVBlock to its session's KV (issue 45)."""
+    from hetmesh.transport.frames import limits_for_profile
+
+    limits = limits_for_profile(profile)
+    return DataPlaneConfig(
+        peer_id=node.peer_id,
+        backends=config.backends,
+        require_encryption=config.require_encryption,
+        tcp_host=config.tcp_host or data_plane_host(node.discovery.addrs),
+        gloo="torchdist" in config.backends,
+        device=node.config.device,
+        limits=dataclasses.replace(limits, kv_block_bytes=stages.kv_frame_bytes),
+        nat=node.nat,  # a punch candidate's public IP; punched links noted there
+    )
+
+
+__all__ = ["PeerCalls", "data_plane_host", "node_plane_config"]

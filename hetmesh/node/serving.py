@@ -30,7 +30,7 @@ from hetmesh.node.config import PLANNED_SESSIONS, ServingConfig
 from hetmesh.node.control import MAX_CONTROL_BYTES, SESSION_PROTOCOL, Reply, parse_request
 from hetmesh.node.gateway import Gateway
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
-from hetmesh.node.peer_calls import PeerCalls, data_plane_host
+from hetmesh.node.peer_calls import PeerCalls, data_plane_host, node_plane_config
 from hetmesh.node.peer_view import PeerViews
 from hetmesh.node.plan_follower import PlanFollower, unheld, verify_signature
 from hetmesh.node.readiness import StageKey
@@ -49,7 +49,7 @@ from hetmesh.scheduler.prefix_summary import summary_salt
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
-from hetmesh.transport import DataPlane, DataPlaneConfig
+from hetmesh.transport import DataPlane
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
@@ -169,7 +169,6 @@ class Serving:
     async def serve(self, *, task_status: TaskStatus[Serving] = trio.TASK_STATUS_IGNORED) -> None:
         from hetmesh.partition.text import eos_token_ids, load_tokenizer
         from hetmesh.transport import open_data_plane
-        from hetmesh.transport.frames import limits_for_profile
 
         def load_text() -> tuple[Any, frozenset[int]]:
             tokenizer = load_tokenizer(self.model_dir)
@@ -177,19 +176,7 @@ class Serving:
 
         self.tokenizer, self.eos = await trio.to_thread.run_sync(load_text)
         discovery = self.node.discovery
-        plane_config = DataPlaneConfig(
-            peer_id=self.node.peer_id,
-            backends=self.config.backends,
-            require_encryption=self.config.require_encryption,
-            tcp_host=self.config.tcp_host or data_plane_host(self.node.discovery.addrs),
-            gloo="torchdist" in self.config.backends,
-            device=self.node.config.device,
-            # frames sized to the model, a KVBlock to its session's KV (issue 45)
-            limits=dataclasses.replace(
-                limits_for_profile(self.profile), kv_block_bytes=self.stages.kv_frame_bytes
-            ),
-            nat=self.node.nat,  # a punch candidate's public IP; punched links noted there
-        )
+        plane_config = node_plane_config(self.node, self.config, self.profile, self.stages)
         async with (
             open_data_plane(plane_config) as plane,
             open_data_plane(shard_plane_config(plane_config)) as shard_plane,
