@@ -38,9 +38,9 @@ _T = TypeVar("_T")
 
 def lane_enabled() -> bool:
     """Off unless ``HETMESH_STAGE_LANE=1``: opt-in until a quiet A/B shows it pays (+3-8 %
-    decode in two quiet pairs on a 3-stage cut, TTFT and 8 streams within noise) and a
-    frame refused on an shm link while a thread is parked (seen lost in a test, once in
-    two runs after another test) is understood. Off: every step goes through trio."""
+    decode in two quiet pairs on a 3-stage cut, TTFT and 8 streams within noise; the
+    frame "lost" on a refused hand-over was the sink test's own race, now fixed). Off:
+    every step goes through trio."""
     return os.environ.get("HETMESH_STAGE_LANE", "0") == "1"
 
 

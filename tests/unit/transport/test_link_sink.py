@@ -23,11 +23,7 @@ def _frame(step: int) -> Activations:
     return Activations(session_id="s", step=step, positions=(step,), tensors=(tensor,))
 
 
-# shm left out: run after tests/unit/node/test_stage_lane.py, its frame handed to trio
-# after three taken ones was not received within 10 s in about half the runs (not
-# understood by the 2026-12-05 deadline; the lane's mesh tests and benches over shm
-# pass, outputs identical) -- see docs/journal/2026-12-05-fast-cut-2.md
-@pytest.mark.parametrize("backend", ["tcp"])
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
 async def test_a_sink_takes_frames_on_the_reader_thread_and_never_overtakes_trio(
     backend: str,
 ) -> None:
@@ -61,6 +57,9 @@ async def test_a_sink_takes_frames_on_the_reader_thread_and_never_overtakes_trio
         # not received 3 yet, so the sink would overtake it)
         for step in (3, 4, 5):
             await la.send(_frame(step))
+        # trio receives nothing until the reader has handed all three over: were 3
+        # received first, 4 would rightly be offered to the sink (trio holds all before it)
+        await wait_until(lambda: lb._handed == 3)
         got = []
         for _ in range(3):
             with trio.fail_after(10):
