@@ -15,16 +15,14 @@ from contextlib import aclosing
 from typing import Any
 
 import pytest
-import torch
 import trio
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hetmesh.node.control import CloseSession, OpenSession, Reply
 from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.partition import prefix
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.transport.frames import Frame
-from tests.integration.node.tiny_hops import GATEWAY, Hops, reference
+from tests.integration.node.tiny_hops import GATEWAY, Hops, reference, save_tiny_model
 
 EVIL = "evil-gateway"
 NEW_TOKENS = 8
@@ -39,21 +37,7 @@ _real_hashes = prefix.block_hashes
 def tiny_model(tmp_path_factory):
     """``tiny_hops``' Llama with larger weights: its greedy output follows its context
     (the default init's repeats one token whatever the prompt)."""
-    folder = tmp_path_factory.mktemp("tiny-poison")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-    )
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-poison"), initializer_range=0.3)
 
 
 def forged(history: Sequence[int], block_tokens: int = 16) -> list[int]:

@@ -29,8 +29,9 @@ INTRUDER = "intruder"
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
 
 
-def save_tiny_model(folder: Path) -> Path:
-    """A seeded two-layer Llama (units: embed, 2 blocks, head) saved in ``folder``."""
+def save_tiny_model(folder: Path, initializer_range: float = 0.02) -> Path:
+    """A seeded two-layer Llama (units: embed, 2 blocks, head) saved in ``folder``;
+    ``initializer_range``: the spread of its random weights (transformers' default)."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=96,
@@ -41,6 +42,7 @@ def save_tiny_model(folder: Path) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=True,
+        initializer_range=initializer_range,
     )
     LlamaForCausalLM(config).eval().save_pretrained(folder)
     return folder

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import httpx
 import pytest
@@ -18,7 +18,6 @@ import trio
 import trio.lowlevel
 
 from hetmesh.errors import InvalidRequest, RemoteProtocolError
-from hetmesh.node.api import serve_http
 from hetmesh.node.api_choices import choice_params
 from hetmesh.partition.sampling import Sampler, token_logprobs
 from hetmesh.protocol.generate import SamplingParams
@@ -107,14 +106,6 @@ class LogprobsBackend(FakeBackend):
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         return [f" t{i - 100}" if i < 200 else "<alt>" for i in ids]
-
-
-@pytest.fixture
-async def api(nursery: trio.Nursery) -> AsyncIterator[tuple[httpx.AsyncClient, LogprobsBackend]]:
-    backend = LogprobsBackend()
-    url = await nursery.start(lambda task_status: serve_http(backend, task_status=task_status))
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        yield http, backend
 
 
 async def test_chat_logprobs_in_openais_shape(

@@ -8,16 +8,13 @@ in tests/integration/api/test_api_structured.py.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
-import trio
 
 from hetmesh.errors import InvalidRequest
-from hetmesh.node.api import serve_http
 from hetmesh.partition.grammar import json_schema_grammar
 from hetmesh.protocol.generate import SamplingParams
 from tests.unit.node.test_api import MODEL
@@ -65,14 +62,6 @@ def test_greedy_output_under_a_schema_is_valid_json(default_model_dir: Path) -> 
     free = "".join(pipeline.generate_text(ids, SamplingParams(max_new_tokens=8)))
     with pytest.raises(json.JSONDecodeError):  # without the schema the model writes prose
         json.loads(free)
-
-
-@pytest.fixture
-async def api(nursery: trio.Nursery) -> AsyncIterator[tuple[httpx.AsyncClient, LogprobsBackend]]:
-    backend = LogprobsBackend()
-    url = await nursery.start(lambda task_status: serve_http(backend, task_status=task_status))
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        yield http, backend
 
 
 async def test_response_format_reaches_the_stage_as_a_grammar(
