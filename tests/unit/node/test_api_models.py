@@ -1,0 +1,114 @@
+"""Several models behind one API (issue 49, item 1): ``ModelsBackend`` routes a request
+by its ``model``; ``memory_shares`` splits a node's memory among its models."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from hetmesh.errors import InvalidRequest
+from hetmesh.node.api import serve_http
+from hetmesh.node.backend import ModelsBackend
+from hetmesh.node.models import member_config, memory_shares, model_slug
+from hetmesh.node.runtime import NodeConfig
+from hetmesh.protocol.generate import SamplingParams
+from tests.unit.node.test_api import FakeBackend
+
+
+class Named(FakeBackend):
+    """A fake member serving ``name``, whose tokens spell it."""
+
+    def __init__(self, name: str, context: int) -> None:
+        super().__init__()
+        self.name = name
+        self.context = context
+        self.prompts: list[list[int]] = []
+
+    def models(self) -> list[str]:
+        return [self.name]
+
+    def max_context(self) -> int:
+        return self.context
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        self.prompts.append(list(prompt_ids))
+        for i in range(params.max_new_tokens):
+            yield 100 + i, f" {self.name}{i}"
+
+
+async def test_requests_route_by_model_and_models_lists_every_member(
+    nursery: trio.Nursery,
+) -> None:
+    members: dict[str, Any] = {"big": Named("big", 64), "small": Named("small", 16)}
+    backend = ModelsBackend(lambda: members)
+    url = await nursery.start(lambda task_status: serve_http(backend, task_status=task_status))
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        listed = (await http.get("/v1/models")).json()
+        assert [m["id"] for m in listed["data"]] == ["big", "small"]
+        for name in ("big", "small"):
+            body = {"model": name, "prompt": "one two", "max_tokens": 3}
+            reply = (await http.post("/v1/completions", json=body)).json()
+            assert reply["model"] == name
+            assert reply["choices"][0]["text"] == f" {name}0 {name}1 {name}2"
+        assert len(members["big"].prompts) == len(members["small"].prompts) == 1
+        # each model's own context bounds its requests
+        long = {"model": "small", "prompt": "one two", "max_tokens": 20}
+        refused = await http.post("/v1/completions", json=long)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        assert (await http.post("/v1/completions", json={**long, "model": "big"})).is_success
+        # an unknown model is a 404 naming the models served, as OpenAI's is
+        missing = await http.post("/v1/completions", json={**long, "model": "gpt-4"})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        assert "big, small" in missing.json()["error"]["message"]
+        # a model removed is no longer listed nor served; the other still is
+        del members["small"]
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["big"]
+        gone = await http.post("/v1/completions", json={**long, "model": "small"})
+        assert gone.status_code == 404
+        assert (await http.post("/v1/completions", json={**long, "model": "big"})).is_success
+
+
+def test_memory_is_split_by_the_given_shares_and_evenly_otherwise() -> None:
+    gib = 1 << 30
+    assert memory_shares(4 * gib, ["a", "b"], {}) == {"a": 2 * gib, "b": 2 * gib}
+    assert memory_shares(4 * gib, ["a", "b", "c"], {"a": 2 * gib}) == {
+        "a": 2 * gib,
+        "b": gib,
+        "c": gib,
+    }
+    with pytest.raises(InvalidRequest, match="not a --model"):
+        memory_shares(4 * gib, ["a"], {"z": gib})
+    with pytest.raises(InvalidRequest, match="named twice"):
+        memory_shares(4 * gib, ["a", "a"], {})
+    with pytest.raises(InvalidRequest, match="less than"):
+        memory_shares(4 * gib, ["a", "b"], {"a": 4 * gib})
+
+
+def test_each_member_has_its_own_directory_memory_and_port(tmp_path: Any) -> None:
+    config = NodeConfig(
+        listen=("/ip4/0.0.0.0/tcp/4001",),
+        bootstrap=("/ip4/10.0.0.2/tcp/1/p2p/X",),
+        data_dir=tmp_path,
+        api_port=8000,
+    )
+    first = member_config(config, "smollm2", 1 << 30, None)
+    assert first.listen == config.listen
+    assert first.bootstrap == config.bootstrap
+    assert first.api_port is None
+    assert first.max_memory_bytes == 1 << 30
+    assert first.serving is not None
+    assert first.serving.model == "smollm2"
+    second = member_config(config, "/models/My Model", 1 << 29, "/ip4/1.2.3.4/tcp/4001/p2p/A")
+    assert second.listen == ("/ip4/0.0.0.0/tcp/0",)
+    assert second.bootstrap == ("/ip4/1.2.3.4/tcp/4001/p2p/A", *config.bootstrap)
+    assert second.data_dir == tmp_path / "models" / model_slug("/models/My Model")
+    assert second.data_dir != first.data_dir
+    assert "/" not in model_slug("/models/My Model")
