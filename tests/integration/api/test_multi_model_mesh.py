@@ -1,0 +1,117 @@
+"""Two models on one mesh, from one node process (issue 49, item 1).
+
+``run_models`` serves the default model and a tiny synthetic one, one member
+each, with real libp2p hosts, the real data plane and real weights; its HTTP
+API lists both and routes by ``model``. Both stream at once, each equal to its
+own single-process reference; removing the synthetic model mid-stream leaves
+the default model's stream, plan and sessions untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from hetmesh.node.config import ServingConfig
+from hetmesh.node.models import ModelMembers, run_models
+from hetmesh.protocol.generate import SamplingParams
+from tests.integration.node.inprocess_mesh import PROMPT_IDS, free_port, node_config, until
+from tests.integration.node.mesh_nodes import reference_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+SYNTH = "synth-tiny"  # 4 layers of 64: the smallest synth shape, milliseconds a token
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hetmesh.partition.store import resolve_model
+
+    return resolve_model(SYNTH, cache_dir=tmp_path_factory.mktemp("synth"))
+
+
+async def tokens_of(stream: AsyncGenerator[tuple[int, str], None]) -> list[int]:
+    async with contextlib.aclosing(stream):
+        return [t async for t, _ in stream if t >= 0]
+
+
+async def test_two_models_serve_at_once_and_one_leaves_without_touching_the_other(
+    tmp_path: Path, default_model_dir: Path, synth_dir: Path
+) -> None:
+    serving = ServingConfig(max_context_tokens=512, block_step_s=0.0005)
+    port = free_port()
+    config = node_config(tmp_path, "node", serving, memory_bytes=3 << 30, api_port=port)
+    models = [str(default_model_dir), str(synth_dir)]
+    big, small = default_model_dir.name, synth_dir.name
+    expected = {
+        big: reference_ids(default_model_dir, PROMPT_IDS, NEW_TOKENS),
+        small: reference_ids(synth_dir, PROMPT_IDS, NEW_TOKENS),
+    }
+    async with trio.open_nursery() as nursery:
+        members: ModelMembers = await nursery.start(
+            run_models, config, models, {str(synth_dir): 512 << 20}
+        )
+        try:
+            await run_checks(members, port, expected, big, small)
+        finally:
+            members.request_stop()
+
+
+async def run_checks(
+    members: ModelMembers, port: int, expected: dict[str, list[int]], big: str, small: str
+) -> None:
+    assert list(members.nodes) == [big, small]
+    nodes = members.nodes
+    # one member per model, each planned by its own coordinator: a plan per model
+    await until(lambda: all(n.serving.ready() for n in nodes.values()), 180, "both models ready")
+    plans = {key: n.serving.plan for key, n in nodes.items()}
+    assert {key: p.model_name for key, p in plans.items()} == {big: big, small: small}
+    assert nodes[big].peer_id != nodes[small].peer_id
+    # both members are in one mesh: each sees the other
+    assert nodes[small].peer_id in {e.peer_id for e in nodes[big].discovery.alive()}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+        listed = (await http.get("/v1/models")).json()
+        assert sorted(m["id"] for m in listed["data"]) == sorted([big, small])
+        for key in (big, small):  # routed by model: each its own model's tokens
+            body = {"model": key, "prompt": "x", "max_tokens": 4, "temperature": 0}
+            reply = await http.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["model"] == key
+
+    backend = members.backend()
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    got: dict[str, list[int]] = {}
+
+    async def one(key: str) -> None:
+        got[key] = await tokens_of(backend.for_model(key).stream(PROMPT_IDS, params))
+
+    async with trio.open_nursery() as both:  # both models at once
+        both.start_soon(one, big)
+        both.start_soon(one, small)
+    assert got == expected
+
+    # the small model leaves while the big one streams
+    big_epoch = nodes[big].serving.plan.epoch
+    out: list[int] = []
+    stream = backend.for_model(big).stream(PROMPT_IDS, params)
+    async with contextlib.aclosing(stream):
+        async for token, _ in stream:
+            if token < 0:
+                continue
+            out.append(token)
+            if len(out) == 3:
+                await members.remove(small)
+    assert out == expected[big]
+    assert list(members.nodes) == [big]
+    gateway: Any = nodes[big].serving.gateway
+    assert gateway.statistics().recoveries == 0  # no session of the big model was replayed
+    assert gateway.statistics().sessions_failed == 0
+    assert nodes[big].serving.plan.epoch == big_epoch  # its plan did not change
+    assert backend.models() == [big]
