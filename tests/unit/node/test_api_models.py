@@ -112,3 +112,34 @@ def test_each_member_has_its_own_directory_memory_and_port(tmp_path: Any) -> Non
     assert second.data_dir == tmp_path / "models" / model_slug("/models/My Model")
     assert second.data_dir != first.data_dir
     assert "/" not in model_slug("/models/My Model")
+
+
+def test_the_cli_starts_one_member_per_repeated_model(monkeypatch: Any, tmp_path: Any) -> None:
+    from typer.testing import CliRunner
+
+    from hetmesh.cli import app
+
+    seen: list[tuple[Any, ...]] = []
+    monkeypatch.setattr("hetmesh.cli.node.trio.run", lambda func, *args: seen.append(args))
+    args = ["node", "start", "--data-dir", str(tmp_path), "--max-memory", "4GiB"]
+    models = ["--model", "smollm2-135m-instruct", "--model", "synth-tiny"]
+    result = CliRunner().invoke(app, [*args, *models, "--model-memory", "synth-tiny=1GiB"])
+    assert result.exit_code == 0, result.output
+    (config, names, memory), *_ = seen
+    assert names == ["smollm2-135m-instruct", "synth-tiny"]
+    assert memory == {"synth-tiny": 1 << 30}
+    assert config.max_memory_bytes == 4 << 30
+    # one model: the single-model node, as before
+    result = CliRunner().invoke(app, [*args, "--model", "synth-tiny"])
+    assert result.exit_code == 0, result.output
+    assert len(seen[1]) == 1
+    assert seen[1][0].serving.model == "synth-tiny"
+    # a config file may name several models as a list
+    f = tmp_path / "node.toml"
+    f.write_text('model = ["a", "b"]\nmodel-memory = ["a=1GiB"]\n')
+    result = CliRunner().invoke(app, ["node", "start", "--config", str(f)])
+    assert result.exit_code == 0, result.output
+    assert seen[2][1:] == (["a", "b"], {"a": 1 << 30})
+    bad = CliRunner().invoke(app, [*args, *models, "--model-memory", "synth-tiny"])
+    assert bad.exit_code != 0
+    assert "NAME=SIZE" in str(bad.exception or bad.output)
