@@ -17,7 +17,9 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from rich.console import Console
 
+from hetmesh.cli.status_view import plan_table, summarize
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.models import ModelMembers, run_models
 from hetmesh.protocol.generate import SamplingParams
@@ -84,6 +86,20 @@ async def run_checks(
             reply = await http.post("/v1/completions", json=body)
             assert reply.status_code == 200, reply.text
             assert reply.json()["model"] == key
+        # status shows each model's plan and load
+        view = (await http.get("/v1/hetmesh/status")).json()
+    summary = summarize(view)
+    shown = {m["model"]: m for m in summary["models"]}
+    assert sorted(shown) == sorted([big, small])
+    for key, node in nodes.items():
+        assert shown[key]["plan"]["model"] == key
+        assert shown[key]["peers"] == [node.peer_id]
+        assert all(p["ready"] for p in shown[key]["plan"]["pipelines"])
+    console = Console(record=True, width=200)
+    console.print(plan_table(summary))
+    printed = console.export_text()
+    assert f"for {big}:" in printed
+    assert f"for {small}:" in printed
 
     backend = members.backend()
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
