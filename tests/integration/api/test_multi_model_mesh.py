@@ -10,6 +10,7 @@ the default model's stream, plan and sessions untouched.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from rich.console import Console
 
 from hetmesh.cli.status_view import plan_table, summarize
 from hetmesh.node.config import ServingConfig
+from hetmesh.node.events import Feed
 from hetmesh.node.models import ModelMembers, run_models
 from hetmesh.protocol.generate import SamplingParams
 from tests.integration.node.inprocess_mesh import PROMPT_IDS, free_port, node_config, until
@@ -100,6 +102,12 @@ async def run_checks(
     printed = console.export_text()
     assert f"for {big}:" in printed
     assert f"for {small}:" in printed
+    # and so does the dashboard's feed: one plan per model
+    feed = Feed(lambda: view)
+    feed.tick()
+    hello = json.loads(feed.hello().split("data: ", 1)[1])
+    plans = hello["snapshot"]["plans"]
+    assert {key: p["model_name"] for key, p in plans.items()} == {big: big, small: small}
 
     backend = members.backend()
     params = SamplingParams(max_new_tokens=NEW_TOKENS)
