@@ -381,8 +381,9 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             f"{_rate(load.get('tokens_per_s'))} tokens/s"
         )
     )
+    several = len(summary.get("models") or ()) > 1  # then each peer's model too
     columns = ("peer", "weights", "units on disk", "fetching", "sessions", "queue", "KV used")
-    for col in (*columns, "tokens out", "tokens/s"):
+    for col in (*columns, "tokens out", "tokens/s", *(("model",) if several else ())):
         table.add_column(col)
     for p in load.get("peers") or ():
         table.add_row(
@@ -395,6 +396,7 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             _mib(p["kv_bytes_used"]),
             str(p["tokens_out"]),
             _rate(p["tokens_per_s"]),
+            *((str(p.get("model", "-")),) if several else ()),
         )
     return table
 

@@ -20,7 +20,7 @@ import pytest
 import trio
 from rich.console import Console
 
-from hetmesh.cli.status_view import plan_table, summarize
+from hetmesh.cli.status_view import load_table, plan_table, summarize
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.events import Feed
 from hetmesh.node.models import ModelMembers, run_models
@@ -99,9 +99,11 @@ async def run_checks(
         assert all(p["ready"] for p in shown[key]["plan"]["pipelines"])
     console = Console(record=True, width=200)
     console.print(plan_table(summary))
+    console.print(load_table(summary))  # a model column beside each peer
     printed = console.export_text()
     assert f"for {big}:" in printed
     assert f"for {small}:" in printed
+    assert printed.count(small) >= 3  # its plan's title, its load line, its peer's row
     # and so does the dashboard's feed: one plan per model
     feed = Feed(lambda: view)
     feed.tick()
