@@ -3,8 +3,8 @@
 ``run_models`` serves the default model and a tiny synthetic one, one member
 each, with real libp2p hosts, the real data plane and real weights; its HTTP
 API lists both and routes by ``model``. Both stream at once, each equal to its
-own single-process reference; removing the synthetic model mid-stream leaves
-the default model's stream, plan and sessions untouched.
+own single-process reference; removing the synthetic model mid-stream, and
+adding it back, leaves the default model's stream, plan and sessions untouched.
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def synth_dir(default_model_dir: Path) -> Path:
+    """synth-tiny in the hetmesh cache beside the default model (its tokenizer's source),
+    written once (~7 MB, under the cache's lock)."""
     from hetmesh.partition.store import resolve_model
 
-    return resolve_model(SYNTH, cache_dir=tmp_path_factory.mktemp("synth"))
+    return resolve_model(SYNTH)
 
 
 async def tokens_of(stream: AsyncGenerator[tuple[int, str], None]) -> list[int]:
@@ -63,13 +65,18 @@ async def test_two_models_serve_at_once_and_one_leaves_without_touching_the_othe
             run_models, config, models, {str(synth_dir): 512 << 20}
         )
         try:
-            await run_checks(members, port, expected, big, small)
+            await run_checks(members, port, expected, big, small, str(synth_dir))
         finally:
             members.request_stop()
 
 
 async def run_checks(
-    members: ModelMembers, port: int, expected: dict[str, list[int]], big: str, small: str
+    members: ModelMembers,
+    port: int,
+    expected: dict[str, list[int]],
+    big: str,
+    small: str,
+    synth: str,
 ) -> None:
     assert list(members.nodes) == [big, small]
     nodes = members.nodes
@@ -141,3 +148,20 @@ async def run_checks(
     assert gateway.statistics().sessions_failed == 0
     assert nodes[big].serving.plan.epoch == big_epoch  # its plan did not change
     assert backend.models() == [big]
+
+    # and comes back while the big one streams: planned again, serving its reference
+    out = []
+    stream = backend.for_model(big).stream(PROMPT_IDS, params)
+    async with contextlib.aclosing(stream):
+        async for token, _ in stream:
+            if token < 0:
+                continue
+            out.append(token)
+            if len(out) == 3:
+                await members.add(synth, 512 << 20)
+    assert out == expected[big]
+    assert gateway.statistics().recoveries == 0
+    assert nodes[big].serving.plan.epoch == big_epoch
+    await until(lambda: members.nodes[small].serving.ready(), 120, "the small model back")
+    assert backend.models() == [big, small]
+    assert await tokens_of(backend.for_model(small).stream(PROMPT_IDS, params)) == expected[small]
