@@ -7,6 +7,7 @@ API never imports the daemon or the serving code.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -157,10 +158,45 @@ class ModelsBackend:
         return self._first().token_texts(ids)
 
     def gauges(self) -> MeshGauges:
-        return self._first().gauges()
+        """The members' counters summed; each stage's KV labelled with its model; the
+        links, plan epoch and memory (the process's, whichever member reads it) the
+        first member's."""
+        members = self._members()
+        if not members:
+            return MeshGauges()
+        each = {model: b.gauges() for model, b in members.items()}
+        first = next(iter(each.values()))
+        summed = {
+            f.name: sum(getattr(g, f.name) for g in each.values())
+            for f in dataclasses.fields(MeshGauges)
+            if f.name in _SUMMED
+        }
+        stages = tuple((f"{m}:{u}", kv) for m, g in each.items() for u, kv in g.stages_kv)
+        ready = all(g.ready for g in each.values())
+        return dataclasses.replace(first, ready=ready, stages_kv=stages, **summed)
 
     def view(self) -> dict[str, Any]:
         return self._first().view()
+
+
+# the gauges a node serving several models adds up over its members
+_SUMMED = frozenset(
+    {
+        "queue_depth",
+        "active_sessions",
+        "gateway_sessions",
+        "kv_bytes_used",
+        "kv_bytes_free",
+        "recoveries",
+        "rejected_busy",
+        "tokens_out",
+        "sessions_failed",
+        "prefix_tokens_skipped",
+        "shard_bytes_fetched",
+        "shard_bytes_served",
+        "shard_verification_failures",
+    }
+)
 
 
 def _number(value: object) -> TypeGuard[int | float]:

@@ -143,3 +143,31 @@ def test_the_cli_starts_one_member_per_repeated_model(monkeypatch: Any, tmp_path
     bad = CliRunner().invoke(app, [*args, *models, "--model-memory", "synth-tiny"])
     assert bad.exit_code != 0
     assert "NAME=SIZE" in str(bad.exception or bad.output)
+
+
+def test_the_gauges_of_several_members_add_up() -> None:
+    from hetmesh.node.api_metrics import MeshGauges
+
+    class Gauged(Named):
+        def __init__(self, name: str, gauges: MeshGauges) -> None:
+            super().__init__(name, 64)
+            self._gauges = gauges
+
+        def gauges(self) -> MeshGauges:
+            return self._gauges
+
+    kv = {"kv_blocks_in_use": 2.0}
+    big = MeshGauges(
+        ready=True, plan_epoch=4, tokens_out=10, active_sessions=1, stages_kv=(("0-30", kv),)
+    )
+    small = MeshGauges(
+        ready=False, plan_epoch=9, tokens_out=5, active_sessions=2, stages_kv=(("0-4", kv),)
+    )
+    members: dict[str, Any] = {"big": Gauged("big", big), "small": Gauged("small", small)}
+    gauges = ModelsBackend(lambda: members).gauges()
+    assert gauges.tokens_out == 15
+    assert gauges.active_sessions == 3
+    assert gauges.ready is False  # one model has no ready pipeline
+    assert gauges.plan_epoch == 4
+    assert [u for u, _ in gauges.stages_kv] == ["big:0-30", "small:0-4"]
+    assert ModelsBackend(dict).gauges() == MeshGauges()
