@@ -71,6 +71,7 @@ from hetmesh.node.api_guard import (
     route_label,
 )
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
+from hetmesh.node.api_models import ModelControl, model_routes
 from hetmesh.node.api_requests import (
     DEFAULT_MAX_REQUESTS_PER_CLIENT,
     DEFAULT_MAX_REQUESTS_PER_KEY,
@@ -475,6 +476,7 @@ def build_app(
     feed: Feed | None = None,
     policy: ClientPolicy | None = None,
     guard: LocalGuard | None = None,
+    models: ModelControl | None = None,
 ) -> Starlette:
     """The ASGI app; streams are produced by tasks of ``nursery``.
 
@@ -519,6 +521,7 @@ def build_app(
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
         *dashboard_routes(feed, api._error),
+        *(model_routes(models, api._error) if models is not None else ()),  # several models
     ]
     api.routes = routes
 
@@ -544,9 +547,11 @@ async def serve_http(
     port: int = 0,
     api_key: str | None = None,
     policy: ClientPolicy | None = None,
+    models: ModelControl | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL.
+    ``models``: a node serving several models adds and removes them there.
 
     The HTTP server is supervised: if hypercorn itself fails (not a request:
     those are answered with a 500), it is logged and restarted on the same
@@ -560,7 +565,9 @@ async def serve_http(
     url: str | None = None
     guard = LocalGuard.for_bind(host, port)
     async with trio.open_nursery() as streams:  # producers of streamed responses
-        app = build_app(backend, metrics, streams, api_key=api_key, policy=policy, guard=guard)
+        app = build_app(
+            backend, metrics, streams, api_key=api_key, policy=policy, guard=guard, models=models
+        )
         while True:
             config = Config()
             config.bind = [f"{host}:{port}"]
@@ -596,13 +603,17 @@ async def serve_api(
     *,
     host: str = "127.0.0.1",
     api_key: str | None = None,
+    models: ModelControl | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The node's OpenAI-compatible API on ``host:port`` for ``backend``; never returns.
 
-    The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`.
+    The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`; a node serving
+    several models a :class:`~hetmesh.node.backend.ModelsBackend` and its ``models``.
     """
-    await serve_http(backend, host=host, port=port, api_key=api_key, task_status=task_status)
+    await serve_http(
+        backend, host=host, port=port, api_key=api_key, models=models, task_status=task_status
+    )
 
 
 __all__ = [

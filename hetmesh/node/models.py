@@ -147,6 +147,18 @@ class ModelMembers:
         await self._stopped.pop(key).wait()
         log.info("stopped serving %s", key)
 
+    async def add_model(self, model: str, memory_bytes: int) -> str:
+        """:meth:`add`, for the API (``POST /v1/hetmesh/models``): the model's name."""
+        node = await self.add(model, memory_bytes)
+        return str(node.serving.model_key)
+
+    async def remove_model(self, key: str) -> None:
+        """:meth:`remove`, for the API (``DELETE /v1/hetmesh/models/{key}``); the last
+        model cannot go (the node would serve nothing: stop it instead)."""
+        if key in self.nodes and len(self.nodes) == 1:
+            raise InvalidRequest(f"{key} is this node's last model; stop the node instead")
+        await self.remove(key)
+
     def request_stop(self) -> None:
         """Ask :func:`run_models` to stop every member and return."""
         self.stop_requested.set()
@@ -208,6 +220,7 @@ async def run_models(
                         config.api_port,
                         host=config.api_host,
                         api_key=config.api_key,
+                        models=members,  # POST/DELETE /v1/hetmesh/models
                     )
                 )
             _write_info(config, members)

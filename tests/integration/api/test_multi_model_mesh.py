@@ -4,7 +4,8 @@
 each, with real libp2p hosts, the real data plane and real weights; its HTTP
 API lists both and routes by ``model``. Both stream at once, each equal to its
 own single-process reference; removing the synthetic model mid-stream, and
-adding it back, leaves the default model's stream, plan and sessions untouched.
+adding it back, over the API's ``/v1/hetmesh/models``, leaves the default
+model's stream, plan and sessions untouched.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ async def test_two_models_serve_at_once_and_one_leaves_without_touching_the_othe
             run_models, config, models, {str(synth_dir): 512 << 20}
         )
         try:
-            await run_checks(members, port, expected, big, small, str(synth_dir))
+            await run_checks(members, port, expected, big, small)
         finally:
             members.request_stop()
 
@@ -76,7 +77,6 @@ async def run_checks(
     expected: dict[str, list[int]],
     big: str,
     small: str,
-    synth: str,
 ) -> None:
     assert list(members.nodes) == [big, small]
     nodes = members.nodes
@@ -130,17 +130,19 @@ async def run_checks(
         both.start_soon(one, small)
     assert got == expected
 
-    # the small model leaves while the big one streams
+    # the small model leaves (over the API) while the big one streams
     big_epoch = nodes[big].serving.plan.epoch
     out: list[int] = []
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300)
     stream = backend.for_model(big).stream(PROMPT_IDS, params)
-    async with contextlib.aclosing(stream):
+    async with http, contextlib.aclosing(stream):
         async for token, _ in stream:
             if token < 0:
                 continue
             out.append(token)
             if len(out) == 3:
-                await members.remove(small)
+                removed = await http.delete(f"/v1/hetmesh/models/{small}")
+                assert removed.status_code == 200, removed.text
     assert out == expected[big]
     assert list(members.nodes) == [big]
     gateway: Any = nodes[big].serving.gateway
@@ -149,16 +151,20 @@ async def run_checks(
     assert nodes[big].serving.plan.epoch == big_epoch  # its plan did not change
     assert backend.models() == [big]
 
-    # and comes back while the big one streams: planned again, serving its reference
+    # and comes back (by its name) while the big one streams: planned again
     out = []
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300)
     stream = backend.for_model(big).stream(PROMPT_IDS, params)
-    async with contextlib.aclosing(stream):
+    async with http, contextlib.aclosing(stream):
         async for token, _ in stream:
             if token < 0:
                 continue
             out.append(token)
             if len(out) == 3:
-                await members.add(synth, 512 << 20)
+                body = {"model": SYNTH, "memory_bytes": 512 << 20}
+                added = await http.post("/v1/hetmesh/models", json=body)
+                assert added.status_code == 201, added.text
+                assert added.json()["id"] == small
     assert out == expected[big]
     assert gateway.statistics().recoveries == 0
     assert nodes[big].serving.plan.epoch == big_epoch

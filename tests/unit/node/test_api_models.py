@@ -171,3 +171,73 @@ def test_the_gauges_of_several_members_add_up() -> None:
     assert gauges.plan_epoch == 4
     assert [u for u, _ in gauges.stages_kv] == ["big:0-30", "small:0-4"]
     assert ModelsBackend(dict).gauges() == MeshGauges()
+
+
+class Control:
+    """Adds and removes the ``Named`` members of a ``ModelsBackend``'s mapping."""
+
+    def __init__(self, members: dict[str, Any]) -> None:
+        self.members = members
+        self.added: list[tuple[str, int]] = []
+
+    async def add_model(self, model: str, memory_bytes: int) -> str:
+        from hetmesh.errors import ModelNotFound
+
+        if model == "missing":
+            raise ModelNotFound("no such model: missing")
+        self.added.append((model, memory_bytes))
+        self.members[model] = Named(model, 32)
+        return model
+
+    async def remove_model(self, key: str) -> None:
+        from hetmesh.errors import ModelNotFound
+
+        if self.members.pop(key, None) is None:
+            raise ModelNotFound(f"this node does not serve {key!r}")
+
+
+async def test_models_are_added_and_removed_over_the_api(nursery: trio.Nursery) -> None:
+    members: dict[str, Any] = {"big": Named("big", 64)}
+    control = Control(members)
+    backend = ModelsBackend(lambda: members)
+    url = await nursery.start(
+        lambda task_status: serve_http(backend, models=control, task_status=task_status)
+    )
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        added = await http.post(
+            "/v1/hetmesh/models", json={"model": "synth-tiny", "memory_bytes": 1 << 30}
+        )
+        assert added.status_code == 201, added.text
+        assert added.json()["id"] == "synth-tiny"
+        assert control.added == [("synth-tiny", 1 << 30)]
+        listed = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+        assert listed == ["big", "synth-tiny"]
+        body = {"model": "synth-tiny", "prompt": "a", "max_tokens": 2}
+        reply = (await http.post("/v1/completions", json=body)).json()
+        assert reply["choices"][0]["text"] == " synth-tiny0 synth-tiny1"
+        # names only: never a path on the node; a memory of some size
+        for bad, param in (
+            ({"model": "/etc/passwd", "memory_bytes": 1 << 30}, "model"),
+            ({"model": "../models/x", "memory_bytes": 1 << 30}, "model"),
+            ({"model": "x.gguf", "memory_bytes": 1 << 30}, "model"),
+            ({"model": "synth-tiny", "memory_bytes": 10}, "memory_bytes"),
+            ({"model": "synth-tiny", "memory_bytes": "1GiB"}, "memory_bytes"),
+        ):
+            refused = await http.post("/v1/hetmesh/models", json=bad)
+            assert refused.status_code == 400, bad
+            assert refused.json()["error"]["param"] == param
+        missing = {"model": "missing", "memory_bytes": 1 << 30}
+        assert (await http.post("/v1/hetmesh/models", json=missing)).status_code == 404
+        assert len(control.added) == 1
+        removed = await http.delete("/v1/hetmesh/models/synth-tiny")
+        assert removed.json() == {"id": "synth-tiny", "object": "model", "deleted": True}
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["big"]
+        assert (await http.delete("/v1/hetmesh/models/synth-tiny")).status_code == 404
+
+
+async def test_a_one_model_node_has_no_model_routes(nursery: trio.Nursery) -> None:
+    backend = Named("big", 64)
+    url = await nursery.start(lambda task_status: serve_http(backend, task_status=task_status))
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        body = {"model": "x", "memory_bytes": 1 << 30}
+        assert (await http.post("/v1/hetmesh/models", json=body)).status_code == 404
