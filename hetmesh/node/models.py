@@ -201,36 +201,36 @@ async def run_models(
     task_status: TaskStatus[ModelMembers] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``models`` from this process (one member each, see the module docstring)
-    until ``members.request_stop()``; reports the :class:`ModelMembers`."""
+    until ``members.request_stop()`` (every member drains, then leaves); reports the
+    :class:`ModelMembers`."""
     if config.serving is None:
         raise InvalidRequest("several models need serving on (drop --no-serve)")
     shares = memory_shares(_total_memory(config), models, model_memory or {})
     async with trio.open_nursery() as nursery:
         members = ModelMembers(config, nursery)
-        try:
-            for model in models:
-                await members.add(model, shares[model])
-            if config.api_port is not None:
-                from hetmesh.node.api import serve_api
+        for model in models:
+            await members.add(model, shares[model])
+        if config.api_port is not None:
+            from hetmesh.node.api import serve_api
 
-                await nursery.start(
-                    functools.partial(
-                        serve_api,
-                        members.backend(),
-                        config.api_port,
-                        host=config.api_host,
-                        api_key=config.api_key,
-                        models=members,  # POST/DELETE /v1/hetmesh/models
-                    )
+            await nursery.start(
+                functools.partial(
+                    serve_api,
+                    members.backend(),
+                    config.api_port,
+                    host=config.api_host,
+                    api_key=config.api_key,
+                    models=members,  # POST/DELETE /v1/hetmesh/models
                 )
-            _write_info(config, members)
-            log.info("node ready: %s", ", ".join(members.nodes))
-            task_status.started(members)
-            await members.stop_requested.wait()
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(60):
-                await members.stop_all()
-            nursery.cancel_scope.cancel()
+            )
+        _write_info(config, members)
+        log.info("node ready: %s", ", ".join(members.nodes))
+        task_status.started(members)
+        await members.stop_requested.wait()
+        # graceful: each member's sessions move away and it says goodbye; a cancellation
+        # (a second signal) instead cancels every member at once (each still says goodbye)
+        await members.stop_all()
+        nursery.cancel_scope.cancel()
 
 
 __all__ = [
