@@ -63,10 +63,11 @@ def _plan(epoch: int, mine: tuple[int, int], units: int) -> Plan:
 
 
 async def _move(
-    model_dir: Path, capacity: int, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, capacity: int, monkeypatch: pytest.MonkeyPatch, *, mid_load: bool = False
 ) -> tuple[list[set[tuple[int, int]]], StageHost]:
-    """Follow a plan giving us [0, 4), then one giving us [4, 8); returns the stages
-    served when each load began, and the host."""
+    """Follow a plan giving us [0, 4), then (once it is served, or ``mid_load``: while
+    it loads) one giving us [4, 8); returns the stages served when each load began,
+    and the host."""
     served_at_load: list[set[tuple[int, int]]] = []
     real = stage_module.load_stage
     host: StageHost | None = None
@@ -74,6 +75,8 @@ async def _move(
     def observed(*args: Any, **kwargs: Any) -> Any:
         assert host is not None
         served_at_load.append(set(host.servers()))  # what this node holds as it loads
+        if mid_load and len(served_at_load) == 1:  # the successor's plan, mid-load
+            trio.from_thread.run_sync(host.follow, _plan(2, (4, 8), 32), ME)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(stage_module, "load_stage", observed)
@@ -97,10 +100,11 @@ async def _move(
             host.start(nursery)
             units = 32
             host.follow(_plan(1, (0, 4), units), ME)
-            while set(host.servers()) != {(0, 4)}:
+            while not mid_load and set(host.servers()) != {(0, 4)}:
                 await changed.wait()
                 changed = trio.Event()
-            host.follow(_plan(2, (4, 8), units), ME)
+            if not mid_load:
+                host.follow(_plan(2, (4, 8), units), ME)
             while (4, 8) not in host.servers():
                 host.retire_idle()  # the node's plan loop does this every tick
                 with trio.move_on_after(0.05):
@@ -125,3 +129,13 @@ async def test_a_move_that_fits_keeps_the_old_stage_serving_until_the_new_one_is
     loads, host = await _move(default_model_dir, 2000 * MIB, monkeypatch)
     assert loads == [set(), {(0, 4)}]  # [0, 4) still held while [4, 8) loaded
     assert set(host.servers()) == {(4, 8)}  # then it retired
+
+
+async def test_a_load_the_plan_left_behind_is_dropped_before_the_new_one_loads(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bench's OOM of 12-05: a successor's plan moves a node still loading its
+    first stage; that load ends, is dropped unserved, and only then the new one loads."""
+    loads, host = await _move(default_model_dir, 1000 * MIB, monkeypatch, mid_load=True)
+    assert loads == [set(), set()]
+    assert set(host.servers()) == {(4, 8)}
