@@ -214,6 +214,7 @@ class StageHost:
         if any(self._crowded(key) for key in self._mine - self._served.keys()):
             for key, served in self._served.items():  # no room to keep them meanwhile
                 served.retiring = served.retiring or key not in self._mine
+        self._let_go()  # a waiting load checks the new plan (its stage may be gone, or fit)
 
     def _crowded(self, key: Key) -> bool:
         held = self._served.keys() | self._loading
