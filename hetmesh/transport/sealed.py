@@ -201,10 +201,17 @@ class OpenedSocket:
                 start = self._raw_start + _LENGTH.size
                 self._raw_start = start + length
                 return raw[start : start + length]
-            if self._raw_end == len(raw) or not have:  # full (a record's tail to come): compact
-                self._raw[:have] = self._raw[self._raw_start : self._raw_end]
+            # a record's tail is read up to its end, no further: a large record then
+            # starts at the buffer's head, where it fits, with nothing to move
+            if (
+                not have
+                or self._raw_end == len(raw)
+                or self._raw_start + _LENGTH.size + length > len(raw)
+            ):  # what we hold goes to the head (a memmove)
+                raw[:have] = raw[self._raw_start : self._raw_end]
                 self._raw_start, self._raw_end = 0, have
-            got = self._sock.recv_into(raw[self._raw_end :], 0, flags)
+            end = len(raw) if length < 0 else self._raw_start + _LENGTH.size + length
+            got = self._sock.recv_into(raw[self._raw_end : end], 0, flags)
             if got == 0:
                 if have:
                     raise StreamReset("peer closed the connection inside a sealed record")

@@ -3,6 +3,8 @@ is exactly ``length | AESGCM(key).encrypt(nonce k, plaintext)`` for the k-th rec
 
 from __future__ import annotations
 
+import itertools
+import random
 import socket
 import struct
 import threading
@@ -92,3 +94,31 @@ def test_a_sealed_frame_reads_back_equal_through_the_link_reader() -> None:
             got = reader.read_frame()
             sender.join()
             assert got == frame
+
+
+def test_records_of_any_size_read_back_whatever_the_chunking() -> None:
+    """Small and full-size records back to back, sent in chunks that cut lengths and
+    records anywhere, read in pieces of random sizes: the plaintext comes back whole."""
+    rng = random.Random(45)
+    sealer = Sealer(KEY)
+    plains = [rng.randbytes(n) for n in (5, RECORD_BYTES, 70, RECORD_BYTES - 3, 1, 4000)]
+    wire = b"".join(bytes(sealer.seal([p])) for p in plains)
+    cuts = sorted({0, len(wire), *(rng.randrange(len(wire)) for _ in range(40))})
+    left, right = socket.socketpair()
+    with left, right:
+
+        def send() -> None:
+            for a, b in itertools.pairwise(cuts):
+                left.sendall(wire[a:b])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        opened = OpenedSocket(right, KEY)
+        want = b"".join(plains)
+        out = bytearray(len(want))
+        view = memoryview(out)
+        got = 0
+        while got < len(want):
+            got += opened.recv_into(view[got : got + rng.choice((3, 600, 70_000, 3 << 20))])
+        sender.join()
+        assert out == want
