@@ -32,7 +32,7 @@ from hetmesh.transport.frames import flat_bytes
 
 RECORD_BYTES = 1 << 20  # plaintext per record: bounds what a peer makes us buffer
 TAG_BYTES = 16
-_LENGTH = struct.Struct(">I")
+_LENGTH = struct.Struct(">I")  # 4 bytes
 _NONCE = struct.Struct(">4xQ")  # 96 bits: 32 zero bits, then the record counter
 _MAX_RECORDS = 1 << 64
 _OVERHEAD = _LENGTH.size + TAG_BYTES  # per record
@@ -77,31 +77,28 @@ class Sealer:
                 self._view = memoryview(self._buffer)
             out = self._view
             at = _LENGTH.size
+            view: bytes | memoryview
             for p in parts:
-                try:
-                    view = memoryview(p).cast("B")
-                except TypeError:  # an array with zeros in its shape
-                    view = flat_bytes(p)
+                if type(p) is bytes:  # the frame's head
+                    view = p
+                else:
+                    try:
+                        view = memoryview(p).cast("B")
+                    except TypeError:  # an array with zeros in its shape
+                        view = flat_bytes(p)
                 end = at + len(view)
                 if end > total:
                     break
                 out[at:end] = view
                 at = end
             else:
-                if at == _LENGTH.size + plain:
-                    return self._seal_in_place(out, plain)
+                if at == total - TAG_BYTES:
+                    # sealed where it lies: OpenSSL's GCM reads each block before it writes it
+                    _LENGTH.pack_into(out, 0, plain + TAG_BYTES)
+                    self._aead.encrypt_into(self._nonce(), out[4:at], None, out[4:total])
+                    return out[:total]
             raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
         return self._records(parts, plain)
-
-    def _seal_in_place(self, out: memoryview, plain: int) -> memoryview:
-        """Seal the ``plain`` bytes at ``out[4:]`` where they lie (OpenSSL's GCM reads
-        each block before it writes it), the length before them."""
-        total = plain + _OVERHEAD
-        _LENGTH.pack_into(out, 0, plain + TAG_BYTES)
-        self._aead.encrypt_into(
-            self._nonce(), out[_LENGTH.size : total - TAG_BYTES], None, out[_LENGTH.size : total]
-        )
-        return out[:total]
 
     def _records(self, parts: Sequence[Any], plain: int) -> memoryview:
         views = [v for v in map(flat_bytes, parts) if len(v)]
