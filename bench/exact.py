@@ -170,11 +170,20 @@ def _preemptions(view: dict[str, Any]) -> int:
     return total
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def freeze_stream(
     prompt: list[int], tokens: int, runs: int, pool_tokens: int
-) -> list[tuple[list[int], bool]]:
-    """``runs`` int4 streams, each with the replica serving it frozen then thawed; each
-    stream's tokens and whether a replica was frozen under it."""
+) -> list[dict[str, Any]]:
+    """``runs`` int4 streams, each with the replica serving it frozen (SIGSTOP) at the
+    stream's 20th token, thawed (SIGCONT) once 3 more tokens came (the session replayed
+    on the other replica) or 20 s passed; per stream its tokens, whether a replica was
+    frozen under it and whether tokens came while it was frozen (a recovery)."""
     import trio
 
     from hetmesh.client.mesh import TokenEvent, open_mesh_client
@@ -184,26 +193,34 @@ def freeze_stream(
         *("--weights", "int4", "--max-memory", WHOLE_MEMORY, "--max-context", str(CONTEXT)),
         *("--kv-pool-tokens", str(pool_tokens)),
     ]
-    outputs: list[tuple[list[int], bool]] = []
+    outputs: list[dict[str, Any]] = []
     with local_mesh(3, node_args=args) as mesh:
         wait_serving(mesh, pipelines=2, timeout_s=600)  # a replica to move to
         gateway = mesh.nodes[0]
         replicas = {n.peer_id: n for n in mesh.nodes[1:]}
 
         async def serving(client: Any) -> str | None:
-            """The replica holding the session, once its announced load says so."""
-            for _ in range(40):  # records are announced every few seconds
-                view = await client.status()
-                for entry in view["peers"]:
-                    load = entry["record"]["load"]
-                    if entry["peer_id"] in replicas and load["active_sessions"]:
-                        return str(entry["peer_id"])
-                await trio.sleep(0.25)
-            return None
+            """The replica computing the stream: the one burning CPU while tokens come
+            (its announced load lags by seconds), confirmed by the announcement when
+            that already shows the session."""
+            before = {p: _cpu_seconds(n.proc.pid) for p, n in replicas.items()}
+            await trio.sleep(1.0)
+            used = {p: _cpu_seconds(n.proc.pid) - before[p] for p, n in replicas.items()}
+            busiest = max(used, key=lambda p: used[p])
+            view = await client.status()
+            loaded = [
+                str(e["peer_id"])
+                for e in view["peers"]
+                if e["peer_id"] in replicas and e["record"]["load"]["active_sessions"]
+            ]
+            if len(loaded) == 1:
+                return loaded[0]
+            return busiest if used[busiest] > 0.2 else None
 
-        async def one(client: Any) -> tuple[list[int], bool]:
+        async def one(client: Any) -> dict[str, Any]:
             got: list[int] = []
             frozen: str | None = None
+            at_freeze = 0
             thawed = trio.Event()
             moved_on = trio.Event()  # tokens came after the freeze: replayed elsewhere
 
@@ -220,17 +237,18 @@ def freeze_stream(
                         if not (isinstance(event, TokenEvent) and event.token_id >= 0):
                             continue
                         got.append(event.token_id)
-                        if frozen is not None and len(got) > 22:
+                        if frozen is not None and not thawed.is_set() and len(got) > at_freeze + 2:
                             moved_on.set()
                         if len(got) == 20 and frozen is None:
                             peer = await serving(client)
-                            if peer is not None and peer != gateway.peer_id:
+                            if peer is not None:
                                 frozen = peer
+                                at_freeze = len(got)
                                 os.kill(replicas[peer].proc.pid, signal.SIGSTOP)
                                 nursery.start_soon(thaw_later, peer)
                 if frozen is not None:
                     await thawed.wait()
-            return got, frozen is not None
+            return {"tokens": got, "frozen": frozen is not None, "recovered": moved_on.is_set()}
 
         async def run() -> None:
             async with open_mesh_client(gateway.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
@@ -368,10 +386,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.freeze_runs:
         prompt = stream_mix(7, 1, True)[0][0][:60]
         outputs = freeze_stream(prompt, 120, args.freeze_runs, args.pool_tokens)
-        equal = reference("int4", [(prompt, 120, got) for got, _ in outputs])
+        equal = reference("int4", [(prompt, 120, o["tokens"]) for o in outputs])
+        frozen = sum(o["frozen"] for o in outputs)
         result["freeze_runs"] = len(outputs)
-        result["freeze_runs_frozen"] = sum(frozen for _, frozen in outputs)
-        result["freeze_runs_identical"] = int(bool(outputs) and equal == len(outputs))
+        result["freeze_runs_frozen"] = frozen
+        result["freeze_runs_recovered"] = sum(o["recovered"] for o in outputs)
+        # 1 only when every run froze its serving replica and every stream equals one
+        # process: a run that froze nothing checks nothing
+        result["freeze_runs_identical"] = int(
+            bool(outputs) and frozen == len(outputs) and equal == len(outputs)
+        )
     result["seconds"] = round(time.perf_counter() - began, 1)
     return result
 

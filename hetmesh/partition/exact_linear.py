@@ -80,15 +80,18 @@ def _packed(
     """``rows @ weight.T`` by MKL's packed product, every call 2 to ``tile`` rows.
     ``shape_of`` only gives the weight's shape (the call reads no other of its data
     when the row count passed is the call's own)."""
-    mm = torch.ops.mkl._mkl_linear
-    if rows.shape[0] == 1:
-        out: torch.Tensor = mm(F.pad(rows, (0, 0, 0, 1)), packed, shape_of, None, 2)[:1]
+    mm = torch.ops.mkl._mkl_linear.default
+    count = rows.shape[0]
+    if count == 1:  # a decode step: the lean path (its overhead shows per step)
+        pair = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))
+        out: torch.Tensor = mm(pair, packed, shape_of, None, 2)[:1]
         return out
-    parts = [
-        mm(t.contiguous(), packed, shape_of, None, t.shape[0])
-        for t in torch.split(rows, _float32_tiles(rows.shape[0], tile))
-    ]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    rows = rows.contiguous()
+    if count <= tile:
+        out = mm(rows, packed, shape_of, None, count)
+        return out
+    tiles = torch.split(rows, _float32_tiles(count, tile))
+    return torch.cat([mm(t, packed, shape_of, None, t.shape[0]) for t in tiles])
 
 
 def exact_linear(
@@ -108,7 +111,7 @@ def exact_linear(
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
-        out = _packed(rows.contiguous(), packed, weight, tile)
+        out = _packed(rows, packed, weight, tile)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
         parts = [F.linear(row, weight) for row in torch.split(rows, 1)]
         out = torch.cat(parts) if count > 1 else parts[0]
