@@ -60,6 +60,7 @@ from hetmesh.errors import MeshError, Rejected
 
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
+REFERENCE_ROUND = 16  # the reference's decode rounds: as many rows as clients
 # what one node may offer for the whole model with its pool (replicas), and a cap
 # under the whole model's need in each format (weights + KV budget + workspace: ~315
 # MiB in int4, ~345 in int8, ~470 in bf16) that makes the planner cut it
@@ -259,8 +260,18 @@ def freeze_stream(
     return outputs
 
 
-def reference(fmt: str, streams: Sequence[tuple[list[int], int, list[int]]]) -> int:
-    """How many of ``streams`` equal one process holding the model in ``fmt``."""
+def reference(
+    fmt: str, streams: Sequence[tuple[list[int], int, list[int]]], serial_every: int = 8
+) -> dict[str, int]:
+    """How many of ``streams`` equal one process holding the model in ``fmt``.
+
+    The process computes them as a mesh's stage would, beside each other: each prompt
+    prefilled whole, alone, then decode rounds of up to :data:`REFERENCE_ROUND` streams
+    (each row's result is independent of the round's others: that is what exactness
+    means, proved per shape at load and by tests). Every ``serial_every``-th stream is
+    also generated alone, one token per call (``LocalPipeline.generate_ids``, what
+    ``hetmesh generate`` does); ``serial_disagree`` counts those whose tokens differ
+    from the rounds' (0, or the reference itself is not exact)."""
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.sampling import SamplingParams
     from hetmesh.partition.store import resolve_model
@@ -269,18 +280,52 @@ def reference(fmt: str, streams: Sequence[tuple[list[int], int, list[int]]]) -> 
     model_dir = resolve_model()
     torch.set_num_threads(1)
     pipeline = LocalPipeline.load(model_dir, 1, weights=fmt)
+    stage = pipeline.stages[0]
     eos = eos_token_ids(model_dir, load_tokenizer(model_dir))
+    wants: list[list[int]] = []
+    for lo in range(0, len(streams), REFERENCE_ROUND):
+        group = streams[lo : lo + REFERENCE_ROUND]
+        sessions = [pipeline.new_session(SamplingParams(max_new_tokens=t)) for _, t, _ in group]
+        outs: list[list[int]] = [[] for _ in group]
+        live: list[int] = []
+        with torch.inference_mode():
+            for n, ((prompt, tokens, _), session) in enumerate(zip(group, sessions, strict=True)):
+                logits = stage.forward(torch.tensor(prompt), session.kvs[0], last_only=True)
+                token = session.sampler(logits[-1], 0)
+                if token not in eos and tokens > 0:
+                    outs[n].append(token)
+                    live.append(n)
+            while live:
+                live = [n for n in live if len(outs[n]) < group[n][1]]
+                rows = [(torch.tensor(outs[n][-1:]), sessions[n].kvs[0]) for n in live]
+                logits_per_row = stage.forward_batch(rows, last_only=True) if rows else []
+                still = []
+                for n, logits in zip(live, logits_per_row, strict=True):
+                    token = sessions[n].sampler(logits[-1], len(outs[n]))
+                    if token not in eos:
+                        outs[n].append(token)
+                        still.append(n)
+                live = still
+        for session in sessions:
+            session.free()
+        wants.extend(outs)
+    serial = disagree = 0
+    for n in range(0, len(streams), serial_every) if serial_every else ():
+        prompt, tokens, _ = streams[n]
+        alone = list(
+            pipeline.generate_ids(prompt, SamplingParams(max_new_tokens=tokens), eos_ids=eos)
+        )
+        serial += 1
+        disagree += alone != wants[n]
     equal = 0
-    for prompt, tokens, got in streams:
-        params = SamplingParams(max_new_tokens=tokens)
-        want = list(pipeline.generate_ids(prompt, params, eos_ids=eos))
+    for (prompt, _, got), want in zip(streams, wants, strict=True):
         equal += want == got
         if want != got:
             first = next(
                 (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
             )
             print(f"{fmt}: a {len(prompt)}-token prompt differs at {first}", file=sys.stderr)
-    return equal
+    return {"equal": equal, "serial": serial, "serial_disagree": disagree}
 
 
 def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
@@ -354,8 +399,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "streams_failed": 0,
         "busy_refusals": 0,
         "preemptions": 0,
+        "reference_serial_checked": 0,
+        "reference_serial_disagree": 0,
     }
     began = time.perf_counter()
+    phases: dict[str, float] = {}  # seconds per phase: where a run's time goes
     for i, fmt in enumerate(args.formats if args.streams else ()):
         streams: list[tuple[list[int], int, list[int]]] = []
         for topology, memory, pipelines in (
@@ -363,7 +411,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("cut", CUT_MEMORY[fmt], 1),
         ):
             mix = stream_mix(100 * i + len(topology), per_format, args.quick)
+            start = time.perf_counter()
             got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
+            phases[f"{fmt}_{topology}"] = round(time.perf_counter() - start, 1)
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
                 f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
@@ -377,7 +427,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["busy_refusals"] += got["busy"]
             result["preemptions"] += got["preempted"]
             result[f"{fmt}_{topology}_layout"] = got["layout"]
-        equal = reference(fmt, streams)
+        start = time.perf_counter()
+        checked = reference(fmt, streams, args.serial_every)
+        phases[f"{fmt}_reference"] = round(time.perf_counter() - start, 1)
+        equal = checked["equal"]
+        result["reference_serial_checked"] += checked["serial"]
+        result["reference_serial_disagree"] += checked["serial_disagree"]
         print(f"{fmt}: reference done, {time.perf_counter() - began:.0f} s", file=sys.stderr)
         result["streams_checked"] += len(streams)
         key = "bf16" if fmt == "bfloat16" else fmt
@@ -385,8 +440,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{key}_streams"] = len(streams)
     if args.freeze_runs:
         prompt = stream_mix(7, 1, True)[0][0][:60]
+        start = time.perf_counter()
         outputs = freeze_stream(prompt, 120, args.freeze_runs, args.pool_tokens)
-        equal = reference("int4", [(prompt, 120, o["tokens"]) for o in outputs])
+        phases["freeze"] = round(time.perf_counter() - start, 1)
+        # every freeze stream also alone, one token per call (serial_every 1)
+        checked = reference("int4", [(prompt, 120, o["tokens"]) for o in outputs], 1)
+        equal = min(checked["equal"], checked["serial"] - checked["serial_disagree"])
         frozen = sum(o["frozen"] for o in outputs)
         result["freeze_runs"] = len(outputs)
         result["freeze_runs_frozen"] = frozen
@@ -396,6 +455,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["freeze_runs_identical"] = int(
             bool(outputs) and frozen == len(outputs) and equal == len(outputs)
         )
+    result["phase_seconds"] = phases
     result["seconds"] = round(time.perf_counter() - began, 1)
     return result
 
@@ -411,6 +471,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--pool-tokens", type=int, default=None, help="KV tokens per stage")
     parser.add_argument("--freeze-runs", type=int, default=None)
+    parser.add_argument(
+        "--serial-every",
+        type=int,
+        default=8,
+        help="also generate every Nth stream alone, one token per call (0: none)",
+    )
     parser.add_argument("--speed", action="store_true", help="what exactness costs")
     parser.add_argument("--speed-format", choices=FORMATS, default="int4")
     args = parser.parse_args()
