@@ -183,3 +183,23 @@ def test_bias_is_added_after_the_product(dtype: torch.dtype) -> None:
         alone = torch.cat([model[0](row) for row in x.split(1)])
     assert torch.equal(got, alone)
     assert torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_float32_packed_calls_of_every_row_count_share_one_class(out: int, inp: int) -> None:
+    """The probe at load checks some call sizes; here every size a call can have
+    (2 to the tile of 256 rows) gives each row its lone result, for the default
+    model's shapes."""
+    w = _weight(out, inp, torch.float32)
+    packed = el.mkl_pack(w)
+    assert packed is not None
+    x = _rows(el.FLOAT32_PACKED_TILE, inp, torch.float32)
+    alone = _alone(w, x, packed=packed)  # type: ignore[arg-type]
+    mm = torch.ops.mkl._mkl_linear.default
+    differ = [
+        m
+        for m in range(2, el.FLOAT32_PACKED_TILE + 1)
+        if not torch.equal(mm(x[:m], packed, w, None, m), alone[:m])
+    ]
+    assert differ == []
