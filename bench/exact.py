@@ -15,19 +15,28 @@ Each mesh's KV pool is small (``--pool-tokens`` per stage), so sessions are
 preempted and resumed by replaying their history. ``--clients`` concurrent
 clients run a seeded mix of greedy streams: prompts of 8 to 1,000 random token
 ids, 16 to 200 new tokens. Every finished stream is compared, token for token,
-with one process (``LocalPipeline``, one stage) holding the model in the same
-format. ``<format>_identical_ratio`` is the share of that format's streams equal
-to it; ``streams_checked`` counts them all.
+with one process (one stage) holding the model in the same format. That process
+computes the streams beside each other, as a stage would: each prompt prefilled
+whole and alone, then decode rounds of up to 16 streams (a row's result does not
+depend on its round: what this bench checks of the mesh; the rounds share
+their weight reads, which one stream after another does not); every ``--serial-every``-th
+stream is also generated alone, one token per call, as ``hetmesh generate`` does,
+and ``reference_serial_disagree`` counts those that differ from the rounds' (0).
+``<format>_identical_ratio`` is the share of that format's streams equal to the
+reference; ``streams_checked`` counts them all. ``phase_seconds`` says where the
+run's time went (each mesh, its start included (``_ready``), each reference).
 
 ``freeze_runs_identical``: on the int4 replicas mesh, ``--freeze-runs`` times, a
-stream of 120 tokens after a chat-sized prompt runs; once it has 20 tokens, the
-replica serving it gets SIGSTOP and, once the stream has moved on (a replay on
-another replica) or 20 s passed, SIGCONT. 1 when every such stream equals the
-reference.
+stream of 120 tokens after a chat-sized prompt runs; at its 20th token the
+replica computing it (the one whose CPU time grows while tokens come, or the one
+whose announced load shows the session) gets SIGSTOP and, once 3 more tokens came
+(the session replayed on the other replica: ``freeze_runs_recovered``) or 20 s
+passed, SIGCONT. 1 only when every run froze a replica (``freeze_runs_frozen`` =
+``freeze_runs``) and every stream equals one process (each generated alone).
 
 ``--speed`` instead measures what exactness costs, in one process: the default
 model in ``--speed-format`` loaded three times (``exact``: exact attention and,
-in float32/bfloat16, row-tiled linear layers; ``plain_linear``: exact attention,
+in float32/bfloat16, row-invariant linear layers; ``plain_linear``: exact attention,
 torch's linear layers; ``sdpa``: torch's attention and linear layers), measured
 in alternation in the same run, CPU time of one thread (steadier than wall time
 on a shared machine): a decode step of one session, a decode round of 8
@@ -114,8 +123,10 @@ def mesh_streams(
     done: list[tuple[list[int], int, list[int]]] = []
     failed = busy = 0
     preempted: list[int] = []
+    began = time.perf_counter()
     with local_mesh(3, node_args=args) as mesh:
         view = wait_serving(mesh, pipelines=pipelines, timeout_s=600)
+        ready_s = time.perf_counter() - began
         # the units each node holds: whole-model replicas, or a cut
         layout = sorted(
             [(s["start"], s["end"]) for s in p["record"]["stages"]] for p in view["peers"]
@@ -156,6 +167,7 @@ def mesh_streams(
         "busy": busy,
         "layout": layout,
         "preempted": preempted[0] if preempted else 0,
+        "ready_s": round(ready_s, 1),
     }
 
 
@@ -414,6 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             start = time.perf_counter()
             got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
             phases[f"{fmt}_{topology}"] = round(time.perf_counter() - start, 1)
+            phases[f"{fmt}_{topology}_ready"] = got["ready_s"]  # nodes started, model loaded
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
                 f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
