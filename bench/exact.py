@@ -69,6 +69,7 @@ from hetmesh.errors import MeshError, Rejected
 
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
+GATEWAY_MEMORY = "1MiB"  # the freeze mesh's gateway: room for no unit of the model
 REFERENCE_ROUND = 16  # the reference's decode rounds: as many rows as clients
 # what one node may offer for the whole model with its pool (replicas), and a cap
 # under the whole model's need in each format (weights + KV budget + workspace: ~315
@@ -207,7 +208,9 @@ def freeze_stream(
         *("--kv-pool-tokens", str(pool_tokens)),
     ]
     outputs: list[dict[str, Any]] = []
-    with local_mesh(3, node_args=args) as mesh:
+    # the gateway serves no stage (too little memory for one): a stream it computed
+    # itself could not be frozen under it; the two others hold a replica each
+    with local_mesh(3, node_args=args, per_node_args=[["--max-memory", GATEWAY_MEMORY]]) as mesh:
         wait_serving(mesh, pipelines=2, timeout_s=600)  # a replica to move to
         gateway = mesh.nodes[0]
         replicas = {n.peer_id: n for n in mesh.nodes[1:]}
@@ -228,7 +231,7 @@ def freeze_stream(
             ]
             if len(loaded) == 1:
                 return loaded[0]
-            return busiest if used[busiest] > 0.2 else None
+            return busiest if used[busiest] > 0.05 else None
 
         async def one(client: Any) -> dict[str, Any]:
             got: list[int] = []
