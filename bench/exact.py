@@ -15,19 +15,28 @@ Each mesh's KV pool is small (``--pool-tokens`` per stage), so sessions are
 preempted and resumed by replaying their history. ``--clients`` concurrent
 clients run a seeded mix of greedy streams: prompts of 8 to 1,000 random token
 ids, 16 to 200 new tokens. Every finished stream is compared, token for token,
-with one process (``LocalPipeline``, one stage) holding the model in the same
-format. ``<format>_identical_ratio`` is the share of that format's streams equal
-to it; ``streams_checked`` counts them all.
+with one process (one stage) holding the model in the same format. That process
+computes the streams beside each other, as a stage would: each prompt prefilled
+whole and alone, then decode rounds of up to 16 streams (a row's result does not
+depend on its round: what this bench checks of the mesh; the rounds share
+their weight reads, which one stream after another does not); every ``--serial-every``-th
+stream is also generated alone, one token per call, as ``hetmesh generate`` does,
+and ``reference_serial_disagree`` counts those that differ from the rounds' (0).
+``<format>_identical_ratio`` is the share of that format's streams equal to the
+reference; ``streams_checked`` counts them all. ``phase_seconds`` says where the
+run's time went (each mesh, its start included (``_ready``), each reference).
 
 ``freeze_runs_identical``: on the int4 replicas mesh, ``--freeze-runs`` times, a
-stream of 120 tokens after a chat-sized prompt runs; once it has 20 tokens, the
-replica serving it gets SIGSTOP and, once the stream has moved on (a replay on
-another replica) or 20 s passed, SIGCONT. 1 when every such stream equals the
-reference.
+stream of 120 tokens after a chat-sized prompt runs; at its 20th token the
+replica computing it (the one whose CPU time grows while tokens come, or the one
+whose announced load shows the session) gets SIGSTOP and, once 3 more tokens came
+(the session replayed on the other replica: ``freeze_runs_recovered``) or 20 s
+passed, SIGCONT. 1 only when every run froze a replica (``freeze_runs_frozen`` =
+``freeze_runs``) and every stream equals one process (each generated alone).
 
 ``--speed`` instead measures what exactness costs, in one process: the default
 model in ``--speed-format`` loaded three times (``exact``: exact attention and,
-in float32/bfloat16, row-tiled linear layers; ``plain_linear``: exact attention,
+in float32/bfloat16, row-invariant linear layers; ``plain_linear``: exact attention,
 torch's linear layers; ``sdpa``: torch's attention and linear layers), measured
 in alternation in the same run, CPU time of one thread (steadier than wall time
 on a shared machine): a decode step of one session, a decode round of 8
@@ -60,6 +69,8 @@ from hetmesh.errors import MeshError, Rejected
 
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
+GATEWAY_MEMORY = "1MiB"  # the freeze mesh's gateway: room for no unit of the model
+REFERENCE_ROUND = 16  # the reference's decode rounds: as many rows as clients
 # what one node may offer for the whole model with its pool (replicas), and a cap
 # under the whole model's need in each format (weights + KV budget + workspace: ~315
 # MiB in int4, ~345 in int8, ~470 in bf16) that makes the planner cut it
@@ -113,8 +124,10 @@ def mesh_streams(
     done: list[tuple[list[int], int, list[int]]] = []
     failed = busy = 0
     preempted: list[int] = []
+    began = time.perf_counter()
     with local_mesh(3, node_args=args) as mesh:
         view = wait_serving(mesh, pipelines=pipelines, timeout_s=600)
+        ready_s = time.perf_counter() - began
         # the units each node holds: whole-model replicas, or a cut
         layout = sorted(
             [(s["start"], s["end"]) for s in p["record"]["stages"]] for p in view["peers"]
@@ -155,6 +168,7 @@ def mesh_streams(
         "busy": busy,
         "layout": layout,
         "preempted": preempted[0] if preempted else 0,
+        "ready_s": round(ready_s, 1),
     }
 
 
@@ -170,11 +184,20 @@ def _preemptions(view: dict[str, Any]) -> int:
     return total
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def freeze_stream(
     prompt: list[int], tokens: int, runs: int, pool_tokens: int
-) -> list[tuple[list[int], bool]]:
-    """``runs`` int4 streams, each with the replica serving it frozen then thawed; each
-    stream's tokens and whether a replica was frozen under it."""
+) -> list[dict[str, Any]]:
+    """``runs`` int4 streams, each with the replica serving it frozen (SIGSTOP) at the
+    stream's 20th token, thawed (SIGCONT) once 3 more tokens came (the session replayed
+    on the other replica) or 20 s passed; per stream its tokens, whether a replica was
+    frozen under it and whether tokens came while it was frozen (a recovery)."""
     import trio
 
     from hetmesh.client.mesh import TokenEvent, open_mesh_client
@@ -184,26 +207,36 @@ def freeze_stream(
         *("--weights", "int4", "--max-memory", WHOLE_MEMORY, "--max-context", str(CONTEXT)),
         *("--kv-pool-tokens", str(pool_tokens)),
     ]
-    outputs: list[tuple[list[int], bool]] = []
-    with local_mesh(3, node_args=args) as mesh:
+    outputs: list[dict[str, Any]] = []
+    # the gateway serves no stage (too little memory for one): a stream it computed
+    # itself could not be frozen under it; the two others hold a replica each
+    with local_mesh(3, node_args=args, per_node_args=[["--max-memory", GATEWAY_MEMORY]]) as mesh:
         wait_serving(mesh, pipelines=2, timeout_s=600)  # a replica to move to
         gateway = mesh.nodes[0]
         replicas = {n.peer_id: n for n in mesh.nodes[1:]}
 
         async def serving(client: Any) -> str | None:
-            """The replica holding the session, once its announced load says so."""
-            for _ in range(40):  # records are announced every few seconds
-                view = await client.status()
-                for entry in view["peers"]:
-                    load = entry["record"]["load"]
-                    if entry["peer_id"] in replicas and load["active_sessions"]:
-                        return str(entry["peer_id"])
-                await trio.sleep(0.25)
-            return None
+            """The replica computing the stream: the one burning CPU while tokens come
+            (its announced load lags by seconds), confirmed by the announcement when
+            that already shows the session."""
+            before = {p: _cpu_seconds(n.proc.pid) for p, n in replicas.items()}
+            await trio.sleep(1.0)
+            used = {p: _cpu_seconds(n.proc.pid) - before[p] for p, n in replicas.items()}
+            busiest = max(used, key=lambda p: used[p])
+            view = await client.status()
+            loaded = [
+                str(e["peer_id"])
+                for e in view["peers"]
+                if e["peer_id"] in replicas and e["record"]["load"]["active_sessions"]
+            ]
+            if len(loaded) == 1:
+                return loaded[0]
+            return busiest if used[busiest] > 0.05 else None
 
-        async def one(client: Any) -> tuple[list[int], bool]:
+        async def one(client: Any) -> dict[str, Any]:
             got: list[int] = []
             frozen: str | None = None
+            at_freeze = 0
             thawed = trio.Event()
             moved_on = trio.Event()  # tokens came after the freeze: replayed elsewhere
 
@@ -220,17 +253,18 @@ def freeze_stream(
                         if not (isinstance(event, TokenEvent) and event.token_id >= 0):
                             continue
                         got.append(event.token_id)
-                        if frozen is not None and len(got) > 22:
+                        if frozen is not None and not thawed.is_set() and len(got) > at_freeze + 2:
                             moved_on.set()
                         if len(got) == 20 and frozen is None:
                             peer = await serving(client)
-                            if peer is not None and peer != gateway.peer_id:
+                            if peer is not None:
                                 frozen = peer
+                                at_freeze = len(got)
                                 os.kill(replicas[peer].proc.pid, signal.SIGSTOP)
                                 nursery.start_soon(thaw_later, peer)
                 if frozen is not None:
                     await thawed.wait()
-            return got, frozen is not None
+            return {"tokens": got, "frozen": frozen is not None, "recovered": moved_on.is_set()}
 
         async def run() -> None:
             async with open_mesh_client(gateway.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
@@ -241,8 +275,18 @@ def freeze_stream(
     return outputs
 
 
-def reference(fmt: str, streams: Sequence[tuple[list[int], int, list[int]]]) -> int:
-    """How many of ``streams`` equal one process holding the model in ``fmt``."""
+def reference(
+    fmt: str, streams: Sequence[tuple[list[int], int, list[int]]], serial_every: int = 8
+) -> dict[str, int]:
+    """How many of ``streams`` equal one process holding the model in ``fmt``.
+
+    The process computes them as a mesh's stage would, beside each other: each prompt
+    prefilled whole, alone, then decode rounds of up to :data:`REFERENCE_ROUND` streams
+    (each row's result is independent of the round's others: that is what exactness
+    means, proved per shape at load and by tests). Every ``serial_every``-th stream is
+    also generated alone, one token per call (``LocalPipeline.generate_ids``, what
+    ``hetmesh generate`` does); ``serial_disagree`` counts those whose tokens differ
+    from the rounds' (0, or the reference itself is not exact)."""
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.sampling import SamplingParams
     from hetmesh.partition.store import resolve_model
@@ -251,18 +295,52 @@ def reference(fmt: str, streams: Sequence[tuple[list[int], int, list[int]]]) -> 
     model_dir = resolve_model()
     torch.set_num_threads(1)
     pipeline = LocalPipeline.load(model_dir, 1, weights=fmt)
+    stage = pipeline.stages[0]
     eos = eos_token_ids(model_dir, load_tokenizer(model_dir))
+    wants: list[list[int]] = []
+    for lo in range(0, len(streams), REFERENCE_ROUND):
+        group = streams[lo : lo + REFERENCE_ROUND]
+        sessions = [pipeline.new_session(SamplingParams(max_new_tokens=t)) for _, t, _ in group]
+        outs: list[list[int]] = [[] for _ in group]
+        live: list[int] = []
+        with torch.inference_mode():
+            for n, ((prompt, tokens, _), session) in enumerate(zip(group, sessions, strict=True)):
+                logits = stage.forward(torch.tensor(prompt), session.kvs[0], last_only=True)
+                token = session.sampler(logits[-1], 0)
+                if token not in eos and tokens > 0:
+                    outs[n].append(token)
+                    live.append(n)
+            while live:
+                live = [n for n in live if len(outs[n]) < group[n][1]]
+                rows = [(torch.tensor(outs[n][-1:]), sessions[n].kvs[0]) for n in live]
+                logits_per_row = stage.forward_batch(rows, last_only=True) if rows else []
+                still = []
+                for n, logits in zip(live, logits_per_row, strict=True):
+                    token = sessions[n].sampler(logits[-1], len(outs[n]))
+                    if token not in eos:
+                        outs[n].append(token)
+                        still.append(n)
+                live = still
+        for session in sessions:
+            session.free()
+        wants.extend(outs)
+    serial = disagree = 0
+    for n in range(0, len(streams), serial_every) if serial_every else ():
+        prompt, tokens, _ = streams[n]
+        alone = list(
+            pipeline.generate_ids(prompt, SamplingParams(max_new_tokens=tokens), eos_ids=eos)
+        )
+        serial += 1
+        disagree += alone != wants[n]
     equal = 0
-    for prompt, tokens, got in streams:
-        params = SamplingParams(max_new_tokens=tokens)
-        want = list(pipeline.generate_ids(prompt, params, eos_ids=eos))
+    for (prompt, _, got), want in zip(streams, wants, strict=True):
         equal += want == got
         if want != got:
             first = next(
                 (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
             )
             print(f"{fmt}: a {len(prompt)}-token prompt differs at {first}", file=sys.stderr)
-    return equal
+    return {"equal": equal, "serial": serial, "serial_disagree": disagree}
 
 
 def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
@@ -336,8 +414,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "streams_failed": 0,
         "busy_refusals": 0,
         "preemptions": 0,
+        "reference_serial_checked": 0,
+        "reference_serial_disagree": 0,
     }
     began = time.perf_counter()
+    phases: dict[str, float] = {}  # seconds per phase: where a run's time goes
     for i, fmt in enumerate(args.formats if args.streams else ()):
         streams: list[tuple[list[int], int, list[int]]] = []
         for topology, memory, pipelines in (
@@ -345,7 +426,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("cut", CUT_MEMORY[fmt], 1),
         ):
             mix = stream_mix(100 * i + len(topology), per_format, args.quick)
+            start = time.perf_counter()
             got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
+            phases[f"{fmt}_{topology}"] = round(time.perf_counter() - start, 1)
+            phases[f"{fmt}_{topology}_ready"] = got["ready_s"]  # nodes started, model loaded
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
                 f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
@@ -359,7 +443,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["busy_refusals"] += got["busy"]
             result["preemptions"] += got["preempted"]
             result[f"{fmt}_{topology}_layout"] = got["layout"]
-        equal = reference(fmt, streams)
+        start = time.perf_counter()
+        checked = reference(fmt, streams, args.serial_every)
+        phases[f"{fmt}_reference"] = round(time.perf_counter() - start, 1)
+        equal = checked["equal"]
+        result["reference_serial_checked"] += checked["serial"]
+        result["reference_serial_disagree"] += checked["serial_disagree"]
         print(f"{fmt}: reference done, {time.perf_counter() - began:.0f} s", file=sys.stderr)
         result["streams_checked"] += len(streams)
         key = "bf16" if fmt == "bfloat16" else fmt
@@ -367,11 +456,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{key}_streams"] = len(streams)
     if args.freeze_runs:
         prompt = stream_mix(7, 1, True)[0][0][:60]
+        start = time.perf_counter()
         outputs = freeze_stream(prompt, 120, args.freeze_runs, args.pool_tokens)
-        equal = reference("int4", [(prompt, 120, got) for got, _ in outputs])
+        phases["freeze"] = round(time.perf_counter() - start, 1)
+        # every freeze stream also alone, one token per call (serial_every 1)
+        checked = reference("int4", [(prompt, 120, o["tokens"]) for o in outputs], 1)
+        equal = min(checked["equal"], checked["serial"] - checked["serial_disagree"])
+        frozen = sum(o["frozen"] for o in outputs)
         result["freeze_runs"] = len(outputs)
-        result["freeze_runs_frozen"] = sum(frozen for _, frozen in outputs)
-        result["freeze_runs_identical"] = int(bool(outputs) and equal == len(outputs))
+        result["freeze_runs_frozen"] = frozen
+        result["freeze_runs_recovered"] = sum(o["recovered"] for o in outputs)
+        # 1 only when every run froze its serving replica and every stream equals one
+        # process: a run that froze nothing checks nothing
+        result["freeze_runs_identical"] = int(
+            bool(outputs) and frozen == len(outputs) and equal == len(outputs)
+        )
+    result["phase_seconds"] = phases
     result["seconds"] = round(time.perf_counter() - began, 1)
     return result
 
@@ -387,6 +487,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--pool-tokens", type=int, default=None, help="KV tokens per stage")
     parser.add_argument("--freeze-runs", type=int, default=None)
+    parser.add_argument(
+        "--serial-every",
+        type=int,
+        default=8,
+        help="also generate every Nth stream alone, one token per call (0: none)",
+    )
     parser.add_argument("--speed", action="store_true", help="what exactness costs")
     parser.add_argument("--speed-format", choices=FORMATS, default="int4")
     args = parser.parse_args()

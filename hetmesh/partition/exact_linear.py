@@ -12,21 +12,28 @@ project's Xeon (torch 2.13, MKL 2024.2, oneDNN 3.12; docs/weights.md,
 * ``float32`` ``F.linear`` (MKL) has three classes of call: 1 row (a
   matrix-vector kernel), 2 to 15 rows (one small-matrix kernel), 16 rows or
   more (the blocked kernel); within a class a row's result is the same, across
-  them it differs. :func:`exact_linear` keeps every call in the middle class:
-  rows in tiles of 2 to 15, a lone row padded with a zero row. A decode step
-  costs what it did (2 rows take the time of 1 there); a long prefill pays
-  more per row than the blocked kernel.
+  them it differs. MKL's *packed* product (``cblas_sgemm_compute`` on a weight
+  packed once at load, torch's ``mkl::_mkl_linear``) has one class for every
+  call of 2 rows or more, and is as fast as ``F.linear`` from 2 rows to
+  hundreds (faster for a decode round: the weight is not repacked per call).
+  :func:`exact_linear` computes fp32 rows that way, in tiles of up to
+  :data:`FLOAT32_PACKED_TILE` rows, a lone row padded with a zero row (as fast
+  as the matrix-vector kernel). The packed copy replaces the layer's weight
+  (kept only where another module shares its bytes, as a tied head does).
+  Without MKL's packed product the rows go in tiles of 2 to 15 rows (the
+  small-matrix class; a long prefill then pays ~2.5x).
 * ``bfloat16`` ``F.linear`` (oneDNN) gives a row the same result for up to 32
   rows and not beyond; ``weight @ x.T`` gives the single row's result for up
   to 128 rows, and is as fast there: rows go in tiles of 128 that way.
 
 Other shapes draw the classes elsewhere (MKL treats a small matrix, K = 64,
-its own way; oneDNN's ``weight @ x.T`` differs past 3 rows at K = 8,192), and
-so may another CPU or BLAS. So :func:`make_exact` probes each distinct weight
-shape once, at load: random rows computed in calls of 1 to 130 rows must equal
-the same rows computed one by one, else that layer computes one row per call
-(invariant by construction: every call has the same shape; slower for a
-prefill, unchanged for a decode step).
+its own way; its packed product differs at 3 rows for K = 2,048; oneDNN's
+``weight @ x.T`` differs past 3 rows at K = 8,192), and so may another CPU or
+BLAS. So :func:`make_exact` probes each distinct weight shape once, at load:
+random rows computed in calls of 1 to 300 rows must equal the same rows
+computed one by one, else the next way is probed (packed, then small tiles,
+then one row per call: invariant by construction, every call has the same
+shape; slower for a prefill, unchanged for a decode step).
 """
 
 from __future__ import annotations
@@ -36,15 +43,17 @@ import torch.nn.functional as F
 from torch import nn
 
 FLOAT32_TILE = 15  # MKL's small-matrix kernel: 2 to 15 rows
+FLOAT32_PACKED_TILE = 256  # MKL's packed product: rows per call (2 to 256)
 BFLOAT16_TILE = 128  # oneDNN's weight @ x.T: a row's sums as alone, up to 128 rows
+PACKED_FOR = 512  # the row count MKL packs the weight for (its blocking; not a limit)
 
 
-def _float32_tiles(rows: int) -> list[int]:
-    """Tile sizes for ``rows`` rows, each 2 to 15 (a lone row is padded to 2)."""
-    if rows <= FLOAT32_TILE:
+def _float32_tiles(rows: int, tile: int = FLOAT32_TILE) -> list[int]:
+    """Tile sizes for ``rows`` rows, each 2 to ``tile`` (a lone row is padded to 2)."""
+    if rows <= tile:
         return [rows]
-    sizes = [FLOAT32_TILE] * (rows // FLOAT32_TILE)
-    rest = rows % FLOAT32_TILE
+    sizes = [tile] * (rows // tile)
+    rest = rows % tile
     if rest == 1:  # 15 + 1 -> 14 + 2
         sizes[-1] -= 1
         rest = 2
@@ -53,15 +62,57 @@ def _float32_tiles(rows: int) -> list[int]:
     return sizes
 
 
+def mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """MKL's packed form of an fp32 CPU ``weight`` (out x in), or None where this torch
+    build has no packed product."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACKED_FOR)
+    except (RuntimeError, AttributeError):
+        return None
+    return packed
+
+
+def _packed(
+    rows: torch.Tensor, packed: torch.Tensor, shape_of: torch.Tensor, tile: int
+) -> torch.Tensor:
+    """``rows @ weight.T`` by MKL's packed product, every call 2 to ``tile`` rows.
+    ``shape_of`` only gives the weight's shape (the call reads no other of its data
+    when the row count passed is the call's own)."""
+    mm = torch.ops.mkl._mkl_linear.default
+    count = rows.shape[0]
+    if count == 1:  # a decode step: the lean path (its overhead shows per step)
+        pair = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))
+        out: torch.Tensor = mm(pair, packed, shape_of, None, 2)[:1]
+        return out
+    rows = rows.contiguous()
+    if count <= tile:
+        out = mm(rows, packed, shape_of, None, count)
+        return out
+    tiles = torch.split(rows, _float32_tiles(count, tile))
+    return torch.cat([mm(t, packed, shape_of, None, t.shape[0]) for t in tiles])
+
+
 def exact_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, tiled: bool = True
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    tiled: bool = True,
+    packed: torch.Tensor | None = None,
+    tile: int = FLOAT32_PACKED_TILE,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be alone:
-    in tiles (see the module's docstring), or one row per call where not ``tiled``."""
+    by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
+    only gives the shape) in calls of up to ``tile`` rows, else in tiles (see the
+    module's docstring), or one row per call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
-    if not tiled and rows.dtype in (torch.float32, torch.bfloat16):
+    if packed is not None and rows.dtype == torch.float32:
+        out = _packed(rows, packed, weight, tile)
+    elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
         parts = [F.linear(row, weight) for row in torch.split(rows, 1)]
         out = torch.cat(parts) if count > 1 else parts[0]
     elif rows.dtype == torch.float32:
@@ -84,50 +135,102 @@ def exact_linear(
 
 
 # calls the probe makes: every fp32 tile size, the tile splits around 15 and 30,
-# bf16's classes up to and past one tile of 128
-PROBE_ROWS = (*range(1, 18), 29, 30, 31, 33, 46, 64, 127, 128, 129, 130)
+# bf16's classes up to and past one tile of 128, fp32's packed tile of 256 and past
+PROBE_ROWS = (*range(1, 18), 29, 30, 31, 33, 46, 64, 127, 128, 129, 130, 255, 256, 257, 300)
 PROBE_LARGE = 1 << 24  # weights of more elements: calls of up to 33 rows only
+LARGE_TILE = 32  # and packed calls of up to 32 rows (the probe's reach)
 
 
 class ExactLinear(nn.Linear):
-    """An ``nn.Linear`` computed by :func:`exact_linear` (same parameters, same state dict)."""
+    """An ``nn.Linear`` computed by :func:`exact_linear` (same parameters; a packed
+    layer's ``weight`` is a placeholder of its shape, its data in ``packed``)."""
 
     tiled: bool = True
+    packed: torch.Tensor | None = None
+    tile: int = FLOAT32_PACKED_TILE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exact_linear(x, self.weight, self.bias, tiled=self.tiled)
+        return exact_linear(
+            x, self.weight, self.bias, tiled=self.tiled, packed=self.packed, tile=self.tile
+        )
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", row tiles" if self.tiled else ", one row per call")
+        if self.packed is not None:
+            how = f", packed product, calls of up to {self.tile} rows"
+        else:
+            how = ", row tiles" if self.tiled else ", one row per call"
+        return super().extra_repr() + how
 
 
-def tiles_are_exact(weight: torch.Tensor) -> bool:
-    """Whether :func:`exact_linear`'s tiles give ``weight``'s rows their lone results
-    (random rows, the calls of :data:`PROBE_ROWS`)."""
-    sizes = [m for m in PROBE_ROWS if weight.numel() <= PROBE_LARGE or m <= 33]
+def _probe_sizes(weight: torch.Tensor) -> list[int]:
+    return [m for m in PROBE_ROWS if weight.numel() <= PROBE_LARGE or m <= 33]
+
+
+def tiles_are_exact(
+    weight: torch.Tensor, packed: torch.Tensor | None = None, tile: int = FLOAT32_PACKED_TILE
+) -> bool:
+    """Whether :func:`exact_linear` gives ``weight``'s rows their lone results (random
+    rows, the calls of :data:`PROBE_ROWS`): by its ``packed`` form if given (then with a
+    placeholder for ``weight``: proof that the call reads only the packed copy), else
+    in tiles."""
+    sizes = _probe_sizes(weight)
     g = torch.Generator().manual_seed(44)
     x = torch.randn(max(sizes), weight.shape[1], generator=g).to(weight.dtype)
+    w = weight if packed is None else _placeholder(weight)
     with torch.no_grad():
-        alone = torch.cat([exact_linear(row, weight, None) for row in torch.split(x, 1)])
-        return all(torch.equal(exact_linear(x[:m], weight, None), alone[:m]) for m in sizes)
+        alone = torch.cat(
+            [exact_linear(row, w, None, packed=packed, tile=tile) for row in torch.split(x, 1)]
+        )
+        if packed is not None and not torch.allclose(
+            alone, F.linear(x, weight), rtol=1e-3, atol=1e-3
+        ):
+            return False  # not the product at all
+        return all(
+            torch.equal(exact_linear(x[:m], w, None, packed=packed, tile=tile), alone[:m])
+            for m in sizes
+        )
 
 
-def make_exact(module: nn.Module) -> int:
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``weight``'s shape and dtype holding one element."""
+    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
+def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     """Turn every plain float ``nn.Linear`` under ``module`` into an :class:`ExactLinear`
-    in place (its class only: the tensors stay where they are), tiled where
-    :func:`tiles_are_exact` holds for its shape, one row per call elsewhere; returns
-    how many layers compute one row per call."""
-    verdicts: dict[tuple[object, ...], bool] = {}
+    in place. Per distinct weight shape, the first way :func:`tiles_are_exact` proves
+    is taken: fp32 by MKL's packed product (where ``packed``; the layer's weight is
+    then packed and, unless another tensor of ``module`` shares its bytes, replaced by a
+    placeholder), else row tiles, else one row per call; returns how many layers
+    compute one row per call."""
+    verdicts: dict[tuple[object, ...], str] = {}
+    shared: dict[int, int] = {}
+    tensors = [t for _, t in module.named_parameters(remove_duplicate=False)]
+    for t in (*tensors, *module.buffers()):
+        ptr = t.untyped_storage().data_ptr()
+        shared[ptr] = shared.get(ptr, 0) + 1
     untiled = 0
     for sub in module.modules():
         if type(sub) is not nn.Linear or sub.weight.dtype not in (torch.float32, torch.bfloat16):
             continue
         w = sub.weight
+        tile = FLOAT32_PACKED_TILE if w.numel() <= PROBE_LARGE else LARGE_TILE
+        pack = mkl_pack(w.detach()) if packed else None
         key = (w.dtype, w.device, tuple(w.shape), w.stride())
         if key not in verdicts:
-            verdicts[key] = w.device.type != "cpu" or tiles_are_exact(w)
+            if w.device.type != "cpu":
+                verdicts[key] = "tiles"
+            elif pack is not None and tiles_are_exact(w.detach(), pack, tile):
+                verdicts[key] = "packed"
+            else:
+                verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
         sub.__class__ = ExactLinear
-        if not verdicts[key]:
+        if verdicts[key] == "packed":
+            sub.packed = pack  # type: ignore[assignment]
+            sub.tile = tile  # type: ignore[assignment]
+            if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
+                sub.weight = nn.Parameter(_placeholder(w), requires_grad=False)
+        elif verdicts[key] == "rows":
             sub.tiled = False  # type: ignore[assignment]
             untiled += 1
     return untiled
@@ -135,10 +238,12 @@ def make_exact(module: nn.Module) -> int:
 
 __all__ = [
     "BFLOAT16_TILE",
+    "FLOAT32_PACKED_TILE",
     "FLOAT32_TILE",
     "PROBE_ROWS",
     "ExactLinear",
     "exact_linear",
     "make_exact",
+    "mkl_pack",
     "tiles_are_exact",
 ]

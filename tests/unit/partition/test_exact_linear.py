@@ -91,7 +91,7 @@ def _layers(dtype: torch.dtype, bias: bool = False) -> nn.Sequential:
 def test_a_shape_whose_tiles_fail_the_probe_computes_one_row_per_call(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(el, "tiles_are_exact", lambda weight: False)
+    monkeypatch.setattr(el, "tiles_are_exact", lambda *a: False)
     model = _layers(dtype, bias=True)
     before = model.state_dict()
     assert make_exact(model) == 2
@@ -102,6 +102,66 @@ def test_a_shape_whose_tiles_fail_the_probe_computes_one_row_per_call(
         alone = torch.cat([model(row) for row in x.split(1)])
         for lo, hi in ((0, 50), (4, 21), (10, 11)):
             assert torch.equal(model(x[lo:hi]), alone[lo:hi])
+
+
+@pytest.mark.parametrize(("out", "inp"), [*SHAPES, (49152, 576)])
+def test_float32_packed_rows_equal_their_lone_result_in_any_call(out: int, inp: int) -> None:
+    """MKL's packed product: one class for every call of 2 rows or more, the lone row
+    padded to 2; calls of up to 256 rows (the head's: 32), so 600 rows cross tiles."""
+    w = _weight(out, inp, torch.float32)
+    if out == 49152:
+        w = w.t().contiguous().t()  # column-major, as load_stage stores an fp32 head
+    packed = el.mkl_pack(w)
+    assert packed is not None  # this torch has MKL's packed product
+    tile = el.FLOAT32_PACKED_TILE if out < 49152 else el.LARGE_TILE
+    assert el.tiles_are_exact(w, packed, tile)
+    n = 600 if out < 49152 else 70
+    x = _rows(n, inp, torch.float32)
+    alone = _alone(w, x, packed=packed, tile=tile)  # type: ignore[arg-type]
+    rng = random.Random(out + inp)
+    for _ in range(12):
+        lo = rng.randrange(0, n - 1)
+        hi = rng.randrange(lo + 1, n + 1)
+        got = exact_linear(x[lo:hi], w, None, packed=packed, tile=tile)
+        assert torch.equal(got, alone[lo:hi]), (lo, hi)
+    assert torch.allclose(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_make_exact_packs_float32_and_frees_the_weight_unless_shared() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 1536), nn.Linear(1536, 576), nn.Linear(576, 1536))
+    model[2].weight = model[0].weight  # tied: another module's bytes
+    x = _rows(300, 576, torch.float32)
+    with torch.no_grad():
+        want = model(x)
+        assert make_exact(model) == 0
+        assert all(isinstance(m, ExactLinear) and m.packed is not None for m in model)
+        # freed: one element stands for the weight; the tied one keeps its bytes
+        assert model[1].weight.untyped_storage().nbytes() == 4
+        assert model[1].weight.shape == (576, 1536)
+        assert model[0].weight.untyped_storage().nbytes() == 576 * 1536 * 4
+        got = model(x)
+        alone = torch.cat([model(row) for row in x.split(1)])
+    assert torch.equal(got, alone)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    plain = nn.Sequential(nn.Linear(576, 576))
+    make_exact(plain, packed=False)
+    assert plain[0].packed is None
+    assert plain[0].tiled
+
+
+def test_a_packing_that_fails_the_probe_falls_back_to_row_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe checks the packed product against the weight itself: a packing of
+    other numbers (or one whose call read the placeholder) is not taken."""
+    other = el.mkl_pack(_weight(192, 576, torch.float32, seed=9))
+    monkeypatch.setattr(el, "mkl_pack", lambda weight: other)
+    model = nn.Sequential(nn.Linear(576, 192))
+    assert make_exact(model) == 0
+    assert model[0].packed is None
+    assert model[0].tiled
+    assert model[0].weight.untyped_storage().nbytes() == 576 * 192 * 4
 
 
 def test_make_exact_leaves_other_modules_and_dtypes_alone() -> None:
@@ -123,3 +183,23 @@ def test_bias_is_added_after_the_product(dtype: torch.dtype) -> None:
         alone = torch.cat([model[0](row) for row in x.split(1)])
     assert torch.equal(got, alone)
     assert torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_float32_packed_calls_of_every_row_count_share_one_class(out: int, inp: int) -> None:
+    """The probe at load checks some call sizes; here every size a call can have
+    (2 to the tile of 256 rows) gives each row its lone result, for the default
+    model's shapes."""
+    w = _weight(out, inp, torch.float32)
+    packed = el.mkl_pack(w)
+    assert packed is not None
+    x = _rows(el.FLOAT32_PACKED_TILE, inp, torch.float32)
+    alone = _alone(w, x, packed=packed)  # type: ignore[arg-type]
+    mm = torch.ops.mkl._mkl_linear.default
+    differ = [
+        m
+        for m in range(2, el.FLOAT32_PACKED_TILE + 1)
+        if not torch.equal(mm(x[:m], packed, w, None, m), alone[:m])
+    ]
+    assert differ == []

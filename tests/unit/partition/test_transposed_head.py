@@ -33,8 +33,9 @@ def _greedy(stage: torch.nn.Module, steps: int) -> tuple[list[int], list[torch.T
 
 
 def test_transposed_head_keeps_one_matrix_and_the_greedy_tokens(tiny_dir: Path) -> None:
-    rows = load_stage(tiny_dir, 0, 6, transpose_head=False)
-    columns = load_stage(tiny_dir, 0, 6, transpose_head=True)
+    # the layout as loaded (exact_linears would pack an untied head: a placeholder weight)
+    rows = load_stage(tiny_dir, 0, 6, transpose_head=False, exact_linears=False)
+    columns = load_stage(tiny_dir, 0, 6, transpose_head=True, exact_linears=False)
     assert isinstance(columns.lm_head, nn.Linear)
     assert isinstance(rows.lm_head, nn.Linear)
     head = columns.lm_head.weight
