@@ -84,7 +84,7 @@ from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
-from hetmesh.node.stage_lane import PARK_S, Lane, lane_enabled
+from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.kv import SessionKV
@@ -212,7 +212,7 @@ class StageServer:
         send_now: SendNow | None = None,
         micro_batches: int | None = None,
         grammars: Grammars | None = None,
-        lane: bool | None = None,
+        lane: bool = False,
     ) -> None:
         """``send``: a frame to a peer, from trio; ``send_now``: the fast path from the
         device thread (None: every frame goes through trio); ``micro_batches``: the
@@ -220,9 +220,9 @@ class StageServer:
         None: 1 for a stage holding the whole model, which has no next stage to
         overlap with, else 2); ``grammars``: the model's grammar engine (api, issue 49);
         ``lane``: whether the device thread parks for its session's next step, offered
-        from a link's reader thread (None: :func:`~hetmesh.node.stage_lane.lane_enabled`;
-        a stage nobody offers to must not park: each step would then wait for trio
-        to wake it first)."""
+        from a link's reader thread (:meth:`offer`): only where the links offer it
+        frames (a stage nobody offers to must not park: each step would then wait
+        for trio to wake it first)."""
         self.stage = stage
         self._grammars = grammars
         self._threads = threads or torch.get_num_threads()
@@ -252,7 +252,7 @@ class StageServer:
         # set on trio when something waits for the batching loop: a step running on in
         # the device thread then returns after its round
         self._lane: Lane[_Item] = Lane()
-        self._lane_on = lane_enabled() if lane is None else lane
+        self._lane_on = lane
         self._parked_ready: list[_Outcome] = []  # the last round run while parked
         self._wants_trio = False
         self._parked_s = 0.0  # of the batch on the device thread: time parked, not computing
