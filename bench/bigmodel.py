@@ -14,8 +14,9 @@ Python, torch, transformers, libp2p; more after a calibration), so a node offeri
 whole limit is given stages it cannot hold with its runtime and is OOM-killed. The
 defaults, three 2 GiB hosts offering 1748 MiB each, hold the 8B shape's 4625 MiB of
 stages in three (docs/journal/2026-12-05-bigmodel2.md); a calibrating node needs more
-headroom than that. The loader drops the file's pages as it reads them
-(``checkpoint.drop_read_pages``), so a cgroup's peak is the node's own memory.
+headroom than that. The loader reads the file past the page cache (``O_DIRECT``,
+``checkpoint.read_direct``; where refused, it drops the pages it read), so a cgroup's
+peak is the node's own memory.
 
 Keys (``--json`` prints one object):
 

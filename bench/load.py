@@ -32,6 +32,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -328,9 +329,10 @@ def settled_plan(url: str, stages: int, timeout_s: float = 180.0) -> Any:
 
 def compare_structured(url: str, args: argparse.Namespace) -> int:
     """Plain chats against JSON-schema chats, alternating on one mesh (so both phases
-    see the same machine): one JSON line per phase, then each round's ratio."""
+    see the same machine): one JSON line per phase, then each round's ratio, their
+    median, and the ratio of all the rounds' tokens/s together."""
     rows = []
-    for round_ in range(2):
+    for round_ in range(args.rounds):
         for mode in ("chat", "structured"):
             MODE.update(chat=mode == "chat", structured=mode == "structured")
             report = trio.run(drive, url, args.clients, args.duration, args.max_tokens, args.ramp)
@@ -338,9 +340,18 @@ def compare_structured(url: str, args: argparse.Namespace) -> int:
             row = {"mode": mode, "round": round_, **{k: report[k] for k in keys}}
             print(json.dumps(row), flush=True)
             rows.append(row)
+    ratios = []
     for plain, structured in zip(rows[::2], rows[1::2], strict=True):
         ratio = structured["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
+        ratios.append(ratio)
         print(f"round {plain['round']}: structured/plain tokens/s = {ratio:.2f}")
+    total = {
+        m: sum(r["tokens_per_s"] for r in rows if r["mode"] == m) for m in ("chat", "structured")
+    }
+    print(
+        f"median of {len(ratios)} rounds: {statistics.median(ratios):.2f}; "
+        f"all rounds together: {total['structured'] / max(total['chat'], 1e-9):.2f}"
+    )
     return 1 if any(r["errors"] or not r["streams"] for r in rows) else 0
 
 
@@ -367,8 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare-structured",
         action="store_true",
-        help="on one mesh: --chat, then --structured, twice; each phase --duration seconds",
+        help="on one mesh: --chat, then --structured, --rounds times; each phase "
+        "--duration seconds",
     )
+    parser.add_argument("--rounds", type=int, default=2, help="--compare-structured's rounds")
     args = parser.parse_args(argv)
     MODE.update(chat=args.chat, structured=args.structured)
     with contextlib.ExitStack() as stack:

@@ -87,18 +87,25 @@ def setup_logging(verbose: bool) -> None:
     )
 
 
-async def _run_until_signal(config: object) -> None:
-    """Run the node; the first SIGINT/SIGTERM stops it gracefully, a second one at once."""
-    from hetmesh.node.daemon import Node, NodeConfig, run_node
+async def _run_until_signal(
+    config: object, models: list[str] | None = None, memory: dict[str, int] | None = None
+) -> None:
+    """Run the node (``models``: several, one member each, :mod:`hetmesh.node.models`);
+    the first SIGINT/SIGTERM stops it gracefully, a second one at once."""
+    from hetmesh.node.daemon import NodeConfig, run_node
+    from hetmesh.node.models import run_models
 
     assert isinstance(config, NodeConfig)
     log = logging.getLogger("hetmesh.node")
-    running: list[Node] = []
+    running: list[Any] = []  # the Node, or the ModelMembers of several models
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
             async def node_main(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-                await run_node(config, task_status=task_status)
+                if models:
+                    await run_models(config, models, memory, task_status=task_status)
+                else:
+                    await run_node(config, task_status=task_status)
                 nursery.cancel_scope.cancel()
 
             async def watch_signals() -> None:
@@ -138,11 +145,21 @@ def start(
         str | None, typer.Option(help="Only offer this torch device (cpu, cuda:0).")
     ] = None,
     model: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             help="Model to serve: the default name, a HF folder, a .gguf file, a synth "
             "name (synth-llama-3.2-1b...: random weights, its text is noise), or "
-            "'mesh' / a manifest id to fetch it from the mesh's peers."
+            "'mesh' / a manifest id to fetch it from the mesh's peers. Repeatable: "
+            "several models are served side by side (one mesh member each, the memory "
+            "split among them; see --model-memory), the API routing by 'model'."
+        ),
+    ] = None,
+    model_memory: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=SIZE (repeatable): the memory one of several --model's members "
+            "offers, e.g. synth-llama-3.2-1b=2GiB; the others split the rest of "
+            "--max-memory (or of the machine's) evenly."
         ),
     ] = None,
     cache_dir: Annotated[
@@ -272,8 +289,13 @@ def start(
     node_config = build_node_config(settings)
     if node_config.serving is not None:
         limit_cpu_threads(node_config.serving.threads)
+    models = serving_models(settings)
     try:
-        trio.run(_run_until_signal, node_config)
+        if node_config.serving is not None and len(models) > 1:
+            memory = parse_model_memory(settings.get("model_memory") or [])
+            trio.run(_run_until_signal, node_config, models, memory)
+        else:
+            trio.run(_run_until_signal, node_config)
     except BaseExceptionGroup as group:
         found = first_mesh_error(group)
         if found is None:
@@ -323,8 +345,9 @@ def build_node_config(settings: dict[str, Any]) -> Any:
     serving = None
     if settings.get("serve", True):
         base = ServingConfig()
+        models = serving_models(settings)
         serving = ServingConfig(
-            model=settings.get("model"),
+            model=models[0] if models else None,
             weights=_weights(settings.get("weights"), settings.get("device")),
             cache_dir=path("cache_dir"),
             objective=settings.get("objective") or base.objective,
@@ -365,6 +388,30 @@ def build_node_config(settings: dict[str, Any]) -> Any:
         api_key=api_key,
         relay=bool(settings.get("relay", True)),
     )
+
+
+def serving_models(settings: dict[str, Any]) -> list[str]:
+    """The ``model`` setting as a list: a flag's repeats, or a file's string or list."""
+    value = settings.get("model")
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def parse_model_memory(items: list[str]) -> dict[str, int]:
+    """``--model-memory NAME=SIZE`` items as bytes by model name."""
+    from hetmesh.errors import InvalidRequest
+
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, size = item.partition("=")
+        if not sep or not name:
+            raise InvalidRequest(f"--model-memory {item!r}: expected NAME=SIZE, e.g. a=2GiB")
+        try:
+            out[name] = parse_size(size)
+        except ValueError as exc:
+            raise InvalidRequest(f"--model-memory {item!r}: {exc}") from exc
+    return out
 
 
 def _weights(value: Any, device: Any) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +24,7 @@ from hetmesh.node.peer_view import (
     ready_pipelines_in_view,
     ready_stages_in_view,
 )
+from hetmesh.node.readiness import ready_pipelines
 from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
 
 
@@ -76,6 +78,107 @@ def _fetch_text(fetch: Mapping[str, float] | None) -> str:
     )
 
 
+def _plan_summary(
+    raw: Mapping[str, Any] | None,
+    records: Mapping[str, Mapping[str, Any]],
+    ready_stages: set[tuple[str, int, int]],
+    ready_pipelines: list[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """A plan's wire map as ``status`` shows it: each stage's peer, device, weights,
+    step times and readiness (what is ready is the peer view's to say, as the node's
+    router sees it)."""
+    if raw is None:
+        return None
+    pipelines = []
+    for pipe in raw.get("pipelines") or ():
+        stages = []
+        for s in pipe.get("stages") or ():
+            pid = str(s.get("peer_id"))
+            record = records.get(pid, {})
+            recent = [float(x) for x in (record.get("load") or {}).get("recent_step_s") or ()]
+            stages.append(
+                {
+                    "peer_id": pid,
+                    "device": s.get("device", "?"),
+                    "weights": str(s.get("weights") or _weights(record) or "?"),
+                    "start": int(s.get("start", 0)),
+                    "end": int(s.get("end", 0)),
+                    "predicted_step_s": float(s.get("decode_step_s", 0.0)),
+                    "measured_step_s": statistics.median(recent) if recent else None,
+                    "ready": (pid, s.get("start"), s.get("end")) in ready_stages,
+                    "health": record.get("health", "unknown"),
+                    "bottleneck": False,
+                }
+            )
+        if stages:
+            slowest = max(
+                stages,
+                key=lambda st: (
+                    st["measured_step_s"]
+                    if st["measured_step_s"] is not None
+                    else st["predicted_step_s"]
+                ),
+            )
+            slowest["bottleneck"] = True
+        pipelines.append(
+            {
+                "stages": stages,
+                "predicted_latency_s": float(pipe.get("decode_latency_s", 0.0)),
+                "predicted_tokens_per_s": float(pipe.get("throughput_tps", 0.0)),
+                "ready": pipe in ready_pipelines,
+            }
+        )
+    return {
+        "epoch": int(raw.get("epoch", -1)),
+        "model": raw.get("model_name", "?"),
+        "strategy": raw.get("strategy", "?"),
+        "objective": raw.get("objective", "?"),
+        "predicted_latency_s": float(raw.get("decode_latency_s", 0.0)),
+        "predicted_tokens_per_s": float(raw.get("throughput_tps", 0.0)),
+        "pipelines": pipelines,
+    }
+
+
+def _models(
+    view: Mapping[str, Any],
+    records: Mapping[str, Mapping[str, Any]],
+    peers: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """One entry per model the live peers serve: its newest plan (as
+    :func:`_plan_summary` shows it), why it cannot be placed, and its load (the
+    sessions, queue, tokens out and tokens/s of the peers serving it)."""
+    from hetmesh.scheduler.replan import newest
+
+    mesh = PeerView.of_status(view, plan_of=parse_plan)
+    names = sorted({p.serving.model for p in mesh.peers if p.serving.model})
+    out = []
+    for name in names:
+        members = PeerView.of(name, mesh.peers)
+        served = [m.serving for m in members.members]
+        plan = newest(s.plan for s in served if s.plan is not None and s.plan.model_name == name)
+        ready = members.ready_stages()
+        rows = [p for p in peers if p["model"] == name]
+        rates = [p["tokens_per_s"] for p in rows if p["tokens_per_s"] is not None]
+        out.append(
+            {
+                "model": name,
+                "plan": _plan_summary(
+                    None if plan is None else plan.to_wire(),
+                    records,
+                    ready,
+                    [p.to_wire() for p in ready_pipelines(plan, ready)],
+                ),
+                "insufficient": members.insufficient(),
+                "peers": [p["peer_id"] for p in rows],
+                "sessions": sum(p["sessions"] for p in rows),
+                "queue": sum(p["queue"] for p in rows),
+                "tokens_out": sum(p["tokens_out"] for p in rows),
+                "tokens_per_s": sum(rates) if rates else None,
+            }
+        )
+    return out
+
+
 def summarize(
     view: Mapping[str, Any],
     previous: Mapping[str, Any] | None = None,
@@ -84,59 +187,9 @@ def summarize(
     """``{"plan": ..., "load": ...}`` for a view (plain data, JSON-ready)."""
     records = _records(view)
     raw = _newest_plan(view)
-    plan: dict[str, Any] | None = None
-    if raw is not None:
-        # what is ready is the peer view's to say (as the node's router sees it)
-        ready_stages = ready_stages_in_view(view)
-        ready_pipelines = [p.to_wire() for p in ready_pipelines_in_view(view)]
-        pipelines = []
-        for pipe in raw.get("pipelines") or ():
-            stages = []
-            for s in pipe.get("stages") or ():
-                pid = str(s.get("peer_id"))
-                record = records.get(pid, {})
-                recent = [float(x) for x in (record.get("load") or {}).get("recent_step_s") or ()]
-                stages.append(
-                    {
-                        "peer_id": pid,
-                        "device": s.get("device", "?"),
-                        "weights": str(s.get("weights") or _weights(record) or "?"),
-                        "start": int(s.get("start", 0)),
-                        "end": int(s.get("end", 0)),
-                        "predicted_step_s": float(s.get("decode_step_s", 0.0)),
-                        "measured_step_s": statistics.median(recent) if recent else None,
-                        "ready": (pid, s.get("start"), s.get("end")) in ready_stages,
-                        "health": record.get("health", "unknown"),
-                        "bottleneck": False,
-                    }
-                )
-            if stages:
-                slowest = max(
-                    stages,
-                    key=lambda st: (
-                        st["measured_step_s"]
-                        if st["measured_step_s"] is not None
-                        else st["predicted_step_s"]
-                    ),
-                )
-                slowest["bottleneck"] = True
-            pipelines.append(
-                {
-                    "stages": stages,
-                    "predicted_latency_s": float(pipe.get("decode_latency_s", 0.0)),
-                    "predicted_tokens_per_s": float(pipe.get("throughput_tps", 0.0)),
-                    "ready": pipe in ready_pipelines,
-                }
-            )
-        plan = {
-            "epoch": int(raw.get("epoch", -1)),
-            "model": raw.get("model_name", "?"),
-            "strategy": raw.get("strategy", "?"),
-            "objective": raw.get("objective", "?"),
-            "predicted_latency_s": float(raw.get("decode_latency_s", 0.0)),
-            "predicted_tokens_per_s": float(raw.get("throughput_tps", 0.0)),
-            "pipelines": pipelines,
-        }
+    ready_stages = ready_stages_in_view(view)
+    ready_pipelines = [p.to_wire() for p in ready_pipelines_in_view(view)]
+    plan = _plan_summary(raw, records, ready_stages, ready_pipelines)
     before = _records(previous) if previous is not None else {}
     peers = []
     for pid, record in records.items():
@@ -147,6 +200,7 @@ def summarize(
         peers.append(
             {
                 "peer_id": pid,
+                "model": _serving(record).model or "-",
                 "weights": _weights(record) or "-",
                 "sessions": int(load.get("active_sessions", 0) or 0),
                 "queue": int(load.get("queue_depth", 0) or 0),
@@ -163,6 +217,7 @@ def summarize(
     return {
         "insufficient": verdicts[0] if verdicts else "",
         "plan": plan,
+        "models": _models(view, records, peers),
         "kv": _kv_rows(records),
         "load": {
             "peers": peers,
@@ -189,18 +244,33 @@ def _mib(value: float) -> str:
     return f"{value / (1 << 20):.1f} MiB"
 
 
-def plan_table(summary: Mapping[str, Any]) -> Table | Text:
-    """The plan: pipelines and stages, predicted against measured step times."""
-    plan = summary.get("plan")
+def plan_table(summary: Mapping[str, Any]) -> Table | Text | Group:
+    """The plan: pipelines and stages, predicted against measured step times; on a
+    mesh serving several models, one plan per model with the model's load."""
+    models = summary.get("models") or []
+    if len(models) > 1:
+        return Group(*(_plan_table(m["plan"], m["insufficient"], _model_load(m)) for m in models))
+    return _plan_table(summary.get("plan"), summary.get("insufficient") or "")
+
+
+def _model_load(model: Mapping[str, Any]) -> str:
+    return (
+        f"{model['model']}: {len(model['peers'])} peer(s), {model['sessions']} session(s), "
+        f"queue {model['queue']}, {_rate(model['tokens_per_s'])} tokens/s"
+    )
+
+
+def _plan_table(plan: Mapping[str, Any] | None, why: str, load: str = "") -> Table | Text:
     if not plan:
-        why = summary.get("insufficient")
-        return Text(f"no plan: {why}" if why else "no plan published yet")
+        text = f"no plan: {why}" if why else "no plan published yet"
+        return Text(f"{load}: {text}" if load else text)
     table = Table(
         title=(
             f"plan epoch {plan['epoch']} ({plan['strategy']}, {plan['objective']}) for "
             f"{plan['model']}: predicted {_ms(plan['predicted_latency_s'])}/token, "
             f"{plan['predicted_tokens_per_s']:.1f} tokens/s"
-        )
+        ),
+        caption=load or None,
     )
     for col in (
         "pipeline",
@@ -311,8 +381,9 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             f"{_rate(load.get('tokens_per_s'))} tokens/s"
         )
     )
+    several = len(summary.get("models") or ()) > 1  # then each peer's model too
     columns = ("peer", "weights", "units on disk", "fetching", "sessions", "queue", "KV used")
-    for col in (*columns, "tokens out", "tokens/s"):
+    for col in (*columns, "tokens out", "tokens/s", *(("model",) if several else ())):
         table.add_column(col)
     for p in load.get("peers") or ():
         table.add_row(
@@ -325,6 +396,7 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             _mib(p["kv_bytes_used"]),
             str(p["tokens_out"]),
             _rate(p["tokens_per_s"]),
+            *((str(p.get("model", "-")),) if several else ()),
         )
     return table
 

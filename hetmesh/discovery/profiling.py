@@ -219,7 +219,8 @@ def measure_cpu(
     """
     import torch
 
-    threads = max(1, threads or torch.get_num_threads())
+    caller_threads = torch.get_num_threads()  # this thread's team, restored on return
+    threads = max(1, threads or caller_threads)
     cores = threads if cores is None else max(cores, 1e-3)
     n = 512
     a = torch.randn(n, n)
@@ -252,6 +253,8 @@ def measure_cpu(
         return nbytes
 
     bandwidth = _best_rate(copy, budget_s * 0.35, window_s=min(0.2, budget_s * 0.12))
+    # the caller's worker thread is reused (a stage load ran on a team of `threads`)
+    torch.set_num_threads(caller_threads)
     return flops, bandwidth
 
 

@@ -71,6 +71,7 @@ from hetmesh.node.api_guard import (
     route_label,
 )
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
+from hetmesh.node.api_models import ModelControl, model_routes
 from hetmesh.node.api_requests import (
     DEFAULT_MAX_REQUESTS_PER_CLIENT,
     DEFAULT_MAX_REQUESTS_PER_KEY,
@@ -110,7 +111,9 @@ class Backend(Protocol):
     conversation, ``NoRoute`` when nothing is served); ``stream``: ``(token id, text)``
     pairs (id -1 for a final text-only flush), raising from the error tree;
     ``token_texts``: each token id's own text (the log-probabilities' ``token``);
-    ``gauges``/``view``: what ``/metrics`` and ``/v1/hetmesh/status`` show.
+    ``gauges``/``view``: what ``/metrics`` and ``/v1/hetmesh/status`` show;
+    ``for_model``: the backend serving one of ``models`` (a request routes by its
+    ``model``; ``ModelNotFound`` for another).
     """
 
     def models(self) -> list[str]: ...
@@ -123,6 +126,7 @@ class Backend(Protocol):
     def token_texts(self, ids: Sequence[int]) -> list[str]: ...
     def gauges(self) -> MeshGauges: ...
     def view(self) -> dict[str, Any]: ...
+    def for_model(self, model: str) -> Backend: ...
 
 
 # -- the app --------------------------------------------------------------------
@@ -245,7 +249,7 @@ class _Api:
 
     async def _parse(
         self, request: Request, chat: bool
-    ) -> tuple[ApiRequest, list[int], SamplingParams]:
+    ) -> tuple[ApiRequest, list[int], SamplingParams, Backend]:
         check_json_body(request.headers.get("content-type"))
         raw = await self._body(request)
         try:
@@ -253,10 +257,11 @@ class _Api:
         except ValueError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
         parsed = parse_api_request(body, chat=chat, models=self.backend.models())
-        context = self.backend.max_context()
+        backend = self.backend.for_model(parsed.model)  # requests route by model
+        context = backend.max_context()
         check_prompt_chars(parsed.request, context)  # before the tokenizer reads it
         async with self.tokenising:
-            ids = await self.backend.encode(parsed.request)  # the backend runs it in a thread
+            ids = await backend.encode(parsed.request)  # the backend runs it in a thread
         if len(ids) >= context:
             raise bad_request(
                 f"the prompt has {len(ids)} tokens; the context holds {context}",
@@ -278,7 +283,7 @@ class _Api:
             params = dataclasses.replace(params, grammar=await schema_grammar(parsed.schema))
         elif parsed.tools is not None:  # what tool_choice lets the model write
             params = dataclasses.replace(params, grammar=await tools_grammar(parsed.tools))
-        return parsed, ids, params
+        return parsed, ids, params, backend
 
     def _client(self, request: Request) -> str | None:
         """The key a request counts against (its peer address); None: not counted."""
@@ -347,7 +352,7 @@ class _Api:
     ) -> Response:
         timing = _Timing(time.perf_counter())
         try:
-            parsed, ids, params = await self._parse(request, chat)
+            parsed, ids, params, backend = await self._parse(request, chat)
         except ApiError as err:
             return self._error(request, err)
         except MeshError as exc:
@@ -356,7 +361,8 @@ class _Api:
         # letting the producer pile up every token it has not read
         send, receive = trio.open_memory_channel[Event](STREAM_BUFFER)
         scope = trio.CancelScope()
-        self.nursery.start_soon(self._produce, ids, choice_params(params, parsed.n), send, scope)
+        choices_params = choice_params(params, parsed.n)
+        self.nursery.start_soon(self._produce, backend, ids, choices_params, send, scope)
         self.metrics.inflight.inc()
         try:
             first = await receive.receive()
@@ -371,7 +377,9 @@ class _Api:
             return self._error(request, api_error(first.error))
         if parsed.stream:
             self.metrics.requests.labels(self.route_label(request), "200").inc()
-            events = self._events(parsed, ids, params, first, receive, scope, timing, release)
+            events = self._events(
+                backend, parsed, ids, params, first, receive, scope, timing, release
+            )
             return HeldStream(events, release, media_type="text/event-stream")
         choices = [Choice() for _ in range(parsed.n)]
         try:
@@ -396,7 +404,7 @@ class _Api:
             "created": int(time.time()),
             "model": parsed.model,
             "choices": [
-                choice_body(parsed, params.max_new_tokens, i, c, self.backend.token_texts)
+                choice_body(parsed, params.max_new_tokens, i, c, backend.token_texts)
                 for i, c in enumerate(choices)
             ],
             "usage": usage(len(ids), sum(len(c.tokens) for c in choices)),
@@ -415,16 +423,18 @@ class _Api:
 
     async def _produce(
         self,
+        backend: Backend,
         ids: list[int],
         params: list[SamplingParams],
         send: trio.MemorySendChannel[Event],
         scope: trio.CancelScope,
     ) -> None:
         with scope:
-            await produce(self.backend.stream, ids, params, send)
+            await produce(backend.stream, ids, params, send)
 
     async def _events(
         self,
+        backend: Backend,
         parsed: ApiRequest,
         ids: list[int],
         params: SamplingParams,
@@ -444,7 +454,7 @@ class _Api:
                 params.max_new_tokens,
                 first,
                 receive,
-                self.backend.token_texts,
+                backend.token_texts,
                 on_token=timing.token,
                 on_error=rejected,
             )
@@ -466,6 +476,7 @@ def build_app(
     feed: Feed | None = None,
     policy: ClientPolicy | None = None,
     guard: LocalGuard | None = None,
+    models: ModelControl | None = None,
 ) -> Starlette:
     """The ASGI app; streams are produced by tasks of ``nursery``.
 
@@ -510,6 +521,7 @@ def build_app(
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
         *dashboard_routes(feed, api._error),
+        *(model_routes(models, api._error) if models is not None else ()),  # several models
     ]
     api.routes = routes
 
@@ -535,9 +547,11 @@ async def serve_http(
     port: int = 0,
     api_key: str | None = None,
     policy: ClientPolicy | None = None,
+    models: ModelControl | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL.
+    ``models``: a node serving several models adds and removes them there.
 
     The HTTP server is supervised: if hypercorn itself fails (not a request:
     those are answered with a 500), it is logged and restarted on the same
@@ -551,7 +565,9 @@ async def serve_http(
     url: str | None = None
     guard = LocalGuard.for_bind(host, port)
     async with trio.open_nursery() as streams:  # producers of streamed responses
-        app = build_app(backend, metrics, streams, api_key=api_key, policy=policy, guard=guard)
+        app = build_app(
+            backend, metrics, streams, api_key=api_key, policy=policy, guard=guard, models=models
+        )
         while True:
             config = Config()
             config.bind = [f"{host}:{port}"]
@@ -587,13 +603,17 @@ async def serve_api(
     *,
     host: str = "127.0.0.1",
     api_key: str | None = None,
+    models: ModelControl | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The node's OpenAI-compatible API on ``host:port`` for ``backend``; never returns.
 
-    The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`.
+    The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`; a node serving
+    several models a :class:`~hetmesh.node.backend.ModelsBackend` and its ``models``.
     """
-    await serve_http(backend, host=host, port=port, api_key=api_key, task_status=task_status)
+    await serve_http(
+        backend, host=host, port=port, api_key=api_key, models=models, task_status=task_status
+    )
 
 
 __all__ = [

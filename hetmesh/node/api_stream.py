@@ -5,9 +5,10 @@ request's choices into OpenAI's chunks: for a chat, each choice's role first,
 then a chunk per token (its text, ``token_ids`` and, when asked, its
 ``logprobs``), a last chunk per choice with its ``finish_reason``, the usage
 when asked, and ``data: [DONE]``. Under active tools a choice whose output
-starts with ``{`` is a call: held until it ends, then sent as ``tool_calls``
-deltas (:class:`~hetmesh.node.api_tools.HeldCall`). An error ends the stream
-with an OpenAI error body. :func:`choice_body` is one choice of a whole answer.
+starts with ``{`` is a call, streamed as ``tool_calls`` deltas: its id and name,
+then its arguments token by token (:class:`~hetmesh.node.api_tools.HeldCall`).
+An error ends the stream with an OpenAI error body. :func:`choice_body` is one
+choice of a whole answer.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from hetmesh.node.api_choices import Choice, Event, LogprobsShape
 from hetmesh.node.api_requests import ApiError, ApiRequest, api_error
-from hetmesh.node.api_tools import HeldCall, call_deltas, parse_call
+from hetmesh.node.api_tools import HeldCall, parse_call
 from hetmesh.protocol.generate import finish_reason
 from hetmesh.protocol.logprobs import logprobs_of
 
@@ -168,12 +169,14 @@ async def sse_events(
                 text = call.feed(event.text) if call is not None else event.text
                 if call is None or text or not call.calling:
                     yield out.piece(index, text, event.token)
+                for delta in call.deltas() if call is not None else ():  # token by token
+                    yield out.chunk([{"index": index, "delta": delta, "finish_reason": None}])
             elif event.what == "end":
                 reason: str = finish_reason(counts[index], max_new_tokens)
-                calls, rest = call.finish() if call is not None else (None, "")
+                calls, rest, deltas = call.finish() if call is not None else (None, "", [])
                 if rest:
                     yield out.piece(index, rest, -1)
-                for delta in call_deltas(calls or []):
+                for delta in deltas:
                     yield out.chunk([{"index": index, "delta": delta, "finish_reason": None}])
                 yield out.piece(index, "", -1, "tool_calls" if calls else reason)
             else:

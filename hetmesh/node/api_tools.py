@@ -17,6 +17,7 @@ the output back into OpenAI's ``tool_calls``.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -185,14 +186,24 @@ def parse_call(text: str, tools: Tools | None) -> list[dict[str, Any]] | None:
     ]
 
 
+# the start of a call as the grammar makes the model write it (compact JSON, the
+# properties in the schema's order): its function's name, then its arguments
+_HEAD = re.compile(r'\s*\{"name":"([^"\\]+)","arguments":')
+
+
 class HeldCall:
     """One streamed choice under active tools: output that starts with ``{`` is a call,
-    held back until it ends (then sent as ``tool_calls``); other text passes through."""
+    other text passes through. A call streams as OpenAI's do: its id and name once the
+    model has written the name, then its arguments as the tokens come
+    (:meth:`deltas`), the character that may close the call held back."""
 
     def __init__(self, tools: Tools) -> None:
         self.tools = tools
         self.held: list[str] = []
         self.calling: bool | None = None  # None: not known until a visible character
+        self.head: dict[str, Any] | None = None  # the call's id and name, once sent
+        self._arguments_at = 0  # where the arguments start in the held text
+        self._sent = 0  # characters of the arguments sent
 
     def feed(self, text: str) -> str:
         """The text to stream now ("" while it is held)."""
@@ -207,11 +218,54 @@ class HeldCall:
                 return joined
         return ""
 
-    def finish(self) -> tuple[list[dict[str, Any]] | None, str]:
-        """The call (None: none) and the held text still to stream (a cut-short call)."""
+    def _arguments(self) -> str:
+        return "".join(self.held)[self._arguments_at :]
+
+    def deltas(self) -> list[dict[str, Any]]:
+        """The ``tool_calls`` deltas the call can send now: its head (id, name) once the
+        name is written, then the arguments written since the last call of this (a
+        trailing ``}``, which may close the call rather than the arguments, waits)."""
+        if not self.calling:
+            return []
+        out: list[dict[str, Any]] = []
+        if self.head is None:
+            found = _HEAD.match("".join(self.held))
+            if found is None or found.group(1) not in {t.name for t in self.tools.tools}:
+                return []  # not yet written (or not in this order: sent whole at the end)
+            self.head = {"id": "call_" + uuid.uuid4().hex[:24], "name": found.group(1)}
+            self._arguments_at = found.end()
+            out.append(_head_delta(self.head))
+        body = self._arguments().rstrip()
+        ready = body[:-1] if body.endswith("}") else body
+        if len(ready) > self._sent:
+            out.append(_arguments_delta(ready[self._sent :]))
+            self._sent = len(ready)
+        return out
+
+    def finish(self) -> tuple[list[dict[str, Any]] | None, str, list[dict[str, Any]]]:
+        """The call (None: none), the held text still to stream as text (a call cut
+        short before its name), and the ``tool_calls`` deltas still to send."""
         joined = "".join(self.held)
         calls = parse_call(joined, self.tools) if self.calling else None
-        return calls, "" if calls else joined
+        if self.head is None:
+            return calls, "" if calls else joined, call_deltas(calls or [])
+        body = self._arguments().rstrip()
+        if calls is not None:  # whole: the last "}" closed the call
+            body = body[:-1]
+        rest = [_arguments_delta(body[self._sent :])] if len(body) > self._sent else []
+        self._sent = len(body)
+        return calls, "", rest
+
+
+def _head_delta(head: Mapping[str, Any], index: int = 0) -> dict[str, Any]:
+    function = {"name": head["name"], "arguments": ""}
+    return {
+        "tool_calls": [{"index": index, "id": head["id"], "type": "function", "function": function}]
+    }
+
+
+def _arguments_delta(text: str, index: int = 0) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
 
 
 def call_deltas(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -219,15 +273,8 @@ def call_deltas(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, call in enumerate(calls):
         function = call["function"]
-        head = {"name": function["name"], "arguments": ""}
-        out.append(
-            {
-                "tool_calls": [
-                    {"index": i, "id": call["id"], "type": "function"} | {"function": head}
-                ]
-            }
-        )
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
+        out.append(_head_delta({"id": call["id"], "name": function["name"]}, i))
+        out.append(_arguments_delta(function["arguments"], i))
     return out
 
 

@@ -7,7 +7,8 @@ API never imports the daemon or the serving code.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+import dataclasses
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import trio
@@ -38,6 +39,10 @@ class NodeBackend:
 
     def models(self) -> list[str]:
         return [self.serving.model_key] if self.serving is not None else []
+
+    def for_model(self, model: str) -> NodeBackend:
+        """The backend serving ``model``: this one (the API checked the name)."""
+        return self
 
     def max_context(self) -> int:
         return int(self._serving().constraints.max_context_tokens)
@@ -104,8 +109,98 @@ class NodeBackend:
         return self.discovery.view()
 
 
+class ModelsBackend:
+    """Several members' backends, one per model (:mod:`hetmesh.node.models`): a request
+    goes to the member serving its ``model``; what is not about one model (health, the
+    mesh view, the gauges) is the first member's, whose discovery sees the whole mesh.
+
+    ``members``: the running members' backends by model, read at each call (a model
+    added or removed changes what is served at once).
+    """
+
+    def __init__(self, members: Callable[[], Mapping[str, NodeBackend]]) -> None:
+        self._members = members
+
+    def _first(self) -> NodeBackend:
+        for backend in self._members().values():
+            return backend
+        raise errors.NoRoute("this node serves no model now")
+
+    def models(self) -> list[str]:
+        return list(self._members())
+
+    def for_model(self, model: str) -> NodeBackend:
+        found = self._members().get(model)
+        if found is None:
+            raise errors.ModelNotFound(
+                f"the model {model!r} is not served here; this node serves "
+                f"{', '.join(self._members()) or 'nothing now'}"
+            )
+        return found
+
+    def max_context(self) -> int:
+        return self._first().max_context()
+
+    def ready(self) -> bool:
+        """Every model has a ready pipeline."""
+        members = self._members()
+        return bool(members) and all(b.ready() for b in members.values())
+
+    async def encode(self, request: GenerateRequest) -> list[int]:
+        return await self._first().encode(request)
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[tuple[int, str], None]:
+        return self._first().stream(prompt_ids, params)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        return self._first().token_texts(ids)
+
+    def gauges(self) -> MeshGauges:
+        """The members' counters summed; each stage's KV labelled with its model; the
+        links, plan epoch and memory (the process's, whichever member reads it) the
+        first member's."""
+        members = self._members()
+        if not members:
+            return MeshGauges()
+        each = {model: b.gauges() for model, b in members.items()}
+        first = next(iter(each.values()))
+        summed = {
+            f.name: sum(getattr(g, f.name) for g in each.values())
+            for f in dataclasses.fields(MeshGauges)
+            if f.name in _SUMMED
+        }
+        stages = tuple((f"{m}:{u}", kv) for m, g in each.items() for u, kv in g.stages_kv)
+        ready = all(g.ready for g in each.values())
+        return dataclasses.replace(first, ready=ready, stages_kv=stages, **summed)
+
+    def view(self) -> dict[str, Any]:
+        return self._first().view()
+
+
+# the gauges a node serving several models adds up over its members
+_SUMMED = frozenset(
+    {
+        "queue_depth",
+        "active_sessions",
+        "gateway_sessions",
+        "kv_bytes_used",
+        "kv_bytes_free",
+        "recoveries",
+        "rejected_busy",
+        "tokens_out",
+        "sessions_failed",
+        "prefix_tokens_skipped",
+        "shard_bytes_fetched",
+        "shard_bytes_served",
+        "shard_verification_failures",
+    }
+)
+
+
 def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-__all__ = ["NodeBackend"]
+__all__ = ["ModelsBackend", "NodeBackend"]

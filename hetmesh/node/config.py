@@ -92,7 +92,8 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "data_dir": (str, None),
     "max_memory": ((str, int), None),
     "device": (str, None),
-    "model": (str, None),
+    "model": ((str, list), None),  # several: one member each (hetmesh.node.models)
+    "model_memory": (list, None),
     "weights": (str, None),  # checked against the device by hetmesh.node.weights
     "cache_dir": (str, None),
     "objective": (str, ("latency", "throughput")),

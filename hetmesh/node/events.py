@@ -33,6 +33,7 @@ from hetmesh.errors import Rejected
 from hetmesh.node.peer_view import PeerView, ready_stages_in_view
 from hetmesh.scheduler.announcement import ServingAnnouncement, parse_plan, read_serving
 from hetmesh.scheduler.records import Plan
+from hetmesh.scheduler.replan import newest
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,25 @@ class PlanCache:
             if entry is not None and entry[0] is best:
                 return entry[1]
         return best.to_wire()
+
+    def by_model(self, view: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """The newest plan of each model the view's live peers serve, as wire maps (a
+        mesh serving several models follows one plan per model)."""
+        mesh = PeerView.of_status(view, plan_of=self._parse)
+        out: dict[str, dict[str, Any]] = {}
+        for name in sorted({p.serving.model for p in mesh.peers if p.serving.model}):
+            members = PeerView.of(name, mesh.peers).members
+            plans = [m.serving.plan for m in members if m.serving.plan is not None]
+            best = newest(p for p in plans if p.model_name == name)
+            if best is not None:
+                out[name] = self._wire(best)
+        return out
+
+    def _wire(self, plan: Plan) -> dict[str, Any]:
+        for entry in self._parsed.values():
+            if entry is not None and entry[0] is plan:
+                return entry[1]
+        return plan.to_wire()
 
     def _parse(self, raw: Mapping[str, object]) -> Plan | None:
         key = json.dumps(raw, sort_keys=True, default=str)
@@ -250,6 +270,7 @@ class Feed:
         self._snapshot = {
             "view": view,
             "plan": self._plans.newest(view),
+            "plans": self._plans.by_model(view),  # one per model the mesh serves
             "sample": self.series.sample(view, now_s),
         }
         self._broadcast(sse("snapshot", self._snapshot))

@@ -17,12 +17,14 @@ calibration's leftovers), which the plan does not charge.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
-from hetmesh.resources import PeerId
+from hetmesh.resources import DeviceProfile, PeerId
 from hetmesh.scheduler.records import Plan
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -110,6 +112,41 @@ def charged_bytes(plan: Plan | None, peer_id: PeerId) -> int:
     return sum(stages.values())
 
 
+K = TypeVar("K")
+
+
+def device_capacity(devices: Iterable[DeviceProfile], peer_id: PeerId, device: str) -> int | None:
+    """The memory ``peer_id`` offers the planner on ``device`` (its announced
+    ``memory_total_bytes``: the machine's, or its ``--max-memory`` cap); None if unknown."""
+    for d in devices:
+        if d.peer_id == peer_id and d.device == device:
+            return d.memory_total_bytes
+    return None
+
+
+def must_release_first(
+    charges: Mapping[K, int], held: Set[K], mine: Set[K], key: K, capacity: int | None
+) -> bool:
+    """Whether stage ``key`` may load only once the stages this node holds (or is still
+    loading) that the plan no longer gives it are gone.
+
+    The planner plans each node on its whole memory (what our own stages hold is
+    ours to use), so a re-plan that moves a node from one stage to another assumes
+    the old one is released; a node keeping the old stage serving until the new one
+    is loaded holds both at once. Where the plan's ``charges`` of ``held`` and of
+    ``key`` together exceed ``capacity``, that is an OOM kill (issue 43: a successor
+    coordinator's plan told a 2 GiB host still loading ``[11, 23)`` to load
+    ``[0, 11)``). Held stages the plan still gives us never make a load wait: the
+    plan fits them with ``key``. Unknown ``capacity``: no waiting (as before).
+    """
+    if capacity is None:
+        return False
+    others = set(held) - {key}
+    if not others - set(mine):
+        return False
+    return sum(charges.get(k, 0) for k in others) + charges.get(key, 0) > capacity
+
+
 MEMORY_KEY = "memory"  # the announcement's extra entry (hetmesh status, the dashboard)
 _MIB = 1 << 20
 
@@ -149,5 +186,7 @@ __all__ = [
     "MemoryReport",
     "cgroup_usage",
     "charged_bytes",
+    "device_capacity",
     "memory_in_use",
+    "must_release_first",
 ]

@@ -30,6 +30,7 @@ from hetmesh.node.config import PLANNED_SESSIONS, ServingConfig
 from hetmesh.node.control import MAX_CONTROL_BYTES, SESSION_PROTOCOL, Reply, parse_request
 from hetmesh.node.gateway import Gateway
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
+from hetmesh.node.memory import device_capacity
 from hetmesh.node.peer_calls import PeerCalls, data_plane_host, node_plane_config
 from hetmesh.node.peer_view import PeerViews
 from hetmesh.node.plan_follower import PlanFollower, unheld, verify_signature
@@ -128,6 +129,9 @@ class Serving:
             send_now=lambda peer, frame: self.calls.send_now(peer, frame),
             held=lambda: self._announce(),
             changed=lambda: self._publish(),
+        )
+        self.stages.capacity = lambda: device_capacity(  # a move releases first if need be
+            discovery.local_record(advance=False).devices, node.peer_id, device
         )
         # the format this node's stages are held in: "native" is the checkpoint's own,
         # "auto" is settled by calibration

@@ -11,7 +11,10 @@ StageHost
 ```
 
 A stage the plan no longer gives this node keeps serving (and admitting)
-until every stage it does give is loaded; a draining node retires them all.
+until every stage it does give is loaded, unless holding both would exceed the
+memory the node offers (:func:`~hetmesh.node.memory.must_release_first`): then
+the old stages retire at once and a new one loads once they are gone; a
+draining node retires them all.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hetmesh.errors import InvalidRequest, MeshError, NoRoute
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.control import CloseSession, MoveSession, Reply, Request
 from hetmesh.node.kvcache import kv_counters, stage_kv_limits
+from hetmesh.node.memory import must_release_first
 from hetmesh.node.stage_lane import lane_enabled
 from hetmesh.node.stage_server import SendNow, StageServer
 from hetmesh.partition.grammar import Grammars
@@ -127,6 +131,11 @@ class StageHost:
         self._mine: set[Key] = set()  # the stages the followed plan gives us
         self._draining = False  # stopping: every stage retires, its sessions move away
         self._nursery: trio.Nursery | None = None
+        # memory: what the plans charged each stage, the node's offer (set by Serving)
+        self.capacity: Callable[[], int | None] = lambda: None
+        self._charges: dict[Key, int] = {}
+        self._freed = trio.Event()  # set (and replaced) whenever a stage lets go
+        self._waiting = 0  # loads waiting for room
 
     def start(self, nursery: trio.Nursery) -> None:
         """Run stages (and their loads) in ``nursery``."""
@@ -194,13 +203,27 @@ class StageHost:
 
     def follow(self, plan: Plan, me: PeerId) -> None:
         """Load the stages ``plan`` gives ``me``; retire the others once they are."""
-        self._mine = {(s.start, s.end) for p in plan.pipelines for s in p.stages if s.peer_id == me}
+        mine = [s for p in plan.pipelines for s in p.stages if s.peer_id == me]
+        self._mine = {(s.start, s.end) for s in mine}
+        self._charges.update({(s.start, s.end): s.memory_bytes for s in mine})
         step = self._reconcile()
         assert self._nursery is not None
         for key in step.load:
             self._loading.add(key)
             self._nursery.start_soon(self._load, *key)
         self._retire(step)
+        if any(self._crowded(key) for key in self._mine - self._served.keys()):
+            for key, served in self._served.items():  # no room to keep them meanwhile
+                served.retiring = served.retiring or key not in self._mine
+        self._let_go()  # a waiting load checks the new plan (its stage may be gone, or fit)
+
+    def _crowded(self, key: Key) -> bool:
+        held = self._served.keys() | self._loading
+        return must_release_first(self._charges, held, self._mine, key, self.capacity())
+
+    def _let_go(self) -> None:
+        self._freed.set()
+        self._freed = trio.Event()
 
     def _reconcile(self) -> Reconcile:
         served = {key: s.retiring for key, s in self._served.items()}
@@ -225,6 +248,16 @@ class StageHost:
                 if self.shards is not None:  # a node without them fetches the stage's tensors
                     await self.shards.ensure(start, end)
                     self._held()
+                self._waiting += 1
+                try:  # the stages leaving must go first: both would not fit
+                    while self._crowded((start, end)) and (start, end) in self._mine:
+                        await self._freed.wait()
+                finally:
+                    self._waiting -= 1
+                if (start, end) not in self._mine:
+                    self._loading.discard((start, end))
+                    self._let_go()
+                    return
                 load = functools.partial(
                     load_stage, self.model_dir, start, end, device=self.device, weights=self.weights
                 )
@@ -239,12 +272,19 @@ class StageHost:
                         *(start, end, attempt, exc),
                     )
                     self._loading.discard((start, end))
+                    self._let_go()
                     return
                 log.warning(
                     "loading units [%d, %d) failed (attempt %d of %d): %s; retrying",
                     *(start, end, attempt, STAGE_LOAD_ATTEMPTS, exc),
                 )
                 await trio.sleep(STAGE_LOAD_RETRY_S * attempt)
+        if (start, end) not in self._mine and self._waiting:  # loaded too late: room first
+            log.info("units [%d, %d) loaded after the plan moved on: dropped", start, end)
+            self._loading.discard((start, end))
+            del stage
+            self._let_go()
+            return
         self._run(start, end, stage)
         log.info(
             "stage [%d, %d) ready: %d parameters in %.1f s",
@@ -293,6 +333,7 @@ class StageHost:
                 served.scope.cancel()
                 del self._served[key]
                 log.info("stage [%d, %d) retired", *key)
+                self._let_go()
 
     def start_draining(self) -> None:
         """Every stage retires (its sessions move away); nothing loads any more."""

@@ -59,6 +59,48 @@ _DTYPES = {
     "I16": torch.int16,
 }
 _MAX_HEADER_BYTES = 100 * 2**20
+DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers on the device's blocks
+DIRECT_MIN_BYTES = 256 << 10  # smaller reads go through the page cache (then dropped)
+
+
+def open_direct(file: Path) -> int | None:
+    """``file`` opened for reads that bypass the page cache (``O_DIRECT``), or None
+    where the system or file system has none (then reads are buffered and their pages
+    dropped, :func:`drop_read_pages`)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(file, os.O_RDONLY | flag)
+    except OSError:
+        return None
+
+
+def read_direct(fd: int, offset: int, count: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + count)`` of the ``O_DIRECT`` file ``fd``, read straight
+    from the device into the returned tensor's own storage: no page cache (charged to
+    a cgroup like the node's own memory, and dropped after a buffered read only as far
+    as nobody else is reading the same pages), no copy. The read covers whole blocks
+    around the range; the tensor is a view of it (under 3 blocks more memory).
+
+    Raises OSError where the file system refuses the read (the caller reads it
+    buffered instead) and ValueError for a file shorter than the range.
+    """
+    lo = offset - offset % DIRECT_ALIGN
+    span = -(-(offset + count - lo) // DIRECT_ALIGN) * DIRECT_ALIGN
+    storage = torch.empty(span + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -storage.data_ptr() % DIRECT_ALIGN
+    window = storage[skip : skip + span]
+    view: memoryview = window.numpy().data
+    done = 0
+    while done < span:
+        got = os.preadv(fd, [view[done:]], lo + done)
+        if got <= 0:
+            break
+        done += got
+    if done < offset + count - lo:
+        raise ValueError("file shorter than its header says")
+    return window[offset - lo : offset - lo + count]
 
 
 def drop_read_pages(handle: BinaryIO, offset: int, count: int) -> None:
@@ -79,10 +121,13 @@ def drop_read_pages(handle: BinaryIO, offset: int, count: int) -> None:
 class _Entry:
     """Where one tensor's bytes lie in its safetensors file."""
 
-    __slots__ = ("begin", "dtype", "end", "handle", "shape")
+    __slots__ = ("begin", "direct", "dtype", "end", "handle", "shape")
 
-    def __init__(self, handle: BinaryIO, base: int, info: dict[str, Any]) -> None:
+    def __init__(
+        self, handle: BinaryIO, base: int, info: dict[str, Any], direct: _Direct | None = None
+    ) -> None:
         self.handle = handle
+        self.direct = direct
         self.dtype: torch.dtype = _DTYPES[info["dtype"]]
         self.shape = tuple(int(n) for n in info["shape"])
         begin, end = (int(v) for v in info["data_offsets"])
@@ -92,7 +137,9 @@ class _Entry:
         return self.shape
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
-        """Rows ``[start, stop)`` (all of a 1-D tensor), read with one ``readinto``.
+        """Rows ``[start, stop)`` (all of a 1-D tensor), read with one ``O_DIRECT``
+        read where the file system allows (:func:`read_direct`), else one ``readinto``
+        whose pages are then dropped.
 
         Plain reads instead of a memory map: the file's pages do not join
         this process's resident set while a stage loads.
@@ -101,13 +148,41 @@ class _Entry:
         start, stop, _ = rows.indices(total)
         row_bytes = (self.end - self.begin) // max(total, 1)
         count = max(stop - start, 0) * row_bytes
-        out = torch.empty(count, dtype=torch.uint8)
-        self.handle.seek(self.begin + start * row_bytes)
-        if self.handle.readinto(out.numpy().data) != count:  # type: ignore[attr-defined]
-            raise ValueError("file shorter than its header says")
-        drop_read_pages(self.handle, self.begin + start * row_bytes, count)
+        offset = self.begin + start * row_bytes
+        out = self.direct.read(offset, count, self.dtype) if self.direct else None
+        if out is None:
+            out = torch.empty(count, dtype=torch.uint8)
+            self.handle.seek(offset)
+            if self.handle.readinto(out.numpy().data) != count:  # type: ignore[attr-defined]
+                raise ValueError("file shorter than its header says")
+            drop_read_pages(self.handle, offset, count)
         shape = (stop - start, *self.shape[1:]) if self.shape else ()
         return out.view(self.dtype).reshape(shape)
+
+
+class _Direct:
+    """One file's ``O_DIRECT`` descriptor; turned off at its first refused read."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def read(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bytes, or None: too few to bother, or the file system refused."""
+        if self.fd is None or count < DIRECT_MIN_BYTES:
+            return None
+        try:
+            out = read_direct(self.fd, offset, count)
+        except OSError:
+            self.close()
+            return None
+        if out.storage_offset() % dtype.itemsize:  # viewed as dtype: must start aligned
+            out = out.clone()
+        return out
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class CheckpointReader:
@@ -123,6 +198,7 @@ class CheckpointReader:
         }
         self._stack = ExitStack()
         self._headers: dict[Path, tuple[BinaryIO, int, dict[str, Any]]] = {}
+        self._direct: dict[Path, _Direct | None] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -303,9 +379,13 @@ class CheckpointReader:
         file = self.files[name]
         if file not in self._headers:
             self._headers[file] = self._open(file)
+            fd = open_direct(file)
+            self._direct[file] = direct = None if fd is None else _Direct(fd)
+            if direct is not None:
+                self._stack.callback(direct.close)
         handle, base, header = self._headers[file]
         try:
-            return _Entry(handle, base, header[name])
+            return _Entry(handle, base, header[name], self._direct[file])
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptModel(f"{file}: bad header entry for {name} ({exc!r})") from exc
 

@@ -17,6 +17,8 @@ Raises :class:`~hetmesh.errors.CorruptModel` for a missing or misshapen tensor.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,8 @@ INT4_CHUNK_WEIGHTS = 4 << 20
 # a table (embedding, head) is converted a slice of rows at a time of at most this
 # many weights (and at most ROW_CHUNK rows): its fp32 temporaries stay ~4 MB each
 TABLE_CHUNK_WEIGHTS = 1 << 20
+# OpenMP threads of the thread that loads (see load_threads)
+LOAD_THREADS = 1
 
 
 def _rows_per_chunk(width: int) -> int:
@@ -76,6 +80,35 @@ def materialise(
     :func:`hetmesh.partition.stage.load_stage`), and so is a tied embedding
     the head will share: no second copy is ever made.
     """
+    with load_threads():
+        _materialise(stage, folder, config, fuse=fuse, column_major_head=column_major_head)
+
+
+@contextmanager
+def load_threads(threads: int = LOAD_THREADS) -> Iterator[None]:
+    """Run the calling thread's torch ops on ``threads`` OpenMP threads, then restore its count.
+
+    Why: ``torch.set_num_threads`` sets the *calling* thread's OpenMP team, and a node
+    loads its stages in a reused worker thread whose count is whatever ran there
+    before (the CPU profile leaves it at the machine's core count). A load's work is
+    copies and byte operations at memory speed; on a loaded machine a team of two
+    spin-waits at every barrier of every op: one 8B stage's load used 4.5x the CPU
+    time and 3x the wall time with two threads as with one
+    (docs/journal/2026-12-06-bigmodel.md).
+    """
+    before = torch.get_num_threads()
+    if before != threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _materialise(
+    stage: Any, folder: Path, config: dict[str, Any], *, fuse: bool, column_major_head: bool
+) -> None:
     tied = bool(config.get("tie_word_embeddings", False))
     with CheckpointReader(folder) as reader:
         loader = _Loader(stage, reader, folder)
@@ -355,4 +388,4 @@ class _Loader:
         self.float_param(f"{path}.weight", source, tuple(weight.shape), column_major=column_major)
 
 
-__all__ = ["WIDE_KINDS", "hold_wide_blocks_in_int8", "materialise"]
+__all__ = ["LOAD_THREADS", "WIDE_KINDS", "hold_wide_blocks_in_int8", "load_threads", "materialise"]

@@ -46,6 +46,7 @@ from hetmesh.discovery import wire
 from hetmesh.errors import CorruptModel, MeshError, ModelError, ModelNotFound
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.announcement import read_serving
+from hetmesh.scheduler.demand import MemberLoad, neediest
 from hetmesh.shards import cache
 from hetmesh.shards.links import DIRECT_UNAVAILABLE, ShardLinks
 from hetmesh.shards.manifest import (
@@ -493,6 +494,19 @@ def announced_manifests(discovery: Any) -> dict[str, list[PeerId]]:
     return {k: sorted(v) for k, v in found.items()}
 
 
+def manifest_loads(discovery: Any, seen: dict[str, list[PeerId]]) -> dict[str, list[MemberLoad]]:
+    """Each manifest's holders' announced load (hetmesh.scheduler.demand)."""
+    records = {e.peer_id: e.record for e in discovery.alive() if e.record is not None}
+    return {
+        manifest: [
+            MemberLoad(records[p].load.active_sessions, records[p].load.queue_depth)
+            for p in holders
+            if p in records
+        ]
+        for manifest, holders in seen.items()
+    }
+
+
 async def join_from_mesh(
     discovery: Any, spec: str, cache_dir: Path, *, wait_s: float = 120.0
 ) -> Path:
@@ -507,13 +521,9 @@ async def join_from_mesh(
     with trio.move_on_after(wait_s):
         while True:
             seen = announced_manifests(discovery)
-            if spec == MESH_MODEL and len(seen) > 1:
-                raise ModelNotFound(
-                    f"the mesh serves {len(seen)} models; pass --model with one manifest id: "
-                    + ", ".join(sorted(seen))
-                )
-            if spec == MESH_MODEL and seen:
-                manifest_id, holders = next(iter(seen.items()))
+            if spec == MESH_MODEL and seen:  # several: the one in most demand per member
+                manifest_id = neediest(manifest_loads(discovery, seen))
+                holders = seen[manifest_id]
             else:
                 holders = seen.get(spec, [])
             if holders:

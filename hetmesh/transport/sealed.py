@@ -21,30 +21,25 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset
+from hetmesh.transport.frames import flat_bytes
 
 RECORD_BYTES = 1 << 20  # plaintext per record: bounds what a peer makes us buffer
 TAG_BYTES = 16
-_LENGTH = struct.Struct(">I")
+_LENGTH = struct.Struct(">I")  # 4 bytes
 _NONCE = struct.Struct(">4xQ")  # 96 bits: 32 zero bits, then the record counter
 _MAX_RECORDS = 1 << 64
+_OVERHEAD = _LENGTH.size + TAG_BYTES  # per record
 
 
-class _Counter:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def next_nonce(self) -> bytes:
-        if self.value >= _MAX_RECORDS:  # unreachable in practice; never wrap a nonce
-            raise LocalProtocolError("sealed link ran out of nonces")
-        nonce = _NONCE.pack(self.value)
-        self.value += 1
-        return nonce
+def _nbytes(parts: Sequence[Any]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 class Sealer:
@@ -52,29 +47,69 @@ class Sealer:
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
-        self._counter = _Counter()
-        self._buffer = bytearray(0)
-        self._staging = bytearray(0)
+        self._sealed = 0  # records sealed so far: the next record's nonce
+        self._buffer = bytearray(64 << 10)
+        self._view = memoryview(self._buffer)
 
-    def seal(self, parts: list[Any]) -> list[memoryview]:
-        """The records carrying ``parts`` (buffers), in one reused buffer.
+    def _nonce(self) -> bytes:
+        count = self._sealed
+        if count >= _MAX_RECORDS:  # unreachable in practice; never wrap a nonce
+            raise LocalProtocolError("sealed link ran out of nonces")
+        self._sealed = count + 1
+        return _NONCE.pack(count)
 
-        A frame that fits one record (a decode step's) goes as one record, so
-        its receiver wakes once; larger ones get a record per part and per
-        :data:`RECORD_BYTES`. The views stay valid until the next call: send
-        them first.
+    def seal(self, parts: Sequence[Any], plain: int = -1) -> memoryview:
+        """The records carrying ``parts`` (buffers: bytes, memoryviews, C-contiguous
+        arrays), ``plain`` bytes in all if the caller knows it, in one reused buffer.
+
+        A frame that fits one record (a decode step's) goes as one record, so its
+        receiver wakes once: its parts are copied to where their ciphertext goes
+        and sealed there, one AES-GCM call. Larger ones get a record per part and
+        per :data:`RECORD_BYTES`. The view stays valid until the next call: send
+        it first.
         """
-        plain = 0
-        for p in parts:
-            plain += memoryview(p).nbytes
+        if plain < 0:
+            plain = _nbytes(parts)
         if 0 < plain <= RECORD_BYTES:
-            return self._one_record(parts, plain)
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+            total = plain + _OVERHEAD
+            if len(self._buffer) < total:
+                self._buffer = bytearray(total)
+                self._view = memoryview(self._buffer)
+            out = self._view
+            at = _LENGTH.size
+            view: bytes | memoryview
+            for p in parts:
+                if type(p) is bytes:  # the frame's head
+                    view = p
+                else:
+                    try:
+                        view = memoryview(p).cast("B")
+                    except TypeError:  # an array with zeros in its shape
+                        view = flat_bytes(p)
+                end = at + len(view)
+                if end > total:
+                    break
+                out[at:end] = view
+                at = end
+            else:
+                if at == total - TAG_BYTES:
+                    # sealed where it lies: OpenSSL's GCM reads each block before it writes it
+                    _LENGTH.pack_into(out, 0, plain + TAG_BYTES)
+                    self._aead.encrypt_into(self._nonce(), out[4:at], None, out[4:total])
+                    return out[:total]
+            raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
+        return self._records(parts, plain)
+
+    def _records(self, parts: Sequence[Any], plain: int) -> memoryview:
+        views = [v for v in map(flat_bytes, parts) if len(v)]
+        if sum(map(len, views)) != plain:
+            raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
         records = sum((len(v) + RECORD_BYTES - 1) // RECORD_BYTES for v in views)
-        total = plain + records * (_LENGTH.size + TAG_BYTES)
+        total = plain + records * _OVERHEAD
         if len(self._buffer) < total:
             self._buffer = bytearray(total)
-        out = memoryview(self._buffer)
+            self._view = memoryview(self._buffer)
+        out = self._view
         at = 0
         for view in views:
             for start in range(0, len(view), RECORD_BYTES):
@@ -82,34 +117,9 @@ class Sealer:
                 sealed = len(chunk) + TAG_BYTES
                 _LENGTH.pack_into(out, at, sealed)
                 at += _LENGTH.size
-                self._aead.encrypt_into(
-                    self._counter.next_nonce(), chunk, None, out[at : at + sealed]
-                )
+                self._aead.encrypt_into(self._nonce(), chunk, None, out[at : at + sealed])
                 at += sealed
-        return [out[:at]]
-
-    def _one_record(self, parts: list[Any], plain: int) -> list[memoryview]:
-        """:meth:`seal` of a frame that fits one record (a decode step's): the fewest
-        Python steps, one copy into the staging buffer when it has several parts."""
-        total = _LENGTH.size + plain + TAG_BYTES
-        if len(self._buffer) < total:
-            self._buffer = bytearray(max(total, 64 << 10))
-        out = memoryview(self._buffer)
-        if len(parts) == 1:
-            source = memoryview(parts[0]).cast("B")
-        else:
-            if len(self._staging) < plain:
-                self._staging = bytearray(max(plain, 64 << 10))
-            staging = memoryview(self._staging)
-            at = 0
-            for p in parts:
-                view = memoryview(p).cast("B")
-                staging[at : at + len(view)] = view
-                at += len(view)
-            source = staging[:plain]
-        _LENGTH.pack_into(out, 0, plain + TAG_BYTES)
-        self._aead.encrypt_into(self._counter.next_nonce(), source, None, out[_LENGTH.size : total])
-        return [out[:total]]
+        return out[:at]
 
 
 class OpenedSocket:
@@ -122,8 +132,8 @@ class OpenedSocket:
     def __init__(self, sock: socket.socket, key: bytes) -> None:
         self._sock = sock
         self._aead = AESGCM(key)
-        self._counter = _Counter()
-        self._raw = bytearray(_LENGTH.size + RECORD_BYTES + TAG_BYTES)
+        self._opened = 0  # records opened so far: the next record's nonce
+        self._raw = bytearray(_OVERHEAD + RECORD_BYTES)
         self._raw_view = memoryview(self._raw)
         self._raw_start = self._raw_end = 0  # received, not yet opened
         self._plain = bytearray(RECORD_BYTES)
@@ -137,22 +147,26 @@ class OpenedSocket:
         :class:`RemoteProtocolError` for a record that fails its tag or its
         length check; ``OSError`` from the socket.
         """
-        view = memoryview(target).cast("B")
+        if type(target) is memoryview and target.format == "B":
+            view = target
+        else:
+            view = memoryview(target).cast("B")
         if nbytes:
             view = view[:nbytes]
         if self._start == self._end and self._raw_start == self._raw_end:
             # nothing held (a decode step's frame, most often): one recv, and a record
             # that came whole opens straight into the reader's memory
-            got = self._sock.recv_into(self._raw_view, 0, flags)
+            raw = self._raw_view
+            got = self._sock.recv_into(raw, 0, flags)
             if got == 0:
                 return 0
             self._raw_start, self._raw_end = 0, got
             if got > _LENGTH.size:
-                length: int = _LENGTH.unpack_from(self._raw_view)[0]
-                size = length - TAG_BYTES
-                if got == _LENGTH.size + length and 0 < size <= min(len(view), RECORD_BYTES):
+                size: int = _LENGTH.unpack_from(raw)[0] - TAG_BYTES
+                # got <= len(raw) bounds size by RECORD_BYTES
+                if got == size + _OVERHEAD and 0 < size <= len(view):
                     self._raw_start = got
-                    self._open(self._raw_view[_LENGTH.size : got], view[:size])
+                    self._open(raw[_LENGTH.size : got], view[:size])
                     return size
         if self._start == self._end:
             sealed = self._next_record(flags)
@@ -184,10 +198,17 @@ class OpenedSocket:
                 start = self._raw_start + _LENGTH.size
                 self._raw_start = start + length
                 return raw[start : start + length]
-            if self._raw_end == len(raw) or not have:  # full (a record's tail to come): compact
-                self._raw[:have] = self._raw[self._raw_start : self._raw_end]
+            # a record's tail is read up to its end, no further: a large record then
+            # starts at the buffer's head, where it fits, with nothing to move
+            if (
+                not have
+                or self._raw_end == len(raw)
+                or self._raw_start + _LENGTH.size + length > len(raw)
+            ):  # what we hold goes to the head (a memmove)
+                raw[:have] = raw[self._raw_start : self._raw_end]
                 self._raw_start, self._raw_end = 0, have
-            got = self._sock.recv_into(raw[self._raw_end :], 0, flags)
+            end = len(raw) if length < 0 else self._raw_start + _LENGTH.size + length
+            got = self._sock.recv_into(raw[self._raw_end : end], 0, flags)
             if got == 0:
                 if have:
                     raise StreamReset("peer closed the connection inside a sealed record")
@@ -195,8 +216,12 @@ class OpenedSocket:
             self._raw_end += got
 
     def _open(self, sealed: memoryview, into: memoryview) -> None:
+        count = self._opened
+        if count >= _MAX_RECORDS:  # unreachable in practice; never wrap a nonce
+            raise LocalProtocolError("sealed link ran out of nonces")
+        self._opened = count + 1
         try:
-            self._aead.decrypt_into(self._counter.next_nonce(), sealed, None, into)
+            self._aead.decrypt_into(_NONCE.pack(count), sealed, None, into)
         except InvalidTag:
             raise RemoteProtocolError("a sealed record failed authentication") from None
 

@@ -4,7 +4,7 @@
 import { readEvents, request, setApiKey, Unauthorized } from "./api.js";
 import { lineChart } from "./charts.js";
 import { setupChat } from "./chat.js";
-import { addEvent, ms, renderLinks, renderPeers, renderPlan } from "./render.js";
+import { addEvent, ms, renderLinks, renderModels, renderPeers, renderPlan } from "./render.js";
 
 const $ = (id) => document.getElementById(id);
 const SERIES_MAX = 300;
@@ -40,12 +40,15 @@ function drawCharts() {
 function drawSnapshot(snap) {
   if (!snap) return;
   const { view, plan } = snap;
+  const plans = snap.plans || {};
   renderPeers(view, plan);
   renderPlan(plan, view);
+  renderModels(plans, view);
   renderLinks(view);
   const peers = view.peers || [];
   const alive = peers.filter((p) => p.health === "alive" || p.health === "self").length;
-  const model = plan ? plan.model_name : state.model || "no model";
+  const names = Object.keys(plans);
+  const model = names.length > 1 ? names.join(", ") : plan ? plan.model_name : state.model || "no model";
   const epoch = plan ? `plan epoch ${plan.epoch} (${plan.strategy})` : "no plan yet";
   $("summary").textContent =
     `${model} · ${epoch} · ${alive}/${peers.length} peers alive`;

@@ -194,6 +194,33 @@ export function renderPlan(plan, view) {
   );
 }
 
+// a mesh serving several models: one line per model, its plan and its peers' load
+export function renderModels(plans, view) {
+  const out = document.getElementById("models");
+  const names = Object.keys(plans || {});
+  if (names.length < 2) {
+    out.replaceChildren();
+    return;
+  }
+  const peers = (view.peers || []).filter((p) => p.health === "alive" || p.health === "self");
+  out.replaceChildren(
+    ...names.map((name) => {
+      const plan = plans[name];
+      const serving = peers.filter((p) => ((p.record || {}).extra || {}).model === name);
+      const load = (k) => serving.reduce((sum, p) => sum + (((p.record || {}).load || {})[k] || 0), 0);
+      const stages = (plan.pipelines || []).map((pipe) =>
+        pipe.stages.map((s) => `${short(s.peer_id)} [${s.start}, ${s.end})`).join(" → "),
+      );
+      return h(
+        "li",
+        {},
+        `${name} · epoch ${plan.epoch} (${plan.strategy}) · ${stages.join(" | ")} · ` +
+          `${serving.length} peer(s), ${load("active_sessions")} session(s), queue ${load("queue_depth")}`,
+      );
+    }),
+  );
+}
+
 export function renderLinks(view) {
   const peers = (view.peers || []).filter((p) => p.health !== "dead" && p.health !== "left").map((p) => p.peer_id);
   const links = {};

@@ -56,6 +56,9 @@ class OnePeer:
         record = {"addrs": ["/ip4/127.0.0.1/tcp/1"], "devices": [], "stages": [], "load": {}}
         return {"self": PEER, "peers": [{"peer_id": PEER, "health": "self", "record": record}]}
 
+    def for_model(self, model: str) -> Any:
+        return self
+
 
 class Server:
     """``serve_http`` in a thread with its own trio loop, stoppable and restartable."""

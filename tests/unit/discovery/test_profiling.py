@@ -148,3 +148,23 @@ def test_profiling_without_nvidia_driver_reports_cpu_only(monkeypatch: pytest.Mo
     assert profiling.gpu_profiles("P") == []
     devices = profiling.device_profiles("P", Benchmark(1.0, 1.0, 1.0, "k"))
     assert [d.device for d in devices] == ["cpu"]
+
+
+def test_profiling_leaves_the_calling_threads_torch_threads_as_it_found_them() -> None:
+    """The profile runs in a reused worker thread: a stage load later ran there on the
+    profile's two-thread team (spin-waiting on a loaded machine, issue 43)."""
+    import threading
+
+    import torch
+
+    seen: list[int] = []
+
+    def worker() -> None:
+        torch.set_num_threads(1)
+        profiling.measure_cpu(budget_s=0.05, threads=2)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [1]

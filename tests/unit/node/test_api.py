@@ -91,6 +91,9 @@ class FakeBackend:
     def view(self) -> dict[str, Any]:
         return {"self": "A", "peers": [{"peer_id": "A", "health": "self", "record": {}}]}
 
+    def for_model(self, model: str) -> Any:
+        return self
+
 
 @pytest.fixture
 async def api(nursery: trio.Nursery) -> AsyncIterator[tuple[httpx.AsyncClient, FakeBackend]]:

@@ -109,20 +109,63 @@ def test_the_grammars_compile_and_calls_parse() -> None:
     assert parse_call('{"name":"add","argu', tools) is None  # cut short
 
 
-def test_a_streamed_call_is_held_and_text_passes() -> None:
-    tools = parse_tools([FN], None)
+def _arguments(deltas: list[dict[str, Any]]) -> list[str]:
+    return [
+        d["tool_calls"][0]["function"]["arguments"]
+        for d in deltas
+        if "id" not in d["tool_calls"][0]
+    ]
+
+
+def test_a_streamed_call_sends_its_name_then_its_arguments_token_by_token() -> None:
+    tools = parse_tools([FN, OTHER], None)
     assert tools is not None
     held = HeldCall(tools)
-    assert [held.feed(t) for t in ('{"name":"add",', '"arguments":{"a":5}}')] == ["", ""]
-    calls, rest = held.finish()
+    tokens = ['{"', 'name":"a', 'dd","', 'arguments":{"', "a", '":', "5", "}", "}"]
+    sent: list[list[dict[str, Any]]] = []
+    for token in tokens:
+        assert held.feed(token) == ""  # a call streams no content
+        sent.append(held.deltas())
+    assert sent[:3] == [[], [], []]  # the name and "arguments": not written yet
+    head = sent[3][0]  # the head the moment "arguments": is written
+    assert head["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    assert head["tool_calls"][0]["id"].startswith("call_")
+    assert head["tool_calls"][0]["type"] == "function"
+    pieces = [_arguments(d) for d in sent]
+    assert pieces[3:] == [['{"'], ["a"], ['":'], ["5"], [], ["}"]]  # a "}" waits a token
+    calls, rest, tail = held.finish()
     assert calls is not None
+    assert calls[0]["function"]["name"] == "add"
     assert rest == ""
+    assert tail == []  # the last "}" closed the call: not an argument
+    assert "".join(p for ps in pieces for p in ps) == '{"a":5}'
+    # the deltas of a call made whole (not streamed) are the same shape
     deltas = call_deltas(calls)
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
     assert deltas[1]["tool_calls"][0]["function"]["arguments"] == '{"a":5}'
+
+
+def test_a_streamed_call_cut_short_sends_what_it_wrote() -> None:
+    tools = parse_tools([FN], None)
+    assert tools is not None
+    cut = HeldCall(tools)
+    for token in ('{"name":"add","arguments":', '{"a":{"b":1}'):
+        cut.feed(token)
+        cut.deltas()
+    calls, rest, tail = cut.finish()  # max_tokens: no call, the held "}" was an argument's
+    assert calls is None
+    assert rest == ""
+    assert _arguments(tail) == ["}"]
+
+
+def test_a_streamed_call_is_held_and_text_passes() -> None:
+    tools = parse_tools([FN], None)
+    assert tools is not None
     text = HeldCall(tools)
     assert [text.feed(t) for t in (" ", "Three", ".")] == ["", " Three", "."]
-    assert text.finish() == (None, "")
+    assert text.deltas() == []
+    assert text.finish() == (None, "", [])
     cut = HeldCall(tools)
     cut.feed('{"name":"ad')
-    assert cut.finish() == (None, '{"name":"ad')
+    assert cut.deltas() == []
+    assert cut.finish() == (None, '{"name":"ad', [])  # cut before its name: text

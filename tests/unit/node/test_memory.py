@@ -144,3 +144,41 @@ def test_status_shows_the_memory_in_use_beside_the_charge() -> None:
     # a node announcing none: its devices' total less free, as before
     devices = [{"memory_total_bytes": 300 * MIB, "memory_free_bytes": 100 * MIB}]
     assert memory_texts({"extra": {}}, devices) == ("200.0 MiB", "-")
+
+
+def test_a_move_releases_first_only_when_old_and_new_would_not_fit_together() -> None:
+    from hetmesh.node.memory import must_release_first
+
+    charges = {(0, 11): 1700, (11, 23): 1700, (23, 34): 300}
+    old, new = (11, 23), (0, 11)
+    # the successor's plan of issue 43: still holding [11, 23), told to load [0, 11)
+    assert must_release_first(charges, {old, new}, {new}, new, 2048)
+    assert not must_release_first(charges, {old, new}, {new}, new, 4096)  # room for both
+    assert not must_release_first(charges, {old, new}, {new}, new, None)  # offer unknown
+    # a stage the plan still gives us never makes a load wait (the plan fits them)
+    assert not must_release_first(charges, {old, new}, {old, new}, new, 2048)
+    # nothing else held: nothing to wait for
+    assert not must_release_first(charges, {new}, {new}, new, 1000)
+    # a small leftover beside the new stage fits
+    assert not must_release_first(charges, {(23, 34), new}, {new}, new, 2048)
+
+
+def test_the_capacity_is_the_peers_own_devices_offer() -> None:
+    from hetmesh.node.memory import device_capacity
+    from hetmesh.resources import DeviceProfile
+
+    def device(peer: str, name: str, total: int) -> DeviceProfile:
+        return DeviceProfile(
+            peer_id=peer,
+            device=name,
+            backend="cpu",
+            name=name,
+            memory_total_bytes=total,
+            memory_free_bytes=total,
+            matmul_flops=1e9,
+            memory_bandwidth_bps=1e9,
+        )
+
+    devices = [device("b", "cpu", 7), device("a", "cuda:0", 5), device("a", "cpu", 3)]
+    assert device_capacity(devices, "a", "cpu") == 3
+    assert device_capacity(devices, "a", "mps") is None

@@ -45,6 +45,26 @@ def test_packs_into_a_slice_of_rows_of_a_larger_matrix() -> None:
     assert bool((whole[192:] == 0xAB).all())
 
 
+@pytest.mark.parametrize("layout", ["halves of 64", "halves of 32", "pairs in 32", "pairs in 64"])
+def test_every_layout_follows_its_definition(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each CPU layout torch may pick (only this CPU's can be compared with torch's
+    packer): block ``b``'s packed row for input ``i`` holds, in byte ``j``, the weight of
+    row ``lo(j)`` in its low nibble and of ``hi(j)`` in its high one."""
+    from hetmesh.partition import int4_direct
+
+    monkeypatch.setattr(int4_direct, "int4_layout_name", lambda: layout)
+    halves, block = int4_direct._LAYOUTS[layout]
+    n, k = 128, 96
+    qs, _, _ = _q4_1(n, k, seed=7)
+    out = torch.empty_like(qs)
+    pack_q4_1_into(qs, out)
+    w = _nibbles(qs).view(n // block, block, k)
+    j = torch.arange(block // 2)
+    lo, hi = (j, j + block // 2) if halves else (2 * j, 2 * j + 1)
+    expected = (w[:, lo] | (w[:, hi] << 4)).transpose(1, 2)  # (blocks, k, block / 2)
+    assert torch.equal(out.view(n // block, k, block // 2), expected)
+
+
 def test_partial_blocks_are_refused() -> None:
     qs, _, _ = _q4_1(64, 64, seed=2)
     with pytest.raises(ValueError, match="whole blocks"):

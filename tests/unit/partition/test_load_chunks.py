@@ -65,3 +65,34 @@ def test_q4_1_matrices_packed_from_their_bytes_equal_torchs_packer(
     assert sum(k.endswith("weight_packed") for k in direct) >= 7
     for key, value in packed.items():
         assert torch.equal(direct[key], value), key
+
+
+def test_a_stage_loads_on_one_thread_whatever_its_thread_ran_before(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node loads in a reused worker thread: the CPU profile left it a two-thread
+    team, which spin-waited at every op of a load on a loaded machine (issue 43). The
+    loader runs its tensors on LOAD_THREADS and hands the thread back as it was."""
+    import threading
+
+    folder = resolve_model("synth-tiny-qwen2", cache_dir=cache)
+    during: set[int] = set()
+    put = materialise._Loader.put
+
+    def counting(self: materialise._Loader, path: str, value: torch.Tensor) -> None:
+        during.add(torch.get_num_threads())
+        put(self, path, value)
+
+    monkeypatch.setattr(materialise._Loader, "put", counting)
+    after: list[int] = []
+
+    def worker() -> None:
+        torch.set_num_threads(2)
+        load_stage(folder, 0, 2, weights="int4")
+        after.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert during == {materialise.LOAD_THREADS}
+    assert after == [2]

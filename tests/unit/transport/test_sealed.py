@@ -44,7 +44,7 @@ def _garbage(seed: int) -> bytes:
     if rng.random() < 0.5:
         return rng.randbytes(rng.randint(0, 300))
     plain = rng.randbytes(rng.randint(0, 200))
-    sealed = bytearray(Sealer(KEY).seal([plain])[0]) if plain else bytearray()
+    sealed = bytearray(Sealer(KEY).seal([plain])) if plain else bytearray()
     for _ in range(rng.randint(0, 3)):
         if sealed:
             sealed[rng.randrange(len(sealed))] ^= 1 << rng.randrange(8)
@@ -61,7 +61,7 @@ def test_sealed_records_round_trip_and_hide_the_plaintext() -> None:
     head = b"frame head " * 10
     left, right = _pair()
     with left, right:
-        (records,) = Sealer(KEY).seal([head, payload])
+        records = Sealer(KEY).seal([head, payload])
         sealed = bytes(records)
         assert len(sealed) == len(head) + len(payload) + 4 * (4 + 16)
         assert head not in sealed
@@ -76,15 +76,15 @@ def test_sealed_records_round_trip_and_hide_the_plaintext() -> None:
 
 def test_sealed_nonces_are_never_reused() -> None:
     sealer = Sealer(KEY)
-    first = bytes(sealer.seal([b"same bytes"])[0])
-    second = bytes(sealer.seal([b"same bytes"])[0])
+    first = bytes(sealer.seal([b"same bytes"]))
+    second = bytes(sealer.seal([b"same bytes"]))
     assert first != second  # the record counter moved on
 
 
 @pytest.mark.parametrize("attack", ["flip a bit", "replay a record", "drop a record", "wrong key"])
 def test_sealed_records_refuse_tampering(attack: str) -> None:
     sealer = Sealer(KEY)
-    records = [bytes(sealer.seal([f"record {i}".encode()])[0]) for i in range(2)]
+    records = [bytes(sealer.seal([f"record {i}".encode()])) for i in range(2)]
     key = KEY
     if attack == "flip a bit":
         records[0] = records[0][:-1] + bytes([records[0][-1] ^ 1])
@@ -179,7 +179,7 @@ async def test_a_listener_that_requires_sealing_refuses_a_plain_link() -> None:
 def test_a_small_frame_is_one_record_and_a_poll_keeps_a_partial_one() -> None:
     """A decode step's frame costs the receiver one record (one wake-up); a
     non-blocking read of half a record keeps that half for the next read."""
-    (records,) = Sealer(KEY).seal([b"head" * 4, b"tensor bytes" * 100])
+    records = Sealer(KEY).seal([b"head" * 4, b"tensor bytes" * 100])
     sealed = bytes(records)
     assert len(sealed) == 16 + 1200 + 4 + 16  # one length, one tag
     left, right = _pair()
