@@ -36,6 +36,7 @@ from hetmesh.node.config import ServingConfig
 from hetmesh.node.control import CloseSession, MoveSession, Reply, Request
 from hetmesh.node.kvcache import kv_counters, stage_kv_limits
 from hetmesh.node.memory import must_release_first
+from hetmesh.node.stage_lane import lane_enabled
 from hetmesh.node.stage_server import SendNow, StageServer
 from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.text import load_tokenizer
@@ -310,6 +311,7 @@ class StageHost:
             threads=self.config.threads,
             send_now=self._send_now,
             grammars=self.grammars,
+            lane=lane_enabled(),  # as serving.py wires the links' offers (stage_lane)
         )
         scope = trio.CancelScope()
         assert self._nursery is not None

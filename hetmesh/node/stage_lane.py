@@ -1,5 +1,5 @@
-"""The fast lane of a stage of a cut: decode steps handed from a link's reader thread
-straight to the stage's device thread, with no hop through trio.
+"""The fast lane of a stage of a cut: decode steps computed on the link's reader thread
+that reads them, with no hop through trio and no hand-off to another thread.
 
 A stage of a cut serving one stream sees the same session's next step arrive
 once per token. Through trio that costs, per stage and token, a wake of the
@@ -10,14 +10,20 @@ wake-ups waits for a time slice (docs/journal/2026-12-05-fast-cut.md).
 
 Here the device thread, after a batch of one session's step whose output left at
 once, does not return to trio: it *parks* (:meth:`Lane.park`), holding the
-device, for up to :data:`PARK_S`. The link's reader thread that reads the
-session's next step offers it (:meth:`Lane.offer`); the stage accepts it only if
-the device thread could compute it with no help from trio (see
-``StageServer.offer``), and the parked thread computes it, sends its output on
-from the device thread and parks again. Anything else — a frame the stage does
-not accept, a control request, another session, a stage load waiting for the
-device — wakes the parked thread (:meth:`Lane.wake`), which returns to trio,
-where the batching loop takes over as before.
+device, for up to :data:`PARK_S` after the last step. The link's reader thread that
+reads the session's next step offers it (:meth:`Lane.offer`); the stage accepts it
+only if it can be computed with no help from trio (see ``StageServer.offer``), and
+the reader thread computes it itself, sends its output on and goes back to reading,
+while the device thread stays parked: one thread wakes per stage and token (the
+reader, on the frame's arrival), none hands anything to another. The reader may
+run the step only while the device thread is parked (it holds the device for it,
+and computes nothing meanwhile). Anything else — a frame the stage does not
+accept, a control request, another session, a stage load waiting for the device,
+a step after which the stage should not park — wakes the parked thread
+(:meth:`Lane.wake`, or the step's own verdict), which returns to trio once no
+step runs, where the batching loop takes over as before. (2026-12-05 the parked
+thread computed the step itself: one more wake per stage and token,
+docs/journal/2026-12-06-fast-cut.md.)
 
 Pure threading: no trio, no torch.
 """
@@ -37,11 +43,8 @@ _T = TypeVar("_T")
 
 
 def lane_enabled() -> bool:
-    """Off unless ``HETMESH_STAGE_LANE=1``: opt-in until a quiet A/B shows it pays (+3-8 %
-    decode in two quiet pairs on a 3-stage cut, TTFT and 8 streams within noise; the
-    frame "lost" on a refused hand-over was the sink test's own race, now fixed). Off:
-    every step goes through trio."""
-    return os.environ.get("HETMESH_STAGE_LANE", "0") == "1"
+    """On unless ``HETMESH_STAGE_LANE=0`` (every step through trio, for comparisons)."""
+    return os.environ.get("HETMESH_STAGE_LANE", "1") != "0"
 
 
 class Lane(Generic[_T]):
@@ -51,63 +54,87 @@ class Lane(Generic[_T]):
         self._cond = threading.Condition()
         self._parked = False
         self._woken = False
-        self._item: _T | None = None
-        self.taken = 0  # items handed over (for the stage's counters and tests)
+        self._busy = False  # an offered step runs on its reader thread
+        self._last = 0.0  # when the last offered step ended (perf_counter)
+        self.taken = 0  # items run here (for the stage's counters and tests)
+        self.parks = 0  # times a device thread parked
+        self.busy_s = 0.0  # seconds offered steps ran
 
     @property
     def parked(self) -> bool:
         return self._parked
 
     def wake(self) -> None:
-        """Something waits for the batching loop: the parked thread returns (any thread)."""
+        """Something waits for the batching loop: the parked thread returns (any thread)
+        once no offered step runs."""
         with self._cond:
             self._woken = True
             self._cond.notify_all()
 
     def call_off(self) -> bool:
-        """From trio: if the device thread is parked with nothing to compute, send it
-        back (it computes nothing more in its batch) and say True: the sessions of
-        its batch are then idle, not mid-step. False while it computes."""
+        """From trio: if the device thread is parked with nothing running, send it back
+        (it computes nothing more in its batch) and say True: the sessions of its batch
+        are then idle, not mid-step. False while it or an offered step computes."""
         with self._cond:
-            if not self._parked or self._item is not None:
+            if not self._parked or self._busy:
                 return False
             self._woken = True
             self._cond.notify_all()
             return True
 
-    def offer(self, accept: Callable[[], _T | None]) -> bool:
-        """From a reader thread: if the device thread is parked with nothing to do, run
-        ``accept`` (under the lane's lock; None refuses) and hand its item over."""
+    def offer(self, accept: Callable[[], _T | None], run: Callable[[_T], bool]) -> bool:
+        """From a reader thread: if the device thread is parked with nothing running, run
+        ``accept`` (under the lane's lock; None refuses) and then ``run`` its item on
+        this thread, the device thread still parked; ``run`` says whether it stays
+        parked (False sends it back to trio). True once taken, whatever ``run`` does
+        (it must not raise)."""
         with self._cond:
-            if not self._parked or self._woken or self._item is not None:
+            if not self._parked or self._woken or self._busy:
                 return False
             item = accept()
             if item is None:
                 return False
-            self._item = item
+            self._busy = True
             self.taken += 1
-            self._cond.notify_all()
-            return True
-
-    def park(self, timeout_s: float, stay: Callable[[], bool]) -> tuple[_T | None, float]:
-        """On the device thread: wait for an offered item, at most ``timeout_s``, while
-        nobody wakes the lane and ``stay()`` holds (asked every :data:`PARK_SLICE_S`).
-        Returns the item (None: leave for trio) and the seconds spent waiting."""
         began = time.perf_counter()
-        deadline = began + timeout_s
+        stay = False
+        try:
+            stay = run(item)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._last = time.perf_counter()
+                self.busy_s += self._last - began
+                if not stay:
+                    self._woken = True
+                if self._woken:  # the parked thread waits for the step's end to leave
+                    self._cond.notify_all()
+        return True
+
+    def park(self, timeout_s: float, stay: Callable[[], bool]) -> float:
+        """On the device thread: stay parked while offered steps run, until nobody has
+        offered one for ``timeout_s``, somebody wakes the lane or ``stay()`` (asked every
+        :data:`PARK_SLICE_S`) fails. Returns the seconds parked, less those steps'."""
+        began = time.perf_counter()
         with self._cond:
+            busy_before = self.busy_s
             self._woken = False
             self._parked = True
+            self._last = began
+            self.parks += 1
             try:
-                while self._item is None and not self._woken:
-                    left = deadline - time.perf_counter()
-                    if left <= 0 or not stay():
-                        break
-                    self._cond.wait(min(left, PARK_SLICE_S))
-                item, self._item = self._item, None
+                while True:
+                    if not self._busy:
+                        left = self._last + timeout_s - time.perf_counter()
+                        if self._woken or left <= 0 or not stay():
+                            break
+                        self._cond.wait(min(left, PARK_SLICE_S))
+                    else:
+                        self._cond.wait(PARK_SLICE_S)
             finally:
                 self._parked = False
-        return item, time.perf_counter() - began
+            ran = self.busy_s - busy_before
+        return max(0.0, time.perf_counter() - began - ran)
 
 
 __all__ = ["PARK_S", "PARK_SLICE_S", "Lane", "lane_enabled"]

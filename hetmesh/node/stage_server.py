@@ -29,12 +29,13 @@ thread, round after round, while every session of the round feeds itself, its
 KV blocks hold the next token, and nothing new waits on trio (a frame, a close,
 a move); its tokens leave from the device thread as they come.
 
-A stage of a cut serving one stream takes that session's next decode step from
-the link's reader thread on its device thread (:mod:`hetmesh.node.stage_lane`):
-after a round of the one session's decode step whose output left at once, the
-device thread parks for the next step instead of returning to trio, and computes
-it there; anything that needs trio (another session, a prefill chunk, a control
-request, a KV block) wakes it back to the batching loop.
+A stage of a cut serving one stream computes that session's next decode step on
+the link's reader thread that reads it (:mod:`hetmesh.node.stage_lane`): after a
+round of the one session's decode step whose output left at once, the device
+thread parks instead of returning to trio, and the reader thread computes the next
+step and sends its output on, the device thread still parked; anything that needs
+trio (another session, a prefill chunk, a control request, a KV block) wakes it
+back to the batching loop.
 
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
@@ -211,12 +212,17 @@ class StageServer:
         send_now: SendNow | None = None,
         micro_batches: int | None = None,
         grammars: Grammars | None = None,
+        lane: bool = False,
     ) -> None:
         """``send``: a frame to a peer, from trio; ``send_now``: the fast path from the
         device thread (None: every frame goes through trio); ``micro_batches``: the
         share of the open sessions one round may take (1: all of them at once;
         None: 1 for a stage holding the whole model, which has no next stage to
-        overlap with, else 2); ``grammars``: the model's grammar engine (api, issue 49)."""
+        overlap with, else 2); ``grammars``: the model's grammar engine (api, issue 49);
+        ``lane``: whether the device thread parks for its session's next step, offered
+        from a link's reader thread (:meth:`offer`): only where the links offer it
+        frames (a stage nobody offers to must not park: each step would then wait
+        for trio to wake it first)."""
         self.stage = stage
         self._grammars = grammars
         self._threads = threads or torch.get_num_threads()
@@ -246,6 +252,8 @@ class StageServer:
         # set on trio when something waits for the batching loop: a step running on in
         # the device thread then returns after its round
         self._lane: Lane[_Item] = Lane()
+        self._lane_on = lane
+        self._parked_ready: list[_Outcome] = []  # the last round run while parked
         self._wants_trio = False
         self._parked_s = 0.0  # of the batch on the device thread: time parked, not computing
         self._trio_token: trio.lowlevel.TrioToken | None = None
@@ -815,7 +823,7 @@ class StageServer:
                 self._send_outputs(ready, self._send_now, via_trio)
                 # one item, none failed before the forward (its Error goes from trio)
                 if len(outcomes) == 1 and len(ready) == 1 and ready[0] is outcomes[0]:
-                    outcomes[:] = self._run_parked(ready, self._send_now)
+                    outcomes[:] = self._run_parked(ready)
         finally:
             for outcome in first:
                 outcome.item.release()
@@ -851,12 +859,12 @@ class StageServer:
                 return None  # a new block: trio's _grow
             return _Item(sid, frame.step, frame.positions, frame.tensors[0], release)
 
-        return self._lane.offer(accept)
+        return self._lane.offer(accept, self._step_offered)
 
     def _may_park(self, ready: list[_Outcome]) -> bool:
         """Whether the device thread waits here for the session's next step: one
         session's step of a cut, sent on at once, and nothing else for trio to batch."""
-        if len(ready) != 1 or self._wants_trio or self._trio_token is None:
+        if not self._lane_on or len(ready) != 1 or self._wants_trio or self._trio_token is None:
             return False
         outcome = ready[0]
         session = outcome.session
@@ -874,25 +882,35 @@ class StageServer:
         """Asked by the parked thread: nothing waits for trio or for the device."""
         return not self._wants_trio and not self._limiter.statistics().tasks_waiting
 
-    def _run_parked(self, ready: list[_Outcome], send_now: SendNow) -> list[_Outcome]:
-        """On the device thread: while :meth:`_may_park`, wait for the session's next
-        step from :meth:`offer` and compute it here, its output sent on from here;
-        returns the last round's outcomes (trio delivers them, see :meth:`_compute`)."""
-        while self._may_park(ready):
-            item, waited = self._lane.park(PARK_S, self._stay_parked)
-            self._parked_s += waited
-            if item is None:
-                break
-            outcome = _Outcome(item, self._sessions.get(item.session_id))
-            try:
-                began = time.perf_counter()
-                self._forward_isolated([outcome])
-                self._rounds.append((1, int(item.inputs.shape[0]), time.perf_counter() - began))
-                self._send_outputs([outcome], send_now)
-            finally:
-                item.release()
-            ready = [outcome]
-        return ready
+    def _run_parked(self, ready: list[_Outcome]) -> list[_Outcome]:
+        """On the device thread: while :meth:`_may_park`, park while the reader threads
+        compute the session's next steps (:meth:`_step_offered`); returns the last
+        round's outcomes (trio delivers them, see :meth:`_compute`)."""
+        self._parked_ready = ready
+        if self._may_park(ready):
+            self._parked_s += self._lane.park(PARK_S, self._stay_parked)
+        return self._parked_ready
+
+    def _step_offered(self, item: _Item) -> bool:
+        """On the reader thread that read ``item`` (accepted by :meth:`offer`), while the
+        device thread is parked: compute it, send its output on from here; whether the
+        device thread stays parked. Never raises: a failure goes to trio's delivery."""
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # binds this thread's OpenMP team
+        outcome = _Outcome(item, self._sessions.get(item.session_id))
+        try:
+            began = time.perf_counter()
+            self._forward_isolated([outcome])
+            self._rounds.append((1, int(item.inputs.shape[0]), time.perf_counter() - began))
+            if self._send_now is not None:
+                self._send_outputs([outcome], self._send_now)
+        except Exception as exc:  # a bug must not take the reader down: fail the step
+            log.exception("stage [%d, %d) step failed", self.stage.start, self.stage.end)
+            outcome.error = outcome.error or ComputeError(f"stage failed: {exc!r}")
+        finally:
+            item.release()
+        self._parked_ready = [outcome]
+        return self._may_park(self._parked_ready)
 
     def _forward_isolated(self, ready: list[_Outcome]) -> None:
         try:

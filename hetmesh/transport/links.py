@@ -614,6 +614,13 @@ class ThreadedLink(Link):
     async def send(self, frame: Frame) -> None:
         if self._closed:
             raise StreamReset("link closed")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        # nothing queued on trio and the backend takes it now: written before trio
+        # schedules anything else (the lock's checkpoint would run every other ready
+        # task first: a decode step's hop waited behind them), then the checkpoint
+        if not self._send_lock.locked() and self.send_nowait(frame):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         async with self._send_lock:
             try:
                 n = await self._write(frame)

@@ -33,7 +33,7 @@ TOKENS = 40
 async def test_a_cut_takes_its_decode_steps_on_the_device_thread_and_matches_the_reference(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("HETMESH_STAGE_LANE", "1")  # opt-in (stage_lane.lane_enabled)
+    monkeypatch.setenv("HETMESH_STAGE_LANE", "1")  # the default; set lest the caller's env say 0
     expected = reference_ids(tiny_model_dir, PROMPT_IDS, TOKENS)
     other_prompt = [7, 300, 41, 12]
     other = reference_ids(tiny_model_dir, other_prompt, TOKENS)

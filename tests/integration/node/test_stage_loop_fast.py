@@ -50,6 +50,7 @@ class Wiring:
                 limits=limits,
                 send=self.send,
                 send_now=self.send_now if fast else None,
+                lane=False,  # frames come by plain calls: no reader thread offers them
             )
             forward = stage.forward_batch
             rows = self.rows[peer] = []
@@ -133,6 +134,8 @@ async def test_stage_outputs_leave_from_the_device_thread_and_match_the_referenc
     assert wiring.via_trio == 0
     for server in wiring.servers.values():
         assert server.statistics().kv.sessions == 0
+        # without the lane no device thread parks: each step comes back through trio
+        assert server._lane.parks == 0
 
 
 async def test_concurrent_sessions_run_as_micro_batches_of_half_the_sessions(

@@ -73,3 +73,55 @@ async def test_send_nowait_on_a_libp2p_link_leaves_it_to_send() -> None:
         assert frame == _frame(2, 8)
         await la.aclose()
         await lb.aclose()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_a_send_with_nothing_queued_is_written_before_trio_runs_another_task(
+    backend: str,
+) -> None:
+    async with planes(backend) as (a, b):
+        la, lb = await link_pair(a, b)
+        seen: list[int] = []
+        for step in range(8):  # trio runs a batch's tasks in random order: 8 tries
+            frame = _frame(step, 576)
+            # the backend takes it now (tcp: once the last frame's bytes are acknowledged)
+            await wait_until(lambda: la._writes_at_once(frame), 30)  # noqa: B023
+            async with trio.open_nursery() as nursery:
+                # runs at send's first yield: the frame is out by then, not after it
+                nursery.start_soon(lambda: _note(seen, la))
+                await la.send(frame)
+        assert seen == list(range(1, 9))
+        for step in range(8):
+            frame = await lb.receive()
+            assert frame == _frame(step, 576)
+            lb.release(frame)
+        await la.aclose()
+        await lb.aclose()
+
+
+async def _note(seen: list[int], link: ThreadedLink) -> None:
+    seen.append(link.statistics().frames_sent)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+async def test_a_send_behind_one_in_flight_waits_its_turn(backend: str) -> None:
+    async with planes(backend) as (a, b):
+        la, lb = await link_pair(a, b)
+        async with trio.open_nursery() as nursery:
+            await la._send_lock.acquire()  # a send under way on trio (its frame unsent)
+
+            async def send(step: int) -> None:
+                await la.send(_frame(step, 8))
+
+            nursery.start_soon(send, 1)
+            await wait_until(lambda: la._send_lock.statistics().tasks_waiting == 1, 30)
+            nursery.start_soon(send, 2)  # nothing queued? no: it must not overtake 1
+            await wait_until(lambda: la._send_lock.statistics().tasks_waiting == 2, 30)
+            assert la.statistics().frames_sent == 0
+            la._send_lock.release()
+        for step in (1, 2):
+            frame = await lb.receive()
+            assert frame == _frame(step, 8)
+            lb.release(frame)
+        await la.aclose()
+        await lb.aclose()
