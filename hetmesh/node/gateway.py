@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -237,6 +238,8 @@ class _Session:
     leaving: frozenset[PeerId] = frozenset()  # peers to move off at its next step
     # the other peers of a move not yet confirmed by a step (its sources, targets)
     moving: tuple[Hop, ...] = ()
+    # each moved stage of that move: its index, the peer that sent its KV, the new one
+    handoffs: tuple[tuple[int, Hop, Hop], ...] = ()
 
     def peers(self) -> tuple[Hop, ...]:
         """Every hop it may still hold KV on: its route, a move's other ends, its helper."""
@@ -356,11 +359,11 @@ class Gateway:
         if sender is not None and hops:
             # tokens come from the last stage only; an error from any stage of the route
             # (or its prefill's helper)
-            helper = session.helper
+            # (a move's sources too: one a step reached after it let the session go)
             allowed = (
                 {hops[-1].peer_id}
                 if isinstance(frame, Tokens)
-                else {h.peer_id for h in (*hops, *((helper,) if helper else ()))}
+                else {h.peer_id for h in session.peers()}
             )
             if sender not in allowed:
                 self._counts.foreign_frames += 1
@@ -770,6 +773,10 @@ class Gateway:
                     session, feed, position, len(generated), max_new_tokens, helper
                 )
                 helper = None
+            # the step in flight, and its move's KV, once more
+            again = functools.partial(
+                self._move_again, session, tuple(feed), position, len(generated), max_new_tokens
+            )  # the move's KV once more; its step too where the first stage moved
             token = await self._await_token(
                 inbox,
                 in_flight.step,
@@ -777,6 +784,7 @@ class Gateway:
                 in_flight.hops,
                 session.moving,
                 position=len(history),
+                again=again if session.handoffs else None,
             )
             session.moving = ()  # a step on the new route: the move is done
             if session.helper is not None:
@@ -785,6 +793,8 @@ class Gateway:
                 in_flight.hops = session.route
             now = time.perf_counter()
             self._note_step(now - in_flight.started, in_flight.fed)
+            if session.handoffs:  # its sources may let the KV they kept for it go
+                await self._confirm(session)
             position += in_flight.fed
             in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
             in_flight.tokens -= 1
@@ -887,6 +897,7 @@ class Gateway:
         ]
         self._check_replies(old, await self._ask_all(old, requests), "move from")
         session.route = new
+        session.handoffs = tuple((i, old[i], new[i]) for i in moved)
         self._counts.migrations += 1
         log.info(
             "session %s: moved at %d tokens from %s to %s",
@@ -912,6 +923,58 @@ class Gateway:
         reasons = "; ".join(f"{hop.peer_id}: {error}" for hop, error in failed)
         raise _StepFailed(f"the move failed to {what} a stage ({reasons})", silent)
 
+    async def _move_again(
+        self,
+        session: _Session,
+        feed: Sequence[int],
+        position: int,
+        step: int,
+        max_new: int,
+        moved: bool = False,
+    ) -> bool:
+        """What a move sent may be lost: ask each source of the move to send the KV it
+        kept once more (a target that has it already drops the copy). ``moved``: a
+        stage the session left answered its step (the step went to the old peer):
+        send the step again when that is where it came from, the first stage (any
+        other stage computed it already, and a stage computes a position once).
+        Returns whether the step went again."""
+        session_id = session.session_id
+        sources = [source for _, source, _ in session.handoffs]
+        requests = [
+            MoveSession(
+                session_id=session_id,
+                kv_to=target.peer_id,
+                next_peer=self._neighbours(session.route, i)[1],
+                previous_peer=self._neighbours(session.route, i)[0],
+            )
+            for i, _, target in session.handoffs
+        ]
+        for hop, reply in zip(sources, await self._ask_all(sources, requests), strict=True):
+            if not reply.ok:
+                log.info("session %s: %s sent no KV again: %s", session_id, hop.peer_id, reply)
+        if not moved or all(i != 0 for i, _, _ in session.handoffs):
+            return False
+        try:
+            await self._send_step(session, feed, position, step, max_new)
+        except _StepFailed:
+            return False  # the wait finds out
+        return True
+
+    async def _confirm(self, session: _Session) -> None:
+        """A step ran on the new route: the move's sources let go of the KV they kept
+        for it (a drained node waits for that before it leaves)."""
+        sources = [source for _, source, _ in session.handoffs]
+        session.handoffs = ()
+        close = CloseSession(session_id=session.session_id)
+
+        async def confirm(peer: PeerId) -> None:
+            with trio.move_on_after(self.timeouts.ping_s), contextlib.suppress(MeshError):
+                await self._control(peer, close)
+
+        async with trio.open_nursery() as nursery:
+            for hop in sources:
+                nursery.start_soon(confirm, hop.peer_id)
+
     async def _await_token(
         self,
         inbox: trio.MemoryReceiveChannel[_Inbound],
@@ -921,6 +984,7 @@ class Gateway:
         moving: Sequence[Hop] = (),
         *,
         position: int,
+        again: Callable[..., Awaitable[bool]] | None = None,
     ) -> int:
         """The token of ``step``, at sequence ``position``; ``_StepFailed`` when a stage
         is gone or stuck.
@@ -932,6 +996,13 @@ class Gateway:
         A step slower than its timeout is not failed at once: if every stage
         still answers a ping, the mesh is merely busy and the wait goes on (up
         to ``max_extensions`` times); a silent stage fails the step at once.
+
+        ``again``: the first step after a move (its KV sent from a peer that may
+        exit right after, over a link opened for it) that times out with every
+        stage answering has the move's KV sent once more (:meth:`_move_again`): a
+        KV lost on the way costs a timeout, not a replay. A stage that has handed
+        the session over answers a step that still reaches it with a "moved
+        session" error: sent again to the new first stage, or else a recovery.
         """
         t = self.timeouts
         if fed > 1:
@@ -958,6 +1029,11 @@ class Gateway:
                     if isinstance(frame, Error):
                         error = error_from_wire(frame.code, frame.message)
                         verdict = classify(error, data_plane=True)
+                        moved = verdict is Verdict.MOVED and again is not None
+                        if moved and again is not None and await again(moved=True):
+                            log.info("step %d reached the stage it left: sent again", step)
+                            again = None
+                            continue
                         if verdict is Verdict.PREEMPTED:  # resume by replay, later
                             raise _Preempted(frame.message)
                         if verdict is Verdict.FATAL:
@@ -976,6 +1052,10 @@ class Gateway:
                 # route is waited on like a slow one; a KV lost with it ends as a stall
                 log.info("step %d: the move's source %s is gone; waiting on", step, sorted(silent))
                 moving = ()
+            if again is not None:  # the move's KV may be lost: once more
+                log.info("step %d after a move: none in %.1f s; its KV once more", step, timeout)
+                await again()
+                again = None
             self._counts.slow_steps += 1
         raise _StepFailed(f"step {step} stalled although every stage answers pings")
 
