@@ -211,6 +211,15 @@ class _Preempted(Exception):
     """A stage evicted the session's KV to make room: resume it by replay (internal)."""
 
 
+class _SlowOpen(Exception):
+    """A stage did not answer the open in time but answers pings: loaded, not gone.
+    Open again, as a new try, avoiding nobody (internal)."""
+
+
+# how an error reply made up by the gateway begins for a control call that got no reply
+NO_ANSWER = "no answer in time: "
+
+
 @dataclass(frozen=True, slots=True)
 class _Request:
     """What a session was opened with (internal): a migration opens it again elsewhere."""
@@ -477,7 +486,7 @@ class Gateway:
         counts = self._counts
         counts.sessions_started += 1
         finished = False
-        recoveries = preemptions = 0
+        recoveries = preemptions = slow_opens = 0
         split_failed = False
         # peers the next route should not use (a move by replay), still closed like any
         leaving: frozenset[PeerId] = frozenset()
@@ -538,6 +547,12 @@ class Gateway:
                     leaving = exc.leaving
                     counts.move_replays += 1
                     log.info("session %s: moved by replay after %d tokens", base, len(generated))
+                except _SlowOpen as exc:
+                    slow_opens += 1
+                    counts.slow_steps += 1
+                    if slow_opens > self.timeouts.max_extensions:
+                        raise RequestTimeout(f"too slow to open the session: {exc}") from None
+                    log.info("session %s: %s slow to open it (they answer pings); again", base, exc)
                 except _StepFailed as exc:
                     if session.moving:  # a move that failed: replay instead
                         counts.migration_fallbacks += 1
@@ -634,6 +649,7 @@ class Gateway:
                 hop.peer_id for hop, _, verdict in verdicts if verdict is Verdict.SUSPECT
             )
             if unreachable:
+                await self._slow_or_failed(hops, verdicts)
                 raise _StepFailed("a stage refused or did not answer the session", unreachable)
             if any(verdict is Verdict.REPLAN for _, _, verdict in verdicts):
                 # a new plan moved a stage: route again once it is ready, avoid nobody for it
@@ -644,6 +660,19 @@ class Gateway:
                 raise Rejected("busy: every pipeline is full; try again later")
             await trio.sleep(delay)  # back off while busy stages drain
             delay = min(delay * 2, 1.0)
+
+    async def _slow_or_failed(
+        self, hops: Sequence[Hop], verdicts: Sequence[tuple[Hop, MeshError, Verdict]]
+    ) -> None:
+        """``_SlowOpen`` when every suspect of a refused open only missed its deadline
+        and answers a ping (a loaded node, seen in a loaded run: not a reason to avoid
+        it, nor a recovery); returns otherwise (the caller recovers avoiding them)."""
+        suspects = [(hop, error) for hop, error, verdict in verdicts if verdict is Verdict.SUSPECT]
+        if any(not str(error).startswith(NO_ANSWER) for _, error in suspects):
+            return  # a stage's own failure
+        if await self._find_silent([hop for hop, _ in suspects]):
+            return
+        raise _SlowOpen(", ".join(sorted(hop.peer_id for hop, _ in suspects)))
 
     def _neighbours(self, hops: Sequence[Hop], i: int) -> tuple[PeerId, PeerId]:
         """The peers before and after stage ``i`` of ``hops``: this gateway at the ends."""
@@ -734,7 +763,7 @@ class Gateway:
                     replies[i] = await self._control(hops[i].peer_id, requests[i])
             except (MeshError, trio.TooSlowError) as exc:
                 # whatever the failure, this stage did not take the session: suspect its peer
-                replies[i] = Reply.failed(PeerUnreachable(str(exc)))
+                replies[i] = Reply.failed(PeerUnreachable(f"{NO_ANSWER}{exc}"))
 
         async with trio.open_nursery() as nursery:
             for i in range(len(hops)):
