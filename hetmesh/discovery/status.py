@@ -16,7 +16,7 @@ import trio
 
 from hetmesh.discovery import wire
 from hetmesh.discovery.host import derive_psk, dial, open_host, parse_peer_addr
-from hetmesh.errors import ConnectTimeout, RemoteProtocolError, StreamReset
+from hetmesh.errors import ConnectTimeout, PeerUnreachable, RemoteProtocolError, StreamReset
 
 
 async def fetch_status(
@@ -58,6 +58,7 @@ async def request_status(
     :func:`open_status_client`), dialling only if not connected; raises as
     :func:`fetch_status` does."""
     from libp2p.custom_types import TProtocol
+    from libp2p.host.exceptions import StreamFailure
 
     info = parse_peer_addr(addr)
     if info.peer_id not in host.get_network().connections:
@@ -76,6 +77,8 @@ async def request_status(
         raise ConnectTimeout(f"{addr} did not answer the status request in time") from exc
     except StreamReset as exc:
         raise RemoteProtocolError(f"{addr} closed the status stream: {exc}") from exc
+    except StreamFailure as exc:  # its protocol negotiation timed out (a node under load)
+        raise PeerUnreachable(f"{addr} did not open a status stream: {exc}") from exc
     return wire.decode_map(payload, max_bytes=wire.MAX_STATUS_BYTES)
 
 

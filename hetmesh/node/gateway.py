@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -210,6 +211,15 @@ class _Preempted(Exception):
     """A stage evicted the session's KV to make room: resume it by replay (internal)."""
 
 
+class _SlowOpen(Exception):
+    """A stage did not answer the open in time but answers pings: loaded, not gone.
+    Open again, as a new try, avoiding nobody (internal)."""
+
+
+# how an error reply made up by the gateway begins for a control call that got no reply
+NO_ANSWER = "no answer in time: "
+
+
 @dataclass(frozen=True, slots=True)
 class _Request:
     """What a session was opened with (internal): a migration opens it again elsewhere."""
@@ -237,6 +247,8 @@ class _Session:
     leaving: frozenset[PeerId] = frozenset()  # peers to move off at its next step
     # the other peers of a move not yet confirmed by a step (its sources, targets)
     moving: tuple[Hop, ...] = ()
+    # each moved stage of that move: its index, the peer that sent its KV, the new one
+    handoffs: tuple[tuple[int, Hop, Hop], ...] = ()
 
     def peers(self) -> tuple[Hop, ...]:
         """Every hop it may still hold KV on: its route, a move's other ends, its helper."""
@@ -356,11 +368,11 @@ class Gateway:
         if sender is not None and hops:
             # tokens come from the last stage only; an error from any stage of the route
             # (or its prefill's helper)
-            helper = session.helper
+            # (a move's sources too: one a step reached after it let the session go)
             allowed = (
                 {hops[-1].peer_id}
                 if isinstance(frame, Tokens)
-                else {h.peer_id for h in (*hops, *((helper,) if helper else ()))}
+                else {h.peer_id for h in session.peers()}
             )
             if sender not in allowed:
                 self._counts.foreign_frames += 1
@@ -474,7 +486,7 @@ class Gateway:
         counts = self._counts
         counts.sessions_started += 1
         finished = False
-        recoveries = preemptions = 0
+        recoveries = preemptions = slow_opens = 0
         split_failed = False
         # peers the next route should not use (a move by replay), still closed like any
         leaving: frozenset[PeerId] = frozenset()
@@ -535,6 +547,12 @@ class Gateway:
                     leaving = exc.leaving
                     counts.move_replays += 1
                     log.info("session %s: moved by replay after %d tokens", base, len(generated))
+                except _SlowOpen as exc:
+                    slow_opens += 1
+                    counts.slow_steps += 1
+                    if slow_opens > self.timeouts.max_extensions:
+                        raise RequestTimeout(f"too slow to open the session: {exc}") from None
+                    log.info("session %s: %s slow to open it (they answer pings); again", base, exc)
                 except _StepFailed as exc:
                     if session.moving:  # a move that failed: replay instead
                         counts.migration_fallbacks += 1
@@ -631,6 +649,7 @@ class Gateway:
                 hop.peer_id for hop, _, verdict in verdicts if verdict is Verdict.SUSPECT
             )
             if unreachable:
+                await self._slow_or_failed(hops, verdicts)
                 raise _StepFailed("a stage refused or did not answer the session", unreachable)
             if any(verdict is Verdict.REPLAN for _, _, verdict in verdicts):
                 # a new plan moved a stage: route again once it is ready, avoid nobody for it
@@ -641,6 +660,19 @@ class Gateway:
                 raise Rejected("busy: every pipeline is full; try again later")
             await trio.sleep(delay)  # back off while busy stages drain
             delay = min(delay * 2, 1.0)
+
+    async def _slow_or_failed(
+        self, hops: Sequence[Hop], verdicts: Sequence[tuple[Hop, MeshError, Verdict]]
+    ) -> None:
+        """``_SlowOpen`` when every suspect of a refused open only missed its deadline
+        and answers a ping (a loaded node, seen in a loaded run: not a reason to avoid
+        it, nor a recovery); returns otherwise (the caller recovers avoiding them)."""
+        suspects = [(hop, error) for hop, error, verdict in verdicts if verdict is Verdict.SUSPECT]
+        if any(not str(error).startswith(NO_ANSWER) for _, error in suspects):
+            return  # a stage's own failure
+        if await self._find_silent([hop for hop, _ in suspects]):
+            return
+        raise _SlowOpen(", ".join(sorted(hop.peer_id for hop, _ in suspects)))
 
     def _neighbours(self, hops: Sequence[Hop], i: int) -> tuple[PeerId, PeerId]:
         """The peers before and after stage ``i`` of ``hops``: this gateway at the ends."""
@@ -731,7 +763,7 @@ class Gateway:
                     replies[i] = await self._control(hops[i].peer_id, requests[i])
             except (MeshError, trio.TooSlowError) as exc:
                 # whatever the failure, this stage did not take the session: suspect its peer
-                replies[i] = Reply.failed(PeerUnreachable(str(exc)))
+                replies[i] = Reply.failed(PeerUnreachable(f"{NO_ANSWER}{exc}"))
 
         async with trio.open_nursery() as nursery:
             for i in range(len(hops)):
@@ -770,6 +802,10 @@ class Gateway:
                     session, feed, position, len(generated), max_new_tokens, helper
                 )
                 helper = None
+            # the step in flight, and its move's KV, once more
+            again = functools.partial(
+                self._move_again, session, tuple(feed), position, len(generated), max_new_tokens
+            )  # the move's KV once more; its step too where the first stage moved
             token = await self._await_token(
                 inbox,
                 in_flight.step,
@@ -777,6 +813,7 @@ class Gateway:
                 in_flight.hops,
                 session.moving,
                 position=len(history),
+                again=again if session.handoffs else None,
             )
             session.moving = ()  # a step on the new route: the move is done
             if session.helper is not None:
@@ -785,6 +822,8 @@ class Gateway:
                 in_flight.hops = session.route
             now = time.perf_counter()
             self._note_step(now - in_flight.started, in_flight.fed)
+            if session.handoffs:  # its sources may let the KV they kept for it go
+                await self._confirm(session)
             position += in_flight.fed
             in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
             in_flight.tokens -= 1
@@ -887,6 +926,7 @@ class Gateway:
         ]
         self._check_replies(old, await self._ask_all(old, requests), "move from")
         session.route = new
+        session.handoffs = tuple((i, old[i], new[i]) for i in moved)
         self._counts.migrations += 1
         log.info(
             "session %s: moved at %d tokens from %s to %s",
@@ -912,6 +952,58 @@ class Gateway:
         reasons = "; ".join(f"{hop.peer_id}: {error}" for hop, error in failed)
         raise _StepFailed(f"the move failed to {what} a stage ({reasons})", silent)
 
+    async def _move_again(
+        self,
+        session: _Session,
+        feed: Sequence[int],
+        position: int,
+        step: int,
+        max_new: int,
+        moved: bool = False,
+    ) -> bool:
+        """What a move sent may be lost: ask each source of the move to send the KV it
+        kept once more (a target that has it already drops the copy). ``moved``: a
+        stage the session left answered its step (the step went to the old peer):
+        send the step again when that is where it came from, the first stage (any
+        other stage computed it already, and a stage computes a position once).
+        Returns whether the step went again."""
+        session_id = session.session_id
+        sources = [source for _, source, _ in session.handoffs]
+        requests = [
+            MoveSession(
+                session_id=session_id,
+                kv_to=target.peer_id,
+                next_peer=self._neighbours(session.route, i)[1],
+                previous_peer=self._neighbours(session.route, i)[0],
+            )
+            for i, _, target in session.handoffs
+        ]
+        for hop, reply in zip(sources, await self._ask_all(sources, requests), strict=True):
+            if not reply.ok:
+                log.info("session %s: %s sent no KV again: %s", session_id, hop.peer_id, reply)
+        if not moved or all(i != 0 for i, _, _ in session.handoffs):
+            return False
+        try:
+            await self._send_step(session, feed, position, step, max_new)
+        except _StepFailed:
+            return False  # the wait finds out
+        return True
+
+    async def _confirm(self, session: _Session) -> None:
+        """A step ran on the new route: the move's sources let go of the KV they kept
+        for it (a drained node waits for that before it leaves)."""
+        sources = [source for _, source, _ in session.handoffs]
+        session.handoffs = ()
+        close = CloseSession(session_id=session.session_id)
+
+        async def confirm(peer: PeerId) -> None:
+            with trio.move_on_after(self.timeouts.ping_s), contextlib.suppress(MeshError):
+                await self._control(peer, close)
+
+        async with trio.open_nursery() as nursery:
+            for hop in sources:
+                nursery.start_soon(confirm, hop.peer_id)
+
     async def _await_token(
         self,
         inbox: trio.MemoryReceiveChannel[_Inbound],
@@ -921,6 +1013,7 @@ class Gateway:
         moving: Sequence[Hop] = (),
         *,
         position: int,
+        again: Callable[..., Awaitable[bool]] | None = None,
     ) -> int:
         """The token of ``step``, at sequence ``position``; ``_StepFailed`` when a stage
         is gone or stuck.
@@ -932,6 +1025,13 @@ class Gateway:
         A step slower than its timeout is not failed at once: if every stage
         still answers a ping, the mesh is merely busy and the wait goes on (up
         to ``max_extensions`` times); a silent stage fails the step at once.
+
+        ``again``: the first step after a move (its KV sent from a peer that may
+        exit right after, over a link opened for it) that times out with every
+        stage answering has the move's KV sent once more (:meth:`_move_again`): a
+        KV lost on the way costs a timeout, not a replay. A stage that has handed
+        the session over answers a step that still reaches it with a "moved
+        session" error: sent again to the new first stage, or else a recovery.
         """
         t = self.timeouts
         if fed > 1:
@@ -958,6 +1058,11 @@ class Gateway:
                     if isinstance(frame, Error):
                         error = error_from_wire(frame.code, frame.message)
                         verdict = classify(error, data_plane=True)
+                        moved = verdict is Verdict.MOVED and again is not None
+                        if moved and again is not None and await again(moved=True):
+                            log.info("step %d reached the stage it left: sent again", step)
+                            again = None
+                            continue
                         if verdict is Verdict.PREEMPTED:  # resume by replay, later
                             raise _Preempted(frame.message)
                         if verdict is Verdict.FATAL:
@@ -976,6 +1081,10 @@ class Gateway:
                 # route is waited on like a slow one; a KV lost with it ends as a stall
                 log.info("step %d: the move's source %s is gone; waiting on", step, sorted(silent))
                 moving = ()
+            if again is not None:  # the move's KV may be lost: once more
+                log.info("step %d after a move: none in %.1f s; its KV once more", step, timeout)
+                await again()
+                again = None
             self._counts.slow_steps += 1
         raise _StepFailed(f"step {step} stalled although every stage answers pings")
 

@@ -160,8 +160,11 @@ class StageHost:
         return sum(s.server.kv.statistics().sessions for s in self._served.values())
 
     def busy(self) -> bool:
-        """Sessions held here, or moved ones' KV still on its way out."""
-        return bool(self.sessions()) or any(s.server.sending() for s in self._served.values())
+        """Sessions held here, or moved ones' KV still on its way out or not yet
+        confirmed by their gateways (they may ask for it again)."""
+        return bool(self.sessions()) or any(
+            s.server.sending() or s.server.handing() for s in self._served.values()
+        )
 
     def announced(self) -> tuple[tuple[ServedStage, ...], tuple[dict[str, Any], ...], Load]:
         """The stages, their servers' counters and the load, as announced."""
@@ -329,7 +332,8 @@ class StageHost:
         """Stop the retiring stages no session uses any more."""
         for key, served in list(self._served.items()):
             server = served.server  # idle, and no moved session's KV still leaving
-            if served.retiring and server.kv.statistics().sessions == 0 and not server.sending():
+            idle = server.kv.statistics().sessions == 0
+            if served.retiring and idle and not server.sending() and not server.handing():
                 served.scope.cancel()
                 del self._served[key]
                 log.info("stage [%d, %d) retired", *key)
@@ -368,12 +372,18 @@ class StageHost:
         """The stage here holding ``session_id``'s KV (None: none does)."""
         return next((s.server for s in self._served.values() if session_id in s.server.kv), None)
 
+    def _handed(self, session_id: str) -> StageServer | None:
+        """The stage here that moved ``session_id`` away, its move not confirmed yet."""
+        servers = [s.server for s in self._served.values()]
+        return next((s for s in servers if s.handed_to(session_id) is not None), None)
+
     def control(self, request: Request, sender: PeerId | None = None) -> Reply:
         """Apply a session control request from ``sender`` (None: this node): every
         kind goes to the stage's :meth:`StageServer.handle`, the one path (only a
         session's gateway may close or move it)."""
         if isinstance(request, MoveSession):
-            holder = self._holder(request.session_id)
+            # a session moved away already: its gateway may ask for the KV again
+            holder = self._holder(request.session_id) or self._handed(request.session_id)
             if holder is None:
                 return Reply.failed(InvalidRequest(f"unknown session {request.session_id}"))
             return holder.handle(request, sender)
@@ -416,6 +426,10 @@ class StageHost:
             holder = self._holder(frame.session_id)
             if holder is None:
                 release()
+                handed = self._handed(frame.session_id)
+                if isinstance(frame, Activations) and handed is not None:
+                    handed.tell_moved(frame.session_id)  # its gateway sends it again
+                    return True
                 if isinstance(frame, Activations):
                     raise InvalidRequest(f"unknown session {frame.session_id}")
                 raise InvalidRequest(f"no KV of session {frame.session_id} is expected here")

@@ -40,6 +40,12 @@ back to the batching loop.
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
 activations until the KV arrives from that peer, and then runs like any other.
+The peer it moved off keeps the KV frame it sent until the gateway confirms the
+move (its ``CloseSession`` once a step ran on the new route; at most
+:data:`HANDED_S`): the gateway of a first step that stalls asks for it once more
+(a frame lost as a drained node leaves), and a step that still reaches it is
+answered with ``NoRoute("moved session …")``, which the gateway sends again on
+its new route. A draining node leaves only once its moves are confirmed.
 
 A long prompt's prefill can be split with an idle replica (see
 :mod:`hetmesh.node.split`): the session's stage then runs its prompt's chunks
@@ -83,6 +89,7 @@ from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
+from hetmesh.node.outcomes import MOVED_SESSION
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
@@ -107,6 +114,8 @@ OUTBOX_FRAMES = 64  # frames waiting for one peer; past that its sessions fail h
 OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
 # the longest gap between two frames of one burst (a round's outputs upstream)
 GATHER_S = 0.005
+# how long a stage keeps a moved session's KV frame for its gateway to confirm the move
+HANDED_S = 30.0
 
 
 @dataclass(slots=True)
@@ -119,6 +128,17 @@ class _Awaiting:
     held: list[_Item] = field(default_factory=list)  # activations that must wait for it
     # a split prefill's KV that came while the session was in a batch: loaded after it
     deferred: tuple[KVBlock, Callable[[], None]] | None = None
+
+
+@dataclass(slots=True)
+class _Handed:
+    """A session this stage moved away, its KV frame kept until the gateway confirms
+    the move (or asks for the frame again), or until ``until`` (monotonic clock)."""
+
+    kv_to: PeerId
+    gateway: PeerId
+    frame: KVBlock
+    until: float
 
 
 @dataclass(slots=True)
@@ -260,6 +280,7 @@ class StageServer:
         # (items, tokens, seconds) of each round of the batch on the device thread
         self._rounds: list[tuple[int, int, float]] = []
         self._helped = 0  # split prefills this stage helped with (its part sent on)
+        self._handed: dict[str, _Handed] = {}  # sessions moved away, not confirmed yet
 
     @property
     def _interrupt(self) -> bool:
@@ -291,6 +312,9 @@ class StageServer:
                 self.check_control(request.session_id, sender)
             except InvalidRequest as exc:
                 return Reply.failed(exc)
+            handed = self._handed.get(request.session_id)
+            if handed is not None and sender in (None, handed.gateway):
+                del self._handed[request.session_id]  # its move is confirmed
             # its gateway's close: one it could not open everywhere keeps its place
             self.close(request.session_id, request.block_hashes, requeue=True)
             return Reply(ok=True)
@@ -350,7 +374,7 @@ class StageServer:
         sid = request.session_id
         session = self._sessions.get(sid)
         if session is None:
-            return Reply.failed(InvalidRequest(f"unknown session {sid}"))
+            return self._move_again(request, sender)
         try:
             self.check_control(sid, sender)
         except InvalidRequest as exc:
@@ -370,13 +394,52 @@ class StageServer:
             # mid-step (or still arriving itself): the gateway replays it instead
             return Reply.failed(Rejected(f"busy: session {sid} is mid-step here"))
         keys, values = session.kv.export()  # a copy: the blocks are freed below
-        if not self._post(request.kv_to, kv_frame(sid, keys, values)):
+        frame = kv_frame(sid, keys, values)
+        if not self._post(request.kv_to, frame):
             return Reply.failed(Rejected(f"busy: the link to {request.kv_to} is full"))
         self._sessions.pop(sid)
         self.kv.close(sid)
         self.kv.note_migration_out()
+        gateway = session.request.gateway
+        self._handed[sid] = _Handed(request.kv_to, gateway, frame, time.monotonic() + HANDED_S)
         log.info("session %s: %d tokens of KV sent to %s", sid, keys.shape[2], request.kv_to)
         return Reply(ok=True)
+
+    def _move_again(self, request: MoveSession, sender: PeerId | None) -> Reply:
+        """A move of a session handed over already: its gateway asks for the KV frame
+        once more (to the same peer), or ``InvalidRequest("unknown session …")``."""
+        sid = request.session_id
+        handed = self._handed.get(sid)
+        if handed is None or request.kv_to != handed.kv_to or sender not in (None, handed.gateway):
+            return Reply.failed(InvalidRequest(f"unknown session {sid}"))
+        if not self._post(handed.kv_to, handed.frame):
+            return Reply.failed(Rejected(f"busy: the link to {handed.kv_to} is full"))
+        log.info("session %s: its KV sent to %s once more", sid, handed.kv_to)
+        return Reply(ok=True)
+
+    def handed_to(self, session_id: str) -> tuple[PeerId, PeerId] | None:
+        """``(gateway, new peer)`` of a session this stage moved away and whose move is
+        not confirmed yet; None for any other."""
+        handed = self._handed.get(session_id)
+        return None if handed is None else (handed.gateway, handed.kv_to)
+
+    def tell_moved(self, session_id: str) -> None:
+        """A step of a session moved away reached this stage: tell its gateway (a
+        ``NoRoute("moved session …")``: it sends the step again on the new route)."""
+        handed = self._handed.get(session_id)
+        if handed is None:
+            return
+        error = NoRoute(f"{MOVED_SESSION}{session_id}: it moved to {handed.kv_to}")
+        frame = Error(code=error_code(error), message=str(error), session_id=session_id)
+        self._post(handed.gateway, frame)
+
+    def handing(self) -> bool:
+        """Whether a moved session's KV is kept here for its gateway to confirm (a
+        draining node waits for that, a retiring stage too)."""
+        now = time.monotonic()
+        for sid in [sid for sid, handed in self._handed.items() if handed.until <= now]:
+            del self._handed[sid]
+        return bool(self._handed)
 
     def receive_kv(
         self, frame: KVBlock, release: Callable[[], None], sender: PeerId | None = None
@@ -464,9 +527,12 @@ class StageServer:
         """The most payload bytes a KVBlock of ``session_id`` may carry here (None: no KV
         of it is awaited); asked from a link's reader thread, before allocation."""
         session = self._sessions.get(session_id)
-        if session is None or session.awaiting is None:
+        if session is None or (session.awaiting is None and not session.request.migrate_from):
             return None
-        pool, layers = self.pool, len(range(self.pool.num_layers)[session.awaiting.layers])
+        # a migrated session's KV sent again when it is in already (its gateway asked its
+        # source once more): read and refused here, not on the link (that would close it)
+        span = session.awaiting.layers if session.awaiting is not None else slice(None)
+        pool, layers = self.pool, len(range(self.pool.num_layers)[span])
         per_token = 2 * layers * pool.kv_heads * pool.head_dim * pool.dtype.itemsize
         return per_token * session.request.prompt_tokens
 

@@ -23,6 +23,7 @@ CASES = [
     (InvalidRequest("sampling: temperature must be >= 0"), Verdict.FATAL, Verdict.FATAL),
     (Rejected("busy: no free KV blocks"), Verdict.BUSY, Verdict.PREEMPTED),
     (NoRoute("no stage 0-4 here"), Verdict.REPLAN, Verdict.REPLAN),
+    (NoRoute("moved session s.0: it moved to b2"), Verdict.REPLAN, Verdict.MOVED),
     (PeerUnreachable("no answer"), Verdict.SUSPECT, Verdict.SUSPECT),
     (ComputeError("the forward failed"), Verdict.SUSPECT, Verdict.SUSPECT),
     (RequestTimeout("stalled"), Verdict.SUSPECT, Verdict.SUSPECT),
