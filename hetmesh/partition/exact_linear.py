@@ -229,7 +229,10 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
             sub.packed = pack  # type: ignore[assignment]
             sub.tile = tile  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
-                sub.weight = nn.Parameter(_placeholder(w), requires_grad=False)
+                # straight into the table, not through register_parameter: another
+                # thread building a skeleton under accelerate's init_empty_weights has
+                # it patched process-wide, and it would put the placeholder on meta
+                sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
         elif verdicts[key] == "rows":
             sub.tiled = False  # type: ignore[assignment]
             untiled += 1

@@ -181,6 +181,11 @@ async def test_joiners_fetch_only_their_units_past_a_liar_and_a_dead_holder(
                 await ensure(start, end)
 
             shards_of_mover.ensure = flaky
+            # room for both stages at once: a node without it retires the old stage
+            # before loading the new one (tests/unit/node/test_stage_move.py)
+            charges = {(s.start, s.end): s.memory_bytes for p in plan.pipelines for s in p.stages}
+            both = sum(charges[key] for key in old | new)
+            mover.serving.stages.capacity = lambda: both
             mover.serving.stages.follow(swapped, mover.peer_id)
             with trio.fail_after(240):
                 while not new <= set(mover.serving.stages.servers()):

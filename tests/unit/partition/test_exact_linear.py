@@ -150,6 +150,29 @@ def test_make_exact_packs_float32_and_frees_the_weight_unless_shared() -> None:
     assert plain[0].tiled
 
 
+def test_a_freed_weight_stays_on_the_cpu_while_another_stage_builds_its_skeleton() -> None:
+    """accelerate's init_empty_weights patches register_parameter for the whole process
+    while a stage's skeleton is built (another node's load, in an in-process mesh): a
+    placeholder registered through it then landed on meta, and the stage's next step
+    failed ('weight type (MetaFloatType)'), seen in a loaded suite run."""
+    from accelerate import init_empty_weights
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96))
+    x = _rows(5, 64, torch.float32)
+    with torch.no_grad():
+        want = model(x)
+        if model[0].weight.device.type != "cpu" or el.mkl_pack(model[0].weight) is None:
+            pytest.skip("no MKL packed product in this torch build")
+        with init_empty_weights():  # as another thread's skeleton build leaves it
+            make_exact(model)
+        assert model[0].packed is not None
+        assert model[0].weight.device.type == "cpu"
+        got = model(x)
+        assert torch.equal(got, torch.cat([model(row) for row in x.split(1)]))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_packing_that_fails_the_probe_falls_back_to_row_tiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
