@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,18 +132,27 @@ async def run_checks(
 
     # the small model leaves (over the API) while the big one streams
     big_epoch = nodes[big].serving.plan.epoch
-    out: list[int] = []
-    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300)
-    stream = backend.for_model(big).stream(PROMPT_IDS, params)
-    async with http, contextlib.aclosing(stream):
-        async for token, _ in stream:
-            if token < 0:
-                continue
-            out.append(token)
-            if len(out) == 3:
-                removed = await http.delete(f"/v1/hetmesh/models/{small}")
-                assert removed.status_code == 200, removed.text
-    assert out == expected[big]
+
+    async def big_stream_while(change: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
+        """The big model's stream equals its reference although ``change`` ran over
+        the API after its third token."""
+        out: list[int] = []
+        http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300)
+        stream = backend.for_model(big).stream(PROMPT_IDS, params)
+        async with http, contextlib.aclosing(stream):
+            async for token, _ in stream:
+                if token < 0:
+                    continue
+                out.append(token)
+                if len(out) == 3:
+                    await change(http)
+        assert out == expected[big]
+
+    async def remove(http: httpx.AsyncClient) -> None:
+        removed = await http.delete(f"/v1/hetmesh/models/{small}")
+        assert removed.status_code == 200, removed.text
+
+    await big_stream_while(remove)
     assert list(members.nodes) == [big]
     gateway: Any = nodes[big].serving.gateway
     assert gateway.statistics().recoveries == 0  # no session of the big model was replayed
@@ -152,20 +161,13 @@ async def run_checks(
     assert backend.models() == [big]
 
     # and comes back (by its name) while the big one streams: planned again
-    out = []
-    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=300)
-    stream = backend.for_model(big).stream(PROMPT_IDS, params)
-    async with http, contextlib.aclosing(stream):
-        async for token, _ in stream:
-            if token < 0:
-                continue
-            out.append(token)
-            if len(out) == 3:
-                body = {"model": SYNTH, "memory_bytes": 512 << 20}
-                added = await http.post("/v1/hetmesh/models", json=body)
-                assert added.status_code == 201, added.text
-                assert added.json()["id"] == small
-    assert out == expected[big]
+    async def add(http: httpx.AsyncClient) -> None:
+        body = {"model": SYNTH, "memory_bytes": 512 << 20}
+        added = await http.post("/v1/hetmesh/models", json=body)
+        assert added.status_code == 201, added.text
+        assert added.json()["id"] == small
+
+    await big_stream_while(add)
     assert gateway.statistics().recoveries == 0
     assert nodes[big].serving.plan.epoch == big_epoch
     await until(lambda: members.nodes[small].serving.ready(), 120, "the small model back")
