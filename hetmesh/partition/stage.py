@@ -59,6 +59,8 @@ from hetmesh.partition.formats import (
 from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.kv import KVPool, SessionKV
+from hetmesh.partition.lean import lean_default, lean_layer, rope_tables
+from hetmesh.partition.lean import supports as supports_lean
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
@@ -271,6 +273,8 @@ class StageModule(nn.Module):
         self.rotary_emb = rotary_cls(config=config).to(device) if self.layers else None
         self.windows = [_sliding_window(config, g) for g in self.layer_range]
         self._shared: list[SharedProjection] = []  # fused products (_found_fused)
+        # layers computed by hetmesh.partition.lean (same bits, less per-op overhead)
+        self.lean = False
 
     def _found_fused(self) -> None:
         """Note the fused products that :func:`materialise` made (released after each forward)."""
@@ -511,9 +515,14 @@ class StageModule(nn.Module):
             position_embeddings = self.rotary_emb(hidden, position_ids)  # type: ignore[misc]
             cache = _BatchCache(sessions, lengths)
             masks: dict[int | None, torch.Tensor | QuerySpans | None] = {}
+            rope = rope_tables(position_embeddings) if self.lean else None
             for layer, window in zip(layers, windows, strict=True):
                 if window not in masks:
                     masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
+                mask = masks[window]
+                if rope is not None and isinstance(mask, QuerySpans):
+                    hidden = lean_layer(layer, hidden, mask, cache, *rope)
+                    continue
                 hidden = layer(
                     hidden,
                     attention_mask=masks[window],
@@ -672,6 +681,12 @@ def load_stage(
         column_major_head=column_major,
     )
     stage._found_fused()
+    stage.lean = (
+        lean_default()
+        and attn_implementation == "exact"
+        and torch_device.type == "cpu"
+        and all(supports_lean(layer) for layer in stage.layers)
+    )
     if exact_linears is None:
         exact_linears = attn_implementation == "exact" and exact_linears_default()
     if exact_linears:

@@ -1,0 +1,158 @@
+"""A decoder layer's forward without the per-op overhead around its kernels (issue 47).
+
+A decode token of the default model in int4 spends about a third of its time
+between the quantised kernels (docs/journal/2026-12-05-kernels.md): module
+calls and transformers' wrappers around each of a layer's ~13 modules, a bf16
+cast of the same normed input before each of q, k and v (and of gate and up),
+fresh tensors for every norm, rope and residual step. :func:`lean_layer`
+computes a Llama decoder layer with the same arithmetic, op for op, and
+without that overhead:
+
+- the int4 products are the kernel calls of
+  :meth:`hetmesh.partition.quant.Int4Linear.forward`, their shared input cast
+  to bf16 once per group (q/k/v, gate/up) instead of once per product;
+- norms, rope and residual adds are the same element-wise operations in the
+  same order, done in place on tensors this forward owns (rope's
+  ``rotate_half(x) * sin`` is ``cat(x2, x1) * cat(-sin1, sin2)``: a sign
+  flip is exact);
+- attention is the stage's own :func:`hetmesh.partition.attention.exact_attention`
+  and the KV cache the stage's, called as transformers' layer calls them.
+
+So every result is bit-identical to transformers' layer (tests compare the
+stage's logits with and without it, prefill and decode, one row and rounds).
+
+Why not ``torch.compile``: inductor's CPU code fused the same per-op work for
+only 1.06x on this project's Xeon, cost 10-80 s of start-up per row count,
+and summed the RMS norm in another order than ATen, which the int4 format's
+bf16 casts turn into visible logit differences (up to 0.15; the prototype in
+the journal of 2026-12-05). This keeps ATen's kernels and their bits.
+
+Only for Llama layers (the default model's family) with exact attention on a
+CPU; other stages run transformers' layer. ``HETMESH_LEAN_LAYERS=0`` turns it
+off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmesh.partition.attention import QuerySpans, exact_attention
+from hetmesh.partition.quant import INT4_GROUP, Int4Linear
+
+LEAN_ENV = "HETMESH_LEAN_LAYERS"
+_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+def lean_default() -> bool:
+    """Whether stages use :func:`lean_layer` where they can (env switch, on unless ``0``)."""
+    return os.environ.get(LEAN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def supports(layer: nn.Module) -> bool:
+    """Whether :func:`lean_layer` computes ``layer`` exactly as its own forward does."""
+    if type(layer).__name__ not in _LAYER_CLASSES:
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or hasattr(attn, "q_norm"):
+        return False
+    norms = (getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm"))
+    if not all(hasattr(norm, "variance_epsilon") for norm in norms):
+        return False
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if not all(isinstance(getattr(attn, n, None), nn.Module) for n in names):
+        return False
+    if not all(isinstance(getattr(mlp, n, None), nn.Module) for n in _MLP_NAMES):
+        return False
+    return type(getattr(mlp, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _norm(norm: Any, h: torch.Tensor) -> torch.Tensor:
+    """transformers' RMS norm, op for op: ``w * (h * rsqrt(mean(h^2) + eps))``."""
+    dtype = h.dtype
+    h32 = h if dtype == torch.float32 else h.to(torch.float32)
+    scale = h32.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
+    out = h32 * scale
+    if dtype != torch.float32:
+        out = out.to(dtype)
+    weight: torch.Tensor = norm.weight
+    if weight.dtype != out.dtype:  # promotes: not in place
+        return weight * out
+    return out.mul_(weight)
+
+
+def _products(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """Each projection of ``x``; int4 ones from one bf16 cast of ``x`` (Int4Linear's calls),
+    left in the kernel's bf16 where they have no bias: the caller's next op meets an fp32
+    operand, whose type promotion widens them exactly as ``Int4Linear``'s ``.float()`` did."""
+    if x.device.type != "cpu" or not all(type(p) is Int4Linear for p in projections):
+        return [p(x) for p in projections]
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    outs = []
+    for p in projections:
+        assert isinstance(p, Int4Linear)
+        out = _int4_mm(rows, p.weight_packed, INT4_GROUP, p.scales_zeros)
+        if p.padded_out != p.out_features:
+            out = out[:, : p.out_features]
+        if p.bias is not None:
+            out = out.float() + p.bias
+        outs.append(out.view(*lead, p.out_features))
+    return outs
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x (b, s, heads, d)``, cos/sin ``(b, s, 1, d)``
+    (``x`` may be the int4 kernel's bf16: the products with fp32 tables widen it exactly)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.mul(swapped, sin_signed).add_(x * cos)
+
+
+def lean_layer(
+    layer: Any,
+    hidden: torch.Tensor,
+    mask: QuerySpans | None,
+    cache: Any,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+) -> torch.Tensor:
+    """``layer(hidden, ...)`` for a layer :func:`supports`: ``hidden (b, s, h)``, the
+    queries' key spans, the stage's batch cache, and rope's ``cos`` and signed ``sin``
+    (:func:`rope_tables`) as ``(b, s, 1, d)``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    batch, seq = hidden.shape[:2]
+    dim, dtype = attn.head_dim, hidden.dtype
+    x = _norm(layer.input_layernorm, hidden)
+    q, k, v = _products(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    q = _rope(q.view(batch, seq, -1, dim), cos, sin_signed)
+    k = _rope(k.view(batch, seq, -1, dim), cos, sin_signed)
+    v = v.view(batch, seq, -1, dim).to(dtype)
+    keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), attn.layer_idx)
+    out, _ = exact_attention(attn, q.transpose(1, 2), keys, values, mask, scaling=attn.scaling)
+    (o,) = _products(out.reshape(batch, seq, -1), (attn.o_proj,))
+    hidden = hidden + o
+    x = _norm(layer.post_attention_layernorm, hidden)
+    gate, up = _products(x, (mlp.gate_proj, mlp.up_proj))
+    (down,) = _products(F.silu(gate.to(dtype)).mul_(up), (mlp.down_proj,))
+    return hidden + down
+
+
+def rope_tables(
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``(cos, sin)`` ``(b, s, d)`` -> ``(cos, signed sin)`` ``(b, s, 1, d)``:
+    the sine's first half negated, so rope is ``cat(x2, x1) * sin + x * cos``."""
+    cos, sin = position_embeddings
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos[:, :, None], signed[:, :, None]
+
+
+__all__ = ["LEAN_ENV", "lean_default", "lean_layer", "rope_tables", "supports"]
