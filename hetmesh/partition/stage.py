@@ -59,7 +59,7 @@ from hetmesh.partition.formats import (
 from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.kv import KVPool, SessionKV
-from hetmesh.partition.lean import lean_default, lean_layer, rope_tables
+from hetmesh.partition.lean import LeanLayer, lean_default, lean_layer, rope_tables
 from hetmesh.partition.lean import supports as supports_lean
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
@@ -275,10 +275,17 @@ class StageModule(nn.Module):
         self._shared: list[SharedProjection] = []  # fused products (_found_fused)
         # layers computed by hetmesh.partition.lean (same bits, less per-op overhead)
         self.lean = False
+        self._plans: list[LeanLayer] | None = None
 
     def _found_fused(self) -> None:
         """Note the fused products that :func:`materialise` made (released after each forward)."""
         self._shared = [m for m in self.modules() if isinstance(m, SharedProjection)]
+
+    def _lean_plans(self) -> list[LeanLayer]:
+        """Each layer read for :func:`lean_layer` (once, at the first lean forward)."""
+        if self._plans is None:
+            self._plans = [LeanLayer(layer) for layer in self.layers]
+        return self._plans
 
     @property
     def fused(self) -> bool:
@@ -516,12 +523,13 @@ class StageModule(nn.Module):
             cache = _BatchCache(sessions, lengths)
             masks: dict[int | None, torch.Tensor | QuerySpans | None] = {}
             rope = rope_tables(position_embeddings) if self.lean else None
-            for layer, window in zip(layers, windows, strict=True):
+            plans = self._lean_plans()[part] if self.lean else []
+            for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
                 if window not in masks:
                     masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
                 mask = masks[window]
                 if rope is not None and isinstance(mask, QuerySpans):
-                    hidden = lean_layer(layer, hidden, mask, cache, *rope)
+                    hidden = lean_layer(plans[i], hidden, mask, cache, *rope)
                     continue
                 hidden = layer(
                     hidden,
