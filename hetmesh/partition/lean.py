@@ -78,8 +78,10 @@ def supports(layer: nn.Module) -> bool:
     return type(getattr(mlp, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
 
 
-def _norm(weight: torch.Tensor, eps: float, h: torch.Tensor) -> torch.Tensor:
-    """transformers' RMS norm, op for op: ``w * (h * rsqrt(mean(h^2) + eps))``."""
+def _norm(weight: torch.Tensor, eps: float, h: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """transformers' RMS norm, op for op: ``w * (h * rsqrt(mean(h^2) + eps))``; with
+    ``bf16`` (an fp32 ``h`` on its way to int4 products) the last product is written as
+    bf16, which rounds it as a ``.to(torch.bfloat16)`` of it would."""
     dtype = h.dtype
     h32 = h if dtype == torch.float32 else h.to(torch.float32)
     scale = h32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
@@ -88,6 +90,8 @@ def _norm(weight: torch.Tensor, eps: float, h: torch.Tensor) -> torch.Tensor:
         out = out.to(dtype)
     if weight.dtype != out.dtype:  # promotes: not in place
         return weight * out
+    if bf16 and dtype == torch.float32:
+        return torch.mul(out, weight, out=torch.empty_like(out, dtype=torch.bfloat16))
     return out.mul_(weight)
 
 
@@ -119,7 +123,9 @@ class _Products:
         if self.int4 is None:
             return [m(x) for m in self.modules]
         batch, seq, k = x.shape
-        rows = x.reshape(-1, k).to(torch.bfloat16)
+        rows = x.reshape(-1, k)
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
         outs = []
         for packed, scales_zeros, keep, bias in self.int4:
             out = _int4_mm(rows, packed, INT4_GROUP, scales_zeros)
@@ -174,7 +180,7 @@ def lean_layer(
     (:func:`rope_tables`) as ``(b, s, 1, d)``."""
     batch, seq = hidden.shape[:2]
     dim, dtype = plan.dim, hidden.dtype
-    x = _norm(*plan.ln1, hidden)
+    x = _norm(*plan.ln1, hidden, plan.qkv.int4 is not None)
     q, k, v = plan.qkv(x)
     q = _rope(q.view(batch, seq, -1, dim), cos, sin_signed)
     k = _rope(k.view(batch, seq, -1, dim), cos, sin_signed)
@@ -183,9 +189,14 @@ def lean_layer(
     out, _ = exact_attention(plan.attn, q.transpose(1, 2), keys, values, mask, scaling=plan.scaling)
     (o,) = plan.o(out.reshape(batch, seq, -1))
     hidden = hidden + o
-    x = _norm(*plan.ln2, hidden)
+    x = _norm(*plan.ln2, hidden, plan.mlp_in.int4 is not None)
     gate, up = plan.mlp_in(x)
-    (down,) = plan.mlp_down(F.silu(gate.to(dtype)).mul_(up))
+    act = F.silu(gate.to(dtype))
+    if plan.mlp_down.int4 is not None and act.dtype == torch.float32:
+        # the product rounded to bf16 as it is written, as the int4 product's cast would
+        (down,) = plan.mlp_down(torch.mul(act, up, out=torch.empty_like(act, dtype=torch.bfloat16)))
+    else:
+        (down,) = plan.mlp_down(act.mul_(up))
     return hidden + down
 
 
