@@ -15,7 +15,8 @@ On a shared machine compare only the ratios of one run (both arms share its
 slow spells), and say the machine was loaded.
 
 Usage: ``python bench/step_profile.py [--json] [--profile] [--threads 1,2] [--steps 8]
-[--rounds 4] [--weights int4]``
+[--rounds 4] [--weights int4] [--eager]`` (``--eager``: transformers' decoder layers
+instead of :mod:`hetmesh.partition.lean`'s, for a before/after profile)
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ import torch
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
 
-def _stage(weights: str) -> Any:
+def _stage(weights: str, lean: bool = True) -> Any:
     from hetmesh.partition.profile import model_profile
     from hetmesh.partition.stage import load_stage
     from hetmesh.partition.store import check_model_dir, resolve_model
 
     model = resolve_model()
     units = model_profile(check_model_dir(model)).num_units
-    return load_stage(model, 0, units, weights=weights)
+    stage = load_stage(model, 0, units, weights=weights)
+    stage.lean = stage.lean and lean
+    return stage
 
 
 def _decode(stage: Any, steps: int, prof: Any = None) -> tuple[float, float]:
@@ -154,10 +157,13 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--eager", action="store_true", help="transformers' decoder layers, not the lean ones"
+    )
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
-    stage = _stage(args.weights)
-    result: dict[str, Any] = {"weights": args.weights, "cpu": _cpu_name()}
+    stage = _stage(args.weights, lean=not args.eager)
+    result: dict[str, Any] = {"weights": args.weights, "cpu": _cpu_name(), "lean": stage.lean}
     with torch.inference_mode():
         if args.profile:
             result["profile"] = profile(stage, threads, args.steps)
