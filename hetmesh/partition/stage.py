@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
 from hetmesh.partition.store import brief_error, check_model_dir
+from hetmesh.partition.threads import ThreadChooser, adaptive_default
 from hetmesh.resources import ModelProfile
 
 # architecture -> (transformers module, class-name prefix)
@@ -276,6 +278,8 @@ class StageModule(nn.Module):
         # layers computed by hetmesh.partition.lean (same bits, less per-op overhead)
         self.lean = False
         self._plans: list[LeanLayer] | None = None
+        # decode forwards at 1 thread or the caller's count, by measurement (compact formats)
+        self.threads: ThreadChooser | None = None
 
     def _found_fused(self) -> None:
         """Note the fused products that :func:`materialise` made (released after each forward)."""
@@ -410,6 +414,12 @@ class StageModule(nn.Module):
         if len({id(kv) for kv in sessions}) != len(sessions):
             raise InvalidRequest("a session appears twice in one batch")
         outputs: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
+        cap = torch.get_num_threads()
+        decoding = self.threads is not None and all(x.shape[0] == 1 for x in prepared)
+        count = self.threads.count(cap) if self.threads is not None and decoding else cap
+        if count != cap:
+            torch.set_num_threads(count)
+        began = time.perf_counter()
         try:
             with torch.inference_mode():
                 for span in dict.fromkeys(ranges):  # one forward per span, in order of first
@@ -434,8 +444,12 @@ class StageModule(nn.Module):
                 f"stage [{self.start}, {self.end}) failed: {brief_error(exc)}"
             ) from exc
         finally:
+            if count != cap:
+                torch.set_num_threads(cap)  # the caller's count, as it set it
             for shared in self._shared:  # hold no activations between forwards
                 shared.release()
+        if self.threads is not None and decoding:
+            self.threads.record(count, (time.perf_counter() - began) / len(prepared))
         for kv, x in zip(sessions, prepared, strict=True):
             kv._commit(x.shape[0])
         return outputs
@@ -689,6 +703,8 @@ def load_stage(
         column_major_head=column_major,
     )
     stage._found_fused()
+    if fmt in QUANTIZED_FORMATS and torch_device.type == "cpu" and adaptive_default():
+        stage.threads = ThreadChooser()
     stage.lean = (
         lean_default()
         and attn_implementation == "exact"
