@@ -8,8 +8,9 @@ greedy decode steps after a short prompt:
   wall time per token under the profiler (which inflates per-op overhead);
 - default: decode steps timed at each thread count, interleaved round by round
   (ABBA) in this one process, wall and CPU time per token, with the median
-  ratio; then single kernels at decode shapes (int4 products, the int8 head)
-  at each thread count, best of several tries.
+  ratio (a count above 1 also with the stage's thread chooser,
+  :mod:`hetmesh.partition.threads`); then single kernels at decode shapes (int4
+  products, the int8 head) at each thread count, best of several tries.
 
 On a shared machine compare only the ratios of one run (both arms share its
 slow spells), and say the machine was loaded.
@@ -86,22 +87,33 @@ def profile(stage: Any, threads: list[int], steps: int) -> dict[str, Any]:
 
 
 def thread_ab(stage: Any, threads: list[int], steps: int, rounds: int) -> dict[str, Any]:
-    wall: dict[int, list[float]] = {t: [] for t in threads}
-    cpu: dict[int, list[float]] = {t: [] for t in threads}
-    for r in range(rounds):
-        for count in threads if r % 2 == 0 else list(reversed(threads)):
-            torch.set_num_threads(count)
-            w, c = _decode(stage, steps)
-            wall[count].append(w * 1e3)
-            cpu[count].append(c * 1e3)
-    base = statistics.median(wall[threads[0]])
+    """Decode steps at each thread count, interleaved round by round (ABBA); a count above
+    1 twice where the stage has a thread chooser: fixed (``"2t"``) and chosen by it
+    (``"2t-adaptive"``, its probes included; the chooser keeps its state across rounds)."""
+    chooser = stage.threads
+    arms = [(t, False) for t in threads]
+    if chooser is not None:
+        arms += [(t, True) for t in threads if t > 1]
+    wall: dict[tuple[int, bool], list[float]] = {arm: [] for arm in arms}
+    cpu: dict[tuple[int, bool], list[float]] = {arm: [] for arm in arms}
+    try:
+        for r in range(rounds):
+            for count, adaptive in arms if r % 2 == 0 else list(reversed(arms)):
+                torch.set_num_threads(count)
+                stage.threads = chooser if adaptive else None
+                w, c = _decode(stage, steps)
+                wall[(count, adaptive)].append(w * 1e3)
+                cpu[(count, adaptive)].append(c * 1e3)
+    finally:
+        stage.threads = chooser
+    base = statistics.median(wall[arms[0]])
     return {
-        f"{t}t": {
-            "wall_ms_per_token": [round(x, 1) for x in wall[t]],
-            "cpu_ms_per_token": [round(x, 1) for x in cpu[t]],
-            "speedup_vs_first": round(base / statistics.median(wall[t]), 3),
+        f"{t}t{'-adaptive' if adaptive else ''}": {
+            "wall_ms_per_token": [round(x, 1) for x in wall[(t, adaptive)]],
+            "cpu_ms_per_token": [round(x, 1) for x in cpu[(t, adaptive)]],
+            "speedup_vs_first": round(base / statistics.median(wall[(t, adaptive)]), 3),
         }
-        for t in threads
+        for t, adaptive in arms
     }
 
 

@@ -11,7 +11,8 @@ serving, not once at start.
 
 :class:`ThreadChooser` runs decode forwards (one token per row) at the
 caller's count or at 1 thread, whichever measured faster per row in its last
-probe. A probe runs a few forwards at each count, alternated; the next probe
+probe. A probe runs a few forwards at each count, alternated (one each where
+one count is :data:`CLEAR` times slower than the other); the next probe
 comes after a period that doubles while the choice stands (up to
 ``max_period`` forwards) and starts short again when it changes. Prefill
 chunks run at the caller's count, unmeasured.
@@ -32,6 +33,9 @@ import os
 import statistics
 
 ADAPTIVE_ENV = "HETMESH_ADAPTIVE_THREADS"
+# a probe ends early once one count is this many times slower than the other: a
+# 2-thread step on a busy machine takes 10-25x one thread's, and each costs that
+CLEAR = 2.0
 
 
 def adaptive_default() -> bool:
@@ -73,10 +77,12 @@ class ThreadChooser:
             return
         self._plan.pop(0)
         self._samples.setdefault(count, []).append(seconds_per_row)
-        if self._plan:
-            return
         one = statistics.median(self._samples.get(1, [float("inf")]))
         many = statistics.median(self._samples.get(self.cap, [float("inf")]))
+        measured_both = len(self._samples) == 2
+        if self._plan and not (measured_both and max(one, many) >= CLEAR * min(one, many)):
+            return  # not yet decided: the probe goes on
+        self._plan = []
         choice = 1 if one < many else self.cap
         if choice == self.choice:
             self.period = min(2 * self.period, self.max_period)
@@ -92,4 +98,4 @@ class ThreadChooser:
         self._samples = {}
 
 
-__all__ = ["ADAPTIVE_ENV", "ThreadChooser", "adaptive_default"]
+__all__ = ["ADAPTIVE_ENV", "CLEAR", "ThreadChooser", "adaptive_default"]

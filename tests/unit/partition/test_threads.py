@@ -37,27 +37,30 @@ def _serve(chooser: ThreadChooser, cap: int, forwards: int, cost: dict[int, floa
 
 def test_one_thread_is_kept_where_it_measures_faster() -> None:
     chooser = ThreadChooser(probe=2, first_period=4, max_period=16)
-    counts = _serve(chooser, 2, 4, {1: 0.03, 2: 0.5})  # the probe: alternated
-    assert counts == [2, 1, 2, 1]
+    close = {1: 0.03, 2: 0.04}  # within CLEAR of each other: the whole probe, alternated
+    assert _serve(chooser, 2, 4, close) == [2, 1, 2, 1]
     assert chooser.choice == 1
-    assert _serve(chooser, 2, 4, {1: 0.03, 2: 0.5}) == [1] * 4  # the period at the choice
-    # the next probe starts from the standing choice; it holds, so the period doubles
-    assert _serve(chooser, 2, 4, {1: 0.03, 2: 0.5}) == [1, 2, 1, 2]
+    assert _serve(chooser, 2, 4, close) == [1] * 4  # the period at the choice
+    # the next probe starts from the standing choice; a clear gap ends it after one each,
+    # and the choice holds, so the period doubles
+    clear = {1: 0.03, 2: 0.5}
+    assert _serve(chooser, 2, 2, clear) == [1, 2]
     assert chooser.choice == 1
     assert chooser.period == 8
-    assert _serve(chooser, 2, 8, {1: 0.03, 2: 0.5}) == [1] * 8
+    assert _serve(chooser, 2, 8, clear) == [1] * 8
 
 
 def test_the_callers_count_comes_back_when_it_turns_faster() -> None:
     chooser = ThreadChooser(probe=2, first_period=4, max_period=8)
-    _serve(chooser, 2, 4 + 4 + 4 + 8, {1: 0.03, 2: 0.5})
+    counts = _serve(chooser, 2, 2 + 4 + 2 + 8, {1: 0.03, 2: 0.5})
+    assert counts == [2, 1] + [1] * 4 + [1, 2] + [1] * 8  # probes end after one each
     assert chooser.choice == 1
-    assert chooser.period == 8
+    assert chooser.period == 8  # capped at max_period
     # the machine quietens: the next probe measures two threads faster
     counts = _serve(chooser, 2, 4 + 4, {1: 0.03, 2: 0.02})
     assert counts[:4] == [1, 2, 1, 2]
     assert chooser.choice == 2
-    assert chooser.period == 4
+    assert chooser.period == 4  # short again after a change
     assert counts[4:] == [2] * 4
 
 
