@@ -14,7 +14,10 @@ caller's count or at 1 thread, whichever measured faster per row in its last
 probe. A probe runs a few forwards at each count, alternated (one each where
 one count is :data:`CLEAR` times slower than the other); the next probe
 comes after a period that doubles while the choice stands (up to
-``max_period`` forwards) and starts short again when it changes. Prefill
+``max_period`` forwards) and starts short again when it changes, and never
+before the forwards in between have cost 1 / :data:`BUDGET` times the losing
+count's forward (a 1.5 s two-thread step against 30 ms at one thread: 1,000
+forwards; at most :data:`MAX_WAIT`). Prefill
 chunks run at the caller's count, unmeasured.
 
 Changing the thread count must not change a result: the stage uses it only
@@ -29,6 +32,7 @@ turns it off.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -36,6 +40,10 @@ ADAPTIVE_ENV = "HETMESH_ADAPTIVE_THREADS"
 # a probe ends early once one count is this many times slower than the other: a
 # 2-thread step on a busy machine takes 10-25x one thread's, and each costs that
 CLEAR = 2.0
+# probes cost at most this share of the time served at the choice (the forward at the
+# losing count over the forwards until the next probe), waiting up to MAX_WAIT forwards
+BUDGET = 0.05
+MAX_WAIT = 8192
 
 
 def adaptive_default() -> bool:
@@ -88,7 +96,9 @@ class ThreadChooser:
             self.period = min(2 * self.period, self.max_period)
         else:
             self.choice, self.period = choice, self.first_period
-        self._until_probe = self.period
+        # and no sooner than the loser's forward is BUDGET of the winner's in between
+        affordable = math.ceil(max(one, many) / (BUDGET * max(min(one, many), 1e-9)))
+        self._until_probe = max(self.period, min(affordable, MAX_WAIT))
         self._samples = {}
 
     def _start_probe(self) -> None:
@@ -98,4 +108,4 @@ class ThreadChooser:
         self._samples = {}
 
 
-__all__ = ["ADAPTIVE_ENV", "CLEAR", "ThreadChooser", "adaptive_default"]
+__all__ = ["ADAPTIVE_ENV", "BUDGET", "CLEAR", "MAX_WAIT", "ThreadChooser", "adaptive_default"]

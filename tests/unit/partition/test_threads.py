@@ -36,32 +36,41 @@ def _serve(chooser: ThreadChooser, cap: int, forwards: int, cost: dict[int, floa
 
 
 def test_one_thread_is_kept_where_it_measures_faster() -> None:
-    chooser = ThreadChooser(probe=2, first_period=4, max_period=16)
+    chooser = ThreadChooser(probe=2, first_period=32, max_period=128)
     close = {1: 0.03, 2: 0.04}  # within CLEAR of each other: the whole probe, alternated
     assert _serve(chooser, 2, 4, close) == [2, 1, 2, 1]
     assert chooser.choice == 1
-    assert _serve(chooser, 2, 4, close) == [1] * 4  # the period at the choice
-    # the next probe starts from the standing choice; a clear gap ends it after one each,
-    # and the choice holds, so the period doubles
-    clear = {1: 0.03, 2: 0.5}
-    assert _serve(chooser, 2, 2, clear) == [1, 2]
+    assert _serve(chooser, 2, 32, close) == [1] * 32  # the period at the choice
+    # the next probe starts from the standing choice; the choice holds: the period doubles
+    assert _serve(chooser, 2, 4, close) == [1, 2, 1, 2]
     assert chooser.choice == 1
-    assert chooser.period == 8
-    assert _serve(chooser, 2, 8, clear) == [1] * 8
+    assert chooser.period == 64
+    assert _serve(chooser, 2, 65, close) == [1] * 64 + [1]  # then the next probe
 
 
 def test_the_callers_count_comes_back_when_it_turns_faster() -> None:
-    chooser = ThreadChooser(probe=2, first_period=4, max_period=8)
-    counts = _serve(chooser, 2, 2 + 4 + 2 + 8, {1: 0.03, 2: 0.5})
-    assert counts == [2, 1] + [1] * 4 + [1, 2] + [1] * 8  # probes end after one each
+    chooser = ThreadChooser(probe=2, first_period=32, max_period=64)
+    clear = {1: 0.03, 2: 0.5}  # a clear gap ends a probe after one forward each
+    assert _serve(chooser, 2, 2, clear) == [2, 1]
     assert chooser.choice == 1
-    assert chooser.period == 8  # capped at max_period
+    # the wait is what the budget affords: 0.5 / (BUDGET * 0.03) forwards
+    assert _serve(chooser, 2, 334, clear) == [1] * 334
     # the machine quietens: the next probe measures two threads faster
-    counts = _serve(chooser, 2, 4 + 4, {1: 0.03, 2: 0.02})
+    counts = _serve(chooser, 2, 4 + 32, {1: 0.03, 2: 0.02})
     assert counts[:4] == [1, 2, 1, 2]
     assert chooser.choice == 2
-    assert chooser.period == 4  # short again after a change
-    assert counts[4:] == [2] * 4
+    assert chooser.period == 32  # short again after a change
+    assert counts[4:] == [2] * 32
+
+
+def test_a_costly_loser_is_probed_no_more_than_the_budget_allows() -> None:
+    chooser = ThreadChooser(probe=2, first_period=4, max_period=16)
+    assert _serve(chooser, 2, 2, {1: 0.03, 2: 1.5}) == [2, 1]
+    assert chooser.choice == 1
+    # the next probe's 1.5 s is BUDGET of the forwards before it: 1.5 / (0.05 * 0.03)
+    waited = _serve(chooser, 2, 1001, {1: 0.03, 2: 1.5})
+    assert waited == [1] * 1000 + [1]  # the 1001st: the probe, from the standing choice
+    assert chooser.count(2) == 2  # then the other count, once
 
 
 def test_a_new_caller_count_probes_again_and_one_thread_is_left_alone() -> None:
