@@ -14,7 +14,9 @@ without that overhead:
   :meth:`hetmesh.partition.quant.Int4Linear.forward`, their shared input cast
   to bf16 once per group (q/k/v, gate/up) instead of once per product, and
   their bf16 outputs left unwidened where the next op meets an fp32 operand
-  (type promotion widens them exactly as ``.float()`` did);
+  (type promotion widens them exactly as ``.float()`` did); a group fused at
+  load (:mod:`hetmesh.partition.fused`) is one kernel call whose columns its
+  members take as views;
 - norms, rope and residual adds are the same element-wise operations in the
   same order, in place where this forward owns the tensor (rope's
   ``rotate_half(x) * sin`` is ``cat(x2, x1) * cat(-sin1, sin2)``: a sign
@@ -38,6 +40,7 @@ layer. ``HETMESH_LEAN_LAYERS=0`` turns it off (A/B runs).
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmesh.partition.attention import QuerySpans, exact_attention
+from hetmesh.partition.fused import ProjectionSlice
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear
 
 LEAN_ENV = "HETMESH_LEAN_LAYERS"
@@ -98,14 +102,22 @@ def _norm(weight: torch.Tensor, eps: float, h: torch.Tensor, bf16: bool = False)
 class _Products:
     """The products of projections that share an input (q/k/v, gate/up, or one alone)."""
 
-    __slots__ = ("int4", "modules")
+    __slots__ = ("columns", "int4", "modules")
 
     def __init__(self, modules: tuple[nn.Module, ...]) -> None:
         self.modules = modules
         # (packed, scales and zeros, columns kept or None, bias) per int4 product on a CPU
         self.int4: tuple[tuple[Any, ...], ...] | None = None
-        if all(type(m) is Int4Linear for m in modules):
-            layers = [m for m in modules if isinstance(m, Int4Linear)]
+        # a fused group (partition/fused.py) of int4: each member's columns of the one product
+        self.columns: tuple[tuple[int, int], ...] | None = None
+        shared = _shared_int4(modules)
+        if shared is not None:
+            self.modules = (shared,)
+            self.columns = tuple(
+                (m.start, m.stop) for m in modules if isinstance(m, ProjectionSlice)
+            )
+        if all(type(m) is Int4Linear for m in self.modules):
+            layers = [m for m in self.modules if isinstance(m, Int4Linear)]
             if all(m.weight_packed.device.type == "cpu" for m in layers):
                 self.int4 = tuple(
                     (
@@ -116,6 +128,8 @@ class _Products:
                     )
                     for m in layers
                 )
+        if self.int4 is None:
+            self.modules, self.columns = modules, None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each product of ``x (b, s, k)``; int4 ones from one bf16 cast of ``x``, and in
@@ -134,7 +148,27 @@ class _Products:
             if bias is not None:
                 out = out.float() + bias
             outs.append(out.view(batch, seq, -1))
+        if self.columns is not None:  # one fused product: its members' columns (views)
+            return [outs[0][..., lo:hi] for lo, hi in self.columns]
         return outs
+
+
+def _shared_int4(modules: tuple[nn.Module, ...]) -> Int4Linear | None:
+    """The stacked int4 layer where ``modules`` are all the slices of one fused product,
+    in order (partition/fused.py), else None."""
+    if not all(isinstance(m, ProjectionSlice) for m in modules):
+        return None
+    slices = [m for m in modules if isinstance(m, ProjectionSlice)]
+    shared = {id(m._shared[0]) for m in slices}
+    linear = slices[0]._shared[0].linear
+    if len(shared) != 1 or type(linear) is not Int4Linear:
+        return None
+    bounds = [(m.start, m.stop) for m in slices]
+    if bounds[0][0] != 0 or any(a[1] != b[0] for a, b in itertools.pairwise(bounds)):
+        return None
+    if bounds[-1][1] != linear.out_features:
+        return None
+    return linear
 
 
 class LeanLayer:

@@ -36,5 +36,7 @@ def test_lean_default_model_matches_transformers_layers(
     expected = _greedy_logits(stage, lean=False)
     got = _greedy_logits(stage, lean=True)
     assert len(got) == STEPS + 1
+    # a fused int4 group is one kernel call whose columns the members take
+    assert (stage._lean_plans()[0].qkv.columns is not None) is (fuse and fmt == "int4")
     for step, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(a, b), f"{fmt}: logits differ at step {step}"
