@@ -231,31 +231,19 @@ def _llama3_divisors(rope: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=np.float64)
 
 
-INT8_LINEARS_KEY = "hetmesh_int8_linears"  # config.json: layer -> its Q5_K/Q6_K matrices
 TABLE_BLOCKS_KEY = "hetmesh_table_block_bytes"  # config.json: a K-quant token table's bytes
-_WIDE_SUFFIXES = (".q5_k.blocks", ".q6_k.blocks")
-_LAYER_MATRIX = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)\.weight$")
 
 
 def stored_layout(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
     """What the planner must know of how a compact folder stores a K-quant file, for its
-    ``config.json``: which decoder matrices an int4 stage holds in int8 (those stored as
-    Q5_K or Q6_K, :func:`hetmesh.partition.materialise.hold_wide_blocks_in_int8`) and the
-    bytes of a token table a compact stage keeps in its K-quant blocks."""
-    wide: dict[str, list[str]] = {}
+    ``config.json``: the bytes of a token table a compact stage keeps in its K-quant
+    blocks. (Q5_K/Q6_K decoder matrices are held in int4 groups, as the planner charges
+    any int4 matrix; conversions before 2026-12-06 recorded them as int8, under
+    ``hetmesh_int8_linears``, and those folders are still held and charged so.)"""
     out: dict[str, Any] = {}
     for name, array in tensors.items():
         if name.startswith("model.embed_tokens.weight.q") and name.endswith(".blocks"):
             out[TABLE_BLOCKS_KEY] = int(array.nbytes)
-        if not name.endswith(_WIDE_SUFFIXES):
-            continue
-        found = _LAYER_MATRIX.match(name.rsplit(".", 2)[0])
-        if found:
-            wide.setdefault(found.group(1), []).append(found.group(2))
-    if wide:
-        out[INT8_LINEARS_KEY] = {
-            k: sorted(v) for k, v in sorted(wide.items(), key=lambda i: int(i[0]))
-        }
     return out
 
 

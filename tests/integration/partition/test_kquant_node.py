@@ -87,15 +87,15 @@ def test_q4_k_m_gguf_is_split_held_compact_and_matches_one_process(tmp_path: Pat
     finally:
         factory.close()
 
-    # the single-process twin holds the file's blocks: int4 groups, int8 for Q6_K
+    # the single-process twin holds the file's blocks: int4 groups (Q6_K's refitted)
     from hetmesh.partition.kquant import KQuantEmbedding
-    from hetmesh.partition.quant import Int4Linear, Int8Linear
+    from hetmesh.partition.quant import Int4Linear
     from hetmesh.partition.stage import load_stage
 
     whole = load_stage(folder, 0, LAYERS + 2, weights="native")
     assert isinstance(whole.embed_tokens, KQuantEmbedding)
-    for index, layer in enumerate(whole.layers):
-        wide = Int8Linear if more_bits(index, LAYERS) else Int4Linear
-        assert isinstance(layer.mlp.down_proj, wide)
+    assert any(more_bits(index, LAYERS) for index in range(LAYERS))
+    for layer in whole.layers:
+        assert isinstance(layer.mlp.down_proj, Int4Linear)
         assert isinstance(layer.mlp.gate_proj, Int4Linear)
-    assert whole.resident_bytes() < 1.2 * gguf_path.stat().st_size
+    assert whole.resident_bytes() < 1.1 * gguf_path.stat().st_size
