@@ -190,7 +190,7 @@ def _materialise(
 
 
 WIDE_KINDS = ("q5_k", "q6_k")  # stored at more than 4 bits: refitted to int4 groups
-INT8_LINEARS_KEY = "hetmesh_int8_linears"  # gguf_compact's record in older folders
+INT8_LINEARS_KEY = "hetmesh_int8_linears"  # gguf_compact's record: these stay int8
 
 
 def hold_wide_blocks_in_int8(layer: nn.Module, names: Iterable[str]) -> int:
