@@ -8,12 +8,13 @@ stage's own resident bytes.
 
 An int4 stage holds each decoder matrix stored as 4-bit groups (Q4_1, Q4_0,
 Q4_K) as those groups, exactly; a matrix stored in a wider K-quant (Q5_K,
-Q6_K: the tensors a Q4_K_M file keeps at more bits) is requantised to int4
-groups fitted to its values (:func:`~hetmesh.partition.quant.fit_groups_int4`:
-not exact, the error is in docs/weights.md), so a Q4_K_M file is held at about
-1.06x its size. Folders converted before that record their wide matrices as
-int8 (``hetmesh_int8_linears`` in ``config.json``, what the planner charges
-them); those are still held in int8 per row (:func:`hold_wide_blocks_in_int8`).
+Q6_K: the tensors a Q4_K_M file keeps at more bits) is held in int8 per row
+where the conversion recorded it so (``hetmesh_int8_linears`` in
+``config.json``, what the planner charges: as many as keep the model within
+1.09x the file, :func:`~hetmesh.partition.gguf_compact.wide_in_int8`;
+:func:`hold_wide_blocks_in_int8`), else requantised to int4 groups fitted to its
+values (:func:`~hetmesh.partition.quant.fit_groups_int4`: not exact, the error
+is in docs/weights.md).
 
 A load runs in a thread; :func:`cancel_on` gives it an event that, once set,
 stops it at the next tensor (:class:`LoadCancelled`): a node whose plan moved on
