@@ -27,12 +27,18 @@ from __future__ import annotations
 
 import torch
 
-from hetmesh.partition.quant import int4_layout_name
+from hetmesh.partition.quant import int4_layout_name, unpack_int4
 
 GROUP = 32  # inputs per Q4_1 block (and per int4 scale group)
 _LAYOUTS = {"halves of 64": (True, 64), "halves of 32": (True, 32)}
 _LAYOUTS |= {"pairs in 32": (False, 32), "pairs in 64": (False, 64)}
 PAD_ROWS = 64  # int4 matrices are padded to whole blocks of 64 rows (quant._INT4_BLOCK_N)
+# A checkpoint's Q4_1 nibbles stored already in torch's packed layout (written so by
+# ``hetmesh model synth``): ``name.q4_1.<tag>`` instead of ``name.q4_1.qs``, the tag
+# naming the layout (this format's version: a new layout is a new tag). Same bytes,
+# another order; ``d`` and ``m`` as before.
+PACKED_TAGS = {"halves of 64": "int4h64", "halves of 32": "int4h32"}
+PACKED_TAGS |= {"pairs in 32": "int4p32", "pairs in 64": "int4p64"}
 
 
 def pack_q4_1_into(qs: torch.Tensor, out: torch.Tensor) -> None:
@@ -80,4 +86,25 @@ def scales_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return words.view(torch.bfloat16).reshape(groups, n, 2)
 
 
-__all__ = ["GROUP", "PAD_ROWS", "pack_q4_1_into", "scales_zeros"]
+def packed_suffix(layout: str | None = None) -> str:
+    """The tensor suffix of Q4_1 nibbles packed in ``layout`` (default: this process's)."""
+    return f".q4_1.{PACKED_TAGS[layout or int4_layout_name()]}"
+
+
+def q4_1_from_packed(packed: torch.Tensor, layout: str) -> torch.Tensor:
+    """Packed rows (``layout``; ``n`` a multiple of 64) -> Q4_1's bytes ``(n, k/2)``."""
+    q = unpack_int4(packed, layout)  # (n, k) in 0..15
+    n, k = q.shape
+    groups = q.view(n, k // GROUP, 2, GROUP // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+__all__ = [
+    "GROUP",
+    "PACKED_TAGS",
+    "PAD_ROWS",
+    "pack_q4_1_into",
+    "packed_suffix",
+    "q4_1_from_packed",
+    "scales_zeros",
+]

@@ -378,7 +378,19 @@ class _Loader:
 
     def int4_q4_1(self, path: str, source: str, rows_n: int, k: int) -> None:
         """A Q4_1 matrix packed straight from its bytes (:mod:`hetmesh.partition.int4_direct`):
-        no one-byte-a-weight or int32 copy; a slice of rows at a time."""
+        no one-byte-a-weight or int32 copy; a slice of rows at a time. Stored already in
+        this CPU's packed layout (:meth:`CheckpointReader.q4_1_packed`): read as it is,
+        into the tensor the stage keeps; only the scales are converted."""
+        stored = self.reader.q4_1_packed(source)
+        if (
+            stored is not None
+            and stored[0].shape == (rows_n, k // 2)
+            and rows_n % INT4_ROW_BLOCK == 0
+        ):
+            check_cancelled()
+            self.put(f"{path}.weight_packed", stored[0].to(self.device))
+            self.put(f"{path}.scales_zeros", scales_zeros(stored[1], stored[2]).to(self.device))
+            return
         padded = -(-rows_n // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
         packed = torch.empty((padded, k // 2), dtype=torch.uint8)
         d = torch.zeros((padded, k // INT4_GROUP), dtype=torch.float16)

@@ -175,13 +175,15 @@ def int4_layout_name() -> str:
     return _INT4_LAYOUTS[_int4_layout()][0]
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+def unpack_int4(packed: torch.Tensor, layout: str | None = None) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: (n, k/2) -> uint8 (n, k), n a multiple of 64.
 
-    The layout is the one this process's torch packs in (it follows the CPU's
-    vector width), found once by packing a probe.
+    The layout is ``layout`` (one of :func:`int4_layout_name`'s names), by default the
+    one this process's torch packs in (it follows the CPU's vector width), found once
+    by packing a probe.
     """
-    _name, unpack, block = _INT4_LAYOUTS[_int4_layout()]
+    index = _int4_layout() if layout is None else [n for n, *_ in _INT4_LAYOUTS].index(layout)
+    _name, unpack, block = _INT4_LAYOUTS[index]
     return unpack(packed, block)
 
 
