@@ -5,14 +5,15 @@ Two outputs, the same weights:
 - a model folder, what ``--model synth-...`` resolves to: ``config.json``,
   the default model's tokenizer files and one ``model.safetensors`` in the
   compact layout a converted GGUF has (:mod:`hetmesh.partition.checkpoint`),
-  or plain bf16 tensors. The safetensors header is written first (every
+  its decoder matrices' Q4_1 nibbles in this CPU's packed int4 layout
+  (:func:`write_folder`), or plain bf16 tensors. The safetensors header is written first (every
   tensor's size is known from the shape), then each tensor's bytes a chunk of
   rows at a time: memory holds one chunk (16 MiB of fp32), never the model;
 - a GGUF file (``hetmesh model synth --gguf FILE``), written with the ``gguf``
   package's writer one tensor at a time (memory holds the largest tensor),
   with the default model's tokenizer in its metadata. Its blocks are the
-  folder's bytes: a GGUF converted by ``--model FILE.gguf`` holds the same
-  tensors as the folder.
+  folder's bytes (the packed nibbles in Q4_1's order): a GGUF converted by
+  ``--model FILE.gguf`` holds the same weights as the folder.
 
 Before writing, the free disk is checked against the bytes to write.
 """
