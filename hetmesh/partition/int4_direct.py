@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from hetmesh.partition.quant import int4_layout_name, unpack_int4
+from hetmesh.partition.quant import int4_layout_name
 
 GROUP = 32  # inputs per Q4_1 block (and per int4 scale group)
 _LAYOUTS = {"halves of 64": (True, 64), "halves of 32": (True, 32)}
@@ -92,11 +92,27 @@ def packed_suffix(layout: str | None = None) -> str:
 
 
 def q4_1_from_packed(packed: torch.Tensor, layout: str) -> torch.Tensor:
-    """Packed rows (``layout``; ``n`` a multiple of 64) -> Q4_1's bytes ``(n, k/2)``."""
-    q = unpack_int4(packed, layout)  # (n, k) in 0..15
-    n, k = q.shape
-    groups = q.view(n, k // GROUP, 2, GROUP // 2)
-    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2)
+    """Packed rows (``layout``; ``n`` a multiple of 64) -> Q4_1's bytes ``(n, k/2)``:
+    :func:`pack_q4_1_into` undone, by the same byte operations and one transpose."""
+    n, half = packed.shape
+    if n % PAD_ROWS or half % (GROUP // 2):
+        raise ValueError(f"packed rows of shape {tuple(packed.shape)}: not whole blocks")
+    halves, block = _LAYOUTS[layout]
+    blocks, width, groups = n // block, block // 2, half // (GROUP // 2)
+    both = packed.contiguous().view(blocks, groups, 2, GROUP // 2, width)
+    first, second = both[:, :, 0], both[:, :, 1]
+    # (blocks, 2: the rows of low nibbles then of high ones, half, width), as packing had it
+    turned = torch.empty((blocks, 2, half, width), dtype=torch.uint8)
+    low = turned[:, 0].view(blocks, groups, GROUP // 2, width)
+    high = turned[:, 1].view(blocks, groups, GROUP // 2, width)
+    torch.bitwise_left_shift(second, 4, out=low)  # the low rows' inputs t + 16
+    low |= first & 0x0F  # ... and t
+    torch.bitwise_right_shift(first, 4, out=high)  # the high rows' inputs t
+    high |= second & 0xF0  # ... and t + 16
+    # halves: (blocks, 2, width, half), rows j then j + block / 2; pairs: (blocks, width,
+    # 2, half), rows 2j and 2j + 1
+    qs = turned.transpose(2, 3) if halves else turned.permute(0, 3, 1, 2)
+    return qs.contiguous().view(n, half)
 
 
 __all__ = [
