@@ -160,9 +160,14 @@ def test_wide_k_quants_refitted_to_int4_groups(tmp_path: Path, kind: str) -> Non
 
     layer = Int4Linear(WIDTH, ROWS, bias=False, device="cpu")
     layer.weight_packed, layer.scales_zeros = Int4Linear.pack(q, d, m)
-    x = torch.randn(3, WIDTH)
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(7))
+    held = (q.float().reshape(ROWS, -1, 32) * d[..., None] + m[..., None]).reshape(ROWS, WIDTH)
+    # the kernel computes the held weights' product (to its bf16 activations) ...
+    on_held = x @ held.t()
+    assert float((layer(x) - on_held).norm() / on_held.norm()) < 0.01
+    # ... which is as near the file's product as the held weights are to the file's
     exact = x @ want.t()
-    assert float((layer(x) - exact).norm() / exact.norm()) < 0.08
+    assert float((layer(x) - exact).norm() / exact.norm()) < 1.5 * fitted
 
 
 def test_refit_keeps_flat_groups_exact() -> None:
