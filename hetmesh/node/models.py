@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from hetmesh.errors import InvalidRequest, ModelNotFound
+from hetmesh.node.api_forward import API_KEY, api_entry
 from hetmesh.node.backend import ModelsBackend, NodeBackend
 from hetmesh.node.daemon import NODE_INFO_FILE, run_node
 from hetmesh.node.runtime import Node, NodeConfig
@@ -103,13 +104,20 @@ class ModelMembers:
         self.nodes: dict[str, Node] = {}
         self._stopped: dict[str, trio.Event] = {}
         self.stop_requested = trio.Event()
+        self.api: dict[str, object] | None = None  # where the API listens, once it does
 
     def backends(self) -> dict[str, NodeBackend]:
         return {key: NodeBackend(n.discovery, n.serving) for key, n in self.nodes.items()}
 
     def backend(self) -> ModelsBackend:
         """The API's backend over the members running at each call."""
-        return ModelsBackend(self.backends)
+        return ModelsBackend(self.backends, announce=self.announce_api)
+
+    def announce_api(self, host: str, port: int) -> None:
+        """Every member (and each added later) announces the process's API."""
+        self.api = api_entry(host, port)
+        for node in self.nodes.values():
+            node.discovery.set_extra(API_KEY, self.api)
 
     def _first_addr(self) -> str | None:
         for node in self.nodes.values():
@@ -134,6 +142,8 @@ class ModelMembers:
             raise InvalidRequest(f"{model} is served already (as {key})")
         self.nodes[key] = node
         self._stopped[key] = stopped
+        if self.api is not None:
+            node.discovery.set_extra(API_KEY, self.api)
         log.info("serving %s as member %s", key, node.peer_id)
         return node
 
