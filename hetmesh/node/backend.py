@@ -135,9 +135,11 @@ class ModelsBackend:
         self,
         members: Callable[[], Mapping[str, NodeBackend]],
         announce: Callable[[str, int], None] | None = None,
+        seen: Callable[[str], None] | None = None,
     ) -> None:
         self._members = members
         self._announce = announce
+        self._seen = seen  # told each request's model (the demand signal, node.placer)
 
     def _first(self) -> NodeBackend:
         for backend in self._members().values():
@@ -154,6 +156,8 @@ class ModelsBackend:
                 f"the model {model!r} is not served here; this node serves "
                 f"{', '.join(self._members()) or 'nothing now'}"
             )
+        if self._seen is not None:
+            self._seen(model)
         return found
 
     def remote_apis(self) -> dict[str, list[str]]:

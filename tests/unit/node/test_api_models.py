@@ -13,7 +13,7 @@ import trio
 from hetmesh.errors import InvalidRequest
 from hetmesh.node.api import serve_http
 from hetmesh.node.backend import ModelsBackend
-from hetmesh.node.models import member_config, memory_shares, model_slug
+from hetmesh.node.models import check_min_replicas, member_config, memory_shares, model_slug
 from hetmesh.node.runtime import NodeConfig
 from hetmesh.protocol.generate import SamplingParams
 from tests.unit.node.test_api import FakeBackend
@@ -241,3 +241,15 @@ async def test_a_one_model_node_has_no_model_routes(nursery: trio.Nursery) -> No
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         body = {"model": "x", "memory_bytes": 1 << 30}
         assert (await http.post("/v1/hetmesh/models", json=body)).status_code == 404
+
+
+def test_min_replicas_name_models_count_members_and_fit() -> None:
+    gib = 1 << 30
+    shares = {"a": gib, "b": gib}
+    assert check_min_replicas(["a", "b"], shares, {"a": 2}, 3 * gib) == {"a": 2}
+    with pytest.raises(InvalidRequest, match="not a --model"):
+        check_min_replicas(["a", "b"], shares, {"z": 2}, 3 * gib)
+    with pytest.raises(InvalidRequest, match="at least 1"):
+        check_min_replicas(["a", "b"], shares, {"a": 0}, 3 * gib)
+    with pytest.raises(InvalidRequest, match="--min-replicas needs"):
+        check_min_replicas(["a", "b"], shares, {"a": 3}, 3 * gib)  # 4 GiB of members
