@@ -123,11 +123,13 @@ def test_the_cli_starts_one_member_per_repeated_model(monkeypatch: Any, tmp_path
     monkeypatch.setattr("hetmesh.cli.node.trio.run", lambda func, *args: seen.append(args))
     args = ["node", "start", "--data-dir", str(tmp_path), "--max-memory", "4GiB"]
     models = ["--model", "smollm2-135m-instruct", "--model", "synth-tiny"]
-    result = CliRunner().invoke(app, [*args, *models, "--model-memory", "synth-tiny=1GiB"])
+    given = ["--model-memory", "synth-tiny=1GiB", "--min-replicas", "synth-tiny=2"]
+    result = CliRunner().invoke(app, [*args, *models, *given])
     assert result.exit_code == 0, result.output
-    (config, names, memory), *_ = seen
+    (config, names, memory, replicas), *_ = seen
     assert names == ["smollm2-135m-instruct", "synth-tiny"]
     assert memory == {"synth-tiny": 1 << 30}
+    assert replicas == {"synth-tiny": 2}
     assert config.max_memory_bytes == 4 << 30
     # one model: the single-model node, as before
     result = CliRunner().invoke(app, [*args, "--model", "synth-tiny"])
@@ -136,10 +138,10 @@ def test_the_cli_starts_one_member_per_repeated_model(monkeypatch: Any, tmp_path
     assert seen[1][0].serving.model == "synth-tiny"
     # a config file may name several models as a list
     f = tmp_path / "node.toml"
-    f.write_text('model = ["a", "b"]\nmodel-memory = ["a=1GiB"]\n')
+    f.write_text('model = ["a", "b"]\nmodel-memory = ["a=1GiB"]\nmin-replicas = ["b=2"]\n')
     result = CliRunner().invoke(app, ["node", "start", "--config", str(f)])
     assert result.exit_code == 0, result.output
-    assert seen[2][1:] == (["a", "b"], {"a": 1 << 30})
+    assert seen[2][1:] == (["a", "b"], {"a": 1 << 30}, {"b": 2})
     bad = CliRunner().invoke(app, [*args, *models, "--model-memory", "synth-tiny"])
     assert bad.exit_code != 0
     assert "NAME=SIZE" in str(bad.exception or bad.output)
