@@ -61,7 +61,8 @@ from starlette.routing import Route
 from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
-from hetmesh.node.api_choices import Choice, Event, choice_params, produce
+from hetmesh.node.api_choices import Choice, Event, Timing, choice_params, produce
+from hetmesh.node.api_forward import Forward, check_forward, forward
 from hetmesh.node.api_guard import (
     LocalGuard,
     LocalOnly,
@@ -95,6 +96,8 @@ from hetmesh.protocol.generate import GenerateRequest, SamplingParams
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
+    from hetmesh.node.backend import ModelsBackend, NodeBackend
+
 log = logging.getLogger(__name__)
 
 
@@ -113,7 +116,8 @@ class Backend(Protocol):
     ``token_texts``: each token id's own text (the log-probabilities' ``token``);
     ``gauges``/``view``: what ``/metrics`` and ``/v1/hetmesh/status`` show;
     ``for_model``: the backend serving one of ``models`` (a request routes by its
-    ``model``; ``ModelNotFound`` for another).
+    ``model``; ``ModelNotFound`` for another); ``remote_apis``: the peers' APIs a
+    request for a model not served here is forwarded to (:mod:`.api_forward`).
     """
 
     def models(self) -> list[str]: ...
@@ -127,24 +131,10 @@ class Backend(Protocol):
     def gauges(self) -> MeshGauges: ...
     def view(self) -> dict[str, Any]: ...
     def for_model(self, model: str) -> Backend: ...
+    def remote_apis(self) -> dict[str, list[str]]: ...
 
 
 # -- the app --------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Timing:
-    began: float
-    first: float | None = None
-    last: float | None = None
-    tokens: int = 0
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.tokens += 1
 
 
 MAX_CONCURRENT_TOKENISATIONS = 2  # the rest wait, off the event loop's worker threads
@@ -190,7 +180,7 @@ class _Api:
     async def models(self, request: Request) -> Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "hetmesh"}
-            for m in self.backend.models()
+            for m in dict.fromkeys([*self.backend.models(), *self.backend.remote_apis()])
         ]
         return self._json(request, {"object": "list", "data": data})
 
@@ -256,6 +246,7 @@ class _Api:
             body = json.loads(raw)
         except ValueError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+        check_forward(request, body, raw, self.backend.models(), self.backend.remote_apis())
         parsed = parse_api_request(body, chat=chat, models=self.backend.models())
         backend = self.backend.for_model(parsed.model)  # requests route by model
         context = backend.max_context()
@@ -350,9 +341,12 @@ class _Api:
     async def _complete_held(
         self, request: Request, chat: bool, release: Callable[[], None]
     ) -> Response:
-        timing = _Timing(time.perf_counter())
+        timing = Timing(time.perf_counter())
         try:
-            parsed, ids, params, backend = await self._parse(request, chat)
+            try:
+                parsed, ids, params, backend = await self._parse(request, chat)
+            except Forward as fwd:  # a model another node serves
+                return await forward(request, fwd, release)
         except ApiError as err:
             return self._error(request, err)
         except MeshError as exc:
@@ -411,7 +405,7 @@ class _Api:
         }
         return self._json(request, body)
 
-    def _observe(self, timing: _Timing) -> None:
+    def _observe(self, timing: Timing) -> None:
         ttft = tpot = None
         if timing.first is not None:
             ttft = timing.first - timing.began
@@ -441,7 +435,7 @@ class _Api:
         first: Event,
         receive: trio.MemoryReceiveChannel[Event],
         scope: trio.CancelScope,
-        timing: _Timing,
+        timing: Timing,
         release: Callable[[], None],
     ) -> AsyncIterator[str]:
         def rejected(err: ApiError) -> None:
@@ -598,7 +592,7 @@ async def serve_http(
 
 
 async def serve_api(
-    backend: Backend,
+    backend: NodeBackend | ModelsBackend,
     port: int,
     *,
     host: str = "127.0.0.1",
@@ -611,9 +605,11 @@ async def serve_api(
     The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`; a node serving
     several models a :class:`~hetmesh.node.backend.ModelsBackend` and its ``models``.
     """
-    await serve_http(
-        backend, host=host, port=port, api_key=api_key, models=models, task_status=task_status
-    )
+    async with trio.open_nursery() as nursery:
+        serve = functools.partial(serve_http, backend, host=host, port=port, api_key=api_key)
+        url: str = await nursery.start(functools.partial(serve, models=models))
+        backend.announce_api(host, int(url.rsplit(":", 1)[1]))  # peers forward to it
+        task_status.started(url)
 
 
 __all__ = [
