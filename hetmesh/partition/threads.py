@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import threading
 
 ADAPTIVE_ENV = "HETMESH_ADAPTIVE_THREADS"
 # a probe ends early once one count is this many times slower than the other: a
@@ -64,11 +65,18 @@ class ThreadChooser:
         self._until_probe = 0
         self._plan: list[int] = []  # the counts of the probe's forwards still to run
         self._samples: dict[int, list[float]] = {}
+        # a stage server may run a forward on a reader thread while its device thread is
+        # parked: one at a time, but not always the same thread
+        self._lock = threading.Lock()
 
     def count(self, cap: int) -> int:
         """Threads for the next decode forward; ``cap`` is the count the caller set."""
         if cap <= 1:
             return cap
+        with self._lock:
+            return self._count(cap)
+
+    def _count(self, cap: int) -> int:
         if cap != self.cap:  # a new caller count: probe from scratch
             self.cap, self.choice, self.period = cap, cap, self.first_period
             self._start_probe()
@@ -81,6 +89,10 @@ class ThreadChooser:
 
     def record(self, count: int, seconds_per_row: float) -> None:
         """A decode forward that :meth:`count` gave ``count`` threads took this long per row."""
+        with self._lock:
+            self._record(count, seconds_per_row)
+
+    def _record(self, count: int, seconds_per_row: float) -> None:
         if not self._plan or self._plan[0] != count:
             return
         self._plan.pop(0)
