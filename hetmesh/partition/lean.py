@@ -14,7 +14,9 @@ without that overhead:
   :meth:`hetmesh.partition.quant.Int4Linear.forward`, their shared input cast
   to bf16 once per group (q/k/v, gate/up) instead of once per product, and
   their bf16 outputs left unwidened where the next op meets an fp32 operand
-  (type promotion widens them exactly as ``.float()`` did); a group fused at
+  (type promotion widens them exactly as ``.float()`` did; a CPU op widens a
+  mixed operand into a temporary, so this saves nothing where two ops would
+  each widen the same output: rope's q and k are widened once, explicitly); a group fused at
   load (:mod:`hetmesh.partition.fused`) is one kernel call whose columns its
   members take as views;
 - norms, rope and residual adds are the same element-wise operations in the
@@ -216,8 +218,9 @@ def lean_layer(
     dim, dtype = plan.dim, hidden.dtype
     x = _norm(*plan.ln1, hidden, plan.qkv.int4 is not None)
     q, k, v = plan.qkv(x)
-    q = _rope(q.view(batch, seq, -1, dim), cos, sin_signed)
-    k = _rope(k.view(batch, seq, -1, dim), cos, sin_signed)
+    # widened once here: rope's two products would each widen a bf16 operand again
+    q = _rope(q.view(batch, seq, -1, dim).to(dtype), cos, sin_signed)
+    k = _rope(k.view(batch, seq, -1, dim).to(dtype), cos, sin_signed)
     v = v.view(batch, seq, -1, dim).to(dtype)
     keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), plan.index)
     out, _ = exact_attention(plan.attn, q.transpose(1, 2), keys, values, mask, scaling=plan.scaling)
