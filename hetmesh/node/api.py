@@ -62,7 +62,7 @@ from hetmesh import errors
 from hetmesh.error_codec import error_name
 from hetmesh.errors import MeshError, find_in_group
 from hetmesh.node.api_choices import Choice, Event, Timing, choice_params, produce
-from hetmesh.node.api_forward import Forward, check_forward, forward
+from hetmesh.node.api_forward import Forward, check_forward, forward, forward_token
 from hetmesh.node.api_guard import (
     LocalGuard,
     LocalOnly,
@@ -163,8 +163,10 @@ class _Api:
         policy: ClientPolicy | None = None,
         *,
         keyed: bool = False,
+        forward_token: str | None = None,
     ) -> None:
         self.backend = backend
+        self.forward_token = forward_token  # what a request forwarded from here presents
         self.metrics = metrics
         self.nursery = nursery
         self.feed = feed
@@ -346,7 +348,7 @@ class _Api:
             try:
                 parsed, ids, params, backend = await self._parse(request, chat)
             except Forward as fwd:  # a model another node serves
-                return await forward(request, fwd, release)
+                return await forward(request, fwd, release, self.forward_token)
         except ApiError as err:
             return self._error(request, err)
         except MeshError as exc:
@@ -471,6 +473,7 @@ def build_app(
     policy: ClientPolicy | None = None,
     guard: LocalGuard | None = None,
     models: ModelControl | None = None,
+    forward_token: str | None = None,
 ) -> Starlette:
     """The ASGI app; streams are produced by tasks of ``nursery``.
 
@@ -481,7 +484,9 @@ def build_app(
     if feed is None:
         feed = Feed(lambda: redacted_view(backend.view()))  # no prompt hashes
         nursery.start_soon(feed.run)
-    api = _Api(backend, metrics, nursery, feed, policy, keyed=bool(api_key))
+    api = _Api(
+        backend, metrics, nursery, feed, policy, keyed=bool(api_key), forward_token=forward_token
+    )
 
     def unauthorized(request: Request) -> Response:
         err = ApiError(
@@ -523,7 +528,9 @@ def build_app(
         return api._error(request, ApiError(403, why, code="foreign_origin"))
 
     if api_key:
-        middleware = [Middleware(RequireKey, key=api_key, reject=unauthorized)]
+        middleware = [
+            Middleware(RequireKey, key=api_key, reject=unauthorized, forwarded=forward_token)
+        ]
     else:
         guard = guard or LocalGuard()
         middleware = [Middleware(LocalOnly, guard=guard, reject=foreign)]
@@ -542,10 +549,12 @@ async def serve_http(
     api_key: str | None = None,
     policy: ClientPolicy | None = None,
     models: ModelControl | None = None,
+    forward_token: str | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL.
-    ``models``: a node serving several models adds and removes them there.
+    ``models``: a node serving several models adds and removes them there;
+    ``forward_token``: what requests forwarded to and from peers present.
 
     The HTTP server is supervised: if hypercorn itself fails (not a request:
     those are answered with a 500), it is logged and restarted on the same
@@ -560,7 +569,14 @@ async def serve_http(
     guard = LocalGuard.for_bind(host, port)
     async with trio.open_nursery() as streams:  # producers of streamed responses
         app = build_app(
-            backend, metrics, streams, api_key=api_key, policy=policy, guard=guard, models=models
+            backend,
+            metrics,
+            streams,
+            api_key=api_key,
+            policy=policy,
+            guard=guard,
+            models=models,
+            forward_token=forward_token,
         )
         while True:
             config = Config()
@@ -597,16 +613,21 @@ async def serve_api(
     *,
     host: str = "127.0.0.1",
     api_key: str | None = None,
+    mesh_secret: str | None = None,
     models: ModelControl | None = None,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The node's OpenAI-compatible API on ``host:port`` for ``backend``; never returns.
+    Requests forwarded between nodes present a token derived from ``mesh_secret``.
 
     The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`; a node serving
     several models a :class:`~hetmesh.node.backend.ModelsBackend` and its ``models``.
     """
     async with trio.open_nursery() as nursery:
-        serve = functools.partial(serve_http, backend, host=host, port=port, api_key=api_key)
+        token = forward_token(mesh_secret)
+        serve = functools.partial(
+            serve_http, backend, host=host, port=port, api_key=api_key, forward_token=token
+        )
         url: str = await nursery.start(functools.partial(serve, models=models))
         backend.announce_api(host, int(url.rsplit(":", 1)[1]))  # peers forward to it
         task_status.started(url)

@@ -186,6 +186,7 @@ async def run_node(
                         config.api_port,
                         host=config.api_host,
                         api_key=config.api_key,
+                        mesh_secret=config.mesh_secret,
                     )
                 )
             _write_node_info(node)

@@ -314,6 +314,7 @@ async def run_models(
                     config.api_port,
                     host=config.api_host,
                     api_key=config.api_key,
+                    mesh_secret=config.mesh_secret,
                     models=members,  # POST/DELETE /v1/hetmesh/models
                 )
             )
