@@ -46,7 +46,7 @@ def _block(sealed: bool, size: int, frames: int) -> tuple[float, float]:
 
         def write() -> None:
             head, buffers, total = encode_parts(frame, DEFAULT_LIMITS)
-            left.sendall(sealer.seal([head, *buffers], total))
+            left.sendall(sealer.seal_frame(head, buffers, total))
     else:
 
         def write() -> int:
