@@ -719,7 +719,7 @@ class TcpLink(ThreadedLink):
     def _write_blocking(self, frame: Frame) -> int:
         if self._sealer is not None:
             head, buffers, total = encode_parts(frame, self.limits)
-            self.sock.sendall(self._sealer.seal_frame(head, buffers, total))
+            self._sealer.send(self.sock, head, buffers, total)
             return total
         return write_frame(self.sock, frame, self.limits)
 

@@ -51,6 +51,7 @@ class Sealer:
         self._sealed = 0  # records sealed so far: the next record's nonce
         self._buffer = bytearray(SMALL_BYTES + _OVERHEAD)
         self._view = memoryview(self._buffer)
+        self._window: memoryview | None = None  # large frames' records, for send()
 
     def _nonce(self) -> bytes:
         count = self._sealed
@@ -132,6 +133,39 @@ class Sealer:
                     return out[:total]
             raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
         return self._records(parts, plain)
+
+    def send(self, sock: socket.socket, head: bytes, buffers: Sequence[Any], plain: int) -> None:
+        """Seal the frame ``encode_parts`` gave and write it to blocking ``sock``.
+
+        A frame over :data:`RECORD_BYTES` is sealed and sent a record at a time
+        through one standing window (the head's record rides with the first
+        payload record): each record's ciphertext is still in cache when the
+        kernel copies it, where sealing a whole frame first wrote it all to
+        memory and read it back.
+        """
+        if plain <= RECORD_BYTES:
+            sock.sendall(self.seal_frame(head, buffers, plain))
+            return
+        parts = [head, *buffers]
+        views = [v for v in map(flat_bytes, parts) if len(v)]
+        if sum(map(len, views)) != plain:
+            raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
+        if self._window is None:
+            self._window = memoryview(bytearray(RECORD_BYTES + SMALL_BYTES + 2 * _OVERHEAD))
+        out = self._window
+        at = 0
+        for view in views:
+            for start in range(0, len(view), RECORD_BYTES):
+                chunk = view[start : start + RECORD_BYTES]
+                sealed = len(chunk) + TAG_BYTES
+                if at + _LENGTH.size + sealed > len(out):
+                    sock.sendall(out[:at])
+                    at = 0
+                _LENGTH.pack_into(out, at, sealed)
+                at += _LENGTH.size
+                self._aead.encrypt_into(self._nonce(), chunk, None, out[at : at + sealed])
+                at += sealed
+        sock.sendall(out[:at])
 
     def _records(self, parts: Sequence[Any], plain: int) -> memoryview:
         views = [v for v in map(flat_bytes, parts) if len(v)]

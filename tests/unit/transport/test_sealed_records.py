@@ -196,3 +196,35 @@ def test_records_arriving_one_at_a_time_refuse_tampering(attack: str) -> None:
         left.sendall(records[1])
         with pytest.raises(RemoteProtocolError):
             opened.recv_into(target)
+
+
+@pytest.mark.parametrize("n", [2048, 300_000, (5 * RECORD_BYTES) // 8 + 3])
+def test_send_writes_exactly_the_records_seal_makes(n: int) -> None:
+    """``Sealer.send`` (the link's blocking write: a large frame sealed and sent a
+    record at a time through a standing window) puts on the wire exactly the bytes
+    of ``seal`` of the same parts, frame after frame, and keeps no frame-sized buffer."""
+    frames = [
+        Activations(session_id="s", step=i, positions=(i,), tensors=(torch.randn(n),))
+        for i in range(2)
+    ]
+    sender, reference = Sealer(KEY), Sealer(KEY)
+    left, right = socket.socketpair()
+    wire = bytearray()
+
+    def drain() -> None:
+        while chunk := right.recv(1 << 20):
+            wire.extend(chunk)
+
+    with left, right:
+        reader = threading.Thread(target=drain)
+        reader.start()
+        expected = b""
+        for frame in frames:
+            head, buffers, total = encode_parts(frame)
+            sender.send(left, head, buffers, total)
+            expected += bytes(reference.seal([head, *buffers], total))
+        left.shutdown(socket.SHUT_WR)
+        reader.join()
+    assert bytes(wire) == expected
+    assert len(sender._buffer) == SMALL_BYTES + 20  # one record's length and tag
+    assert sender._window is None or len(sender._window) < 2 * RECORD_BYTES
