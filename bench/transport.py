@@ -22,8 +22,9 @@ links between hosts do by default), forced here on loopback;
 ``tcp_encrypted_throughput_ratio_*`` and ``tcp_encrypted_rtt_ratio_*`` divide
 its figures by plain tcp's (throughput: the trio API; RTT: the blocking API),
 measured after the full runs by one client and one server holding a plain and
-a sealed link side by side, used in alternating blocks (:func:`paired_sealing`:
-the median of the block pairs' ratios; ``tcp_encrypted_pairs`` lists them).
+a sealed link side by side, used in alternating blocks (bench/sealing.py,
+``paired_sealing``: the median of the block pairs' ratios;
+``tcp_encrypted_pairs`` lists them).
 
 Socket backends are measured twice: through the async (trio) API and through
 the blocking API a stage loop uses from its worker thread
@@ -387,145 +388,10 @@ def run(backends: list[str], sizes: dict[str, int], rounds: int = 3) -> dict[str
         else:
             result[key] = value
     if "tcp" in backends and SEALED in backends:
-        result.update(paired_sealing(sizes, rounds))
+        from sealing import paired_sealing  # bench/sealing.py
+
+        result.update(paired_sealing(sizes, rounds, PIN, SPIN_US))
     return result
-
-
-PAIRS = 8  # block pairs per size in the sealing comparison
-
-
-def paired_sealing(sizes: dict[str, int], rounds: int) -> dict[str, Any]:
-    """What sealing costs, from one client and one server process that hold a plain and
-    a sealed tcp link side by side and use them in alternating blocks (the order
-    swapping from pair to pair): throughput (the trio API) and round trips (the blocking
-    API), block by block. Each pair's ratio compares two blocks a few ms apart, through
-    the same processes and CPUs; the figure is the median over ``PAIRS * rounds`` pairs
-    (``tcp_encrypted_pairs`` lists them). On a shared machine the load moves in seconds:
-    measurements a process start apart (as before) compared two loads."""
-    import trio
-
-    ratios: dict[str, list[float]] = {}
-    for name, size in sizes.items():
-        got = trio.run(_measure_paired, size, _count(size, "tcp"), PAIRS * rounds)
-        for kind, pairs in got.items():
-            ratios[f"tcp_encrypted_{kind}_ratio_{name}"] = pairs
-    out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
-    out["tcp_encrypted_pairs"] = {k: [round(x, 3) for x in v] for k, v in ratios.items()}
-    return out
-
-
-def _paired_server(pipe: Any, pin: list[int], spin: list[float]) -> None:
-    """A plain and a sealed data plane; serves the four links the client opens (each
-    plane: async, then blocking) at once."""
-    import torch
-    import trio
-
-    from hetmesh.transport import open_data_plane
-    from hetmesh.transport.links import in_thread
-
-    PIN[:] = pin
-    SPIN_US[:] = spin
-    _pin(1)
-    torch.set_num_threads(1)
-
-    async def serve(link: Any, blocking: bool) -> None:
-        if blocking:
-            await in_thread(_serve_blocking, link)
-        else:
-            await _serve_link(link)
-        await link.aclose()
-
-    async def main() -> None:
-        async with (
-            open_data_plane(_config("server", "tcp")) as plain,
-            open_data_plane(_config("server", SEALED)) as sealed,
-        ):
-            listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
-            pipe.send(listener.socket.getsockname()[1])
-            async with trio.open_nursery() as nursery:
-                for blocking in (False, True):
-                    for plane in (plain, sealed):
-                        link = await plane.accept(await listener.accept(), blocking=blocking)
-                        nursery.start_soon(serve, link, blocking)
-
-    trio.run(main)
-
-
-async def _measure_paired(size: int, count: tuple[int, int], pairs: int) -> dict[str, list[float]]:
-    """Per block pair, sealed / plain: throughput (trio API) and median round trip
-    (blocking API) of an ``Activations`` of ``size`` bytes."""
-    import torch
-    import trio
-
-    from hetmesh.transport import Activations, Tokens, open_data_plane
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_paired_server, args=(child, PIN, SPIN_US), daemon=True)
-    proc.start()
-    frames, trips = max(4, count[0] // 4), max(3, count[1] // 3)
-    tensor = torch.ones(size // 4, dtype=torch.float32)
-    sink = Activations(session_id="b", step=0, positions=(0,), tensors=(tensor,))
-    echo = Activations(session_id="b", step=1, positions=(0,), tensors=(tensor,))
-    try:
-        port = await trio.to_thread.run_sync(parent.recv)
-        async with (
-            open_data_plane(_config("client", "tcp")) as plain,
-            open_data_plane(_config("client", SEALED)) as sealed,
-        ):
-            links: dict[tuple[str, bool], Any] = {}
-            for blocking in (False, True):
-                for backend, plane in (("tcp", plain), (SEALED, sealed)):
-                    control = await trio.open_tcp_stream("127.0.0.1", port)
-                    link = await plane.connect(control, blocking=blocking)
-                    if link.encrypted != (backend == SEALED):
-                        raise RuntimeError(f"{backend} link: {link.reason}")
-                    links[backend, blocking] = link
-
-            async def ack(link: Any) -> None:
-                await link.send(Tokens(session_id="ack", step=0, token_ids=(0,)))
-                while not isinstance(frame := await link.receive(), Tokens):
-                    link.release(frame)
-
-            async def throughput(link: Any) -> float:
-                t0 = time.perf_counter()
-                for _ in range(frames):
-                    await link.send(sink)
-                await ack(link)
-                return size * frames / (time.perf_counter() - t0)
-
-            def round_trip(link: Any) -> float:
-                rtts = []
-                for _ in range(trips + 1):
-                    t0 = time.perf_counter()
-                    link.send_blocking(echo)
-                    back = link.receive_blocking()
-                    rtts.append(time.perf_counter() - t0)
-                    link.release(back)
-                return statistics.median(rtts[1:])
-
-            for backend in ("tcp", SEALED):  # warm up pools, buffers, code
-                await throughput(links[backend, False])
-                await trio.to_thread.run_sync(round_trip, links[backend, True])
-            out: dict[str, list[float]] = {"throughput": [], "rtt": []}
-            for p in range(pairs):
-                order = ("tcp", SEALED) if p % 2 == 0 else (SEALED, "tcp")
-                tput = {b: await throughput(links[b, False]) for b in order}
-                out["throughput"].append(tput[SEALED] / tput["tcp"])
-            for p in range(pairs):
-                order = ("tcp", SEALED) if p % 2 == 0 else (SEALED, "tcp")
-                rtt = {}
-                for b in order:
-                    rtt[b] = await trio.to_thread.run_sync(round_trip, links[b, True])
-                out["rtt"].append(rtt[SEALED] / rtt["tcp"])
-            for link in links.values():
-                await link.aclose()
-    finally:
-        await trio.to_thread.run_sync(proc.join, 20)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    return out
 
 
 def run_once(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
@@ -568,15 +434,6 @@ def run_once(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
                 result[f"{backend}_async_handoff_us_{name}"] = round(ours[f"handoff_us_{name}"], 1)
                 handoff = ours.get(f"sync_handoff_us_{name}", ours[f"handoff_us_{name}"])
                 result[f"{backend}_handoff_us_{name}"] = round(handoff, 1)
-    if "tcp" in backends and SEALED in backends:  # what sealing costs, against plain tcp
-        for name in sizes:
-            result[f"tcp_encrypted_throughput_ratio_{name}"] = round(
-                result[f"{SEALED}_throughput_GBps_{name}"] / result[f"tcp_throughput_GBps_{name}"],
-                3,
-            )
-            result[f"tcp_encrypted_rtt_ratio_{name}"] = round(
-                result[f"{SEALED}_rtt_us_{name}"] / result[f"tcp_rtt_us_{name}"], 3
-            )
     return result
 
 
