@@ -305,7 +305,7 @@ async def run_models(
 
         nursery.start_soon(placer)
         if config.api_port is not None:
-            from hetmesh.node.api import serve_api
+            from hetmesh.node.api_serve import serve_api
 
             await nursery.start(
                 functools.partial(

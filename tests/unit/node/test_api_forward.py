@@ -11,7 +11,6 @@ import httpx
 import pytest
 import trio
 
-from hetmesh.node.api import serve_http
 from hetmesh.node.api_forward import (
     API_KEY,
     FORWARDED_HEADER,
@@ -19,6 +18,7 @@ from hetmesh.node.api_forward import (
     api_targets,
     forward_token,
 )
+from hetmesh.node.api_serve import serve_http
 from tests.unit.node.test_api import MODEL, FakeBackend
 
 OTHER = "other-model"
