@@ -32,7 +32,7 @@ from hetmesh.node.backend import ModelsBackend, NodeBackend
 from hetmesh.node.daemon import NODE_INFO_FILE, run_node
 from hetmesh.node.placer import RecentRequests, place_forever
 from hetmesh.node.runtime import Node, NodeConfig
-from hetmesh.scheduler.placement import PlacementPolicy
+from hetmesh.scheduler.model_placement import PlacementPolicy
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -1,10 +1,10 @@
 """Placement by demand inside a running node serving several models.
 
-Each round (:class:`~hetmesh.scheduler.placement.PlacementPolicy`'s
+Each round (:class:`~hetmesh.scheduler.model_placement.PlacementPolicy`'s
 ``interval_s``) :func:`place_forever` reads each model's demand: the requests
 this node's API routed to it within ``window_s`` (:class:`RecentRequests`) and
 the sessions and queued requests its members across the mesh announce in their
-records; :func:`~hetmesh.scheduler.placement.place` then picks at most one move,
+records; :func:`~hetmesh.scheduler.model_placement.place` then picks at most one move,
 which :class:`~hetmesh.node.models.ModelMembers` carries out: start a replica
 member of a model from the node's memory pool (the model's planner re-plans with
 one more member) or stop one (its sessions move away first). Another model's
@@ -23,7 +23,7 @@ import trio
 
 from hetmesh.errors import MeshError
 from hetmesh.scheduler.announcement import read_serving
-from hetmesh.scheduler.placement import ModelState, PlacementPolicy, place
+from hetmesh.scheduler.model_placement import ModelState, PlacementPolicy, place
 
 if TYPE_CHECKING:
     from hetmesh.node.runtime import Node
