@@ -23,6 +23,8 @@ peer's links together (:class:`PeerMappings`: a peer opening many links gets
 no more of our address space).
 
 Per handoff: one doorbell packet each way (the frame; later a release),
+none back for a frame whose tensors are all small (up to ``INLINE_BYTES`` each:
+they travel inside the doorbell packet, copied once on each side),
 no fd once a segment is known, the receiver's tensor views of a segment
 cached by layout, and in blocking mode a receive that polls the doorbell
 for ``spin_us`` before sleeping on it.
@@ -71,6 +73,11 @@ from hetmesh.transport.negotiation import Backend
 MIN_SEGMENT = 64 << 10
 MAX_PACKET = 1 << 20
 MAX_SEGMENTS = 4096  # per side of a link: mappings are a per-process kernel resource
+# a tensor of at most INLINE_BYTES (a decode step's activations) travels in the doorbell
+# packet itself, up to INLINE_FRAME_BYTES a frame: no segment to copy into, and no
+# release packet back (which woke the sender's reader once a hop per token)
+INLINE_BYTES = 8 << 10
+INLINE_FRAME_BYTES = 64 << 10
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _FRAME, _RELEASE = 0, 1
 
@@ -126,6 +133,13 @@ def _map(fd: int, size: int, seg_id: int, *, owned: bool) -> _Segment:
 
 
 _MAX_VIEWS = 8  # cached tensor layouts per received segment
+
+
+def _owned_bytes(data: bytes) -> torch.Tensor:
+    """A ``uint8`` tensor of its own holding ``data`` (an inline payload: one copy)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
@@ -187,6 +201,14 @@ def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | 
     pending = parse_head(head, limits)
     if len(seg_ids) != len(pending.specs):
         raise RemoteProtocolError("one segment per tensor expected")
+    inline = 0
+    for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
+        if type(seg_id) is bytes:
+            inline += len(seg_id)
+            if len(seg_id) != spec.nbytes or len(seg_id) > INLINE_BYTES:
+                raise RemoteProtocolError("an inline tensor does not match its description")
+    if inline > INLINE_FRAME_BYTES:
+        raise RemoteProtocolError("too many inline tensor bytes in one doorbell packet")
     return tuple.__new__(FramePacket, (pending, seg_ids, new))  # NamedTuple's __new__ is slow
 
 
@@ -270,7 +292,7 @@ class ShmLink(ThreadedLink):
         self._allocated: dict[int, int] = {}  # data_ptr -> own seg id, allocated not yet sent
         self._remote: dict[int, _Segment] = {}
         self._remote_bytes = 0  # mapped from the peer: at most budget_bytes
-        self._lent: dict[int, int] = {}  # data_ptr of a received tensor -> remote seg id
+        self._lent: dict[int, int] = {}  # a received tensor's data_ptr -> seg id (0: inline)
         self._lent_bytes = 0
         self._early: deque[Frame] = deque()
         self._pending_release: list[int] = []
@@ -320,13 +342,18 @@ class ShmLink(ThreadedLink):
 
     def _write_blocking(self, frame: Frame) -> int:
         head, buffers, total = encode_parts(frame, self.limits)
-        seg_ids: list[int] = []
+        seg_ids: list[int | bytes] = []
         new: list[list[int]] = []
         fds: list[int] = []
         if buffers:
             allocated = self._allocated
+            inline = INLINE_FRAME_BYTES
             for tensor, buffer in zip(frame.tensors_(), buffers, strict=True):
                 seg_id = allocated.pop(tensor.data_ptr(), None) if tensor.nbytes else None
+                if seg_id is None and tensor.nbytes <= min(INLINE_BYTES, inline):
+                    inline -= tensor.nbytes  # in the packet: nothing to give back
+                    seg_ids.append(bytes(flat_bytes(buffer)))
+                    continue
                 if seg_id is None:  # not from allocate(): one copy into a segment
                     data = flat_bytes(buffer)
                     segment = self._take_segment(len(data))
@@ -369,7 +396,11 @@ class ShmLink(ThreadedLink):
         """Whether every segment ``frame``'s copies need is free or within the budget
         now (the caller holds the write lock: nobody else takes segments meanwhile)."""
         needed: dict[int, int] = {}
+        inline = INLINE_FRAME_BYTES
         for t in frame.tensors_():
+            if t.data_ptr() not in self._allocated and t.nbytes <= min(INLINE_BYTES, inline):
+                inline -= t.nbytes  # in the packet (as _write_blocking decides)
+                continue
             if not t.nbytes or t.data_ptr() not in self._allocated:
                 size = segment_size(t.nbytes)
                 needed[size] = needed.get(size, 0) + 1
@@ -465,6 +496,10 @@ class ShmLink(ThreadedLink):
         tensors = []
         lent: list[int] = []
         for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
+            if type(seg_id) is bytes:  # in the packet (checked by parse_doorbell)
+                lent.append(0)  # nothing to give back on release
+                tensors.append(as_tensor(_owned_bytes(seg_id), spec))
+                continue
             segment = remote.get(seg_id) if type(seg_id) is int else None
             # nothing is mapped here: a bad id fails the packet with nothing changed
             if segment is None or spec.nbytes > segment.size:
@@ -513,6 +548,8 @@ class ShmLink(ThreadedLink):
                 "peer's shared-memory segments over all its links exceed the budget"
             )
         for target, spec in zip(seg_ids, specs, strict=True):
+            if type(target) is bytes:  # in the packet: checked by parse_doorbell
+                continue
             size = -1
             if type(target) is int:
                 known = self._remote.get(target)
@@ -531,7 +568,8 @@ class ShmLink(ThreadedLink):
                 seg_id = self._lent.pop(t.data_ptr(), None)
                 if seg_id is not None:
                     self._lent_bytes -= t.nbytes
-                    seg_ids.append(seg_id)
+                    if seg_id:  # 0: the tensor came in the packet
+                        seg_ids.append(seg_id)
         if seg_ids and not self._closed:
             with self._cond:
                 self._pending_release.extend(seg_ids)
