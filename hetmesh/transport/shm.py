@@ -38,11 +38,12 @@ import fcntl
 import mmap
 import os
 import socket
+import sys
+import termios
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import msgpack
 import torch
@@ -52,13 +53,11 @@ from hetmesh.transport.codec import DTYPES, ITEMSIZE, TensorSpec, as_tensor
 from hetmesh.transport.frames import (
     Frame,
     Limits,
-    Pending,
     decode_all,
     encode,
     encode_parts,
     flat_bytes,
     pack,
-    parse_head,
 )
 from hetmesh.transport.links import (
     LinkMode,
@@ -69,17 +68,18 @@ from hetmesh.transport.links import (
     in_thread,
 )
 from hetmesh.transport.negotiation import Backend
+from hetmesh.transport.shm_doorbell import (
+    _FRAME,
+    _RELEASE,
+    INLINE_BYTES,
+    INLINE_FRAME_BYTES,
+    MAX_PACKET,
+    parse_doorbell,
+)
 
 MIN_SEGMENT = 64 << 10
-MAX_PACKET = 1 << 20
 MAX_SEGMENTS = 4096  # per side of a link: mappings are a per-process kernel resource
-# a tensor of at most INLINE_BYTES (a decode step's activations) travels in the doorbell
-# packet itself, up to INLINE_FRAME_BYTES a frame: no segment to copy into, and no
-# release packet back (which woke the sender's reader once a hop per token)
-INLINE_BYTES = 8 << 10
-INLINE_FRAME_BYTES = 64 << 10
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_FRAME, _RELEASE = 0, 1
 
 
 def segment_size(nbytes: int) -> int:
@@ -154,64 +154,6 @@ def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
     return data, list(fds), out_flags
 
 
-class FramePacket(NamedTuple):
-    """A doorbell packet carrying a frame, checked as far as it can be without the link."""
-
-    pending: Pending  # the frame's head, checked by frames.parse_head
-    seg_ids: list[object]  # the segment of each tensor, in order (the link checks them)
-    new: list[list[int]]  # [segment id, size] of each passed descriptor
-
-
-def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | list[object]:
-    """Check one doorbell packet (pure: no descriptor is touched).
-
-    ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`: its frame
-    head checked, one new descriptor per passed file with its size within
-    ``limits.max_payload_bytes``, one segment id per tensor.
-    ``[_RELEASE, seg_ids]`` gives the released ids. The link then checks the
-    ids against its segments (``ShmLink._on_packet``), still before mapping
-    anything. :class:`RemoteProtocolError` on any fault.
-    """
-    try:
-        message = msgpack.unpackb(data, raw=False, use_list=True)
-    except Exception as exc:  # msgpack raises many types for garbage
-        raise RemoteProtocolError(f"undecodable doorbell packet: {exc}") from None
-    if not isinstance(message, list) or not message:
-        raise RemoteProtocolError("malformed doorbell packet")
-    if message[0] == _RELEASE and len(message) == 2 and isinstance(message[1], list):
-        if fd_count:
-            raise RemoteProtocolError("a release packet passed descriptors")
-        return message[1]
-    if message[0] != _FRAME or len(message) != 4:
-        raise RemoteProtocolError("malformed doorbell packet")
-    _, head, seg_ids, new = message
-    if not isinstance(head, bytes) or not isinstance(seg_ids, list) or not isinstance(new, list):
-        raise RemoteProtocolError("malformed doorbell packet")
-    if len(new) != fd_count:
-        raise RemoteProtocolError("segment descriptors do not match the passed fds")
-    for item in new:
-        if (
-            not isinstance(item, list)
-            or len(item) != 2
-            or type(item[0]) is not int
-            or type(item[1]) is not int
-            or not 0 < item[1] <= limits.max_payload_bytes
-        ):
-            raise RemoteProtocolError("bad shared-memory segment")
-    pending = parse_head(head, limits)
-    if len(seg_ids) != len(pending.specs):
-        raise RemoteProtocolError("one segment per tensor expected")
-    inline = 0
-    for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
-        if type(seg_id) is bytes:
-            inline += len(seg_id)
-            if len(seg_id) != spec.nbytes or len(seg_id) > INLINE_BYTES:
-                raise RemoteProtocolError("an inline tensor does not match its description")
-    if inline > INLINE_FRAME_BYTES:
-        raise RemoteProtocolError("too many inline tensor bytes in one doorbell packet")
-    return tuple.__new__(FramePacket, (pending, seg_ids, new))  # NamedTuple's __new__ is slow
-
-
 def packet_framer(sock: socket.socket, limits: Limits) -> tuple[SendFrame, ReceiveFrame]:
     """``(send, receive)`` of whole frames, one per packet (handshake phase)."""
 
@@ -281,6 +223,7 @@ class ShmLink(ThreadedLink):
         super().__init__(remote_peer_id, limits)
         self._mappings = mappings  # shared by the peer's links: its total is bounded
         self.sock = sock
+        self._sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self._budget = budget_bytes
         self._wait_s = wait_s
         self._cond = threading.Condition()
@@ -387,10 +330,24 @@ class ShmLink(ThreadedLink):
 
     def _writes_at_once(self, frame: Frame) -> bool:
         copy = 0
+        inline = False
         for t in frame.tensors_():
             if t.data_ptr() not in self._allocated:
                 copy += t.nbytes
+                inline = inline or t.nbytes <= INLINE_BYTES
+        if inline and not self._doorbell_has_room():
+            return False  # a worker thread waits for the peer to read (cancellable)
         return copy < (1 << 20) and self._segments_free_now(frame)
+
+    def _doorbell_has_room(self) -> bool:
+        """Whether a packet written now cannot block. Inline payloads make the
+        doorbell, not the segment budget, what a peer that stops reading fills: the
+        kernel makes a send wait only while this socket's unread packets fill its
+        send buffer (the caller holds the write lock: nobody else adds to them)."""
+        queued = int.from_bytes(
+            fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, bytes(4)), sys.byteorder, signed=True
+        )
+        return queued + INLINE_FRAME_BYTES < self._sndbuf  # one more frame, with room
 
     def _segments_free_now(self, frame: Frame) -> bool:
         """Whether every segment ``frame``'s copies need is free or within the budget

@@ -13,6 +13,7 @@ import socket
 import msgpack
 import pytest
 import torch
+import trio
 
 from hetmesh.errors import RemoteProtocolError
 from hetmesh.transport import Activations, DataPlaneConfig, Tokens, open_data_plane
@@ -118,3 +119,56 @@ def test_an_inline_payload_must_match_its_description() -> None:
     finally:
         link._shutdown()
         left.close()
+
+
+async def test_a_peer_that_stops_reading_never_blocks_the_sender_on_its_doorbell() -> None:
+    """Inline payloads fill the doorbell socket, not the segment budget, when the peer
+    stops reading (it holds every frame: no credit left for its reader). A write "at
+    once" (from trio, or ``send_nowait`` from any thread) must then give way instead
+    of blocking its thread in the kernel: ``send_nowait`` says False, and a trio send
+    waits in a worker thread, where a deadline can cancel it. All frames sent arrive,
+    in order, once the peer reads again (the cancelled one whole, or not at all)."""
+    async with (
+        open_data_plane(DataPlaneConfig(peer_id="A", backends=("shm", "libp2p"))) as a,
+        open_data_plane(DataPlaneConfig(peer_id="B", backends=("shm", "libp2p"))) as b,
+    ):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ShmLink)
+        x = torch.randn(INLINE_BYTES // 4)  # 8 KiB: the largest that travels inline
+
+        def frame(step: int) -> Activations:
+            return Activations(session_id="s", step=step, positions=(step,), tensors=(x,))
+
+        def fill() -> int:
+            for step in range(10_000):  # the doorbell holds a few dozen at most
+                if not la.send_nowait(frame(step)):
+                    return step
+            raise AssertionError("send_nowait never gave way")
+
+        with trio.fail_after(30):  # a write blocked in the kernel would hang here
+            sent = await trio.to_thread.run_sync(fill, abandon_on_cancel=True)
+        assert 0 < sent < 10_000
+        for _ in range(1_000):  # trio sends, until one waits on the full doorbell
+            with trio.move_on_after(1.0) as waiting:  # trio runs on: it is cancellable
+                await la.send(frame(sent))
+            if waiting.cancelled_caught:
+                break
+            sent += 1
+        assert waiting.cancelled_caught
+        with trio.fail_after(30):
+            for step in range(sent):  # the peer reads again: every frame, in order
+                got = await lb.receive()
+                assert isinstance(got, Activations)
+                assert got.step == step
+                assert torch.equal(got.tensors[0], x)
+                lb.release(got)
+            await la.send(frame(sent + 1))  # the link still works
+            got = await lb.receive()
+            if isinstance(got, Activations) and got.step == sent:  # the cancelled one, whole
+                assert torch.equal(got.tensors[0], x)
+                lb.release(got)
+                got = await lb.receive()
+        assert isinstance(got, Activations)
+        assert got.step == sent + 1
+        for link in (la, lb):
+            await link.aclose()
