@@ -224,6 +224,9 @@ class ShmLink(ThreadedLink):
         self._mappings = mappings  # shared by the peer's links: its total is bounded
         self.sock = sock
         self._sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        # HETMESH_SHM_INLINE=0: every tensor through a segment (for comparisons); a
+        # receiver takes inline payloads either way
+        self._inline_bytes = INLINE_BYTES if os.environ.get("HETMESH_SHM_INLINE") != "0" else -1
         self._budget = budget_bytes
         self._wait_s = wait_s
         self._cond = threading.Condition()
@@ -293,7 +296,7 @@ class ShmLink(ThreadedLink):
             inline = INLINE_FRAME_BYTES
             for tensor, buffer in zip(frame.tensors_(), buffers, strict=True):
                 seg_id = allocated.pop(tensor.data_ptr(), None) if tensor.nbytes else None
-                if seg_id is None and tensor.nbytes <= min(INLINE_BYTES, inline):
+                if seg_id is None and tensor.nbytes <= min(self._inline_bytes, inline):
                     inline -= tensor.nbytes  # in the packet: nothing to give back
                     seg_ids.append(bytes(flat_bytes(buffer)))
                     continue
@@ -334,7 +337,7 @@ class ShmLink(ThreadedLink):
         for t in frame.tensors_():
             if t.data_ptr() not in self._allocated:
                 copy += t.nbytes
-                inline = inline or t.nbytes <= INLINE_BYTES
+                inline = inline or t.nbytes <= self._inline_bytes
         if inline and not self._doorbell_has_room():
             return False  # a worker thread waits for the peer to read (cancellable)
         return copy < (1 << 20) and self._segments_free_now(frame)
@@ -355,7 +358,7 @@ class ShmLink(ThreadedLink):
         needed: dict[int, int] = {}
         inline = INLINE_FRAME_BYTES
         for t in frame.tensors_():
-            if t.data_ptr() not in self._allocated and t.nbytes <= min(INLINE_BYTES, inline):
+            if t.data_ptr() not in self._allocated and t.nbytes <= min(self._inline_bytes, inline):
                 inline -= t.nbytes  # in the packet (as _write_blocking decides)
                 continue
             if not t.nbytes or t.data_ptr() not in self._allocated:

@@ -172,3 +172,28 @@ async def test_a_peer_that_stops_reading_never_blocks_the_sender_on_its_doorbell
         assert got.step == sent + 1
         for link in (la, lb):
             await link.aclose()
+
+
+async def test_inline_off_sends_every_tensor_through_a_segment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``HETMESH_SHM_INLINE=0`` (for comparisons): the old path, a segment and a release."""
+    monkeypatch.setenv("HETMESH_SHM_INLINE", "0")
+    async with (
+        open_data_plane(DataPlaneConfig(peer_id="A", backends=("shm", "libp2p"))) as a,
+        open_data_plane(DataPlaneConfig(peer_id="B", backends=("shm", "libp2p"))) as b,
+    ):
+        la, lb = await link_pair(a, b)
+        assert isinstance(la, ShmLink)
+        assert isinstance(lb, ShmLink)
+        released = Released(la)
+        sent = Activations(session_id="s", step=0, positions=(0,), tensors=(torch.randn(576),))
+        await la.send(sent)
+        frame = await lb.receive()
+        assert frame == sent
+        lb.release(frame)
+        await round_trip(la, lb)
+        assert len(la._own) == 1
+        assert len(released.packets) == 1
+        for link in (la, lb):
+            await link.aclose()
