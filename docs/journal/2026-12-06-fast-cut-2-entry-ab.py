@@ -71,7 +71,9 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "median_ms_per_token": {k: round(statistics.median(v), 2) for k, v in times.items()},
+                "median_ms_per_token": {
+                    k: round(statistics.median(v), 2) for k, v in times.items()
+                },
                 "rounds": rounds,
                 "tokens": tokens,
                 "seconds": round(time.time() - began, 1),
