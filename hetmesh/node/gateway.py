@@ -799,9 +799,13 @@ class Gateway:
 
     def _arm(self, session: _Session, in_flight: _InFlight, position: int, left: int) -> None:
         """Let a reader thread send the step after the awaited token (the lane) where
-        it is a plain decode step, with another wanted after it and no move or helper."""
+        it is a plain decode step, with another wanted after it and no move or helper,
+        of the one session here: with more, steps sent one by one as their tokens come
+        in could split the stages' batches (as the stage lane, one session only)."""
         route = session.route
         if not self.lane.enabled or in_flight.tokens != 1 or left < 2 or in_flight.hops != route:
+            return
+        if len(self._sessions) != 1:
             return
         if session.helper or session.leaving or session.moving or session.handoffs:
             return

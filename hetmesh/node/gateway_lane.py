@@ -18,8 +18,10 @@ position, another sender, a link that would wait, no arm) sends nothing here, an
 ``_run`` sends the step itself as before.
 
 A session arms only a plain decode step: one token awaited, more wanted after it, no
-split-prefill helper, no move under way or pending; a claimed step that fired stays
-in flight like one ``_run`` sent. ``HETMESH_GATEWAY_LANE=0`` turns it off.
+split-prefill helper, no move under way or pending, and only while it is the
+gateway's one session (with more, the stages batch their steps: sent one by one as
+tokens come in, they could split those batches); a claimed step that fired stays in
+flight like one ``_run`` sent. ``HETMESH_GATEWAY_LANE=0`` turns it off.
 """
 
 from __future__ import annotations
