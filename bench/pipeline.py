@@ -217,6 +217,12 @@ def run_layout(
             [round(s.decode_step_s * 1e3, 2) for s in p.stages] for p in plan.pipelines
         ],
         "gateway_holds_a_pipeline": any(p.peers == {entry} for p in plan.pipelines),
+        # which stage of the first pipeline the client's gateway node holds (None: none):
+        # peer ids are new each run, so the planner's order (and the hops a token takes
+        # through the gateway's process) differ from run to run
+        "gateway_stage": next(
+            (i for i, s in enumerate(plan.pipelines[0].stages) if s.peer_id == entry), None
+        ),
         "stages": max(cut.stages_of(plan)),
         "node_memory_bytes": int(cut.option(node_args, "--max-memory", "0")),
     }
@@ -245,6 +251,7 @@ def keys(layout: dict[str, Any], prefix: str) -> dict[str, Any]:
         f"{prefix}plan_decode_ms": layout["plan_decode_ms"],
         f"{prefix}plan_stage_ms": layout["plan_stage_ms"],
         f"{prefix}gateway_holds_a_pipeline": layout["gateway_holds_a_pipeline"],
+        f"{prefix}gateway_stage": layout["gateway_stage"],
         f"{prefix}stages": layout["stages"],
         f"{prefix}node_memory_bytes": layout["node_memory_bytes"],
     }

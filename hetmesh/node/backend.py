@@ -1,7 +1,7 @@
 """The running node behind the HTTP API: :class:`NodeBackend` implements
 :class:`hetmesh.node.api.Backend` over the node's discovery and serving.
 
-The daemon builds it and hands it to :func:`hetmesh.node.api.serve_api`, so the
+The daemon builds it and hands it to :func:`hetmesh.node.api_serve.serve_api`, so the
 API never imports the daemon or the serving code.
 """
 

@@ -84,6 +84,10 @@ from hetmesh.node.control import (
     OpenSession,
     Reply,
 )
+from hetmesh.node.gateway_lane import Armed, GatewayLane, SendNow, gateway_lane_enabled
+from hetmesh.node.gateway_records import Counters as _Counters
+from hetmesh.node.gateway_records import GatewayStatistics as GatewayStatistics
+from hetmesh.node.gateway_records import GatewayTimeouts as GatewayTimeouts
 from hetmesh.node.hop import Hop
 from hetmesh.node.migration import moves
 from hetmesh.node.outcomes import Verdict, classify
@@ -119,72 +123,6 @@ Helper = Callable[[Sequence[Hop], frozenset[PeerId], Sequence[int]], "tuple[Hop,
 """An idle replica of a one-stage route's units, avoiding some peers, to split a long
 prefill (its history's block hashes) with (:mod:`hetmesh.node.split`), the unit where
 to cut, and the prompt tokens the route's stage holds cached; None when there is none."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GatewayTimeouts:
-    """Step timeouts: ``factor`` × the recent step time, never below the floors."""
-
-    factor: float = 4.0
-    step_floor_s: float = 4.0
-    prefill_floor_s: float = 30.0
-    prefill_per_token_s: float = 0.01
-    admission_s: float = 30.0  # how long a request waits for a busy mesh
-    resume_s: float = 300.0  # how long a preempted session, mid-stream, waits to be readmitted
-    ping_s: float = 1.5
-    close_s: float = 5.0
-    replan_pause_s: float = 0.5
-    max_extensions: int = 3  # a slow step whose stages all answer pings may wait this often
-    max_recoveries: int = 8
-    max_preemptions: int = 64  # resumes after a stage evicted the session's KV to make room
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayStatistics:
-    sessions_started: int
-    sessions_finished: int
-    sessions_failed: int
-    active_sessions: int
-    recoveries: int
-    tokens_out: int
-    stale_frames: int
-    rejected_busy: int
-    slow_steps: int
-    preemptions: int = 0
-    prefix_tokens_skipped: int = 0  # prompt tokens not prefilled: cached on every stage
-    # recoveries started by a death (peer_gone) before the step timed out, and the
-    # seconds of step timeout they did not wait for, in all
-    early_recoveries: int = 0
-    early_recovery_s: float = 0.0
-    foreign_frames: int = 0  # frames for a session from a peer not on its route
-    migrations: int = 0  # sessions moved to a new route with their KV (no replay)
-    migration_fallbacks: int = 0  # moves that failed: those sessions were replayed
-    move_replays: int = 0  # sessions moved by replay because migration is off
-    split_prefills: int = 0  # prompts prefilled by their stage and an idle helper together
-
-
-@dataclass(slots=True)
-class _Counters:
-    """The gateway's counters, one record: :class:`GatewayStatistics` less what is
-    read off the sessions running now (internal)."""
-
-    sessions_started: int = 0
-    sessions_finished: int = 0
-    sessions_failed: int = 0
-    recoveries: int = 0
-    tokens_out: int = 0
-    stale_frames: int = 0
-    rejected_busy: int = 0
-    slow_steps: int = 0
-    preemptions: int = 0
-    prefix_tokens_skipped: int = 0
-    early_recoveries: int = 0
-    early_recovery_s: float = 0.0
-    foreign_frames: int = 0
-    migrations: int = 0
-    migration_fallbacks: int = 0
-    move_replays: int = 0
-    split_prefills: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +256,7 @@ class Gateway:
         feed_steps: int | None = None,
         helper: Helper | None = None,
         split_prefill: bool | None = None,
+        send_now: SendNow | None = None,
     ) -> None:
         """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
         (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
@@ -329,7 +268,9 @@ class Gateway:
         ``HETMESH_FEED_STEPS`` switch, else 16; 1: a round trip a token). ``helper``
         finds an idle replica to split a long prefill with, on a route of one stage
         (:mod:`hetmesh.node.split`; ``split_prefill`` False, or the
-        ``HETMESH_SPLIT_PREFILL=0`` switch, turns that off)."""
+        ``HETMESH_SPLIT_PREFILL=0`` switch, turns that off). ``send_now``: a reader
+        thread sends a decode step's successor as the token comes in
+        (:mod:`hetmesh.node.gateway_lane`; ``HETMESH_GATEWAY_LANE=0``: off)."""
         self.peer_id = peer_id
         self._control = control
         self._send = send
@@ -354,6 +295,7 @@ class Gateway:
         self._ended: deque[tuple[float, float, frozenset[PeerId]]] = deque(maxlen=ENDED_SESSIONS)
         self._counts = _Counters()
         self._step_s = 0.0  # moving average of decode step time
+        self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
 
     # -- inbound ------------------------------------------------------------------
 
@@ -806,15 +748,19 @@ class Gateway:
             again = functools.partial(
                 self._move_again, session, tuple(feed), position, len(generated), max_new_tokens
             )  # the move's KV once more; its step too where the first stage moved
-            token = await self._await_token(
-                inbox,
-                in_flight.step,
-                in_flight.fed,
-                in_flight.hops,
-                session.moving,
-                position=len(history),
-                again=again if session.handoffs else None,
-            )
+            self._arm(session, in_flight, len(history), max_new_tokens - len(generated))
+            try:
+                token = await self._await_token(
+                    inbox,
+                    in_flight.step,
+                    in_flight.fed,
+                    in_flight.hops,
+                    session.moving,
+                    position=len(history),
+                    again=again if session.handoffs else None,
+                )
+            finally:
+                sent = self.lane.claim(session.session_id)  # the next step, if it left
             session.moving = ()  # a step on the new route: the move is done
             if session.helper is not None:
                 # a first token: the helper sent its part and let the session go
@@ -838,7 +784,9 @@ class Gateway:
             failed: _StepFailed | None = None
             # a session leaving its peers moves between steps, with nothing in flight
             more = len(generated) < max_new_tokens and not session.leaving
-            if in_flight is None and more:
+            if in_flight is None and sent is not None:  # sent by the lane: in flight
+                in_flight = _InFlight(sent.step + 1, sent.sent_at, session.route)
+            elif in_flight is None and more:
                 try:
                     in_flight = await self._send_step(
                         session, feed, position, len(generated), max_new_tokens
@@ -848,6 +796,23 @@ class Gateway:
             yield token
             if failed is not None:
                 raise failed
+
+    def _arm(self, session: _Session, in_flight: _InFlight, position: int, left: int) -> None:
+        """Let a reader thread send the step after the awaited token (the lane) where
+        it is a plain decode step, with another wanted after it and no move or helper,
+        of the one session here: with more, steps sent one by one as their tokens come
+        in could split the stages' batches (as the stage lane, one session only)."""
+        route = session.route
+        if not self.lane.enabled or in_flight.tokens != 1 or left < 2 or in_flight.hops != route:
+            return
+        if len(self._sessions) != 1:
+            return
+        if session.helper or session.leaving or session.moving or session.handoffs:
+            return
+        if self._feeding(route)[0] == 1:
+            last, first = route[-1].peer_id, route[0].peer_id
+            armed = Armed(in_flight.step, position, last, first, self._eos)
+            self.lane.arm(session.session_id, armed)
 
     async def _send_step(
         self,

@@ -36,6 +36,9 @@ LEFT_LINGER_S = 5.0
 Dispatch = Callable[[PeerId, Link, Frame], None]
 # from a link's reader thread: True if it took the frame there (it never reaches trio)
 Offer = Callable[[PeerId, Link, Frame], bool]
+# from a link's reader thread, before trio gets the frame: a look at it (a gateway's
+# lane sends a decode step's successor as its token comes in)
+Peek = Callable[[PeerId, Frame], None]
 
 
 class LinkPool:
@@ -66,6 +69,7 @@ class LinkPool:
         self._locks: dict[PeerId, trio.Lock] = {}
         self._closed: dict[int, trio.Event] = {}
         self.failures = 0
+        self.peek: Peek | None = None  # see Peek; set before links open
 
     def links(self) -> dict[PeerId, Link]:
         return dict(self._links)
@@ -132,11 +136,16 @@ class LinkPool:
         done = trio.Event()
         self._closed[id(link)] = done
         self._links.setdefault(peer, link)
-        offer = self._offer
-        if offer is not None and isinstance(link, ThreadedLink):
-            link.sink = functools.partial(offer, peer, link)
+        if isinstance(link, ThreadedLink) and (self._offer is not None or self.peek is not None):
+            link.sink = functools.partial(self._sink, peer, link)
         self._nursery.start_soon(self._receive_loop, peer, link, done)
         return done
+
+    def _sink(self, peer: PeerId, link: Link, frame: Frame) -> bool:
+        """On ``link``'s reader thread: :data:`Peek`, then whether a stage took it."""
+        if self.peek is not None:
+            self.peek(peer, frame)
+        return self._offer is not None and self._offer(peer, link, frame)
 
     async def _receive_loop(self, peer: PeerId, link: Link, done: trio.Event) -> None:
         try:

@@ -32,7 +32,7 @@ from hetmesh.node.backend import ModelsBackend, NodeBackend
 from hetmesh.node.daemon import NODE_INFO_FILE, run_node
 from hetmesh.node.placer import RecentRequests, place_forever
 from hetmesh.node.runtime import Node, NodeConfig
-from hetmesh.scheduler.placement import PlacementPolicy
+from hetmesh.scheduler.model_placement import PlacementPolicy
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -305,7 +305,7 @@ async def run_models(
 
         nursery.start_soon(placer)
         if config.api_port is not None:
-            from hetmesh.node.api import serve_api
+            from hetmesh.node.api_serve import serve_api
 
             await nursery.start(
                 functools.partial(
@@ -314,6 +314,7 @@ async def run_models(
                     config.api_port,
                     host=config.api_host,
                     api_key=config.api_key,
+                    mesh_secret=config.mesh_secret,
                     models=members,  # POST/DELETE /v1/hetmesh/models
                 )
             )

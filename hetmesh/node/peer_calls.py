@@ -67,6 +67,8 @@ class PeerCalls:
         if peer == self.me:
             if self._trio_token is None:
                 return False
+            if type(frame) is Tokens and self.gateway is not None:  # the next step, now
+                self.gateway.lane.offer(self.me, frame)  # (hetmesh.node.gateway_lane)
             try:
                 self._trio_token.run_sync_soon(self._dispatch_own, frame)
             except trio.RunFinishedError:  # stopping: the outbox path reports it

@@ -1,10 +1,10 @@
 """Placement by demand inside a running node serving several models.
 
-Each round (:class:`~hetmesh.scheduler.placement.PlacementPolicy`'s
+Each round (:class:`~hetmesh.scheduler.model_placement.PlacementPolicy`'s
 ``interval_s``) :func:`place_forever` reads each model's demand: the requests
 this node's API routed to it within ``window_s`` (:class:`RecentRequests`) and
 the sessions and queued requests its members across the mesh announce in their
-records; :func:`~hetmesh.scheduler.placement.place` then picks at most one move,
+records; :func:`~hetmesh.scheduler.model_placement.place` then picks at most one move,
 which :class:`~hetmesh.node.models.ModelMembers` carries out: start a replica
 member of a model from the node's memory pool (the model's planner re-plans with
 one more member) or stop one (its sessions move away first). Another model's
@@ -17,16 +17,35 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from hetmesh.errors import MeshError
 from hetmesh.scheduler.announcement import read_serving
-from hetmesh.scheduler.placement import ModelState, PlacementPolicy, place
+from hetmesh.scheduler.model_placement import ModelState, PlacementPolicy, place
 
 if TYPE_CHECKING:
-    from hetmesh.node.models import ModelMembers
+    from hetmesh.node.runtime import Node
+
+
+class Members(Protocol):
+    """What placement reads and does of :class:`hetmesh.node.models.ModelMembers`
+    (a protocol: models.py starts the placer, so the placer does not import it)."""
+
+    nodes: dict[str, Node]
+    replicas: dict[str, list[Node]]
+    sources: dict[str, tuple[str, int]]
+    requests: RecentRequests
+
+    def members_of(self, key: str) -> int: ...
+
+    def used_bytes(self) -> int: ...
+
+    async def add_replica(self, key: str) -> object: ...
+
+    async def remove_replica(self, key: str) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +72,7 @@ class RecentRequests:
         return len(seen)
 
 
-def mesh_loads(members: ModelMembers) -> dict[str, list[int]]:
+def mesh_loads(members: Members) -> dict[str, list[int]]:
     """Model -> each live member's announced sessions + queued requests, over the mesh
     (this process's members read from their own records, the rest from the first
     member's view of its peers)."""
@@ -76,7 +95,7 @@ def mesh_loads(members: ModelMembers) -> dict[str, list[int]]:
 
 
 def model_states(
-    members: ModelMembers,
+    members: Members,
     policy: PlacementPolicy,
     min_members: Mapping[str, int],
     idle_rounds: Mapping[str, int],
@@ -98,7 +117,7 @@ def model_states(
 
 
 async def place_once(
-    members: ModelMembers,
+    members: Members,
     total_bytes: int,
     policy: PlacementPolicy,
     min_members: Mapping[str, int],
@@ -123,7 +142,7 @@ async def place_once(
 
 
 async def place_forever(
-    members: ModelMembers,
+    members: Members,
     total_bytes: int,
     policy: PlacementPolicy,
     min_members: Mapping[str, int],

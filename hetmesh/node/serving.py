@@ -209,7 +209,9 @@ class Serving:
                 migrate=self.config.migrate,
                 chunk_costs=self.routes.chunk_costs,
                 helper=self.routes.helper,
+                send_now=self.calls.send_now,  # hetmesh.node.gateway_lane
             )
+            self.pool.peek = self.gateway.lane.offer
             self.calls.gateway = self.routes.gateway = self.gateway
             discovery.set_data_plane({"backends": list(plane.config.backends)})
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)

@@ -23,6 +23,8 @@ peer's links together (:class:`PeerMappings`: a peer opening many links gets
 no more of our address space).
 
 Per handoff: one doorbell packet each way (the frame; later a release),
+none back for a frame whose tensors are all small (up to ``INLINE_BYTES`` each:
+they travel inside the doorbell packet, copied once on each side),
 no fd once a segment is known, the receiver's tensor views of a segment
 cached by layout, and in blocking mode a receive that polls the doorbell
 for ``spin_us`` before sleeping on it.
@@ -36,11 +38,12 @@ import fcntl
 import mmap
 import os
 import socket
+import sys
+import termios
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import msgpack
 import torch
@@ -50,13 +53,11 @@ from hetmesh.transport.codec import DTYPES, ITEMSIZE, TensorSpec, as_tensor
 from hetmesh.transport.frames import (
     Frame,
     Limits,
-    Pending,
     decode_all,
     encode,
     encode_parts,
     flat_bytes,
     pack,
-    parse_head,
 )
 from hetmesh.transport.links import (
     LinkMode,
@@ -67,12 +68,18 @@ from hetmesh.transport.links import (
     in_thread,
 )
 from hetmesh.transport.negotiation import Backend
+from hetmesh.transport.shm_doorbell import (
+    _FRAME,
+    _RELEASE,
+    INLINE_BYTES,
+    INLINE_FRAME_BYTES,
+    MAX_PACKET,
+    parse_doorbell,
+)
 
 MIN_SEGMENT = 64 << 10
-MAX_PACKET = 1 << 20
 MAX_SEGMENTS = 4096  # per side of a link: mappings are a per-process kernel resource
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_FRAME, _RELEASE = 0, 1
 
 
 def segment_size(nbytes: int) -> int:
@@ -128,6 +135,13 @@ def _map(fd: int, size: int, seg_id: int, *, owned: bool) -> _Segment:
 _MAX_VIEWS = 8  # cached tensor layouts per received segment
 
 
+def _owned_bytes(data: bytes) -> torch.Tensor:
+    """A ``uint8`` tensor of its own holding ``data`` (an inline payload: one copy)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
     """``recvmsg`` with passed file descriptors (``socket.recv_fds`` ignores ``flags``)."""
     data, ancillary, out_flags, _ = sock.recvmsg(
@@ -138,56 +152,6 @@ def _recv_fds(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
     return data, list(fds), out_flags
-
-
-class FramePacket(NamedTuple):
-    """A doorbell packet carrying a frame, checked as far as it can be without the link."""
-
-    pending: Pending  # the frame's head, checked by frames.parse_head
-    seg_ids: list[object]  # the segment of each tensor, in order (the link checks them)
-    new: list[list[int]]  # [segment id, size] of each passed descriptor
-
-
-def parse_doorbell(data: bytes, fd_count: int, limits: Limits) -> FramePacket | list[object]:
-    """Check one doorbell packet (pure: no descriptor is touched).
-
-    ``[_FRAME, head, seg_ids, new]`` gives a :class:`FramePacket`: its frame
-    head checked, one new descriptor per passed file with its size within
-    ``limits.max_payload_bytes``, one segment id per tensor.
-    ``[_RELEASE, seg_ids]`` gives the released ids. The link then checks the
-    ids against its segments (``ShmLink._on_packet``), still before mapping
-    anything. :class:`RemoteProtocolError` on any fault.
-    """
-    try:
-        message = msgpack.unpackb(data, raw=False, use_list=True)
-    except Exception as exc:  # msgpack raises many types for garbage
-        raise RemoteProtocolError(f"undecodable doorbell packet: {exc}") from None
-    if not isinstance(message, list) or not message:
-        raise RemoteProtocolError("malformed doorbell packet")
-    if message[0] == _RELEASE and len(message) == 2 and isinstance(message[1], list):
-        if fd_count:
-            raise RemoteProtocolError("a release packet passed descriptors")
-        return message[1]
-    if message[0] != _FRAME or len(message) != 4:
-        raise RemoteProtocolError("malformed doorbell packet")
-    _, head, seg_ids, new = message
-    if not isinstance(head, bytes) or not isinstance(seg_ids, list) or not isinstance(new, list):
-        raise RemoteProtocolError("malformed doorbell packet")
-    if len(new) != fd_count:
-        raise RemoteProtocolError("segment descriptors do not match the passed fds")
-    for item in new:
-        if (
-            not isinstance(item, list)
-            or len(item) != 2
-            or type(item[0]) is not int
-            or type(item[1]) is not int
-            or not 0 < item[1] <= limits.max_payload_bytes
-        ):
-            raise RemoteProtocolError("bad shared-memory segment")
-    pending = parse_head(head, limits)
-    if len(seg_ids) != len(pending.specs):
-        raise RemoteProtocolError("one segment per tensor expected")
-    return tuple.__new__(FramePacket, (pending, seg_ids, new))  # NamedTuple's __new__ is slow
 
 
 def packet_framer(sock: socket.socket, limits: Limits) -> tuple[SendFrame, ReceiveFrame]:
@@ -259,6 +223,10 @@ class ShmLink(ThreadedLink):
         super().__init__(remote_peer_id, limits)
         self._mappings = mappings  # shared by the peer's links: its total is bounded
         self.sock = sock
+        self._sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        # HETMESH_SHM_INLINE=0: every tensor through a segment (for comparisons); a
+        # receiver takes inline payloads either way
+        self._inline_bytes = INLINE_BYTES if os.environ.get("HETMESH_SHM_INLINE") != "0" else -1
         self._budget = budget_bytes
         self._wait_s = wait_s
         self._cond = threading.Condition()
@@ -270,7 +238,7 @@ class ShmLink(ThreadedLink):
         self._allocated: dict[int, int] = {}  # data_ptr -> own seg id, allocated not yet sent
         self._remote: dict[int, _Segment] = {}
         self._remote_bytes = 0  # mapped from the peer: at most budget_bytes
-        self._lent: dict[int, int] = {}  # data_ptr of a received tensor -> remote seg id
+        self._lent: dict[int, int] = {}  # a received tensor's data_ptr -> seg id (0: inline)
         self._lent_bytes = 0
         self._early: deque[Frame] = deque()
         self._pending_release: list[int] = []
@@ -320,13 +288,18 @@ class ShmLink(ThreadedLink):
 
     def _write_blocking(self, frame: Frame) -> int:
         head, buffers, total = encode_parts(frame, self.limits)
-        seg_ids: list[int] = []
+        seg_ids: list[int | bytes] = []
         new: list[list[int]] = []
         fds: list[int] = []
         if buffers:
             allocated = self._allocated
+            inline = INLINE_FRAME_BYTES
             for tensor, buffer in zip(frame.tensors_(), buffers, strict=True):
                 seg_id = allocated.pop(tensor.data_ptr(), None) if tensor.nbytes else None
+                if seg_id is None and tensor.nbytes <= min(self._inline_bytes, inline):
+                    inline -= tensor.nbytes  # in the packet: nothing to give back
+                    seg_ids.append(bytes(flat_bytes(buffer)))
+                    continue
                 if seg_id is None:  # not from allocate(): one copy into a segment
                     data = flat_bytes(buffer)
                     segment = self._take_segment(len(data))
@@ -360,16 +333,34 @@ class ShmLink(ThreadedLink):
 
     def _writes_at_once(self, frame: Frame) -> bool:
         copy = 0
+        inline = False
         for t in frame.tensors_():
             if t.data_ptr() not in self._allocated:
                 copy += t.nbytes
+                inline = inline or t.nbytes <= self._inline_bytes
+        if inline and not self._doorbell_has_room():
+            return False  # a worker thread waits for the peer to read (cancellable)
         return copy < (1 << 20) and self._segments_free_now(frame)
+
+    def _doorbell_has_room(self) -> bool:
+        """Whether a packet written now cannot block. Inline payloads make the
+        doorbell, not the segment budget, what a peer that stops reading fills: the
+        kernel makes a send wait only while this socket's unread packets fill its
+        send buffer (the caller holds the write lock: nobody else adds to them)."""
+        queued = int.from_bytes(
+            fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, bytes(4)), sys.byteorder, signed=True
+        )
+        return queued + INLINE_FRAME_BYTES < self._sndbuf  # one more frame, with room
 
     def _segments_free_now(self, frame: Frame) -> bool:
         """Whether every segment ``frame``'s copies need is free or within the budget
         now (the caller holds the write lock: nobody else takes segments meanwhile)."""
         needed: dict[int, int] = {}
+        inline = INLINE_FRAME_BYTES
         for t in frame.tensors_():
+            if t.data_ptr() not in self._allocated and t.nbytes <= min(self._inline_bytes, inline):
+                inline -= t.nbytes  # in the packet (as _write_blocking decides)
+                continue
             if not t.nbytes or t.data_ptr() not in self._allocated:
                 size = segment_size(t.nbytes)
                 needed[size] = needed.get(size, 0) + 1
@@ -465,6 +456,10 @@ class ShmLink(ThreadedLink):
         tensors = []
         lent: list[int] = []
         for seg_id, spec in zip(seg_ids, pending.specs, strict=True):
+            if type(seg_id) is bytes:  # in the packet (checked by parse_doorbell)
+                lent.append(0)  # nothing to give back on release
+                tensors.append(as_tensor(_owned_bytes(seg_id), spec))
+                continue
             segment = remote.get(seg_id) if type(seg_id) is int else None
             # nothing is mapped here: a bad id fails the packet with nothing changed
             if segment is None or spec.nbytes > segment.size:
@@ -513,6 +508,8 @@ class ShmLink(ThreadedLink):
                 "peer's shared-memory segments over all its links exceed the budget"
             )
         for target, spec in zip(seg_ids, specs, strict=True):
+            if type(target) is bytes:  # in the packet: checked by parse_doorbell
+                continue
             size = -1
             if type(target) is int:
                 known = self._remote.get(target)
@@ -531,7 +528,8 @@ class ShmLink(ThreadedLink):
                 seg_id = self._lent.pop(t.data_ptr(), None)
                 if seg_id is not None:
                     self._lent_bytes -= t.nbytes
-                    seg_ids.append(seg_id)
+                    if seg_id:  # 0: the tensor came in the packet
+                        seg_ids.append(seg_id)
         if seg_ids and not self._closed:
             with self._cond:
                 self._pending_release.extend(seg_ids)

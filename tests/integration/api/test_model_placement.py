@@ -22,7 +22,7 @@ import trio
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.models import ModelMembers, run_models
 from hetmesh.protocol.generate import SamplingParams
-from hetmesh.scheduler.placement import PlacementPolicy
+from hetmesh.scheduler.model_placement import PlacementPolicy
 from tests.integration.node.inprocess_mesh import PROMPT_IDS, free_port, node_config, until
 from tests.integration.node.mesh_nodes import reference_ids
 

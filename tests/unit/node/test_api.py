@@ -18,8 +18,8 @@ import trio
 import trio.lowlevel
 
 from hetmesh.errors import NoRoute, Rejected
-from hetmesh.node.api import serve_http
 from hetmesh.node.api_metrics import MeshGauges
+from hetmesh.node.api_serve import serve_http
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.protocol.generate import GenerateRequest
 

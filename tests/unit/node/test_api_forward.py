@@ -11,8 +11,14 @@ import httpx
 import pytest
 import trio
 
-from hetmesh.node.api import serve_http
-from hetmesh.node.api_forward import API_KEY, FORWARDED_HEADER, api_entry, api_targets
+from hetmesh.node.api_forward import (
+    API_KEY,
+    FORWARDED_HEADER,
+    api_entry,
+    api_targets,
+    forward_token,
+)
+from hetmesh.node.api_serve import serve_http
 from tests.unit.node.test_api import MODEL, FakeBackend
 
 OTHER = "other-model"
@@ -110,7 +116,9 @@ def test_api_targets_read_each_peers_announced_api() -> None:
     found = api_targets(
         [
             ("a", {API_KEY: api_entry("0.0.0.0", 8000)}, addrs),  # wildcard: its address
-            ("a", {API_KEY: api_entry("192.168.1.2", 8001)}, addrs),
+            ("a", {API_KEY: api_entry("10.0.0.7", 8001)}, addrs),
+            ("a", {API_KEY: api_entry("192.168.1.2", 8004)}, addrs),  # not its address
+            ("a", {API_KEY: api_entry("metadata.internal", 80)}, addrs),  # a name
             ("b", {API_KEY: api_entry("::", 8002)}, ("/ip6/fe80::1/tcp/1",)),
             ("c", {}, addrs),  # no API: not a target
             ("", {API_KEY: api_entry("10.0.0.9", 8003)}, addrs),  # serves nothing
@@ -119,6 +127,57 @@ def test_api_targets_read_each_peers_announced_api() -> None:
         ]
     )
     assert found == {
-        "a": ["http://10.0.0.7:8000", "http://192.168.1.2:8001"],
+        "a": ["http://10.0.0.7:8000", "http://10.0.0.7:8001"],
         "b": ["http://[fe80::1]:8002"],
     }
+
+
+async def test_a_forwarded_request_presents_the_mesh_token_never_the_clients_key(
+    nursery: trio.Nursery,
+) -> None:
+    """Two keyed nodes with different client keys: ``here`` forwards with the token
+    derived from the mesh secret, which ``there`` accepts on a forwarded completion
+    only: not on another route, not without the forwarded mark, not from a node of
+    another mesh."""
+    token = forward_token("mesh secret")
+    assert token is not None
+    assert token == forward_token("mesh secret")
+    assert token != forward_token("another mesh")
+    assert forward_token(None) is None
+    here, there = FakeBackend(), OtherBackend()
+
+    async def start(backend: FakeBackend, key: str, token: str | None) -> str:
+        url: str = await nursery.start(
+            lambda task_status: serve_http(
+                backend, api_key=key, forward_token=token, task_status=task_status
+            )
+        )
+        return url
+
+    there_url = await start(there, "there's client key", token)
+    here_url = await start(here, "here's client key", token)
+    here.remotes = {OTHER: [there_url]}
+    body = {"model": OTHER, "prompt": "one two three", "max_tokens": 3}
+    mine = {"authorization": "Bearer here's client key"}
+    async with httpx.AsyncClient(timeout=10) as http:
+        reply = await http.post(here_url + "/v1/completions", json=body, headers=mine)
+        assert reply.status_code == 200, reply.text  # there never saw here's client key
+        assert there.encoded == 1
+        # the token is no key: not without the mark, not for other routes
+        as_peer = {"authorization": f"Bearer {token}"}
+        marked = {**as_peer, FORWARDED_HEADER: "1"}
+        plain = await http.post(there_url + "/v1/completions", json=body, headers=as_peer)
+        assert plain.status_code == 401
+        status = await http.get(there_url + "/v1/hetmesh/status", headers=marked)
+        assert status.status_code == 401
+        assert (await http.get(there_url + "/v1/models", headers=marked)).status_code == 401
+        direct = await http.post(there_url + "/v1/completions", json=body, headers=marked)
+        assert direct.status_code == 200
+        # a node of another mesh cannot forward here
+        here.remotes = {}
+        stranger = {"authorization": f"Bearer {forward_token('another mesh')}"}
+        refused = await http.post(
+            there_url + "/v1/completions", json=body, headers={**stranger, FORWARDED_HEADER: "1"}
+        )
+        assert refused.status_code == 401
+        assert there.encoded == 2

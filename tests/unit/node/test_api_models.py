@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from hetmesh.errors import InvalidRequest
-from hetmesh.node.api import serve_http
+from hetmesh.node.api_serve import serve_http
 from hetmesh.node.backend import ModelsBackend
 from hetmesh.node.models import check_min_replicas, member_config, memory_shares, model_slug
 from hetmesh.node.runtime import NodeConfig

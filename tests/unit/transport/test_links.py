@@ -324,12 +324,13 @@ async def test_shm_reused_views_survive_in_place_changes() -> None:
     async with planes("shm") as (a, b):
         la, lb = await link_pair(a, b)
         assert isinstance(la, ShmLink)
+        shape = (64, 64)  # 16 KiB, over INLINE_BYTES: in a segment, whose views are cached
         for step in range(3):
-            t = torch.full((4, 8), float(step))
+            t = torch.full(shape, float(step))
             await la.send(Activations(session_id="s", step=step, positions=(), tensors=(t,)))
             frame = await lb.receive()
             assert isinstance(frame, Activations)
-            assert frame.tensors[0].shape == (4, 8)
+            assert frame.tensors[0].shape == shape
             assert torch.equal(frame.tensors[0], t)
             frame.tensors[0].unsqueeze_(0)  # the receiver's business, until release
             lb.release(frame)

@@ -1,11 +1,11 @@
-"""Where a node serving several models puts its spare memory (hetmesh.scheduler.placement)."""
+"""Where a node serving several models puts its spare memory (hetmesh.scheduler.model_placement)."""
 
 from __future__ import annotations
 
 import pytest
 
 from hetmesh.node.placer import RecentRequests
-from hetmesh.scheduler.placement import ModelState, Move, PlacementPolicy, place
+from hetmesh.scheduler.model_placement import ModelState, Move, PlacementPolicy, place
 
 POLICY = PlacementPolicy(grow_at=4, shrink_after=3)
 GIB = 1 << 30

@@ -1,0 +1,115 @@
+"""The gateway's fast turn: a decode step's token in, the next step out, on the link's
+reader thread.
+
+Before, a token from the last stage went: the link's reader thread → trio (a wake-up)
+→ the link's receive task → :meth:`Gateway.on_frame` → the session's inbox → its
+``_run`` generator → :meth:`Gateway._send_step` → the first stage. That turn (0.2–1.9
+ms median on a loaded 2-vCPU box, docs/journal/2026-12-06-fast-cut.md) sat on every
+token's critical path.
+
+Now, before it waits for a decode step's token, the session *arms* its next step
+(:meth:`GatewayLane.arm`: which step, at which position, from which last stage, to
+which first stage). The reader thread that reads the awaited token (the link sink,
+:meth:`GatewayLane.offer`) writes that next step to the first stage at once
+(``send_now``: only if the link takes it without waiting), then hands the token on to
+trio as before. ``_run`` then *claims* the arm (:meth:`GatewayLane.claim`): a step
+already sent is not sent again. Anything unusual (an EOS token, another step or
+position, another sender, a link that would wait, no arm) sends nothing here, and
+``_run`` sends the step itself as before.
+
+A session arms only a plain decode step: one token awaited, more wanted after it, no
+split-prefill helper, no move under way or pending, and only while it is the
+gateway's one session (with more, the stages batch their steps: sent one by one as
+tokens come in, they could split those batches); a claimed step that fired stays in
+flight like one ``_run`` sent. ``HETMESH_GATEWAY_LANE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hetmesh.errors import TransportError
+from hetmesh.resources import PeerId
+from hetmesh.transport.frames import Activations, Frame, Tokens
+
+log = logging.getLogger(__name__)
+
+SendNow = Callable[[PeerId, Frame], bool]
+"""Writes a frame to a peer's open link from any thread if it takes it at once."""
+
+
+def gateway_lane_enabled() -> bool:
+    """On unless ``HETMESH_GATEWAY_LANE=0`` (every step sent from trio, for comparisons)."""
+    return os.environ.get("HETMESH_GATEWAY_LANE", "1") != "0"
+
+
+@dataclass(slots=True)
+class Armed:
+    """A session's next decode step, to send when the awaited token comes in."""
+
+    step: int  # the awaited token's step; the next step is step + 1
+    position: int  # the awaited token's sequence position: the next step's input's
+    last: PeerId  # who sends the token (the route's last stage)
+    first: PeerId  # who takes the next step (the route's first stage)
+    eos: frozenset[int]
+    sent_at: float = 0.0  # perf_counter when the next step left (0: not sent)
+
+
+class GatewayLane:
+    """The armed next steps of one gateway's sessions (thread-safe)."""
+
+    def __init__(self, send_now: SendNow | None) -> None:
+        self._send_now = send_now
+        self._lock = threading.Lock()
+        self._armed: dict[str, Armed] = {}
+        self.sent = 0  # next steps sent from a reader thread
+
+    @property
+    def enabled(self) -> bool:
+        return self._send_now is not None
+
+    def arm(self, session_id: str, armed: Armed) -> None:
+        with self._lock:
+            self._armed[session_id] = armed
+
+    def claim(self, session_id: str) -> Armed | None:
+        """Disarm ``session_id``: its arm if the next step was sent, else None (send it)."""
+        with self._lock:
+            armed = self._armed.pop(session_id, None)
+        return armed if armed is not None and armed.sent_at else None
+
+    def offer(self, sender: PeerId, frame: Frame) -> None:
+        """On a link's reader thread, before trio gets ``frame``: if it is an armed
+        session's awaited token, send that session's next step now. Never raises."""
+        if type(frame) is not Tokens or not frame.token_ids:
+            return
+        with self._lock:
+            armed = self._armed.get(frame.session_id)
+            if armed is None or armed.sent_at or self._send_now is None:
+                return
+            if sender != armed.last or frame.step != armed.step:
+                return
+            token = int(frame.token_ids[0])
+            if frame.position != armed.position or token in armed.eos or token < 0:
+                return
+            step = Activations(
+                session_id=frame.session_id,
+                step=armed.step + 1,
+                positions=(armed.position,),
+                tensors=(torch.tensor([token], dtype=torch.int64),),
+            )
+            try:
+                sent = self._send_now(armed.first, step)
+            except TransportError as exc:  # trio's send finds the link broken too
+                log.debug("gateway lane: next step not sent: %s", exc)
+                return
+            if sent:
+                armed.sent_at = time.perf_counter()
+                self.sent += 1

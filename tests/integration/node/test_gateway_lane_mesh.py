@@ -1,0 +1,68 @@
+"""A cut's gateway sends each decode step's successor from the thread that brings
+its token in (hetmesh.node.gateway_lane), and the outputs stay the reference's.
+
+Two in-process daemons split the tiny test model over the real data plane; the
+client's gateway is on one of them, so the token comes either over a link (the
+reader thread sends the next step) or from this node's last stage (its device
+thread does). With ``HETMESH_GATEWAY_LANE=0`` no step leaves that way, and the
+tokens are the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from hetmesh.node.config import ServingConfig
+from tests.integration.node.inprocess_mesh import (
+    PROMPT_IDS,
+    generate,
+    open_mesh,
+    stage_servers,
+    until,
+)
+from tests.integration.node.mesh_nodes import reference_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(300)]
+
+TOKENS = 40
+
+
+@pytest.mark.parametrize("lane", ["1", "0"])
+async def test_a_cut_sends_its_next_steps_as_tokens_come_in_and_matches_the_reference(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, lane: str
+) -> None:
+    monkeypatch.setenv("HETMESH_GATEWAY_LANE", lane)
+    expected = reference_ids(tiny_model_dir, PROMPT_IDS, TOKENS)
+    other_prompt = [7, 300, 41, 12]
+    other = reference_ids(tiny_model_dir, other_prompt, TOKENS)
+    serving = ServingConfig(max_sessions=2, max_context_tokens=512, block_step_s=0.002)
+    async with open_mesh(tmp_path, serving, 2, model=tiny_model_dir) as mesh:
+        servers = stage_servers(mesh.nodes)
+        assert len(servers) == 2, "the tiny model must be cut in two"
+        gateway = mesh.nodes[0].serving.gateway  # the client's (mesh.addr)
+        assert gateway is not None
+        assert await generate(mesh.addr, TOKENS) == expected
+        if lane == "1":
+            # every step after the first decode step but the last (none after it)
+            assert gateway.lane.sent >= TOKENS - 3, gateway.lane.sent
+        else:
+            assert gateway.lane.sent == 0
+        results: dict[int, list[int]] = {}
+
+        async def run(i: int, prompt: list[int]) -> None:
+            results[i] = await generate(mesh.addr, TOKENS, prompt)
+
+        async with trio.open_nursery() as nursery:  # two sessions at once
+            nursery.start_soon(run, 0, list(PROMPT_IDS))
+            nursery.start_soon(run, 1, other_prompt)
+        assert results == {0: expected, 1: other}
+
+        def ended() -> bool:
+            stats = [s.statistics().kv for s in servers]
+            return all(k.sessions == 0 and k.blocks_free == k.blocks_total for k in stats)
+
+        await until(ended, 60, "every session to end on every stage")
+        assert gateway.statistics().tokens_out == 3 * TOKENS
