@@ -7,8 +7,8 @@ lockstep, one step of each in turn (so load on a shared machine hurts all
 alike); a path's figure is its mean decode-step time, median over repeats:
 
 - ``old``: fp32, a separate matrix product per projection (``fuse=False``),
-  the LM head row-major (``transpose_head=False``): the single process before
-  issue 16.
+  the LM head row-major (``transpose_head=False``), transformers' own decoder
+  layers (no lean layers): the single process before issue 16.
 - ``default``: today's default, what ``hetmesh generate`` and a node load
   without ``--weights``: ``native``, the checkpoint's own format (the default
   model's Q4_1 levels as int4 in torch's int4 kernel, perplexity 0.997x fp32,
@@ -17,6 +17,9 @@ alike); a path's figure is its mean decode-step time, median over repeats:
 - ``float32``: fp32 as :func:`~hetmesh.partition.stage.load_stage` loads it
   today (the head stored column-major; logits within ~2e-6, so its greedy
   tokens are compared with ``old``'s on every run and reported, not assumed).
+- ``default_eager``: ``default`` with transformers' decoder layers instead of
+  the lean ones (:mod:`hetmesh.partition.lean`, issue 47): bit-identical
+  logits, its greedy tokens checked equal to ``default``'s on every run.
 - ``fused_float32``: ``old`` with fused q/k/v and gate/up products
   (:mod:`hetmesh.partition.fused`): bit-identical logits, checked here over
   ``--tokens`` greedy tokens on every run.
@@ -28,7 +31,8 @@ resolved to), ``single_process_tokens_before_differing`` (greedy tokens it share
 with ``old`` before the first that differs: another format differs slightly),
 ``float32_tokens_per_s``, ``float32_speedup`` and ``float32_tokens_identical``
 (its greedy tokens equal ``old``'s), ``fused_speedup_float32`` (fused fp32 / old:
-the exact lever alone).
+the exact lever alone), ``lean_speedup`` (default / default_eager: the lean
+layers alone) and ``single_process_lean`` (whether ``default`` has them).
 ``--profile`` prints torch.profiler's top operators of each path.
 
 Usage: ``python bench/decode.py [--json] [--tokens 64] [--repeats 3] [--weights native]``
@@ -45,14 +49,16 @@ from pathlib import Path
 from typing import Any
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
-PATHS = ("old", "default", "float32", "fused_float32")
+PATHS = ("old", "default", "default_eager", "float32", "fused_float32")
 
 
 def load_paths(model_dir: Path, weights: str = "native", fuse_new: bool = False) -> dict[str, Any]:
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.stage import load_stage
 
-    def one(fmt: str, fuse: bool, transpose_head: bool | None = None) -> LocalPipeline:
+    def one(
+        fmt: str, fuse: bool, transpose_head: bool | None = None, lean: bool = True
+    ) -> LocalPipeline:
         stage = load_stage(
             model_dir,
             0,
@@ -61,11 +67,13 @@ def load_paths(model_dir: Path, weights: str = "native", fuse_new: bool = False)
             fuse=fuse,
             transpose_head=transpose_head,
         )
+        stage.lean = stage.lean and lean
         return LocalPipeline([stage], model_dir=model_dir)
 
     return {
-        "old": one("float32", False, transpose_head=False),
+        "old": one("float32", False, transpose_head=False, lean=False),
         "default": one(weights, fuse_new),
+        "default_eager": one(weights, fuse_new, lean=False),
         "float32": one("float32", False),  # the loader's fp32 defaults
         "fused_float32": one("float32", True, transpose_head=False),
     }
@@ -135,6 +143,8 @@ def measure(
         tpot, outputs = lockstep_tpots(paths, prompt_ids, tokens)
         if outputs["fused_float32"] != outputs["old"]:
             raise RuntimeError("fused fp32 decoded other tokens than the separate products")
+        if outputs["default_eager"] != outputs["default"]:
+            raise RuntimeError("lean layers decoded other tokens than transformers' layers")
         for name, value in tpot.items():
             tpots[name].append(value)
     rate = {name: 1.0 / statistics.median(values) for name, values in tpots.items()}
@@ -158,6 +168,9 @@ def measure(
         "single_process_tokens_per_s_fused_float32": rate["fused_float32"],
         "fused_speedup_float32": rate["fused_float32"] / rate["old"],
         "fused_float32_tokens_identical": True,  # checked above, over `tokens` tokens
+        "single_process_lean": paths["default"].stages[0].lean,
+        "lean_speedup": rate["default"] / rate["default_eager"],
+        "lean_tokens_identical": True,  # checked above, over `tokens` tokens
         "tokens": tokens,
         "repeats": repeats,
         "threads": threads,
@@ -231,7 +244,8 @@ def main() -> None:
         f"{result['single_process_tokens_before_differing']}/{args.tokens} greedy tokens; "
         f"fp32 today x{result['float32_speedup']:.2f} (tokens "
         f"{'identical' if result['float32_tokens_identical'] else 'DIFFER'}); "
-        f"fused fp32 x{result['fused_speedup_float32']:.2f} (tokens identical)"
+        f"fused fp32 x{result['fused_speedup_float32']:.2f} (tokens identical); "
+        f"lean layers x{result['lean_speedup']:.2f} (tokens identical)"
     )
 
 

@@ -8,14 +8,16 @@ greedy decode steps after a short prompt:
   wall time per token under the profiler (which inflates per-op overhead);
 - default: decode steps timed at each thread count, interleaved round by round
   (ABBA) in this one process, wall and CPU time per token, with the median
-  ratio; then single kernels at decode shapes (int4 products, the int8 head)
-  at each thread count, best of several tries.
+  ratio (a count above 1 also with the stage's thread chooser,
+  :mod:`hetmesh.partition.threads`); then single kernels at decode shapes (int4
+  products, the int8 head) at each thread count, best of several tries.
 
 On a shared machine compare only the ratios of one run (both arms share its
 slow spells), and say the machine was loaded.
 
 Usage: ``python bench/step_profile.py [--json] [--profile] [--threads 1,2] [--steps 8]
-[--rounds 4] [--weights int4]``
+[--rounds 4] [--weights int4] [--eager]`` (``--eager``: transformers' decoder layers
+instead of :mod:`hetmesh.partition.lean`'s, for a before/after profile)
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ import torch
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
 
-def _stage(weights: str) -> Any:
+def _stage(weights: str, lean: bool = True) -> Any:
     from hetmesh.partition.profile import model_profile
     from hetmesh.partition.stage import load_stage
     from hetmesh.partition.store import check_model_dir, resolve_model
 
     model = resolve_model()
     units = model_profile(check_model_dir(model)).num_units
-    return load_stage(model, 0, units, weights=weights)
+    stage = load_stage(model, 0, units, weights=weights)
+    stage.lean = stage.lean and lean
+    return stage
 
 
 def _decode(stage: Any, steps: int, prof: Any = None) -> tuple[float, float]:
@@ -83,22 +87,33 @@ def profile(stage: Any, threads: list[int], steps: int) -> dict[str, Any]:
 
 
 def thread_ab(stage: Any, threads: list[int], steps: int, rounds: int) -> dict[str, Any]:
-    wall: dict[int, list[float]] = {t: [] for t in threads}
-    cpu: dict[int, list[float]] = {t: [] for t in threads}
-    for r in range(rounds):
-        for count in threads if r % 2 == 0 else list(reversed(threads)):
-            torch.set_num_threads(count)
-            w, c = _decode(stage, steps)
-            wall[count].append(w * 1e3)
-            cpu[count].append(c * 1e3)
-    base = statistics.median(wall[threads[0]])
+    """Decode steps at each thread count, interleaved round by round (ABBA); a count above
+    1 twice where the stage has a thread chooser: fixed (``"2t"``) and chosen by it
+    (``"2t-adaptive"``, its probes included; the chooser keeps its state across rounds)."""
+    chooser = stage.threads
+    arms = [(t, False) for t in threads]
+    if chooser is not None:
+        arms += [(t, True) for t in threads if t > 1]
+    wall: dict[tuple[int, bool], list[float]] = {arm: [] for arm in arms}
+    cpu: dict[tuple[int, bool], list[float]] = {arm: [] for arm in arms}
+    try:
+        for r in range(rounds):
+            for count, adaptive in arms if r % 2 == 0 else list(reversed(arms)):
+                torch.set_num_threads(count)
+                stage.threads = chooser if adaptive else None
+                w, c = _decode(stage, steps)
+                wall[(count, adaptive)].append(w * 1e3)
+                cpu[(count, adaptive)].append(c * 1e3)
+    finally:
+        stage.threads = chooser
+    base = statistics.median(wall[arms[0]])
     return {
-        f"{t}t": {
-            "wall_ms_per_token": [round(x, 1) for x in wall[t]],
-            "cpu_ms_per_token": [round(x, 1) for x in cpu[t]],
-            "speedup_vs_first": round(base / statistics.median(wall[t]), 3),
+        f"{t}t{'-adaptive' if adaptive else ''}": {
+            "wall_ms_per_token": [round(x, 1) for x in wall[(t, adaptive)]],
+            "cpu_ms_per_token": [round(x, 1) for x in cpu[(t, adaptive)]],
+            "speedup_vs_first": round(base / statistics.median(wall[(t, adaptive)]), 3),
         }
-        for t in threads
+        for t, adaptive in arms
     }
 
 
@@ -154,10 +169,13 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--eager", action="store_true", help="transformers' decoder layers, not the lean ones"
+    )
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
-    stage = _stage(args.weights)
-    result: dict[str, Any] = {"weights": args.weights, "cpu": _cpu_name()}
+    stage = _stage(args.weights, lean=not args.eager)
+    result: dict[str, Any] = {"weights": args.weights, "cpu": _cpu_name(), "lean": stage.lean}
     with torch.inference_mode():
         if args.profile:
             result["profile"] = profile(stage, threads, args.steps)

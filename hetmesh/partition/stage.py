@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,10 +60,13 @@ from hetmesh.partition.formats import (
 from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.kv import KVPool, SessionKV
+from hetmesh.partition.lean import LeanLayer, lean_default, lean_layer, rope_tables
+from hetmesh.partition.lean import supports as supports_lean
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
 from hetmesh.partition.store import brief_error, check_model_dir
+from hetmesh.partition.threads import ThreadChooser, adaptive_default
 from hetmesh.resources import ModelProfile
 
 # architecture -> (transformers module, class-name prefix)
@@ -271,10 +275,21 @@ class StageModule(nn.Module):
         self.rotary_emb = rotary_cls(config=config).to(device) if self.layers else None
         self.windows = [_sliding_window(config, g) for g in self.layer_range]
         self._shared: list[SharedProjection] = []  # fused products (_found_fused)
+        # layers computed by hetmesh.partition.lean (same bits, less per-op overhead)
+        self.lean = False
+        self._plans: list[LeanLayer] | None = None
+        # decode forwards at 1 thread or the caller's count, by measurement (compact formats)
+        self.threads: ThreadChooser | None = None
 
     def _found_fused(self) -> None:
         """Note the fused products that :func:`materialise` made (released after each forward)."""
         self._shared = [m for m in self.modules() if isinstance(m, SharedProjection)]
+
+    def _lean_plans(self) -> list[LeanLayer]:
+        """Each layer read for :func:`lean_layer` (once, at the first lean forward)."""
+        if self._plans is None:
+            self._plans = [LeanLayer(layer) for layer in self.layers]
+        return self._plans
 
     @property
     def fused(self) -> bool:
@@ -399,6 +414,12 @@ class StageModule(nn.Module):
         if len({id(kv) for kv in sessions}) != len(sessions):
             raise InvalidRequest("a session appears twice in one batch")
         outputs: list[torch.Tensor] = [torch.empty(0)] * len(prepared)
+        cap = torch.get_num_threads()
+        decoding = self.threads is not None and all(x.shape[0] == 1 for x in prepared)
+        count = self.threads.count(cap) if self.threads is not None and decoding else cap
+        if count != cap:
+            torch.set_num_threads(count)
+        began = time.perf_counter()
         try:
             with torch.inference_mode():
                 for span in dict.fromkeys(ranges):  # one forward per span, in order of first
@@ -423,8 +444,12 @@ class StageModule(nn.Module):
                 f"stage [{self.start}, {self.end}) failed: {brief_error(exc)}"
             ) from exc
         finally:
+            if count != cap:
+                torch.set_num_threads(cap)  # the caller's count, as it set it
             for shared in self._shared:  # hold no activations between forwards
                 shared.release()
+        if self.threads is not None and decoding:
+            self.threads.record(count, (time.perf_counter() - began) / len(prepared))
         for kv, x in zip(sessions, prepared, strict=True):
             kv._commit(x.shape[0])
         return outputs
@@ -511,9 +536,15 @@ class StageModule(nn.Module):
             position_embeddings = self.rotary_emb(hidden, position_ids)  # type: ignore[misc]
             cache = _BatchCache(sessions, lengths)
             masks: dict[int | None, torch.Tensor | QuerySpans | None] = {}
-            for layer, window in zip(layers, windows, strict=True):
+            rope = rope_tables(position_embeddings) if self.lean else None
+            plans = self._lean_plans()[part] if self.lean else []
+            for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
                 if window not in masks:
                     masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
+                mask = masks[window]
+                if rope is not None and isinstance(mask, QuerySpans):
+                    hidden = lean_layer(plans[i], hidden, mask, cache, *rope)
+                    continue
                 hidden = layer(
                     hidden,
                     attention_mask=masks[window],
@@ -672,6 +703,14 @@ def load_stage(
         column_major_head=column_major,
     )
     stage._found_fused()
+    if fmt in QUANTIZED_FORMATS and torch_device.type == "cpu" and adaptive_default():
+        stage.threads = ThreadChooser()
+    stage.lean = (
+        lean_default()
+        and attn_implementation == "exact"
+        and torch_device.type == "cpu"
+        and all(supports_lean(layer) for layer in stage.layers)
+    )
     if exact_linears is None:
         exact_linears = attn_implementation == "exact" and exact_linears_default()
     if exact_linears:

@@ -1,0 +1,251 @@
+"""A decoder layer's forward without the per-op overhead around its kernels (issue 47).
+
+A decode token of the default model in int4 spends about a third of its time
+between the quantised kernels (docs/journal/2026-12-05-kernels.md): module
+calls and transformers' wrappers around each of a layer's ~13 modules, a bf16
+cast of the same normed input before each of q, k and v (and of gate and up),
+fresh tensors for every norm, rope and residual step. :func:`lean_layer`
+computes a Llama decoder layer with the same arithmetic, op for op, and
+without that overhead:
+
+- each layer's tensors and constants are read once into a :class:`LeanLayer`
+  (no module attribute look-ups per step);
+- the int4 products are the kernel calls of
+  :meth:`hetmesh.partition.quant.Int4Linear.forward`, their shared input cast
+  to bf16 once per group (q/k/v, gate/up) instead of once per product, and
+  their bf16 outputs left unwidened where the next op meets an fp32 operand
+  (type promotion widens them exactly as ``.float()`` did; a CPU op widens a
+  mixed operand into a temporary, so this saves nothing where two ops would
+  each widen the same output: rope's q and k are widened once, explicitly); a group fused at
+  load (:mod:`hetmesh.partition.fused`) is one kernel call whose columns its
+  members take as views;
+- norms, rope and residual adds are the same element-wise operations in the
+  same order, in place where this forward owns the tensor (rope's
+  ``rotate_half(x) * sin`` is ``cat(x2, x1) * cat(-sin1, sin2)``: a sign
+  flip is exact);
+- attention is the stage's own :func:`hetmesh.partition.attention.exact_attention`
+  and the KV cache the stage's, called as transformers' layer calls them.
+
+So every result is bit-identical to transformers' layer (tests compare the
+stage's logits with and without it, prefill and decode, one row and rounds).
+
+Why not ``torch.compile``: inductor's CPU code fused the same per-op work for
+only 1.06x on this project's Xeon, cost 10-80 s of start-up per row count,
+and summed the RMS norm in another order than ATen, which the int4 format's
+bf16 casts turn into visible logit differences (up to 0.15; the prototype in
+the journal of 2026-12-05). This keeps ATen's kernels and their bits.
+
+For Llama, Mistral and Qwen2 layers (not Qwen3's, with their q/k norms) with
+exact attention on a CPU, every weight format; other stages run transformers'
+layer. ``HETMESH_LEAN_LAYERS=0`` turns it off (A/B runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmesh.partition.attention import QuerySpans, exact_attention
+from hetmesh.partition.fused import ProjectionSlice
+from hetmesh.partition.quant import INT4_GROUP, Int4Linear
+
+LEAN_ENV = "HETMESH_LEAN_LAYERS"
+_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+# the torch function, not torch.ops' packet: ~1 us less per call (210 calls a token)
+_int4_mm = torch._weight_int4pack_mm_for_cpu
+
+
+def lean_default() -> bool:
+    """Whether stages use :func:`lean_layer` where they can (env switch, on unless ``0``)."""
+    return os.environ.get(LEAN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def supports(layer: nn.Module) -> bool:
+    """Whether :func:`lean_layer` computes ``layer`` exactly as its own forward does."""
+    if type(layer).__name__ not in _LAYER_CLASSES:
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or hasattr(attn, "q_norm"):
+        return False
+    norms = (getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm"))
+    if not all(hasattr(norm, "variance_epsilon") for norm in norms):
+        return False
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if not all(isinstance(getattr(attn, n, None), nn.Module) for n in names):
+        return False
+    if not all(isinstance(getattr(mlp, n, None), nn.Module) for n in _MLP_NAMES):
+        return False
+    return type(getattr(mlp, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _norm(weight: torch.Tensor, eps: float, h: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """transformers' RMS norm, op for op: ``w * (h * rsqrt(mean(h^2) + eps))``; with
+    ``bf16`` (an fp32 ``h`` on its way to int4 products) the last product is written as
+    bf16, which rounds it as a ``.to(torch.bfloat16)`` of it would."""
+    dtype = h.dtype
+    h32 = h if dtype == torch.float32 else h.to(torch.float32)
+    scale = h32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    out = h32 * scale
+    if dtype != torch.float32:
+        out = out.to(dtype)
+    if weight.dtype != out.dtype:  # promotes: not in place
+        return weight * out
+    if bf16 and dtype == torch.float32:
+        return torch.mul(out, weight, out=torch.empty_like(out, dtype=torch.bfloat16))
+    return out.mul_(weight)
+
+
+class _Products:
+    """The products of projections that share an input (q/k/v, gate/up, or one alone)."""
+
+    __slots__ = ("columns", "int4", "modules")
+
+    def __init__(self, modules: tuple[nn.Module, ...]) -> None:
+        self.modules = modules
+        # (packed, scales and zeros, columns kept or None, bias) per int4 product on a CPU
+        self.int4: tuple[tuple[Any, ...], ...] | None = None
+        # a fused group (partition/fused.py) of int4: each member's columns of the one product
+        self.columns: tuple[tuple[int, int], ...] | None = None
+        shared = _shared_int4(modules)
+        if shared is not None:
+            self.modules = (shared,)
+            self.columns = tuple(
+                (m.start, m.stop) for m in modules if isinstance(m, ProjectionSlice)
+            )
+        if all(type(m) is Int4Linear for m in self.modules):
+            layers = [m for m in self.modules if isinstance(m, Int4Linear)]
+            if all(m.weight_packed.device.type == "cpu" for m in layers):
+                self.int4 = tuple(
+                    (
+                        m.weight_packed,
+                        m.scales_zeros,
+                        m.out_features if m.padded_out != m.out_features else None,
+                        m.bias,
+                    )
+                    for m in layers
+                )
+        if self.int4 is None:
+            self.modules, self.columns = modules, None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each product of ``x (b, s, k)``; int4 ones from one bf16 cast of ``x``, and in
+        the kernel's bf16 where they have no bias (see the module docstring)."""
+        if self.int4 is None:
+            return [m(x) for m in self.modules]
+        batch, seq, k = x.shape
+        rows = x.reshape(-1, k)
+        if rows.dtype != torch.bfloat16:
+            rows = rows.to(torch.bfloat16)
+        outs = []
+        for packed, scales_zeros, keep, bias in self.int4:
+            out = _int4_mm(rows, packed, INT4_GROUP, scales_zeros)
+            if keep is not None:
+                out = out[:, :keep]
+            if bias is not None:
+                out = out.float() + bias
+            outs.append(out.view(batch, seq, -1))
+        if self.columns is not None:  # one fused product: its members' columns (views)
+            return [outs[0][..., lo:hi] for lo, hi in self.columns]
+        return outs
+
+
+def _shared_int4(modules: tuple[nn.Module, ...]) -> Int4Linear | None:
+    """The stacked int4 layer where ``modules`` are all the slices of one fused product,
+    in order (partition/fused.py), else None."""
+    if not all(isinstance(m, ProjectionSlice) for m in modules):
+        return None
+    slices = [m for m in modules if isinstance(m, ProjectionSlice)]
+    shared = {id(m._shared[0]) for m in slices}
+    linear = slices[0]._shared[0].linear
+    if len(shared) != 1 or type(linear) is not Int4Linear:
+        return None
+    bounds = [(m.start, m.stop) for m in slices]
+    if bounds[0][0] != 0 or any(a[1] != b[0] for a, b in itertools.pairwise(bounds)):
+        return None
+    if bounds[-1][1] != linear.out_features:
+        return None
+    return linear
+
+
+class LeanLayer:
+    """What :func:`lean_layer` reads of one decoder layer, read once."""
+
+    __slots__ = ("attn", "dim", "index", "ln1", "ln2", "mlp_down", "mlp_in", "o", "qkv", "scaling")
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn: nn.Module = attn
+        self.dim: int = attn.head_dim
+        self.index: int = attn.layer_idx
+        self.scaling: float = attn.scaling
+        self.ln1 = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
+        self.ln2 = (
+            layer.post_attention_layernorm.weight,
+            float(layer.post_attention_layernorm.variance_epsilon),
+        )
+        self.qkv = _Products((attn.q_proj, attn.k_proj, attn.v_proj))
+        self.o = _Products((attn.o_proj,))
+        self.mlp_in = _Products((mlp.gate_proj, mlp.up_proj))
+        self.mlp_down = _Products((mlp.down_proj,))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x (b, s, heads, d)``, cos/sin ``(b, s, 1, d)``
+    (``x`` may be the int4 kernel's bf16: the products with fp32 tables widen it exactly)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.mul(swapped, sin_signed).add_(x * cos)
+
+
+def lean_layer(
+    plan: LeanLayer,
+    hidden: torch.Tensor,
+    mask: QuerySpans | None,
+    cache: Any,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+) -> torch.Tensor:
+    """The forward of the layer ``plan`` was read from: ``hidden (b, s, h)``, the queries'
+    key spans, the stage's batch cache, and rope's ``cos`` and signed ``sin``
+    (:func:`rope_tables`) as ``(b, s, 1, d)``."""
+    batch, seq = hidden.shape[:2]
+    dim, dtype = plan.dim, hidden.dtype
+    x = _norm(*plan.ln1, hidden, plan.qkv.int4 is not None)
+    q, k, v = plan.qkv(x)
+    # widened once here: rope's two products would each widen a bf16 operand again
+    q = _rope(q.view(batch, seq, -1, dim).to(dtype), cos, sin_signed)
+    k = _rope(k.view(batch, seq, -1, dim).to(dtype), cos, sin_signed)
+    v = v.view(batch, seq, -1, dim).to(dtype)
+    keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), plan.index)
+    out, _ = exact_attention(plan.attn, q.transpose(1, 2), keys, values, mask, scaling=plan.scaling)
+    (o,) = plan.o(out.reshape(batch, seq, -1))
+    hidden = hidden + o
+    x = _norm(*plan.ln2, hidden, plan.mlp_in.int4 is not None)
+    gate, up = plan.mlp_in(x)
+    act = F.silu(gate.to(dtype))
+    if plan.mlp_down.int4 is not None and act.dtype == torch.float32:
+        # the product rounded to bf16 as it is written, as the int4 product's cast would
+        (down,) = plan.mlp_down(torch.mul(act, up, out=torch.empty_like(act, dtype=torch.bfloat16)))
+    else:
+        (down,) = plan.mlp_down(act.mul_(up))
+    return hidden + down
+
+
+def rope_tables(
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``(cos, sin)`` ``(b, s, d)`` -> ``(cos, signed sin)`` ``(b, s, 1, d)``:
+    the sine's first half negated, so rope is ``cat(x2, x1) * sin + x * cos``."""
+    cos, sin = position_embeddings
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos[:, :, None], signed[:, :, None]
+
+
+__all__ = ["LEAN_ENV", "LeanLayer", "lean_default", "lean_layer", "rope_tables", "supports"]

@@ -1,0 +1,42 @@
+"""The default model with lean decoder layers: the same logits, bit for bit, as without."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetmesh.partition.stage import StageModule, load_stage
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 2113, 30]
+STEPS = 12
+
+
+def _greedy_logits(stage: StageModule, lean: bool) -> list[torch.Tensor]:
+    """The last-token logits of a prefill (in two chunks) and greedy decode steps."""
+    stage.lean = lean
+    kv = stage.new_kv()
+    stage.forward(torch.tensor(PROMPT[:3]), kv)
+    logits = [stage.forward(torch.tensor(PROMPT[3:]), kv, last_only=True)[-1]]
+    for _ in range(STEPS):
+        token = int(logits[-1].argmax())
+        logits.append(stage.forward(torch.tensor([token]), kv, last_only=True)[-1])
+    return logits
+
+
+@pytest.mark.parametrize(("fmt", "fuse"), [("int4", False), ("int4", True), ("int8", False)])
+def test_lean_default_model_matches_transformers_layers(
+    default_model_dir: Path, fmt: str, fuse: bool
+) -> None:
+    stage = load_stage(default_model_dir, 0, 32, weights=fmt, fuse=fuse)
+    assert stage.lean  # on by default for the default model's layers
+    expected = _greedy_logits(stage, lean=False)
+    got = _greedy_logits(stage, lean=True)
+    assert len(got) == STEPS + 1
+    # a fused int4 group is one kernel call whose columns the members take
+    assert (stage._lean_plans()[0].qkv.columns is not None) is (fuse and fmt == "int4")
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b), f"{fmt}: logits differ at step {step}"
