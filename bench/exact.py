@@ -22,6 +22,11 @@ depend on its round: what this bench checks of the mesh; the rounds share
 their weight reads, which one stream after another does not); every ``--serial-every``-th
 stream is also generated alone, one token per call, as ``hetmesh generate`` does,
 and ``reference_serial_disagree`` counts those that differ from the rounds' (0).
+The reference depends on the stream mix only, so it runs in a process of its own
+beside the meshes: every mesh, the freeze mesh and each format's reference is a
+job, ``--parallel`` of them at once (a 2-core machine then spends its time
+computing, not waiting on one mesh's start or its slowest stream), all compared
+at the end; ``load_average`` samples the machine's 1-minute load during the run.
 ``<format>_identical_ratio`` is the share of that format's streams equal to the
 reference; ``streams_checked`` counts them all. ``phase_seconds`` says where the
 run's time went (each mesh, its start included (``_ready``), each reference).
@@ -53,14 +58,19 @@ room, as their announced counters say); other failed streams (timed out, errors)
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
 import random
 import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +80,7 @@ from hetmesh.errors import MeshError, Rejected
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
 GATEWAY_MEMORY = "1MiB"  # the freeze mesh's gateway: room for no unit of the model
+FREEZE_TOKENS = 120  # the freeze runs' stream length
 REFERENCE_ROUND = 16  # the reference's decode rounds: as many rows as clients
 # what one node may offer for the whole model with its pool (replicas), and a cap
 # under the whole model's need in each format (weights + KV budget + workspace: ~315
@@ -121,7 +132,7 @@ def mesh_streams(
         *("--weights", fmt, "--max-memory", memory, "--max-context", str(CONTEXT)),
         *("--kv-pool-tokens", str(pool_tokens)),
     ]
-    done: list[tuple[list[int], int, list[int]]] = []
+    done: list[tuple[int, list[int]]] = []  # (index in mix, tokens)
     failed = busy = 0
     preempted: list[int] = []
     began = time.perf_counter()
@@ -135,14 +146,14 @@ def mesh_streams(
 
         async def run() -> None:
             async with open_mesh_client(mesh.addr, mesh_secret=mesh.secret, timeout_s=1800) as c:
-                turn = iter(mix)
+                turn = iter(enumerate(mix))
 
                 async def client() -> None:
                     nonlocal failed, busy
-                    for prompt, tokens in turn:
+                    for n, (prompt, tokens) in turn:
                         while True:
                             try:
-                                done.append((prompt, tokens, await _collect(c, prompt, tokens)))
+                                done.append((n, await _collect(c, prompt, tokens)))
                             except Rejected as exc:
                                 if "busy" not in str(exc):
                                     raise
@@ -276,17 +287,17 @@ def freeze_stream(
 
 
 def reference(
-    fmt: str, streams: Sequence[tuple[list[int], int, list[int]]], serial_every: int = 8
-) -> dict[str, int]:
-    """How many of ``streams`` equal one process holding the model in ``fmt``.
+    fmt: str, streams: Sequence[tuple[list[int], int]], serial: Sequence[int] = ()
+) -> dict[str, Any]:
+    """One process's tokens for ``streams``, holding the model in ``fmt``.
 
     The process computes them as a mesh's stage would, beside each other: each prompt
     prefilled whole, alone, then decode rounds of up to :data:`REFERENCE_ROUND` streams
     (each row's result is independent of the round's others: that is what exactness
-    means, proved per shape at load and by tests). Every ``serial_every``-th stream is
-    also generated alone, one token per call (``LocalPipeline.generate_ids``, what
-    ``hetmesh generate`` does); ``serial_disagree`` counts those whose tokens differ
-    from the rounds' (0, or the reference itself is not exact)."""
+    means, proved per shape at load and by tests). The streams at the ``serial``
+    indices are also generated alone, one token per call (``LocalPipeline.generate_ids``,
+    what ``hetmesh generate`` does): ``alone`` maps each such index to its tokens, which
+    must equal the rounds' (or the reference itself is not exact)."""
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.sampling import SamplingParams
     from hetmesh.partition.store import resolve_model
@@ -300,11 +311,11 @@ def reference(
     wants: list[list[int]] = []
     for lo in range(0, len(streams), REFERENCE_ROUND):
         group = streams[lo : lo + REFERENCE_ROUND]
-        sessions = [pipeline.new_session(SamplingParams(max_new_tokens=t)) for _, t, _ in group]
+        sessions = [pipeline.new_session(SamplingParams(max_new_tokens=t)) for _, t in group]
         outs: list[list[int]] = [[] for _ in group]
         live: list[int] = []
         with torch.inference_mode():
-            for n, ((prompt, tokens, _), session) in enumerate(zip(group, sessions, strict=True)):
+            for n, ((prompt, tokens), session) in enumerate(zip(group, sessions, strict=True)):
                 logits = stage.forward(torch.tensor(prompt), session.kvs[0], last_only=True)
                 token = session.sampler(logits[-1], 0)
                 if token not in eos and tokens > 0:
@@ -324,90 +335,79 @@ def reference(
         for session in sessions:
             session.free()
         wants.extend(outs)
-    serial = disagree = 0
-    for n in range(0, len(streams), serial_every) if serial_every else ():
-        prompt, tokens, _ = streams[n]
-        alone = list(
+    alone: dict[int, list[int]] = {}
+    for n in serial:
+        prompt, tokens = streams[n]
+        alone[n] = list(
             pipeline.generate_ids(prompt, SamplingParams(max_new_tokens=tokens), eos_ids=eos)
         )
-        serial += 1
-        disagree += alone != wants[n]
+    return {"wants": wants, "alone": alone}
+
+
+def compare(
+    fmt: str,
+    streams: Sequence[tuple[list[int], int]],
+    done: Sequence[tuple[int, list[int]]],
+    wants: Sequence[list[int]],
+) -> int:
+    """How many finished streams (index, tokens) equal the reference's ``wants``."""
     equal = 0
-    for (prompt, _, got), want in zip(streams, wants, strict=True):
+    for n, got in done:
+        want = wants[n]
         equal += want == got
         if want != got:
             first = next(
                 (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
             )
-            print(f"{fmt}: a {len(prompt)}-token prompt differs at {first}", file=sys.stderr)
-    return {"equal": equal, "serial": serial, "serial_disagree": disagree}
+            print(f"{fmt}: a {len(streams[n][0])}-token prompt differs at {first}", file=sys.stderr)
+    return equal
 
 
-def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
-    """Exact attention against torch's kernel, in one process (see the docstring)."""
-    from hetmesh.partition.stage import StageModule, load_stage
-    from hetmesh.partition.store import resolve_model
+def reference_in_process(
+    fmt: str, streams: Sequence[tuple[list[int], int]], serial: Sequence[int], workdir: Path
+) -> dict[str, Any]:
+    """:func:`reference` in a process of its own (it runs beside the meshes: the
+    reference depends on the stream mix only, not on what a mesh returned)."""
+    job, out = workdir / f"{fmt}-job.json", workdir / f"{fmt}-out.json"
+    job.write_text(json.dumps({"format": fmt, "streams": streams, "serial": list(serial)}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, str(Path(__file__).resolve()), "--reference-job", str(job), str(out)]
+    code = subprocess.run(argv, env=env, check=False).returncode
+    if code != 0:
+        raise RuntimeError(f"{fmt}: the reference process exited with {code}")
+    got = json.loads(out.read_text())
+    return {"wants": got["wants"], "alone": {int(k): v for k, v in got["alone"].items()}}
 
-    torch.set_num_threads(1)
-    model_dir = resolve_model()
-    end = 32  # the default model's units: embedding, 30 layers, head
-    stages = {
-        "exact": load_stage(model_dir, 0, end, weights=fmt, attn_implementation="exact"),
-        "plain_linear": load_stage(model_dir, 0, end, weights=fmt, exact_linears=False),
-        "sdpa": load_stage(
-            model_dir, 0, end, weights=fmt, attn_implementation="sdpa", exact_linears=False
-        ),
-    }
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (context + 13 * i,), generator=gen) for i in range(8)]
-    token = torch.tensor([7])
 
-    def single(stage: StageModule, steps: int = 16) -> float:
-        kv = stage.new_kv()
-        stage.forward(prompts[0], kv, last_only=True)
-        began = time.thread_time()
-        for _ in range(steps):
-            stage.forward(token, kv, last_only=True)
-        kv.free()
-        return (time.thread_time() - began) / steps
+class _Load:
+    """The machine's 1-minute load average, sampled every 5 s while a run goes on."""
 
-    def batched(stage: StageModule, steps: int = 8) -> float:
-        pool = stage.new_pool(8 * ((context + 13 * 8 + steps) // 16 + 2))
-        kvs = [stage.new_kv(pool) for _ in prompts]
-        for prompt, kv in zip(prompts, kvs, strict=True):
-            stage.forward(prompt, kv, last_only=True)
-        began = time.thread_time()
-        for _ in range(steps):
-            stage.forward_batch([(token, kv) for kv in kvs], last_only=True)
-        for kv in kvs:
-            kv.free()
-        return (time.thread_time() - began) / steps
+    def __init__(self) -> None:
+        self.samples = [os.getloadavg()[0]]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
 
-    def prefill(stage: StageModule) -> float:
-        kv = stage.new_kv()
-        began = time.thread_time()
-        stage.forward(prompts[-1], kv, last_only=True)
-        kv.free()
-        return time.thread_time() - began
+    def _sample(self) -> None:
+        while not self.stop.wait(5.0):
+            self.samples.append(os.getloadavg()[0])
 
-    best: dict[str, dict[str, float]] = {i: {} for i in stages}
-    for rep in range(repeats):
-        order = list(stages) if rep % 2 == 0 else list(stages)[::-1]
-        for name in order:
-            for what, fn in (("decode", single), ("round8", batched), ("prefill", prefill)):
-                t = fn(stages[name])
-                best[name][what] = min(best[name].get(what, t), t)
-    out: dict[str, Any] = {"speed_format": fmt, "speed_prefill_tokens": len(prompts[-1])}
-    for what in ("decode", "round8", "prefill"):
-        for name in stages:
-            out[f"speed_{what}_ms_{name}"] = round(1e3 * best[name][what], 2)
-        out[f"speed_{what}_ratio"] = round(best["exact"][what] / best["sdpa"][what], 3)
-        plain = best["plain_linear"][what]
-        out[f"speed_{what}_ratio_vs_plain_linear"] = round(best["exact"][what] / plain, 3)
-    return out
+    def summary(self) -> dict[str, float]:
+        self.stop.set()
+        self.thread.join()
+        s = self.samples
+        return {
+            "start": round(s[0], 2),
+            "mean": round(sum(s) / len(s), 2),
+            "min": round(min(s), 2),
+            "max": round(max(s), 2),
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every mesh, the freeze mesh and every reference process as a job; at most
+    ``args.parallel`` jobs at once (a format's meshes and its reference are independent:
+    the reference depends on the stream mix only; they are compared at the end)."""
     per_format = max(1, args.streams // (2 * len(args.formats)))
     result: dict[str, Any] = {
         "streams_checked": 0,
@@ -418,50 +418,89 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reference_serial_disagree": 0,
     }
     began = time.perf_counter()
-    phases: dict[str, float] = {}  # seconds per phase: where a run's time goes
-    for i, fmt in enumerate(args.formats if args.streams else ()):
-        streams: list[tuple[list[int], int, list[int]]] = []
-        for topology, memory, pipelines in (
-            ("replicas", WHOLE_MEMORY, 2),
-            ("cut", CUT_MEMORY[fmt], 1),
-        ):
-            mix = stream_mix(100 * i + len(topology), per_format, args.quick)
-            start = time.perf_counter()
-            got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
-            phases[f"{fmt}_{topology}"] = round(time.perf_counter() - start, 1)
+    load = _Load()
+    phases: dict[str, float] = {}  # seconds per job: where a run's time goes
+    formats = list(args.formats if args.streams else ())
+    topologies = (("replicas", WHOLE_MEMORY, 2), ("cut", "", 1))
+    mixes = {
+        (fmt, topology): stream_mix(100 * i + len(topology), per_format, args.quick)
+        for i, fmt in enumerate(formats)
+        for topology, _, _ in topologies
+    }
+    # per format, the streams the reference computes: both meshes' mixes, then (int4)
+    # the freeze stream; every serial_every-th one, and the freeze stream, also alone
+    ref_streams = {f: mixes[f, "replicas"] + mixes[f, "cut"] for f in formats}
+    serial = {
+        f: list(range(0, len(s), args.serial_every)) if args.serial_every else []
+        for f, s in ref_streams.items()
+    }
+    freeze_prompt = stream_mix(7, 1, True)[0][0][:60]
+    freeze_at = -1
+    if args.freeze_runs:
+        ref_streams.setdefault("int4", [])
+        serial.setdefault("int4", [])
+        freeze_at = len(ref_streams["int4"])
+        ref_streams["int4"] = [*ref_streams["int4"], (freeze_prompt, FREEZE_TOKENS)]
+        serial["int4"].append(freeze_at)
+    outcome: dict[str, Any] = {}
+
+    def timed(name: str, fn: Any, *fn_args: Any) -> None:
+        start = time.perf_counter()
+        outcome[name] = fn(*fn_args)
+        phases[name] = round(time.perf_counter() - start, 1)
+        at = time.perf_counter() - began
+        print(f"{name}: done in {phases[name]} s, at {at:.0f} s", file=sys.stderr, flush=True)
+
+    jobs: list[tuple[Any, ...]] = []
+    if args.freeze_runs:
+        freeze = (freeze_prompt, FREEZE_TOKENS, args.freeze_runs, args.pool_tokens)
+        jobs.append(("freeze", freeze_stream, *freeze))
+    with tempfile.TemporaryDirectory(prefix="hetmesh-exact-") as tmp:
+        # the slowest format (float32) first; a format's reference before its meshes
+        # (one process, the longest job of its format)
+        for fmt in reversed(list(ref_streams)):
+            ref = (fmt, ref_streams[fmt], serial[fmt], Path(tmp))
+            jobs.append((f"{fmt}_reference", reference_in_process, *ref))
+            for topology, memory, pipelines in topologies if fmt in formats else ():
+                mesh = (fmt, memory or CUT_MEMORY[fmt], mixes[fmt, topology], args.clients)
+                job = (f"{fmt}_{topology}", mesh_streams, *mesh, args.pool_tokens, pipelines)
+                jobs.append(job)
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
+            for future in [pool.submit(timed, *job) for job in jobs]:
+                future.result()
+    for fmt in formats:
+        ref = outcome[f"{fmt}_reference"]
+        done: list[tuple[int, list[int]]] = []
+        offset = 0
+        for topology, _, _ in topologies:
+            got = outcome[f"{fmt}_{topology}"]
+            done.extend((offset + n, tokens) for n, tokens in got["done"])
+            offset += len(mixes[fmt, topology])
             phases[f"{fmt}_{topology}_ready"] = got["ready_s"]  # nodes started, model loaded
-            print(
-                f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
-                f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
-                f"layout {got['layout']}, "
-                f"{time.perf_counter() - began:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-            streams.extend(got["done"])
             result["streams_failed"] += got["failed"]
             result["busy_refusals"] += got["busy"]
             result["preemptions"] += got["preempted"]
             result[f"{fmt}_{topology}_layout"] = got["layout"]
-        start = time.perf_counter()
-        checked = reference(fmt, streams, args.serial_every)
-        phases[f"{fmt}_reference"] = round(time.perf_counter() - start, 1)
-        equal = checked["equal"]
-        result["reference_serial_checked"] += checked["serial"]
-        result["reference_serial_disagree"] += checked["serial_disagree"]
-        print(f"{fmt}: reference done, {time.perf_counter() - began:.0f} s", file=sys.stderr)
-        result["streams_checked"] += len(streams)
+            print(
+                f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
+                f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
+                f"layout {got['layout']}",
+                file=sys.stderr,
+            )
+        equal = compare(fmt, ref_streams[fmt], done, ref["wants"])
+        alone = {n: t for n, t in ref["alone"].items() if n != freeze_at or fmt != "int4"}
+        result["reference_serial_checked"] += len(alone)
+        result["reference_serial_disagree"] += sum(t != ref["wants"][n] for n, t in alone.items())
+        result["streams_checked"] += len(done)
         key = "bf16" if fmt == "bfloat16" else fmt
-        result[f"{key}_identical_ratio"] = round(equal / len(streams), 4) if streams else 0.0
-        result[f"{key}_streams"] = len(streams)
+        result[f"{key}_identical_ratio"] = round(equal / len(done), 4) if done else 0.0
+        result[f"{key}_streams"] = len(done)
     if args.freeze_runs:
-        prompt = stream_mix(7, 1, True)[0][0][:60]
-        start = time.perf_counter()
-        outputs = freeze_stream(prompt, 120, args.freeze_runs, args.pool_tokens)
-        phases["freeze"] = round(time.perf_counter() - start, 1)
-        # every freeze stream also alone, one token per call (serial_every 1)
-        checked = reference("int4", [(prompt, 120, o["tokens"]) for o in outputs], 1)
-        equal = min(checked["equal"], checked["serial"] - checked["serial_disagree"])
+        ref = outcome["int4_reference"]
+        want, alone_tokens = ref["wants"][freeze_at], ref["alone"][freeze_at]
+        outputs = outcome["freeze"]
+        # the freeze stream is generated alone too: it must equal the rounds' as well
+        equal = sum(o["tokens"] == want for o in outputs) if alone_tokens == want else 0
         frozen = sum(o["frozen"] for o in outputs)
         result["freeze_runs"] = len(outputs)
         result["freeze_runs_frozen"] = frozen
@@ -472,6 +511,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bool(outputs) and frozen == len(outputs) and equal == len(outputs)
         )
     result["phase_seconds"] = phases
+    result["parallel_jobs"] = args.parallel
+    result["load_average"] = load.summary()
     result["seconds"] = round(time.perf_counter() - began, 1)
     return result
 
@@ -495,8 +536,21 @@ def main() -> None:
     )
     parser.add_argument("--speed", action="store_true", help="what exactness costs")
     parser.add_argument("--speed-format", choices=FORMATS, default="int4")
+    parser.add_argument(
+        "--parallel", type=int, default=5, help="meshes and reference processes at once"
+    )
+    parser.add_argument("--reference-job", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.reference_job:  # one reference process (see reference_in_process)
+        job = json.loads(Path(args.reference_job[0]).read_text())
+        streams = [(list(p), int(t)) for p, t in job["streams"]]
+        got = reference(job["format"], streams, job["serial"])
+        Path(args.reference_job[1]).write_text(json.dumps(got))
+        return
     if args.speed:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from exact_speed import speed
+
         print(json.dumps(speed(args.speed_format), sort_keys=True))
         return
     args.formats = args.formats or list(FORMATS)
