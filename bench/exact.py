@@ -56,6 +56,9 @@ machine a stage that computes a long prefill for 30 s is suspected and avoided,
 and a stream may then find no route) is asked again up to 5 times
 (``streams_retried``); what the failed try delivered must be a prefix of the
 reference (``retried_prefix_differs`` counts those that are not: 0). A stream
+refused before its first token for want of a route (``NoRoute``: the mesh
+replans, e.g. on a link's measured bandwidth drifting on a loaded machine) is
+asked again every 2 s, up to 20 min (``route_refusals``). A stream
 failed every time is counted in ``streams_failed``, not compared.
 """
 
@@ -79,11 +82,12 @@ from typing import Any
 
 import torch
 
-from hetmesh.errors import MeshError, Rejected
+from hetmesh.errors import InsufficientCapacity, MeshError, NoRoute, Rejected
 
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
 GATEWAY_MEMORY = "1MiB"  # the freeze mesh's gateway: room for no unit of the model
+ROUTE_WAIT_S = 1200  # how long a stream is asked again while the mesh has no route
 STREAM_RETRIES = 5  # a stream the mesh failed is asked again up to 5 times
 FREEZE_TOKENS = 120  # the freeze runs' stream length
 REFERENCE_ROUND = 16  # the reference's decode rounds: as many rows as clients
@@ -140,7 +144,7 @@ def mesh_streams(
     ]
     done: list[tuple[int, list[int]]] = []  # (index in mix, tokens)
     partial: list[tuple[int, list[int]]] = []  # failed tries: what they delivered
-    failed = busy = retried = 0
+    failed = busy = retried = unrouted = 0
     preempted: list[int] = []
     began = time.perf_counter()
     with local_mesh(3, node_args=args) as mesh:
@@ -156,9 +160,10 @@ def mesh_streams(
                 turn = iter(enumerate(mix))
 
                 async def client() -> None:
-                    nonlocal failed, busy, retried
+                    nonlocal failed, busy, retried, unrouted
                     for n, (prompt, tokens) in turn:
                         tries = 0
+                        give_up = time.monotonic() + ROUTE_WAIT_S
                         while True:
                             got: list[int] = []
                             try:
@@ -171,6 +176,14 @@ def mesh_streams(
                                 await trio.sleep(1.0)
                                 continue
                             except MeshError as exc:
+                                refused = isinstance(exc, (NoRoute, InsufficientCapacity))
+                                if refused and not got and time.monotonic() < give_up:
+                                    # refused before a token: no pipeline ready (the mesh
+                                    # replans, e.g. on link drift, or suspects a starved
+                                    # stage): a client asks again once it routes
+                                    unrouted += 1
+                                    await trio.sleep(2.0)
+                                    continue
                                 # the mesh gave up on it (e.g. no route while a starved
                                 # stage is suspected): what it delivered is checked as a
                                 # prefix, and a client asks again
@@ -195,6 +208,7 @@ def mesh_streams(
         "done": done,
         "partial": partial,
         "retried": retried,
+        "unrouted": unrouted,
         "failed": failed,
         "busy": busy,
         "layout": layout,
@@ -434,6 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "streams_failed": 0,
         "busy_refusals": 0,
         "streams_retried": 0,
+        "route_refusals": 0,
         "retried_prefix_differs": 0,
         "preemptions": 0,
         "reference_serial_checked": 0,
@@ -501,6 +516,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["streams_failed"] += got["failed"]
             result["busy_refusals"] += got["busy"]
             result["streams_retried"] += got["retried"]
+            result["route_refusals"] += got["unrouted"]
             for n, part in got["partial"]:  # a failed try's tokens: a prefix of the stream
                 want = ref["wants"][offset + n]
                 result["retried_prefix_differs"] += part != want[: len(part)]
@@ -563,7 +579,7 @@ def main() -> None:
     parser.add_argument("--speed", action="store_true", help="what exactness costs")
     parser.add_argument("--speed-format", choices=FORMATS, default="int4")
     parser.add_argument(
-        "--parallel", type=int, default=4, help="meshes and reference processes at once"
+        "--parallel", type=int, default=3, help="meshes and reference processes at once"
     )
     parser.add_argument("--reference-job", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
