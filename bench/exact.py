@@ -27,6 +27,8 @@ beside the meshes: every mesh, the freeze mesh and each format's reference is a
 job, ``--parallel`` of them at once (a 2-core machine then spends its time
 computing, not waiting on one mesh's start or its slowest stream), all compared
 at the end; ``load_average`` samples the machine's 1-minute load during the run.
+``--save DIR`` keeps each job's outcome as it ends and reuses it in a later run of
+the same configuration (a run interrupted, or split over sessions, resumes).
 ``<format>_identical_ratio`` is the share of that format's streams equal to the
 reference; ``streams_checked`` counts them all. ``phase_seconds`` says where the
 run's time went (each mesh, its start included (``_ready``), each reference).
@@ -70,7 +72,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -227,97 +228,6 @@ def _preemptions(view: dict[str, Any]) -> int:
         serving = read_serving(record.get("extra"), record.get("stages") or (), plan_of=None)
         total += sum(int(float(str(c.get("kv_preempted", 0)))) for c in serving.stage_servers)
     return total
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) a process has used so far, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def freeze_stream(
-    prompt: list[int], tokens: int, runs: int, pool_tokens: int
-) -> list[dict[str, Any]]:
-    """``runs`` int4 streams, each with the replica serving it frozen (SIGSTOP) at the
-    stream's 20th token, thawed (SIGCONT) once 3 more tokens came (the session replayed
-    on the other replica) or 20 s passed; per stream its tokens, whether a replica was
-    frozen under it and whether tokens came while it was frozen (a recovery)."""
-    import trio
-
-    from hetmesh.client.mesh import TokenEvent, open_mesh_client
-    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
-
-    args = [
-        *("--weights", "int4", "--max-memory", WHOLE_MEMORY, "--max-context", str(CONTEXT)),
-        *("--kv-pool-tokens", str(pool_tokens)),
-    ]
-    outputs: list[dict[str, Any]] = []
-    # the gateway serves no stage (too little memory for one): a stream it computed
-    # itself could not be frozen under it; the two others hold a replica each
-    with local_mesh(3, node_args=args, per_node_args=[["--max-memory", GATEWAY_MEMORY]]) as mesh:
-        wait_serving(mesh, pipelines=2, timeout_s=600)  # a replica to move to
-        gateway = mesh.nodes[0]
-        replicas = {n.peer_id: n for n in mesh.nodes[1:]}
-
-        async def serving(client: Any) -> str | None:
-            """The replica computing the stream: the one burning CPU while tokens come
-            (its announced load lags by seconds), confirmed by the announcement when
-            that already shows the session."""
-            before = {p: _cpu_seconds(n.proc.pid) for p, n in replicas.items()}
-            await trio.sleep(1.0)
-            used = {p: _cpu_seconds(n.proc.pid) - before[p] for p, n in replicas.items()}
-            busiest = max(used, key=lambda p: used[p])
-            view = await client.status()
-            loaded = [
-                str(e["peer_id"])
-                for e in view["peers"]
-                if e["peer_id"] in replicas and e["record"]["load"]["active_sessions"]
-            ]
-            if len(loaded) == 1:
-                return loaded[0]
-            return busiest if used[busiest] > 0.05 else None
-
-        async def one(client: Any) -> dict[str, Any]:
-            got: list[int] = []
-            frozen: str | None = None
-            at_freeze = 0
-            thawed = trio.Event()
-            moved_on = trio.Event()  # tokens came after the freeze: replayed elsewhere
-
-            async def thaw_later(peer: str) -> None:
-                with trio.move_on_after(20):
-                    await moved_on.wait()
-                os.kill(replicas[peer].proc.pid, signal.SIGCONT)
-                thawed.set()
-
-            async with trio.open_nursery() as nursery:
-                events = client.stream(prompt_ids=prompt, max_new_tokens=tokens)
-                async with contextlib.aclosing(events) as stream:
-                    async for event in stream:
-                        if not (isinstance(event, TokenEvent) and event.token_id >= 0):
-                            continue
-                        got.append(event.token_id)
-                        if frozen is not None and not thawed.is_set() and len(got) > at_freeze + 2:
-                            moved_on.set()
-                        if len(got) == 20 and frozen is None:
-                            peer = await serving(client)
-                            if peer is not None:
-                                frozen = peer
-                                at_freeze = len(got)
-                                os.kill(replicas[peer].proc.pid, signal.SIGSTOP)
-                                nursery.start_soon(thaw_later, peer)
-                if frozen is not None:
-                    await thawed.wait()
-            return {"tokens": got, "frozen": frozen is not None, "recovered": moved_on.is_set()}
-
-        async def run() -> None:
-            async with open_mesh_client(gateway.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
-                for _ in range(runs):
-                    outputs.append(await one(c))
-
-        trio.run(run)
-    return outputs
 
 
 def reference(
@@ -481,15 +391,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         serial["int4"].append(freeze_at)
     outcome: dict[str, Any] = {}
 
+    # what decides the jobs' outcomes: a saved outcome is reused only for the same
+    config = [formats, args.streams, args.quick, args.pool_tokens, args.clients]
+    config += [args.freeze_runs, args.serial_every]
+
     def timed(name: str, fn: Any, *fn_args: Any) -> None:
+        saved = Path(args.save) / f"{name}.json" if args.save else None
+        if saved is not None and saved.exists():
+            data = json.loads(saved.read_text())
+            if data["config"] == json.loads(json.dumps(config)):
+                outcome[name], phases[name] = data["outcome"], data["seconds"]
+                if name.endswith("_reference"):
+                    alone = outcome[name]["alone"]
+                    outcome[name]["alone"] = {int(k): v for k, v in alone.items()}
+                print(f"{name}: saved outcome reused ({saved})", file=sys.stderr, flush=True)
+                return
         start = time.perf_counter()
         outcome[name] = fn(*fn_args)
         phases[name] = round(time.perf_counter() - start, 1)
+        if saved is not None:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            data = {"config": config, "outcome": outcome[name], "seconds": phases[name]}
+            saved.write_text(json.dumps(data))
         at = time.perf_counter() - began
         print(f"{name}: done in {phases[name]} s, at {at:.0f} s", file=sys.stderr, flush=True)
 
     jobs: list[tuple[Any, ...]] = []
     if args.freeze_runs:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from exact_freeze import freeze_stream
+
         freeze = (freeze_prompt, FREEZE_TOKENS, args.freeze_runs, args.pool_tokens)
         jobs.append(("freeze", freeze_stream, *freeze))
     with tempfile.TemporaryDirectory(prefix="hetmesh-exact-") as tmp:
@@ -580,6 +511,12 @@ def main() -> None:
     parser.add_argument("--speed-format", choices=FORMATS, default="int4")
     parser.add_argument(
         "--parallel", type=int, default=3, help="meshes and reference processes at once"
+    )
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="a folder: each job's outcome saved there as it ends, and reused by a later "
+        "run of the same configuration (a run split over sessions, or resumed)",
     )
     parser.add_argument("--reference-job", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
