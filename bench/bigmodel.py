@@ -32,7 +32,8 @@ Keys (``--json`` prints one object):
   (``posix_fadvise(POSIX_FADV_DONTNEED)``, "cold-ish": the device's own cache stays)
   (target ≤ 2); ``load_over_disk_read`` splits out the stage load itself (plan adopted
   → ready), as start-to-serving also holds the process's start, profiling and the wait
-  for the other hosts and the plan;
+  for the other hosts and the plan; each stage host's ``phases`` split it by its log
+  (:func:`start_phases`: imports, up and profiled, waiting for the plan, load);
 - ``failover_outputs_identical`` (with a standby): a stage host whose stage the standby
   backs up is SIGKILLed after ``--kill-after`` tokens of a stream; the stream's tokens
   equal the reference's.
@@ -43,8 +44,10 @@ Keys (``--json`` prints one object):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +107,40 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ", re.M)
+
+
+def start_phases(node_log: str, started_epoch: float, start: int, end: int) -> dict[str, float]:
+    """Split a stage host's start → serving by its log's timestamps (local time, as the
+    node's logging writes them): ``imports_s`` process start → its first log line
+    (Python, torch, transformers, libp2p imports, the model's resolution);
+    ``up_profile_s`` → "profiled" (the host listening, joining, the CPU profile);
+    ``wait_plan_s`` → "loading units [start, end)" (waiting for the other hosts, the
+    calibration or its skip, the plan); ``load_s`` → "stage [start, end) ready". A
+    phase whose marks are missing is left out."""
+
+    def at(pattern: str) -> float | None:
+        for line in node_log.splitlines():
+            found = _STAMP.match(line)
+            if found and pattern in line:
+                whole = time.mktime(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S"))
+                return whole + int(found.group(2)) / 1000
+        return None
+
+    marks = [
+        ("imports_s", started_epoch),
+        ("up_profile_s", at(" INFO ")),
+        ("wait_plan_s", at("profiled:")),
+        ("load_s", at(f"loading units [{start}, {end})")),
+        ("", at(f"stage [{start}, {end}) ready")),
+    ]
+    out: dict[str, float] = {}
+    for (name, begin), (_, finish) in itertools.pairwise(marks):
+        if begin is not None and finish is not None:
+            out[name] = round(finish - begin, 2)
+    return out
 
 
 def ratio_max(pairs: Iterable[tuple[float, float]]) -> float:
@@ -212,10 +249,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.block_step_ms:  # announce it instead of calibrating (minutes here)
             node_args += ("--block-step-ms", str(args.block_step_ms))
         started: dict[int, float] = {}
+        started_epoch: dict[int, float] = {0: time.time()}
         started[0] = time.monotonic()
         first = bed.start_node(0, *node_args).wait_up(args.timeout)
         for h in range(1, n_hosts):
             started[h] = time.monotonic()
+            started_epoch[h] = time.time()
             bed.start_node(h, *node_args, bootstrap=first.addr)
         for node in bed.nodes[1:]:
             node.wait_up(args.timeout)
@@ -321,6 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # start to serving against a cold-ish read of the same bytes
         per_host = {}
+        node_of = {n.host: n for n in bed.nodes}
         for s in primary:
             h = hosts[s.peer_id]
             tied = not any(k.startswith("lm_head.") for k in header)
@@ -339,6 +379,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # apart from waiting for the machine's other work (shared cores)
                 "start_to_serving_cpu_s": round(cpu_at[(s.peer_id, s.start, s.end)][h], 1),
                 "plan_to_ready_s": round(load_s, 1),
+                # start → serving split by the node's log (start_phases)
+                "phases": start_phases(node_of[h].log(), started_epoch[h], s.start, s.end),
             }
         out["stage_hosts"] = per_host
         out["start_to_serving_over_disk_read"] = ratio_max(

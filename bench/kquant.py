@@ -20,8 +20,10 @@ measurement runs in a fresh process, one torch thread (a node's default):
   each round's median per-step ratio, so a shared machine's slow spells fall
   on both alike.
 
-``--errors`` prints instead the error of holding Q5_K / Q6_K matrices in int8
-per row (docs/weights.md), over the default model's 256-wide matrices.
+``--errors`` prints instead the error of holding Q5_K / Q6_K matrices in int4
+groups (refitted, what an int4 stage holds; and Q4_1's min-max rule) and in int8
+per row (what folders converted before 2026-12-06 hold), against the file's values,
+over the default model's 256-wide matrices (docs/weights.md).
 
 Usage: ``python bench/kquant.py [--json] [--layers 8] [--tokens 32] [--rounds 3] [--errors]``
 """
@@ -210,20 +212,22 @@ def run(layers: int, tokens: int, rounds: int) -> dict[str, Any]:
 
 
 def wide_errors() -> dict[str, Any]:
-    """Relative RMS errors of holding Q5_K / Q6_K in int8 per row (and, for comparison, int4
-    groups of 32), over the default model's decoder matrices whose width is whole
+    """Relative RMS errors of holding Q5_K / Q6_K in int4 groups of 32 refitted
+    (``int4_fit``, what an int4 stage holds), by the min-max rule (``int4``) and in int8
+    per row (``int8``), each against the file's values (``own``: the K-quant's own error
+    against the float weights), over the default model's decoder matrices whose width is whole
     super-blocks (its 30 ``down_proj``), quantised by the tests' quantiser."""
     import gguf
     import torch
 
     sys.path.insert(0, str(REPO))
     from hetmesh.partition.checkpoint import CheckpointReader
-    from hetmesh.partition.quant import quantize_groups_int4, quantize_rows_int8
+    from hetmesh.partition.quant import fit_groups_int4, quantize_groups_int4, quantize_rows_int8
     from hetmesh.partition.store import resolve_model
     from tests.unit.partition.kquant_files import QUANTISERS
 
     sums: dict[str, dict[str, float]] = {
-        k: {"own": 0.0, "int8": 0.0, "int4": 0.0} for k in ("Q5_K", "Q6_K")
+        k: {"own": 0.0, "int8": 0.0, "int4": 0.0, "int4_fit": 0.0} for k in ("Q5_K", "Q6_K")
     }
     norms = dict.fromkeys(sums, 0.0)
     count = 0
@@ -243,6 +247,9 @@ def wide_errors() -> dict[str, Any]:
                 q4, d, m = quantize_groups_int4(held)
                 rows = held.shape[0]
                 as_int4 = q4.float().reshape(rows, -1, 32) * d[..., None] + m[..., None]
+                q4, d, m = fit_groups_int4(held)
+                fit = q4.float().reshape(rows, -1, 32) * d[..., None] + m[..., None]
+                sums[kind]["int4_fit"] += float((fit.reshape(held.shape) - held).pow(2).sum())
                 norms[kind] += float(held.pow(2).sum())
                 sums[kind]["own"] += float((held - weight).pow(2).sum())
                 sums[kind]["int8"] += float((q8.float() * scale[:, None] - held).pow(2).sum())
@@ -261,7 +268,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed per round")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes, each in lockstep")
     parser.add_argument(
-        "--errors", action="store_true", help="only the Q5_K/Q6_K -> int8 error table"
+        "--errors", action="store_true", help="only the Q5_K/Q6_K -> int4/int8 error table"
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -21,8 +21,10 @@ by both processes), median.
 links between hosts do by default), forced here on loopback;
 ``tcp_encrypted_throughput_ratio_*`` and ``tcp_encrypted_rtt_ratio_*`` divide
 its figures by plain tcp's (throughput: the trio API; RTT: the blocking API),
-measured in back-to-back pairs after the full runs (:func:`paired_sealing`:
-the median of the pairs' ratios; ``tcp_encrypted_pairs`` lists them).
+measured after the full runs by one client and one server holding a plain and
+a sealed link side by side, used in alternating blocks (bench/sealing.py,
+``paired_sealing``: the median of the block pairs' ratios;
+``tcp_encrypted_pairs`` lists them).
 
 Socket backends are measured twice: through the async (trio) API and through
 the blocking API a stage loop uses from its worker thread
@@ -386,34 +388,10 @@ def run(backends: list[str], sizes: dict[str, int], rounds: int = 3) -> dict[str
         else:
             result[key] = value
     if "tcp" in backends and SEALED in backends:
-        result.update(paired_sealing(sizes, rounds))
+        from sealing import paired_sealing  # bench/sealing.py
+
+        result.update(paired_sealing(sizes, rounds, PIN, SPIN_US))
     return result
-
-
-def paired_sealing(sizes: dict[str, int], rounds: int) -> dict[str, Any]:
-    """What sealing costs, from back-to-back pairs: per size and round, plain tcp and
-    ``tcp-sealed`` measured one right after the other (the order alternating by
-    round), each pair's ratio, their median. On a shared machine the load moves in
-    seconds; figures measured a backend's whole run apart compare two loads."""
-    import trio
-
-    ratios: dict[str, list[float]] = {}
-    for r in range(rounds):
-        for name, size in sizes.items():
-            order = ("tcp", SEALED) if r % 2 == 0 else (SEALED, "tcp")
-            got = {}
-            for backend in order:
-                ours, _ = trio.run(
-                    _measure_link, backend, {name: size}, {name: _count(size, backend)}
-                )
-                got[backend] = ours
-            tput = got[SEALED][f"throughput_{name}"] / got["tcp"][f"throughput_{name}"]
-            rtt = got[SEALED][f"sync_rtt_{name}"] / got["tcp"][f"sync_rtt_{name}"]
-            ratios.setdefault(f"tcp_encrypted_throughput_ratio_{name}", []).append(tput)
-            ratios.setdefault(f"tcp_encrypted_rtt_ratio_{name}", []).append(rtt)
-    out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
-    out["tcp_encrypted_pairs"] = {k: [round(x, 3) for x in v] for k, v in ratios.items()}
-    return out
 
 
 def run_once(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
@@ -456,15 +434,6 @@ def run_once(backends: list[str], sizes: dict[str, int]) -> dict[str, Any]:
                 result[f"{backend}_async_handoff_us_{name}"] = round(ours[f"handoff_us_{name}"], 1)
                 handoff = ours.get(f"sync_handoff_us_{name}", ours[f"handoff_us_{name}"])
                 result[f"{backend}_handoff_us_{name}"] = round(handoff, 1)
-    if "tcp" in backends and SEALED in backends:  # what sealing costs, against plain tcp
-        for name in sizes:
-            result[f"tcp_encrypted_throughput_ratio_{name}"] = round(
-                result[f"{SEALED}_throughput_GBps_{name}"] / result[f"tcp_throughput_GBps_{name}"],
-                3,
-            )
-            result[f"tcp_encrypted_rtt_ratio_{name}"] = round(
-                result[f"{SEALED}_rtt_us_{name}"] / result[f"tcp_rtt_us_{name}"], 3
-            )
     return result
 
 

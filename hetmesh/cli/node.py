@@ -88,7 +88,10 @@ def setup_logging(verbose: bool) -> None:
 
 
 async def _run_until_signal(
-    config: object, models: list[str] | None = None, memory: dict[str, int] | None = None
+    config: object,
+    models: list[str] | None = None,
+    memory: dict[str, int] | None = None,
+    replicas: dict[str, int] | None = None,
 ) -> None:
     """Run the node (``models``: several, one member each, :mod:`hetmesh.node.models`);
     the first SIGINT/SIGTERM stops it gracefully, a second one at once."""
@@ -103,7 +106,9 @@ async def _run_until_signal(
 
             async def node_main(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
                 if models:
-                    await run_models(config, models, memory, task_status=task_status)
+                    await run_models(
+                        config, models, memory, min_replicas=replicas, task_status=task_status
+                    )
                 else:
                     await run_node(config, task_status=task_status)
                 nursery.cancel_scope.cancel()
@@ -160,6 +165,15 @@ def start(
             help="NAME=SIZE (repeatable): the memory one of several --model's members "
             "offers, e.g. synth-llama-3.2-1b=2GiB; the others split the rest of "
             "--max-memory (or of the machine's) evenly."
+        ),
+    ] = None,
+    min_replicas: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=N (repeatable): keep at least N members of one of several --model's "
+            "on this node, each with its memory share. What no share takes (give every "
+            "model a --model-memory) is placed by demand: a model whose recent requests "
+            "and queue per member grow gets another member, an idle one gives it back."
         ),
     ] = None,
     cache_dir: Annotated[
@@ -293,7 +307,8 @@ def start(
     try:
         if node_config.serving is not None and len(models) > 1:
             memory = parse_model_memory(settings.get("model_memory") or [])
-            trio.run(_run_until_signal, node_config, models, memory)
+            replicas = parse_min_replicas(settings.get("min_replicas") or [])
+            trio.run(_run_until_signal, node_config, models, memory, replicas)
         else:
             trio.run(_run_until_signal, node_config)
     except BaseExceptionGroup as group:
@@ -411,6 +426,19 @@ def parse_model_memory(items: list[str]) -> dict[str, int]:
             out[name] = parse_size(size)
         except ValueError as exc:
             raise InvalidRequest(f"--model-memory {item!r}: {exc}") from exc
+    return out
+
+
+def parse_min_replicas(items: list[str]) -> dict[str, int]:
+    """``--min-replicas NAME=N`` items as members by model name."""
+    from hetmesh.errors import InvalidRequest
+
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, count = item.partition("=")
+        if not sep or not name or not count.strip().isdigit():
+            raise InvalidRequest(f"--min-replicas {item!r}: expected NAME=N, e.g. a=2")
+        out[name] = int(count)
     return out
 
 

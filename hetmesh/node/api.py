@@ -1,7 +1,7 @@
 """The node's HTTP API: OpenAI-compatible completions, health, Prometheus metrics.
 
 ```
-serve_api(NodeBackend(discovery, serving), port)   started by run_node (--api-port)
+serve_api(NodeBackend(discovery, serving), port)   api_serve.py, started by run_node
 └── serve_http(backend)
     ├── hypercorn (trio worker)        Starlette app: /v1/models, /v1/completions,
     │                                  /v1/chat/completions, /health, /metrics,
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import ipaddress
 import json
@@ -60,8 +59,9 @@ from starlette.routing import Route
 
 from hetmesh import errors
 from hetmesh.error_codec import error_name
-from hetmesh.errors import MeshError, find_in_group
-from hetmesh.node.api_choices import Choice, Event, choice_params, produce
+from hetmesh.errors import MeshError
+from hetmesh.node.api_choices import Choice, Event, Timing, choice_params, produce
+from hetmesh.node.api_forward import Forward, check_forward, forward
 from hetmesh.node.api_guard import (
     LocalGuard,
     LocalOnly,
@@ -93,7 +93,7 @@ from hetmesh.node.events import Feed
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from trio_typing import TaskStatus
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ class Backend(Protocol):
     ``token_texts``: each token id's own text (the log-probabilities' ``token``);
     ``gauges``/``view``: what ``/metrics`` and ``/v1/hetmesh/status`` show;
     ``for_model``: the backend serving one of ``models`` (a request routes by its
-    ``model``; ``ModelNotFound`` for another).
+    ``model``; ``ModelNotFound`` for another); ``remote_apis``: the peers' APIs a
+    request for a model not served here is forwarded to (:mod:`.api_forward`).
     """
 
     def models(self) -> list[str]: ...
@@ -127,24 +128,10 @@ class Backend(Protocol):
     def gauges(self) -> MeshGauges: ...
     def view(self) -> dict[str, Any]: ...
     def for_model(self, model: str) -> Backend: ...
+    def remote_apis(self) -> dict[str, list[str]]: ...
 
 
 # -- the app --------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Timing:
-    began: float
-    first: float | None = None
-    last: float | None = None
-    tokens: int = 0
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.tokens += 1
 
 
 MAX_CONCURRENT_TOKENISATIONS = 2  # the rest wait, off the event loop's worker threads
@@ -173,8 +160,10 @@ class _Api:
         policy: ClientPolicy | None = None,
         *,
         keyed: bool = False,
+        forward_token: str | None = None,
     ) -> None:
         self.backend = backend
+        self.forward_token = forward_token  # what a request forwarded from here presents
         self.metrics = metrics
         self.nursery = nursery
         self.feed = feed
@@ -190,7 +179,7 @@ class _Api:
     async def models(self, request: Request) -> Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "hetmesh"}
-            for m in self.backend.models()
+            for m in dict.fromkeys([*self.backend.models(), *self.backend.remote_apis()])
         ]
         return self._json(request, {"object": "list", "data": data})
 
@@ -256,6 +245,7 @@ class _Api:
             body = json.loads(raw)
         except ValueError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+        check_forward(request, body, raw, self.backend.models(), self.backend.remote_apis())
         parsed = parse_api_request(body, chat=chat, models=self.backend.models())
         backend = self.backend.for_model(parsed.model)  # requests route by model
         context = backend.max_context()
@@ -350,9 +340,12 @@ class _Api:
     async def _complete_held(
         self, request: Request, chat: bool, release: Callable[[], None]
     ) -> Response:
-        timing = _Timing(time.perf_counter())
+        timing = Timing(time.perf_counter())
         try:
-            parsed, ids, params, backend = await self._parse(request, chat)
+            try:
+                parsed, ids, params, backend = await self._parse(request, chat)
+            except Forward as fwd:  # a model another node serves
+                return await forward(request, fwd, release, self.forward_token)
         except ApiError as err:
             return self._error(request, err)
         except MeshError as exc:
@@ -411,7 +404,7 @@ class _Api:
         }
         return self._json(request, body)
 
-    def _observe(self, timing: _Timing) -> None:
+    def _observe(self, timing: Timing) -> None:
         ttft = tpot = None
         if timing.first is not None:
             ttft = timing.first - timing.began
@@ -441,7 +434,7 @@ class _Api:
         first: Event,
         receive: trio.MemoryReceiveChannel[Event],
         scope: trio.CancelScope,
-        timing: _Timing,
+        timing: Timing,
         release: Callable[[], None],
     ) -> AsyncIterator[str]:
         def rejected(err: ApiError) -> None:
@@ -477,6 +470,7 @@ def build_app(
     policy: ClientPolicy | None = None,
     guard: LocalGuard | None = None,
     models: ModelControl | None = None,
+    forward_token: str | None = None,
 ) -> Starlette:
     """The ASGI app; streams are produced by tasks of ``nursery``.
 
@@ -487,7 +481,9 @@ def build_app(
     if feed is None:
         feed = Feed(lambda: redacted_view(backend.view()))  # no prompt hashes
         nursery.start_soon(feed.run)
-    api = _Api(backend, metrics, nursery, feed, policy, keyed=bool(api_key))
+    api = _Api(
+        backend, metrics, nursery, feed, policy, keyed=bool(api_key), forward_token=forward_token
+    )
 
     def unauthorized(request: Request) -> Response:
         err = ApiError(
@@ -529,7 +525,9 @@ def build_app(
         return api._error(request, ApiError(403, why, code="foreign_origin"))
 
     if api_key:
-        middleware = [Middleware(RequireKey, key=api_key, reject=unauthorized)]
+        middleware = [
+            Middleware(RequireKey, key=api_key, reject=unauthorized, forwarded=forward_token)
+        ]
     else:
         guard = guard or LocalGuard()
         middleware = [Middleware(LocalOnly, guard=guard, reject=foreign)]
@@ -537,82 +535,6 @@ def build_app(
         routes=routes,
         middleware=middleware,
         exception_handlers={404: not_found, 405: not_found, Exception: crashed},
-    )
-
-
-async def serve_http(
-    backend: Backend,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    api_key: str | None = None,
-    policy: ClientPolicy | None = None,
-    models: ModelControl | None = None,
-    task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve the API for ``backend`` on ``host:port`` (0: any free port); reports its URL.
-    ``models``: a node serving several models adds and removes them there.
-
-    The HTTP server is supervised: if hypercorn itself fails (not a request:
-    those are answered with a 500), it is logged and restarted on the same
-    port, so the API never takes the node down with it.
-    """
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    check_api_bind(host, api_key)
-    metrics = ApiMetrics(backend)
-    url: str | None = None
-    guard = LocalGuard.for_bind(host, port)
-    async with trio.open_nursery() as streams:  # producers of streamed responses
-        app = build_app(
-            backend, metrics, streams, api_key=api_key, policy=policy, guard=guard, models=models
-        )
-        while True:
-            config = Config()
-            config.bind = [f"{host}:{port}"]
-            config.accesslog = None
-            config.errorlog = logging.getLogger("hetmesh.node.api.http")  # type: ignore[assignment]
-            config.graceful_timeout = 1.0
-            try:
-                async with trio.open_nursery() as nursery:
-                    binds: list[str] = await nursery.start(
-                        functools.partial(serve, app, config, shutdown_trigger=trio.sleep_forever)  # type: ignore[arg-type]
-                    )
-                    if url is None:
-                        url = binds[0] if binds else f"http://{host}:{port}"
-                        port = int(url.rsplit(":", 1)[1])
-                        guard.port = port
-                        log.info("HTTP API on %s", url)
-                        task_status.started(url)
-            except Exception as exc:  # never let the HTTP server take the node down
-                if url is None:
-                    bind = find_in_group(exc, OSError)
-                    if bind is not None:  # could not listen at start: say so in one line
-                        raise errors.TransportError(
-                            f"the HTTP API cannot listen on {host}:{port}: {bind.strerror or bind}"
-                        ) from exc
-                    raise
-                log.error("the HTTP server failed; restarting it", exc_info=exc)
-            await trio.sleep(1.0)
-
-
-async def serve_api(
-    backend: Backend,
-    port: int,
-    *,
-    host: str = "127.0.0.1",
-    api_key: str | None = None,
-    models: ModelControl | None = None,
-    task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The node's OpenAI-compatible API on ``host:port`` for ``backend``; never returns.
-
-    The daemon passes a :class:`~hetmesh.node.backend.NodeBackend`; a node serving
-    several models a :class:`~hetmesh.node.backend.ModelsBackend` and its ``models``.
-    """
-    await serve_http(
-        backend, host=host, port=port, api_key=api_key, models=models, task_status=task_status
     )
 
 
@@ -629,6 +551,4 @@ __all__ = [
     "check_api_bind",
     "parse_api_request",
     "route_label",
-    "serve_api",
-    "serve_http",
 ]

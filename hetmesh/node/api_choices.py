@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,6 +38,23 @@ log = logging.getLogger(__name__)
 SHARE_AFTER = 2
 
 StreamFn = Callable[[Sequence[int], SamplingParams], AsyncGenerator[tuple[int, str], None]]
+
+
+@dataclass(slots=True)
+class Timing:
+    """A request's clock: when it began, its first and last token, how many."""
+
+    began: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.tokens += 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,4 +168,4 @@ def _entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-__all__ = ["Choice", "Event", "LogprobsShape", "StreamFn", "choice_params", "produce"]
+__all__ = ["Choice", "Event", "LogprobsShape", "StreamFn", "Timing", "choice_params", "produce"]

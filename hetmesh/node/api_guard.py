@@ -29,6 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hetmesh import errors
+from hetmesh.node.api_forward import FORWARD_PATHS, FORWARDED_HEADER
 from hetmesh.node.api_requests import LOOPBACK_NAMES, foreign_request
 from hetmesh.node.dashboard import is_open_path
 from hetmesh.scheduler.prefix_summary import decode_summary
@@ -37,18 +38,39 @@ _OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balan
 
 
 class RequireKey:
-    """ASGI middleware: HTTP requests must present ``Authorization: Bearer <key>``."""
+    """ASGI middleware: HTTP requests must present ``Authorization: Bearer <key>``; a
+    request another node forwarded (:mod:`.api_forward`) may present that node's
+    ``forwarded`` token instead, on the completion routes only."""
 
-    def __init__(self, app: ASGIApp, *, key: str, reject: Callable[[Request], Response]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        key: str,
+        reject: Callable[[Request], Response],
+        forwarded: str | None = None,
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
+        self.forwarded = f"Bearer {forwarded}".encode() if forwarded else None
         self.reject = reject
+
+    def _allowed(self, scope: Scope, given: bytes, headers: dict[bytes, bytes]) -> bool:
+        if hmac.compare_digest(given, self.expected):
+            return True
+        return (
+            self.forwarded is not None
+            and scope.get("method") == "POST"
+            and scope.get("path", "") in FORWARD_PATHS
+            and FORWARDED_HEADER.encode() in headers
+            and hmac.compare_digest(given, self.forwarded)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] == "http" and path not in _OPEN_PATHS and not is_open_path(path):
-            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope.get("headers") or ())
+            if not self._allowed(scope, headers.get(b"authorization", b""), headers):
                 response = self.reject(Request(scope, receive))
                 await response(scope, receive, send)
                 return

@@ -1,7 +1,7 @@
 """The running node behind the HTTP API: :class:`NodeBackend` implements
 :class:`hetmesh.node.api.Backend` over the node's discovery and serving.
 
-The daemon builds it and hands it to :func:`hetmesh.node.api.serve_api`, so the
+The daemon builds it and hands it to :func:`hetmesh.node.api_serve.serve_api`, so the
 API never imports the daemon or the serving code.
 """
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import trio
 
 from hetmesh import errors
+from hetmesh.node.api_forward import API_KEY, api_entry, api_targets
 from hetmesh.node.api_metrics import MeshGauges
 from hetmesh.node.memory import MEMORY_KEY
 from hetmesh.protocol.generate import GenerateRequest, SamplingParams
@@ -43,6 +44,18 @@ class NodeBackend:
     def for_model(self, model: str) -> NodeBackend:
         """The backend serving ``model``: this one (the API checked the name)."""
         return self
+
+    def remote_apis(self) -> dict[str, list[str]]:
+        """Model -> the APIs of the live peers serving it (:mod:`hetmesh.node.api_forward`)."""
+        return api_targets(
+            (read_serving(e.record.extra, (), plan_of=None).model, e.record.extra, e.addrs)
+            for e in self.discovery.alive()
+            if e.record is not None
+        )
+
+    def announce_api(self, host: str, port: int) -> None:
+        """Tell the mesh where this node's API listens (peers forward requests here)."""
+        self.discovery.set_extra(API_KEY, api_entry(host, port))
 
     def max_context(self) -> int:
         return int(self._serving().constraints.max_context_tokens)
@@ -118,8 +131,15 @@ class ModelsBackend:
     added or removed changes what is served at once).
     """
 
-    def __init__(self, members: Callable[[], Mapping[str, NodeBackend]]) -> None:
+    def __init__(
+        self,
+        members: Callable[[], Mapping[str, NodeBackend]],
+        announce: Callable[[str, int], None] | None = None,
+        seen: Callable[[str], None] | None = None,
+    ) -> None:
         self._members = members
+        self._announce = announce
+        self._seen = seen  # told each request's model (the demand signal, node.placer)
 
     def _first(self) -> NodeBackend:
         for backend in self._members().values():
@@ -136,7 +156,20 @@ class ModelsBackend:
                 f"the model {model!r} is not served here; this node serves "
                 f"{', '.join(self._members()) or 'nothing now'}"
             )
+        if self._seen is not None:
+            self._seen(model)
         return found
+
+    def remote_apis(self) -> dict[str, list[str]]:
+        return self._first().remote_apis()
+
+    def announce_api(self, host: str, port: int) -> None:
+        """Every member announces the API (``announce``: members added later too)."""
+        if self._announce is not None:
+            self._announce(host, port)
+        else:
+            for backend in self._members().values():
+                backend.announce_api(host, port)
 
     def max_context(self) -> int:
         return self._first().max_context()

@@ -94,6 +94,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "device": (str, None),
     "model": ((str, list), None),  # several: one member each (hetmesh.node.models)
     "model_memory": (list, None),
+    "min_replicas": (list, None),  # NAME=N members of a model (hetmesh.node.models)
     "weights": (str, None),  # checked against the device by hetmesh.node.weights
     "cache_dir": (str, None),
     "objective": (str, ("latency", "throughput")),

@@ -176,7 +176,7 @@ async def run_node(
 
                 node.serving = await nursery.start(serve_model, node, config.serving)
             if config.api_port is not None:
-                from hetmesh.node.api import serve_api
+                from hetmesh.node.api_serve import serve_api
                 from hetmesh.node.backend import NodeBackend
 
                 await nursery.start(
@@ -186,6 +186,7 @@ async def run_node(
                         config.api_port,
                         host=config.api_host,
                         api_key=config.api_key,
+                        mesh_secret=config.mesh_secret,
                     )
                 )
             _write_node_info(node)

@@ -14,7 +14,9 @@ A stage the plan no longer gives this node keeps serving (and admitting)
 until every stage it does give is loaded, unless holding both would exceed the
 memory the node offers (:func:`~hetmesh.node.memory.must_release_first`): then
 the old stages retire at once and a new one loads once they are gone; a
-draining node retires them all.
+draining node retires them all. A load the plan leaves behind while it runs is
+cancelled (:func:`~hetmesh.partition.materialise.cancel_on`): it stops within a
+tensor and what it loaded is dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
@@ -136,6 +139,8 @@ class StageHost:
         self._charges: dict[Key, int] = {}
         self._freed = trio.Event()  # set (and replaced) whenever a stage lets go
         self._waiting = 0  # loads waiting for room
+        self._cancels: dict[Key, threading.Event] = {}  # each running load's cancel event
+        self.cancelled_loads = 0  # loads stopped because the plan moved on
 
     def start(self, nursery: trio.Nursery) -> None:
         """Run stages (and their loads) in ``nursery``."""
@@ -209,6 +214,9 @@ class StageHost:
         mine = [s for p in plan.pipelines for s in p.stages if s.peer_id == me]
         self._mine = {(s.start, s.end) for s in mine}
         self._charges.update({(s.start, s.end): s.memory_bytes for s in mine})
+        for key, cancel in self._cancels.items():
+            if key not in self._mine:  # left behind: stop it (it restarts if it comes back)
+                cancel.set()
         step = self._reconcile()
         assert self._nursery is not None
         for key in step.load:
@@ -237,7 +245,14 @@ class StageHost:
             self._served[key].retiring = retiring
 
     async def _load(self, start: int, end: int) -> None:
+        from hetmesh.partition.materialise import LoadCancelled, cancel_on
         from hetmesh.partition.stage import load_stage
+
+        def load(cancel: threading.Event) -> Any:
+            with cancel_on(cancel):
+                return load_stage(
+                    self.model_dir, start, end, device=self.device, weights=self.weights
+                )
 
         log.info(
             "loading units [%d, %d) of %s on %s in %s",
@@ -261,11 +276,20 @@ class StageHost:
                     self._loading.discard((start, end))
                     self._let_go()
                     return
-                load = functools.partial(
-                    load_stage, self.model_dir, start, end, device=self.device, weights=self.weights
-                )
-                stage = await trio.to_thread.run_sync(load, limiter=self._limiter)
+                cancel = self._cancels[(start, end)] = threading.Event()
+                try:
+                    stage = await trio.to_thread.run_sync(load, cancel, limiter=self._limiter)
+                finally:
+                    del self._cancels[(start, end)]
                 break
+            except LoadCancelled:
+                if (start, end) in self._mine:  # left behind, then given back: again
+                    continue
+                log.info("loading units [%d, %d) cancelled: the plan moved on", start, end)
+                self.cancelled_loads += 1
+                self._loading.discard((start, end))
+                self._let_go()
+                return
             except MeshError as exc:
                 # a holder may come back, a disk may be freed: retry a few times while the
                 # plan still wants the stage (the old stages serve meanwhile: reconcile)

@@ -7,7 +7,12 @@ A model folder's safetensors hold each tensor ``name`` in one of three forms:
   (fp16 ``(n, k/32)``): GGUF Q4_1 blocks, ``w = d * q + m`` per 32 inputs; a
   block's 16 bytes hold inputs 0..15 in their low nibbles and 16..31 in their
   high nibbles (GGUF's own order, copied without repacking). Q4_0 is stored
-  the same way with ``m = -8 d``;
+  the same way with ``m = -8 d``. ``name.q4_1.int4h64`` (or another tag of
+  :data:`~hetmesh.partition.int4_direct.PACKED_TAGS`) instead of ``.qs``: the
+  same nibbles already in torch's packed int4 layout that the tag names
+  (``n`` a multiple of 64; what ``hetmesh model synth`` writes): an int4 stage on
+  a CPU packing that way reads it as is (:meth:`CheckpointReader.q4_1_packed`),
+  anything else unpacks it;
 - ``name.q8_0.qs`` (int8 ``(n, k)``) and ``name.q8_0.d`` (fp16 ``(n, k/32)``):
   GGUF Q8_0 blocks, ``w = d * q``;
 - ``name.q4_k.blocks``, ``name.q5_k.blocks``, ``name.q6_k.blocks`` (uint8, a
@@ -39,6 +44,7 @@ from hetmesh.partition.formats import (
     is_native,
     parse_weights,
 )
+from hetmesh.partition.int4_direct import PACKED_TAGS, PAD_ROWS, q4_1_from_packed
 from hetmesh.partition.kquant import dequantize as _k_dequantize
 from hetmesh.partition.kquant import logical_width as _k_width
 from hetmesh.partition.kquant import q4_k_groups as _q4_k_groups
@@ -48,6 +54,8 @@ Kind = Literal["float", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"]
 K_KINDS: tuple[Kind, ...] = ("q4_k", "q5_k", "q6_k")
 _SUFFIXES: tuple[str, ...] = (".q4_1.qs", ".q4_1.d", ".q4_1.m", ".q8_0.qs", ".q8_0.d")
 _SUFFIXES += tuple(f".{kind}.blocks" for kind in K_KINDS)
+_SUFFIXES += tuple(f".q4_1.{tag}" for tag in PACKED_TAGS.values())
+_PACKED = {tag: layout for layout, tag in PACKED_TAGS.items()}
 BLOCK = 32
 ROW_CHUNK = 4096  # rows dequantised at once when reading a large table
 _DTYPES = {
@@ -220,7 +228,7 @@ class CheckpointReader:
     def kind(self, name: str) -> Kind | None:
         if name in self.files:
             return "float"
-        if f"{name}.q4_1.qs" in self.files:
+        if f"{name}.q4_1.qs" in self.files or self._packing(name) is not None:
             return "q4_1"
         if f"{name}.q8_0.qs" in self.files:
             return "q8_0"
@@ -237,8 +245,45 @@ class CheckpointReader:
         if kind in K_KINDS:
             rows, stored = self._slice(f"{name}.{kind}.blocks").get_shape()
             return (rows, _k_width(kind, stored))
-        rows, width = self._slice(f"{name}.{kind}.qs").get_shape()
+        packing = self._packing(name) if kind == "q4_1" else None
+        qs = f"{name}.q4_1.{PACKED_TAGS[packing]}" if packing else f"{name}.{kind}.qs"
+        rows, width = self._slice(qs).get_shape()
         return (rows, width * 2) if kind == "q4_1" else (rows, width)
+
+    def _packing(self, name: str) -> str | None:
+        """The packed int4 layout ``name``'s Q4_1 nibbles are stored in (None: Q4_1's)."""
+        for tag, layout in _PACKED.items():
+            if f"{name}.q4_1.{tag}" in self.files:
+                return layout
+        return None
+
+    def _qs(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a Q4_1 tensor's nibbles in Q4_1's byte order."""
+        layout = self._packing(name)
+        if layout is None:
+            return self._slice(f"{name}.q4_1.qs")[start:stop]  # type: ignore[no-any-return]
+        first = start - start % PAD_ROWS  # packed rows come in whole blocks of 64
+        last = stop + -stop % PAD_ROWS
+        packed = self._slice(f"{name}.q4_1.{PACKED_TAGS[layout]}")[first:last]
+        return q4_1_from_packed(packed, layout)[start - first : stop - first]
+
+    def q4_1_packed(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A Q4_1 matrix stored in the packed int4 layout this process's torch uses, as
+        stored: ``(packed uint8 (n, k/2), d fp16, m fp16)``, ready for the int4 kernel
+        but for the scales; None if it is stored otherwise."""
+        from hetmesh.partition.quant import int4_layout_name
+
+        layout = self._packing(name)
+        if layout is None or layout != int4_layout_name():
+            return None
+        try:
+            return (
+                self._slice(f"{name}.q4_1.{PACKED_TAGS[layout]}")[:],
+                self._slice(f"{name}.q4_1.d")[:],
+                self._slice(f"{name}.q4_1.m")[:],
+            )
+        except Exception as exc:
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``name`` (the whole of a 1-D tensor) as fp32."""
@@ -279,7 +324,7 @@ class CheckpointReader:
             out.copy_(self.rows(name, start, stop))
             return
         try:
-            qs = self._slice(f"{name}.q4_1.qs")[start:stop]  # (n, k/2) uint8
+            qs = self._qs(name, start, stop)  # (n, k/2) uint8
             d = self._slice(f"{name}.q4_1.d")[start:stop].float()[..., None, None]
             m = self._slice(f"{name}.q4_1.m")[start:stop].float()[..., None, None]
             n, half = qs.shape
@@ -320,7 +365,7 @@ class CheckpointReader:
     def _q4_rows(
         self, name: str, start: int, stop: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qs = self._slice(f"{name}.q4_1.qs")[start:stop]  # (n, k/2) uint8
+        qs = self._qs(name, start, stop)  # (n, k/2) uint8
         d = self._slice(f"{name}.q4_1.d")[start:stop].float()
         m = self._slice(f"{name}.q4_1.m")[start:stop].float()
         n, half = qs.shape
@@ -337,7 +382,7 @@ class CheckpointReader:
             raise CorruptModel(f"{self.folder}: {name} is not stored as Q4_1 blocks")
         try:
             return (
-                self._slice(f"{name}.q4_1.qs")[start:stop],
+                self._qs(name, start, stop),
                 self._slice(f"{name}.q4_1.d")[start:stop],
                 self._slice(f"{name}.q4_1.m")[start:stop],
             )
@@ -455,7 +500,8 @@ def stored_matrix_kind(folder: Path) -> str | None:
     for name, dtype, dims in sorted(entries):
         if ".layers." not in name:
             continue
-        for suffix in (".q4_1.qs", ".q8_0.qs", *(f".{k}.blocks" for k in K_KINDS)):
+        packed = (f".q4_1.{tag}" for tag in _PACKED)
+        for suffix in (".q4_1.qs", ".q8_0.qs", *(f".{k}.blocks" for k in K_KINDS), *packed):
             if name.endswith(suffix):
                 found.append(suffix.split(".")[1])
         if name.endswith(".weight") and dims == 2 and dtype in _FLOAT_NAMES:

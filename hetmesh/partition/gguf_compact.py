@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hetmesh.errors import CorruptModel, UnsupportedModel
-from hetmesh.partition.kquant import BLOCK_BYTES, GGUF_NAMES
+from hetmesh.partition.kquant import BLOCK_BYTES, GGUF_NAMES, logical_width
 
 # GGUF types kept as blocks, kept as floats, and dequantised per tensor
 _BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -231,32 +231,96 @@ def _llama3_divisors(rope: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
     return np.asarray(out, dtype=np.float64)
 
 
-INT8_LINEARS_KEY = "hetmesh_int8_linears"  # config.json: layer -> its Q5_K/Q6_K matrices
 TABLE_BLOCKS_KEY = "hetmesh_table_block_bytes"  # config.json: a K-quant token table's bytes
-_WIDE_SUFFIXES = (".q5_k.blocks", ".q6_k.blocks")
+INT8_LINEARS_KEY = "hetmesh_int8_linears"  # config.json: layer -> matrices held in int8
+# an int4 stage of a K-quant file may hold this much of the file's size: wide (Q5_K,
+# Q6_K) matrices stay int8 while the whole stays under it (the issue's 1.1, less a
+# margin for what the estimate leaves out: rotary tables, padding)
+WIDE_BUDGET_OVER_FILE = 1.09
 _LAYER_MATRIX = re.compile(r"model\.layers\.(\d+)\.(\w+\.\w+)\.weight$")
+_STORED = re.compile(r"(.+\.weight)\.(q4_1|q8_0|q4_k|q5_k|q6_k)\.(\w+)$")
+_WIDE_ORDER = ("self_attn.v_proj", "mlp.down_proj")  # kept wide first (llama.cpp's choice)
 
 
-def stored_layout(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+def _split_name(name: str) -> tuple[str, str, str]:
+    """A folder tensor's name -> (the weight's name, its stored kind or "", the part)."""
+    name = name.removesuffix(BF16_SUFFIX)
+    found = _STORED.match(name)
+    return (found.group(1), found.group(2), found.group(3)) if found else (name, "", "")
+
+
+def _logical_shape_of(kind: str, array: np.ndarray) -> tuple[int, int]:
+    rows, width = int(array.shape[0]), int(array.shape[1])
+    if kind in BLOCK_BYTES:
+        return rows, logical_width(kind, width)
+    return rows, width * 2 if kind == "q4_1" else width
+
+
+def stored_layout(tensors: dict[str, np.ndarray], file_bytes: int | None = None) -> dict[str, Any]:
     """What the planner must know of how a compact folder stores a K-quant file, for its
-    ``config.json``: which decoder matrices an int4 stage holds in int8 (those stored as
-    Q5_K or Q6_K, :func:`hetmesh.partition.materialise.hold_wide_blocks_in_int8`) and the
-    bytes of a token table a compact stage keeps in its K-quant blocks."""
-    wide: dict[str, list[str]] = {}
+    ``config.json``: the bytes of a token table a compact stage keeps in its K-quant
+    blocks, and which Q5_K/Q6_K decoder matrices an int4 stage holds in int8
+    (:func:`wide_in_int8`; the others are refitted to int4 groups)."""
     out: dict[str, Any] = {}
     for name, array in tensors.items():
         if name.startswith("model.embed_tokens.weight.q") and name.endswith(".blocks"):
             out[TABLE_BLOCKS_KEY] = int(array.nbytes)
-        if not name.endswith(_WIDE_SUFFIXES):
-            continue
-        found = _LAYER_MATRIX.match(name.rsplit(".", 2)[0])
-        if found:
-            wide.setdefault(found.group(1), []).append(found.group(2))
+    wide = wide_in_int8(tensors, file_bytes)
     if wide:
-        out[INT8_LINEARS_KEY] = {
-            k: sorted(v) for k, v in sorted(wide.items(), key=lambda i: int(i[0]))
-        }
+        out[INT8_LINEARS_KEY] = wide
     return out
+
+
+def wide_in_int8(tensors: dict[str, np.ndarray], file_bytes: int | None) -> dict[str, list[str]]:
+    """Which Q5_K/Q6_K decoder matrices an int4 stage keeps in int8 (layer -> names).
+
+    int8 per row keeps a wide matrix within ~1 % of the file's values; int4 groups,
+    refitted, hold it at 4 bits (docs/weights.md). int8 costs 8 bits a weight against
+    int4's 5, so as many stay int8 as keep the whole model's int4 stage within
+    :data:`WIDE_BUDGET_OVER_FILE` of the file: ``attn_v`` first, then ``ffn_down``,
+    the layers nearest either end first. Without ``file_bytes``: none.
+    """
+    from hetmesh.partition.formats import WeightFormat, linear_weight_bytes
+
+    if not file_bytes:
+        return {}
+    held = 0  # an int4 stage of the whole model, every wide matrix in int4
+    wide: list[tuple[int, str, int]] = []  # (layer, name, extra bytes in int8)
+    layers = 0
+    for name, array in tensors.items():
+        base, kind, part = _split_name(name)
+        if part not in ("", "qs", "blocks"):
+            continue  # a Q4_1 / Q8_0 matrix's scales: counted with its values
+        found = _LAYER_MATRIX.match(base)
+        if array.ndim == 1:
+            held += 4 * int(array.shape[0])  # norms, fp32
+        elif found:
+            rows, width = _logical_shape_of(kind, array)
+            int4 = linear_weight_bytes(rows, width, WeightFormat.INT4)
+            held += int4
+            layer = int(found.group(1))
+            layers = max(layers, layer + 1)
+            if kind in ("q5_k", "q6_k"):
+                int8 = linear_weight_bytes(rows, width, WeightFormat.INT8)
+                wide.append((layer, found.group(2), int8 - int4))
+        elif base == "model.embed_tokens.weight" and part == "blocks":
+            held += int(array.nbytes)  # the table kept in its blocks
+        elif base in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows, width = _logical_shape_of(kind, array)
+            held += rows * (width + 4)  # int8 per row, an fp32 scale each
+    budget = WIDE_BUDGET_OVER_FILE * file_bytes - held
+
+    def order(item: tuple[int, str, int]) -> tuple[int, int, int]:
+        layer, name, _ = item
+        rank = _WIDE_ORDER.index(name) if name in _WIDE_ORDER else len(_WIDE_ORDER)
+        return rank, min(layer, layers - 1 - layer), layer
+
+    kept: dict[int, list[str]] = {}
+    for layer, name, extra in sorted(wide, key=order):
+        if extra <= budget:
+            budget -= extra
+            kept.setdefault(layer, []).append(name)
+    return {str(k): sorted(v) for k, v in sorted(kept.items())}
 
 
 def gguf_field(reader: Any, key: str) -> Any:
@@ -300,5 +364,6 @@ __all__ = [
     "hf_name",
     "llama3_rope",
     "stored_layout",
+    "wide_in_int8",
     "write_safetensors",
 ]

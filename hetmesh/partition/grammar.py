@@ -7,10 +7,11 @@ A request carries its grammar as llguidance's JSON grammar text
 stage, where tokens are sampled, holds one :class:`Constraint` per session:
 an ``LLMatcher`` over the model's tokenizer.
 
-The mask of the allowed next tokens is computed off the hot path: on a worker
-thread (llguidance releases the GIL), started as soon as the previous token is
-known, so it runs while the step's forward does; the sampler then only waits
-for it (normally done) and fills the disallowed logits with ``-inf``. The first
+The grammar's work is off the hot path: on a worker thread (llguidance releases
+the GIL), the matcher takes the drawn token and computes the next mask as soon
+as the token is known, so both run while the next step's forward does; the
+sampler then only waits for the mask (normally done) and fills the disallowed
+logits with ``-inf``. The first
 mask, and the tokenizer on first use, are built while the prompt is prefilled.
 
 A constrained session that resumes mid-generation on a stage that did not
@@ -26,13 +27,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from hetmesh.errors import ComputeError, InvalidRequest
 from hetmesh.protocol.generate import MAX_GRAMMAR_BYTES
 
 _WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
@@ -106,6 +107,7 @@ class Constraint:
         self._grammars = grammars
         self._grammar = grammar
         self._matcher: Any = None
+        self._bitmask: torch.Tensor | None = None
         self._drawn = tuple(int(t) for t in drawn)
         self.consumed = len(self._drawn)  # tokens the matcher has taken: the next step
         self._next: Future[torch.Tensor] = _WORKERS.submit(self._start)
@@ -133,10 +135,13 @@ class Constraint:
                 f"the grammar failed: {matcher.get_error()}", param="response_format"
             )
         size = self._grammars.tokenizer().vocab_size
-        bitmask = llguidance.torch.allocate_token_bitmask(1, size)
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-        bits = (bitmask[0].unsqueeze(-1) >> _BITS) & 1
-        return bits.reshape(-1)[:size].bool()
+        if self._bitmask is None:  # one per session: masks are computed one at a time
+            self._bitmask = llguidance.torch.allocate_token_bitmask(1, size)
+        llguidance.torch.fill_next_token_bitmask(matcher, self._bitmask, 0)  # GIL released
+        # one C call to unpack: a worker that holds the GIL over many small torch ops
+        # makes the sampling thread wait for it (ms a token on a busy CPU)
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:size].view(np.bool_))
 
     def apply(self, scores: torch.Tensor, step: int) -> torch.Tensor:
         """``scores`` (fp32 logits) with every token the grammar forbids at ``-inf``."""
@@ -154,14 +159,20 @@ class Constraint:
         return out
 
     def advance(self, token: int) -> None:
-        """Take the drawn ``token``; the next mask starts computing at once."""
-        if not self._matcher.consume_token(int(token)):
+        """Take the drawn ``token`` and compute the next mask, both on a worker: the
+        matcher's advance costs ms on some tokens (llguidance extends its lexer
+        lazily), so it overlaps the next forward rather than delay this draw."""
+        self._next.result()  # done already: :meth:`apply` waited for it
+        self.consumed += 1
+        self._next = _WORKERS.submit(self._consume, int(token))  # stopped: only EOS
+
+    def _consume(self, token: int) -> torch.Tensor:
+        if not self._matcher.consume_token(token):
             raise InvalidRequest(
                 f"the grammar refused token {token}: {self._matcher.get_error()}",
                 param="response_format",
             )
-        self.consumed += 1
-        self._next = _WORKERS.submit(self._mask)  # stopped: only end-of-sequence
+        return self._mask()
 
 
 __all__ = [

@@ -33,6 +33,12 @@ GROUP = 32  # inputs per Q4_1 block (and per int4 scale group)
 _LAYOUTS = {"halves of 64": (True, 64), "halves of 32": (True, 32)}
 _LAYOUTS |= {"pairs in 32": (False, 32), "pairs in 64": (False, 64)}
 PAD_ROWS = 64  # int4 matrices are padded to whole blocks of 64 rows (quant._INT4_BLOCK_N)
+# A checkpoint's Q4_1 nibbles stored already in torch's packed layout (written so by
+# ``hetmesh model synth``): ``name.q4_1.<tag>`` instead of ``name.q4_1.qs``, the tag
+# naming the layout (this format's version: a new layout is a new tag). Same bytes,
+# another order; ``d`` and ``m`` as before.
+PACKED_TAGS = {"halves of 64": "int4h64", "halves of 32": "int4h32"}
+PACKED_TAGS |= {"pairs in 32": "int4p32", "pairs in 64": "int4p64"}
 
 
 def pack_q4_1_into(qs: torch.Tensor, out: torch.Tensor) -> None:
@@ -80,4 +86,41 @@ def scales_zeros(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return words.view(torch.bfloat16).reshape(groups, n, 2)
 
 
-__all__ = ["GROUP", "PAD_ROWS", "pack_q4_1_into", "scales_zeros"]
+def packed_suffix(layout: str | None = None) -> str:
+    """The tensor suffix of Q4_1 nibbles packed in ``layout`` (default: this process's)."""
+    return f".q4_1.{PACKED_TAGS[layout or int4_layout_name()]}"
+
+
+def q4_1_from_packed(packed: torch.Tensor, layout: str) -> torch.Tensor:
+    """Packed rows (``layout``; ``n`` a multiple of 64) -> Q4_1's bytes ``(n, k/2)``:
+    :func:`pack_q4_1_into` undone, by the same byte operations and one transpose."""
+    n, half = packed.shape
+    if n % PAD_ROWS or half % (GROUP // 2):
+        raise ValueError(f"packed rows of shape {tuple(packed.shape)}: not whole blocks")
+    halves, block = _LAYOUTS[layout]
+    blocks, width, groups = n // block, block // 2, half // (GROUP // 2)
+    both = packed.contiguous().view(blocks, groups, 2, GROUP // 2, width)
+    first, second = both[:, :, 0], both[:, :, 1]
+    # (blocks, 2: the rows of low nibbles then of high ones, half, width), as packing had it
+    turned = torch.empty((blocks, 2, half, width), dtype=torch.uint8)
+    low = turned[:, 0].view(blocks, groups, GROUP // 2, width)
+    high = turned[:, 1].view(blocks, groups, GROUP // 2, width)
+    torch.bitwise_left_shift(second, 4, out=low)  # the low rows' inputs t + 16
+    low |= first & 0x0F  # ... and t
+    torch.bitwise_right_shift(first, 4, out=high)  # the high rows' inputs t
+    high |= second & 0xF0  # ... and t + 16
+    # halves: (blocks, 2, width, half), rows j then j + block / 2; pairs: (blocks, width,
+    # 2, half), rows 2j and 2j + 1
+    qs = turned.transpose(2, 3) if halves else turned.permute(0, 3, 1, 2)
+    return qs.contiguous().view(n, half)
+
+
+__all__ = [
+    "GROUP",
+    "PACKED_TAGS",
+    "PAD_ROWS",
+    "pack_q4_1_into",
+    "packed_suffix",
+    "q4_1_from_packed",
+    "scales_zeros",
+]

@@ -8,8 +8,17 @@ stage's own resident bytes.
 
 An int4 stage holds each decoder matrix stored as 4-bit groups (Q4_1, Q4_0,
 Q4_K) as those groups, exactly; a matrix stored in a wider K-quant (Q5_K,
-Q6_K: the tensors a Q4_K_M file keeps at more bits) is held as int8 per row
-instead (:func:`hold_wide_blocks_in_int8`), not squeezed into 4 bits.
+Q6_K: the tensors a Q4_K_M file keeps at more bits) is held in int8 per row
+where the conversion recorded it so (``hetmesh_int8_linears`` in
+``config.json``, what the planner charges: as many as keep the model within
+1.09x the file, :func:`~hetmesh.partition.gguf_compact.wide_in_int8`;
+:func:`hold_wide_blocks_in_int8`), else requantised to int4 groups fitted to its
+values (:func:`~hetmesh.partition.quant.fit_groups_int4`: not exact, the error
+is in docs/weights.md).
+
+A load runs in a thread; :func:`cancel_on` gives it an event that, once set,
+stops it at the next tensor (:class:`LoadCancelled`): a node whose plan moved on
+does not finish a stage it will not serve.
 
 Raises :class:`~hetmesh.errors.CorruptModel` for a missing or misshapen tensor.
 """
@@ -17,7 +26,7 @@ Raises :class:`~hetmesh.errors.CorruptModel` for a missing or misshapen tensor.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,7 @@ from hetmesh.partition.quant import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
+    fit_groups_int4,
     quantize_groups_int4,
     quantize_rows_int8,
 )
@@ -54,6 +64,32 @@ INT4_CHUNK_WEIGHTS = 4 << 20
 TABLE_CHUNK_WEIGHTS = 1 << 20
 # OpenMP threads of the thread that loads (see load_threads)
 LOAD_THREADS = 1
+
+
+_CANCEL = threading.local()  # .event: the calling thread's load's cancel event
+
+
+class LoadCancelled(Exception):
+    """The load's cancel event was set (:func:`cancel_on`); what it loaded is dropped."""
+
+
+@contextmanager
+def cancel_on(event: threading.Event) -> Iterator[None]:
+    """Loads in the calling thread stop with :class:`LoadCancelled` once ``event`` is set
+    (checked before each tensor: a load stops within one tensor's work)."""
+    before = getattr(_CANCEL, "event", None)
+    _CANCEL.event = event
+    try:
+        yield
+    finally:
+        _CANCEL.event = before
+
+
+def check_cancelled() -> None:
+    """Raise :class:`LoadCancelled` if the calling thread's load was cancelled."""
+    event = getattr(_CANCEL, "event", None)
+    if event is not None and event.is_set():
+        raise LoadCancelled("the stage's load was cancelled")
 
 
 def _rows_per_chunk(width: int) -> int:
@@ -110,6 +146,7 @@ def _materialise(
     stage: Any, folder: Path, config: dict[str, Any], *, fuse: bool, column_major_head: bool
 ) -> None:
     tied = bool(config.get("tie_word_embeddings", False))
+    check_cancelled()
     with CheckpointReader(folder) as reader:
         loader = _Loader(stage, reader, folder)
         shared_head = tied and stage.lm_head is not None and reader.kind("lm_head.weight") is None
@@ -124,9 +161,10 @@ def _materialise(
                 "model.embed_tokens.weight",
                 column_major=column_major_head and shared_head,
             )
+        recorded = config.get(INT8_LINEARS_KEY) or {}
         for local, global_index in enumerate(stage.layer_range):
             layer = stage.layers[local]
-            hold_wide_blocks_in_int8(layer, reader, f"model.layers.{global_index}")
+            hold_wide_blocks_in_int8(layer, recorded.get(str(global_index), ()))
             for sub, module in layer.named_modules():
                 path = f"layers.{local}.{sub}" if sub else f"layers.{local}"
                 source = f"model.layers.{global_index}.{sub}" if sub else ""
@@ -152,24 +190,24 @@ def _materialise(
         raise CorruptModel(f"{folder}: no tensors for {left[:3]}")
 
 
-WIDE_KINDS = ("q5_k", "q6_k")  # stored at more than 4 bits: int8 in an int4 stage
+WIDE_KINDS = ("q5_k", "q6_k")  # stored at more than 4 bits: refitted to int4 groups
+INT8_LINEARS_KEY = "hetmesh_int8_linears"  # gguf_compact's record: these stay int8
 
 
-def hold_wide_blocks_in_int8(layer: nn.Module, reader: CheckpointReader, source: str) -> int:
-    """Swap ``layer``'s int4 linears whose matrix is stored as Q5_K or Q6_K for int8
-    ones (still on meta); returns how many.
+def hold_wide_blocks_in_int8(layer: nn.Module, names: Iterable[str]) -> int:
+    """Swap ``layer``'s int4 linears named in ``names`` (``"mlp.down_proj"``: those an
+    older conversion recorded as held in int8) for int8 ones (still on meta);
+    returns how many.
 
-    Requantising 5- or 6-bit values to 4 bits would throw away the precision the
-    file kept on purpose (a Q4_K_M file stores its most sensitive matrices as
-    Q6_K). int8 per row keeps them within ~0.2 % (docs/weights.md). Like the int4
-    format's head they take bf16 activations where the CPU multiplies bf16
-    natively (:func:`~hetmesh.partition.formats.bf16_int8_head`), else W8A8.
+    Such a folder's ``config.json`` makes the planner charge those matrices as
+    int8, so the stage holds them so. Like the int4 format's head they take bf16
+    activations where the CPU multiplies bf16 natively
+    (:func:`~hetmesh.partition.formats.bf16_int8_head`), else W8A8.
     """
+    wanted = set(names)
     swapped = 0
     for sub, module in list(layer.named_modules()):
-        if not isinstance(module, Int4Linear):
-            continue
-        if reader.kind(f"{source}.{sub}.weight") not in WIDE_KINDS:
+        if not isinstance(module, Int4Linear) or sub not in wanted:
             continue
         parent_name, _, name = sub.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
@@ -254,6 +292,7 @@ class _Loader:
         from accelerate.utils import set_module_tensor_to_device
 
         _release_freed_memory()
+        check_cancelled()  # the tensors put so far go with the stage
         try:
             set_module_tensor_to_device(
                 self.stage, path, self.device, value=value, dtype=value.dtype
@@ -306,8 +345,10 @@ class _Loader:
         if self.reader.kind(source) == "q4_1":
             self.int4_q4_1(path, source, rows_n, k)
             return
-        # the shipped blocks (Q4_K's exact groups of 32), kept exactly
+        # the shipped blocks (Q4_K's exact groups of 32), kept exactly; Q5_K/Q6_K
+        # refitted (not exact); anything else (float) by Q4_1's min-max rule
         shipped = self.reader.kind(source) == "q4_k"
+        fit = fit_groups_int4 if self.reader.kind(source) in WIDE_KINDS else quantize_groups_int4
         chunk = max(INT4_ROW_BLOCK, INT4_CHUNK_WEIGHTS // k // INT4_ROW_BLOCK * INT4_ROW_BLOCK)
         packed: torch.Tensor | None = None
         scales_zeros: torch.Tensor | None = None
@@ -316,7 +357,7 @@ class _Loader:
             if shipped:
                 q, d, m = self.reader.q4_rows(source, start, stop)
             else:
-                q, d, m = quantize_groups_int4(self.reader.rows(source, start, stop))
+                q, d, m = fit(self.reader.rows(source, start, stop))
             part, part_sz = Int4Linear.pack(q, d, m)  # rows padded to a block of 64
             del q, d, m
             if packed is None or scales_zeros is None:
@@ -329,6 +370,7 @@ class _Loader:
             scales_zeros[:, start : start + part.shape[0]] = part_sz
             del part, part_sz
             _release_freed_memory()
+            check_cancelled()
         assert packed is not None
         assert scales_zeros is not None
         self.put(f"{path}.weight_packed", packed.to(self.device))
@@ -336,7 +378,19 @@ class _Loader:
 
     def int4_q4_1(self, path: str, source: str, rows_n: int, k: int) -> None:
         """A Q4_1 matrix packed straight from its bytes (:mod:`hetmesh.partition.int4_direct`):
-        no one-byte-a-weight or int32 copy; a slice of rows at a time."""
+        no one-byte-a-weight or int32 copy; a slice of rows at a time. Stored already in
+        this CPU's packed layout (:meth:`CheckpointReader.q4_1_packed`): read as it is,
+        into the tensor the stage keeps; only the scales are converted."""
+        stored = self.reader.q4_1_packed(source)
+        if (
+            stored is not None
+            and stored[0].shape == (rows_n, k // 2)
+            and rows_n % INT4_ROW_BLOCK == 0
+        ):
+            check_cancelled()
+            self.put(f"{path}.weight_packed", stored[0].to(self.device))
+            self.put(f"{path}.scales_zeros", scales_zeros(stored[1], stored[2]).to(self.device))
+            return
         padded = -(-rows_n // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
         packed = torch.empty((padded, k // 2), dtype=torch.uint8)
         d = torch.zeros((padded, k // INT4_GROUP), dtype=torch.float16)
@@ -350,6 +404,7 @@ class _Loader:
                 qs = torch.cat([qs, qs.new_zeros((whole - (stop - start), k // 2))])
             pack_q4_1_into(qs, packed[start : start + whole])
             del qs
+            check_cancelled()
         self.put(f"{path}.weight_packed", packed.to(self.device))
         self.put(f"{path}.scales_zeros", scales_zeros(d, m).to(self.device))
 
@@ -388,4 +443,14 @@ class _Loader:
         self.float_param(f"{path}.weight", source, tuple(weight.shape), column_major=column_major)
 
 
-__all__ = ["LOAD_THREADS", "WIDE_KINDS", "hold_wide_blocks_in_int8", "load_threads", "materialise"]
+__all__ = [
+    "INT8_LINEARS_KEY",
+    "LOAD_THREADS",
+    "WIDE_KINDS",
+    "LoadCancelled",
+    "cancel_on",
+    "check_cancelled",
+    "hold_wide_blocks_in_int8",
+    "load_threads",
+    "materialise",
+]

@@ -420,7 +420,8 @@ def _convert_into(
         permute_qk=arch == "LlamaForCausalLM",
         progress=lambda f: report("compacting tensors", 0.3 + 0.6 * f),
     )
-    plain.update(stored_layout(tensors))  # what the planner charges (K-quant files)
+    # what the planner charges (K-quant files)
+    plain.update(stored_layout(tensors, gguf_path.stat().st_size))
     out = work / "converted"
     try:
         out.mkdir()

@@ -5,14 +5,15 @@ Two outputs, the same weights:
 - a model folder, what ``--model synth-...`` resolves to: ``config.json``,
   the default model's tokenizer files and one ``model.safetensors`` in the
   compact layout a converted GGUF has (:mod:`hetmesh.partition.checkpoint`),
-  or plain bf16 tensors. The safetensors header is written first (every
+  its decoder matrices' Q4_1 nibbles in this CPU's packed int4 layout
+  (:func:`write_folder`), or plain bf16 tensors. The safetensors header is written first (every
   tensor's size is known from the shape), then each tensor's bytes a chunk of
   rows at a time: memory holds one chunk (16 MiB of fp32), never the model;
 - a GGUF file (``hetmesh model synth --gguf FILE``), written with the ``gguf``
   package's writer one tensor at a time (memory holds the largest tensor),
   with the default model's tokenizer in its metadata. Its blocks are the
-  folder's bytes: a GGUF converted by ``--model FILE.gguf`` holds the same
-  tensors as the folder.
+  folder's bytes (the packed nibbles in Q4_1's order): a GGUF converted by
+  ``--model FILE.gguf`` holds the same weights as the folder.
 
 Before writing, the free disk is checked against the bytes to write.
 """
@@ -30,6 +31,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from hetmesh.errors import ModelError
+from hetmesh.partition.int4_direct import pack_q4_1_into, packed_suffix
 from hetmesh.partition.synth import (
     EOS_ID,
     SynthSpec,
@@ -99,21 +101,41 @@ class _SafetensorsOut:
 
 
 def write_folder(
-    spec: SynthSpec, out: Path, tokenizer_dir: Path, progress: Progress = _quiet
+    spec: SynthSpec,
+    out: Path,
+    tokenizer_dir: Path,
+    progress: Progress = _quiet,
+    *,
+    packed: bool = True,
 ) -> None:
-    """Write ``spec``'s model folder into ``out`` (made; see the module docstring)."""
+    """Write ``spec``'s model folder into ``out`` (made; see the module docstring).
+
+    With ``packed`` (the default) each decoder matrix's Q4_1 nibbles are stored in
+    this CPU's packed int4 layout (``name.q4_1.int4h64``, ...;
+    :mod:`hetmesh.partition.checkpoint`): an int4 stage here then reads them as they
+    are, with no transform. Other readers unpack them; ``packed=False`` writes
+    Q4_1's own byte order (``.q4_1.qs``), as folders before 2026-12-06 have."""
     plans = tensor_plans(spec)
     out.mkdir(parents=True)
-    entries = [entry for plan in plans for entry in stored_layout(plan)]
+    suffix = packed_suffix() if packed else ".q4_1.qs"
+    entries = [
+        (name.replace(".q4_1.qs", suffix) if _packs(plan, packed) else name, *rest)
+        for plan in plans
+        for name, *rest in stored_layout(plan)
+    ]
     total = max(sum(plan.elements for plan in plans), 1)
     done = 0
-    st = _SafetensorsOut(out / "model.safetensors", entries)
+    st = _SafetensorsOut(out / "model.safetensors", entries)  # type: ignore[arg-type]
     try:
         for plan in plans:
+            pending = _Pending(plan.name + suffix) if _packs(plan, packed) else None
             for start, stop in row_chunks(plan):
                 blocks = gguf_blocks(plan.kind, draw(spec.seed, plan, start, stop))
-                for suffix, array in compact_pieces(plan.kind, blocks).items():
-                    st.write_rows(plan.name + suffix, start, array)
+                for piece, array in compact_pieces(plan.kind, blocks).items():
+                    if pending is not None and piece == ".q4_1.qs":
+                        pending.add(st, array, last=stop == plan.shape[0])
+                    else:
+                        st.write_rows(plan.name + piece, start, array)
                 done += plan.elements * (stop - start) // plan.shape[0]
                 progress(f"writing {spec.name}", 0.05 + 0.9 * done / total)
     finally:
@@ -122,6 +144,34 @@ def write_folder(
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copyfile(tokenizer_dir / name, out / name)
+
+
+def _packs(plan: TensorPlan, packed: bool) -> bool:
+    """Whether ``plan``'s nibbles are written packed: a decoder matrix in Q4_1 whose rows
+    are whole blocks of the packed layout's 64."""
+    return packed and plan.kind == "q4_1" and ".layers." in plan.name and plan.shape[0] % 64 == 0
+
+
+class _Pending:
+    """Q4_1 nibble rows packed and written in whole blocks of 64 rows (a drawing chunk
+    need not be)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.start = name, 0
+        self.rows: np.ndarray | None = None
+
+    def add(self, st: _SafetensorsOut, qs: np.ndarray, *, last: bool) -> None:
+        import torch
+
+        rows = qs if self.rows is None else np.concatenate([self.rows, qs])
+        whole = len(rows) if last else len(rows) // 64 * 64
+        if whole:
+            head = torch.from_numpy(np.ascontiguousarray(rows[:whole]))
+            out = torch.empty_like(head)
+            pack_q4_1_into(head, out)
+            st.write_rows(self.name, self.start, out.numpy())
+            self.start += whole
+        self.rows = rows[whole:]
 
 
 def _write_config(spec: SynthSpec, out: Path) -> None:

@@ -719,7 +719,7 @@ class TcpLink(ThreadedLink):
     def _write_blocking(self, frame: Frame) -> int:
         if self._sealer is not None:
             head, buffers, total = encode_parts(frame, self.limits)
-            self.sock.sendall(self._sealer.seal([head, *buffers], total))
+            self._sealer.send(self.sock, head, buffers, total)
             return total
         return write_frame(self.sock, frame, self.limits)
 
@@ -752,7 +752,7 @@ class TcpLink(ThreadedLink):
             return await in_thread(self._write_blocking_locked, frame)
         try:
             head, buffers, total = encode_parts(frame, self.limits)
-            left = try_sendmsg(self.sock, [sealer.seal([head, *buffers], total)])
+            left = try_sendmsg(self.sock, [sealer.seal_frame(head, buffers, total)])
         except BaseException:
             self._write_lock.release()
             raise

@@ -31,6 +31,7 @@ from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset
 from hetmesh.transport.frames import flat_bytes
 
 RECORD_BYTES = 1 << 20  # plaintext per record: bounds what a peer makes us buffer
+SMALL_BYTES = 64 << 10  # frames up to this size are sealed in the sealer's standing buffer
 TAG_BYTES = 16
 _LENGTH = struct.Struct(">I")  # 4 bytes
 _NONCE = struct.Struct(">4xQ")  # 96 bits: 32 zero bits, then the record counter
@@ -48,8 +49,9 @@ class Sealer:
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
         self._sealed = 0  # records sealed so far: the next record's nonce
-        self._buffer = bytearray(64 << 10)
+        self._buffer = bytearray(SMALL_BYTES + _OVERHEAD)
         self._view = memoryview(self._buffer)
+        self._window: memoryview | None = None  # large frames' records, for send()
 
     def _nonce(self) -> bytes:
         count = self._sealed
@@ -57,6 +59,38 @@ class Sealer:
             raise LocalProtocolError("sealed link ran out of nonces")
         self._sealed = count + 1
         return _NONCE.pack(count)
+
+    def seal_frame(self, head: bytes, buffers: Sequence[Any], plain: int) -> memoryview:
+        """``seal([head, *buffers], plain)`` for what :func:`encode_parts` returns: a frame
+        of at most :data:`SMALL_BYTES` (a decode step's) with the fewest steps per frame,
+        the record built where it lies in the sealer's own buffer, sealed in place."""
+        if plain > SMALL_BYTES:
+            return self.seal([head, *buffers], plain)
+        out = self._view
+        end = _LENGTH.size + plain  # where the plaintext ends and the tag starts
+        at = _LENGTH.size + len(head)
+        if at <= end:
+            out[_LENGTH.size : at] = head
+            for b in buffers:
+                try:
+                    view = memoryview(b).cast("B")
+                except TypeError:  # an array with zeros in its shape
+                    view = flat_bytes(b)
+                start = at
+                at += len(view)
+                if at > end:
+                    break
+                out[start:at] = view
+        if at != end or plain <= 0:
+            raise LocalProtocolError(f"parts of {_nbytes([head, *buffers])} bytes, not {plain}")
+        count = self._sealed
+        if count >= _MAX_RECORDS:  # unreachable in practice; never wrap a nonce
+            raise LocalProtocolError("sealed link ran out of nonces")
+        self._sealed = count + 1
+        _LENGTH.pack_into(out, 0, plain + TAG_BYTES)
+        # sealed where it lies: OpenSSL's GCM reads each block before it writes it
+        self._aead.encrypt_into(_NONCE.pack(count), out[4:end], None, out[4 : end + TAG_BYTES])
+        return out[: end + TAG_BYTES]
 
     def seal(self, parts: Sequence[Any], plain: int = -1) -> memoryview:
         """The records carrying ``parts`` (buffers: bytes, memoryviews, C-contiguous
@@ -99,6 +133,39 @@ class Sealer:
                     return out[:total]
             raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
         return self._records(parts, plain)
+
+    def send(self, sock: socket.socket, head: bytes, buffers: Sequence[Any], plain: int) -> None:
+        """Seal the frame ``encode_parts`` gave and write it to blocking ``sock``.
+
+        A frame over :data:`RECORD_BYTES` is sealed and sent a record at a time
+        through one standing window (the head's record rides with the first
+        payload record): each record's ciphertext is still in cache when the
+        kernel copies it, where sealing a whole frame first wrote it all to
+        memory and read it back.
+        """
+        if plain <= RECORD_BYTES:
+            sock.sendall(self.seal_frame(head, buffers, plain))
+            return
+        parts = [head, *buffers]
+        views = [v for v in map(flat_bytes, parts) if len(v)]
+        if sum(map(len, views)) != plain:
+            raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
+        if self._window is None:
+            self._window = memoryview(bytearray(RECORD_BYTES + SMALL_BYTES + 2 * _OVERHEAD))
+        out = self._window
+        at = 0
+        for view in views:
+            for start in range(0, len(view), RECORD_BYTES):
+                chunk = view[start : start + RECORD_BYTES]
+                sealed = len(chunk) + TAG_BYTES
+                if at + _LENGTH.size + sealed > len(out):
+                    sock.sendall(out[:at])
+                    at = 0
+                _LENGTH.pack_into(out, at, sealed)
+                at += _LENGTH.size
+                self._aead.encrypt_into(self._nonce(), chunk, None, out[at : at + sealed])
+                at += sealed
+        sock.sendall(out[:at])
 
     def _records(self, parts: Sequence[Any], plain: int) -> memoryview:
         views = [v for v in map(flat_bytes, parts) if len(v)]
@@ -155,19 +222,28 @@ class OpenedSocket:
             view = view[:nbytes]
         if self._start == self._end and self._raw_start == self._raw_end:
             # nothing held (a decode step's frame, most often): one recv, and a record
-            # that came whole opens straight into the reader's memory
+            # that came whole opens straight into the reader's memory (inline: this is
+            # every small frame's path)
             raw = self._raw_view
             got = self._sock.recv_into(raw, 0, flags)
-            if got == 0:
-                return 0
-            self._raw_start, self._raw_end = 0, got
-            if got > _LENGTH.size:
+            if got > _OVERHEAD:
                 size: int = _LENGTH.unpack_from(raw)[0] - TAG_BYTES
                 # got <= len(raw) bounds size by RECORD_BYTES
-                if got == size + _OVERHEAD and 0 < size <= len(view):
-                    self._raw_start = got
-                    self._open(raw[_LENGTH.size : got], view[:size])
+                if got == size + _OVERHEAD and size <= len(view):
+                    count = self._opened
+                    if count >= _MAX_RECORDS:  # unreachable in practice
+                        raise LocalProtocolError("sealed link ran out of nonces")
+                    self._opened = count + 1
+                    try:
+                        self._aead.decrypt_into(
+                            _NONCE.pack(count), raw[_LENGTH.size : got], None, view[:size]
+                        )
+                    except InvalidTag:
+                        raise RemoteProtocolError("a sealed record failed authentication") from None
                     return size
+            elif got == 0:
+                return 0
+            self._raw_start, self._raw_end = 0, got
         if self._start == self._end:
             sealed = self._next_record(flags)
             if sealed is None:

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import trio
 
-from hetmesh.node.api import serve_http
 from hetmesh.node.api_metrics import MeshGauges
+from hetmesh.node.api_serve import serve_http
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.protocol.generate import GenerateRequest
 from tests.integration.dashboard.dashboard_browser import css, missing, open_chromium, read, until

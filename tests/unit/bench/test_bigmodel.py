@@ -65,3 +65,30 @@ def test_ratio_max_takes_the_worst_host() -> None:
     assert bigmodel.ratio_max([(1.0, 2.0), (3.0, 2.0)]) == 1.5
     with pytest.raises(ValueError, match="empty"):
         bigmodel.ratio_max([])
+
+
+def test_start_phases_split_a_hosts_start_by_its_log() -> None:
+    import time
+
+    log = "\n".join(
+        [
+            "2026-12-06 00:30:10,619 INFO hetmesh.discovery.service: joining the mesh",
+            "2026-12-06 00:30:13,600 INFO hetmesh.node.daemon: profiled: 128.3 GFLOP/s",
+            "2026-12-06 00:30:24,126 INFO hetmesh.node.stage_host: loading units [11, 23) of m",
+            "2026-12-06 00:30:30,000 INFO hetmesh.node.stage_host: loading units [0, 11) of m",
+            "2026-12-06 00:31:16,448 INFO hetmesh.node.stage_host: stage [0, 11) ready: 5 in 1 s",
+        ]
+    )
+    started = time.mktime(time.strptime("2026-12-06 00:30:05", "%Y-%m-%d %H:%M:%S"))
+    phases = bigmodel.start_phases(log, started + 0.5, 0, 11)
+    assert phases == {
+        "imports_s": 5.12,
+        "up_profile_s": 2.98,
+        "wait_plan_s": 16.4,
+        "load_s": 46.45,
+    }
+    # a stage that never loaded: its phases stop where the log does
+    assert bigmodel.start_phases(log, started + 0.5, 23, 34) == {
+        "imports_s": 5.12,
+        "up_profile_s": 2.98,
+    }

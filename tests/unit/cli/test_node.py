@@ -107,3 +107,13 @@ def test_discovery_never_imports_node() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=repo
     )
     assert out.stdout.strip() == "False"
+
+
+def test_min_replicas_items_parse_or_name_the_bad_one() -> None:
+    from hetmesh.cli.node import parse_min_replicas
+    from hetmesh.errors import InvalidRequest
+
+    assert parse_min_replicas(["a=2", "synth-tiny=1"]) == {"a": 2, "synth-tiny": 1}
+    for bad in ("a", "=2", "a=two", "a=-1"):
+        with pytest.raises(InvalidRequest, match=f"--min-replicas '{bad}'"):
+            parse_min_replicas([bad])

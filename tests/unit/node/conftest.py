@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from hetmesh.node.api import serve_http
+from hetmesh.node.api_serve import serve_http
 from tests.unit.node.test_api_logprobs import LogprobsBackend
 
 

@@ -18,8 +18,8 @@ import trio
 import trio.lowlevel
 
 from hetmesh.errors import NoRoute, Rejected
-from hetmesh.node.api import serve_http
 from hetmesh.node.api_metrics import MeshGauges
+from hetmesh.node.api_serve import serve_http
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.protocol.generate import GenerateRequest
 
@@ -32,6 +32,7 @@ class FakeBackend:
         self.step = trio.Event()  # set: tokens flow freely
         self.step.set()
         self.first_token_free = False  # True: only the tokens after the first wait on step
+        self.remotes: dict[str, list[str]] = {}  # model -> peers' APIs (api_forward)
 
     def models(self) -> list[str]:
         return [MODEL]
@@ -93,6 +94,9 @@ class FakeBackend:
 
     def for_model(self, model: str) -> Any:
         return self
+
+    def remote_apis(self) -> dict[str, list[str]]:
+        return self.remotes
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import trio
 
-from hetmesh.node.api import ClientPolicy, serve_http
+from hetmesh.node.api import ClientPolicy
+from hetmesh.node.api_serve import serve_http
 from tests.unit.node.test_api import MODEL, FakeBackend
 
 KEY = "s3cret"

@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from hetmesh.errors import InvalidRequest
-from hetmesh.node.api import serve_http
+from hetmesh.node.api_serve import serve_http
 from hetmesh.node.backend import ModelsBackend
-from hetmesh.node.models import member_config, memory_shares, model_slug
+from hetmesh.node.models import check_min_replicas, member_config, memory_shares, model_slug
 from hetmesh.node.runtime import NodeConfig
 from hetmesh.protocol.generate import SamplingParams
 from tests.unit.node.test_api import FakeBackend
@@ -123,11 +123,13 @@ def test_the_cli_starts_one_member_per_repeated_model(monkeypatch: Any, tmp_path
     monkeypatch.setattr("hetmesh.cli.node.trio.run", lambda func, *args: seen.append(args))
     args = ["node", "start", "--data-dir", str(tmp_path), "--max-memory", "4GiB"]
     models = ["--model", "smollm2-135m-instruct", "--model", "synth-tiny"]
-    result = CliRunner().invoke(app, [*args, *models, "--model-memory", "synth-tiny=1GiB"])
+    given = ["--model-memory", "synth-tiny=1GiB", "--min-replicas", "synth-tiny=2"]
+    result = CliRunner().invoke(app, [*args, *models, *given])
     assert result.exit_code == 0, result.output
-    (config, names, memory), *_ = seen
+    (config, names, memory, replicas), *_ = seen
     assert names == ["smollm2-135m-instruct", "synth-tiny"]
     assert memory == {"synth-tiny": 1 << 30}
+    assert replicas == {"synth-tiny": 2}
     assert config.max_memory_bytes == 4 << 30
     # one model: the single-model node, as before
     result = CliRunner().invoke(app, [*args, "--model", "synth-tiny"])
@@ -136,10 +138,10 @@ def test_the_cli_starts_one_member_per_repeated_model(monkeypatch: Any, tmp_path
     assert seen[1][0].serving.model == "synth-tiny"
     # a config file may name several models as a list
     f = tmp_path / "node.toml"
-    f.write_text('model = ["a", "b"]\nmodel-memory = ["a=1GiB"]\n')
+    f.write_text('model = ["a", "b"]\nmodel-memory = ["a=1GiB"]\nmin-replicas = ["b=2"]\n')
     result = CliRunner().invoke(app, ["node", "start", "--config", str(f)])
     assert result.exit_code == 0, result.output
-    assert seen[2][1:] == (["a", "b"], {"a": 1 << 30})
+    assert seen[2][1:] == (["a", "b"], {"a": 1 << 30}, {"b": 2})
     bad = CliRunner().invoke(app, [*args, *models, "--model-memory", "synth-tiny"])
     assert bad.exit_code != 0
     assert "NAME=SIZE" in str(bad.exception or bad.output)
@@ -241,3 +243,15 @@ async def test_a_one_model_node_has_no_model_routes(nursery: trio.Nursery) -> No
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         body = {"model": "x", "memory_bytes": 1 << 30}
         assert (await http.post("/v1/hetmesh/models", json=body)).status_code == 404
+
+
+def test_min_replicas_name_models_count_members_and_fit() -> None:
+    gib = 1 << 30
+    shares = {"a": gib, "b": gib}
+    assert check_min_replicas(["a", "b"], shares, {"a": 2}, 3 * gib) == {"a": 2}
+    with pytest.raises(InvalidRequest, match="not a --model"):
+        check_min_replicas(["a", "b"], shares, {"z": 2}, 3 * gib)
+    with pytest.raises(InvalidRequest, match="at least 1"):
+        check_min_replicas(["a", "b"], shares, {"a": 0}, 3 * gib)
+    with pytest.raises(InvalidRequest, match="--min-replicas needs"):
+        check_min_replicas(["a", "b"], shares, {"a": 3}, 3 * gib)  # 4 GiB of members

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import trio
 
-from hetmesh.node.api import serve_http
+from hetmesh.node.api_serve import serve_http
 from tests.unit.node.test_api import FakeBackend
 
 SUMMARY = "18feb42200000007"  # two blocks' truncated hashes, as a stage announces them

@@ -15,9 +15,12 @@ import trio
 from hetmesh.node.config import ServingConfig
 from hetmesh.node.stage_host import StageHost
 from hetmesh.partition import stage as stage_module
+from hetmesh.partition.materialise import LoadCancelled
 from hetmesh.scheduler.records import Pipeline, Plan, PlanConstraints, Stage
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+outcomes: list[tuple[str, tuple[int, int]]] = []  # loads that ended cancelled, in _move
 
 ME, OTHER = "me", "other"
 MIB = 1 << 20
@@ -69,6 +72,7 @@ async def _move(
     it loads) one giving us [4, 8); returns the stages served when each load began,
     and the host."""
     served_at_load: list[set[tuple[int, int]]] = []
+    outcomes.clear()
     real = stage_module.load_stage
     host: StageHost | None = None
 
@@ -77,7 +81,11 @@ async def _move(
         served_at_load.append(set(host.servers()))  # what this node holds as it loads
         if mid_load and len(served_at_load) == 1:  # the successor's plan, mid-load
             trio.from_thread.run_sync(host.follow, _plan(2, (4, 8), 32), ME)
-        return real(*args, **kwargs)
+        try:
+            return real(*args, **kwargs)
+        except LoadCancelled:
+            outcomes.append(("cancelled", args[1:3]))
+            raise
 
     monkeypatch.setattr(stage_module, "load_stage", observed)
     changed = trio.Event()
@@ -131,11 +139,15 @@ async def test_a_move_that_fits_keeps_the_old_stage_serving_until_the_new_one_is
     assert set(host.servers()) == {(4, 8)}  # then it retired
 
 
-async def test_a_load_the_plan_left_behind_is_dropped_before_the_new_one_loads(
-    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("capacity_mib", [1000, 2000])
+async def test_a_load_the_plan_left_behind_is_cancelled_and_the_new_one_loads(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capacity_mib: int
 ) -> None:
     """The bench's OOM of 12-05: a successor's plan moves a node still loading its
-    first stage; that load ends, is dropped unserved, and only then the new one loads."""
-    loads, host = await _move(default_model_dir, 1000 * MIB, monkeypatch, mid_load=True)
+    first stage; that load is cancelled (not finished), nothing of it is served, and
+    the new one loads with nothing held, whether or not both would fit."""
+    loads, host = await _move(default_model_dir, capacity_mib * MIB, monkeypatch, mid_load=True)
+    assert outcomes == [("cancelled", (0, 4))]
+    assert host.cancelled_loads == 1
     assert loads == [set(), set()]
     assert set(host.servers()) == {(4, 8)}

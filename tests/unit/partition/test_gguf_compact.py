@@ -131,3 +131,38 @@ def test_unsupported_type_is_one_line_naming_the_supported(tmp_path: Path) -> No
     assert "IQ2_XXS" in message
     for name in ("Q4_K", "Q6_K", "Q4_1", "Q8_0", "BF16"):
         assert name in message
+
+
+def test_wide_matrices_stay_int8_within_the_budget_attn_v_and_the_ends_first() -> None:
+    """Which Q6_K matrices an int4 stage keeps in int8 as the file grows relative to
+    what the rest holds: none, then every ``attn_v``, then ``ffn_down`` of the first
+    and last layers before the middle ones; never fewer as the budget grows."""
+    from hetmesh.partition.gguf_compact import wide_in_int8
+
+    def blocks(kind: str, rows: int, width: int) -> np.ndarray:
+        per_row = width // 256 * {"q4_k": 144, "q6_k": 210}[kind]
+        return np.zeros((rows, per_row), dtype=np.uint8)
+
+    tensors = {"model.embed_tokens.weight.q4_k.blocks": blocks("q4_k", 512, 256)}
+    for i in range(4):
+        layer = f"model.layers.{i}"
+        tensors[f"{layer}.input_layernorm.weight"] = np.ones(256, dtype=np.float32)
+        tensors[f"{layer}.mlp.up_proj.weight.q4_k.blocks"] = blocks("q4_k", 512, 256)
+        tensors[f"{layer}.mlp.down_proj.weight.q6_k.blocks"] = blocks("q6_k", 256, 512)
+        tensors[f"{layer}.self_attn.v_proj.weight.q6_k.blocks"] = blocks("q6_k", 64, 256)
+    tensors["lm_head.weight.q6_k.blocks"] = blocks("q6_k", 512, 256)
+    assert wide_in_int8(tensors, None) == {}
+    seen: list[set[tuple[int, str]]] = []
+    for file_bytes in range(100_000, 2_000_000, 2_000):
+        kept = {
+            (int(k), n) for k, names in wide_in_int8(tensors, file_bytes).items() for n in names
+        }
+        if not seen or kept != seen[-1]:
+            assert not seen or kept > seen[-1]
+            seen.append(kept)
+    v = {(i, "self_attn.v_proj") for i in range(4)}
+    down = {i: (i, "mlp.down_proj") for i in range(4)}
+    assert seen[0] == set()
+    assert seen[-1] == v | set(down.values())
+    assert v in seen  # every attn_v before any ffn_down
+    assert v | {down[0], down[3]} in seen  # the ends' before the middle's

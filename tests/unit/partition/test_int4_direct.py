@@ -87,3 +87,20 @@ def test_int8_rows_in_place_equal_quantize_rows_int8() -> None:
     rows_into_int8(w.clone(), q, scale)
     assert torch.equal(q, expected_q)
     assert torch.equal(scale, expected_scale)
+
+
+@pytest.mark.parametrize("layout", ["halves of 64", "halves of 32", "pairs in 32", "pairs in 64"])
+def test_packed_nibbles_read_back_as_q4_1_bytes(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's nibbles stored packed in any layout give back Q4_1's bytes."""
+    from hetmesh.partition import int4_direct
+
+    qs, _, _ = _q4_1(128, 96, seed=9)
+    out = torch.empty_like(qs)
+    with monkeypatch.context() as patched:
+        patched.setattr(int4_direct, "int4_layout_name", lambda: layout)
+        pack_q4_1_into(qs, out)
+        assert int4_direct.packed_suffix().startswith(".q4_1.int4")
+    assert not torch.equal(out, qs)
+    assert torch.equal(int4_direct.q4_1_from_packed(out, layout), qs)

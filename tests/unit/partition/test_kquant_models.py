@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -179,12 +180,15 @@ def test_q4_k_m_gguf_is_held_compact_and_stages_agree(tmp_path: Path, family: st
     ids = torch.arange(0, 262, 5)
     held = reference.model.embed_tokens(ids)
     assert torch.equal(whole.embed_tokens(ids), held)
-    for index in range(LAYERS):
-        layer = whole.layers[index]
-        wide = more_bits(index, LAYERS)
+    # Q4_K matrices in int4 groups; the Q6_K ones in int8 where the conversion's budget
+    # kept them so (its record), else refitted to int4 groups
+    kept = json.loads((folder / "config.json").read_text()).get("hetmesh_int8_linears", {})
+    for index, layer in enumerate(whole.layers):
         assert isinstance(layer.mlp.up_proj, Int4Linear)
-        assert isinstance(layer.mlp.down_proj, Int8Linear if wide else Int4Linear)
-        assert isinstance(layer.self_attn.v_proj, Int8Linear if wide else Int4Linear)
+        for name in ("mlp.down_proj", "self_attn.v_proj"):
+            int8 = name in kept.get(str(index), [])
+            assert not int8 or more_bits(index, LAYERS)
+            assert isinstance(layer.get_submodule(name), Int8Linear if int8 else Int4Linear)
     # the planner charges what each stage holds (the file's layout is in its config)
     for start, end in [(0, LAYERS + 2), *SPLIT]:
         for fmt in (WeightFormat.INT4, WeightFormat.INT8):
@@ -198,31 +202,47 @@ def test_q4_k_m_gguf_is_held_compact_and_stages_agree(tmp_path: Path, family: st
     assert torch.equal(split_prefill, one_prefill)
     for a, b in zip(split_steps, one_steps, strict=True):
         assert torch.equal(a, b)
-    # and are near the file's exact values (bf16 activations, int8 head and tables)
+    # and are near the file's exact values (bf16 activations, int8 head and tables, the
+    # Q6_K matrices refitted to 4 bits: on these Gaussian weights that refit is ~7.5 %
+    # off the file's values, on trained ones ~2 % (docs/weights.md); 0.074 and 0.080 here,
+    # under 0.05 while they were int8)
     prompt, steps = _prompt()
     ref_prefill, _ = reference_logits(reference, prompt, steps)
     rel = float((split_prefill - ref_prefill).norm() / ref_prefill.norm())
-    assert rel < 0.05, rel
+    assert rel < 0.1, rel
 
 
 def test_wide_matrices_fuse_on_their_own_kernel(tmp_path: Path) -> None:
-    """Q6_K q/k/v in an int4 stage are int8 with bf16 activations where the CPU has
-    them; fused, they keep that kernel, so fused and separate products agree bit for bit."""
+    """Q6_K q/k/v in an int4 stage: int4 groups, or int8 where the folder's config
+    records them so (as the planner charges); fused, each keeps its kernel: fused
+    and separate products agree bit for bit."""
     model = tiny_model("llama3-rope")
     path = tmp_path / "q6_k.gguf"
     names = [f"blk.{i}.{part}.weight" for i in range(LAYERS) for part in ("attn_q", "attn_k")]
     names += [f"blk.{i}.attn_v.weight" for i in range(LAYERS)]
     write_gguf("llama3-rope", path, model, types=dict.fromkeys(names, "Q6_K"))
-    folder = resolve_model(path, cache_dir=tmp_path / "cache")
-    separate = load_stage(folder, 0, LAYERS + 2, weights="int4", fuse=False)
-    fused = load_stage(folder, 0, LAYERS + 2, weights="int4", fuse=True)
-    assert isinstance(separate.layers[0].self_attn.q_proj, Int8Linear)
-    assert fused.fused
-    a_prefill, a_steps = _chain_logits([separate])
-    b_prefill, b_steps = _chain_logits([fused])
-    assert torch.equal(a_prefill, b_prefill)
-    for a, b in zip(a_steps, b_steps, strict=True):
-        assert torch.equal(a, b)
+    converted = resolve_model(path, cache_dir=tmp_path / "cache")
+    config = json.loads((converted / "config.json").read_text())
+    every = ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    variants = {}  # every Q6_K matrix refitted to int4; every one kept in int8
+    for kind, record in ((Int4Linear, {}), (Int8Linear, {str(i): every for i in range(LAYERS)})):
+        variants[kind] = tmp_path / kind.__name__
+        shutil.copytree(converted, variants[kind])
+        written = {**config, "hetmesh_int8_linears": record}
+        (variants[kind] / "config.json").write_text(json.dumps(written))
+    for kind, where in variants.items():
+        separate = load_stage(where, 0, LAYERS + 2, weights="int4", fuse=False)
+        fused = load_stage(where, 0, LAYERS + 2, weights="int4", fuse=True)
+        assert isinstance(separate.layers[0].self_attn.q_proj, kind)
+        assert fused.fused
+        charged = separate.profile.range_param_bytes(0, LAYERS + 2)
+        rotary = sum(b.nbytes for b in separate.rotary_emb.buffers())
+        assert separate.resident_bytes() - rotary == charged, where
+        a_prefill, a_steps = _chain_logits([separate])
+        b_prefill, b_steps = _chain_logits([fused])
+        assert torch.equal(a_prefill, b_prefill)
+        for a, b in zip(a_steps, b_steps, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_q5_k_file_is_native_int8_and_its_stages_agree(tmp_path: Path) -> None:

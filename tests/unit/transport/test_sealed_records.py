@@ -8,18 +8,19 @@ import random
 import socket
 import struct
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from hetmesh.errors import LocalProtocolError
+from hetmesh.errors import LocalProtocolError, RemoteProtocolError
 from hetmesh.transport import Activations
 from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.frames import DEFAULT_LIMITS, encode_bytes, encode_parts
 from hetmesh.transport.links import BufferedReader
-from hetmesh.transport.sealed import RECORD_BYTES, OpenedSocket, Sealer
+from hetmesh.transport.sealed import RECORD_BYTES, SMALL_BYTES, OpenedSocket, Sealer
 
 KEY = bytes(range(32))
 
@@ -122,3 +123,108 @@ def test_records_of_any_size_read_back_whatever_the_chunking() -> None:
             got += opened.recv_into(view[got : got + rng.choice((3, 600, 70_000, 3 << 20))])
         sender.join()
         assert out == want
+
+
+def test_seal_frame_is_the_same_record_as_seal_of_the_same_parts() -> None:
+    """The link's path (``seal_frame``: head and encode_parts' buffers) writes exactly
+    ``seal([head, *buffers])``: one independent AES-GCM record per small frame, records
+    over SMALL_BYTES as seal's, one nonce counter for both."""
+    tensors = [
+        (torch.randn(2048),),  # a decode step's 8 KiB
+        (torch.zeros(0, 3), torch.arange(7, dtype=torch.int64)),
+        (torch.ones(5, dtype=torch.bfloat16), torch.randn(3, 4)),
+        (torch.randn(SMALL_BYTES // 4),),  # over SMALL_BYTES with its head: records
+    ]
+    frames = [
+        Activations(session_id="s", step=i, positions=(i,), tensors=t)
+        for i, t in enumerate(tensors)
+    ]
+    fast, reference = Sealer(KEY), Sealer(KEY)
+    aead = AESGCM(KEY)
+    for k, frame in enumerate(frames):
+        head, buffers, total = encode_parts(frame)
+        got = bytes(fast.seal_frame(head, buffers, total))
+        assert got == bytes(reference.seal([head, *buffers], total))
+        if total <= SMALL_BYTES:
+            assert _records(got) == [aead.encrypt(_nonce(2 * k), encode_bytes(frame), None)]
+        assert bytes(fast.seal([b"between"])) == bytes(reference.seal([b"between"]))
+
+
+@pytest.mark.parametrize(
+    ("parts", "declared"),
+    [
+        ([b"head bytes", np.zeros(4, np.uint8)], 13),  # more than declared
+        ([b"head bytes", np.zeros(4, np.uint8)], 15),  # less
+        ([b"a long head", np.zeros(4, np.uint8)], 5),  # the head alone is more
+        ([b"", np.zeros(0, np.uint8)], 0),  # nothing
+    ],
+)
+def test_seal_frame_refuses_parts_that_disagree_with_the_declared_size(
+    parts: list[Any], declared: int
+) -> None:
+    sealer = Sealer(KEY)
+    with pytest.raises(LocalProtocolError, match=f"not {declared}"):
+        sealer.seal_frame(parts[0], parts[1:], declared)
+    assert _records(bytes(sealer.seal([b"next"]))) == [
+        AESGCM(KEY).encrypt(_nonce(0), b"next", None)
+    ]
+
+
+@pytest.mark.parametrize("attack", ["flip a bit", "flip a length bit", "replay", "drop", "swap"])
+def test_records_arriving_one_at_a_time_refuse_tampering(attack: str) -> None:
+    """Each record alone in the socket when read: the path a decode step's frame takes
+    (opened straight into the reader's memory); every alteration is refused."""
+    sealer = Sealer(KEY)
+    records = [bytes(sealer.seal([f"record {i}".encode() * 50])) for i in range(3)]
+    if attack == "flip a bit":
+        records[1] = records[1][:-1] + bytes([records[1][-1] ^ 1])
+    elif attack == "flip a length bit":
+        shorter = int.from_bytes(records[1][:4], "big") ^ 0x20  # 416 -> 384 bytes
+        records[1] = shorter.to_bytes(4, "big") + records[1][4:]
+    elif attack == "replay":
+        records[1] = records[0]
+    elif attack == "drop":
+        records = [records[0], records[2]]
+    else:
+        records = [records[0], records[2], records[1]]
+    left, right = socket.socketpair()
+    with left, right:
+        opened = OpenedSocket(right, KEY)
+        target = bytearray(4096)
+        left.sendall(records[0])
+        assert opened.recv_into(target) == len("record 0") * 50
+        left.sendall(records[1])
+        with pytest.raises(RemoteProtocolError):
+            opened.recv_into(target)
+
+
+@pytest.mark.parametrize("n", [2048, 300_000, (5 * RECORD_BYTES) // 8 + 3])
+def test_send_writes_exactly_the_records_seal_makes(n: int) -> None:
+    """``Sealer.send`` (the link's blocking write: a large frame sealed and sent a
+    record at a time through a standing window) puts on the wire exactly the bytes
+    of ``seal`` of the same parts, frame after frame, and keeps no frame-sized buffer."""
+    frames = [
+        Activations(session_id="s", step=i, positions=(i,), tensors=(torch.randn(n),))
+        for i in range(2)
+    ]
+    sender, reference = Sealer(KEY), Sealer(KEY)
+    left, right = socket.socketpair()
+    wire = bytearray()
+
+    def drain() -> None:
+        while chunk := right.recv(1 << 20):
+            wire.extend(chunk)
+
+    with left, right:
+        reader = threading.Thread(target=drain)
+        reader.start()
+        expected = b""
+        for frame in frames:
+            head, buffers, total = encode_parts(frame)
+            sender.send(left, head, buffers, total)
+            expected += bytes(reference.seal([head, *buffers], total))
+        left.shutdown(socket.SHUT_WR)
+        reader.join()
+    assert bytes(wire) == expected
+    assert len(sender._buffer) == SMALL_BYTES + 20  # one record's length and tag
+    assert sender._window is None or len(sender._window) < 2 * RECORD_BYTES
