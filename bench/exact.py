@@ -22,6 +22,13 @@ depend on its round: what this bench checks of the mesh; the rounds share
 their weight reads, which one stream after another does not); every ``--serial-every``-th
 stream is also generated alone, one token per call, as ``hetmesh generate`` does,
 and ``reference_serial_disagree`` counts those that differ from the rounds' (0).
+The reference depends on the stream mix only, so it runs in a process of its own
+beside the meshes: every mesh, the freeze mesh and each format's reference is a
+job, ``--parallel`` of them at once (a 2-core machine then spends its time
+computing, not waiting on one mesh's start or its slowest stream), all compared
+at the end; ``load_average`` samples the machine's 1-minute load during the run.
+``--save DIR`` keeps each job's outcome as it ends and reuses it in a later run of
+the same configuration (a run interrupted, or split over sessions, resumes).
 ``<format>_identical_ratio`` is the share of that format's streams equal to the
 reference; ``streams_checked`` counts them all. ``phase_seconds`` says where the
 run's time went (each mesh, its start included (``_ready``), each reference).
@@ -46,30 +53,44 @@ Figures are ratios of equal streams: a loaded machine makes the run slower,
 never different. A stream the mesh refuses as busy (admission: every pipeline
 full) is asked again a second later, as a client would (``busy_refusals``
 counts those; ``preemptions`` sums the sessions the stages preempted for KV
-room, as their announced counters say); other failed streams (timed out, errors) are counted in
-``streams_failed``, not compared.
+room, as their announced counters say). A stream the mesh fails (on a starved
+machine a stage that computes a long prefill for 30 s is suspected and avoided,
+and a stream may then find no route) is asked again up to 5 times
+(``streams_retried``); what the failed try delivered must be a prefix of the
+reference (``retried_prefix_differs`` counts those that are not: 0). A stream
+refused before its first token for want of a route (``NoRoute``: the mesh
+replans, e.g. on a link's measured bandwidth drifting on a loaded machine) is
+asked again every 2 s, up to 20 min (``route_refusals``). A stream
+failed every time is counted in ``streams_failed``, not compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
 import random
-import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from hetmesh.errors import MeshError, Rejected
+from hetmesh.errors import InsufficientCapacity, MeshError, NoRoute, Rejected
 
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
 GATEWAY_MEMORY = "1MiB"  # the freeze mesh's gateway: room for no unit of the model
+ROUTE_WAIT_S = 1200  # how long a stream is asked again while the mesh has no route
+STREAM_RETRIES = 5  # a stream the mesh failed is asked again up to 5 times
+FREEZE_TOKENS = 120  # the freeze runs' stream length
 REFERENCE_ROUND = 16  # the reference's decode rounds: as many rows as clients
 # what one node may offer for the whole model with its pool (replicas), and a cap
 # under the whole model's need in each format (weights + KV budget + workspace: ~315
@@ -91,10 +112,11 @@ def stream_mix(seed: int, count: int, quick: bool) -> list[tuple[list[int], int]
     ]
 
 
-async def _collect(client: Any, prompt: list[int], tokens: int) -> list[int]:
+async def _collect(client: Any, prompt: list[int], tokens: int, got: list[int]) -> list[int]:
+    """The stream's tokens, appended to ``got`` as they come (a failed stream's part
+    stays there)."""
     from hetmesh.client.mesh import TokenEvent
 
-    got: list[int] = []
     events = client.stream(prompt_ids=prompt, max_new_tokens=tokens)
     async with contextlib.aclosing(events) as stream:
         async for event in stream:
@@ -121,8 +143,9 @@ def mesh_streams(
         *("--weights", fmt, "--max-memory", memory, "--max-context", str(CONTEXT)),
         *("--kv-pool-tokens", str(pool_tokens)),
     ]
-    done: list[tuple[list[int], int, list[int]]] = []
-    failed = busy = 0
+    done: list[tuple[int, list[int]]] = []  # (index in mix, tokens)
+    partial: list[tuple[int, list[int]]] = []  # failed tries: what they delivered
+    failed = busy = retried = unrouted = 0
     preempted: list[int] = []
     began = time.perf_counter()
     with local_mesh(3, node_args=args) as mesh:
@@ -135,14 +158,17 @@ def mesh_streams(
 
         async def run() -> None:
             async with open_mesh_client(mesh.addr, mesh_secret=mesh.secret, timeout_s=1800) as c:
-                turn = iter(mix)
+                turn = iter(enumerate(mix))
 
                 async def client() -> None:
-                    nonlocal failed, busy
-                    for prompt, tokens in turn:
+                    nonlocal failed, busy, retried, unrouted
+                    for n, (prompt, tokens) in turn:
+                        tries = 0
+                        give_up = time.monotonic() + ROUTE_WAIT_S
                         while True:
+                            got: list[int] = []
                             try:
-                                done.append((prompt, tokens, await _collect(c, prompt, tokens)))
+                                done.append((n, await _collect(c, prompt, tokens, got)))
                             except Rejected as exc:
                                 if "busy" not in str(exc):
                                     raise
@@ -151,8 +177,25 @@ def mesh_streams(
                                 await trio.sleep(1.0)
                                 continue
                             except MeshError as exc:
-                                failed += 1
+                                refused = isinstance(exc, (NoRoute, InsufficientCapacity))
+                                if refused and not got and time.monotonic() < give_up:
+                                    # refused before a token: no pipeline ready (the mesh
+                                    # replans, e.g. on link drift, or suspects a starved
+                                    # stage): a client asks again once it routes
+                                    unrouted += 1
+                                    await trio.sleep(2.0)
+                                    continue
+                                # the mesh gave up on it (e.g. no route while a starved
+                                # stage is suspected): what it delivered is checked as a
+                                # prefix, and a client asks again
+                                partial.append((n, got))
                                 print(f"{fmt}: stream failed: {exc!r}", file=sys.stderr)
+                                tries += 1
+                                if tries <= STREAM_RETRIES:
+                                    retried += 1
+                                    await trio.sleep(2.0)
+                                    continue
+                                failed += 1
                             break
 
                 async with trio.open_nursery() as nursery:
@@ -164,6 +207,9 @@ def mesh_streams(
         trio.run(run)
     return {
         "done": done,
+        "partial": partial,
+        "retried": retried,
+        "unrouted": unrouted,
         "failed": failed,
         "busy": busy,
         "layout": layout,
@@ -184,109 +230,18 @@ def _preemptions(view: dict[str, Any]) -> int:
     return total
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) a process has used so far, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def freeze_stream(
-    prompt: list[int], tokens: int, runs: int, pool_tokens: int
-) -> list[dict[str, Any]]:
-    """``runs`` int4 streams, each with the replica serving it frozen (SIGSTOP) at the
-    stream's 20th token, thawed (SIGCONT) once 3 more tokens came (the session replayed
-    on the other replica) or 20 s passed; per stream its tokens, whether a replica was
-    frozen under it and whether tokens came while it was frozen (a recovery)."""
-    import trio
-
-    from hetmesh.client.mesh import TokenEvent, open_mesh_client
-    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
-
-    args = [
-        *("--weights", "int4", "--max-memory", WHOLE_MEMORY, "--max-context", str(CONTEXT)),
-        *("--kv-pool-tokens", str(pool_tokens)),
-    ]
-    outputs: list[dict[str, Any]] = []
-    # the gateway serves no stage (too little memory for one): a stream it computed
-    # itself could not be frozen under it; the two others hold a replica each
-    with local_mesh(3, node_args=args, per_node_args=[["--max-memory", GATEWAY_MEMORY]]) as mesh:
-        wait_serving(mesh, pipelines=2, timeout_s=600)  # a replica to move to
-        gateway = mesh.nodes[0]
-        replicas = {n.peer_id: n for n in mesh.nodes[1:]}
-
-        async def serving(client: Any) -> str | None:
-            """The replica computing the stream: the one burning CPU while tokens come
-            (its announced load lags by seconds), confirmed by the announcement when
-            that already shows the session."""
-            before = {p: _cpu_seconds(n.proc.pid) for p, n in replicas.items()}
-            await trio.sleep(1.0)
-            used = {p: _cpu_seconds(n.proc.pid) - before[p] for p, n in replicas.items()}
-            busiest = max(used, key=lambda p: used[p])
-            view = await client.status()
-            loaded = [
-                str(e["peer_id"])
-                for e in view["peers"]
-                if e["peer_id"] in replicas and e["record"]["load"]["active_sessions"]
-            ]
-            if len(loaded) == 1:
-                return loaded[0]
-            return busiest if used[busiest] > 0.05 else None
-
-        async def one(client: Any) -> dict[str, Any]:
-            got: list[int] = []
-            frozen: str | None = None
-            at_freeze = 0
-            thawed = trio.Event()
-            moved_on = trio.Event()  # tokens came after the freeze: replayed elsewhere
-
-            async def thaw_later(peer: str) -> None:
-                with trio.move_on_after(20):
-                    await moved_on.wait()
-                os.kill(replicas[peer].proc.pid, signal.SIGCONT)
-                thawed.set()
-
-            async with trio.open_nursery() as nursery:
-                events = client.stream(prompt_ids=prompt, max_new_tokens=tokens)
-                async with contextlib.aclosing(events) as stream:
-                    async for event in stream:
-                        if not (isinstance(event, TokenEvent) and event.token_id >= 0):
-                            continue
-                        got.append(event.token_id)
-                        if frozen is not None and not thawed.is_set() and len(got) > at_freeze + 2:
-                            moved_on.set()
-                        if len(got) == 20 and frozen is None:
-                            peer = await serving(client)
-                            if peer is not None:
-                                frozen = peer
-                                at_freeze = len(got)
-                                os.kill(replicas[peer].proc.pid, signal.SIGSTOP)
-                                nursery.start_soon(thaw_later, peer)
-                if frozen is not None:
-                    await thawed.wait()
-            return {"tokens": got, "frozen": frozen is not None, "recovered": moved_on.is_set()}
-
-        async def run() -> None:
-            async with open_mesh_client(gateway.addr, mesh_secret=mesh.secret, timeout_s=900) as c:
-                for _ in range(runs):
-                    outputs.append(await one(c))
-
-        trio.run(run)
-    return outputs
-
-
 def reference(
-    fmt: str, streams: Sequence[tuple[list[int], int, list[int]]], serial_every: int = 8
-) -> dict[str, int]:
-    """How many of ``streams`` equal one process holding the model in ``fmt``.
+    fmt: str, streams: Sequence[tuple[list[int], int]], serial: Sequence[int] = ()
+) -> dict[str, Any]:
+    """One process's tokens for ``streams``, holding the model in ``fmt``.
 
     The process computes them as a mesh's stage would, beside each other: each prompt
     prefilled whole, alone, then decode rounds of up to :data:`REFERENCE_ROUND` streams
     (each row's result is independent of the round's others: that is what exactness
-    means, proved per shape at load and by tests). Every ``serial_every``-th stream is
-    also generated alone, one token per call (``LocalPipeline.generate_ids``, what
-    ``hetmesh generate`` does); ``serial_disagree`` counts those whose tokens differ
-    from the rounds' (0, or the reference itself is not exact)."""
+    means, proved per shape at load and by tests). The streams at the ``serial``
+    indices are also generated alone, one token per call (``LocalPipeline.generate_ids``,
+    what ``hetmesh generate`` does): ``alone`` maps each such index to its tokens, which
+    must equal the rounds' (or the reference itself is not exact)."""
     from hetmesh.partition.generate import LocalPipeline
     from hetmesh.partition.sampling import SamplingParams
     from hetmesh.partition.store import resolve_model
@@ -300,11 +255,11 @@ def reference(
     wants: list[list[int]] = []
     for lo in range(0, len(streams), REFERENCE_ROUND):
         group = streams[lo : lo + REFERENCE_ROUND]
-        sessions = [pipeline.new_session(SamplingParams(max_new_tokens=t)) for _, t, _ in group]
+        sessions = [pipeline.new_session(SamplingParams(max_new_tokens=t)) for _, t in group]
         outs: list[list[int]] = [[] for _ in group]
         live: list[int] = []
         with torch.inference_mode():
-            for n, ((prompt, tokens, _), session) in enumerate(zip(group, sessions, strict=True)):
+            for n, ((prompt, tokens), session) in enumerate(zip(group, sessions, strict=True)):
                 logits = stage.forward(torch.tensor(prompt), session.kvs[0], last_only=True)
                 token = session.sampler(logits[-1], 0)
                 if token not in eos and tokens > 0:
@@ -324,144 +279,201 @@ def reference(
         for session in sessions:
             session.free()
         wants.extend(outs)
-    serial = disagree = 0
-    for n in range(0, len(streams), serial_every) if serial_every else ():
-        prompt, tokens, _ = streams[n]
-        alone = list(
+    alone: dict[int, list[int]] = {}
+    for n in serial:
+        prompt, tokens = streams[n]
+        alone[n] = list(
             pipeline.generate_ids(prompt, SamplingParams(max_new_tokens=tokens), eos_ids=eos)
         )
-        serial += 1
-        disagree += alone != wants[n]
+    return {"wants": wants, "alone": alone}
+
+
+def compare(
+    fmt: str,
+    streams: Sequence[tuple[list[int], int]],
+    done: Sequence[tuple[int, list[int]]],
+    wants: Sequence[list[int]],
+) -> int:
+    """How many finished streams (index, tokens) equal the reference's ``wants``."""
     equal = 0
-    for (prompt, _, got), want in zip(streams, wants, strict=True):
+    for n, got in done:
+        want = wants[n]
         equal += want == got
         if want != got:
             first = next(
                 (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None
             )
-            print(f"{fmt}: a {len(prompt)}-token prompt differs at {first}", file=sys.stderr)
-    return {"equal": equal, "serial": serial, "serial_disagree": disagree}
+            print(f"{fmt}: a {len(streams[n][0])}-token prompt differs at {first}", file=sys.stderr)
+    return equal
 
 
-def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
-    """Exact attention against torch's kernel, in one process (see the docstring)."""
-    from hetmesh.partition.stage import StageModule, load_stage
-    from hetmesh.partition.store import resolve_model
+def reference_in_process(
+    fmt: str, streams: Sequence[tuple[list[int], int]], serial: Sequence[int], workdir: Path
+) -> dict[str, Any]:
+    """:func:`reference` in a process of its own (it runs beside the meshes: the
+    reference depends on the stream mix only, not on what a mesh returned)."""
+    job, out = workdir / f"{fmt}-job.json", workdir / f"{fmt}-out.json"
+    job.write_text(json.dumps({"format": fmt, "streams": streams, "serial": list(serial)}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = [sys.executable, str(Path(__file__).resolve()), "--reference-job", str(job), str(out)]
+    code = subprocess.run(argv, env=env, check=False).returncode
+    if code != 0:
+        raise RuntimeError(f"{fmt}: the reference process exited with {code}")
+    got = json.loads(out.read_text())
+    return {"wants": got["wants"], "alone": {int(k): v for k, v in got["alone"].items()}}
 
-    torch.set_num_threads(1)
-    model_dir = resolve_model()
-    end = 32  # the default model's units: embedding, 30 layers, head
-    stages = {
-        "exact": load_stage(model_dir, 0, end, weights=fmt, attn_implementation="exact"),
-        "plain_linear": load_stage(model_dir, 0, end, weights=fmt, exact_linears=False),
-        "sdpa": load_stage(
-            model_dir, 0, end, weights=fmt, attn_implementation="sdpa", exact_linears=False
-        ),
-    }
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (context + 13 * i,), generator=gen) for i in range(8)]
-    token = torch.tensor([7])
 
-    def single(stage: StageModule, steps: int = 16) -> float:
-        kv = stage.new_kv()
-        stage.forward(prompts[0], kv, last_only=True)
-        began = time.thread_time()
-        for _ in range(steps):
-            stage.forward(token, kv, last_only=True)
-        kv.free()
-        return (time.thread_time() - began) / steps
+class _Load:
+    """The machine's 1-minute load average, sampled every 5 s while a run goes on."""
 
-    def batched(stage: StageModule, steps: int = 8) -> float:
-        pool = stage.new_pool(8 * ((context + 13 * 8 + steps) // 16 + 2))
-        kvs = [stage.new_kv(pool) for _ in prompts]
-        for prompt, kv in zip(prompts, kvs, strict=True):
-            stage.forward(prompt, kv, last_only=True)
-        began = time.thread_time()
-        for _ in range(steps):
-            stage.forward_batch([(token, kv) for kv in kvs], last_only=True)
-        for kv in kvs:
-            kv.free()
-        return (time.thread_time() - began) / steps
+    def __init__(self) -> None:
+        self.samples = [os.getloadavg()[0]]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
 
-    def prefill(stage: StageModule) -> float:
-        kv = stage.new_kv()
-        began = time.thread_time()
-        stage.forward(prompts[-1], kv, last_only=True)
-        kv.free()
-        return time.thread_time() - began
+    def _sample(self) -> None:
+        while not self.stop.wait(5.0):
+            self.samples.append(os.getloadavg()[0])
 
-    best: dict[str, dict[str, float]] = {i: {} for i in stages}
-    for rep in range(repeats):
-        order = list(stages) if rep % 2 == 0 else list(stages)[::-1]
-        for name in order:
-            for what, fn in (("decode", single), ("round8", batched), ("prefill", prefill)):
-                t = fn(stages[name])
-                best[name][what] = min(best[name].get(what, t), t)
-    out: dict[str, Any] = {"speed_format": fmt, "speed_prefill_tokens": len(prompts[-1])}
-    for what in ("decode", "round8", "prefill"):
-        for name in stages:
-            out[f"speed_{what}_ms_{name}"] = round(1e3 * best[name][what], 2)
-        out[f"speed_{what}_ratio"] = round(best["exact"][what] / best["sdpa"][what], 3)
-        plain = best["plain_linear"][what]
-        out[f"speed_{what}_ratio_vs_plain_linear"] = round(best["exact"][what] / plain, 3)
-    return out
+    def summary(self) -> dict[str, float]:
+        self.stop.set()
+        self.thread.join()
+        s = self.samples
+        return {
+            "start": round(s[0], 2),
+            "mean": round(sum(s) / len(s), 2),
+            "min": round(min(s), 2),
+            "max": round(max(s), 2),
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every mesh, the freeze mesh and every reference process as a job; at most
+    ``args.parallel`` jobs at once (a format's meshes and its reference are independent:
+    the reference depends on the stream mix only; they are compared at the end)."""
     per_format = max(1, args.streams // (2 * len(args.formats)))
     result: dict[str, Any] = {
         "streams_checked": 0,
         "streams_failed": 0,
         "busy_refusals": 0,
+        "streams_retried": 0,
+        "route_refusals": 0,
+        "retried_prefix_differs": 0,
         "preemptions": 0,
         "reference_serial_checked": 0,
         "reference_serial_disagree": 0,
     }
     began = time.perf_counter()
-    phases: dict[str, float] = {}  # seconds per phase: where a run's time goes
-    for i, fmt in enumerate(args.formats if args.streams else ()):
-        streams: list[tuple[list[int], int, list[int]]] = []
-        for topology, memory, pipelines in (
-            ("replicas", WHOLE_MEMORY, 2),
-            ("cut", CUT_MEMORY[fmt], 1),
-        ):
-            mix = stream_mix(100 * i + len(topology), per_format, args.quick)
-            start = time.perf_counter()
-            got = mesh_streams(fmt, memory, mix, args.clients, args.pool_tokens, pipelines)
-            phases[f"{fmt}_{topology}"] = round(time.perf_counter() - start, 1)
+    load = _Load()
+    phases: dict[str, float] = {}  # seconds per job: where a run's time goes
+    formats = list(args.formats if args.streams else ())
+    topologies = (("replicas", WHOLE_MEMORY, 2), ("cut", "", 1))
+    mixes = {
+        (fmt, topology): stream_mix(100 * i + len(topology), per_format, args.quick)
+        for i, fmt in enumerate(formats)
+        for topology, _, _ in topologies
+    }
+    # per format, the streams the reference computes: both meshes' mixes, then (int4)
+    # the freeze stream; every serial_every-th one, and the freeze stream, also alone
+    ref_streams = {f: mixes[f, "replicas"] + mixes[f, "cut"] for f in formats}
+    serial = {
+        f: list(range(0, len(s), args.serial_every)) if args.serial_every else []
+        for f, s in ref_streams.items()
+    }
+    freeze_prompt = stream_mix(7, 1, True)[0][0][:60]
+    freeze_at = -1
+    if args.freeze_runs:
+        ref_streams.setdefault("int4", [])
+        serial.setdefault("int4", [])
+        freeze_at = len(ref_streams["int4"])
+        ref_streams["int4"] = [*ref_streams["int4"], (freeze_prompt, FREEZE_TOKENS)]
+        serial["int4"].append(freeze_at)
+    outcome: dict[str, Any] = {}
+
+    # what decides the jobs' outcomes: a saved outcome is reused only for the same
+    config = [formats, args.streams, args.quick, args.pool_tokens, args.clients]
+    config += [args.freeze_runs, args.serial_every]
+
+    def timed(name: str, fn: Any, *fn_args: Any) -> None:
+        saved = Path(args.save) / f"{name}.json" if args.save else None
+        if saved is not None and saved.exists():
+            data = json.loads(saved.read_text())
+            if data["config"] == json.loads(json.dumps(config)):
+                outcome[name], phases[name] = data["outcome"], data["seconds"]
+                if name.endswith("_reference"):
+                    alone = outcome[name]["alone"]
+                    outcome[name]["alone"] = {int(k): v for k, v in alone.items()}
+                print(f"{name}: saved outcome reused ({saved})", file=sys.stderr, flush=True)
+                return
+        start = time.perf_counter()
+        outcome[name] = fn(*fn_args)
+        phases[name] = round(time.perf_counter() - start, 1)
+        if saved is not None:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            data = {"config": config, "outcome": outcome[name], "seconds": phases[name]}
+            saved.write_text(json.dumps(data))
+        at = time.perf_counter() - began
+        print(f"{name}: done in {phases[name]} s, at {at:.0f} s", file=sys.stderr, flush=True)
+
+    jobs: list[tuple[Any, ...]] = []
+    if args.freeze_runs:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from exact_freeze import freeze_stream
+
+        freeze = (freeze_prompt, FREEZE_TOKENS, args.freeze_runs, args.pool_tokens)
+        jobs.append(("freeze", freeze_stream, *freeze))
+    with tempfile.TemporaryDirectory(prefix="hetmesh-exact-") as tmp:
+        # the slowest format (float32) first; a format's reference before its meshes
+        # (one process, the longest job of its format)
+        for fmt in reversed(list(ref_streams)):
+            ref = (fmt, ref_streams[fmt], serial[fmt], Path(tmp))
+            jobs.append((f"{fmt}_reference", reference_in_process, *ref))
+            for topology, memory, pipelines in topologies if fmt in formats else ():
+                mesh = (fmt, memory or CUT_MEMORY[fmt], mixes[fmt, topology], args.clients)
+                job = (f"{fmt}_{topology}", mesh_streams, *mesh, args.pool_tokens, pipelines)
+                jobs.append(job)
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
+            for future in [pool.submit(timed, *job) for job in jobs]:
+                future.result()
+    for fmt in formats:
+        ref = outcome[f"{fmt}_reference"]
+        done: list[tuple[int, list[int]]] = []
+        offset = 0
+        for topology, _, _ in topologies:
+            got = outcome[f"{fmt}_{topology}"]
+            done.extend((offset + n, tokens) for n, tokens in got["done"])
             phases[f"{fmt}_{topology}_ready"] = got["ready_s"]  # nodes started, model loaded
+            result["streams_failed"] += got["failed"]
+            result["busy_refusals"] += got["busy"]
+            result["streams_retried"] += got["retried"]
+            result["route_refusals"] += got["unrouted"]
+            for n, part in got["partial"]:  # a failed try's tokens: a prefix of the stream
+                want = ref["wants"][offset + n]
+                result["retried_prefix_differs"] += part != want[: len(part)]
+            offset += len(mixes[fmt, topology])
+            result["preemptions"] += got["preempted"]
+            result[f"{fmt}_{topology}_layout"] = got["layout"]
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
                 f"{got['busy']} busy refusals asked again, {got['preempted']} preempted, "
-                f"layout {got['layout']}, "
-                f"{time.perf_counter() - began:.0f} s",
+                f"layout {got['layout']}",
                 file=sys.stderr,
-                flush=True,
             )
-            streams.extend(got["done"])
-            result["streams_failed"] += got["failed"]
-            result["busy_refusals"] += got["busy"]
-            result["preemptions"] += got["preempted"]
-            result[f"{fmt}_{topology}_layout"] = got["layout"]
-        start = time.perf_counter()
-        checked = reference(fmt, streams, args.serial_every)
-        phases[f"{fmt}_reference"] = round(time.perf_counter() - start, 1)
-        equal = checked["equal"]
-        result["reference_serial_checked"] += checked["serial"]
-        result["reference_serial_disagree"] += checked["serial_disagree"]
-        print(f"{fmt}: reference done, {time.perf_counter() - began:.0f} s", file=sys.stderr)
-        result["streams_checked"] += len(streams)
+        equal = compare(fmt, ref_streams[fmt], done, ref["wants"])
+        alone = {n: t for n, t in ref["alone"].items() if n != freeze_at or fmt != "int4"}
+        result["reference_serial_checked"] += len(alone)
+        result["reference_serial_disagree"] += sum(t != ref["wants"][n] for n, t in alone.items())
+        result["streams_checked"] += len(done)
         key = "bf16" if fmt == "bfloat16" else fmt
-        result[f"{key}_identical_ratio"] = round(equal / len(streams), 4) if streams else 0.0
-        result[f"{key}_streams"] = len(streams)
+        result[f"{key}_identical_ratio"] = round(equal / len(done), 4) if done else 0.0
+        result[f"{key}_streams"] = len(done)
     if args.freeze_runs:
-        prompt = stream_mix(7, 1, True)[0][0][:60]
-        start = time.perf_counter()
-        outputs = freeze_stream(prompt, 120, args.freeze_runs, args.pool_tokens)
-        phases["freeze"] = round(time.perf_counter() - start, 1)
-        # every freeze stream also alone, one token per call (serial_every 1)
-        checked = reference("int4", [(prompt, 120, o["tokens"]) for o in outputs], 1)
-        equal = min(checked["equal"], checked["serial"] - checked["serial_disagree"])
+        ref = outcome["int4_reference"]
+        want, alone_tokens = ref["wants"][freeze_at], ref["alone"][freeze_at]
+        outputs = outcome["freeze"]
+        # the freeze stream is generated alone too: it must equal the rounds' as well
+        equal = sum(o["tokens"] == want for o in outputs) if alone_tokens == want else 0
         frozen = sum(o["frozen"] for o in outputs)
         result["freeze_runs"] = len(outputs)
         result["freeze_runs_frozen"] = frozen
@@ -472,6 +484,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bool(outputs) and frozen == len(outputs) and equal == len(outputs)
         )
     result["phase_seconds"] = phases
+    result["parallel_jobs"] = args.parallel
+    result["load_average"] = load.summary()
     result["seconds"] = round(time.perf_counter() - began, 1)
     return result
 
@@ -495,8 +509,27 @@ def main() -> None:
     )
     parser.add_argument("--speed", action="store_true", help="what exactness costs")
     parser.add_argument("--speed-format", choices=FORMATS, default="int4")
+    parser.add_argument(
+        "--parallel", type=int, default=3, help="meshes and reference processes at once"
+    )
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="a folder: each job's outcome saved there as it ends, and reused by a later "
+        "run of the same configuration (a run split over sessions, or resumed)",
+    )
+    parser.add_argument("--reference-job", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.reference_job:  # one reference process (see reference_in_process)
+        job = json.loads(Path(args.reference_job[0]).read_text())
+        streams = [(list(p), int(t)) for p, t in job["streams"]]
+        got = reference(job["format"], streams, job["serial"])
+        Path(args.reference_job[1]).write_text(json.dumps(got))
+        return
     if args.speed:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from exact_speed import speed
+
         print(json.dumps(speed(args.speed_format), sort_keys=True))
         return
     args.formats = args.formats or list(FORMATS)

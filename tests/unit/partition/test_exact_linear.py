@@ -150,6 +150,28 @@ def test_make_exact_packs_float32_and_frees_the_weight_unless_shared() -> None:
     assert plain[0].tiled
 
 
+def test_a_lone_rows_lean_path_equals_the_row_in_any_call() -> None:
+    """A decode step's lone row skips exact_linear's reshapes (ExactLinear.forward):
+    the same packed call on the row and a zero row, so the same bits as the row in a
+    call of many, in every shape of a lone row, in and out of inference mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 1536, bias=False), nn.Linear(1536, 576, bias=False))
+    make_exact(model)
+    assert all(isinstance(m, ExactLinear) and m.packed is not None for m in model)
+    x = _rows(9, 576, torch.float32)
+    with torch.no_grad():
+        many = model(x)
+        for n in range(9):
+            assert torch.equal(model(x[n]), many[n])  # (576,)
+            assert torch.equal(model(x[n : n + 1].view(1, 1, 576)), many[n].view(1, 1, 576))
+            lin = model[0]
+            general = exact_linear(x[n : n + 1], lin.weight, None, packed=lin.packed)
+            assert torch.equal(lin(x[n : n + 1]), general)
+    with torch.inference_mode():
+        assert torch.equal(model(x[4:5]), many[4:5])
+    assert not any(row.any() for row in el._ZERO_ROWS.values())  # the padding stays zero
+
+
 def test_a_freed_weight_stays_on_the_cpu_while_another_stage_builds_its_skeleton() -> None:
     """accelerate's init_empty_weights patches register_parameter for the whole process
     while a stage's skeleton is built (another node's load, in an in-process mesh): a

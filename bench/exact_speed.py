@@ -1,0 +1,73 @@
+"""What exactness costs, in one process (``python bench/exact.py --speed``; see
+``bench/exact.py``'s docstring)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
+    """Exact attention against torch's kernel, in one process (see the docstring)."""
+    from hetmesh.partition.stage import StageModule, load_stage
+    from hetmesh.partition.store import resolve_model
+
+    torch.set_num_threads(1)
+    model_dir = resolve_model()
+    end = 32  # the default model's units: embedding, 30 layers, head
+    stages = {
+        "exact": load_stage(model_dir, 0, end, weights=fmt, attn_implementation="exact"),
+        "plain_linear": load_stage(model_dir, 0, end, weights=fmt, exact_linears=False),
+        "sdpa": load_stage(
+            model_dir, 0, end, weights=fmt, attn_implementation="sdpa", exact_linears=False
+        ),
+    }
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (context + 13 * i,), generator=gen) for i in range(8)]
+    token = torch.tensor([7])
+
+    def single(stage: StageModule, steps: int = 16) -> float:
+        kv = stage.new_kv()
+        stage.forward(prompts[0], kv, last_only=True)
+        began = time.thread_time()
+        for _ in range(steps):
+            stage.forward(token, kv, last_only=True)
+        kv.free()
+        return (time.thread_time() - began) / steps
+
+    def batched(stage: StageModule, steps: int = 8) -> float:
+        pool = stage.new_pool(8 * ((context + 13 * 8 + steps) // 16 + 2))
+        kvs = [stage.new_kv(pool) for _ in prompts]
+        for prompt, kv in zip(prompts, kvs, strict=True):
+            stage.forward(prompt, kv, last_only=True)
+        began = time.thread_time()
+        for _ in range(steps):
+            stage.forward_batch([(token, kv) for kv in kvs], last_only=True)
+        for kv in kvs:
+            kv.free()
+        return (time.thread_time() - began) / steps
+
+    def prefill(stage: StageModule) -> float:
+        kv = stage.new_kv()
+        began = time.thread_time()
+        stage.forward(prompts[-1], kv, last_only=True)
+        kv.free()
+        return time.thread_time() - began
+
+    best: dict[str, dict[str, float]] = {i: {} for i in stages}
+    for rep in range(repeats):
+        order = list(stages) if rep % 2 == 0 else list(stages)[::-1]
+        for name in order:
+            for what, fn in (("decode", single), ("round8", batched), ("prefill", prefill)):
+                t = fn(stages[name])
+                best[name][what] = min(best[name].get(what, t), t)
+    out: dict[str, Any] = {"speed_format": fmt, "speed_prefill_tokens": len(prompts[-1])}
+    for what in ("decode", "round8", "prefill"):
+        for name in stages:
+            out[f"speed_{what}_ms_{name}"] = round(1e3 * best[name][what], 2)
+        out[f"speed_{what}_ratio"] = round(best["exact"][what] / best["sdpa"][what], 3)
+        plain = best["plain_linear"][what]
+        out[f"speed_{what}_ratio_vs_plain_linear"] = round(best["exact"][what] / plain, 3)
+    return out
