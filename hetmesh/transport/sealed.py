@@ -146,10 +146,7 @@ class Sealer:
         if plain <= RECORD_BYTES:
             sock.sendall(self.seal_frame(head, buffers, plain))
             return
-        parts = [head, *buffers]
-        views = [v for v in map(flat_bytes, parts) if len(v)]
-        if sum(map(len, views)) != plain:
-            raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
+        views = _checked_views([head, *buffers], plain)
         if self._window is None:
             self._window = memoryview(bytearray(RECORD_BYTES + SMALL_BYTES + 2 * _OVERHEAD))
         out = self._window
@@ -168,9 +165,7 @@ class Sealer:
         sock.sendall(out[:at])
 
     def _records(self, parts: Sequence[Any], plain: int) -> memoryview:
-        views = [v for v in map(flat_bytes, parts) if len(v)]
-        if sum(map(len, views)) != plain:
-            raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
+        views = _checked_views(parts, plain)
         records = sum((len(v) + RECORD_BYTES - 1) // RECORD_BYTES for v in views)
         total = plain + records * _OVERHEAD
         if len(self._buffer) < total:
@@ -300,6 +295,16 @@ class OpenedSocket:
             self._aead.decrypt_into(_NONCE.pack(count), sealed, None, into)
         except InvalidTag:
             raise RemoteProtocolError("a sealed record failed authentication") from None
+
+
+
+
+def _checked_views(parts: Sequence[Any], plain: int) -> list[memoryview]:
+    """The parts' non-empty byte views, refused unless they hold ``plain`` bytes."""
+    views = [v for v in map(flat_bytes, parts) if len(v)]
+    if sum(map(len, views)) != plain:
+        raise LocalProtocolError(f"parts of {_nbytes(parts)} bytes, not {plain}")
+    return views
 
 
 __all__ = ["RECORD_BYTES", "OpenedSocket", "Sealer"]
