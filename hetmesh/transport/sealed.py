@@ -297,8 +297,6 @@ class OpenedSocket:
             raise RemoteProtocolError("a sealed record failed authentication") from None
 
 
-
-
 def _checked_views(parts: Sequence[Any], plain: int) -> list[memoryview]:
     """The parts' non-empty byte views, refused unless they hold ``plain`` bytes."""
     views = [v for v in map(flat_bytes, parts) if len(v)]
