@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetmesh.discovery.wire import Announcement
 from hetmesh.node.config import ServingConfig
-from hetmesh.node.peer_view import ALIVE, PeerView
+from hetmesh.node.peer_view import PeerView
 from hetmesh.node.weights import QUANTIZED_ORDER
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile, PeerId
 from hetmesh.scheduler.announcement import read_offer
@@ -103,16 +103,6 @@ def unheld(view: PeerView, profile: ModelProfile, shards: Shards | None) -> str:
         (m.serving.manifest, m.serving.units_held) for m in view.members
     ]
     return unheld_verdict(profile.name, unheld_units(profile.num_units, holdings, manifest))
-
-
-def heard_from_all(view: PeerView) -> bool:
-    """Whether the start-up wait for peers can end before ``settle_s``: some live peer
-    serves this model and every live peer with a record announces the model it serves
-    (its offer: format and calibration come with it). A peer still starting (no model
-    announced yet) or a node that serves none keeps the wait to ``settle_s``; so does a
-    node alone, which may yet be joined."""
-    live = [p for p in view.peers if p.health in ALIVE]
-    return bool(view.members) and all(p.serving.model for p in live)
 
 
 class PlanFollower:
@@ -253,7 +243,7 @@ class PlanFollower:
             snapshot=mesh,
             constraints=constraints,
             plans=tuple(p for p, _ in self._signatures),
-            settled=now - self.started_at >= self.settle_s or heard_from_all(view),
+            settled=now - self.started_at >= self.settle_s,
             epoch_floor=epoch_floor(offers, self._verify),  # signed plans only (issue 45)
             term_floor=term_floor(offers, self._verify),  # a new coordinator's term above it
             following=tuple(following.items()),
@@ -330,7 +320,6 @@ __all__ = [
     "REFUSAL_LOG_INTERVAL_S",
     "Followed",
     "PlanFollower",
-    "heard_from_all",
     "snapshot",
     "unheld",
     "verify_signature",
