@@ -78,7 +78,8 @@ async def test_a_goodbye_on_a_dead_connection_goes_again_and_arrives() -> None:
     assert host.tries == GOODBYE_TRIES
     (stream,) = host.streams
     record = wire.decode_announcement(stream.written[4:])
-    assert record.goodbye and record.peer_id == host.own
+    assert record.goodbye
+    assert record.peer_id == host.own
     stats = discovery.statistics()
     assert (stats.announcements_sent, stats.send_failures) == (1, 0)
 
