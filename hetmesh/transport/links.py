@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import torch
 import trio
@@ -63,9 +63,11 @@ from hetmesh.transport.frames import (
     parse_prefix,
 )
 from hetmesh.transport.negotiation import Backend
-from hetmesh.transport.sealed import OpenedSocket, Sealer
 from hetmesh.transport.threads import in_thread as in_thread
 from hetmesh.transport.threads import in_thread_always
+
+if TYPE_CHECKING:  # sealed.py builds on this module's reader
+    from hetmesh.transport.sealed import Sealer
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -692,9 +694,11 @@ class TcpLink(ThreadedLink):
         reader = self._reader_io
         if self._mode is not None or reader._start != reader._end:
             raise LocalProtocolError("a link is sealed before it reads or starts")
+        from hetmesh.transport.sealed import SealedReader, Sealer
+
         send_key, receive_key = self._keys
         self._sealer = Sealer(send_key)
-        reader._sock = OpenedSocket(self.sock, receive_key)  # type: ignore[assignment]
+        self._reader_io = SealedReader(self.sock, receive_key, self.limits, self.pool)
 
     def _set_spin(self, spin_ns: int) -> None:
         self._reader_io.spin_ns = spin_ns
