@@ -36,8 +36,8 @@ def _block(sealed: bool, size: int, frames: int) -> tuple[float, float]:
 
     from hetmesh.transport.codec import BufferPool
     from hetmesh.transport.frames import DEFAULT_LIMITS, Activations, encode_parts
-    from hetmesh.transport.links import BufferedReader, write_frame
-    from hetmesh.transport.sealed import SealedReader, Sealer
+    from hetmesh.transport.links import BufferedReader, SealedReader, write_frame
+    from hetmesh.transport.sealed import Sealer
 
     key = os.urandom(32)
     left, right = socket.socketpair()

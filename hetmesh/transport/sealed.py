@@ -28,9 +28,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset
-from hetmesh.transport.codec import BufferPool
-from hetmesh.transport.frames import Limits, flat_bytes
-from hetmesh.transport.links import BufferedReader, spin_recv_into
+from hetmesh.transport.frames import flat_bytes
 
 RECORD_BYTES = 1 << 20  # plaintext per record: bounds what a peer makes us buffer
 SMALL_BYTES = 64 << 10  # frames up to this size are sealed in the sealer's standing buffer
@@ -221,7 +219,7 @@ class OpenedSocket:
         self._aead = AESGCM(key)
         self._opened = 0  # records opened so far: the next record's nonce
         self._raw = bytearray(_OVERHEAD + RECORD_BYTES)
-        self._raw_view = memoryview(self._raw)
+        self._raw_view = self.raw = memoryview(self._raw)  # raw: see open_alone
         self._raw_start = self._raw_end = 0  # received, not yet opened
         self._plain = bytearray(RECORD_BYTES)
         self._start = self._end = 0  # opened, not yet handed out
@@ -258,6 +256,33 @@ class OpenedSocket:
             return self._recv_held(view, flags)
         finally:
             self._idle = self._start == self._end and self._raw_start == self._raw_end
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held: the next bytes from the socket start a record."""
+        return self._idle
+
+    def open_alone(self, got: int, into: memoryview) -> int:
+        """``got`` bytes were just received into :attr:`raw` while :attr:`idle` (the
+        link reader's own ``recv``): a record that came whole and alone (a decode step's
+        frame) is opened into ``into`` and its size returned; anything else is held for
+        :meth:`recv_into`, and 0 returned. Refusals as :meth:`recv_into`'s."""
+        raw = self._raw_view
+        size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
+        if 0 < size <= len(into) and _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:
+            count = self._opened
+            if count >= _MAX_RECORDS:  # unreachable in practice
+                raise LocalProtocolError("sealed link ran out of nonces")
+            self._opened = count + 1
+            try:
+                self._aead.decrypt_into(_NONCE.pack(count), raw[4:got], None, into[:size])
+            except InvalidTag:
+                raise RemoteProtocolError("a sealed record failed authentication") from None
+            return size
+        if got > 0:
+            self._raw_start, self._raw_end = 0, got
+            self._idle = False
+        return 0
 
     def _recv_held(self, view: memoryview, flags: int) -> int:
         """:meth:`recv_into` from what is held (records in part or in number, or a record
@@ -320,53 +345,6 @@ class OpenedSocket:
             raise RemoteProtocolError("a sealed record failed authentication") from None
 
 
-class SealedReader(BufferedReader):
-    """A link's :class:`BufferedReader` over an :class:`OpenedSocket` of ``sock``.
-
-    A record that arrives whole and alone when nothing is held (a decode step's
-    frame: one record, one ``recv``) is opened by the read itself, straight into
-    the staging buffer where the frame is parsed: no call into the opener, the
-    same steps as a plain link's read plus one AES-GCM call. Anything else goes
-    through the :class:`OpenedSocket`, which holds what it received.
-    """
-
-    def __init__(self, sock: socket.socket, key: bytes, limits: Limits, pool: BufferPool) -> None:
-        self._opened = OpenedSocket(sock, key)
-        super().__init__(self._opened, limits, pool)  # type: ignore[arg-type]
-
-    def _fill(self) -> None:
-        opened = self._opened
-        if self._start != self._end or not opened._idle:
-            super()._fill()
-            return
-        raw = opened._raw_view
-        sock = opened._sock
-        try:
-            got = spin_recv_into(sock, raw, self.spin_ns) if self.spin_ns else -1
-            if got < 0:
-                got = sock.recv_into(raw)
-        except OSError as exc:
-            raise StreamReset(f"connection broken: {exc}") from exc
-        size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
-        if 0 < size <= len(self._buf) and _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:
-            count = opened._opened
-            if count >= _MAX_RECORDS:  # unreachable in practice
-                raise LocalProtocolError("sealed link ran out of nonces")
-            opened._opened = count + 1
-            try:
-                opened._aead.decrypt_into(_NONCE.pack(count), raw[4:got], None, self._view[:size])
-            except InvalidTag:
-                raise RemoteProtocolError("a sealed record failed authentication") from None
-            self._start, self._end = 0, size
-            self.bytes_read += size
-            return
-        if got == 0:
-            raise StreamReset("peer closed the connection")
-        opened._raw_start, opened._raw_end = 0, got  # part of a record, or several
-        opened._idle = False
-        super()._fill()
-
-
 def _checked_views(parts: Sequence[Any], plain: int) -> list[memoryview]:
     """The parts' non-empty byte views, refused unless they hold ``plain`` bytes."""
     views = [v for v in map(flat_bytes, parts) if len(v)]
@@ -375,4 +353,4 @@ def _checked_views(parts: Sequence[Any], plain: int) -> list[memoryview]:
     return views
 
 
-__all__ = ["RECORD_BYTES", "OpenedSocket", "SealedReader", "Sealer"]
+__all__ = ["RECORD_BYTES", "OpenedSocket", "Sealer"]

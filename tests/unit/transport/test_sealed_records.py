@@ -19,12 +19,11 @@ from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset
 from hetmesh.transport import Activations
 from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.frames import DEFAULT_LIMITS, encode_bytes, encode_parts
-from hetmesh.transport.links import BufferedReader
+from hetmesh.transport.links import BufferedReader, SealedReader
 from hetmesh.transport.sealed import (
     RECORD_BYTES,
     SMALL_BYTES,
     OpenedSocket,
-    SealedReader,
     Sealer,
 )
 
