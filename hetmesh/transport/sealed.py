@@ -223,7 +223,7 @@ class OpenedSocket:
         self._raw_start = self._raw_end = 0  # received, not yet opened
         self._plain = bytearray(RECORD_BYTES)
         self._start = self._end = 0  # opened, not yet handed out
-        self._idle = True  # nothing held: neither raw bytes nor opened ones
+        self.idle = True  # nothing held (raw bytes or opened ones): a record starts next
 
     def recv_into(self, target: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Like ``socket.recv_into``: up to ``len(target)`` plaintext bytes; 0 at EOF.
@@ -239,7 +239,7 @@ class OpenedSocket:
             view = memoryview(target).cast("B")
         if nbytes:
             view = view[:nbytes]
-        if self._idle:
+        if self.idle:
             # nothing held: one recv, and a record that came whole and alone opens
             # straight into the target (a tensor's memory, or the reader's)
             raw = self._raw_view
@@ -251,16 +251,11 @@ class OpenedSocket:
             if got == 0:
                 return 0
             self._raw_start, self._raw_end = 0, got
-            self._idle = False
+            self.idle = False
         try:
             return self._recv_held(view, flags)
         finally:
-            self._idle = self._start == self._end and self._raw_start == self._raw_end
-
-    @property
-    def idle(self) -> bool:
-        """Nothing held: the next bytes from the socket start a record."""
-        return self._idle
+            self.idle = self._start == self._end and self._raw_start == self._raw_end
 
     def open_alone(self, got: int, into: memoryview) -> int:
         """``got`` bytes were just received into :attr:`raw` while :attr:`idle` (the
@@ -281,7 +276,7 @@ class OpenedSocket:
             return size
         if got > 0:
             self._raw_start, self._raw_end = 0, got
-            self._idle = False
+            self.idle = False
         return 0
 
     def _recv_held(self, view: memoryview, flags: int) -> int:

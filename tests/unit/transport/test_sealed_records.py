@@ -137,7 +137,7 @@ def test_a_whole_record_alone_is_opened_by_the_link_readers_own_read() -> None:
             head, buffers, total = encode_parts(frame)
             left.sendall(sealer.seal_frame(head, buffers, total))
             assert reader.read_frame() == frame
-            assert opened._idle
+            assert opened.idle
         assert calls == []
 
 
