@@ -725,7 +725,7 @@ class TcpLink(ThreadedLink):
             raise LocalProtocolError("a link is sealed before it reads or starts")
         send_key, receive_key = self._keys
         self._sealer = Sealer(send_key)
-        self._reader_io = SealedReader(self.sock, receive_key, self.limits, self.pool)
+        self._reader_io = SealedReader(self.sock, receive_key, reader._limits, self.pool)
 
     def _set_spin(self, spin_ns: int) -> None:
         self._reader_io.spin_ns = spin_ns
