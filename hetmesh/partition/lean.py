@@ -140,16 +140,17 @@ class _Products:
         if self.int4 is None:
             self.modules, self.columns = modules, None
 
-    def rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def rows(self, x: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         """Each int4 product of the rows ``x (m, k)`` (bf16 already), ``(m, n)`` each:
-        :meth:`__call__`'s kernel calls without its reshapes (a decode step's one row)."""
+        :meth:`__call__`'s kernel calls without its reshapes (a decode step's one row).
+        A fused group's one product, unsplit where ``split`` is False."""
         outs = []
         for packed, scales_zeros, keep, bias in self.int4 or ():
             out = _int4_mm(x, packed, INT4_GROUP, scales_zeros)
             if keep is not None:
                 out = out[:, :keep]
             outs.append(out if bias is None else out.float() + bias)
-        if self.columns is not None:
+        if self.columns is not None and split:
             return [outs[0][:, lo:hi] for lo, hi in self.columns]
         return outs
 
@@ -233,8 +234,7 @@ class LeanLayer:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` for ``x (b, s, heads, d)``, cos/sin ``(b, s, 1, d)``
     (``x`` may be the int4 kernel's bf16: the products with fp32 tables widen it exactly)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    swapped = torch.roll(x, x.shape[-1] // 2, -1)  # cat(x2, x1): one call, the same data
     return torch.mul(swapped, sin_signed).add_(x * cos)
 
 
@@ -293,9 +293,16 @@ def lean_decode(
     fp32 rounds once, as the direct cast does). Bit-identical: tests compare logits."""
     dim, dtype = plan.dim, hidden.dtype
     x = _norm(*plan.ln1, hidden, True)
-    q, k, v = plan.qkv.rows(x)
-    q = _rope(q.view(1, 1, -1, dim).to(dtype), cos, sin_signed)
-    k = _rope(k.view(1, 1, -1, dim).to(dtype), cos, sin_signed)
+    columns = plan.qkv.columns
+    if columns is None:
+        q, k, v = plan.qkv.rows(x)
+        q = _rope(q.view(1, 1, -1, dim).to(dtype), cos, sin_signed)
+        k = _rope(k.view(1, 1, -1, dim).to(dtype), cos, sin_signed)
+    else:  # one product: q's and k's columns side by side, roped as one
+        (qkv,) = plan.qkv.rows(x, split=False)
+        (_, q_end), (_, k_end), (_, v_end) = columns
+        qk = _rope(qkv[:, :k_end].view(1, 1, -1, dim).to(dtype), cos, sin_signed)
+        q, k, v = qk[:, :, : q_end // dim], qk[:, :, q_end // dim :], qkv[:, k_end:v_end]
     all_keys, all_values = pool
     index, (lo, hi) = plan.index, keys
     all_keys[index, :, slot] = k.view(-1, dim)

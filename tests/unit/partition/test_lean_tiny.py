@@ -63,6 +63,8 @@ def test_lean_layers_outputs_bit_identical(tiny_dir: Path, fmt: str) -> None:
 def test_lean_decode_takes_lone_int4_decode_tokens_bit_identical(
     monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
 ) -> None:
+    # (a fused group's path, q and k roped as one: the default model's test, tiny
+    # widths do not fuse in int4)
     stage = load_stage(tiny_dir, 0, 6, weights="int4")
     assert stage.lean
     assert stage.lean_decode
