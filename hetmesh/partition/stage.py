@@ -536,7 +536,8 @@ class StageModule(nn.Module):
                 hidden[row, : x.shape[0]] = x
 
         part = self.layer_slice(lo, hi)
-        layers, windows = self.layers[part], self.windows[part]
+        # a list, not the ModuleList's slice (a new module and 30 add_module calls a step)
+        layers, windows = list(self.layers)[part], self.windows[part]
         if layers:
             for kv, n in zip(sessions, lengths, strict=True):
                 kv._reserve(n)
@@ -571,7 +572,9 @@ class StageModule(nn.Module):
             none = hidden.new_empty((0, self.vocab_size))
             if not keep:
                 return [none] * batch
-            if last_only:
+            if last_only and width == 1 and len(keep) == batch:
+                kept_lengths = [1] * batch  # one token a row: already (kept, 1, hidden)
+            elif last_only:
                 rows = torch.tensor(keep, device=self.device)
                 last = torch.tensor([lengths[row] for row in keep], device=self.device) - 1
                 hidden = hidden[rows, last][:, None, :]  # (kept, 1, hidden)
