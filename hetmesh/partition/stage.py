@@ -69,6 +69,7 @@ from hetmesh.partition.lean import (
     rope_tables,
 )
 from hetmesh.partition.lean import supports as supports_lean
+from hetmesh.partition.lean_script import ScriptPlan, decode_layers, script_default, script_plan
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
@@ -286,6 +287,9 @@ class StageModule(nn.Module):
         self.lean = False
         # a lean stage's lone decode token through lean.lean_decode (same bits, fewer calls)
         self.lean_decode = decode_default()
+        # ... and through lean_script.decode_layers where every layer is plain int4
+        self.lean_script = script_default()
+        self._scripts: dict[tuple[int, int], ScriptPlan | None] = {}
         self._plans: list[LeanLayer] | None = None
         # decode forwards at 1 thread or the caller's count, by measurement (compact formats)
         self.threads: ThreadChooser | None = None
@@ -615,12 +619,23 @@ class StageModule(nn.Module):
         base, position = kv._base, kv.length
         assert base is not None  # _decodes_lean checked
         pool = (kv.pool.keys, kv.pool.values)
+        # each layer's first key: QuerySpans.of's, offset by the run's first slot
+        starts = [base + (0 if w is None else max(0, position - w + 1)) for w in windows]
+        end = base + position + 1
         row = hidden[0]
-        for plan, window in zip(plans, windows, strict=True):
-            lo = 0 if window is None else max(0, position - window + 1)  # QuerySpans.of's
-            span = (base + lo, base + position + 1)
-            row = lean_decode(plan, row, pool, base + position, span, *rope)
+        script = self._script_plan(plans) if self.lean_script else None
+        if script is not None:
+            return decode_layers(script, row, pool, end - 1, starts, end, *rope)[None]
+        for plan, start in zip(plans, starts, strict=True):
+            row = lean_decode(plan, row, pool, end - 1, (start, end), *rope)
         return row[None]
+
+    def _script_plan(self, plans: list[LeanLayer]) -> ScriptPlan | None:
+        """:func:`script_plan` of these layers (read once per run of layers)."""
+        key = (plans[0].index, plans[-1].index) if plans else (0, -1)
+        if key not in self._scripts:
+            self._scripts[key] = script_plan(plans)
+        return self._scripts[key]
 
     def _mask(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,10 +17,12 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 2113, 30]
 STEPS = 12
 
 
-def _greedy_logits(stage: StageModule, lean: bool, lean_decode: bool = True) -> list[torch.Tensor]:
+def _greedy_logits(
+    stage: StageModule, lean: bool, lean_decode: bool = True, script: bool = True
+) -> list[torch.Tensor]:
     """The last-token logits of a prefill (in two chunks) and greedy decode steps
-    (through lean.lean_decode where ``lean_decode``)."""
-    stage.lean, stage.lean_decode = lean, lean_decode
+    (through lean.lean_decode where ``lean_decode``, scripted where ``script``)."""
+    stage.lean, stage.lean_decode, stage.lean_script = lean, lean_decode, script
     kv = stage.new_kv()
     stage.forward(torch.tensor(PROMPT[:3]), kv)
     logits = [stage.forward(torch.tensor(PROMPT[3:]), kv, last_only=True)[-1]]
@@ -35,22 +38,28 @@ def test_lean_default_model_matches_transformers_layers(
 ) -> None:
     stage = load_stage(default_model_dir, 0, 32, weights=fmt, fuse=fuse)
     assert stage.lean  # on by default for the default model's layers
-    calls: list[int] = []
-    real = stage_module.lean_decode
+    calls: dict[str, int] = {"lean_decode": 0, "decode_layers": 0}
+    for name in calls:
+        real = getattr(stage_module, name)
 
-    def counted(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
+        def counted(*args: object, name: str = name, real: Any = real) -> torch.Tensor:
+            calls[name] += 1
+            return real(*args)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(stage_module, "lean_decode", counted)
+        monkeypatch.setattr(stage_module, name, counted)
     expected = _greedy_logits(stage, lean=False)
     got = _greedy_logits(stage, lean=True)
-    # every decode step of an int4 stage through every layer (int8: lean_layer only)
-    assert len(calls) == (STEPS * stage.num_layers if fmt == "int4" else 0)
+    # each decode step: plain int4 scripted (one call), fused int4 lean_decode per layer
+    assert calls["decode_layers"] == (STEPS if fmt == "int4" and not fuse else 0)
+    assert calls["lean_decode"] == (STEPS * stage.num_layers if fmt == "int4" and fuse else 0)
+    unscripted = _greedy_logits(stage, lean=True, script=False)
+    runs = 2 if fuse else 1  # fused: the scripted arm's calls too
+    assert calls["lean_decode"] == (runs * STEPS * stage.num_layers if fmt == "int4" else 0)
     layers_only = _greedy_logits(stage, lean=True, lean_decode=False)
     assert len(got) == STEPS + 1
     # a fused int4 group is one kernel call whose columns the members take
     assert (stage._lean_plans()[0].qkv.columns is not None) is (fuse and fmt == "int4")
-    for step, (a, b, c) in enumerate(zip(got, expected, layers_only, strict=True)):
+    for step, (a, b, c, d) in enumerate(zip(got, expected, layers_only, unscripted, strict=True)):
         assert torch.equal(a, b), f"{fmt}: logits differ at step {step}"
         assert torch.equal(c, b), f"{fmt}: lean_layer's logits differ at step {step}"
+        assert torch.equal(d, b), f"{fmt}: lean_decode's logits differ at step {step}"
