@@ -38,6 +38,12 @@ the journal of 2026-12-05). This keeps ATen's kernels and their bits.
 For Llama, Mistral and Qwen2 layers (not Qwen3's, with their q/k norms) with
 exact attention on a CPU, every weight format; other stages run transformers'
 layer. ``HETMESH_LEAN_LAYERS=0`` turns it off (A/B runs).
+
+One session's lone decode token through int4 layers takes :func:`lean_decode`
+(fewer calls again: one attention call on a view of the session's KV run, no
+(batch, seq) axes; ``HETMESH_LEAN_DECODE=0`` turns it off), and where every
+layer is plain or fused int4 the stage runs them all as one TorchScript call
+making the same ops (:mod:`hetmesh.partition.lean_script`).
 """
 
 from __future__ import annotations
