@@ -20,6 +20,9 @@ alike); a path's figure is its mean decode-step time, median over repeats:
 - ``default_eager``: ``default`` with transformers' decoder layers instead of
   the lean ones (:mod:`hetmesh.partition.lean`, issue 47): bit-identical
   logits, its greedy tokens checked equal to ``default``'s on every run.
+- ``default_layers``: ``default`` without :func:`~hetmesh.partition.lean.lean_decode`
+  (a lone decode token through the lean layers of a prefill instead): bit-identical
+  logits, its greedy tokens checked equal to ``default``'s on every run.
 - ``fused_float32``: ``old`` with fused q/k/v and gate/up products
   (:mod:`hetmesh.partition.fused`): bit-identical logits, checked here over
   ``--tokens`` greedy tokens on every run.
@@ -32,7 +35,8 @@ with ``old`` before the first that differs: another format differs slightly),
 ``float32_tokens_per_s``, ``float32_speedup`` and ``float32_tokens_identical``
 (its greedy tokens equal ``old``'s), ``fused_speedup_float32`` (fused fp32 / old:
 the exact lever alone), ``lean_speedup`` (default / default_eager: the lean
-layers alone) and ``single_process_lean`` (whether ``default`` has them).
+layers alone), ``lean_decode_speedup`` (default / default_layers: the lean decode
+step alone) and ``single_process_lean`` (whether ``default`` has them).
 ``--profile`` prints torch.profiler's top operators of each path.
 
 Usage: ``python bench/decode.py [--json] [--tokens 64] [--repeats 3] [--weights native]``
@@ -49,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
-PATHS = ("old", "default", "default_eager", "float32", "fused_float32")
+PATHS = ("old", "default", "default_eager", "default_layers", "float32", "fused_float32")
 
 
 def load_paths(model_dir: Path, weights: str = "native", fuse_new: bool = False) -> dict[str, Any]:
@@ -57,7 +61,11 @@ def load_paths(model_dir: Path, weights: str = "native", fuse_new: bool = False)
     from hetmesh.partition.stage import load_stage
 
     def one(
-        fmt: str, fuse: bool, transpose_head: bool | None = None, lean: bool = True
+        fmt: str,
+        fuse: bool,
+        transpose_head: bool | None = None,
+        lean: bool = True,
+        lean_decode: bool = True,
     ) -> LocalPipeline:
         stage = load_stage(
             model_dir,
@@ -68,12 +76,14 @@ def load_paths(model_dir: Path, weights: str = "native", fuse_new: bool = False)
             transpose_head=transpose_head,
         )
         stage.lean = stage.lean and lean
+        stage.lean_decode = stage.lean_decode and lean_decode
         return LocalPipeline([stage], model_dir=model_dir)
 
     return {
         "old": one("float32", False, transpose_head=False, lean=False),
         "default": one(weights, fuse_new),
         "default_eager": one(weights, fuse_new, lean=False),
+        "default_layers": one(weights, fuse_new, lean_decode=False),
         "float32": one("float32", False),  # the loader's fp32 defaults
         "fused_float32": one("float32", True, transpose_head=False),
     }
@@ -145,6 +155,8 @@ def measure(
             raise RuntimeError("fused fp32 decoded other tokens than the separate products")
         if outputs["default_eager"] != outputs["default"]:
             raise RuntimeError("lean layers decoded other tokens than transformers' layers")
+        if outputs["default_layers"] != outputs["default"]:
+            raise RuntimeError("lean decode steps decoded other tokens than the lean layers")
         for name, value in tpot.items():
             tpots[name].append(value)
     rate = {name: 1.0 / statistics.median(values) for name, values in tpots.items()}
@@ -171,6 +183,8 @@ def measure(
         "single_process_lean": paths["default"].stages[0].lean,
         "lean_speedup": rate["default"] / rate["default_eager"],
         "lean_tokens_identical": True,  # checked above, over `tokens` tokens
+        "lean_decode_speedup": rate["default"] / rate["default_layers"],
+        "lean_decode_tokens_identical": True,  # checked above, over `tokens` tokens
         "tokens": tokens,
         "repeats": repeats,
         "threads": threads,
@@ -245,7 +259,8 @@ def main() -> None:
         f"fp32 today x{result['float32_speedup']:.2f} (tokens "
         f"{'identical' if result['float32_tokens_identical'] else 'DIFFER'}); "
         f"fused fp32 x{result['fused_speedup_float32']:.2f} (tokens identical); "
-        f"lean layers x{result['lean_speedup']:.2f} (tokens identical)"
+        f"lean layers x{result['lean_speedup']:.2f} (tokens identical); "
+        f"lean decode step x{result['lean_decode_speedup']:.2f} (tokens identical)"
     )
 
 

@@ -38,6 +38,12 @@ the journal of 2026-12-05). This keeps ATen's kernels and their bits.
 For Llama, Mistral and Qwen2 layers (not Qwen3's, with their q/k norms) with
 exact attention on a CPU, every weight format; other stages run transformers'
 layer. ``HETMESH_LEAN_LAYERS=0`` turns it off (A/B runs).
+
+One session's lone decode token through int4 layers takes :func:`lean_decode`
+(fewer calls again: one attention call on a view of the session's KV run, no
+(batch, seq) axes; ``HETMESH_LEAN_DECODE=0`` turns it off), and where every
+layer is plain or fused int4 the stage runs them all as one TorchScript call
+making the same ops (:mod:`hetmesh.partition.lean_script`).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from hetmesh.partition.fused import ProjectionSlice
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear
 
 LEAN_ENV = "HETMESH_LEAN_LAYERS"
+DECODE_ENV = "HETMESH_LEAN_DECODE"
 _LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 # the torch function, not torch.ops' packet: ~1 us less per call (210 calls a token)
@@ -64,6 +71,12 @@ _int4_mm = torch._weight_int4pack_mm_for_cpu
 def lean_default() -> bool:
     """Whether stages use :func:`lean_layer` where they can (env switch, on unless ``0``)."""
     return os.environ.get(LEAN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def decode_default() -> bool:
+    """Whether a lean stage takes :func:`lean_decode` for a lone decode token (env switch,
+    on unless ``0``)."""
+    return os.environ.get(DECODE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def supports(layer: nn.Module) -> bool:
@@ -133,6 +146,20 @@ class _Products:
         if self.int4 is None:
             self.modules, self.columns = modules, None
 
+    def rows(self, x: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
+        """Each int4 product of the rows ``x (m, k)`` (bf16 already), ``(m, n)`` each:
+        :meth:`__call__`'s kernel calls without its reshapes (a decode step's one row).
+        A fused group's one product, unsplit where ``split`` is False."""
+        outs = []
+        for packed, scales_zeros, keep, bias in self.int4 or ():
+            out = _int4_mm(x, packed, INT4_GROUP, scales_zeros)
+            if keep is not None:
+                out = out[:, :keep]
+            outs.append(out if bias is None else out.float() + bias)
+        if self.columns is not None and split:
+            return [outs[0][:, lo:hi] for lo, hi in self.columns]
+        return outs
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each product of ``x (b, s, k)``; int4 ones from one bf16 cast of ``x``, and in
         the kernel's bf16 where they have no bias (see the module docstring)."""
@@ -176,7 +203,19 @@ def _shared_int4(modules: tuple[nn.Module, ...]) -> Int4Linear | None:
 class LeanLayer:
     """What :func:`lean_layer` reads of one decoder layer, read once."""
 
-    __slots__ = ("attn", "dim", "index", "ln1", "ln2", "mlp_down", "mlp_in", "o", "qkv", "scaling")
+    __slots__ = (
+        "attn",
+        "dim",
+        "index",
+        "int4",
+        "ln1",
+        "ln2",
+        "mlp_down",
+        "mlp_in",
+        "o",
+        "qkv",
+        "scaling",
+    )
 
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -193,13 +232,15 @@ class LeanLayer:
         self.o = _Products((attn.o_proj,))
         self.mlp_in = _Products((mlp.gate_proj, mlp.up_proj))
         self.mlp_down = _Products((mlp.down_proj,))
+        # every product an int4 kernel on a CPU: lean_decode can take the layer
+        groups = (self.qkv, self.o, self.mlp_in, self.mlp_down)
+        self.int4 = all(g.int4 is not None for g in groups)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` for ``x (b, s, heads, d)``, cos/sin ``(b, s, 1, d)``
     (``x`` may be the int4 kernel's bf16: the products with fp32 tables widen it exactly)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    swapped = torch.roll(x, x.shape[-1] // 2, -1)  # cat(x2, x1): one call, the same data
     return torch.mul(swapped, sin_signed).add_(x * cos)
 
 
@@ -237,6 +278,58 @@ def lean_layer(
     return hidden + down
 
 
+def lean_decode(
+    plan: LeanLayer,
+    hidden: torch.Tensor,
+    pool: tuple[torch.Tensor, torch.Tensor],
+    slot: int,
+    keys: tuple[int, int],
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`lean_layer` for one decode token of one session whose KV blocks form one
+    run, every product int4 (``plan.int4``): the same ops on the same values, in fewer
+    calls. ``hidden (1, h)`` float32; ``pool`` the layers' keys and values
+    ``(layers, kv_heads, slots, d)``; the new token's KV goes to ``slot``, attention reads
+    slots ``keys = [lo, hi)`` (the token's span, offset by the run's first slot).
+
+    What it drops: the (b, s) axes (views), :class:`_BatchCache`'s and
+    :func:`exact_attention`'s per-row loops and slicing (one ``sdpa`` call on the same
+    tensors), the value's widening before the cache's 16-bit write (bf16 -> fp16 through
+    fp32 rounds once, as the direct cast does). Bit-identical: tests compare logits."""
+    dim, dtype = plan.dim, hidden.dtype
+    x = _norm(*plan.ln1, hidden, True)
+    columns = plan.qkv.columns
+    if columns is None:
+        q, k, v = plan.qkv.rows(x)
+        q = _rope(q.view(1, 1, -1, dim).to(dtype), cos, sin_signed)
+        k = _rope(k.view(1, 1, -1, dim).to(dtype), cos, sin_signed)
+    else:  # one product: q's and k's columns side by side, roped as one
+        (qkv,) = plan.qkv.rows(x, split=False)
+        (_, q_end), (_, k_end), (_, v_end) = columns
+        qk = _rope(qkv[:, :k_end].view(1, 1, -1, dim).to(dtype), cos, sin_signed)
+        q, k, v = qk[:, :, : q_end // dim], qk[:, :, q_end // dim :], qkv[:, k_end:v_end]
+    all_keys, all_values = pool
+    index, (lo, hi) = plan.index, keys
+    all_keys[index, :, slot] = k.view(-1, dim)
+    all_values[index, :, slot] = v.view(-1, dim)
+    held = all_keys[index : index + 1, :, lo:hi].to(dtype)
+    held_values = all_values[index : index + 1, :, lo:hi].to(dtype)
+    kv_heads = held.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.view(1, kv_heads, -1, dim), held, held_values, scale=plan.scaling
+    )
+    (o,) = plan.o.rows(out.view(1, -1).to(torch.bfloat16))
+    hidden = hidden + o
+    x = _norm(*plan.ln2, hidden, True)
+    gate, up = plan.mlp_in.rows(x)
+    act = F.silu(gate.to(dtype))
+    (down,) = plan.mlp_down.rows(
+        torch.mul(act, up, out=torch.empty_like(act, dtype=torch.bfloat16))
+    )
+    return hidden + down
+
+
 def rope_tables(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,4 +341,14 @@ def rope_tables(
     return cos[:, :, None], signed[:, :, None]
 
 
-__all__ = ["LEAN_ENV", "LeanLayer", "lean_default", "lean_layer", "rope_tables", "supports"]
+__all__ = [
+    "DECODE_ENV",
+    "LEAN_ENV",
+    "LeanLayer",
+    "decode_default",
+    "lean_decode",
+    "lean_default",
+    "lean_layer",
+    "rope_tables",
+    "supports",
+]

@@ -60,8 +60,16 @@ from hetmesh.partition.formats import (
 from hetmesh.partition.fused import SharedProjection, fusion_default
 from hetmesh.partition.kquant import KQuantEmbedding
 from hetmesh.partition.kv import KVPool, SessionKV
-from hetmesh.partition.lean import LeanLayer, lean_default, lean_layer, rope_tables
+from hetmesh.partition.lean import (
+    LeanLayer,
+    decode_default,
+    lean_decode,
+    lean_default,
+    lean_layer,
+    rope_tables,
+)
 from hetmesh.partition.lean import supports as supports_lean
+from hetmesh.partition.lean_script import ScriptPlan, decode_layers, script_default, script_plan
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
@@ -277,6 +285,11 @@ class StageModule(nn.Module):
         self._shared: list[SharedProjection] = []  # fused products (_found_fused)
         # layers computed by hetmesh.partition.lean (same bits, less per-op overhead)
         self.lean = False
+        # a lean stage's lone decode token through lean.lean_decode (same bits, fewer calls)
+        self.lean_decode = decode_default()
+        # ... and through lean_script.decode_layers where every layer is plain int4
+        self.lean_script = script_default()
+        self._scripts: dict[tuple[int, int], ScriptPlan | None] = {}
         self._plans: list[LeanLayer] | None = None
         # decode forwards at 1 thread or the caller's count, by measurement (compact formats)
         self.threads: ThreadChooser | None = None
@@ -527,39 +540,45 @@ class StageModule(nn.Module):
                 hidden[row, : x.shape[0]] = x
 
         part = self.layer_slice(lo, hi)
-        layers, windows = self.layers[part], self.windows[part]
+        # a list, not the ModuleList's slice (a new module and 30 add_module calls a step)
+        layers, windows = list(self.layers)[part], self.windows[part]
         if layers:
             for kv, n in zip(sessions, lengths, strict=True):
                 kv._reserve(n)
             past = torch.tensor([kv.length for kv in sessions], device=self.device)
             position_ids = past[:, None] + torch.arange(width, device=self.device)[None, :]
             position_embeddings = self.rotary_emb(hidden, position_ids)  # type: ignore[misc]
-            cache = _BatchCache(sessions, lengths)
-            masks: dict[int | None, torch.Tensor | QuerySpans | None] = {}
             rope = rope_tables(position_embeddings) if self.lean else None
             plans = self._lean_plans()[part] if self.lean else []
-            for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
-                if window not in masks:
-                    masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
-                mask = masks[window]
-                if rope is not None and isinstance(mask, QuerySpans):
-                    hidden = lean_layer(plans[i], hidden, mask, cache, *rope)
-                    continue
-                hidden = layer(
-                    hidden,
-                    attention_mask=masks[window],
-                    position_ids=position_ids,
-                    cache=cache,
-                    use_cache=True,
-                    position_embeddings=position_embeddings,
-                )  # (batch, seq, hidden)
+            if rope is not None and self._decodes_lean(sessions, lengths, plans):
+                hidden = self._lean_decode(plans, windows, hidden, sessions[0], rope)
+            else:
+                cache = _BatchCache(sessions, lengths)
+                masks: dict[int | None, torch.Tensor | QuerySpans | None] = {}
+                for i, (layer, window) in enumerate(zip(layers, windows, strict=True)):
+                    if window not in masks:
+                        masks[window] = self._mask(past, lengths, position_ids, cache.total, window)
+                    mask = masks[window]
+                    if rope is not None and isinstance(mask, QuerySpans):
+                        hidden = lean_layer(plans[i], hidden, mask, cache, *rope)
+                        continue
+                    hidden = layer(
+                        hidden,
+                        attention_mask=masks[window],
+                        position_ids=position_ids,
+                        cache=cache,
+                        use_cache=True,
+                        position_embeddings=position_embeddings,
+                    )  # (batch, seq, hidden)
 
         if self.norm is not None and self.lm_head is not None and hi == self.end:
             keep = [row for row in range(batch) if heads is None or heads[row]]
             none = hidden.new_empty((0, self.vocab_size))
             if not keep:
                 return [none] * batch
-            if last_only:
+            if last_only and width == 1 and len(keep) == batch:
+                kept_lengths = [1] * batch  # one token a row: already (kept, 1, hidden)
+            elif last_only:
                 rows = torch.tensor(keep, device=self.device)
                 last = torch.tensor([lengths[row] for row in keep], device=self.device) - 1
                 hidden = hidden[rows, last][:, None, :]  # (kept, 1, hidden)
@@ -573,6 +592,50 @@ class StageModule(nn.Module):
                 outputs[row] = logits[j, :n]
             return outputs
         return [hidden[row, :n] for row, n in enumerate(lengths)]
+
+    def _decodes_lean(
+        self, sessions: list[SessionKV], lengths: list[int], plans: list[LeanLayer]
+    ) -> bool:
+        """Whether this forward is one session's decode token that :func:`lean_decode`
+        computes: its KV blocks one run, exact attention, every product int4."""
+        return (
+            self.lean_decode
+            and lengths == [1]
+            and sessions[0]._base is not None
+            and self.dtype == torch.float32
+            and self.config._attn_implementation == EXACT_ATTENTION
+            and all(plan.int4 for plan in plans)
+        )
+
+    def _lean_decode(
+        self,
+        plans: list[LeanLayer],
+        windows: list[int | None],
+        hidden: torch.Tensor,
+        kv: SessionKV,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """The layers of ``plans`` for one decode token ``hidden (1, 1, h)`` of ``kv``."""
+        base, position = kv._base, kv.length
+        assert base is not None  # _decodes_lean checked
+        pool = (kv.pool.keys, kv.pool.values)
+        # each layer's first key: QuerySpans.of's, offset by the run's first slot
+        starts = [base + (0 if w is None else max(0, position - w + 1)) for w in windows]
+        end = base + position + 1
+        row = hidden[0]
+        script = self._script_plan(plans) if self.lean_script else None
+        if script is not None:
+            return decode_layers(script, row, pool, end - 1, starts, end, *rope)[None]
+        for plan, start in zip(plans, starts, strict=True):
+            row = lean_decode(plan, row, pool, end - 1, (start, end), *rope)
+        return row[None]
+
+    def _script_plan(self, plans: list[LeanLayer]) -> ScriptPlan | None:
+        """:func:`script_plan` of these layers (read once per run of layers)."""
+        key = (plans[0].index, plans[-1].index) if plans else (0, -1)
+        if key not in self._scripts:
+            self._scripts[key] = script_plan(plans)
+        return self._scripts[key]
 
     def _mask(
         self,

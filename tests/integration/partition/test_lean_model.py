@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from hetmesh.partition import stage as stage_module
 from hetmesh.partition.stage import StageModule, load_stage
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -15,9 +17,12 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 2113, 30]
 STEPS = 12
 
 
-def _greedy_logits(stage: StageModule, lean: bool) -> list[torch.Tensor]:
-    """The last-token logits of a prefill (in two chunks) and greedy decode steps."""
-    stage.lean = lean
+def _greedy_logits(
+    stage: StageModule, lean: bool, lean_decode: bool = True, script: bool = True
+) -> list[torch.Tensor]:
+    """The last-token logits of a prefill (in two chunks) and greedy decode steps
+    (through lean.lean_decode where ``lean_decode``, scripted where ``script``)."""
+    stage.lean, stage.lean_decode, stage.lean_script = lean, lean_decode, script
     kv = stage.new_kv()
     stage.forward(torch.tensor(PROMPT[:3]), kv)
     logits = [stage.forward(torch.tensor(PROMPT[3:]), kv, last_only=True)[-1]]
@@ -29,14 +34,31 @@ def _greedy_logits(stage: StageModule, lean: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(("fmt", "fuse"), [("int4", False), ("int4", True), ("int8", False)])
 def test_lean_default_model_matches_transformers_layers(
-    default_model_dir: Path, fmt: str, fuse: bool
+    monkeypatch: pytest.MonkeyPatch, default_model_dir: Path, fmt: str, fuse: bool
 ) -> None:
     stage = load_stage(default_model_dir, 0, 32, weights=fmt, fuse=fuse)
     assert stage.lean  # on by default for the default model's layers
+    calls: dict[str, int] = {"lean_decode": 0, "decode_layers": 0}
+    for name in calls:
+        real = getattr(stage_module, name)
+
+        def counted(*args: object, name: str = name, real: Any = real) -> torch.Tensor:
+            calls[name] += 1
+            return real(*args)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(stage_module, name, counted)
     expected = _greedy_logits(stage, lean=False)
     got = _greedy_logits(stage, lean=True)
+    # each int4 decode step scripted (one call), plain or fused
+    assert calls["decode_layers"] == (STEPS if fmt == "int4" else 0)
+    assert calls["lean_decode"] == 0
+    unscripted = _greedy_logits(stage, lean=True, script=False)
+    assert calls["lean_decode"] == (STEPS * stage.num_layers if fmt == "int4" else 0)
+    layers_only = _greedy_logits(stage, lean=True, lean_decode=False)
     assert len(got) == STEPS + 1
     # a fused int4 group is one kernel call whose columns the members take
     assert (stage._lean_plans()[0].qkv.columns is not None) is (fuse and fmt == "int4")
-    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+    for step, (a, b, c, d) in enumerate(zip(got, expected, layers_only, unscripted, strict=True)):
         assert torch.equal(a, b), f"{fmt}: logits differ at step {step}"
+        assert torch.equal(c, b), f"{fmt}: lean_layer's logits differ at step {step}"
+        assert torch.equal(d, b), f"{fmt}: lean_decode's logits differ at step {step}"

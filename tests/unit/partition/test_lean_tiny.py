@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetmesh.partition.lean import LEAN_ENV, lean_default, supports
+from hetmesh.partition import stage as stage_module
+from hetmesh.partition.lean import DECODE_ENV, LEAN_ENV, decode_default, lean_default, supports
 from hetmesh.partition.stage import StageModule, load_stage
 from tests.unit.partition.tiny_models import FAMILIES, VOCAB, save_tiny
 
@@ -59,6 +60,37 @@ def test_lean_layers_outputs_bit_identical(tiny_dir: Path, fmt: str) -> None:
         assert torch.equal(a, b)
 
 
+def test_lean_decode_takes_lone_int4_decode_tokens_bit_identical(
+    monkeypatch: pytest.MonkeyPatch, tiny_dir: Path
+) -> None:
+    # (a fused group's path, q and k roped as one: the default model's test, tiny
+    # widths do not fuse in int4)
+    stage = load_stage(tiny_dir, 0, 6, weights="int4")
+    assert stage.lean
+    assert stage.lean_decode
+    calls: list[int] = []
+    real = stage_module.lean_decode
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stage_module, "lean_decode", counted)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (19, 11, 7, 14)]
+    stage.lean_decode = False
+    expected = _run(stage, False, prompts, steps=8)
+    lean_layers = _run(stage, True, prompts, steps=8)
+    assert not calls
+    stage.lean_decode = True
+    got = _run(stage, True, prompts, steps=8)
+    # the four lone decode steps, each through every layer (rounds and prefills: lean_layer)
+    assert len(calls) == 4 * stage.num_layers > 0
+    for a, b, c in zip(got, lean_layers, expected, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c)
+
+
 def test_lean_middle_stage_hidden_states_bit_identical(tiny_dir: Path) -> None:
     stage = load_stage(tiny_dir, 1, 4, weights="int4")  # layers only: hidden states out
     hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
@@ -79,6 +111,12 @@ def test_lean_switch_follows_the_environment(
     assert not load_stage(tiny_dir, 0, 2, weights="int4").lean
     monkeypatch.delenv(LEAN_ENV)
     assert lean_default()
+    monkeypatch.setenv(DECODE_ENV, "0")
+    assert not decode_default()
+    assert not load_stage(tiny_dir, 0, 2, weights="int4").lean_decode
+    monkeypatch.delenv(DECODE_ENV)
+    assert decode_default()
+    assert load_stage(tiny_dir, 0, 2, weights="int4").lean_decode
     # transformers' own attention (a mask, not key spans): the layers stay transformers'
     assert not load_stage(tiny_dir, 0, 2, weights="int4", attn_implementation="sdpa").lean
 

@@ -1,0 +1,235 @@
+"""A lone decode token through a stage's int4 layers as one TorchScript function (issue 47).
+
+:func:`hetmesh.partition.lean.lean_decode` cut a decode token's layer to about
+fifty torch calls; what is left between its seven int4 kernels is the price of
+each call from Python (argument parsing, reference counts, the interpreter),
+paid ~1,500 times a token. :func:`decode_layers` makes the same calls, in the
+same order on the same tensors, from TorchScript's interpreter: the whole
+loop over the layers is one call from Python.
+
+Exactness: the function runs with the graph executor's optimisations off
+(``torch.jit.optimized_execution(False)``), so no pass fuses, reorders or
+drops an op: each ATen op gets what it got from Python, and tests compare
+the logits bit for bit with :func:`lean_decode` and transformers' layers.
+
+For int4 layers of separate or fused products (:func:`script_plan`: no
+biases, no padded products, fp32 norm weights): other stages keep
+:func:`lean_decode`. ``HETMESH_LEAN_SCRIPT=0`` turns it off. The function is
+compiled once per process, at the first decode step that takes it (well under
+a second; nothing is cached on disk).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.jit._fuser import optimized_execution
+
+from hetmesh.partition.lean import LeanLayer
+from hetmesh.partition.quant import INT4_GROUP
+
+SCRIPT_ENV = "HETMESH_LEAN_SCRIPT"
+
+
+def script_default() -> bool:
+    """Whether a lean stage runs its decode steps' int4 layers scripted (env, on unless ``0``)."""
+    return os.environ.get(SCRIPT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _layers(
+    hidden: torch.Tensor,
+    weights: list[torch.Tensor],
+    offsets: list[int],
+    columns: list[int],
+    eps: list[float],
+    scaling: list[float],
+    indices: list[int],
+    starts: list[int],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: int,
+    end: int,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    dim: int,
+    group: int,
+) -> torch.Tensor:
+    """lean.lean_decode for each layer in turn (the same ops; see that function). Layer
+    ``i``'s tensors start at ``weights[offsets[i]]``: norm, q, k, v, o, norm, gate, up,
+    down (each product: packed, scales and zeros); or, fused (``columns[5 i]`` > 0), norm,
+    qkv, o, norm, gate|up, down, with the ends of q, k, v, gate and up in ``columns``."""
+    for i in range(len(indices)):
+        b = offsets[i]
+        index, q_end = indices[i], columns[5 * i]
+        x32 = hidden * hidden.pow(2).mean(-1, keepdim=True).add_(eps[2 * i]).rsqrt_()
+        x = torch.mul(x32, weights[b], out=torch.empty_like(x32, dtype=torch.bfloat16))
+        if q_end > 0:  # one product: q's and k's columns side by side, roped as one
+            k_end, v_end = columns[5 * i + 1], columns[5 * i + 2]
+            qkv = torch._weight_int4pack_mm_for_cpu(x, weights[b + 1], group, weights[b + 2])
+            qk = qkv[:, :k_end].view(1, 1, -1, dim).to(torch.float32)
+            qk = torch.mul(torch.roll(qk, dim // 2, -1), sin_signed).add_(qk * cos)
+            q, k, v = qk[:, :, : q_end // dim], qk[:, :, q_end // dim :], qkv[:, k_end:v_end]
+        else:
+            q = torch._weight_int4pack_mm_for_cpu(x, weights[b + 1], group, weights[b + 2])
+            k = torch._weight_int4pack_mm_for_cpu(x, weights[b + 3], group, weights[b + 4])
+            v = torch._weight_int4pack_mm_for_cpu(x, weights[b + 5], group, weights[b + 6])
+            q = q.view(1, 1, -1, dim).to(torch.float32)
+            q = torch.mul(torch.roll(q, dim // 2, -1), sin_signed).add_(q * cos)
+            k = k.view(1, 1, -1, dim).to(torch.float32)
+            k = torch.mul(torch.roll(k, dim // 2, -1), sin_signed).add_(k * cos)
+        keys[index, :, slot] = k.view(-1, dim)
+        values[index, :, slot] = v.view(-1, dim)
+        held = keys[index : index + 1, :, starts[i] : end].to(torch.float32)
+        held_values = values[index : index + 1, :, starts[i] : end].to(torch.float32)
+        out = F.scaled_dot_product_attention(
+            q.view(1, held.shape[1], -1, dim), held, held_values, scale=scaling[i]
+        )
+        at = 3 if q_end > 0 else 7  # o's tensors, then the second norm, gate (|up), ...
+        o = torch._weight_int4pack_mm_for_cpu(
+            out.view(1, -1).to(torch.bfloat16), weights[b + at], group, weights[b + at + 1]
+        )
+        hidden = hidden + o
+        x32 = hidden * hidden.pow(2).mean(-1, keepdim=True).add_(eps[2 * i + 1]).rsqrt_()
+        x = torch.mul(x32, weights[b + at + 2], out=torch.empty_like(x32, dtype=torch.bfloat16))
+        if q_end > 0:
+            gate_up = torch._weight_int4pack_mm_for_cpu(x, weights[b + 6], group, weights[b + 7])
+            gate_end, up_end = columns[5 * i + 3], columns[5 * i + 4]
+            gate, up = gate_up[:, :gate_end], gate_up[:, gate_end:up_end]
+            at = 8
+        else:
+            gate = torch._weight_int4pack_mm_for_cpu(x, weights[b + 10], group, weights[b + 11])
+            up = torch._weight_int4pack_mm_for_cpu(x, weights[b + 12], group, weights[b + 13])
+            at = 14
+        act = F.silu(gate.to(torch.float32))
+        both = torch.mul(act, up, out=torch.empty_like(act, dtype=torch.bfloat16))
+        down = torch._weight_int4pack_mm_for_cpu(both, weights[b + at], group, weights[b + at + 1])
+        hidden = hidden + down
+    return hidden
+
+
+_compiled: Any = None
+_compile_lock = threading.Lock()
+
+
+def _script() -> Any:
+    """The compiled :func:`_layers` (compiled at the first call), or None where this torch
+    cannot script it (``torch.jit`` is deprecated: the stage keeps lean_decode then)."""
+    global _compiled
+    with _compile_lock:
+        if _compiled is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                try:
+                    _compiled = torch.jit.script(_layers)
+                except (AttributeError, RuntimeError, TypeError):
+                    _compiled = False
+        return _compiled or None
+
+
+@dataclass(frozen=True)
+class ScriptPlan:
+    """What :func:`decode_layers` takes of a run of layers, read once (see :func:`_layers`)."""
+
+    weights: list[torch.Tensor]
+    offsets: list[int]
+    columns: list[int]
+    eps: list[float]
+    scaling: list[float]
+    indices: list[int]
+    dim: int
+
+
+def _layer_tensors(plan: LeanLayer) -> tuple[list[torch.Tensor], list[int]] | None:
+    """One layer's tensors and columns in :func:`_layers`' layout, or None."""
+    groups = (plan.qkv, plan.o, plan.mlp_in, plan.mlp_down)
+    if not plan.int4:
+        return None
+    products = [p for g in groups for p in g.int4 or ()]
+    if any(keep is not None or bias is not None for *_, keep, bias in products):
+        return None
+    norms = (plan.ln1[0], plan.ln2[0])
+    if any(n.dtype != torch.float32 for n in norms):
+        return None
+    flat = [t for packed, scales_zeros, _, _ in products for t in (packed, scales_zeros)]
+    fused = (plan.qkv.columns, plan.mlp_in.columns)
+    if len(products) == 7 and fused == (None, None):
+        return [norms[0], *flat[:8], norms[1], *flat[8:]], [0] * 5
+    if len(products) == 4 and None not in fused and plan.o.columns is plan.mlp_down.columns:
+        qkv, gate_up = fused
+        assert qkv is not None  # (checked: for mypy)
+        assert gate_up is not None
+        if len(qkv) == 3 and len(gate_up) == 2:
+            ends = [qkv[0][1], qkv[1][1], qkv[2][1], gate_up[0][1], gate_up[1][1]]
+            return [norms[0], *flat[:4], norms[1], *flat[4:]], ends
+    return None
+
+
+def script_plan(plans: list[LeanLayer]) -> ScriptPlan | None:
+    """The layers' tensors for :func:`decode_layers`, or None where one is not an int4
+    layer of plain or fused products (biased or padded products, norms not in fp32, a
+    partly fused layer) or none given."""
+    if not plans or torch._C._jit_can_fuse_on_cpu() or _script() is None:
+        return None  # (a CPU fuser would not run unoptimised either: belt and braces)
+    weights: list[torch.Tensor] = []
+    offsets: list[int] = []
+    columns: list[int] = []
+    for plan in plans:
+        layer = _layer_tensors(plan)
+        if layer is None:
+            return None
+        offsets.append(len(weights))
+        weights += layer[0]
+        columns += layer[1]
+    return ScriptPlan(
+        weights=weights,
+        offsets=offsets,
+        columns=columns,
+        eps=[e for plan in plans for e in (plan.ln1[1], plan.ln2[1])],
+        scaling=[plan.scaling for plan in plans],
+        indices=[plan.index for plan in plans],
+        dim=plans[0].dim,
+    )
+
+
+def decode_layers(
+    plan: ScriptPlan,
+    hidden: torch.Tensor,
+    pool: tuple[torch.Tensor, torch.Tensor],
+    slot: int,
+    starts: list[int],
+    end: int,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+) -> torch.Tensor:
+    """The layers of ``plan`` for one decode token ``hidden (1, h)`` float32: its KV goes to
+    ``slot`` of ``pool``; layer ``i`` attends to slots ``[starts[i], end)``."""
+    function = _script()  # compiled: script_plan made the plan
+    with optimized_execution(False):  # op for op: no fusion, no reordering
+        out: torch.Tensor = function(
+            hidden,
+            plan.weights,
+            plan.offsets,
+            plan.columns,
+            plan.eps,
+            plan.scaling,
+            plan.indices,
+            starts,
+            pool[0],
+            pool[1],
+            slot,
+            end,
+            cos,
+            sin_signed,
+            plan.dim,
+            INT4_GROUP,
+        )
+    return out
+
+
+__all__ = ["SCRIPT_ENV", "ScriptPlan", "decode_layers", "script_default", "script_plan"]

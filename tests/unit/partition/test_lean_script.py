@@ -1,0 +1,105 @@
+"""The scripted int4 decode step (hetmesh.partition.lean_script) gives the stage's bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetmesh.partition import stage as stage_module
+from hetmesh.partition.lean_script import SCRIPT_ENV, script_default
+from hetmesh.partition.stage import StageModule, load_stage
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral-window"])
+def wide_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose int4 products are all whole blocks of 64 rows (no padding)."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 128,
+        "intermediate_size": 192,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }
+    if request.param == "llama":
+        config = transformers.LlamaConfig(**common)
+    else:  # a window shorter than the prompt: each layer's own first key
+        config = transformers.MistralConfig(**common, sliding_window=9)
+    torch.manual_seed(3)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    folder = tmp_path_factory.mktemp(f"script-{request.param}")
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def _decode(stage: StageModule, prompt: torch.Tensor, steps: int, **switches: bool) -> list[Any]:
+    for name, value in switches.items():
+        setattr(stage, name, value)
+    kv = stage.new_kv()
+    outputs = [stage.forward(prompt, kv)]
+    for _ in range(steps):
+        token = int(outputs[-1][-1].argmax())
+        outputs.append(stage.forward(torch.tensor([token]), kv))
+    return outputs
+
+
+def test_scripted_decode_steps_bit_identical(
+    monkeypatch: pytest.MonkeyPatch, wide_dir: Path
+) -> None:
+    stage = load_stage(wide_dir, 0, 5, weights="int4")
+    assert stage.lean
+    assert stage.lean_script
+    calls: list[int] = []
+    real = stage_module.decode_layers
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(stage_module, "decode_layers", counted)
+    prompt = torch.randint(4, VOCAB, (13,), generator=torch.Generator().manual_seed(1))
+    eager = _decode(stage, prompt, 10, lean=False)
+    unscripted = _decode(stage, prompt, 10, lean=True, lean_script=False)
+    assert not calls
+    scripted = _decode(stage, prompt, 10, lean=True, lean_script=True)
+    assert len(calls) == 10  # one call a decode step, every layer inside it
+    for a, b, c in zip(scripted, unscripted, eager, strict=True):
+        assert torch.equal(a, c)
+        assert torch.equal(b, c)
+
+
+def test_scripted_middle_stage_bit_identical(wide_dir: Path) -> None:
+    stage = load_stage(wide_dir, 1, 3, weights="int4")  # two layers, hidden states in and out
+    hidden = torch.randn(6, 128, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for lean, script in ((False, False), (True, True)):
+        stage.lean, stage.lean_script = lean, script
+        kv = stage.new_kv()
+        outs.append([stage.forward(hidden, kv)] + [stage.forward(h[None], kv) for h in hidden])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_script_switch_follows_the_environment(
+    monkeypatch: pytest.MonkeyPatch, wide_dir: Path
+) -> None:
+    monkeypatch.setenv(SCRIPT_ENV, "0")
+    assert not script_default()
+    assert not load_stage(wide_dir, 0, 2, weights="int4").lean_script
+    monkeypatch.delenv(SCRIPT_ENV)
+    assert script_default()
