@@ -23,6 +23,7 @@ import trio
 
 from hetmesh.errors import MeshError
 from hetmesh.scheduler.announcement import read_serving
+from hetmesh.scheduler.demand import DEMAND_KEY, MemberLoad, split_recent
 from hetmesh.scheduler.model_placement import ModelState, PlacementPolicy, place
 
 if TYPE_CHECKING:
@@ -72,26 +73,42 @@ class RecentRequests:
         return len(seen)
 
 
-def mesh_loads(members: Members) -> dict[str, list[int]]:
-    """Model -> each live member's announced sessions + queued requests, over the mesh
-    (this process's members read from their own records, the rest from the first
-    member's view of its peers)."""
-    records = {}
-    for nodes in (list(members.nodes.values()), *members.replicas.values()):
-        for node in nodes:
-            records[node.peer_id] = node.discovery.local_record(advance=False)
+def _own(members: Members) -> list[Node]:
+    """Every member of this process, replicas included."""
+    return [*members.nodes.values(), *(n for nodes in members.replicas.values() for n in nodes)]
+
+
+def mesh_loads(members: Members) -> dict[str, list[MemberLoad]]:
+    """Model -> each live member's announced load over the mesh (this process's
+    members read from their own records, the rest from the first member's view of
+    its peers). This process's members count no recent requests: the API's own
+    count (``members.requests``) stands for them."""
+    records = {n.peer_id: n.discovery.local_record(advance=False) for n in _own(members)}
+    own = set(records)
     first = next(iter(members.nodes.values()), None)
     if first is not None:
         for entry in first.discovery.alive():
             if entry.record is not None:
                 records.setdefault(entry.peer_id, entry.record)
-    loads: dict[str, list[int]] = {}
-    for record in records.values():
+    loads: dict[str, list[MemberLoad]] = {}
+    for peer, record in records.items():
         model = read_serving(record.extra, (), plan_of=None).model
         if model:
-            load = record.load.active_sessions + record.load.queue_depth
+            load = MemberLoad.of(record)
+            if peer in own:
+                load = MemberLoad(load.sessions, load.queued)
             loads.setdefault(model, []).append(load)
     return loads
+
+
+def announce_demand(members: Members, recent: Mapping[str, int]) -> None:
+    """Each member of this process announces its part of the requests the API routed
+    to its model lately (:data:`~hetmesh.scheduler.demand.DEMAND_KEY`), so other
+    nodes' placers and a ``--model mesh`` node joining see this node's demand."""
+    for key, first in members.nodes.items():
+        nodes = [first, *members.replicas.get(key, ())]
+        for node, part in zip(nodes, split_recent(recent.get(key, 0), len(nodes)), strict=True):
+            node.discovery.set_extra(DEMAND_KEY, {"recent": part})
 
 
 def model_states(
@@ -108,7 +125,7 @@ def model_states(
             local_members=members.members_of(key),
             mesh_members=max(len(loads.get(key, ())), members.members_of(key)),
             recent_requests=members.requests.count(key, policy.window_s),
-            load=sum(loads.get(key, ())),
+            load=sum(m.total for m in loads.get(key, ())),
             min_members=min_members.get(key, 1),
             idle_rounds=idle_rounds.get(key, 0),
         )
@@ -125,6 +142,7 @@ async def place_once(
 ) -> None:
     """One round: read the demand, make at most one move (a failure is logged)."""
     states = model_states(members, policy, min_members, idle_rounds)
+    announce_demand(members, {state.name: state.recent_requests for state in states})
     for state in states:
         idle_rounds[state.name] = 0 if state.demand > 0 else idle_rounds.get(state.name, 0) + 1
     move = place(states, total_bytes - members.used_bytes(), policy)
@@ -154,4 +172,11 @@ async def place_forever(
         await trio.sleep(policy.interval_s)
 
 
-__all__ = ["RecentRequests", "mesh_loads", "model_states", "place_forever", "place_once"]
+__all__ = [
+    "RecentRequests",
+    "announce_demand",
+    "mesh_loads",
+    "model_states",
+    "place_forever",
+    "place_once",
+]

@@ -9,9 +9,9 @@ model that fits a member gets a replica, i.e. one more pipeline; under
 ``latency`` the member is a spare its plan may use).
 
 :func:`place` chooses one move a round from each model's :class:`ModelState`
-(its demand: requests this node's API routed to it lately, plus the sessions
-and queued requests its members across the mesh announce, per member of the
-mesh), so the node's memory follows demand a step at a time:
+(its demand: requests this node's API routed to it lately, plus the sessions,
+queued requests and other nodes' recent requests its members across the mesh
+announce, per member of the mesh), so the node's memory follows demand a step at a time:
 
 1. a model with fewer members here than its minimum (``--min-replicas``) gets
    one, when it fits;
@@ -58,7 +58,9 @@ class ModelState:
     local_members: int  # members of it in this process, the first included
     mesh_members: int  # live members of it in the mesh, these included
     recent_requests: int = 0  # routed to it by this node's API within the window
-    load: int = 0  # sessions running + requests queued, its members' announcements
+    # sessions running + requests queued, its members' announcements, and the recent
+    # requests other nodes' APIs routed to it (hetmesh.scheduler.demand.DEMAND_KEY)
+    load: int = 0
     min_members: int = 1  # members of it this node keeps at least (--min-replicas)
     idle_rounds: int = 0  # consecutive rounds with no demand at all
 
