@@ -30,7 +30,7 @@ from hetmesh.errors import InvalidRequest, ModelNotFound
 from hetmesh.node.api_forward import API_KEY, api_entry
 from hetmesh.node.backend import ModelsBackend, NodeBackend
 from hetmesh.node.daemon import NODE_INFO_FILE, run_node
-from hetmesh.node.placer import RecentRequests, place_forever
+from hetmesh.node.placer import PlacerState, RecentRequests, place_forever
 from hetmesh.node.runtime import Node, NodeConfig
 from hetmesh.scheduler.model_placement import PlacementPolicy
 
@@ -133,6 +133,7 @@ class ModelMembers:
         self.api: dict[str, object] | None = None  # where the API listens, once it does
         # what the API routed to each model lately
         self.requests = requests if requests is not None else RecentRequests()
+        self.placer = PlacerState()  # the placer's rounds (hetmesh.node.placer)
 
     def backends(self) -> dict[str, NodeBackend]:
         return {key: NodeBackend(n.discovery, n.serving) for key, n in self.nodes.items()}

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -24,7 +25,19 @@ import trio
 from hetmesh.errors import MeshError
 from hetmesh.scheduler.announcement import read_serving
 from hetmesh.scheduler.demand import DEMAND_KEY, MemberLoad, split_recent
-from hetmesh.scheduler.model_placement import ModelState, PlacementPolicy, place
+from hetmesh.scheduler.model_placement import (
+    PLACEMENT_KEY,
+    ModelState,
+    Move,
+    NodePool,
+    Order,
+    Placement,
+    PlacementPolicy,
+    grower,
+    leader,
+    place,
+    wanted,
+)
 
 if TYPE_CHECKING:
     from hetmesh.node.runtime import Node
@@ -38,6 +51,7 @@ class Members(Protocol):
     replicas: dict[str, list[Node]]
     sources: dict[str, tuple[str, int]]
     requests: RecentRequests
+    placer: PlacerState
 
     def members_of(self, key: str) -> int: ...
 
@@ -133,19 +147,149 @@ def model_states(
     ]
 
 
+@dataclass
+class PlacerState:
+    """What a node's placer carries from round to round."""
+
+    idle_rounds: dict[str, int] = field(default_factory=dict)
+    order: Order | None = None  # the last growth this node ordered as the leader
+    members_before: int = 0  # the ordered model's mesh members when it was ordered
+    order_rounds: int = 0  # rounds since that order
+    done: dict[str, int] = field(default_factory=dict)  # leader -> its last order done here
+    rounds: int = 0  # rounds run
+
+
+ORDER_EXPIRES_ROUNDS = 60  # an order not seen through by then is given up
+
+
+def my_id(members: Members) -> str:
+    """This node's id among the nodes that place: its first member's peer id."""
+    return next(iter(members.nodes.values())).peer_id
+
+
+def peer_placements(members: Members, me: str) -> dict[str, Placement]:
+    """Each other placing node's announcement (the newest order and done of its
+    members' records), from the first member's view of the mesh."""
+    found: dict[str, Placement] = {}
+    first = next(iter(members.nodes.values()))
+    for entry in first.discovery.alive():
+        if entry.record is None:
+            continue
+        placement = Placement.read(entry.record.extra.get(PLACEMENT_KEY))
+        if placement is None or placement.pool.node == me:
+            continue
+        seen = found.get(placement.pool.node)
+        if seen is None or _seq(placement) > _seq(seen):
+            found[placement.pool.node] = placement
+    return found
+
+
+def unserved_states(members: Members) -> list[ModelState]:
+    """The models of the mesh this node does not serve, as their members announce them
+    (the leader orders growth for every model)."""
+    return [
+        ModelState(
+            name=model,
+            member_bytes=0,
+            local_members=0,
+            mesh_members=len(loads),
+            load=sum(m.total for m in loads),
+        )
+        for model, loads in sorted(mesh_loads(members).items())
+        if model not in members.nodes
+    ]
+
+
+def _seq(placement: Placement) -> int:
+    return placement.order.seq if placement.order is not None else 0
+
+
+def _order_growth(
+    state: PlacerState,
+    states: list[ModelState],
+    pools: list[NodePool],
+    others: dict[str, Placement],
+    me: str,
+    policy: PlacementPolicy,
+) -> None:
+    """As the leader: order one more member of the model in most demand from the node
+    with the most room, once the last order is seen through (its member in the mesh)."""
+    order = state.order
+    if order is not None:
+        state.order_rounds += 1
+        if order.node == me:
+            done = state.done.get(me, 0)
+        else:
+            peer = others.get(order.node)
+            done = peer.done_seq if peer is not None and peer.done_leader == me else 0
+        mesh = {m.name: m.mesh_members for m in states}
+        through = done >= order.seq and mesh.get(order.model, 0) > state.members_before
+        alive = order.node == me or order.node in others
+        if alive and not through and state.order_rounds < ORDER_EXPIRES_ROUNDS:
+            return
+    top = wanted(states, policy)
+    target = grower(pools, top.name) if top is not None else None
+    if top is None or target is None:
+        return
+    seq = order.seq + 1 if order is not None else 1
+    state.order = Order(seq, target, top.name)
+    state.members_before, state.order_rounds = top.mesh_members, 0
+    log.info("placement: %s is to add a replica of %s (order %d)", target, top.name, seq)
+
+
+def choose_move(
+    members: Members,
+    state: PlacerState,
+    states: list[ModelState],
+    free: int,
+    policy: PlacementPolicy,
+) -> Move | None:
+    """This round's move of this node: an order of the leader addressed to it, else
+    its own rules (a minimum, giving back), never growth by demand on its own."""
+    me = my_id(members)
+    others = peer_placements(members, me)
+    shares = {key: members.sources[key][1] for key in members.nodes}
+    pools = [NodePool(me, free, shares), *(p.pool for p in others.values())]
+    boss = leader(pools) or me
+    if boss == me:
+        _order_growth(state, [*states, *unserved_states(members)], pools, others, me, policy)
+        order = state.order
+    else:
+        order = others[boss].order
+    done_seq = state.done.get(boss, 0)
+    move: Move | None = None
+    if order is not None and order.node == me and order.seq > done_seq:
+        state.done[boss] = done_seq = order.seq  # carried out once, even if it fails
+        if order.model in members.nodes:
+            move = Move("add", order.model, f"ordered by {boss} (order {order.seq})", "demand")
+    else:
+        move = place(states, free, policy)
+        if move is not None and move.reason == "demand":
+            move = None  # growth is the leader's to order
+        top = wanted(states, policy)
+        needed = move is not None and move.reason == "room" and top is not None
+        if needed and top is not None and grower(pools, top.name) is not None:
+            move = None  # another node has room for it: nothing need go
+    placement = Placement(pools[0], state.order if boss == me else None, boss, done_seq)
+    for node in _own(members):
+        node.discovery.set_extra(PLACEMENT_KEY, placement.as_extra())
+    return move
+
+
 async def place_once(
     members: Members,
     total_bytes: int,
     policy: PlacementPolicy,
     min_members: Mapping[str, int],
-    idle_rounds: dict[str, int],
+    state: PlacerState,
 ) -> None:
     """One round: read the demand, make at most one move (a failure is logged)."""
+    idle_rounds = state.idle_rounds
     states = model_states(members, policy, min_members, idle_rounds)
-    announce_demand(members, {state.name: state.recent_requests for state in states})
-    for state in states:
-        idle_rounds[state.name] = 0 if state.demand > 0 else idle_rounds.get(state.name, 0) + 1
-    move = place(states, total_bytes - members.used_bytes(), policy)
+    announce_demand(members, {s.name: s.recent_requests for s in states})
+    for s in states:
+        idle_rounds[s.name] = 0 if s.demand > 0 else idle_rounds.get(s.name, 0) + 1
+    move = choose_move(members, state, states, total_bytes - members.used_bytes(), policy)
     if move is None:
         return
     log.info("placement: %s a replica member of %s (%s)", move.kind, move.model, move.why)
@@ -166,15 +310,17 @@ async def place_forever(
     min_members: Mapping[str, int],
 ) -> None:
     """:func:`place_once` every ``policy.interval_s``, until cancelled."""
-    idle_rounds: dict[str, int] = {}
     while True:
-        await place_once(members, total_bytes, policy, min_members, idle_rounds)
+        await place_once(members, total_bytes, policy, min_members, members.placer)
+        members.placer.rounds += 1
         await trio.sleep(policy.interval_s)
 
 
 __all__ = [
+    "PlacerState",
     "RecentRequests",
     "announce_demand",
+    "choose_move",
     "mesh_loads",
     "model_states",
     "place_forever",
