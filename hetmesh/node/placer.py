@@ -4,11 +4,18 @@ Each round (:class:`~hetmesh.scheduler.model_placement.PlacementPolicy`'s
 ``interval_s``) :func:`place_forever` reads each model's demand: the requests
 this node's API routed to it within ``window_s`` (:class:`RecentRequests`) and
 the sessions and queued requests its members across the mesh announce in their
-records; :func:`~hetmesh.scheduler.model_placement.place` then picks at most one move,
-which :class:`~hetmesh.node.models.ModelMembers` carries out: start a replica
-member of a model from the node's memory pool (the model's planner re-plans with
-one more member) or stop one (its sessions move away first). Another model's
-members are never touched, so its plan and streams are not either.
+records; :func:`choose_move` then picks at most one move, which
+:class:`~hetmesh.node.models.ModelMembers` carries out: start a replica member of
+a model from the node's memory pool (the model's planner re-plans with one more
+member) or stop one (its sessions move away first). Another model's members are
+never touched, so its plan and streams are not either.
+
+Growth by demand is ordered by the placement leader only (the least id among the
+nodes that place, :mod:`hetmesh.scheduler.model_placement`): every node announces
+its pool, the order it gave (as the leader) and the last order it carried out
+(``PLACEMENT_KEY``) on each member; the leader gives its next order once the last
+one's member is in the mesh (or its node left, or ``ORDER_EXPIRES_ROUNDS``
+passed). A node's own rules cover its minimums and giving back.
 """
 
 from __future__ import annotations
