@@ -136,7 +136,7 @@ async def test_a_demand_replica_takes_load_under_latency_and_goes_back_when_idle
                 await until(lambda: members.members_of(b) == 1, 180, "B's replica given back")
                 await until(lambda: pipelines(members, b) == 1, 180, "B on one pipeline")
                 assert await complete(http, b, PROMPTS[0]) == expected[0]
-            assert members.members_of(a) == 1
+            assert members.members_of(a) == 1, members.replicas
             assert members.nodes[a].serving.plan.epoch == a_epoch  # A never re-planned
         finally:
             members.request_stop()
