@@ -27,13 +27,18 @@ Keys (``--json`` prints one object):
   (``memory.max_usage_in_bytes`` / ``memory.peak``: every byte charged to the group,
   page cache included) ÷ the ``memory_bytes`` the planner charged its stages (≤ 1.15);
 - ``start_to_serving_over_disk_read``: max over stage hosts of (node process started →
-  its stage reported ready) ÷ the time to read that stage's tensor bytes from the
-  model file, read in this run after dropping the file's cached pages
-  (``posix_fadvise(POSIX_FADV_DONTNEED)``, "cold-ish": the device's own cache stays)
-  (target ≤ 2); ``load_over_disk_read`` splits out the stage load itself (plan adopted
-  → ready), as start-to-serving also holds the process's start, profiling and the wait
-  for the other hosts and the plan; each stage host's ``phases`` split it by its log
-  (:func:`start_phases`: imports, up and profiled, waiting for the plan, load);
+  its stage ready, by the "stage [a, b) ready" line of its own log) ÷ the time to read
+  that stage's tensor bytes from the model file, read in this run after dropping the
+  file's cached pages (``posix_fadvise(POSIX_FADV_DONTNEED)``, "cold-ish": the device's
+  own cache stays) (target ≤ 2). The hosts start together: the first (the others'
+  bootstrap peer), then the others as soon as it listens (its start → serving holds
+  the wait for them). ``load_over_disk_read`` splits out the stage load itself (plan
+  adopted → ready, by the status poll), as start-to-serving also holds the process's
+  start, profiling and the wait for the other hosts and the plan; each stage host's
+  ``phases`` split it by its log (:func:`start_phases`: imports, up and profiled,
+  waiting for the plan, load). The testbed's hosts share one disk:
+  ``all_stages_disk_read_together_s`` reads every stage of the plan at once, what
+  loads started together compete for;
 - ``failover_outputs_identical`` (with a standby): a stage host whose stage the standby
   backs up is SIGKILLed after ``--kill-after`` tokens of a stream; the stream's tokens
   equal the reference's.
@@ -112,6 +117,23 @@ def cpu_seconds(pid: int) -> float:
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ", re.M)
 
 
+def log_stamp(node_log: str, pattern: str) -> float | None:
+    """The epoch time of the first line of ``node_log`` holding ``pattern`` (the node's
+    logging writes local time, to the millisecond; None: no such line)."""
+    for line in node_log.splitlines():
+        found = _STAMP.match(line)
+        if found and pattern in line:
+            whole = time.mktime(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S"))
+            return whole + int(found.group(2)) / 1000
+    return None
+
+
+def listening_addr(node_log: str) -> str | None:
+    """The first address a node's log says it listens on (None: not yet)."""
+    found = re.search(r" listening on (\S+/p2p/\S+)", node_log)
+    return found.group(1) if found else None
+
+
 def start_phases(node_log: str, started_epoch: float, start: int, end: int) -> dict[str, float]:
     """Split a stage host's start → serving by its log's timestamps (local time, as the
     node's logging writes them): ``imports_s`` process start → its first log line
@@ -122,12 +144,7 @@ def start_phases(node_log: str, started_epoch: float, start: int, end: int) -> d
     phase whose marks are missing is left out."""
 
     def at(pattern: str) -> float | None:
-        for line in node_log.splitlines():
-            found = _STAMP.match(line)
-            if found and pattern in line:
-                whole = time.mktime(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S"))
-                return whole + int(found.group(2)) / 1000
-        return None
+        return log_stamp(node_log, pattern)
 
     marks = [
         ("imports_s", started_epoch),
@@ -160,19 +177,51 @@ def drop_cached(file: Path) -> None:
         os.close(fd)
 
 
+def _read_spans(fd: int, file: Path, spans: Sequence[tuple[int, int]]) -> None:
+    for offset, length in spans:
+        done = 0
+        while done < length:
+            got = os.pread(fd, min(READ_CHUNK, length - done), offset + done)
+            if not got:
+                raise OSError(f"{file}: short read at {offset + done}")
+            done += len(got)
+
+
 def read_cold(file: Path, spans: Sequence[tuple[int, int]]) -> float:
     """Seconds to read ``spans`` of ``file`` after dropping its cached pages."""
     drop_cached(file)
     fd = os.open(file, os.O_RDONLY)
     try:
         began = time.monotonic()
-        for offset, length in spans:
-            done = 0
-            while done < length:
-                got = os.pread(fd, min(READ_CHUNK, length - done), offset + done)
-                if not got:
-                    raise OSError(f"{file}: short read at {offset + done}")
-                done += len(got)
+        _read_spans(fd, file, spans)
+        return time.monotonic() - began
+    finally:
+        os.close(fd)
+
+
+def read_cold_together(file: Path, stages: Sequence[Sequence[tuple[int, int]]]) -> float:
+    """Seconds to read every stage's ``spans`` of ``file`` at once, one thread a stage,
+    after dropping its cached pages: what the testbed's hosts, which share this machine's
+    one disk, read together when they load at the same time."""
+    drop_cached(file)
+    fd = os.open(file, os.O_RDONLY)
+    failed: list[OSError] = []
+
+    def read(spans: Sequence[tuple[int, int]]) -> None:
+        try:
+            _read_spans(fd, file, spans)
+        except OSError as exc:
+            failed.append(exc)
+
+    try:
+        threads = [threading.Thread(target=read, args=(spans,)) for spans in stages]
+        began = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
         return time.monotonic() - began
     finally:
         os.close(fd)
@@ -236,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = [HostSpec(memory_limit_bytes=limit, max_memory=offer) for _ in range(n_hosts)]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hetmesh-bigmodel-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    for old_log in workdir.glob("h*.log"):  # the nodes append: a reused folder starts clean
+        old_log.unlink()
     log(f"model {args.model} at {model_dir}; {n_hosts} hosts of {args.memory_limit}; {workdir}")
     hierarchy = detect()
     assert hierarchy is not None
@@ -251,12 +302,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         started: dict[int, float] = {}
         started_epoch: dict[int, float] = {0: time.time()}
         started[0] = time.monotonic()
-        first = bed.start_node(0, *node_args).wait_up(args.timeout)
+        first = bed.start_node(0, *node_args)
+
+        def first_listens() -> str | None:
+            if first.proc.poll() is not None:
+                raise RuntimeError(f"node on host 0 exited:\n{first.log()[-3000:]}")
+            return listening_addr(first.log())
+
+        # the others start as soon as the first listens (their bootstrap peer), not once
+        # it is up: hosts started together, as a user starts them; the first one's
+        # start → serving still holds the wait for the others (its imports' lead)
+        bootstrap = wait_for(first_listens, args.timeout, "host 0 to listen", every_s=0.1)
         for h in range(1, n_hosts):
             started[h] = time.monotonic()
             started_epoch[h] = time.time()
-            bed.start_node(h, *node_args, bootstrap=first.addr)
-        for node in bed.nodes[1:]:
+            bed.start_node(h, *node_args, bootstrap=bootstrap)
+        for node in bed.nodes:
             node.wait_up(args.timeout)
         # each host's memory with its node up (profiled, calibrated) and no stage yet
         runtime = {h: _usage(bed.net.hosts[h].cgroups) for h in range(n_hosts)}
@@ -359,22 +420,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sampler.stop()
 
         # start to serving against a cold-ish read of the same bytes
-        per_host = {}
+        per_host: dict[str, dict[str, Any]] = {}
         node_of = {n.host: n for n in bed.nodes}
+        tied = not any(k.startswith("lm_head.") for k in header)
+
+        def spans_of(start: int, end: int) -> list[tuple[int, int]]:
+            prefixes = unit_prefixes(start, end, num_layers, tied=tied)
+            return stage_spans(header, data_start, prefixes)
+
         for s in primary:
             h = hosts[s.peer_id]
-            tied = not any(k.startswith("lm_head.") for k in header)
-            prefixes = unit_prefixes(s.start, s.end, num_layers, tied=tied)
-            spans = stage_spans(header, data_start, prefixes)
+            spans = spans_of(s.start, s.end)
             nbytes = sum(n for _, n in spans)
             read_s = read_cold(weights_file, spans)
-            up_s = ready_at[(s.peer_id, s.start, s.end)] - started[h]
+            polled_s = ready_at[(s.peer_id, s.start, s.end)] - started[h]
+            # the moment its stage was ready, by the node's own log (the status poll
+            # above sees it up to its period and a status call later)
+            ready_epoch = log_stamp(node_of[h].log(), f"stage [{s.start}, {s.end}) ready")
+            up_s = ready_epoch - started_epoch[h] if ready_epoch is not None else polled_s
             load_s = ready_at[(s.peer_id, s.start, s.end)] - plan_at[0]
             per_host[str(h)] = {
                 "stage_mb": round(nbytes / 1e6, 1),
                 "disk_read_s": round(read_s, 4),
                 "disk_mb_per_s": round(nbytes / 1e6 / read_s, 1),
-                "start_to_serving_s": round(up_s, 1),
+                "start_to_serving_s": round(up_s, 2),
+                "start_to_serving_polled_s": round(polled_s, 1),
                 # the node process's own CPU time to then: what its start-up and load cost
                 # apart from waiting for the machine's other work (shared cores)
                 "start_to_serving_cpu_s": round(cpu_at[(s.peer_id, s.start, s.end)][h], 1),
@@ -393,6 +463,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (v["plan_to_ready_s"], v["disk_read_s"]) for v in per_host.values()
         )
         out["disk_read"] = "posix_fadvise(POSIX_FADV_DONTNEED) on the file, then pread 16 MiB"
+        # the testbed's hosts share one disk: every stage of the plan (standbys too) read
+        # at once is what their loads, started together, compete for
+        out["all_stages_disk_read_together_s"] = round(
+            read_cold_together(weights_file, [spans_of(s.start, s.end) for s in distinct.values()]),
+            3,
+        )
+        out["load_over_disk_read_together"] = round(
+            max(v["phases"].get("load_s", 0.0) for v in per_host.values())
+            / out["all_stages_disk_read_together_s"],
+            3,
+        )
 
         if args.standby and standbys:
             out["failover"] = failover(bed, plan, hosts, prompt_ids, args)

@@ -1,9 +1,9 @@
 """What sealing adds per hop, without scheduling: write + read of one frame in one thread.
 
 Plain and sealed links' own write and read paths (``encode_parts`` and
-``write_frame`` or the :class:`~hetmesh.transport.sealed.Sealer` with one
-``sendall``; a :class:`~hetmesh.transport.links.BufferedReader`, over an
-:class:`~hetmesh.transport.sealed.OpenedSocket` when sealed) over a socket
+``write_frame`` or ``Sealer.send``; a
+:class:`~hetmesh.transport.links.BufferedReader`, or the
+:class:`~hetmesh.transport.sealed.SealedReader` when sealed) over a socket
 pair (frames up to 64 KiB, which its buffer takes whole), alternating
 plain and sealed blocks; medians per block, then the
 median over blocks. Prints one JSON object: µs per write and per read, and
@@ -36,8 +36,8 @@ def _block(sealed: bool, size: int, frames: int) -> tuple[float, float]:
 
     from hetmesh.transport.codec import BufferPool
     from hetmesh.transport.frames import DEFAULT_LIMITS, Activations, encode_parts
-    from hetmesh.transport.links import BufferedReader, write_frame
-    from hetmesh.transport.sealed import OpenedSocket, Sealer
+    from hetmesh.transport.links import BufferedReader, SealedReader, write_frame
+    from hetmesh.transport.sealed import Sealer
 
     key = os.urandom(32)
     left, right = socket.socketpair()
@@ -46,12 +46,12 @@ def _block(sealed: bool, size: int, frames: int) -> tuple[float, float]:
     frame = Activations(session_id="b", step=1, positions=(0,), tensors=(torch.ones(size // 4),))
     write: Callable[[], Any]
     if sealed:
-        reader._sock = OpenedSocket(right, key)  # type: ignore[assignment]
+        reader = SealedReader(right, key, DEFAULT_LIMITS, pool)
         sealer = Sealer(key)
 
         def write() -> None:
             head, buffers, total = encode_parts(frame, DEFAULT_LIMITS)
-            left.sendall(sealer.seal_frame(head, buffers, total))
+            sealer.send(left, head, buffers, total)
     else:
 
         def write() -> int:

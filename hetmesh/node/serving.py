@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+START_POLL_S = 0.05  # how often a node with no plan yet looks for a new peer record
+
 
 @dataclass(frozen=True, slots=True)
 class ServingStatistics:
@@ -273,7 +275,22 @@ class Serving:
             self.stages.retire_idle()
             self._publish()
             self.routes.changed()
+            await self._until_next_tick()
+
+    async def _until_next_tick(self) -> None:
+        """The plan interval; on a node that follows another's plans and has none yet,
+        cut short by a peer's new record (the coordinator's first plan): start-up waits on
+        gossip, not on the tick. The coordinator keeps the plain interval (its first
+        plan's timing is the settle wait's), as does every node once it follows a plan."""
+        boss = self.follower.boss
+        if self.follower.plan is not None or boss is None or boss == self.node.peer_id:
             await trio.sleep(self.config.plan_interval_s)
+            return
+        seen = self.views.current()
+        with trio.move_on_after(self.config.plan_interval_s):
+            # discovery signals health changes, not new records: look (cheap, start-up only)
+            while self.views.current() is seen:  # noqa: ASYNC110
+                await trio.sleep(START_POLL_S)
 
     def ready_stages(self) -> set[StageKey]:
         """The ready stages: ours not retiring, and those live members announce."""

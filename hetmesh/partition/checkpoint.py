@@ -389,6 +389,19 @@ class CheckpointReader:
         except Exception as exc:
             raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
 
+    def q8_0_bytes(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[start, stop)`` of a Q8_0 tensor as stored: ``(qs int8 (n, k), d fp16
+        (n, k/32))``."""
+        if self.kind(name) != "q8_0":
+            raise CorruptModel(f"{self.folder}: {name} is not stored as Q8_0 blocks")
+        try:
+            return (
+                self._slice(f"{name}.q8_0.qs")[start:stop],
+                self._slice(f"{name}.q8_0.d")[start:stop],
+            )
+        except Exception as exc:
+            raise CorruptModel(f"{self.folder}: cannot read {name} ({brief_error(exc)})") from exc
+
     def k_blocks(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a K-quant tensor's blocks, as stored (uint8)."""
         kind = self._require(name)

@@ -407,6 +407,37 @@ class BufferedReader:
         return pending.build(buffers)
 
 
+class SealedReader(BufferedReader):
+    """A sealed link's reader (:mod:`~hetmesh.transport.sealed`): a record that arrives
+    whole with nothing held (a decode step's frame) is opened by the read itself, into
+    the staging buffer (:meth:`OpenedSocket.open_alone`); the rest reads through the
+    :class:`OpenedSocket`. A plain read's steps plus one AES-GCM call per frame."""
+
+    def __init__(self, sock: socket.socket, key: bytes, limits: Limits, pool: BufferPool) -> None:
+        self._opened = OpenedSocket(sock, key)
+        self._raw_sock = sock
+        super().__init__(self._opened, limits, pool)  # type: ignore[arg-type]
+
+    def _fill(self) -> None:
+        opened = self._opened
+        if self._start == self._end and opened.idle:
+            sock, raw = self._raw_sock, opened.raw
+            try:
+                got = spin_recv_into(sock, raw, self.spin_ns) if self.spin_ns else -1
+                if got < 0:
+                    got = sock.recv_into(raw)
+            except OSError as exc:
+                raise StreamReset(f"connection broken: {exc}") from exc
+            if got == 0:
+                raise StreamReset("peer closed the connection")
+            size = opened.open_alone(got, self._view)
+            if size:
+                self._start, self._end = 0, size
+                self.bytes_read += size
+                return
+        super()._fill()
+
+
 def write_frame(sock: socket.socket, frame: Frame, limits: Limits) -> int:
     """Blocking write of one frame with one ``sendmsg`` (more on partial writes); bytes sent."""
     head, buffers, total = encode_parts(frame, limits)
@@ -694,7 +725,7 @@ class TcpLink(ThreadedLink):
             raise LocalProtocolError("a link is sealed before it reads or starts")
         send_key, receive_key = self._keys
         self._sealer = Sealer(send_key)
-        reader._sock = OpenedSocket(self.sock, receive_key)  # type: ignore[assignment]
+        self._reader_io = SealedReader(self.sock, receive_key, reader._limits, self.pool)
 
     def _set_spin(self, spin_ns: int) -> None:
         self._reader_io.spin_ns = spin_ns

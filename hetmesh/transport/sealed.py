@@ -37,6 +37,7 @@ _LENGTH = struct.Struct(">I")  # 4 bytes
 _NONCE = struct.Struct(">4xQ")  # 96 bits: 32 zero bits, then the record counter
 _MAX_RECORDS = 1 << 64
 _OVERHEAD = _LENGTH.size + TAG_BYTES  # per record
+_VIEW_SIZES = 64  # frame sizes whose views a Sealer keeps (then it starts over)
 
 
 def _nbytes(parts: Sequence[Any]) -> int:
@@ -49,7 +50,11 @@ class Sealer:
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
         self._sealed = 0  # records sealed so far: the next record's nonce
-        self._buffer = bytearray(SMALL_BYTES + _OVERHEAD)
+        self._small = memoryview(bytearray(SMALL_BYTES + _OVERHEAD))  # seal_frame's alone
+        # seal_frame's views of _small per frame size: (plaintext, ciphertext + tag, record)
+        self._frame_views: dict[int, tuple[memoryview, memoryview, memoryview]] = {}
+        self._framed = -1  # the frame size whose record length _small holds
+        self._buffer = bytearray()  # seal()'s, grown to the largest frame it sealed
         self._view = memoryview(self._buffer)
         self._window: memoryview | None = None  # large frames' records, for send()
 
@@ -62,15 +67,32 @@ class Sealer:
 
     def seal_frame(self, head: bytes, buffers: Sequence[Any], plain: int) -> memoryview:
         """``seal([head, *buffers], plain)`` for what :func:`encode_parts` returns: a frame
-        of at most :data:`SMALL_BYTES` (a decode step's) with the fewest steps per frame,
-        the record built where it lies in the sealer's own buffer, sealed in place."""
-        if plain > SMALL_BYTES:
-            return self.seal([head, *buffers], plain)
-        out = self._view
-        end = _LENGTH.size + plain  # where the plaintext ends and the tag starts
-        at = _LENGTH.size + len(head)
-        if at <= end:
-            out[_LENGTH.size : at] = head
+        of at most :data:`SMALL_BYTES` (a decode step's) with the fewest steps per frame.
+
+        The record is built where it lies in the sealer's own buffer and sealed in place
+        (OpenSSL's GCM reads each block before it writes it), through views kept per
+        frame size: a decode step's frames all have one size, and every step saved here
+        is saved twice per hop (it also slows the parsing that follows, measured).
+        """
+        views = self._frame_views.get(plain)
+        if views is None:
+            if plain > SMALL_BYTES:
+                return self.seal([head, *buffers], plain)
+            if plain <= 0:
+                raise LocalProtocolError(f"parts of {_nbytes([head, *buffers])} bytes, not {plain}")
+            if len(self._frame_views) >= _VIEW_SIZES:
+                self._frame_views.clear()
+            small = self._small
+            views = (
+                small[4 : 4 + plain],
+                small[4 : 4 + plain + TAG_BYTES],
+                small[: plain + _OVERHEAD],
+            )
+            self._frame_views[plain] = views
+        text, sealed, record = views
+        at = len(head)
+        if at <= plain:
+            text[:at] = head
             for b in buffers:
                 try:
                     view = memoryview(b).cast("B")
@@ -78,19 +100,20 @@ class Sealer:
                     view = flat_bytes(b)
                 start = at
                 at += len(view)
-                if at > end:
+                if at > plain:
                     break
-                out[start:at] = view
-        if at != end or plain <= 0:
+                text[start:at] = view
+        if at != plain:
             raise LocalProtocolError(f"parts of {_nbytes([head, *buffers])} bytes, not {plain}")
         count = self._sealed
         if count >= _MAX_RECORDS:  # unreachable in practice; never wrap a nonce
             raise LocalProtocolError("sealed link ran out of nonces")
         self._sealed = count + 1
-        _LENGTH.pack_into(out, 0, plain + TAG_BYTES)
-        # sealed where it lies: OpenSSL's GCM reads each block before it writes it
-        self._aead.encrypt_into(_NONCE.pack(count), out[4:end], None, out[4 : end + TAG_BYTES])
-        return out[: end + TAG_BYTES]
+        if plain != self._framed:
+            _LENGTH.pack_into(record, 0, plain + TAG_BYTES)
+            self._framed = plain
+        self._aead.encrypt_into(_NONCE.pack(count), text, None, sealed)
+        return record
 
     def seal(self, parts: Sequence[Any], plain: int = -1) -> memoryview:
         """The records carrying ``parts`` (buffers: bytes, memoryviews, C-contiguous
@@ -196,10 +219,11 @@ class OpenedSocket:
         self._aead = AESGCM(key)
         self._opened = 0  # records opened so far: the next record's nonce
         self._raw = bytearray(_OVERHEAD + RECORD_BYTES)
-        self._raw_view = memoryview(self._raw)
+        self._raw_view = self.raw = memoryview(self._raw)  # raw: see open_alone
         self._raw_start = self._raw_end = 0  # received, not yet opened
         self._plain = bytearray(RECORD_BYTES)
         self._start = self._end = 0  # opened, not yet handed out
+        self.idle = True  # nothing held (raw bytes or opened ones): a record starts next
 
     def recv_into(self, target: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Like ``socket.recv_into``: up to ``len(target)`` plaintext bytes; 0 at EOF.
@@ -215,30 +239,49 @@ class OpenedSocket:
             view = memoryview(target).cast("B")
         if nbytes:
             view = view[:nbytes]
-        if self._start == self._end and self._raw_start == self._raw_end:
-            # nothing held (a decode step's frame, most often): one recv, and a record
-            # that came whole opens straight into the reader's memory (inline: this is
-            # every small frame's path)
+        if self.idle:
+            # nothing held: one recv, and a record that came whole and alone opens
+            # straight into the target (a tensor's memory, or the reader's)
             raw = self._raw_view
             got = self._sock.recv_into(raw, 0, flags)
-            if got > _OVERHEAD:
-                size: int = _LENGTH.unpack_from(raw)[0] - TAG_BYTES
-                # got <= len(raw) bounds size by RECORD_BYTES
-                if got == size + _OVERHEAD and size <= len(view):
-                    count = self._opened
-                    if count >= _MAX_RECORDS:  # unreachable in practice
-                        raise LocalProtocolError("sealed link ran out of nonces")
-                    self._opened = count + 1
-                    try:
-                        self._aead.decrypt_into(
-                            _NONCE.pack(count), raw[_LENGTH.size : got], None, view[:size]
-                        )
-                    except InvalidTag:
-                        raise RemoteProtocolError("a sealed record failed authentication") from None
-                    return size
-            elif got == 0:
+            size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
+            if 0 < size <= len(view) and _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:
+                self._open(raw[_LENGTH.size : got], view[:size])
+                return size
+            if got == 0:
                 return 0
             self._raw_start, self._raw_end = 0, got
+            self.idle = False
+        try:
+            return self._recv_held(view, flags)
+        finally:
+            self.idle = self._start == self._end and self._raw_start == self._raw_end
+
+    def open_alone(self, got: int, into: memoryview) -> int:
+        """``got`` bytes were just received into :attr:`raw` while :attr:`idle` (the
+        link reader's own ``recv``): a record that came whole and alone (a decode step's
+        frame) is opened into ``into`` and its size returned; anything else is held for
+        :meth:`recv_into`, and 0 returned. Refusals as :meth:`recv_into`'s."""
+        raw = self._raw_view
+        size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
+        if 0 < size <= len(into) and _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:
+            count = self._opened
+            if count >= _MAX_RECORDS:  # unreachable in practice
+                raise LocalProtocolError("sealed link ran out of nonces")
+            self._opened = count + 1
+            try:
+                self._aead.decrypt_into(_NONCE.pack(count), raw[4:got], None, into[:size])
+            except InvalidTag:
+                raise RemoteProtocolError("a sealed record failed authentication") from None
+            return size
+        if got > 0:
+            self._raw_start, self._raw_end = 0, got
+            self.idle = False
+        return 0
+
+    def _recv_held(self, view: memoryview, flags: int) -> int:
+        """:meth:`recv_into` from what is held (records in part or in number, or a record
+        the target cannot take whole), and from the socket when that runs out."""
         if self._start == self._end:
             sealed = self._next_record(flags)
             if sealed is None:

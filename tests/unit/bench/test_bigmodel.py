@@ -92,3 +92,36 @@ def test_start_phases_split_a_hosts_start_by_its_log() -> None:
         "imports_s": 5.12,
         "up_profile_s": 2.98,
     }
+
+
+def test_log_stamp_finds_the_first_matching_line() -> None:
+    import time
+
+    log = "\n".join(
+        [
+            "2026-12-06 00:30:10,619 INFO hetmesh.node.stage_host: stage [0, 11) ready: 5",
+            "2026-12-06 00:30:12,001 INFO hetmesh.node.stage_host: stage [0, 11) ready: 5",
+        ]
+    )
+    base = time.mktime(time.strptime("2026-12-06 00:30:10", "%Y-%m-%d %H:%M:%S"))
+    assert bigmodel.log_stamp(log, "stage [0, 11) ready") == pytest.approx(base + 0.619)
+    assert bigmodel.log_stamp(log, "stage [11, 23) ready") is None
+
+
+def test_listening_addr_reads_the_nodes_first_address() -> None:
+    log = (
+        "2026-12-06 03:05:10,729 INFO hetmesh.discovery.service: joining the mesh\n"
+        "2026-12-06 03:05:10,729 INFO hetmesh.node.daemon: listening on "
+        "/ip4/10.237.43.2/tcp/4001/p2p/12D3KooWMXq\n"
+        "2026-12-06 03:05:10,730 INFO hetmesh.node.daemon: listening on /ip4/1.2.3.4/tcp/1/p2p/X\n"
+    )
+    assert bigmodel.listening_addr(log) == "/ip4/10.237.43.2/tcp/4001/p2p/12D3KooWMXq"
+    assert bigmodel.listening_addr(log.splitlines()[0]) is None
+
+
+def test_reading_stages_together_reads_every_span(tmp_path: Path) -> None:
+    file = tmp_path / "w.bin"
+    file.write_bytes(bytes(range(256)) * 64)
+    assert bigmodel.read_cold_together(file, [[(0, 4096)], [(4096, 8192), (12288, 4096)]]) >= 0
+    with pytest.raises(OSError, match="short read"):
+        bigmodel.read_cold_together(file, [[(0, 10)], [(16000, 1000)]])

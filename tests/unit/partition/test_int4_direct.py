@@ -45,6 +45,28 @@ def test_packs_into_a_slice_of_rows_of_a_larger_matrix() -> None:
     assert bool((whole[192:] == 0xAB).all())
 
 
+def test_q8_0_blocks_into_int8_equal_quantizing_their_dequantised_rows() -> None:
+    from hetmesh.partition.materialise import q8_0_into_int8
+    from hetmesh.partition.quant import quantize_rows_int8
+
+    gen = torch.Generator().manual_seed(5)
+    qs = torch.randint(-128, 128, (7, 96), generator=gen, dtype=torch.int8)
+    d = (torch.randn(7, 3, generator=gen) * 0.01).half()
+    d[1, 2] = -d[1, 2].abs() - 0.5  # a negative scale: the row's largest |w| is there
+    qs[2] = 0  # an all-zero row: its scale is the floor
+    d[3] = 0.0
+    qs[4, 40] = -128  # -128 has no int8 absolute value: read through fp32
+    d[4, 1] = 1.0
+    w = (qs.float().reshape(7, 3, 32) * d.float()[..., None]).reshape(7, 96)  # reader.rows
+    expected_q, expected_scale = quantize_rows_int8(w)
+    q = torch.empty(7, 96, dtype=torch.int8)
+    scale = torch.empty(7)
+    q8_0_into_int8(qs, d, q, scale)
+    assert torch.equal(q, expected_q)
+    assert torch.equal(scale, expected_scale)
+    assert q[4, 40] == -127
+
+
 @pytest.mark.parametrize("layout", ["halves of 64", "halves of 32", "pairs in 32", "pairs in 64"])
 def test_every_layout_follows_its_definition(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each CPU layout torch may pick (only this CPU's can be compared with torch's

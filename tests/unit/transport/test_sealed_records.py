@@ -15,12 +15,17 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from hetmesh.errors import LocalProtocolError, RemoteProtocolError
+from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset
 from hetmesh.transport import Activations
 from hetmesh.transport.codec import BufferPool
 from hetmesh.transport.frames import DEFAULT_LIMITS, encode_bytes, encode_parts
-from hetmesh.transport.links import BufferedReader
-from hetmesh.transport.sealed import RECORD_BYTES, SMALL_BYTES, OpenedSocket, Sealer
+from hetmesh.transport.links import BufferedReader, SealedReader
+from hetmesh.transport.sealed import (
+    RECORD_BYTES,
+    SMALL_BYTES,
+    OpenedSocket,
+    Sealer,
+)
 
 KEY = bytes(range(32))
 
@@ -74,19 +79,37 @@ def test_a_declared_size_that_does_not_match_the_parts_is_refused(declared: int)
         Sealer(KEY).seal([b"1234", b"5678"], declared)
 
 
-def test_a_sealed_frame_reads_back_equal_through_the_link_reader() -> None:
-    """encode_parts -> seal -> socket -> OpenedSocket -> BufferedReader, frame by frame,
-    small and over a record, with the record counter moving on across frames."""
+READERS = ["link reader", "link reader, polling", "plain reader over OpenedSocket"]
+
+
+def _reader(kind: str, sock: socket.socket) -> BufferedReader:
+    """A sealed link's reader (:class:`SealedReader`, as ``TcpLink.seal`` makes it, or
+    polling as a blocking link's does), or a plain one reading through an OpenedSocket."""
+    if kind == "plain reader over OpenedSocket":
+        reader = BufferedReader(sock, DEFAULT_LIMITS, BufferPool())
+        reader._sock = OpenedSocket(sock, KEY)  # type: ignore[assignment]
+        return reader
+    reader = SealedReader(sock, KEY, DEFAULT_LIMITS, BufferPool())
+    reader.spin_ns = 50_000 if kind.endswith("polling") else 0
+    return reader
+
+
+def _frames(sizes: list[int]) -> list[Activations]:
+    return [
+        Activations(session_id="s", step=i, positions=(i,), tensors=(torch.randn(n),))
+        for i, n in enumerate(sizes)
+    ]
+
+
+@pytest.mark.parametrize("kind", READERS)
+def test_a_sealed_frame_reads_back_equal_through_the_link_reader(kind: str) -> None:
+    """encode_parts -> seal -> socket -> the reader, frame by frame, small and over a
+    record, with the record counter moving on across frames."""
     left, right = socket.socketpair()
     with left, right:
         sealer = Sealer(KEY)
-        reader = BufferedReader(right, DEFAULT_LIMITS, BufferPool())
-        reader._sock = OpenedSocket(right, KEY)  # type: ignore[assignment]
-        frames = [
-            Activations(session_id="s", step=i, positions=(i,), tensors=(torch.randn(n),))
-            for i, n in enumerate([2048, 3, 2048, 300_000])
-        ]
-        for frame in frames:
+        reader = _reader(kind, right)
+        for frame in _frames([2048, 3, 2048, 300_000, 2048]):
             head, buffers, total = encode_parts(frame)
             data = bytes(sealer.seal([head, *buffers], total))
             assert encode_bytes(frame)[:64] not in data
@@ -95,6 +118,57 @@ def test_a_sealed_frame_reads_back_equal_through_the_link_reader() -> None:
             got = reader.read_frame()
             sender.join()
             assert got == frame
+        left.close()
+        with pytest.raises(StreamReset):
+            reader.read_frame()
+
+
+def test_a_whole_record_alone_is_opened_by_the_link_readers_own_read() -> None:
+    """A decode step's frame (one record, in the socket whole when read) is opened by the
+    read itself: the OpenedSocket is not called and holds nothing after."""
+    left, right = socket.socketpair()
+    with left, right:
+        sealer = Sealer(KEY)
+        reader = SealedReader(right, KEY, DEFAULT_LIMITS, BufferPool())
+        calls = []
+        opened = reader._opened
+        opened.recv_into = lambda *a: calls.append(a) or 0  # type: ignore[method-assign]
+        for frame in _frames([2048, 5, 2048]):
+            head, buffers, total = encode_parts(frame)
+            left.sendall(sealer.seal_frame(head, buffers, total))
+            assert reader.read_frame() == frame
+            assert opened.idle
+        assert calls == []
+
+
+@pytest.mark.parametrize("kind", READERS)
+def test_sealed_frames_read_back_whatever_the_chunking(kind: str) -> None:
+    """Frames small and over a record, sent back to back in chunks cut anywhere (a record
+    in parts, several in one read): every frame reads back equal, then EOF."""
+    rng = random.Random(12)
+    frames = _frames([2048, 3, 300_000, 2048, 7, 70_000, 2048])
+    sealer = Sealer(KEY)
+    wire = b""
+    for frame in frames:
+        head, buffers, total = encode_parts(frame)
+        wire += bytes(sealer.seal_frame(head, buffers, total))
+    cuts = sorted({0, len(wire), *(rng.randrange(len(wire)) for _ in range(30))})
+    left, right = socket.socketpair()
+    with left, right:
+
+        def send() -> None:
+            for a, b in itertools.pairwise(cuts):
+                left.sendall(wire[a:b])
+            left.shutdown(socket.SHUT_WR)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        reader = _reader(kind, right)
+        got = [reader.read_frame() for _ in frames]
+        with pytest.raises(StreamReset):
+            reader.read_frame()
+        sender.join()
+    assert got == frames
 
 
 def test_records_of_any_size_read_back_whatever_the_chunking() -> None:
@@ -198,6 +272,37 @@ def test_records_arriving_one_at_a_time_refuse_tampering(attack: str) -> None:
             opened.recv_into(target)
 
 
+@pytest.mark.parametrize("attack", ["flip a bit", "flip a length bit", "replay", "drop", "swap"])
+def test_frames_arriving_one_at_a_time_refuse_tampering_in_the_link_reader(attack: str) -> None:
+    """The link reader's own path (a frame's record whole in the socket when read, opened
+    by the read): every alteration of the second frame's record is refused."""
+    sealer = Sealer(KEY)
+    records = []
+    for frame in _frames([2048, 2048, 2048]):
+        head, buffers, total = encode_parts(frame)
+        records.append(bytes(sealer.seal_frame(head, buffers, total)))
+    if attack == "flip a bit":
+        records[1] = records[1][:-1] + bytes([records[1][-1] ^ 1])
+    elif attack == "flip a length bit":
+        length = int.from_bytes(records[1][:4], "big")
+        shorter = length ^ (1 << (length.bit_length() - 1))  # a longer one only waits
+        records[1] = shorter.to_bytes(4, "big") + records[1][4:]
+    elif attack == "replay":
+        records[1] = records[0]
+    elif attack == "drop":
+        records = [records[0], records[2]]
+    else:
+        records = [records[0], records[2], records[1]]
+    left, right = socket.socketpair()
+    with left, right:
+        reader = SealedReader(right, KEY, DEFAULT_LIMITS, BufferPool())
+        left.sendall(records[0])
+        assert reader.read_frame().step == 0
+        left.sendall(records[1])
+        with pytest.raises(RemoteProtocolError):
+            reader.read_frame()
+
+
 @pytest.mark.parametrize("n", [2048, 300_000, (5 * RECORD_BYTES) // 8 + 3])
 def test_send_writes_exactly_the_records_seal_makes(n: int) -> None:
     """``Sealer.send`` (the link's blocking write: a large frame sealed and sent a
@@ -226,5 +331,6 @@ def test_send_writes_exactly_the_records_seal_makes(n: int) -> None:
         left.shutdown(socket.SHUT_WR)
         reader.join()
     assert bytes(wire) == expected
-    assert len(sender._buffer) == SMALL_BYTES + 20  # one record's length and tag
+    assert len(sender._small) == SMALL_BYTES + 20  # one record's length and tag
+    assert not sender._buffer  # seal()'s: not used
     assert sender._window is None or len(sender._window) < 2 * RECORD_BYTES
