@@ -30,7 +30,7 @@ from hetmesh.errors import InvalidRequest, ModelNotFound
 from hetmesh.node.api_forward import API_KEY, api_entry
 from hetmesh.node.backend import ModelsBackend, NodeBackend
 from hetmesh.node.daemon import NODE_INFO_FILE, run_node
-from hetmesh.node.placer import RecentRequests, place_forever
+from hetmesh.node.placer import PlacerState, RecentRequests, place_forever
 from hetmesh.node.runtime import Node, NodeConfig
 from hetmesh.scheduler.model_placement import PlacementPolicy
 
@@ -120,7 +120,9 @@ class ModelMembers:
     the node's memory pool (:mod:`hetmesh.node.placer` places them by demand).
     """
 
-    def __init__(self, config: NodeConfig, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, config: NodeConfig, nursery: trio.Nursery, requests: RecentRequests | None = None
+    ) -> None:
         self.config = config
         self.nursery = nursery
         self.nodes: dict[str, Node] = {}
@@ -129,7 +131,9 @@ class ModelMembers:
         self._stopped: dict[str, trio.Event] = {}  # by peer id
         self.stop_requested = trio.Event()
         self.api: dict[str, object] | None = None  # where the API listens, once it does
-        self.requests = RecentRequests()  # what the API routed to each model lately
+        # what the API routed to each model lately
+        self.requests = requests if requests is not None else RecentRequests()
+        self.placer = PlacerState()  # the placer's rounds (hetmesh.node.placer)
 
     def backends(self) -> dict[str, NodeBackend]:
         return {key: NodeBackend(n.discovery, n.serving) for key, n in self.nodes.items()}
@@ -277,20 +281,22 @@ async def run_models(
     *,
     min_replicas: Mapping[str, int] | None = None,
     placement: PlacementPolicy | None = None,
+    requests: RecentRequests | None = None,
     task_status: TaskStatus[ModelMembers] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``models`` from this process (one member each, see the module docstring)
     until ``members.request_stop()`` (every member drains, then leaves); reports the
     :class:`ModelMembers`. ``min_replicas``: members of a model (as named in
     ``models``) kept here at least; the memory no share takes is placed by demand
-    (:mod:`hetmesh.node.placer`, under ``placement``)."""
+    (:mod:`hetmesh.node.placer`, under ``placement``; ``requests``: where the API's
+    recent requests are counted, by default on the monotonic clock)."""
     if config.serving is None:
         raise InvalidRequest("several models need serving on (drop --no-serve)")
     total = _total_memory(config)
     shares = memory_shares(total, models, model_memory or {})
     wanted = check_min_replicas(models, shares, min_replicas or {}, total)
     async with trio.open_nursery() as nursery:
-        members = ModelMembers(config, nursery)
+        members = ModelMembers(config, nursery, requests)
         for model in models:
             await members.add(model, shares[model])
         minimum = {key: wanted.get(spec, 1) for key, (spec, _) in members.sources.items()}

@@ -4,11 +4,18 @@ Each round (:class:`~hetmesh.scheduler.model_placement.PlacementPolicy`'s
 ``interval_s``) :func:`place_forever` reads each model's demand: the requests
 this node's API routed to it within ``window_s`` (:class:`RecentRequests`) and
 the sessions and queued requests its members across the mesh announce in their
-records; :func:`~hetmesh.scheduler.model_placement.place` then picks at most one move,
-which :class:`~hetmesh.node.models.ModelMembers` carries out: start a replica
-member of a model from the node's memory pool (the model's planner re-plans with
-one more member) or stop one (its sessions move away first). Another model's
-members are never touched, so its plan and streams are not either.
+records; :func:`choose_move` then picks at most one move, which
+:class:`~hetmesh.node.models.ModelMembers` carries out: start a replica member of
+a model from the node's memory pool (the model's planner re-plans with one more
+member) or stop one (its sessions move away first). Another model's members are
+never touched, so its plan and streams are not either.
+
+Growth by demand is ordered by the placement leader only (the least id among the
+nodes that place, :mod:`hetmesh.scheduler.model_placement`): every node announces
+its pool, the order it gave (as the leader) and the last order it carried out
+(``PLACEMENT_KEY``) on each member; the leader gives its next order once the last
+one's member is in the mesh (or its node left, or ``ORDER_EXPIRES_ROUNDS``
+passed). A node's own rules cover its minimums and giving back.
 """
 
 from __future__ import annotations
@@ -17,13 +24,27 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from hetmesh.errors import MeshError
 from hetmesh.scheduler.announcement import read_serving
-from hetmesh.scheduler.model_placement import ModelState, PlacementPolicy, place
+from hetmesh.scheduler.demand import DEMAND_KEY, MemberLoad, split_recent
+from hetmesh.scheduler.model_placement import (
+    PLACEMENT_KEY,
+    ModelState,
+    Move,
+    NodePool,
+    Order,
+    Placement,
+    PlacementPolicy,
+    grower,
+    leader,
+    place,
+    wanted,
+)
 
 if TYPE_CHECKING:
     from hetmesh.node.runtime import Node
@@ -37,6 +58,7 @@ class Members(Protocol):
     replicas: dict[str, list[Node]]
     sources: dict[str, tuple[str, int]]
     requests: RecentRequests
+    placer: PlacerState
 
     def members_of(self, key: str) -> int: ...
 
@@ -72,26 +94,42 @@ class RecentRequests:
         return len(seen)
 
 
-def mesh_loads(members: Members) -> dict[str, list[int]]:
-    """Model -> each live member's announced sessions + queued requests, over the mesh
-    (this process's members read from their own records, the rest from the first
-    member's view of its peers)."""
-    records = {}
-    for nodes in (list(members.nodes.values()), *members.replicas.values()):
-        for node in nodes:
-            records[node.peer_id] = node.discovery.local_record(advance=False)
+def _own(members: Members) -> list[Node]:
+    """Every member of this process, replicas included."""
+    return [*members.nodes.values(), *(n for nodes in members.replicas.values() for n in nodes)]
+
+
+def mesh_loads(members: Members) -> dict[str, list[MemberLoad]]:
+    """Model -> each live member's announced load over the mesh (this process's
+    members read from their own records, the rest from the first member's view of
+    its peers). This process's members count no recent requests: the API's own
+    count (``members.requests``) stands for them."""
+    records = {n.peer_id: n.discovery.local_record(advance=False) for n in _own(members)}
+    own = set(records)
     first = next(iter(members.nodes.values()), None)
     if first is not None:
         for entry in first.discovery.alive():
             if entry.record is not None:
                 records.setdefault(entry.peer_id, entry.record)
-    loads: dict[str, list[int]] = {}
-    for record in records.values():
+    loads: dict[str, list[MemberLoad]] = {}
+    for peer, record in records.items():
         model = read_serving(record.extra, (), plan_of=None).model
         if model:
-            load = record.load.active_sessions + record.load.queue_depth
+            load = MemberLoad.of(record)
+            if peer in own:
+                load = MemberLoad(load.sessions, load.queued)
             loads.setdefault(model, []).append(load)
     return loads
+
+
+def announce_demand(members: Members, recent: Mapping[str, int]) -> None:
+    """Each member of this process announces its part of the requests the API routed
+    to its model lately (:data:`~hetmesh.scheduler.demand.DEMAND_KEY`), so other
+    nodes' placers and a ``--model mesh`` node joining see this node's demand."""
+    for key, first in members.nodes.items():
+        nodes = [first, *members.replicas.get(key, ())]
+        for node, part in zip(nodes, split_recent(recent.get(key, 0), len(nodes)), strict=True):
+            node.discovery.set_extra(DEMAND_KEY, {"recent": part})
 
 
 def model_states(
@@ -108,7 +146,7 @@ def model_states(
             local_members=members.members_of(key),
             mesh_members=max(len(loads.get(key, ())), members.members_of(key)),
             recent_requests=members.requests.count(key, policy.window_s),
-            load=sum(loads.get(key, ())),
+            load=sum(m.total for m in loads.get(key, ())),
             min_members=min_members.get(key, 1),
             idle_rounds=idle_rounds.get(key, 0),
         )
@@ -116,18 +154,149 @@ def model_states(
     ]
 
 
+@dataclass
+class PlacerState:
+    """What a node's placer carries from round to round."""
+
+    idle_rounds: dict[str, int] = field(default_factory=dict)
+    order: Order | None = None  # the last growth this node ordered as the leader
+    members_before: int = 0  # the ordered model's mesh members when it was ordered
+    order_rounds: int = 0  # rounds since that order
+    done: dict[str, int] = field(default_factory=dict)  # leader -> its last order done here
+    rounds: int = 0  # rounds run
+
+
+ORDER_EXPIRES_ROUNDS = 60  # an order not seen through by then is given up
+
+
+def my_id(members: Members) -> str:
+    """This node's id among the nodes that place: its first member's peer id."""
+    return next(iter(members.nodes.values())).peer_id
+
+
+def peer_placements(members: Members, me: str) -> dict[str, Placement]:
+    """Each other placing node's announcement (the newest order and done of its
+    members' records), from the first member's view of the mesh."""
+    found: dict[str, Placement] = {}
+    first = next(iter(members.nodes.values()))
+    for entry in first.discovery.alive():
+        if entry.record is None:
+            continue
+        placement = Placement.read(entry.record.extra.get(PLACEMENT_KEY))
+        if placement is None or placement.pool.node == me:
+            continue
+        seen = found.get(placement.pool.node)
+        if seen is None or _seq(placement) > _seq(seen):
+            found[placement.pool.node] = placement
+    return found
+
+
+def unserved_states(members: Members) -> list[ModelState]:
+    """The models of the mesh this node does not serve, as their members announce them
+    (the leader orders growth for every model)."""
+    return [
+        ModelState(
+            name=model,
+            member_bytes=0,
+            local_members=0,
+            mesh_members=len(loads),
+            load=sum(m.total for m in loads),
+        )
+        for model, loads in sorted(mesh_loads(members).items())
+        if model not in members.nodes
+    ]
+
+
+def _seq(placement: Placement) -> int:
+    return placement.order.seq if placement.order is not None else 0
+
+
+def _order_growth(
+    state: PlacerState,
+    states: list[ModelState],
+    pools: list[NodePool],
+    others: dict[str, Placement],
+    me: str,
+    policy: PlacementPolicy,
+) -> None:
+    """As the leader: order one more member of the model in most demand from the node
+    with the most room, once the last order is seen through (its member in the mesh)."""
+    order = state.order
+    if order is not None:
+        state.order_rounds += 1
+        if order.node == me:
+            done = state.done.get(me, 0)
+        else:
+            peer = others.get(order.node)
+            done = peer.done_seq if peer is not None and peer.done_leader == me else 0
+        mesh = {m.name: m.mesh_members for m in states}
+        through = done >= order.seq and mesh.get(order.model, 0) > state.members_before
+        alive = order.node == me or order.node in others
+        if alive and not through and state.order_rounds < ORDER_EXPIRES_ROUNDS:
+            return
+    top = wanted(states, policy)
+    target = grower(pools, top.name) if top is not None else None
+    if top is None or target is None:
+        return
+    seq = order.seq + 1 if order is not None else 1
+    state.order = Order(seq, target, top.name)
+    state.members_before, state.order_rounds = top.mesh_members, 0
+    log.info("placement: %s is to add a replica of %s (order %d)", target, top.name, seq)
+
+
+def choose_move(
+    members: Members,
+    state: PlacerState,
+    states: list[ModelState],
+    free: int,
+    policy: PlacementPolicy,
+) -> Move | None:
+    """This round's move of this node: an order of the leader addressed to it, else
+    its own rules (a minimum, giving back), never growth by demand on its own."""
+    me = my_id(members)
+    others = peer_placements(members, me)
+    shares = {key: members.sources[key][1] for key in members.nodes}
+    pools = [NodePool(me, free, shares), *(p.pool for p in others.values())]
+    boss = leader(pools) or me
+    if boss == me:
+        _order_growth(state, [*states, *unserved_states(members)], pools, others, me, policy)
+        order = state.order
+    else:
+        order = others[boss].order
+    done_seq = state.done.get(boss, 0)
+    move: Move | None = None
+    if order is not None and order.node == me and order.seq > done_seq:
+        state.done[boss] = done_seq = order.seq  # carried out once, even if it fails
+        if order.model in members.nodes:
+            move = Move("add", order.model, f"ordered by {boss} (order {order.seq})", "demand")
+    else:
+        move = place(states, free, policy)
+        if move is not None and move.reason == "demand":
+            move = None  # growth is the leader's to order
+        top = wanted(states, policy)
+        needed = move is not None and move.reason == "room" and top is not None
+        if needed and top is not None and grower(pools, top.name) is not None:
+            move = None  # another node has room for it: nothing need go
+    placement = Placement(pools[0], state.order if boss == me else None, boss, done_seq)
+    for node in _own(members):
+        node.discovery.set_extra(PLACEMENT_KEY, placement.as_extra())
+    return move
+
+
 async def place_once(
     members: Members,
     total_bytes: int,
     policy: PlacementPolicy,
     min_members: Mapping[str, int],
-    idle_rounds: dict[str, int],
+    state: PlacerState,
 ) -> None:
     """One round: read the demand, make at most one move (a failure is logged)."""
+    idle_rounds = state.idle_rounds
     states = model_states(members, policy, min_members, idle_rounds)
-    for state in states:
-        idle_rounds[state.name] = 0 if state.demand > 0 else idle_rounds.get(state.name, 0) + 1
-    move = place(states, total_bytes - members.used_bytes(), policy)
+    announce_demand(members, {s.name: s.recent_requests for s in states})
+    for s in states:
+        idle_rounds[s.name] = 0 if s.demand > 0 else idle_rounds.get(s.name, 0) + 1
+    move = choose_move(members, state, states, total_bytes - members.used_bytes(), policy)
     if move is None:
         return
     log.info("placement: %s a replica member of %s (%s)", move.kind, move.model, move.why)
@@ -148,10 +317,19 @@ async def place_forever(
     min_members: Mapping[str, int],
 ) -> None:
     """:func:`place_once` every ``policy.interval_s``, until cancelled."""
-    idle_rounds: dict[str, int] = {}
     while True:
-        await place_once(members, total_bytes, policy, min_members, idle_rounds)
+        await place_once(members, total_bytes, policy, min_members, members.placer)
+        members.placer.rounds += 1
         await trio.sleep(policy.interval_s)
 
 
-__all__ = ["RecentRequests", "mesh_loads", "model_states", "place_forever", "place_once"]
+__all__ = [
+    "PlacerState",
+    "RecentRequests",
+    "announce_demand",
+    "choose_move",
+    "mesh_loads",
+    "model_states",
+    "place_forever",
+    "place_once",
+]

@@ -498,11 +498,7 @@ def manifest_loads(discovery: Any, seen: dict[str, list[PeerId]]) -> dict[str, l
     """Each manifest's holders' announced load (hetmesh.scheduler.demand)."""
     records = {e.peer_id: e.record for e in discovery.alive() if e.record is not None}
     return {
-        manifest: [
-            MemberLoad(records[p].load.active_sessions, records[p].load.queue_depth)
-            for p in holders
-            if p in records
-        ]
+        manifest: [MemberLoad.of(records[p]) for p in holders if p in records]
         for manifest, holders in seen.items()
     }
 

@@ -80,7 +80,7 @@ async def run_checks(
     assert (members.members_of(a), members.members_of(b)) == (2, 1)
     await until(lambda: pipelines(members, a) == 2, 180, "A on two pipelines")
     await until(lambda: members.nodes[b].serving.ready(), 180, "B ready")
-    assert pipelines(members, b) == 1
+    assert pipelines(members, b) == 1, members.nodes[b].serving.plan
     a_node = members.nodes[a]
     a_epoch = a_node.serving.plan.epoch
     backend = members.backend()

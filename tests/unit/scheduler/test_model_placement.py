@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 
 from hetmesh.node.placer import RecentRequests
-from hetmesh.scheduler.model_placement import ModelState, Move, PlacementPolicy, place
+from hetmesh.scheduler.model_placement import (
+    ModelState,
+    Move,
+    NodePool,
+    Order,
+    Placement,
+    PlacementPolicy,
+    grower,
+    leader,
+    place,
+    wanted,
+)
 
 POLICY = PlacementPolicy(grow_at=4, shrink_after=3)
 GIB = 1 << 30
@@ -18,7 +29,7 @@ def state(name: str, **kw: int) -> ModelState:
 
 def test_a_model_below_its_minimum_gets_a_member_when_it_fits() -> None:
     models = [state("a", min_members=3), state("b", recent_requests=100)]
-    assert place(models, GIB, POLICY) == Move("add", "a", "1 of at least 3 members")
+    assert place(models, GIB, POLICY) == Move("add", "a", "1 of at least 3 members", "minimum")
     # no room for either member: nothing moves (no replica to take memory from)
     move = place(models, GIB - 1, POLICY)
     assert move is None
@@ -70,3 +81,47 @@ def test_recent_requests_count_within_the_window() -> None:
     assert (recent.count("a", 10), recent.count("b", 10), recent.count("c", 10)) == (2, 1, 0)
     now[0] = 112.0
     assert recent.count("a", 10) == 1  # the first one is older than the window
+
+
+def test_the_leader_is_the_least_id_and_the_grower_the_node_with_most_room() -> None:
+    pools = [
+        NodePool("n2", 2 * GIB, {"a": GIB, "b": GIB}),
+        NodePool("n1", GIB, {"a": GIB, "b": GIB}),
+        NodePool("n3", 5 * GIB, {"a": GIB}),  # room, but it does not serve b
+        NodePool("n4", 2 * GIB, {"b": 3 * GIB}),  # serves b, its share does not fit
+    ]
+    assert leader(pools) == "n1"
+    assert leader([]) is None
+    assert grower(pools, "b") == "n2"
+    assert grower(pools, "a") == "n3"
+    assert grower([*pools, NodePool("n0", 2 * GIB, {"b": GIB})], "b") == "n0"  # tie: least id
+    assert grower(pools, "c") is None
+    assert grower([NodePool("n1", GIB - 1, {"b": GIB})], "b") is None
+
+
+def test_wanted_is_the_neediest_model_at_the_bar() -> None:
+    assert wanted([state("a", recent_requests=3), state("b", recent_requests=2)], POLICY) is None
+    top = wanted([state("a", recent_requests=4), state("b", load=9, mesh_members=2)], POLICY)
+    assert top is not None
+    assert top.name == "b"
+
+
+def test_a_placement_round_trips_and_malformed_ones_are_dropped() -> None:
+    placement = Placement(NodePool("n1", GIB, {"a": GIB}), Order(3, "n2", "a"), "n1", 2)
+    assert Placement.read(placement.as_extra()) == placement
+    bare = Placement(NodePool("n1", 0, {}))
+    assert Placement.read(bare.as_extra()) == bare
+    good = placement.as_extra()
+    for bad in (
+        None,
+        [],
+        {**good, "node": ""},
+        {**good, "free": -1},
+        {**good, "free": True},
+        {**good, "shares": {"a": "1"}},
+        {**good, "shares": [1]},
+    ):
+        assert Placement.read(bad) is None
+    # a malformed order or done is dropped, the pool kept
+    odd = Placement.read({**good, "order": [1, 2, 3], "done": ["x"]})
+    assert odd == Placement(NodePool("n1", GIB, {"a": GIB}))
