@@ -79,6 +79,7 @@ MAX_LINK_REQUESTS = 256  # links one record asks others to measure
 DEVICE_REFRESH_S = 60.0
 DEVICE_MOVE_EVERY_S = 30.0
 BOOTSTRAP_ATTEMPTS = 3  # dial limits dial_timeout_s x 1, 2, 3
+GOODBYE_TRIES = 3  # a goodbye pushed again on a failure (see _send_record)
 HANG_UP_GRACE_S = 20.0  # a dead peer is forgotten (link, connection) after this, if still dead
 MAX_ESTIMATED_PEERS = 64  # the view estimates missing links only in meshes this small
 
@@ -596,30 +597,37 @@ class Discovery:
                     self._subscribers.remove(send)
 
     async def _send_record(self, peer_id: PeerId, addrs: Sequence[str], payload: bytes) -> None:
-        """Push one record to one peer directly (the goodbye); failures are ignored."""
+        """Push one record to one peer directly (the goodbye), in up to
+        ``GOODBYE_TRIES`` tries: the stream may land on a connection the peer closed
+        while we did not look (frozen, then resumed; the swarm spreads streams over a
+        peer's connections), and the next try takes another or dials afresh."""
         from libp2p.custom_types import TProtocol
 
-        try:
-            info = self._peer_info(peer_id, addrs)
-            if info.peer_id not in self.host.get_network().connections:
-                await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
-            with trio.fail_after(self.config.send_timeout_s):
-                stream = await self.host.new_stream(
-                    info.peer_id, [TProtocol(wire.ANNOUNCE_PROTOCOL)]
-                )
-                try:
-                    await wire.write_frame(stream, payload)
-                    await stream.close()
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        await stream.reset()
-                    raise
-            self._sent += 1
-        except (MeshError, trio.TooSlowError):
-            self._send_failures += 1
-        except Exception as exc:
-            self._send_failures += 1
-            log.debug("goodbye to %s failed: %r", peer_id, exc)
+        failure: BaseException | None = None
+        for _ in range(GOODBYE_TRIES):
+            try:
+                info = self._peer_info(peer_id, addrs)
+                if info.peer_id not in self.host.get_network().connections:
+                    await dial(self.host, info, timeout_s=self.config.dial_timeout_s)
+                with trio.fail_after(self.config.send_timeout_s):
+                    stream = await self.host.new_stream(
+                        info.peer_id, [TProtocol(wire.ANNOUNCE_PROTOCOL)]
+                    )
+                    try:
+                        await wire.write_frame(stream, payload)
+                        await stream.close()
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            await stream.reset()
+                        raise
+                self._sent += 1
+                return
+            except (MeshError, trio.TooSlowError) as exc:
+                failure = exc
+            except Exception as exc:
+                failure = exc
+        self._send_failures += 1
+        log.info("goodbye to %s failed after %d tries: %r", peer_id, GOODBYE_TRIES, failure)
 
     # -- services ------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ from hetmesh.node.gateway_records import GatewayStatistics as GatewayStatistics
 from hetmesh.node.gateway_records import GatewayTimeouts as GatewayTimeouts
 from hetmesh.node.hop import Hop
 from hetmesh.node.migration import moves
-from hetmesh.node.outcomes import Verdict, classify
+from hetmesh.node.outcomes import MID_STEP, Verdict, classify
 from hetmesh.node.split import split_prefill_default, split_requests
 from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefill import (
@@ -136,6 +136,10 @@ _Inbound = Tokens | Error | _PeerGone
 # how long a move waits for a route: the stream pauses meanwhile, and the plan loop asks
 # again every second while a stage is unready (e.g. its replacement still loading)
 MOVE_ROUTE_WAIT_S = 0.05
+# a stage may still be finishing the step whose token is back here (its device thread
+# sends the token first): a move it refuses as mid-step is asked again this long
+MOVE_MID_STEP_WAIT_S = 2.0
+MOVE_MID_STEP_PAUSE_S = 0.02
 # a session's inbox: a step's tokens (up to a feed's), an error; more are dropped
 INBOX_FRAMES = MAX_FEED_STEPS + 4
 # sessions that ended, remembered to read peers' announced loads (Gateway.sessions_during):
@@ -224,6 +228,11 @@ class _StepFailed(Exception):
     def __init__(self, reason: str, suspects: frozenset[PeerId] = frozenset()) -> None:
         super().__init__(reason)
         self.suspects = suspects
+
+
+def _mid_step(reply: Reply) -> bool:
+    """Whether a stage refused a move only because the session's step is finishing."""
+    return not reply.ok and (reply.message or "").startswith(MID_STEP)
 
 
 def _refusals(hops: Sequence[Hop], replies: Sequence[Reply]) -> list[tuple[Hop, MeshError]]:
@@ -889,7 +898,8 @@ class Gateway:
             )
             for i in range(len(old))
         ]
-        self._check_replies(old, await self._ask_all(old, requests), "move from")
+        replies = await self._ask_between_steps(old, requests)
+        self._check_replies(old, replies, "move from")
         session.route = new
         session.handoffs = tuple((i, old[i], new[i]) for i in moved)
         self._counts.migrations += 1
@@ -900,6 +910,20 @@ class Gateway:
             [old[i].peer_id for i in moved],
             [new[i].peer_id for i in moved],
         )
+
+    async def _ask_between_steps(
+        self, hops: Sequence[Hop], requests: Sequence[MoveSession]
+    ) -> list[Reply]:
+        """:meth:`_ask_all`, asking again for ``MOVE_MID_STEP_WAIT_S`` the stages that
+        refuse because the session's last step is still finishing there."""
+        replies = await self._ask_all(hops, requests)
+        with trio.move_on_after(MOVE_MID_STEP_WAIT_S):
+            while busy := [i for i, reply in enumerate(replies) if _mid_step(reply)]:
+                await trio.sleep(MOVE_MID_STEP_PAUSE_S)
+                again = await self._ask_all([hops[i] for i in busy], [requests[i] for i in busy])
+                for i, reply in zip(busy, again, strict=True):
+                    replies[i] = reply
+        return replies
 
     @staticmethod
     def _check_replies(hops: Sequence[Hop], replies: Sequence[Reply], what: str) -> None:

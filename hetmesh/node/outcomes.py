@@ -34,6 +34,9 @@ UNKNOWN_SESSION = "unknown session "
 """How a stage's ``InvalidRequest`` begins when it holds no such session."""
 MOVED_SESSION = "moved session "
 """How a stage's ``NoRoute`` begins for a step of a session it has handed over (a move)."""
+MID_STEP = "busy: mid-step: "
+"""How a stage's ``Rejected`` begins when a move finds the session's step still on its
+device thread (its token may be back at the gateway already: ask again shortly)."""
 
 
 class Verdict(enum.Enum):
@@ -63,4 +66,4 @@ def classify(error: MeshError, *, data_plane: bool) -> Verdict:
     return Verdict.SUSPECT
 
 
-__all__ = ["MOVED_SESSION", "UNKNOWN_SESSION", "Verdict", "classify"]
+__all__ = ["MID_STEP", "MOVED_SESSION", "UNKNOWN_SESSION", "Verdict", "classify"]

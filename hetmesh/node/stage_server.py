@@ -91,7 +91,7 @@ from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.gateway import Send
 from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
-from hetmesh.node.outcomes import MOVED_SESSION
+from hetmesh.node.outcomes import MID_STEP, MOVED_SESSION
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.node.stage_groups import Groups, groups_enabled
 from hetmesh.node.stage_lane import PARK_S, Lane
@@ -396,8 +396,8 @@ class StageServer:
             )
             return Reply(ok=True)
         if in_step or self._queued.get(sid) or session.awaiting is not None:
-            # mid-step (or still arriving itself): the gateway replays it instead
-            return Reply.failed(Rejected(f"busy: session {sid} is mid-step here"))
+            # mid-step (or still arriving itself): the gateway asks again, then replays
+            return Reply.failed(Rejected(f"{MID_STEP}session {sid} is mid-step here"))
         keys, values = session.kv.export()  # a copy: the blocks are freed below
         frame = kv_frame(sid, keys, values)
         if not self._post(request.kv_to, frame):

@@ -21,11 +21,12 @@ import trio
 import trio.testing
 
 from hetmesh.error_codec import error_code
-from hetmesh.errors import InvalidRequest, MeshError, PeerUnreachable
+from hetmesh.errors import InvalidRequest, MeshError, PeerUnreachable, Rejected
 from hetmesh.node.control import CloseSession, MoveSession, OpenSession, Reply
 from hetmesh.node.gateway import Gateway, GatewayTimeouts, Hop
 from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.migration import kv_frame
+from hetmesh.node.outcomes import MID_STEP
 from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
@@ -66,6 +67,7 @@ class MovingMesh:
         self.kv_delay_s = 0.0  # how long a KV frame takes to arrive
         self.lose_kv = 0  # KV frames lost on the way (a link closed under them)
         self.slow_opens = ("", 0)  # a peer whose opens miss the deadline, how many
+        self.mid_step_moves = ("", 0)  # a peer still finishing the step as a move comes
 
     async def send(self, sender: str, peer: str, frame: Frame) -> None:
         if peer in self.dead or sender in self.dead:
@@ -108,6 +110,12 @@ class MovingMesh:
         if isinstance(request, MoveSession) and request.kv_to and peer == self.kill_on_move:
             self.dead.add(peer)
             raise PeerUnreachable(peer)
+        busy, count = self.mid_step_moves
+        if isinstance(request, MoveSession) and request.kv_to and peer == busy and count:
+            # as a stage answers while its device thread finishes the step whose token
+            # is back at the gateway already (the thread sends the token first)
+            self.mid_step_moves = (busy, count - 1)
+            return Reply.failed(Rejected(f"{MID_STEP}session {request.session_id}"))
         return self.servers[peer].handle(request, GATEWAY)
 
     async def ping(self, peer: str) -> bool:
@@ -187,6 +195,20 @@ async def test_without_migration_a_move_replays_the_history(tiny_model):
     b2 = mesh.servers["b2"].statistics()
     assert b2.kv.migrations == 0
     assert b2.tokens == len(PROMPTS[0]) + 5 + 10  # the history replayed, then ten steps
+
+
+async def test_a_source_still_finishing_its_step_is_asked_again_not_replayed(tiny_model):
+    """Seen in CI (a SIGTERM drain): the source refused the move as mid-step because its
+    device thread had sent the token but not yet parked. Asked again, it moves."""
+    mesh = MovingMesh(tiny_model)
+    mesh.mid_step_moves = ("b1", 3)
+    gateway = mesh.make_gateway()
+    out = await run_moved(mesh, gateway, move_at=6, tokens=16)
+    assert out == reference(tiny_model, PROMPTS[0], 16)
+    g = gateway.statistics()
+    assert (g.migrations, g.migration_fallbacks, g.recoveries, g.move_replays) == (1, 0, 0, 0)
+    assert mesh.mid_step_moves == ("b1", 0)  # every refusal was asked past
+    assert mesh.servers["b2"].statistics().tokens == 9  # no replay through it
 
 
 async def test_a_move_whose_target_dies_falls_back_to_replay(tiny_model):

@@ -52,6 +52,11 @@ def admission_state(nodes: Any) -> str:
     return " | ".join(parts)
 
 
+async def until_idle(server: Any) -> None:
+    """Wait until ``server`` holds no session (the last request's close arrived)."""
+    await until_(lambda: server.kv.statistics().sessions == 0, 60, "the stage holding no session")
+
+
 async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -83,7 +88,9 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
                 nursery.start_soon(one)
         assert results == [expected[:4]] * 2
 
-        # a request that finds the mesh full waits, and goes through once a slot frees
+        # a request that finds the mesh full waits, and goes through once a slot frees;
+        # a finished session's close reaches the stage after its last token
+        await until_idle(first)
         busy_before = gateway.statistics().rejected_busy
         hold_a_slot(first, "holder-1")
         got: list[list[int]] = []
@@ -102,6 +109,7 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         # a mesh that stays full past the admission wait: Rejected (SDK) and 429 (HTTP);
         # the gateway reads its timeouts per request, so a short wait applies from here
         gateway.timeouts = dataclasses.replace(gateway.timeouts, admission_s=REJECT_S)
+        await until_idle(first)
         hold_a_slot(first, "holder-2")
         outcome: dict[str, Any] = {}
 
