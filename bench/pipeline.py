@@ -23,6 +23,9 @@ drifts moves both alike):
   512-token one) equal the reference's -> ``outputs_identical``,
   ``split_outputs_identical``
 - the plans -> ``plan`` and ``replicas_stages`` (1), ``split_plan`` and ``split_stages``
+- the nodes' fast-path switches as this run set them (empty: unset, on) ->
+  ``fast_path_switches`` (``HETMESH_STAGE_GROUPS=0 python bench/pipeline.py`` is the
+  run without :mod:`hetmesh.node.stage_groups`)
 - the single process today against its path before issue 16 -> ``single_process_speedup``
   (``bench/decode.py``, after the meshes have stopped; ``--no-single-process`` skips it)
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -49,6 +53,13 @@ from typing import Any
 
 # no prefix cache: the repeats reuse one prompt, and TTFT here measures a prefill
 # (bench/kv.py measures the cache); each layout adds its --max-memory (bench/cut.py)
+# the nodes' fast paths, each on unless its variable says 0
+FAST_PATHS = (
+    "HETMESH_STAGE_LANE",
+    "HETMESH_GATEWAY_LANE",
+    "HETMESH_SHM_INLINE",
+    "HETMESH_STAGE_GROUPS",
+)
 NODE_ARGS = [
     "--threads",  # one, as the reference: the ratios compare like with like
     "1",
@@ -305,6 +316,8 @@ def main() -> None:
     base = Reference(model_dir, args.weights)
     result: dict[str, Any] = {"tokens": args.tokens, "repeats": args.repeats}
     result["weights"] = args.weights
+    # the nodes inherit this environment: which fast paths ran (for A/B records)
+    result["fast_path_switches"] = {name: os.environ.get(name, "") for name in FAST_PATHS}
     if not args.no_replicas:
         replicas = run_layout(model_dir, base, 1, args, prompt_ids, long_ids)
         result.update(keys(replicas, ""))

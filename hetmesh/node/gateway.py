@@ -84,7 +84,13 @@ from hetmesh.node.control import (
     OpenSession,
     Reply,
 )
-from hetmesh.node.gateway_lane import Armed, GatewayLane, SendNow, gateway_lane_enabled
+from hetmesh.node.gateway_lane import (
+    Armed,
+    GatewayLane,
+    SendNow,
+    gateway_lane_enabled,
+    gateway_lane_many,
+)
 from hetmesh.node.gateway_records import Counters as _Counters
 from hetmesh.node.gateway_records import GatewayStatistics as GatewayStatistics
 from hetmesh.node.gateway_records import GatewayTimeouts as GatewayTimeouts
@@ -305,6 +311,7 @@ class Gateway:
         self._counts = _Counters()
         self._step_s = 0.0  # moving average of decode step time
         self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
+        self._lane_many = gateway_lane_many()
 
     # -- inbound ------------------------------------------------------------------
 
@@ -809,12 +816,13 @@ class Gateway:
     def _arm(self, session: _Session, in_flight: _InFlight, position: int, left: int) -> None:
         """Let a reader thread send the step after the awaited token (the lane) where
         it is a plain decode step, with another wanted after it and no move or helper,
-        of the one session here: with more, steps sent one by one as their tokens come
-        in could split the stages' batches (as the stage lane, one session only)."""
+        of any session here where the first stage gathers bursts by their groups, else
+        of the one session here: steps sent one by one as their tokens come in could
+        split the stages' batches (see :mod:`hetmesh.node.gateway_lane`)."""
         route = session.route
         if not self.lane.enabled or in_flight.tokens != 1 or left < 2 or in_flight.hops != route:
             return
-        if len(self._sessions) != 1:
+        if len(self._sessions) != 1 and not self._lane_many:
             return
         if session.helper or session.leaving or session.moving or session.handoffs:
             return

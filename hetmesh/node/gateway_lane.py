@@ -18,10 +18,14 @@ position, another sender, a link that would wait, no arm) sends nothing here, an
 ``_run`` sends the step itself as before.
 
 A session arms only a plain decode step: one token awaited, more wanted after it, no
-split-prefill helper, no move under way or pending, and only while it is the
-gateway's one session (with more, the stages batch their steps: sent one by one as
-tokens come in, they could split those batches); a claimed step that fired stays in
-flight like one ``_run`` sent. ``HETMESH_GATEWAY_LANE=0`` turns it off.
+split-prefill helper, no move under way or pending; a claimed step that fired stays
+in flight like one ``_run`` sent. ``HETMESH_GATEWAY_LANE=0`` turns it off.
+
+With several sessions the stages batch their steps, and steps sent one by one as
+their tokens come in could split those batches: the first stage then gathers each
+burst by the sessions that ran together (:mod:`hetmesh.node.stage_groups`), so the
+lane arms every session while that is on; with ``HETMESH_STAGE_GROUPS=0``, or
+``HETMESH_GATEWAY_LANE_MANY=0``, only the gateway's one session.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from hetmesh.errors import TransportError
+from hetmesh.node.stage_groups import groups_enabled
 from hetmesh.resources import PeerId
 from hetmesh.transport.frames import Activations, Frame, Tokens
 
@@ -48,6 +53,13 @@ SendNow = Callable[[PeerId, Frame], bool]
 def gateway_lane_enabled() -> bool:
     """On unless ``HETMESH_GATEWAY_LANE=0`` (every step sent from trio, for comparisons)."""
     return os.environ.get("HETMESH_GATEWAY_LANE", "1") != "0"
+
+
+def gateway_lane_many() -> bool:
+    """Whether the lane arms every session of the gateway, not only a lone one: on
+    unless ``HETMESH_GATEWAY_LANE_MANY=0``, and only while the stages gather bursts by
+    their groups (:func:`~hetmesh.node.stage_groups.groups_enabled`)."""
+    return os.environ.get("HETMESH_GATEWAY_LANE_MANY", "1") != "0" and groups_enabled()
 
 
 @dataclass(slots=True)

@@ -18,8 +18,10 @@ them would leave every stage but one idle). A stage holding the whole model
 has no next stage: its rounds take every waiting session. Each micro-batch
 still shares one forward, and one frame per session and hop. A round's frames leave one after
 another, so a stage gathers a burst before it starts (frames no more than
-``GATHER_S`` apart, until its share is in): otherwise it would start on the
-first frame of a micro-batch and the groups would crumble into single steps.
+``GATHER_S`` apart, until its share is in, or until every session of the
+waiting sessions' last rounds here is in: :mod:`hetmesh.node.stage_groups`):
+otherwise it would start on the first frame of a micro-batch and the groups would
+crumble into single steps.
 
 A stage holding the whole model can feed a session itself
 (``OpenSession.feed_steps``): from one step its gateway sends, it generates
@@ -91,6 +93,7 @@ from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.outcomes import MID_STEP, MOVED_SESSION
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
+from hetmesh.node.stage_groups import Groups, groups_enabled
 from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
@@ -254,6 +257,8 @@ class StageServer:
         if micro_batches is None:
             micro_batches = 1 if stage.has_embed and stage.has_head else 2
         self._micro_batches = max(1, micro_batches)
+        # each session's last round here: a gather ends once its burst is in
+        self._groups = Groups() if groups_enabled() else None
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}
         # bounded: at most QUEUED_PER_SESSION items of each session it admitted
@@ -825,11 +830,15 @@ class StageServer:
                 if left > 0:
                     self._queued[item.session_id] = left
         self._pending.extendleft(reversed(deferred))
+        if self._groups is not None:
+            self._groups.ran((item.session_id for item in batch), self._sessions)
         return batch
 
     async def _gather(self, limit: int) -> None:
         """Take what the inbox holds; while fewer than ``limit`` sessions wait, keep
-        taking items that follow each other within :data:`GATHER_S`.
+        taking items that follow each other within :data:`GATHER_S`, unless every
+        session of the waiting sessions' last rounds here is in
+        (:mod:`hetmesh.node.stage_groups`: the burst is complete).
 
         The previous stage sends a round's outputs one right after another: a
         stage that started on the first of them would split the micro-batch in
@@ -841,8 +850,15 @@ class StageServer:
                 continue
             except trio.WouldBlock:
                 pass
-            if len({item.session_id for item in self._pending}) >= limit:
+            waiting = {item.session_id for item in self._pending}
+            if len(waiting) >= limit:
                 return
+            if (
+                self._groups is not None
+                and 2 * len(waiting) >= limit  # a lone straggler waits to rejoin a round
+                and self._groups.complete(waiting, self._sessions)
+            ):
+                return  # every session of their last rounds here is in: the burst ended
             with trio.move_on_after(GATHER_S):
                 self._pending.append(await self._inbox.receive())
                 continue

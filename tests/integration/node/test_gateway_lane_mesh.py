@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from hetmesh.client.mesh import TokenEvent, open_mesh_client
 from hetmesh.node.config import ServingConfig
 from tests.integration.node.inprocess_mesh import (
     PROMPT_IDS,
+    SECRET,
     generate,
     open_mesh,
     stage_servers,
@@ -66,3 +68,50 @@ async def test_a_cut_sends_its_next_steps_as_tokens_come_in_and_matches_the_refe
 
         await until(ended, 60, "every session to end on every stage")
         assert gateway.statistics().tokens_out == 3 * TOKENS
+
+
+LONG, SHORT = 120, 40  # a long stream, and a short one run while it is open
+
+
+@pytest.mark.parametrize("many", ["1", "0"])
+async def test_with_stage_groups_the_lane_sends_every_sessions_next_steps(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, many: str
+) -> None:
+    monkeypatch.setenv("HETMESH_GATEWAY_LANE", "1")
+    monkeypatch.setenv("HETMESH_STAGE_GROUPS", "1")
+    monkeypatch.setenv("HETMESH_GATEWAY_LANE_MANY", many)
+    other_prompt = [7, 300, 41, 12]
+    expected = {
+        "long": reference_ids(tiny_model_dir, PROMPT_IDS, LONG),
+        "short": reference_ids(tiny_model_dir, other_prompt, SHORT),
+    }
+    serving = ServingConfig(max_sessions=2, max_context_tokens=512, block_step_s=0.002)
+    async with open_mesh(tmp_path, serving, 2, model=tiny_model_dir) as mesh:
+        gateway = mesh.nodes[0].serving.gateway
+        assert gateway is not None
+        results: dict[str, list[int]] = {}
+        started = trio.Event()
+
+        async def long_stream() -> None:
+            out: list[int] = []
+            async with open_mesh_client(mesh.addr, mesh_secret=SECRET) as client:
+                request = {"prompt_ids": list(PROMPT_IDS), "max_new_tokens": LONG}
+                async for event in client.stream(**request):
+                    if isinstance(event, TokenEvent) and event.token_id >= 0:
+                        out.append(event.token_id)
+                        started.set()
+            results["long"] = out
+
+        async def short_stream() -> None:  # while the long one runs: two sessions open
+            await started.wait()
+            results["short"] = await generate(mesh.addr, SHORT, other_prompt)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_stream)
+            nursery.start_soon(short_stream)
+        assert results == expected
+        sent = gateway.lane.sent
+        if many == "1":  # the steps of both sessions (a few may miss their arm)
+            assert sent >= LONG + SHORT - 12, sent
+        else:  # only the long one's while it was alone: none of the short one's
+            assert sent <= LONG, sent
