@@ -82,6 +82,7 @@ class GatewayLane:
         self._lock = threading.Lock()
         self._armed: dict[str, Armed] = {}
         self.sent = 0  # next steps sent from a reader thread
+        self.sent_beside_others = 0  # of those, sent while another session was armed too
 
     @property
     def enabled(self) -> bool:
@@ -125,3 +126,4 @@ class GatewayLane:
             if sent:
                 armed.sent_at = time.perf_counter()
                 self.sent += 1
+                self.sent_beside_others += len(self._armed) > 1
