@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hetmesh.partition.exact_gemm import gemm_attention, gemm_is_exact
+
 EXACT_ATTENTION = "hetmesh_exact"
 
 
@@ -85,6 +87,9 @@ def exact_attention(
         spans = attention_mask
     else:
         raise TypeError("exact attention takes the queries' key spans, not a mask")
+    if query.dtype == torch.float32 and gemm_is_exact(heads, kv_heads, dim):
+        # the same invariance in a few products per forward (hetmesh.partition.exact_gemm)
+        return gemm_attention(query, key, value, spans.rows, scaling, spans=spans), None
     # (b, s, kv_heads, groups, d): one position's query heads, grouped by their key head
     q = query.transpose(1, 2).reshape(batch, seq, kv_heads, groups, dim)
     attend = F.scaled_dot_product_attention
