@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +158,7 @@ def gemm_attention(
 
 
 _VERDICTS: dict[tuple[int, int, int], bool] = {}
+_OFF = False  # within per_query_calls()
 
 
 def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
@@ -164,6 +166,8 @@ def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     on this machine (random queries: a 300-token prompt whole, in chunks, one position
     at a time, and rows of a padded round); probed once per shape. ``HETMESH_EXACT_GEMM=0``
     (read at the first probe): never (one attention call per query, for comparisons)."""
+    if _OFF:
+        return False
     shape = (heads, kv_heads, dim)
     verdict = _VERDICTS.get(shape)
     if verdict is None:
@@ -173,6 +177,18 @@ def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
             )
         _VERDICTS[shape] = verdict
     return verdict
+
+
+@contextmanager
+def per_query_calls() -> Iterator[None]:
+    """Within it, :func:`gemm_is_exact` is False: exact attention makes one call per query
+    (``bench/exact_speed.py`` compares the two ways in one process)."""
+    global _OFF
+    _OFF = True
+    try:
+        yield
+    finally:
+        _OFF = False
 
 
 def _causal(past: int, n: int) -> list[tuple[int, int]]:
@@ -214,4 +230,11 @@ def _probe(heads: int, kv_heads: int, dim: int, length: int = 300) -> bool:
     return all(torch.equal(round_out[r, 0], whole[0, e - 1]) for r, e in enumerate(ends))
 
 
-__all__ = ["KEY_BLOCK", "MIN_KEYS", "QUERY_TILE", "gemm_attention", "gemm_is_exact"]
+__all__ = [
+    "KEY_BLOCK",
+    "MIN_KEYS",
+    "QUERY_TILE",
+    "gemm_attention",
+    "gemm_is_exact",
+    "per_query_calls",
+]

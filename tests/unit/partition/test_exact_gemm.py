@@ -136,3 +136,10 @@ def test_the_switch_turns_the_products_off(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
     monkeypatch.setenv("HETMESH_EXACT_GEMM", "0")
     assert not gemm_is_exact(9, 3, 64)
+
+
+def test_per_query_calls_turn_the_products_off_within_only() -> None:
+    before = gemm_is_exact(9, 3, 64)
+    with exact_gemm.per_query_calls():
+        assert not gemm_is_exact(9, 3, 64)
+    assert gemm_is_exact(9, 3, 64) == before
