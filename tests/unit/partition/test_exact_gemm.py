@@ -143,3 +143,20 @@ def test_per_query_calls_turn_the_products_off_within_only() -> None:
     with exact_gemm.per_query_calls():
         assert not gemm_is_exact(9, 3, 64)
     assert gemm_is_exact(9, 3, 64) == before
+
+
+def test_the_thread_count_changes_nothing(way: str) -> None:
+    """A node decodes int4 at 1 or 2 threads, whichever measures faster (threads.py)."""
+    q, k, v = _inputs(300, seed=40)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            step = _exact(q[:, :, 257:258], k[:, :, :258], v[:, :, :258])
+            outs.append((_exact(q, k, v), step))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[0][1], outs[0][0][:, 257:258])
