@@ -20,7 +20,9 @@ that share a key head as its rows, which is the call a lone decode step has
 always made. So a decode step costs what it did, a decode round costs one such
 call per row instead of one padded call (about the same), and a prefill costs
 one call per token instead of one per prompt: the price of exactness, paid in
-the time to the first token (docs/weights.md, "Exactness").
+the time to the first token (docs/weights.md, "Exactness"). Where its probe
+allows, fp32 queries take :mod:`hetmesh.partition.exact_gemm` instead: the same
+invariance in a few matrix products per forward, about torch's time.
 
 The stage (:mod:`hetmesh.partition.stage`) passes the key range of every query
 as a :class:`QuerySpans` where transformers' layers pass a mask; the layers
