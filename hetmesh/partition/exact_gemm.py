@@ -13,7 +13,10 @@ because every step is row-invariant, as measured on the project's Xeon (torch
 * scores ``q @ k.T`` (the head dimension summed, 64 in the default model):
   MKL gives a row the same sums in every call of 2 rows or more, and a column
   the same in every call of 4 keys or more (a lone row, or 1 to 3 keys, take
-  other kernels: calls never have them, :data:`MIN_KEYS`);
+  other kernels: calls never have them, :data:`MIN_KEYS`). With 128-wide heads
+  (Llama 3.x 8B), or one query head per key head, a decode step's call of 2 to
+  4 rows takes another kernel again: the probe then pads every call to
+  :data:`WIDE_ROWS` rows (zeros, dropped after);
 * the softmax over a query's keys: torch's vectorised last-dimension softmax
   sums lane by lane from the row's start, so keys masked to ``-inf`` (weight
   exactly 0) past a query's own change nothing, from 16 keys on (a narrower
@@ -46,6 +49,8 @@ import torch.nn.functional as F
 KEY_BLOCK = 256  # keys per weights @ values product (below MKL's own blocking of the sum)
 MIN_KEYS = 16  # keys in every scores product and softmax row (fewer take other kernels)
 QUERY_TILE = 64  # query positions per product: a tile computes keys up to its last query's
+ROW_MINIMUMS = (2, 8)  # rows per product, at least: the probe takes the first that holds
+WIDE_ROWS = ROW_MINIMUMS[-1]
 
 # the disallowed keys (b, s, total); per query tile: the keys it needs and whether any
 # of them is disallowed to one of its queries; the padding queries (b, s) or None
@@ -98,14 +103,18 @@ def gemm_attention(
     rows: Sequence[Sequence[tuple[int, int] | None]],
     scaling: float | None,
     spans: object = None,
+    min_rows: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query (b, heads, s, d)`` over ``key``/``value (b, kv_heads, t, d)``,
     query ``i`` of row ``r`` seeing keys ``rows[r][i] = (lo, hi)`` (None: a padding query,
     output zeros); returns ``(b, s, heads, d)``. ``spans``: an object standing for ``rows``
-    (the same object in each layer of a forward: its mask is built once)."""
+    (the same object in each layer of a forward: its mask is built once). ``min_rows``:
+    rows per product at least (zeros added; None: the probe's choice for the shape)."""
     batch, heads, seq, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     groups = heads // kv_heads
+    if min_rows is None:
+        min_rows = _VERDICTS.get((heads, kv_heads, dim)) or ROW_MINIMUMS[0]
     scale = dim**-0.5 if scaling is None else scaling
     if total < MIN_KEYS:  # zero keys, masked: every call has MIN_KEYS columns or more
         key = F.pad(key, (0, 0, 0, MIN_KEYS - total))
@@ -124,18 +133,18 @@ def gemm_attention(
         t1 = min(seq, t0 + QUERY_TILE)
         n = t1 - t0
         qt = q[:, :, t0:t1].reshape(batch * kv_heads, n * groups, dim)
-        lone = n * groups == 1
-        if lone:  # a lone row takes another kernel: a zero row beside it
-            qt = F.pad(qt, (0, 0, 0, 1))
+        short = min_rows - n * groups
+        if short > 0:  # a lone row (or few) takes another kernel: zero rows beside it
+            qt = F.pad(qt, (0, 0, 0, short))
         scores = torch.bmm(qt, k[:, :need].transpose(1, 2))
-        if lone:
-            scores = scores[:, :1]
+        if short > 0:
+            scores = scores[:, : n * groups]
         scores = scores.view(batch, kv_heads, n, groups, need).mul_(scale)
         if some_masked:
             scores.masked_fill_(masked[:, None, t0:t1, None, :need], float("-inf"))
         weights = torch.softmax(scores, dim=-1).view(batch * kv_heads, n * groups, need)
-        if lone:
-            weights = F.pad(weights, (0, 0, 0, 1))
+        if short > 0:
+            weights = F.pad(weights, (0, 0, 0, short))
         out: torch.Tensor | None = None
         for k0 in range(0, need, KEY_BLOCK):
             k1 = min(need, k0 + KEY_BLOCK)
@@ -146,8 +155,8 @@ def gemm_attention(
             part = torch.bmm(w, vb)
             out = part if out is None else out.add_(part)
         assert out is not None  # need >= MIN_KEYS
-        if lone:
-            out = out[:, :1]
+        if short > 0:
+            out = out[:, : n * groups]
         # (b, kv_heads, n, groups, d) -> (b, n, heads, d)
         outs.append(out.view(batch, kv_heads, n, groups, dim).permute(0, 2, 1, 3, 4))
     result = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
@@ -157,7 +166,8 @@ def gemm_attention(
     return result
 
 
-_VERDICTS: dict[tuple[int, int, int], bool] = {}
+# per (heads, kv_heads, dim): the rows per product that the probe proved, 0: none
+_VERDICTS: dict[tuple[int, int, int], int] = {}
 _OFF = False  # within per_query_calls()
 
 
@@ -171,12 +181,13 @@ def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     shape = (heads, kv_heads, dim)
     verdict = _VERDICTS.get(shape)
     if verdict is None:
-        with torch.no_grad():
-            verdict = os.environ.get("HETMESH_EXACT_GEMM", "1") != "0" and _probe(
-                heads, kv_heads, dim
-            )
+        verdict = 0
+        if os.environ.get("HETMESH_EXACT_GEMM", "1") != "0":
+            with torch.no_grad():
+                proven = (m for m in ROW_MINIMUMS if _probe(heads, kv_heads, dim, min_rows=m))
+                verdict = next(proven, 0)
         _VERDICTS[shape] = verdict
-    return verdict
+    return verdict > 0
 
 
 @contextmanager
@@ -195,12 +206,12 @@ def _causal(past: int, n: int) -> list[tuple[int, int]]:
     return [(0, p + 1) for p in range(past, past + n)]
 
 
-def _probe(heads: int, kv_heads: int, dim: int, length: int = 300) -> bool:
+def _probe(heads: int, kv_heads: int, dim: int, min_rows: int = 2, length: int = 300) -> bool:
     g = torch.Generator().manual_seed(44)
     q = torch.randn(1, heads, length, dim, generator=g)
     k = torch.randn(1, kv_heads, length, dim, generator=g)
     v = torch.randn(1, kv_heads, length, dim, generator=g)
-    whole = gemm_attention(q, k, v, [_causal(0, length)], None)
+    whole = gemm_attention(q, k, v, [_causal(0, length)], None, min_rows=min_rows)
     # the plain product's attention (not merely self-consistent)
     reference = F.scaled_dot_product_attention(
         q,
@@ -214,7 +225,9 @@ def _probe(heads: int, kv_heads: int, dim: int, length: int = 300) -> bool:
     cuts = [0, 1, 5, 17, 70, 199, 256, 257, 281, length]
     steps = [(p, p + 1) for p in (0, 2, 3, 15, 16, 17, 63, 64, 65, 255, 257, 258, 259, 272)]
     for a, b in [*itertools.pairwise(cuts), *steps]:
-        part = gemm_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], [_causal(a, b - a)], None)
+        part = gemm_attention(
+            q[:, :, a:b], k[:, :, :b], v[:, :, :b], [_causal(a, b - a)], None, min_rows=min_rows
+        )
         if not torch.equal(part, whole[:, a:b]):
             return False
     # a padded round: rows of other lengths, padded with zeros and with a held key
@@ -226,7 +239,7 @@ def _probe(heads: int, kv_heads: int, dim: int, length: int = 300) -> bool:
         rk[row, :, :e], rv[row, :, :e] = k[0, :, :e], v[0, :, :e]
         rk[row, :, e:], rv[row, :, e:] = k[0, :, :1], v[0, :, :1]
     rows = [[(0, e)] for e in ends]
-    round_out = gemm_attention(rq, rk, rv, rows, None)
+    round_out = gemm_attention(rq, rk, rv, rows, None, min_rows=min_rows)
     return all(torch.equal(round_out[r, 0], whole[0, e - 1]) for r, e in enumerate(ends))
 
 
@@ -234,6 +247,7 @@ __all__ = [
     "KEY_BLOCK",
     "MIN_KEYS",
     "QUERY_TILE",
+    "ROW_MINIMUMS",
     "gemm_attention",
     "gemm_is_exact",
     "per_query_calls",

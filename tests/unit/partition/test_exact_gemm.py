@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 from hetmesh.partition import exact_gemm
 from hetmesh.partition.attention import QuerySpans, exact_attention
-from hetmesh.partition.exact_gemm import KEY_BLOCK, MIN_KEYS, QUERY_TILE, gemm_is_exact
+from hetmesh.partition.exact_gemm import (
+    KEY_BLOCK,
+    MIN_KEYS,
+    QUERY_TILE,
+    ROW_MINIMUMS,
+    gemm_is_exact,
+)
 
 
 def _inputs(total: int, seed: int, heads: int = 9, kv_heads: int = 3, dim: int = 64):
@@ -160,3 +166,25 @@ def test_the_thread_count_changes_nothing(way: str) -> None:
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
     assert torch.equal(outs[0][1], outs[0][0][:, 257:258])
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128), (16, 16, 64)], ids=str)
+def test_wide_heads_and_ungrouped_queries_pad_their_products_to_more_rows(
+    shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama 3.x 8B's 128-wide heads, and one query head per key head: a decode step's
+    product of 2 to 4 rows takes another kernel than a prompt's here, so the probe
+    takes a larger row minimum (or refuses: then one call per query)."""
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+    heads, kv_heads, dim = shape
+    if not gemm_is_exact(*shape):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    assert exact_gemm._VERDICTS[shape] in ROW_MINIMUMS
+    q, k, v = _inputs(300, seed=50, heads=heads, kv_heads=kv_heads, dim=dim)
+    whole = _exact(q, k, v)
+    for cuts in ([1, 1, 1, 297], [100, 157, 43]):
+        assert torch.equal(_chunked(q, k, v, cuts), whole), cuts
+    for p in (0, 3, 16, 64, 255, 257, 299):
+        step = _exact(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1])
+        assert torch.equal(step, whole[:, p : p + 1]), p
