@@ -20,7 +20,9 @@ that share a key head as its rows, which is the call a lone decode step has
 always made. So a decode step costs what it did, a decode round costs one such
 call per row instead of one padded call (about the same), and a prefill costs
 one call per token instead of one per prompt: the price of exactness, paid in
-the time to the first token (docs/weights.md, "Exactness").
+the time to the first token (docs/weights.md, "Exactness"). Where its probe
+allows, fp32 queries take :mod:`hetmesh.partition.exact_gemm` instead: the same
+invariance in a few matrix products per forward, about torch's time.
 
 The stage (:mod:`hetmesh.partition.stage`) passes the key range of every query
 as a :class:`QuerySpans` where transformers' layers pass a mask; the layers
@@ -35,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from hetmesh.partition.exact_gemm import gemm_attention, gemm_is_exact
 
 EXACT_ATTENTION = "hetmesh_exact"
 
@@ -85,6 +89,9 @@ def exact_attention(
         spans = attention_mask
     else:
         raise TypeError("exact attention takes the queries' key spans, not a mask")
+    if query.dtype == torch.float32 and gemm_is_exact(heads, kv_heads, dim):
+        # the same invariance in a few products per forward (hetmesh.partition.exact_gemm)
+        return gemm_attention(query, key, value, spans.rows, scaling, spans=spans), None
     # (b, s, kv_heads, groups, d): one position's query heads, grouped by their key head
     q = query.transpose(1, 2).reshape(batch, seq, kv_heads, groups, dim)
     attend = F.scaled_dot_product_attention

@@ -1,0 +1,254 @@
+"""Exact attention by a few matrix products per forward (issue 44, item 5).
+
+:func:`hetmesh.partition.attention.exact_attention` gives every query the same
+result whatever else the forward holds. Its first way makes one
+``scaled_dot_product_attention`` call per query position: exact, but a
+291-token prefill of the default model then made 8,730 calls, each paying the
+kernel's fixed cost (~14 us), and the prefill took 1.13x torch's (one call a
+layer). This module computes fp32 attention for all of a forward's queries in
+a few products, and a query's result is still the one it would get alone,
+because every step is row-invariant, as measured on the project's Xeon (torch
+2.13, MKL) and proven at first use on any other (:func:`gemm_is_exact`):
+
+* scores ``q @ k.T`` (the head dimension summed, 64 in the default model):
+  MKL gives a row the same sums in every call of 2 rows or more, and a column
+  the same in every call of 4 keys or more (a lone row, or 1 to 3 keys, take
+  other kernels: calls never have them, :data:`MIN_KEYS`). With 128-wide heads
+  (Llama 3.x 8B), or one query head per key head, a decode step's call of 2 to
+  4 rows takes another kernel again: the probe then pads every call to
+  :data:`WIDE_ROWS` rows (zeros, dropped after);
+* the softmax over a query's keys: torch's vectorised last-dimension softmax
+  sums lane by lane from the row's start, so keys masked to ``-inf`` (weight
+  exactly 0) past a query's own change nothing, from 16 keys on (a narrower
+  row takes a scalar path: rows are at least :data:`MIN_KEYS` wide);
+* weights ``@ values``, summed over the keys: MKL splits a long sum into
+  blocks whose bounds follow the call's length, so the keys go in fixed blocks
+  of :data:`KEY_BLOCK` at absolute positions, each block's product summed in
+  order; within a block, trailing zero weights change nothing (a block shorter
+  than :data:`MIN_KEYS` is padded with zeros: torch sums a tiny product in its
+  own loop, not MKL's).
+
+So a decode step, a decode round (rows padded to the longest), a prompt whole
+or in chunks, and a history replayed give a token the same bits, as before,
+only not the same bits as the per-call way: a process uses one way for all of
+its forwards (the probe's verdict is per shape and holds for the process).
+The keys and values a forward pads a row with must be finite (the stage pads
+with zeros or a held slot): a masked key's weight is 0, and 0 x NaN is not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+KEY_BLOCK = 256  # keys per weights @ values product (below MKL's own blocking of the sum)
+MIN_KEYS = 16  # keys in every scores product and softmax row (fewer take other kernels)
+QUERY_TILE = 64  # query positions per product: a tile computes keys up to its last query's
+ROW_MINIMUMS = (2, 8)  # rows per product, at least: the probe takes the first that holds
+WIDE_ROWS = ROW_MINIMUMS[-1]
+
+# the disallowed keys (b, s, total); per query tile: the keys it needs and whether any
+# of them is disallowed to one of its queries; the padding queries (b, s) or None
+Bounds = tuple[torch.Tensor, list[tuple[int, bool]], torch.Tensor | None]
+_LAST: tuple[object, int, Bounds] | None = None  # the last forward's bounds (one per layer)
+
+
+def _bounds(rows: Sequence[Sequence[tuple[int, int] | None]], total: int) -> Bounds:
+    """:data:`Bounds` from per-row, per-query key spans."""
+    los = [[0 if span is None else span[0] for span in row] for row in rows]
+    his = [[1 if span is None else span[1] for span in row] for row in rows]
+    lo = torch.tensor(los)[:, :, None]
+    hi = torch.tensor(his)[:, :, None]
+    keys = torch.arange(total)
+    masked = (keys < lo) | (keys >= hi)
+    seq = len(his[0])
+    needs = []
+    for t0 in range(0, seq, QUERY_TILE):
+        need = min(max(MIN_KEYS, *(max(h[t0 : t0 + QUERY_TILE]) for h in his)), total)
+        some = any(
+            lo_ > 0 or hi_ < need
+            for lo_row, hi_row in zip(los, his, strict=True)
+            for lo_, hi_ in zip(
+                lo_row[t0 : t0 + QUERY_TILE], hi_row[t0 : t0 + QUERY_TILE], strict=True
+            )
+        )
+        needs.append((need, some))
+    padding = None
+    if any(span is None for row in rows for span in row):
+        padding = torch.tensor([[span is None for span in row] for row in rows])
+    return masked, needs, padding
+
+
+def _cached_bounds(
+    spans: object, rows: Sequence[Sequence[tuple[int, int] | None]], total: int
+) -> Bounds:
+    global _LAST
+    last = _LAST
+    if last is not None and last[0] is spans and last[1] == total:
+        return last[2]
+    bounds = _bounds(rows, total)
+    _LAST = (spans, total, bounds)
+    return bounds
+
+
+def gemm_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rows: Sequence[Sequence[tuple[int, int] | None]],
+    scaling: float | None,
+    spans: object = None,
+    min_rows: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query (b, heads, s, d)`` over ``key``/``value (b, kv_heads, t, d)``,
+    query ``i`` of row ``r`` seeing keys ``rows[r][i] = (lo, hi)`` (None: a padding query,
+    output zeros); returns ``(b, s, heads, d)``. ``spans``: an object standing for ``rows``
+    (the same object in each layer of a forward: its mask is built once). ``min_rows``:
+    rows per product at least (zeros added; None: the probe's choice for the shape)."""
+    batch, heads, seq, dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if min_rows is None:
+        min_rows = _VERDICTS.get((heads, kv_heads, dim)) or ROW_MINIMUMS[0]
+    scale = dim**-0.5 if scaling is None else scaling
+    if total < MIN_KEYS:  # zero keys, masked: every call has MIN_KEYS columns or more
+        key = F.pad(key, (0, 0, 0, MIN_KEYS - total))
+        value = F.pad(value, (0, 0, 0, MIN_KEYS - total))
+        total = MIN_KEYS
+    masked, needs, padding = (
+        _cached_bounds(spans, rows, total) if spans is not None else _bounds(rows, total)
+    )
+    # (b * kv_heads, s, groups, d): a position's query heads, grouped by their key head
+    q = query.reshape(batch, kv_heads, groups, seq, dim).transpose(2, 3)
+    k = key.reshape(batch * kv_heads, total, dim)
+    v = value.reshape(batch * kv_heads, total, dim)
+    outs = []
+    for tile, (need, some_masked) in enumerate(needs):
+        t0 = tile * QUERY_TILE
+        t1 = min(seq, t0 + QUERY_TILE)
+        n = t1 - t0
+        qt = q[:, :, t0:t1].reshape(batch * kv_heads, n * groups, dim)
+        short = min_rows - n * groups
+        if short > 0:  # a lone row (or few) takes another kernel: zero rows beside it
+            qt = F.pad(qt, (0, 0, 0, short))
+        scores = torch.bmm(qt, k[:, :need].transpose(1, 2))
+        if short > 0:
+            scores = scores[:, : n * groups]
+        scores = scores.view(batch, kv_heads, n, groups, need).mul_(scale)
+        if some_masked:
+            scores.masked_fill_(masked[:, None, t0:t1, None, :need], float("-inf"))
+        weights = torch.softmax(scores, dim=-1).view(batch * kv_heads, n * groups, need)
+        if short > 0:
+            weights = F.pad(weights, (0, 0, 0, short))
+        out: torch.Tensor | None = None
+        for k0 in range(0, need, KEY_BLOCK):
+            k1 = min(need, k0 + KEY_BLOCK)
+            w, vb = weights[:, :, k0:k1], v[:, k0:k1]
+            if k1 - k0 < MIN_KEYS:  # a short sum takes torch's own loop: zeros to MKL's
+                w = F.pad(w, (0, MIN_KEYS - (k1 - k0)))
+                vb = F.pad(vb, (0, 0, 0, MIN_KEYS - (k1 - k0)))
+            part = torch.bmm(w, vb)
+            out = part if out is None else out.add_(part)
+        assert out is not None  # need >= MIN_KEYS
+        if short > 0:
+            out = out[:, : n * groups]
+        # (b, kv_heads, n, groups, d) -> (b, n, heads, d)
+        outs.append(out.view(batch, kv_heads, n, groups, dim).permute(0, 2, 1, 3, 4))
+    result = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    result = result.reshape(batch, seq, heads, dim)
+    if padding is not None:
+        result = result.masked_fill(padding[:, :, None, None], 0.0)
+    return result
+
+
+# per (heads, kv_heads, dim): the rows per product that the probe proved, 0: none
+_VERDICTS: dict[tuple[int, int, int], int] = {}
+_OFF = False  # within per_query_calls()
+
+
+def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether :func:`gemm_attention` gives fp32 queries of this shape their lone results
+    on this machine (random queries: a 300-token prompt whole, in chunks, one position
+    at a time, and rows of a padded round); probed once per shape. ``HETMESH_EXACT_GEMM=0``
+    (read at the first probe): never (one attention call per query, for comparisons)."""
+    if _OFF:
+        return False
+    shape = (heads, kv_heads, dim)
+    verdict = _VERDICTS.get(shape)
+    if verdict is None:
+        verdict = 0
+        if os.environ.get("HETMESH_EXACT_GEMM", "1") != "0":
+            with torch.no_grad():
+                proven = (m for m in ROW_MINIMUMS if _probe(heads, kv_heads, dim, min_rows=m))
+                verdict = next(proven, 0)
+        _VERDICTS[shape] = verdict
+    return verdict > 0
+
+
+@contextmanager
+def per_query_calls() -> Iterator[None]:
+    """Within it, :func:`gemm_is_exact` is False: exact attention makes one call per query
+    (``bench/exact_speed.py`` compares the two ways in one process)."""
+    global _OFF
+    _OFF = True
+    try:
+        yield
+    finally:
+        _OFF = False
+
+
+def _causal(past: int, n: int) -> list[tuple[int, int]]:
+    return [(0, p + 1) for p in range(past, past + n)]
+
+
+def _probe(heads: int, kv_heads: int, dim: int, min_rows: int = 2, length: int = 300) -> bool:
+    g = torch.Generator().manual_seed(44)
+    q = torch.randn(1, heads, length, dim, generator=g)
+    k = torch.randn(1, kv_heads, length, dim, generator=g)
+    v = torch.randn(1, kv_heads, length, dim, generator=g)
+    whole = gemm_attention(q, k, v, [_causal(0, length)], None, min_rows=min_rows)
+    # the plain product's attention (not merely self-consistent)
+    reference = F.scaled_dot_product_attention(
+        q,
+        k.repeat_interleave(heads // kv_heads, 1),
+        v.repeat_interleave(heads // kv_heads, 1),
+        is_causal=True,
+    ).transpose(1, 2)
+    if not torch.allclose(whole, reference, rtol=1e-4, atol=1e-5):
+        return False
+    # chunks, and lone decode steps at the edges of key blocks and query tiles
+    cuts = [0, 1, 5, 17, 70, 199, 256, 257, 281, length]
+    steps = [(p, p + 1) for p in (0, 2, 3, 15, 16, 17, 63, 64, 65, 255, 257, 258, 259, 272)]
+    for a, b in [*itertools.pairwise(cuts), *steps]:
+        part = gemm_attention(
+            q[:, :, a:b], k[:, :, :b], v[:, :, :b], [_causal(a, b - a)], None, min_rows=min_rows
+        )
+        if not torch.equal(part, whole[:, a:b]):
+            return False
+    # a padded round: rows of other lengths, padded with zeros and with a held key
+    ends = [3, 64, 255, 258, length]
+    rq = torch.cat([q[:, :, e - 1 : e] for e in ends])
+    rk = torch.zeros(len(ends), kv_heads, length, dim)
+    rv = torch.zeros(len(ends), kv_heads, length, dim)
+    for row, e in enumerate(ends):
+        rk[row, :, :e], rv[row, :, :e] = k[0, :, :e], v[0, :, :e]
+        rk[row, :, e:], rv[row, :, e:] = k[0, :, :1], v[0, :, :1]
+    rows = [[(0, e)] for e in ends]
+    round_out = gemm_attention(rq, rk, rv, rows, None, min_rows=min_rows)
+    return all(torch.equal(round_out[r, 0], whole[0, e - 1]) for r, e in enumerate(ends))
+
+
+__all__ = [
+    "KEY_BLOCK",
+    "MIN_KEYS",
+    "QUERY_TILE",
+    "ROW_MINIMUMS",
+    "gemm_attention",
+    "gemm_is_exact",
+    "per_query_calls",
+]

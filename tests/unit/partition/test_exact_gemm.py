@@ -1,0 +1,196 @@
+"""Exact attention by products (hetmesh.partition.exact_gemm): a query's output is the
+one it gets alone, across the key blocks and query tiles the products are cut into,
+and the per-call way it replaces still holds where the probe refuses the products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetmesh.partition import exact_gemm
+from hetmesh.partition.attention import QuerySpans, exact_attention
+from hetmesh.partition.exact_gemm import (
+    KEY_BLOCK,
+    MIN_KEYS,
+    QUERY_TILE,
+    ROW_MINIMUMS,
+    gemm_is_exact,
+)
+
+
+def _inputs(total: int, seed: int, heads: int = 9, kv_heads: int = 3, dim: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, total, dim, generator=g)
+    k = torch.randn(1, kv_heads, total, dim, generator=g)
+    v = torch.randn(1, kv_heads, total, dim, generator=g)
+    return q, k, v
+
+
+def _exact(q, k, v, spans=None) -> torch.Tensor:
+    out, _ = exact_attention(None, q, k, v, spans)
+    return out
+
+
+@pytest.fixture(params=["products", "calls"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each case both ways: the products (where this machine's probe allows them) and
+    one call per query (``HETMESH_EXACT_GEMM=0``)."""
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    if request.param == "calls":
+        monkeypatch.setenv("HETMESH_EXACT_GEMM", "0")
+    else:
+        monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+        if not gemm_is_exact(9, 3, 64):
+            pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    return str(request.param)
+
+
+def _chunked(q, k, v, cuts: list[int], window: int | None = None) -> torch.Tensor:
+    outs, past = [], 0
+    for n in cuts:
+        end = past + n
+        spans = QuerySpans.of([past], [n], n, window)
+        outs.append(_exact(q[:, :, past:end], k[:, :, :end], v[:, :, :end], spans))
+        past = end
+    return torch.cat(outs, dim=1)
+
+
+def test_the_constants_cover_the_cases_below() -> None:
+    assert MIN_KEYS < QUERY_TILE < KEY_BLOCK < 600 - KEY_BLOCK
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_long_prompt_whole_in_chunks_and_decoded_is_bit_identical(
+    way: str, window: int | None
+) -> None:
+    """600 tokens: three key blocks, ten query tiles; chunks cut across both."""
+    total = 600
+    q, k, v = _inputs(total, seed=1)
+    whole = _exact(q, k, v, QuerySpans.of([0], [total], total, window))
+    for cuts in ([1, 1, 1, 597], [255, 2, 343], [63, 65, 128, 256, 88], [5] * 120):
+        assert torch.equal(_chunked(q, k, v, cuts, window), whole), cuts[:4]
+    for p in (0, 1, 14, 15, 16, 63, 64, 255, 256, 257, 511, 512, 513, 599):
+        spans = QuerySpans.of([p], [1], 1, window)
+        step = _exact(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], spans)
+        assert torch.equal(step, whole[:, p : p + 1]), p
+
+
+def test_a_row_in_a_padded_round_equals_it_alone(way: str) -> None:
+    """Rows padded with zeros and with a held key (the stage does both): a masked key
+    weighs exactly nothing."""
+    lengths = [3, 17, 256, 257, 600, 40]
+    total = max(lengths)
+    rows = [_inputs(n, seed=10 + i) for i, n in enumerate(lengths)]
+    alone = [_exact(q[:, :, -1:], k, v) for q, k, v in rows]
+    keys, values = [], []
+    for i, (_, k, v) in enumerate(rows):
+        pad = total - k.shape[2]
+        if i % 2:
+            keys.append(F.pad(k, (0, 0, 0, pad)))
+            values.append(F.pad(v, (0, 0, 0, pad)))
+        else:  # the row's first key again, as a decode round's gather pads
+            keys.append(torch.cat([k, k[:, :, :1].expand(-1, -1, pad, -1)], dim=2))
+            values.append(torch.cat([v, v[:, :, :1].expand(-1, -1, pad, -1)], dim=2))
+    q = torch.cat([q[:, :, -1:] for q, _, _ in rows])
+    spans = QuerySpans.of([n - 1 for n in lengths], [1] * len(lengths), 1, None)
+    batched = _exact(q, torch.cat(keys), torch.cat(values), spans)
+    for i, out in enumerate(alone):
+        assert torch.equal(batched[i : i + 1], out), lengths[i]
+
+
+def test_rows_of_a_mixed_forward_equal_them_alone_and_padding_queries_are_zero(
+    way: str,
+) -> None:
+    """A chunk beside a decode row (the stage pads the short row's queries)."""
+    q1, k1, v1 = _inputs(300, seed=20)
+    q2, k2, v2 = _inputs(90, seed=21)
+    # row 0: positions 200..299 (a chunk); row 1: position 89 (a decode step) + 99 padding
+    spans = QuerySpans.of([200, 89], [100, 1], 100, None)
+    q = torch.cat([q1[:, :, 200:], F.pad(q2[:, :, 89:], (0, 0, 0, 99))])
+    k = torch.cat([k1, F.pad(k2, (0, 0, 0, 210))])
+    v = torch.cat([v1, F.pad(v2, (0, 0, 0, 210))])
+    out = _exact(q, k, v, spans)
+    assert torch.equal(out[:1], _chunked(q1, k1, v1, [200, 100])[:, 200:])
+    assert torch.equal(out[1:, :1], _exact(q2[:, :, 89:], k2, v2))
+    assert not out[1:, 1:].any()
+
+
+def test_without_grouped_queries_a_lone_row_equals_it_in_a_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One query head per key head: a decode step is one row (padded to two inside)."""
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+    if not gemm_is_exact(4, 4, 32):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    q, k, v = _inputs(80, seed=30, heads=4, kv_heads=4, dim=32)
+    whole = _exact(q, k, v)
+    for p in (0, 9, 79):
+        step = _exact(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1])
+        assert torch.equal(step, whole[:, p : p + 1]), p
+
+
+def test_the_products_match_torchs_attention_to_rounding(way: str) -> None:
+    q, k, v = _inputs(600, seed=5)
+    ours = _exact(q, k, v)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(ours, theirs.transpose(1, 2), atol=2e-6, rtol=1e-5)
+
+
+def test_the_switch_turns_the_products_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setenv("HETMESH_EXACT_GEMM", "0")
+    assert not gemm_is_exact(9, 3, 64)
+
+
+def test_per_query_calls_turn_the_products_off_within_only() -> None:
+    before = gemm_is_exact(9, 3, 64)
+    with exact_gemm.per_query_calls():
+        assert not gemm_is_exact(9, 3, 64)
+    assert gemm_is_exact(9, 3, 64) == before
+
+
+def test_the_thread_count_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node decodes int4 at 1 or 2 threads, whichever measures faster (threads.py).
+    The products only (the per-query calls are one torch kernel each, pinned by
+    test_threads.py's stages; at 2 threads on a busy machine they crawl)."""
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+    if not gemm_is_exact(9, 3, 64):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    q, k, v = _inputs(300, seed=40)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            step = _exact(q[:, :, 257:258], k[:, :, :258], v[:, :, :258])
+            outs.append((_exact(q, k, v), step))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[0][1], outs[0][0][:, 257:258])
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128), (16, 16, 64)], ids=str)
+def test_wide_heads_and_ungrouped_queries_pad_their_products_to_more_rows(
+    shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama 3.x 8B's 128-wide heads, and one query head per key head: a decode step's
+    product of 2 to 4 rows takes another kernel than a prompt's here, so the probe
+    takes a larger row minimum (or refuses: then one call per query)."""
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+    heads, kv_heads, dim = shape
+    if not gemm_is_exact(*shape):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    assert exact_gemm._VERDICTS[shape] in ROW_MINIMUMS
+    q, k, v = _inputs(300, seed=50, heads=heads, kv_heads=kv_heads, dim=dim)
+    whole = _exact(q, k, v)
+    for cuts in ([1, 1, 1, 297], [100, 157, 43]):
+        assert torch.equal(_chunked(q, k, v, cuts), whole), cuts
+    for p in (0, 3, 16, 64, 255, 257, 299):
+        step = _exact(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1])
+        assert torch.equal(step, whole[:, p : p + 1]), p
