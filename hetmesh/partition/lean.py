@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmesh.partition.attention import QuerySpans, exact_attention
+from hetmesh.partition.exact_gemm import gemm_attention, gemm_is_exact
 from hetmesh.partition.fused import ProjectionSlice
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear
 
@@ -286,12 +287,14 @@ def lean_decode(
     keys: tuple[int, int],
     cos: torch.Tensor,
     sin_signed: torch.Tensor,
+    first: int = 0,
 ) -> torch.Tensor:
     """:func:`lean_layer` for one decode token of one session whose KV blocks form one
     run, every product int4 (``plan.int4``): the same ops on the same values, in fewer
     calls. ``hidden (1, h)`` float32; ``pool`` the layers' keys and values
     ``(layers, kv_heads, slots, d)``; the new token's KV goes to ``slot``, attention reads
-    slots ``keys = [lo, hi)`` (the token's span, offset by the run's first slot).
+    slots ``keys = [lo, hi)`` (the token's span, offset by the run's first slot);
+    ``first``: the run's first slot (the session's position 0).
 
     What it drops: the (b, s) axes (views), :class:`_BatchCache`'s and
     :func:`exact_attention`'s per-row loops and slicing (one ``sdpa`` call on the same
@@ -316,10 +319,21 @@ def lean_decode(
     held = all_keys[index : index + 1, :, lo:hi].to(dtype)
     held_values = all_values[index : index + 1, :, lo:hi].to(dtype)
     kv_heads = held.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.view(1, kv_heads, -1, dim), held, held_values, scale=plan.scaling
-    )
-    (o,) = plan.o.rows(out.view(1, -1).to(torch.bfloat16))
+    heads = q.numel() // dim
+    if gemm_is_exact(heads, kv_heads, dim):
+        # exact attention's way for this shape (its products over the session's keys
+        # from its first slot, summed in blocks at its absolute positions), as any other
+        # row of this session computes it: a lone step's bits are a batched step's
+        span = [[(lo - first, hi - first)]]
+        whole = all_keys[index : index + 1, :, first:hi].to(dtype)
+        whole_values = all_values[index : index + 1, :, first:hi].to(dtype)
+        query = q.view(1, 1, heads, dim).transpose(1, 2)
+        out = gemm_attention(query, whole, whole_values, span, plan.scaling)
+    else:
+        out = F.scaled_dot_product_attention(
+            q.view(1, kv_heads, -1, dim), held, held_values, scale=plan.scaling
+        )
+    (o,) = plan.o.rows(out.reshape(1, -1).to(torch.bfloat16))
     hidden = hidden + o
     x = _norm(*plan.ln2, hidden, True)
     gate, up = plan.mlp_in.rows(x)

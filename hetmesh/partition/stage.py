@@ -45,6 +45,7 @@ from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
 from hetmesh.partition.attention import EXACT_ATTENTION, QuerySpans
 from hetmesh.partition.attention import register as register_exact_attention
 from hetmesh.partition.checkpoint import settle_weights
+from hetmesh.partition.exact_gemm import gemm_is_exact
 from hetmesh.partition.exact_linear import make_exact
 from hetmesh.partition.formats import (
     NATIVE,
@@ -623,12 +624,20 @@ class StageModule(nn.Module):
         starts = [base + (0 if w is None else max(0, position - w + 1)) for w in windows]
         end = base + position + 1
         row = hidden[0]
-        script = self._script_plan(plans) if self.lean_script else None
+        # the script's attention is one sdpa call: only where exact attention's is too
+        script = self._script_plan(plans) if self.lean_script and not self._gemm() else None
         if script is not None:
             return decode_layers(script, row, pool, end - 1, starts, end, *rope)[None]
         for plan, start in zip(plans, starts, strict=True):
-            row = lean_decode(plan, row, pool, end - 1, (start, end), *rope)
+            row = lean_decode(plan, row, pool, end - 1, (start, end), *rope, first=base)
         return row[None]
+
+    def _gemm(self) -> bool:
+        """Whether exact attention takes :mod:`~hetmesh.partition.exact_gemm` here."""
+        config = self.config
+        heads = config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return gemm_is_exact(heads, config.num_key_value_heads, dim)
 
     def _script_plan(self, plans: list[LeanLayer]) -> ScriptPlan | None:
         """:func:`script_plan` of these layers (read once per run of layers)."""

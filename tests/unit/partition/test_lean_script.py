@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hetmesh.partition import stage as stage_module
+from hetmesh.partition.exact_gemm import per_query_calls
 from hetmesh.partition.lean_script import SCRIPT_ENV, script_default
 from hetmesh.partition.stage import StageModule, load_stage
 
@@ -73,24 +74,51 @@ def test_scripted_decode_steps_bit_identical(
 
     monkeypatch.setattr(stage_module, "decode_layers", counted)
     prompt = torch.randint(4, VOCAB, (13,), generator=torch.Generator().manual_seed(1))
-    eager = _decode(stage, prompt, 10, lean=False)
-    unscripted = _decode(stage, prompt, 10, lean=True, lean_script=False)
-    assert not calls
-    scripted = _decode(stage, prompt, 10, lean=True, lean_script=True)
+    # the script's attention is one sdpa call: it runs where exact attention's is too
+    with per_query_calls():
+        eager = _decode(stage, prompt, 10, lean=False)
+        unscripted = _decode(stage, prompt, 10, lean=True, lean_script=False)
+        assert not calls
+        scripted = _decode(stage, prompt, 10, lean=True, lean_script=True)
     assert len(calls) == 10  # one call a decode step, every layer inside it
     for a, b, c in zip(scripted, unscripted, eager, strict=True):
         assert torch.equal(a, c)
         assert torch.equal(b, c)
 
 
+def test_where_exact_attention_takes_products_the_script_steps_aside(
+    monkeypatch: pytest.MonkeyPatch, wide_dir: Path
+) -> None:
+    """Exact attention in products (hetmesh.partition.exact_gemm) rounds otherwise than
+    the script's one sdpa call: a lone decode step then goes through lean_decode, which
+    computes it the products' way, so its bits are those of a batched step."""
+    stage = load_stage(wide_dir, 0, 5, weights="int4")
+    products = stage._gemm()  # whether this shape's exact attention does, on this CPU
+    calls: list[int] = []
+    real = stage_module.decode_layers
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(stage_module, "decode_layers", counted)
+    prompt = torch.randint(4, VOCAB, (13,), generator=torch.Generator().manual_seed(2))
+    eager = _decode(stage, prompt, 10, lean=False)
+    lean = _decode(stage, prompt, 10, lean=True, lean_script=True)
+    assert len(calls) == (0 if products else 10)
+    for a, b in zip(lean, eager, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_scripted_middle_stage_bit_identical(wide_dir: Path) -> None:
     stage = load_stage(wide_dir, 1, 3, weights="int4")  # two layers, hidden states in and out
     hidden = torch.randn(6, 128, generator=torch.Generator().manual_seed(4))
     outs = []
-    for lean, script in ((False, False), (True, True)):
-        stage.lean, stage.lean_script = lean, script
-        kv = stage.new_kv()
-        outs.append([stage.forward(hidden, kv)] + [stage.forward(h[None], kv) for h in hidden])
+    with per_query_calls():
+        for lean, script in ((False, False), (True, True)):
+            stage.lean, stage.lean_script = lean, script
+            kv = stage.new_kv()
+            outs.append([stage.forward(hidden, kv)] + [stage.forward(h[None], kv) for h in hidden])
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
 

@@ -71,9 +71,9 @@ def test_lean_decode_takes_lone_int4_decode_tokens_bit_identical(
     calls: list[int] = []
     real = stage_module.lean_decode
 
-    def counted(*args: object) -> torch.Tensor:
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(stage_module, "lean_decode", counted)
     gen = torch.Generator().manual_seed(7)
