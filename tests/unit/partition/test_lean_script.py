@@ -59,12 +59,8 @@ def _decode(stage: StageModule, prompt: torch.Tensor, steps: int, **switches: bo
     return outputs
 
 
-def test_scripted_decode_steps_bit_identical(
-    monkeypatch: pytest.MonkeyPatch, wide_dir: Path
-) -> None:
-    stage = load_stage(wide_dir, 0, 5, weights="int4")
-    assert stage.lean
-    assert stage.lean_script
+def _count_scripted_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at each scripted decode step."""
     calls: list[int] = []
     real = stage_module.decode_layers
 
@@ -73,6 +69,16 @@ def test_scripted_decode_steps_bit_identical(
         return real(*args)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(stage_module, "decode_layers", counted)
+    return calls
+
+
+def test_scripted_decode_steps_bit_identical(
+    monkeypatch: pytest.MonkeyPatch, wide_dir: Path
+) -> None:
+    stage = load_stage(wide_dir, 0, 5, weights="int4")
+    assert stage.lean
+    assert stage.lean_script
+    calls = _count_scripted_steps(monkeypatch)
     prompt = torch.randint(4, VOCAB, (13,), generator=torch.Generator().manual_seed(1))
     # the script's attention is one sdpa call: it runs where exact attention's is too
     with per_query_calls():
@@ -94,14 +100,7 @@ def test_where_exact_attention_takes_products_the_script_steps_aside(
     computes it the products' way, so its bits are those of a batched step."""
     stage = load_stage(wide_dir, 0, 5, weights="int4")
     products = stage._gemm()  # whether this shape's exact attention does, on this CPU
-    calls: list[int] = []
-    real = stage_module.decode_layers
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls.append(1)
-        return real(*args)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(stage_module, "decode_layers", counted)
+    calls = _count_scripted_steps(monkeypatch)
     prompt = torch.randint(4, VOCAB, (13,), generator=torch.Generator().manual_seed(2))
     eager = _decode(stage, prompt, 10, lean=False)
     lean = _decode(stage, prompt, 10, lean=True, lean_script=True)
