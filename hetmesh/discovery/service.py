@@ -855,10 +855,35 @@ class Discovery:
         targets = [
             e for e in self.table.entries.values() if e.health in live and e.ever_alive and e.addrs
         ]
+        # and our own LEFT notice on each member's membership lane, the lane that carried
+        # our last messages (the record's stream may land on a connection the member
+        # closed while we were frozen: seen in CI, the member judged us dead instead)
+        notices = self.table.leave()
+        unsent = [len(notices)]
+        all_sent = trio.Event()
+
+        def sent_one() -> None:
+            unsent[0] -= 1
+            if unsent[0] <= 0:
+                all_sent.set()
+
+        if not notices:
+            all_sent.set()
+        for msg in notices:
+            try:
+                notice = encode_message(msg)
+            except (ValueError, TypeError, OverflowError):
+                sent_one()
+                continue
+            if self._nursery is None:
+                sent_one()
+                continue
+            self._outbox.send(self._nursery, msg.dst, notice, sent_one)
         with trio.move_on_after(grace_s):
             async with trio.open_nursery() as nursery:
                 for entry in targets:  # once, to each live member: they drop us at once
                     nursery.start_soon(self._send_record, entry.peer_id, entry.addrs, payload)
+            await all_sent.wait()  # a lane that fails never says sent: the grace ends it
 
 
 _DRIFTING = frozenset({"memory_free_bytes", "utilisation", "cpu_freq_hz"})

@@ -49,6 +49,20 @@ def announced_recent(members: ModelMembers, key: str) -> int:
     return total
 
 
+def held_recent(members: ModelMembers, holder: Node, key: str) -> int:
+    """The recent requests ``key``'s members announce, as ``holder`` holds their records."""
+    total = 0
+    for node in [members.nodes[key], *members.replicas.get(key, [])]:
+        if node is holder:
+            record = node.discovery.local_record(advance=False)
+        else:
+            entry = holder.discovery.table.entries.get(node.peer_id)
+            record = entry.record if entry is not None else None
+        if record is not None:
+            total += int((record.extra.get(DEMAND_KEY) or {}).get("recent", 0))
+    return total
+
+
 async def test_a_mesh_node_joins_the_model_the_api_sees_demand_for(
     tmp_path: Path, model_dirs: list[Path]
 ) -> None:
@@ -82,6 +96,14 @@ async def test_a_mesh_node_joins_the_model_the_api_sees_demand_for(
                     assert reply.status_code == 200, reply.text
                 await until(lambda: announced_recent(members, b) == 4, 60, "B's demand announced")
                 assert announced_recent(members, a) == 0
+                # and published: the joiner learns the members' records from its bootstrap,
+                # A's node, which must hold the versions that carry the demand (in CI it
+                # held older ones and the joiner, seeing no demand, joined A)
+                await until(
+                    lambda: held_recent(members, members.nodes[a], b) == 4,
+                    60,
+                    "B's demand in the records the joiner's bootstrap holds",
+                )
 
                 joining = ServingConfig(
                     model="mesh",
