@@ -837,6 +837,7 @@ class Discovery:
                 nursery.start_soon(self._serve_links)
                 task_status.started()
         finally:
+            self._nursery = None  # closed: nothing more starts in it (the goodbye checks)
             if not self._said_goodbye:  # cancelled from outside: best effort, bounded
                 with trio.CancelScope(deadline=trio.current_time() + 1.0, shield=True):
                     await self.say_goodbye()
@@ -875,10 +876,12 @@ class Discovery:
             except (ValueError, TypeError, OverflowError):
                 sent_one()
                 continue
-            if self._nursery is None:
+            try:
+                if self._nursery is None:
+                    raise RuntimeError("the services have stopped")
+                self._outbox.send(self._nursery, msg.dst, notice, sent_one)
+            except RuntimeError:  # no lane can start now: the record alone goes
                 sent_one()
-                continue
-            self._outbox.send(self._nursery, msg.dst, notice, sent_one)
         with trio.move_on_after(grace_s):
             async with trio.open_nursery() as nursery:
                 for entry in targets:  # once, to each live member: they drop us at once
