@@ -41,19 +41,15 @@ def model_dirs(default_model_dir: Path) -> list[Path]:
 
 def announced_recent(members: ModelMembers, key: str) -> int:
     """The recent requests ``key``'s members of this process announce, together."""
-    nodes = [members.nodes[key], *members.replicas.get(key, [])]
-    total = 0
-    for node in nodes:
-        entry = node.discovery.local_record(advance=False).extra.get(DEMAND_KEY) or {}
-        total += int(entry.get("recent", 0))
-    return total
+    return held_recent(members, None, key)
 
 
-def held_recent(members: ModelMembers, holder: Node, key: str) -> int:
-    """The recent requests ``key``'s members announce, as ``holder`` holds their records."""
+def held_recent(members: ModelMembers, holder: Node | None, key: str) -> int:
+    """The recent requests ``key``'s members announce, as ``holder`` holds their records
+    (None: each member's own record)."""
     total = 0
     for node in [members.nodes[key], *members.replicas.get(key, [])]:
-        if node is holder:
+        if holder is None or node is holder:
             record = node.discovery.local_record(advance=False)
         else:
             entry = holder.discovery.table.entries.get(node.peer_id)
