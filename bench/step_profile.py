@@ -6,6 +6,10 @@ greedy decode steps after a short prompt:
 - ``--profile``: ``torch.profiler`` over ``--steps`` decode steps at each of
   ``--threads`` (e.g. ``1,2``): the table of ops by self CPU time, and the
   wall time per token under the profiler (which inflates per-op overhead);
+- ``--split``: a decode token's wall time in the layers (one scripted call,
+  or lean_decode's), the head and the rest, best of ``--rounds`` at each thread
+  count, beside the stage's own int4 products called alone (the layers less
+  these: the work between the kernels);
 - default: decode steps timed at each thread count, interleaved round by round
   (ABBA) in this one process, wall and CPU time per token, with the median
   ratio (a count above 1 also with the stage's thread chooser,
@@ -15,7 +19,7 @@ greedy decode steps after a short prompt:
 On a shared machine compare only the ratios of one run (both arms share its
 slow spells), and say the machine was loaded.
 
-Usage: ``python bench/step_profile.py [--json] [--profile] [--threads 1,2] [--steps 8]
+Usage: ``python bench/step_profile.py [--json] [--profile | --split] [--threads 1,2] [--steps 8]
 [--rounds 4] [--weights int4] [--eager]`` (``--eager``: transformers' decoder layers
 instead of :mod:`hetmesh.partition.lean`'s, for a before/after profile)
 """
@@ -117,6 +121,76 @@ def thread_ab(stage: Any, threads: list[int], steps: int, rounds: int) -> dict[s
     }
 
 
+class _Restart:
+    """Passed to :func:`_decode` as its profiler: empties ``spent`` once the prefill is done."""
+
+    def __init__(self, spent: dict[str, float]) -> None:
+        self.spent = spent
+
+    def start(self) -> None:
+        self.spent.clear()
+
+
+def split(stage: Any, threads: list[int], steps: int, rounds: int) -> dict[str, Any]:
+    """Where a decode token's wall time goes, best of ``rounds`` at each thread count: the
+    layers (the scripted call or the Python lean_decode, per step), the head, the rest of
+    the step; and the stage's own int4 products alone, called as the layers call them (one
+    bf16 row each, in layer order): the layers less these is the work between kernels."""
+    from hetmesh.partition import stage as stage_module
+    from hetmesh.partition.quant import INT4_GROUP
+
+    spent: dict[str, float] = {}
+
+    def timed(label: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - began
+
+        return call
+
+    names = ("decode_layers", "lean_decode")
+    reals = {name: getattr(stage_module, name) for name in names}
+    head_forward = stage.lm_head.forward
+    products = [
+        (torch.ones(1, sz.shape[0] * INT4_GROUP, dtype=torch.bfloat16), packed, sz)
+        for plan in stage._lean_plans()
+        for group in (plan.qkv, plan.o, plan.mlp_in, plan.mlp_down)
+        for packed, sz, *_ in group.int4 or ()
+    ]
+    out: dict[str, Any] = {}
+    try:
+        for name in names:
+            setattr(stage_module, name, timed("layers", reals[name]))
+        stage.lm_head.forward = timed("head", head_forward)
+        for count in threads:
+            torch.set_num_threads(count)
+            best: dict[str, float] = {}
+            for _ in range(rounds):
+                wall, _cpu = _decode(stage, steps, _Restart(spent))  # counts from the steps
+                row = {k: v / steps for k, v in spent.items()}
+                row["step"] = wall
+                began = time.perf_counter()
+                for x, packed, sz in products:
+                    torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz)
+                row["int4_kernels_alone"] = time.perf_counter() - began
+                for key, value in row.items():
+                    best[key] = min(best.get(key, value), value)
+            ms = {f"{k}_ms": round(v * 1e3, 3) for k, v in best.items()}
+            ms["rest_ms"] = round(
+                (best["step"] - best.get("layers", 0.0) - best.get("head", 0.0)) * 1e3, 3
+            )
+            ms["int4_calls"] = len(products)
+            out[f"{count}t"] = ms
+    finally:
+        for name in names:
+            setattr(stage_module, name, reals[name])
+        del stage.lm_head.forward
+    return out
+
+
 def kernels(threads: list[int], tries: int = 10) -> dict[str, Any]:
     from hetmesh.partition.quant import (
         Int4Linear,
@@ -165,6 +239,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--split", action="store_true", help="a token's time: layers, head, rest, kernels alone"
+    )
     parser.add_argument("--weights", default="int4")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=8)
@@ -179,6 +256,8 @@ def main() -> None:
     with torch.inference_mode():
         if args.profile:
             result["profile"] = profile(stage, threads, args.steps)
+        elif args.split:
+            result["split"] = split(stage, threads, args.steps, args.rounds)
         else:
             result["decode"] = thread_ab(stage, threads, args.steps, args.rounds)
             result["kernels"] = kernels(threads)
