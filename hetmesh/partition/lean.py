@@ -56,8 +56,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetmesh.partition import exact_gemm
 from hetmesh.partition.attention import QuerySpans, exact_attention
-from hetmesh.partition.exact_gemm import gemm_attention, gemm_is_exact
+from hetmesh.partition.exact_gemm import KEY_BLOCK, MIN_KEYS, ROW_MINIMUMS, gemm_is_exact
 from hetmesh.partition.fused import ProjectionSlice
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear
 
@@ -279,6 +280,77 @@ def lean_layer(
     return hidden + down
 
 
+def gemm_rows(heads: int, kv_heads: int, dim: int) -> int:
+    """The rows per product that exact attention's products take for this shape (as
+    :func:`~hetmesh.partition.exact_gemm.gemm_attention` picks them), 0 where exact
+    attention makes one call per query (:func:`gemm_is_exact` is False)."""
+    if not gemm_is_exact(heads, kv_heads, dim):
+        return 0
+    return exact_gemm._VERDICTS.get((heads, kv_heads, dim)) or ROW_MINIMUMS[0]
+
+
+def gemm_sizes(rows: int) -> list[int]:
+    """:func:`gemm_step`'s ``sizes`` for ``rows`` rows per product; ``[]`` for ``rows`` 0
+    (where the callers make one sdpa call instead)."""
+    return [rows, MIN_KEYS, KEY_BLOCK] if rows > 0 else []
+
+
+def gemm_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lo: int,
+    hi: int,
+    scale: float,
+    sizes: list[int],
+) -> torch.Tensor:
+    """exact_gemm.gemm_attention for one query position of one row seeing keys
+    ``[lo, hi)``: the same ops on the same tensors, in the same order (its one query
+    tile; its mask of that row built here). ``sizes``: its rows per product at least,
+    MIN_KEYS and KEY_BLOCK (:func:`gemm_sizes`; TorchScript, which compiles this for
+    :mod:`~hetmesh.partition.lean_script`, reads no module constants)."""
+    min_rows, min_keys, key_block = sizes[0], sizes[1], sizes[2]
+    batch, heads, seq, dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if total < min_keys:
+        key = F.pad(key, [0, 0, 0, min_keys - total])
+        value = F.pad(value, [0, 0, 0, min_keys - total])
+        total = min_keys
+    need = min(max(min_keys, hi), total)
+    q = query.reshape(batch, kv_heads, groups, seq, dim).transpose(2, 3)
+    k = key.reshape(batch * kv_heads, total, dim)
+    v = value.reshape(batch * kv_heads, total, dim)
+    qt = q[:, :, 0:seq].reshape(batch * kv_heads, seq * groups, dim)
+    short = min_rows - seq * groups
+    if short > 0:
+        qt = F.pad(qt, [0, 0, 0, short])
+    scores = torch.bmm(qt, k[:, :need].transpose(1, 2))
+    if short > 0:
+        scores = scores[:, : seq * groups]
+    scores = scores.view(batch, kv_heads, seq, groups, need).mul_(scale)
+    if lo > 0 or hi < need:
+        at = torch.arange(total)
+        masked = (at < lo) | (at >= hi)
+        scores.masked_fill_(masked[:need], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(batch * kv_heads, seq * groups, need)
+    if short > 0:
+        weights = F.pad(weights, [0, 0, 0, short])
+    out = torch.empty(0)
+    for k0 in range(0, need, key_block):
+        k1 = min(need, k0 + key_block)
+        w, vb = weights[:, :, k0:k1], v[:, k0:k1]
+        if k1 - k0 < min_keys:
+            w = F.pad(w, [0, min_keys - (k1 - k0)])
+            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
+        part = torch.bmm(w, vb)
+        out = part if k0 == 0 else out.add_(part)
+    if short > 0:
+        out = out[:, : seq * groups]
+    out = out.view(batch, kv_heads, seq, groups, dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(batch, seq, heads, dim)
+
+
 def lean_decode(
     plan: LeanLayer,
     hidden: torch.Tensor,
@@ -316,20 +388,21 @@ def lean_decode(
     index, (lo, hi) = plan.index, keys
     all_keys[index, :, slot] = k.view(-1, dim)
     all_values[index, :, slot] = v.view(-1, dim)
-    held = all_keys[index : index + 1, :, lo:hi].to(dtype)
-    held_values = all_values[index : index + 1, :, lo:hi].to(dtype)
-    kv_heads = held.shape[1]
+    kv_heads = all_keys.shape[1]
     heads = q.numel() // dim
-    if gemm_is_exact(heads, kv_heads, dim):
+    rows = gemm_rows(heads, kv_heads, dim)
+    if rows > 0:
         # exact attention's way for this shape (its products over the session's keys
         # from its first slot, summed in blocks at its absolute positions), as any other
         # row of this session computes it: a lone step's bits are a batched step's
-        span = [[(lo - first, hi - first)]]
         whole = all_keys[index : index + 1, :, first:hi].to(dtype)
         whole_values = all_values[index : index + 1, :, first:hi].to(dtype)
         query = q.view(1, 1, heads, dim).transpose(1, 2)
-        out = gemm_attention(query, whole, whole_values, span, plan.scaling)
+        sizes = gemm_sizes(rows)
+        out = gemm_step(query, whole, whole_values, lo - first, hi - first, plan.scaling, sizes)
     else:
+        held = all_keys[index : index + 1, :, lo:hi].to(dtype)
+        held_values = all_values[index : index + 1, :, lo:hi].to(dtype)
         out = F.scaled_dot_product_attention(
             q.view(1, kv_heads, -1, dim), held, held_values, scale=plan.scaling
         )
@@ -360,6 +433,9 @@ __all__ = [
     "LEAN_ENV",
     "LeanLayer",
     "decode_default",
+    "gemm_rows",
+    "gemm_sizes",
+    "gemm_step",
     "lean_decode",
     "lean_default",
     "lean_layer",

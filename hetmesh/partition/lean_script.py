@@ -14,10 +14,10 @@ the logits bit for bit with :func:`lean_decode` and transformers' layers.
 
 Attention is exact attention's way for the stage's shape: where
 :func:`~hetmesh.partition.exact_gemm.gemm_is_exact` holds (the default model on
-the project's Xeon), :func:`_gemm_step` makes ``gemm_attention``'s products for
-the one query, op for op, over the session's keys from its first slot (so a
-lone step's bits are a batched step's); else one ``sdpa`` call, as the
-per-query way makes it.
+the project's Xeon), :func:`~hetmesh.partition.lean.gemm_step` makes
+``gemm_attention``'s products for the one query, op for op, over the session's
+keys from its first slot (so a lone step's bits are a batched step's); else
+one ``sdpa`` call, as the per-query way makes it.
 
 For int4 layers of separate or fused products (:func:`script_plan`: no
 biases, no padded products, fp32 norm weights): other stages keep
@@ -38,9 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.jit._fuser import optimized_execution
 
-from hetmesh.partition import exact_gemm
-from hetmesh.partition.exact_gemm import KEY_BLOCK, MIN_KEYS, ROW_MINIMUMS, gemm_is_exact
-from hetmesh.partition.lean import LeanLayer
+from hetmesh.partition.lean import LeanLayer, gemm_rows, gemm_sizes, gemm_step
 from hetmesh.partition.quant import INT4_GROUP
 
 SCRIPT_ENV = "HETMESH_LEAN_SCRIPT"
@@ -49,61 +47,6 @@ SCRIPT_ENV = "HETMESH_LEAN_SCRIPT"
 def script_default() -> bool:
     """Whether a lean stage runs its decode steps' int4 layers scripted (env, on unless ``0``)."""
     return os.environ.get(SCRIPT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _gemm_step(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    lo: int,
-    hi: int,
-    scale: float,
-    sizes: list[int],
-) -> torch.Tensor:
-    """exact_gemm.gemm_attention for one query position of one row seeing keys
-    ``[lo, hi)``: the same ops on the same tensors, in the same order (its one query
-    tile; its mask of that row built here). ``sizes``: its rows per product at least,
-    MIN_KEYS and KEY_BLOCK (TorchScript reads no module constants)."""
-    min_rows, min_keys, key_block = sizes[0], sizes[1], sizes[2]
-    batch, heads, seq, dim = query.shape
-    kv_heads, total = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    if total < min_keys:
-        key = F.pad(key, [0, 0, 0, min_keys - total])
-        value = F.pad(value, [0, 0, 0, min_keys - total])
-        total = min_keys
-    need = min(max(min_keys, hi), total)
-    q = query.reshape(batch, kv_heads, groups, seq, dim).transpose(2, 3)
-    k = key.reshape(batch * kv_heads, total, dim)
-    v = value.reshape(batch * kv_heads, total, dim)
-    qt = q[:, :, 0:seq].reshape(batch * kv_heads, seq * groups, dim)
-    short = min_rows - seq * groups
-    if short > 0:
-        qt = F.pad(qt, [0, 0, 0, short])
-    scores = torch.bmm(qt, k[:, :need].transpose(1, 2))
-    if short > 0:
-        scores = scores[:, : seq * groups]
-    scores = scores.view(batch, kv_heads, seq, groups, need).mul_(scale)
-    if lo > 0 or hi < need:
-        at = torch.arange(total)
-        masked = (at < lo) | (at >= hi)
-        scores.masked_fill_(masked[:need], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).view(batch * kv_heads, seq * groups, need)
-    if short > 0:
-        weights = F.pad(weights, [0, 0, 0, short])
-    out = torch.empty(0)
-    for k0 in range(0, need, key_block):
-        k1 = min(need, k0 + key_block)
-        w, vb = weights[:, :, k0:k1], v[:, k0:k1]
-        if k1 - k0 < min_keys:
-            w = F.pad(w, [0, min_keys - (k1 - k0)])
-            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
-        part = torch.bmm(w, vb)
-        out = part if k0 == 0 else out.add_(part)
-    if short > 0:
-        out = out[:, : seq * groups]
-    out = out.view(batch, kv_heads, seq, groups, dim).permute(0, 2, 1, 3, 4)
-    return out.reshape(batch, seq, heads, dim)
 
 
 def _layers(
@@ -155,7 +98,7 @@ def _layers(
             whole = keys[index : index + 1, :, first:end].to(torch.float32)
             whole_values = values[index : index + 1, :, first:end].to(torch.float32)
             query = q.reshape(1, 1, -1, dim).transpose(1, 2)
-            out = _gemm_step(
+            out = gemm_step(
                 query, whole, whole_values, starts[i] - first, end - first, scaling[i], gemm
             )
         else:
@@ -185,15 +128,6 @@ def _layers(
         down = torch._weight_int4pack_mm_for_cpu(both, weights[b + at], group, weights[b + at + 1])
         hidden = hidden + down
     return hidden
-
-
-def gemm_rows(heads: int, kv_heads: int, dim: int) -> int:
-    """The rows per product that exact attention's products take for this shape (as
-    :func:`~hetmesh.partition.exact_gemm.gemm_attention` picks them), 0 where exact
-    attention makes one call per query (:func:`gemm_is_exact` is False)."""
-    if not gemm_is_exact(heads, kv_heads, dim):
-        return 0
-    return exact_gemm._VERDICTS.get((heads, kv_heads, dim)) or ROW_MINIMUMS[0]
 
 
 _compiled: Any = None
@@ -316,7 +250,7 @@ def decode_layers(
             plan.dim,
             INT4_GROUP,
             first,
-            [gemm_rows, MIN_KEYS, KEY_BLOCK] if gemm_rows > 0 else [],
+            gemm_sizes(gemm_rows),
         )
     return out
 
