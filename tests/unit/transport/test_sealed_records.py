@@ -158,6 +158,21 @@ def test_whole_records_of_many_sizes_open_alone_through_bounded_views() -> None:
             assert len(reader._opened._alone_views) <= 64
 
 
+def test_open_alone_opens_into_the_target_it_is_given() -> None:
+    """Two records of one size opened alone into two different targets: each lands in
+    its own (the views kept for a size belong to one target)."""
+    left, right = socket.socketpair()
+    with left, right:
+        sealer, opened = Sealer(KEY), OpenedSocket(right, KEY)
+        targets = [memoryview(bytearray(64)), memoryview(bytearray(32))]
+        for k, into in enumerate(targets):
+            left.sendall(sealer.seal([bytes([k + 1]) * 20]))
+            got = right.recv_into(opened.raw)
+            assert opened.open_alone(got, into) == 20
+            assert bytes(into[:20]) == bytes([k + 1]) * 20
+        assert bytes(targets[0][:20]) == b"\x01" * 20
+
+
 @pytest.mark.parametrize("kind", READERS)
 def test_sealed_frames_read_back_whatever_the_chunking(kind: str) -> None:
     """Frames small and over a record, sent back to back in chunks cut anywhere (a record
