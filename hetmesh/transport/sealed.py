@@ -261,16 +261,18 @@ class OpenedSocket:
         frame) is opened into ``into`` and its size returned; anything else is held for
         :meth:`recv_into`, and 0 returned. Refusals as :meth:`recv_into`'s."""
         raw = self._raw_view
-        views = self._alone_views.get(got)  # (record, its plaintext's place, into)
-        if views is None or views[2] is not into:
-            size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
-            if 0 < size <= len(into):
-                if len(self._alone_views) >= _VIEW_SIZES:
-                    self._alone_views.clear()
-                views = self._alone_views[got] = (raw[4:got], into[:size], into)
-            else:
-                views = None
-        if views is not None and _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:
+        views = None
+        if _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:  # one whole record
+            views = self._alone_views.get(got)  # (record, its plaintext's place, into)
+            if views is None or views[2] is not into:
+                size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
+                if 0 < size <= len(into):
+                    if len(self._alone_views) >= _VIEW_SIZES:
+                        self._alone_views.clear()
+                    views = self._alone_views[got] = (raw[4:got], into[:size], into)
+                else:
+                    views = None
+        if views is not None:
             count = self._opened
             if count >= _MAX_RECORDS:  # unreachable in practice
                 raise LocalProtocolError("sealed link ran out of nonces")
