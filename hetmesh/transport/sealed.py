@@ -90,20 +90,16 @@ class Sealer:
             )
             self._frame_views[plain] = views
         text, sealed, record = views
-        at = len(head)
-        if at <= plain:
-            text[:at] = head
-            for b in buffers:
-                try:
-                    view = memoryview(b).cast("B")
-                except TypeError:  # an array with zeros in its shape
-                    view = flat_bytes(b)
-                start = at
-                at += len(view)
-                if at > plain:
-                    break
-                text[start:at] = view
-        if at != plain:
+        at = -1
+        if len(buffers) == 1:  # a decode step's Activations: a head and one tensor
+            try:
+                at = len(head)
+                text[:at] = head
+                text[at:] = memoryview(buffers[0]).cast("B")  # ValueError unless it fills it
+                at = plain
+            except (TypeError, ValueError):  # an odd array, or sizes that disagree
+                at = -1
+        if at != plain and _gather(text, head, buffers) != plain:
             raise LocalProtocolError(f"parts of {_nbytes([head, *buffers])} bytes, not {plain}")
         count = self._sealed
         if count >= _MAX_RECORDS:  # unreachable in practice; never wrap a nonce
@@ -224,6 +220,8 @@ class OpenedSocket:
         self._plain = bytearray(RECORD_BYTES)
         self._start = self._end = 0  # opened, not yet handed out
         self.idle = True  # nothing held (raw bytes or opened ones): a record starts next
+        # open_alone's views per record size: a decode step's records all have one size
+        self._alone_views: dict[int, tuple[memoryview, memoryview, memoryview]] = {}
 
     def recv_into(self, target: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Like ``socket.recv_into``: up to ``len(target)`` plaintext bytes; 0 at EOF.
@@ -263,17 +261,27 @@ class OpenedSocket:
         frame) is opened into ``into`` and its size returned; anything else is held for
         :meth:`recv_into`, and 0 returned. Refusals as :meth:`recv_into`'s."""
         raw = self._raw_view
-        size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
-        if 0 < size <= len(into) and _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:
+        views = None
+        if _LENGTH.unpack_from(raw)[0] == got - _LENGTH.size:  # one whole record
+            views = self._alone_views.get(got)  # (record, its plaintext's place, into)
+            if views is None or views[2] is not into:
+                size = got - _OVERHEAD  # got <= len(raw) bounds it by RECORD_BYTES
+                if 0 < size <= len(into):
+                    if len(self._alone_views) >= _VIEW_SIZES:
+                        self._alone_views.clear()
+                    views = self._alone_views[got] = (raw[4:got], into[:size], into)
+                else:
+                    views = None
+        if views is not None:
             count = self._opened
             if count >= _MAX_RECORDS:  # unreachable in practice
                 raise LocalProtocolError("sealed link ran out of nonces")
             self._opened = count + 1
             try:
-                self._aead.decrypt_into(_NONCE.pack(count), raw[4:got], None, into[:size])
+                self._aead.decrypt_into(_NONCE.pack(count), views[0], None, views[1])
             except InvalidTag:
                 raise RemoteProtocolError("a sealed record failed authentication") from None
-            return size
+            return got - _OVERHEAD
         if got > 0:
             self._raw_start, self._raw_end = 0, got
             self.idle = False
@@ -338,6 +346,26 @@ class OpenedSocket:
             self._aead.decrypt_into(_NONCE.pack(count), sealed, None, into)
         except InvalidTag:
             raise RemoteProtocolError("a sealed record failed authentication") from None
+
+
+def _gather(text: memoryview, head: bytes, buffers: Sequence[Any]) -> int:
+    """Copy ``head`` and ``buffers`` to the start of ``text``; the bytes they hold, or -1
+    if they do not fit."""
+    at = len(head)
+    if at > len(text):
+        return -1
+    text[:at] = head
+    for b in buffers:
+        try:
+            view = memoryview(b).cast("B")
+        except TypeError:  # an array with zeros in its shape
+            view = flat_bytes(b)
+        start = at
+        at += len(view)
+        if at > len(text):
+            return -1
+        text[start:at] = view
+    return at
 
 
 def _checked_views(parts: Sequence[Any], plain: int) -> list[memoryview]:

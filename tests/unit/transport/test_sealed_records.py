@@ -141,6 +141,38 @@ def test_a_whole_record_alone_is_opened_by_the_link_readers_own_read() -> None:
         assert calls == []
 
 
+def test_whole_records_of_many_sizes_open_alone_through_bounded_views() -> None:
+    """open_alone keeps views per record size: records of more sizes than it keeps, each
+    size twice and out of order, read back equal, and what it keeps stays bounded."""
+    left, right = socket.socketpair()
+    with left, right:
+        sealer = Sealer(KEY)
+        reader = SealedReader(right, KEY, DEFAULT_LIMITS, BufferPool())
+        sizes = [1 + 7 * i for i in range(80)]
+        sizes = sizes + sizes[::-1]
+        for frame in _frames(sizes):
+            head, buffers, total = encode_parts(frame)
+            left.sendall(sealer.seal_frame(head, buffers, total))
+            assert reader.read_frame() == frame
+            assert reader._opened.idle
+            assert len(reader._opened._alone_views) <= 64
+
+
+def test_open_alone_opens_into_the_target_it_is_given() -> None:
+    """Two records of one size opened alone into two different targets: each lands in
+    its own (the views kept for a size belong to one target)."""
+    left, right = socket.socketpair()
+    with left, right:
+        sealer, opened = Sealer(KEY), OpenedSocket(right, KEY)
+        targets = [memoryview(bytearray(64)), memoryview(bytearray(32))]
+        for k, into in enumerate(targets):
+            left.sendall(sealer.seal([bytes([k + 1]) * 20]))
+            got = right.recv_into(opened.raw)
+            assert opened.open_alone(got, into) == 20
+            assert bytes(into[:20]) == bytes([k + 1]) * 20
+        assert bytes(targets[0][:20]) == b"\x01" * 20
+
+
 @pytest.mark.parametrize("kind", READERS)
 def test_sealed_frames_read_back_whatever_the_chunking(kind: str) -> None:
     """Frames small and over a record, sent back to back in chunks cut anywhere (a record
@@ -208,6 +240,9 @@ def test_seal_frame_is_the_same_record_as_seal_of_the_same_parts() -> None:
         (torch.zeros(0, 3), torch.arange(7, dtype=torch.int64)),
         (torch.ones(5, dtype=torch.bfloat16), torch.randn(3, 4)),
         (torch.randn(SMALL_BYTES // 4),),  # over SMALL_BYTES with its head: records
+        (torch.zeros(0, 3),),  # one tensor with a zero in its shape
+        (torch.randn(3, 4),),  # one tensor of two dimensions
+        (torch.randn(2048),),  # the first size again: its kept views
     ]
     frames = [
         Activations(session_id="s", step=i, positions=(i,), tensors=t)
@@ -231,6 +266,9 @@ def test_seal_frame_is_the_same_record_as_seal_of_the_same_parts() -> None:
         ([b"head bytes", np.zeros(4, np.uint8)], 15),  # less
         ([b"a long head", np.zeros(4, np.uint8)], 5),  # the head alone is more
         ([b"", np.zeros(0, np.uint8)], 0),  # nothing
+        ([b"head", np.zeros((2, 3), np.float32)], 27),  # one 2-D part, a byte short
+        ([b"head", np.zeros((0, 3), np.float32)], 5),  # one empty part, a byte more
+        ([b"head", np.zeros(2, np.uint8), np.zeros(2, np.uint8)], 9),  # two parts, more
     ],
 )
 def test_seal_frame_refuses_parts_that_disagree_with_the_declared_size(
