@@ -59,6 +59,11 @@ FAST_PATHS = (
     "HETMESH_GATEWAY_LANE",
     "HETMESH_SHM_INLINE",
     "HETMESH_STAGE_GROUPS",
+    "HETMESH_GATEWAY_LANE_MANY",
+    "HETMESH_GATEWAY_LANE_OWN",
+    # the prefill's chunks (hetmesh.partition.prefill): size and cap
+    "HETMESH_PREFILL_CHUNK_TOKENS",
+    "HETMESH_PREFILL_MAX_CHUNKS",
 )
 NODE_ARGS = [
     "--threads",  # one, as the reference: the ratios compare like with like

@@ -55,6 +55,14 @@ def gateway_lane_enabled() -> bool:
     return os.environ.get("HETMESH_GATEWAY_LANE", "1") != "0"
 
 
+def gateway_lane_own() -> bool:
+    """Whether a next step for this node's own first stage runs on the reader thread
+    that brings its token in, where that stage's device thread is parked for it
+    (:mod:`hetmesh.node.stage_lane`): on unless ``HETMESH_GATEWAY_LANE_OWN=0`` (then
+    it goes through trio, as any hop to this node)."""
+    return os.environ.get("HETMESH_GATEWAY_LANE_OWN", "1") != "0"
+
+
 def gateway_lane_many() -> bool:
     """Whether the lane arms every session of the gateway, not only a lone one: on
     unless ``HETMESH_GATEWAY_LANE_MANY=0``, and only while the stages gather bursts by
@@ -72,6 +80,7 @@ class Armed:
     first: PeerId  # who takes the next step (the route's first stage)
     eos: frozenset[int]
     sent_at: float = 0.0  # perf_counter when the next step left (0: not sent)
+    taken: bool = False  # a reader thread tried to send it (once: else trio sends it)
 
 
 class GatewayLane:
@@ -100,30 +109,38 @@ class GatewayLane:
 
     def offer(self, sender: PeerId, frame: Frame) -> None:
         """On a link's reader thread, before trio gets ``frame``: if it is an armed
-        session's awaited token, send that session's next step now. Never raises."""
+        session's awaited token, send that session's next step now. Never raises.
+
+        The send runs outside the lane's lock: to a first stage on this node it is
+        that stage's whole forward on this thread (``send_now``), and trio arms
+        other sessions meanwhile. Trio claims this session only after this returns
+        (the token reaches trio after it), so nobody else sends its step."""
         if type(frame) is not Tokens or not frame.token_ids:
             return
         with self._lock:
             armed = self._armed.get(frame.session_id)
-            if armed is None or armed.sent_at or self._send_now is None:
+            if armed is None or armed.taken or self._send_now is None:
                 return
             if sender != armed.last or frame.step != armed.step:
                 return
             token = int(frame.token_ids[0])
             if frame.position != armed.position or token in armed.eos or token < 0:
                 return
-            step = Activations(
-                session_id=frame.session_id,
-                step=armed.step + 1,
-                positions=(armed.position,),
-                tensors=(torch.tensor([token], dtype=torch.int64),),
-            )
-            try:
-                sent = self._send_now(armed.first, step)
-            except TransportError as exc:  # trio's send finds the link broken too
-                log.debug("gateway lane: next step not sent: %s", exc)
-                return
-            if sent:
+            armed.taken = True  # one try: trio sends it if this one does not
+            send_now = self._send_now
+        step = Activations(
+            session_id=frame.session_id,
+            step=armed.step + 1,
+            positions=(armed.position,),
+            tensors=(torch.tensor([token], dtype=torch.int64),),
+        )
+        try:
+            sent = send_now(armed.first, step)
+        except TransportError as exc:  # trio's send finds the link broken too
+            log.debug("gateway lane: next step not sent: %s", exc)
+            return
+        if sent:
+            with self._lock:
                 armed.sent_at = time.perf_counter()
                 self.sent += 1
                 self.sent_beside_others += len(self._armed) > 1

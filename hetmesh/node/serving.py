@@ -29,6 +29,7 @@ from hetmesh.node.calibrator import Calibrator
 from hetmesh.node.config import PLANNED_SESSIONS, ServingConfig
 from hetmesh.node.control import MAX_CONTROL_BYTES, SESSION_PROTOCOL, Reply, parse_request
 from hetmesh.node.gateway import Gateway
+from hetmesh.node.gateway_lane import SendNow, gateway_lane_own
 from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.memory import device_capacity
 from hetmesh.node.peer_calls import PeerCalls, data_plane_host, node_plane_config
@@ -44,13 +45,13 @@ from hetmesh.protocol.generate import (
     GenerateRequest,
     SamplingParams,
 )
-from hetmesh.resources import ModelProfile
+from hetmesh.resources import ModelProfile, PeerId
 from hetmesh.scheduler.announcement import ServingAnnouncement, serving_extra, serving_stages
 from hetmesh.scheduler.prefix_summary import summary_salt
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
-from hetmesh.transport import DataPlane
+from hetmesh.transport import DataPlane, Frame
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
@@ -211,7 +212,7 @@ class Serving:
                 migrate=self.config.migrate,
                 chunk_costs=self.routes.chunk_costs,
                 helper=self.routes.helper,
-                send_now=self.calls.send_now,  # hetmesh.node.gateway_lane
+                send_now=self._lane_send_now(),  # hetmesh.node.gateway_lane
             )
             self.pool.peek = self.gateway.lane.offer
             self.calls.gateway = self.routes.gateway = self.gateway
@@ -301,6 +302,21 @@ class Serving:
         return self.routes.ready()
 
     # -- announcing -----------------------------------------------------------------
+
+    def _lane_send_now(self) -> SendNow:
+        """The gateway lane's send (:mod:`hetmesh.node.gateway_lane`): a next step for
+        this node's own first stage runs on the reader thread that brings its token
+        in, if that stage's device thread is parked for it
+        (:meth:`StageHost.offer`); any other, or one it does not take, goes as
+        :meth:`PeerCalls.send_now` sends it (to this node: through trio)."""
+        me, calls, stages = self.calls.me, self.calls, self.stages
+        if not (gateway_lane_own() and lane_enabled()):
+            return calls.send_now
+
+        def send_now(peer: PeerId, frame: Frame) -> bool:
+            return (peer == me and stages.offer(me, None, frame)) or calls.send_now(peer, frame)
+
+        return send_now
 
     def _publish(self) -> None:
         """Announce the stages, their counters and prefixes, and the load."""

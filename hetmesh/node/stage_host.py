@@ -429,17 +429,18 @@ class StageHost:
             )
         return target.server.handle(request, sender)
 
-    def offer(self, sender: PeerId, link: Link, frame: Frame) -> bool:
+    def offer(self, sender: PeerId, link: Link | None, frame: Frame) -> bool:
         """From ``link``'s reader thread: give a decode step to the stage whose device
         thread is parked for it (:meth:`StageServer.offer`); False: ``frame`` goes
-        through trio (:meth:`deliver`) as before. Never raises."""
+        through trio (:meth:`deliver`) as before. Never raises. ``link`` None: a step
+        of this node's own gateway (``sender``: this node), nothing to release."""
         if not isinstance(frame, Activations):
             return False
         try:  # trio may change the stages meanwhile: then this frame takes the slow way
             servers = [served.server for served in list(self._served.values())]
         except RuntimeError:
             return False
-        release = functools.partial(link.release, frame)
+        release = _kept if link is None else functools.partial(link.release, frame)
         return any(server.offer(frame, release, sender) for server in servers)
 
     def deliver(self, frame: Frame, release: Callable[[], None], sender: PeerId | None) -> bool:
@@ -470,6 +471,10 @@ class StageHost:
                 served.server.close(frame.session_id)
             return True
         return False
+
+
+def _kept() -> None:
+    """Nothing to release: a frame built in this process."""
 
 
 def as_dict(record: Any) -> dict[str, Any]:

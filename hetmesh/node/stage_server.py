@@ -98,7 +98,7 @@ from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
 from hetmesh.partition.kv import SessionKV
-from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS
+from hetmesh.partition.prefill import MAX_PREFILL_CHUNKS, max_prefill_chunks
 from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
 from hetmesh.protocol.logprobs import wire_of
@@ -261,8 +261,10 @@ class StageServer:
         self._groups = Groups() if groups_enabled() else None
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}
-        # bounded: at most QUEUED_PER_SESSION items of each session it admitted
-        inbox_items = QUEUED_PER_SESSION * max(limits.max_sessions, 1)
+        # bounded: at most QUEUED_PER_SESSION items of each session it admitted (as
+        # many as a gateway's prefill chunks where HETMESH_PREFILL_MAX_CHUNKS says more)
+        self._queued_cap = max(QUEUED_PER_SESSION, _chunks_cap())
+        inbox_items = self._queued_cap * max(limits.max_sessions, 1)
         self._inbox_send, self._inbox = trio.open_memory_channel[_Item](inbox_items)
         self._queued: dict[str, int] = {}  # session id -> its items in the inbox or pending
         self._pending: deque[_Item] = deque()
@@ -613,7 +615,7 @@ class StageServer:
             prompt = is_helped_chunk(frame.positions, session.request)  # its helper's chunk
             if session.awaiting is not None and not prompt:
                 queued = len(session.awaiting.held)
-            if queued >= QUEUED_PER_SESSION:  # one step at a time: this is a flood
+            if queued >= self._queued_cap:  # one step at a time: this is a flood
                 raise InvalidRequest(
                     f"session {frame.session_id} already has {queued} activations waiting here"
                 )
@@ -1170,6 +1172,15 @@ class StageServer:
             helped=self._helped,
             lane_steps=self._lane.taken,
         )
+
+
+def _chunks_cap() -> int:
+    """A gateway's most prefill chunks as this process's environment says (a bad value
+    is the gateway's error to report: here the default)."""
+    try:
+        return max_prefill_chunks()
+    except InvalidRequest:
+        return MAX_PREFILL_CHUNKS
 
 
 def _session_of(frame: Frame) -> str:

@@ -28,6 +28,11 @@ PREFILL_CHUNK_TOKENS = 128
 PREFILL_CHUNK_ENV = "HETMESH_PREFILL_CHUNK_TOKENS"
 # chunks of one prefill at most: a stage queues this many frames of one session
 MAX_PREFILL_CHUNKS = 4
+# another cap (a stage then queues as many): 3 stages on 2 vCPUs idle one core while the
+# first chunk fills the pipeline and the last drains it, so more, smaller chunks may
+# bring a prefill closer to half its time whole (the lead's quiet A/B decides; it needs
+# HETMESH_PREFILL_CHUNK_TOKENS small enough too, e.g. 64 for 8 chunks of 512 tokens)
+MAX_PREFILL_CHUNKS_ENV = "HETMESH_PREFILL_MAX_CHUNKS"
 # a route is cut into chunks only if no stage measured them costing more than this many
 # times the whole prefill: fp32 measured 1.14 (chunks won, TTFT 0.85x the single
 # process against 1.04x whole), int8 0.96 and int4 1.0 on the same CPU; bf16 with AMX
@@ -53,15 +58,21 @@ def prefill_chunk_default() -> int:
     return max(0, token_count_env(PREFILL_CHUNK_ENV, PREFILL_CHUNK_TOKENS))
 
 
-def prefill_chunks(
-    count: int, chunk_tokens: int, max_chunks: int = MAX_PREFILL_CHUNKS
-) -> list[int]:
+def max_prefill_chunks() -> int:
+    """The most chunks a gateway cuts a prefill into: ``HETMESH_PREFILL_MAX_CHUNKS``
+    (at least 1), else :data:`MAX_PREFILL_CHUNKS`; ``InvalidRequest`` if not a count."""
+    return max(1, token_count_env(MAX_PREFILL_CHUNKS_ENV, MAX_PREFILL_CHUNKS))
+
+
+def prefill_chunks(count: int, chunk_tokens: int, max_chunks: int | None = None) -> list[int]:
     """The sizes of the chunks a prefill of ``count`` tokens is cut into, in order.
 
-    As many chunks of at least ``chunk_tokens`` as fit, at most ``max_chunks``,
-    as even as can be; one chunk when ``chunk_tokens`` is 0 or the prefill is
-    shorter than two chunks.
+    As many chunks of at least ``chunk_tokens`` as fit, at most ``max_chunks``
+    (None: :func:`max_prefill_chunks`), as even as can be; one chunk when
+    ``chunk_tokens`` is 0 or the prefill is shorter than two chunks.
     """
+    if max_chunks is None:
+        max_chunks = max_prefill_chunks()
     pieces = min(max_chunks, count // chunk_tokens) if chunk_tokens > 0 else 1
     if pieces <= 1:
         return [count]

@@ -119,3 +119,43 @@ async def test_with_stage_groups_the_lane_sends_every_sessions_next_steps(
         else:  # only the long one's while it was alone: none beside the short one's
             assert beside == 0, (sent, beside)
             assert sent <= LONG, sent
+
+
+@pytest.mark.parametrize("own", ["1", "0"])
+async def test_a_gateway_on_the_first_stage_computes_its_next_steps_on_the_reader_thread(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, own: str
+) -> None:
+    """The client's gateway holds the first stage: each next step is that stage's
+    forward on the reader thread that brings the token in (its lane), not a hop
+    through trio; ``HETMESH_GATEWAY_LANE_OWN=0`` sends it through trio as before."""
+    monkeypatch.setenv("HETMESH_GATEWAY_LANE", "1")
+    monkeypatch.setenv("HETMESH_STAGE_LANE", "1")
+    monkeypatch.setenv("HETMESH_GATEWAY_LANE_OWN", own)
+    expected = reference_ids(tiny_model_dir, PROMPT_IDS, TOKENS)
+    serving = ServingConfig(max_sessions=2, max_context_tokens=512, block_step_s=0.002)
+    async with open_mesh(tmp_path, serving, 2, model=tiny_model_dir) as mesh:
+        servers = stage_servers(mesh.nodes)
+        assert len(servers) == 2, "the tiny model must be cut in two"
+        entry = next(
+            n
+            for n in mesh.nodes
+            if any(s.stage.start == 0 for s in n.serving.stages.servers().values())
+        )
+        gateway = entry.serving.gateway
+        assert gateway is not None
+        assert await generate(str(entry.discovery.addrs[0]), TOKENS) == expected
+        first = servers[0].statistics()
+        if own == "1":
+            # steps the first stage's lane took: only its own gateway feeds it, and only
+            # this path hands it steps off trio (not every one: a token back before
+            # trio re-armed the session is sent by trio, as on a loaded machine)
+            assert first.lane_steps > 0, first
+        else:
+            assert first.lane_steps == 0, first
+
+        def ended() -> bool:
+            stats = [s.statistics().kv for s in servers]
+            return all(k.sessions == 0 and k.blocks_free == k.blocks_total for k in stats)
+
+        await until(ended, 60, "every session to end on every stage")
+        assert gateway.statistics().tokens_out == TOKENS

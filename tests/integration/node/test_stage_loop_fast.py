@@ -179,6 +179,24 @@ async def test_a_long_prompt_leaves_in_chunks_and_matches_the_reference(
         assert server.statistics().kv.sessions == 0
 
 
+async def test_more_chunks_than_four_where_the_cap_says_so(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``HETMESH_PREFILL_MAX_CHUNKS=8``: the prompt leaves as 8 chunks, every stage
+    queues and computes them all, and the tokens stay the reference's."""
+    monkeypatch.setenv("HETMESH_PREFILL_MAX_CHUNKS", "8")
+    prompts = [LONG, PROMPTS[0]]
+    wiring = Wiring(tiny_model_dir, fast=True, context=512)
+    wiring.gateway.prefill_chunk_tokens = 50
+    with trio.fail_after(120):
+        results = await run_sessions(wiring, prompts)
+    assert results == reference(tiny_model_dir, tuple(tuple(p) for p in prompts))
+    for peer, rounds in wiring.rows.items():
+        chunks = [n for items in rounds for n in items if n > len(PROMPTS[0])]
+        assert chunks == [50] * 8, (peer, rounds)
+    assert wiring.gateway.statistics().stale_frames == 0
+
+
 async def test_with_chunking_off_a_prompt_leaves_whole(tiny_model_dir: Path) -> None:
     wiring = Wiring(tiny_model_dir, fast=True, context=512)
     wiring.gateway.prefill_chunk_tokens = 0

@@ -7,12 +7,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hetmesh.errors import InvalidRequest
-from hetmesh.node.stage_server import QUEUED_PER_SESSION
+from hetmesh.node.stage_server import QUEUED_PER_SESSION, _chunks_cap
 from hetmesh.partition.prefill import (
     CHUNK_COST_LIMIT,
     MAX_PREFILL_CHUNKS,
+    MAX_PREFILL_CHUNKS_ENV,
     PREFILL_CHUNK_ENV,
     PREFILL_CHUNK_TOKENS,
+    max_prefill_chunks,
     prefill_chunk_default,
     prefill_chunks,
     route_chunk_tokens,
@@ -65,6 +67,25 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PREFILL_CHUNK_ENV, "lots")
     with pytest.raises(InvalidRequest, match=PREFILL_CHUNK_ENV):
         prefill_chunk_default()
+
+
+def test_the_chunk_cap_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HETMESH_PREFILL_MAX_CHUNKS`` caps a gateway's chunks (the default: 4), and the
+    stages queue as many frames of one session (``_chunks_cap``)."""
+    monkeypatch.delenv(MAX_PREFILL_CHUNKS_ENV, raising=False)
+    assert max_prefill_chunks() == MAX_PREFILL_CHUNKS == _chunks_cap()
+    assert prefill_chunks(512, 64) == [128] * 4
+    monkeypatch.setenv(MAX_PREFILL_CHUNKS_ENV, "8")
+    assert prefill_chunks(512, 64) == [64] * 8
+    assert prefill_chunks(512, 128) == [128] * 4  # chunks of at least 128 still
+    assert prefill_chunks(512, 64, 4) == [128] * 4  # a caller's own cap wins
+    assert _chunks_cap() == 8
+    monkeypatch.setenv(MAX_PREFILL_CHUNKS_ENV, "0")
+    assert prefill_chunks(512, 64) == [512]
+    monkeypatch.setenv(MAX_PREFILL_CHUNKS_ENV, "many")
+    with pytest.raises(InvalidRequest, match=MAX_PREFILL_CHUNKS_ENV):
+        prefill_chunks(512, 64)
+    assert _chunks_cap() == MAX_PREFILL_CHUNKS  # a stage keeps serving
 
 
 @pytest.mark.parametrize(
