@@ -365,14 +365,17 @@ async def poison_prefix(
 
 
 async def refused_huge_frame(hostile: Hostile, peer: str) -> None:
-    """Open a tcp link to ``peer`` and write the prefix of a KVBlock declaring 4 GiB
-    (what the wire allows) and a header; return once ``peer`` has closed the link."""
+    """Open a tcp link to ``peer`` and write a KVBlock's prefix and well-formed header
+    declaring one float32 tensor of 4 GiB (what the wire allows; a session nobody
+    opened), and never its payload; return once ``peer`` has closed the link."""
+    import msgpack
+
     from hetmesh.transport.frames import MAGIC, PREFIX, VERSION, KVBlock
 
     assert hostile.pool is not None, "open the member with plane=True"
     link = await hostile.pool.get(peer)
     assert link.backend == "tcp", link.backend
-    header = bytes(64)
+    header = msgpack.packb(["hostile", 0, 0, [["float32", [1 << 30], 4 << 30]]])
     raw = PREFIX.pack(MAGIC, VERSION, KVBlock.TAG, len(header), 4 << 30) + header
     data = bytes(link._sealer.seal_frame(raw, [], len(raw))) if link.encrypted else raw
     await trio.to_thread.run_sync(link.sock.sendall, data)
