@@ -265,6 +265,25 @@ async def attack(nodes: list[Any], extras: dict[str, dict[str, Any]]) -> tuple[i
 # -- the gains of issue 45: rumors, a poisoned prefix, stalled shards, a huge frame --------
 
 
+async def connect(hostile: Hostile, peer: str) -> None:
+    """Make sure the member holds a connection to ``peer`` (a node may have hung up an
+    idle one, and libp2p's peer store may not hold the address its table does); a
+    handshake a starved node answers late is tried again."""
+    from libp2p.peer.id import ID
+
+    from hetmesh.discovery.host import dial
+    from hetmesh.errors import AuthenticationFailed, ConnectTimeout
+
+    host = hostile.discovery.host
+    with trio.fail_after(120):
+        while ID.from_base58(peer) not in host.get_network().connections:
+            info = hostile.discovery._info_of(peer)
+            assert info is not None, f"the member knows no address of {peer}"
+            assert info.addrs, f"the member knows no address of {peer}"
+            with contextlib.suppress(AuthenticationFailed, ConnectTimeout):
+                await dial(host, info, timeout_s=10)
+
+
 async def gossip(hostile: Hostile, target: str, *updates: Any) -> None:
     """One GOSSIP message of ``updates`` from the member to ``target``, as altered code
     could write it on the membership protocol."""
@@ -280,6 +299,7 @@ async def gossip(hostile: Hostile, target: str, *updates: Any) -> None:
         Kind.GOSSIP, hostile.peer_id, target, me.boot_id, me.incarnation, me.record_seq
     )
     payload = encode_message(dataclasses.replace(message, updates=updates))
+    await connect(hostile, target)
     stream = await hostile.discovery.host.new_stream(
         ID.from_base58(target), [TProtocol(MEMBERSHIP_PROTOCOL)]
     )
@@ -336,6 +356,8 @@ async def poison_prefix(
         return Reply.from_wire(raw)
 
     async def choose(*_: Any) -> list[Any]:
+        for hop in hops:
+            await connect(hostile, hop.peer_id)
         return hops
 
     async def ping(_peer: str) -> bool:
@@ -370,10 +392,18 @@ async def refused_huge_frame(hostile: Hostile, peer: str) -> None:
     opened), and never its payload; return once ``peer`` has closed the link."""
     import msgpack
 
+    from hetmesh.errors import TransportError
     from hetmesh.transport.frames import MAGIC, PREFIX, VERSION, KVBlock
 
     assert hostile.pool is not None, "open the member with plane=True"
-    link = await hostile.pool.get(peer)
+    with trio.fail_after(120):
+        while True:  # a stream that a busy connection fails to open is opened again
+            await connect(hostile, peer)
+            try:
+                link = await hostile.pool.get(peer)
+                break
+            except TransportError:
+                await trio.sleep(0.5)
     assert link.backend == "tcp", link.backend
     header = msgpack.packb(["hostile", 0, 0, [["float32", [1 << 30], 4 << 30]]])
     raw = PREFIX.pack(MAGIC, VERSION, KVBlock.TAG, len(header), 4 << 30) + header
@@ -400,6 +430,7 @@ async def stalled_shard_requests(
     from hetmesh.shards.fetch import SHARDS_PROTOCOL, request_bytes
     from hetmesh.shards.manifest import Manifest
 
+    await connect(hostile, peer)
     raw = await request_bytes(
         hostile.discovery, peer, manifest_id, "manifest", "", max_bytes=1 << 20
     )
