@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ Phase = tuple[dict[str, Any], tuple[DeviceProfile, ...]]
 class Hostile:
     discovery: Any
     key_pair: Any
+    pool: Any = None  # its data plane's links (``open_hostile_member(plane=True)``)
+    gateway: Any = None  # where its links' token and error frames go (a Gateway)
 
     @property
     def peer_id(self) -> str:
@@ -143,10 +146,17 @@ def plan_forgeries(
 
 @contextlib.asynccontextmanager
 async def open_hostile_member(
-    bootstrap: str, above: str, model: str, *, below: bool = False, secret: str = SECRET
+    bootstrap: str,
+    above: str,
+    model: str,
+    *,
+    below: bool = False,
+    secret: str = SECRET,
+    plane: bool = False,
 ) -> AsyncIterator[Hostile]:
     """A member joined through ``bootstrap`` whose peer id sorts above ``above`` (with
-    ``below``: below it, a ground low id)."""
+    ``below``: below it, a ground low id). With ``plane``: it also runs a data plane
+    (tcp links only, so a test can write raw bytes on one) and takes links from stages."""
     from libp2p import generate_new_ed25519_identity
     from libp2p.peer.id import ID
 
@@ -169,10 +179,34 @@ async def open_hostile_member(
         )
         discovery.set_extra("serving_version", 1)
         discovery.set_extra("model", model)
-        async with trio.open_nursery() as nursery:
+        hostile = Hostile(discovery, key_pair)
+        async with contextlib.AsyncExitStack() as stack:
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            if plane:
+                hostile.pool = await _open_links(stack, hostile, nursery)
             await nursery.start(discovery.serve)
-            yield Hostile(discovery, key_pair)
+            yield hostile
             nursery.cancel_scope.cancel()
+
+
+async def _open_links(stack: contextlib.AsyncExitStack, hostile: Hostile, nursery: Any) -> Any:
+    """A data plane and link pool on the member's host; frames go to its gateway."""
+    from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
+    from hetmesh.transport import DataPlaneConfig, open_data_plane
+
+    host = hostile.discovery.host
+    config = DataPlaneConfig(peer_id=hostile.peer_id, backends=("tcp",))
+    data_plane = await stack.enter_async_context(open_data_plane(config))
+
+    def dispatch(peer: str, link: Any, frame: Any) -> None:
+        if hostile.gateway is not None:
+            hostile.gateway.on_frame(frame, peer)
+        if link is not None:
+            link.release(frame)
+
+    pool = LinkPool(host=host, plane=data_plane, dispatch=dispatch, nursery=nursery)
+    hostile.discovery.add_handler(DATAPLANE_PROTOCOL, pool.handle_incoming)
+    return pool
 
 
 async def attack(nodes: list[Any], extras: dict[str, dict[str, Any]]) -> tuple[int, str]:
@@ -226,3 +260,195 @@ async def attack(nodes: list[Any], extras: dict[str, dict[str, Any]]) -> tuple[i
             if accepted:  # a plan-loop turn (1 s) with the forgery in view
                 await trio.sleep(1.2)
     return reached, hostile.peer_id
+
+
+# -- the gains of issue 45: rumors, a poisoned prefix, stalled shards, a huge frame --------
+
+
+async def connect(hostile: Hostile, peer: str) -> None:
+    """Make sure the member holds a connection to ``peer`` (a node may have hung up an
+    idle one, and libp2p's peer store may not hold the address its table does); a
+    handshake a starved node answers late is tried again."""
+    from libp2p.peer.id import ID
+
+    from hetmesh.discovery.host import dial
+    from hetmesh.errors import AuthenticationFailed, ConnectTimeout
+
+    host = hostile.discovery.host
+    with trio.fail_after(120):
+        while ID.from_base58(peer) not in host.get_network().connections:
+            info = hostile.discovery._info_of(peer)
+            assert info is not None, f"the member knows no address of {peer}"
+            assert info.addrs, f"the member knows no address of {peer}"
+            with contextlib.suppress(AuthenticationFailed, ConnectTimeout):
+                await dial(host, info, timeout_s=10)
+
+
+async def gossip(hostile: Hostile, target: str, *updates: Any) -> None:
+    """One GOSSIP message of ``updates`` from the member to ``target``, as altered code
+    could write it on the membership protocol."""
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.id import ID
+
+    from hetmesh.discovery import wire
+    from hetmesh.discovery.membership_types import Kind, Message
+    from hetmesh.discovery.membership_wire import MEMBERSHIP_PROTOCOL, encode_message
+
+    me = hostile.discovery.table
+    message = Message(
+        Kind.GOSSIP, hostile.peer_id, target, me.boot_id, me.incarnation, me.record_seq
+    )
+    payload = encode_message(dataclasses.replace(message, updates=updates))
+    await connect(hostile, target)
+    stream = await hostile.discovery.host.new_stream(
+        ID.from_base58(target), [TProtocol(MEMBERSHIP_PROTOCOL)]
+    )
+    try:
+        await wire.write_frame(stream, payload)
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.close()
+
+
+def made_up_peer_ids(count: int) -> list[str]:
+    """``count`` peer ids of real form that nobody holds the keys of."""
+    from libp2p import generate_new_ed25519_identity
+    from libp2p.peer.id import ID
+
+    return [
+        ID.from_pubkey(generate_new_ed25519_identity().public_key).to_base58() for _ in range(count)
+    ]
+
+
+def hops_of(plan: dict[str, Any]) -> list[Any]:
+    """The first pipeline of a plan's wire map, as a gateway's hops."""
+    from hetmesh.node.hop import Hop
+
+    stages = plan["pipelines"][0]["stages"]
+    return [Hop(str(s["peer_id"]), int(s["start"]), int(s["end"])) for s in stages]
+
+
+async def poison_prefix(
+    hostile: Hostile, hops: list[Any], victim: list[int], text: list[int], tokens: int
+) -> list[int]:
+    """Run ``text`` through ``hops`` as a gateway (our own Gateway) that names its
+    blocks, on open and on close, by ``victim``'s chained hashes: every stage then
+    caches the member's KV under names a victim's prompt has. Its tokens."""
+    from contextlib import aclosing
+
+    from hetmesh.discovery.rpc import call
+    from hetmesh.node import gateway as gateway_module
+    from hetmesh.node.control import SESSION_PROTOCOL, Reply
+    from hetmesh.partition.sampling import SamplingParams
+
+    assert hostile.pool is not None, "open the member with plane=True"
+    real = gateway_module.block_hashes
+
+    def forged(history: Any, block_tokens: int = 16) -> list[int]:
+        if list(history[: len(text)]) == text:
+            history = [*victim, *history[len(text) :]]
+        return real(history, block_tokens)
+
+    async def control(peer: str, request: Any) -> Any:
+        raw = await call(
+            hostile.discovery.host, peer, SESSION_PROTOCOL, request.to_wire(), timeout_s=30
+        )
+        return Reply.from_wire(raw)
+
+    async def choose(*_: Any) -> list[Any]:
+        for hop in hops:
+            await connect(hostile, hop.peer_id)
+        return hops
+
+    async def ping(_peer: str) -> bool:
+        return True
+
+    hostile.gateway = gateway_module.Gateway(
+        peer_id=hostile.peer_id,
+        control=control,
+        send=hostile.pool.send,
+        choose=choose,
+        ping=ping,
+        eos_token_ids=frozenset(),
+        max_context=512,
+        split_prefill=False,
+    )
+    out: list[int] = []
+    gateway_module.block_hashes = forged  # type: ignore[attr-defined]
+    try:
+        params = SamplingParams(max_new_tokens=tokens)
+        async with aclosing(hostile.gateway.generate(text, params)) as stream:
+            async for token in stream:
+                out.append(token)
+    finally:
+        gateway_module.block_hashes = real  # type: ignore[attr-defined]
+        hostile.gateway = None
+    return out
+
+
+async def refused_huge_frame(hostile: Hostile, peer: str) -> None:
+    """Open a tcp link to ``peer`` and write a KVBlock's prefix and well-formed header
+    declaring one float32 tensor of 4 GiB (what the wire allows; a session nobody
+    opened), and never its payload; return once ``peer`` has closed the link."""
+    import msgpack
+
+    from hetmesh.errors import TransportError
+    from hetmesh.transport.frames import MAGIC, PREFIX, VERSION, KVBlock
+
+    assert hostile.pool is not None, "open the member with plane=True"
+    with trio.fail_after(120):
+        while True:  # a stream that a busy connection fails to open is opened again
+            await connect(hostile, peer)
+            try:
+                link = await hostile.pool.get(peer)
+                break
+            except TransportError:
+                await trio.sleep(0.5)
+    assert link.backend == "tcp", link.backend
+    header = msgpack.packb(["hostile", 0, 0, [["float32", [1 << 30], 4 << 30]]])
+    raw = PREFIX.pack(MAGIC, VERSION, KVBlock.TAG, len(header), 4 << 30) + header
+    data = bytes(link._sealer.seal_frame(raw, [], len(raw))) if link.encrypted else raw
+    await trio.to_thread.run_sync(link.sock.sendall, data)
+    with trio.fail_after(60):
+        while peer in hostile.pool.links():  # noqa: ASYNC110 - the link's reader drops it
+            await trio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def stalled_shard_requests(
+    hostile: Hostile, peer: str, manifest_id: str, count: int
+) -> AsyncIterator[None]:
+    """``count`` shard requests to ``peer`` held open: the first asks for the largest
+    tensor and stops reading after its first bytes, the others never send a request.
+    All reset on exit."""
+    import json
+
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.id import ID
+
+    from hetmesh.discovery import wire
+    from hetmesh.shards.fetch import SHARDS_PROTOCOL, request_bytes
+    from hetmesh.shards.manifest import Manifest
+
+    await connect(hostile, peer)
+    raw = await request_bytes(
+        hostile.discovery, peer, manifest_id, "manifest", "", max_bytes=1 << 20
+    )
+    assert raw is not None, "the holder answered no manifest"
+    manifest = Manifest.from_json(json.loads(raw))
+    big = max(manifest.tensors, key=lambda t: t.nbytes)
+    host = hostile.discovery.host
+    streams = []
+    try:
+        for i in range(count):
+            stream = await host.new_stream(ID.from_base58(peer), [TProtocol(SHARDS_PROTOCOL)])
+            streams.append(stream)
+            if i == 0:
+                request = {"manifest": manifest_id, "kind": "tensor", "name": big.name}
+                await wire.write_frame(stream, wire.encode(request))
+                await stream.read(1024)  # its reply has begun; then nothing is read
+        yield
+    finally:
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.reset()
