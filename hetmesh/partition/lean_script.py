@@ -12,6 +12,13 @@ Exactness: the function runs with the graph executor's optimisations off
 drops an op: each ATen op gets what it got from Python, and tests compare
 the logits bit for bit with :func:`lean_decode` and transformers' layers.
 
+Attention is exact attention's way for the stage's shape: where
+:func:`~hetmesh.partition.exact_gemm.gemm_is_exact` holds (the default model on
+the project's Xeon), :func:`_gemm_step` makes ``gemm_attention``'s products for
+the one query, op for op, over the session's keys from its first slot (so a
+lone step's bits are a batched step's); else one ``sdpa`` call, as the
+per-query way makes it.
+
 For int4 layers of separate or fused products (:func:`script_plan`: no
 biases, no padded products, fp32 norm weights): other stages keep
 :func:`lean_decode`. ``HETMESH_LEAN_SCRIPT=0`` turns it off. The function is
@@ -31,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.jit._fuser import optimized_execution
 
+from hetmesh.partition import exact_gemm
+from hetmesh.partition.exact_gemm import KEY_BLOCK, MIN_KEYS, ROW_MINIMUMS, gemm_is_exact
 from hetmesh.partition.lean import LeanLayer
 from hetmesh.partition.quant import INT4_GROUP
 
@@ -40,6 +49,61 @@ SCRIPT_ENV = "HETMESH_LEAN_SCRIPT"
 def script_default() -> bool:
     """Whether a lean stage runs its decode steps' int4 layers scripted (env, on unless ``0``)."""
     return os.environ.get(SCRIPT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _gemm_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lo: int,
+    hi: int,
+    scale: float,
+    sizes: list[int],
+) -> torch.Tensor:
+    """exact_gemm.gemm_attention for one query position of one row seeing keys
+    ``[lo, hi)``: the same ops on the same tensors, in the same order (its one query
+    tile; its mask of that row built here). ``sizes``: its rows per product at least,
+    MIN_KEYS and KEY_BLOCK (TorchScript reads no module constants)."""
+    min_rows, min_keys, key_block = sizes[0], sizes[1], sizes[2]
+    batch, heads, seq, dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if total < min_keys:
+        key = F.pad(key, [0, 0, 0, min_keys - total])
+        value = F.pad(value, [0, 0, 0, min_keys - total])
+        total = min_keys
+    need = min(max(min_keys, hi), total)
+    q = query.reshape(batch, kv_heads, groups, seq, dim).transpose(2, 3)
+    k = key.reshape(batch * kv_heads, total, dim)
+    v = value.reshape(batch * kv_heads, total, dim)
+    qt = q[:, :, 0:seq].reshape(batch * kv_heads, seq * groups, dim)
+    short = min_rows - seq * groups
+    if short > 0:
+        qt = F.pad(qt, [0, 0, 0, short])
+    scores = torch.bmm(qt, k[:, :need].transpose(1, 2))
+    if short > 0:
+        scores = scores[:, : seq * groups]
+    scores = scores.view(batch, kv_heads, seq, groups, need).mul_(scale)
+    if lo > 0 or hi < need:
+        at = torch.arange(total)
+        masked = (at < lo) | (at >= hi)
+        scores.masked_fill_(masked[:need], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(batch * kv_heads, seq * groups, need)
+    if short > 0:
+        weights = F.pad(weights, [0, 0, 0, short])
+    out = torch.empty(0)
+    for k0 in range(0, need, key_block):
+        k1 = min(need, k0 + key_block)
+        w, vb = weights[:, :, k0:k1], v[:, k0:k1]
+        if k1 - k0 < min_keys:
+            w = F.pad(w, [0, min_keys - (k1 - k0)])
+            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
+        part = torch.bmm(w, vb)
+        out = part if k0 == 0 else out.add_(part)
+    if short > 0:
+        out = out[:, : seq * groups]
+    out = out.view(batch, kv_heads, seq, groups, dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(batch, seq, heads, dim)
 
 
 def _layers(
@@ -59,6 +123,8 @@ def _layers(
     sin_signed: torch.Tensor,
     dim: int,
     group: int,
+    first: int,
+    gemm: list[int],
 ) -> torch.Tensor:
     """lean.lean_decode for each layer in turn (the same ops; see that function). Layer
     ``i``'s tensors start at ``weights[offsets[i]]``: norm, q, k, v, o, norm, gate, up,
@@ -85,11 +151,19 @@ def _layers(
             k = torch.mul(torch.roll(k, dim // 2, -1), sin_signed).add_(k * cos)
         keys[index, :, slot] = k.view(-1, dim)
         values[index, :, slot] = v.view(-1, dim)
-        held = keys[index : index + 1, :, starts[i] : end].to(torch.float32)
-        held_values = values[index : index + 1, :, starts[i] : end].to(torch.float32)
-        out = F.scaled_dot_product_attention(
-            q.view(1, held.shape[1], -1, dim), held, held_values, scale=scaling[i]
-        )
+        if len(gemm) > 0:  # exact_gemm's products, as lean_decode calls them
+            whole = keys[index : index + 1, :, first:end].to(torch.float32)
+            whole_values = values[index : index + 1, :, first:end].to(torch.float32)
+            query = q.reshape(1, 1, -1, dim).transpose(1, 2)
+            out = _gemm_step(
+                query, whole, whole_values, starts[i] - first, end - first, scaling[i], gemm
+            )
+        else:
+            held = keys[index : index + 1, :, starts[i] : end].to(torch.float32)
+            held_values = values[index : index + 1, :, starts[i] : end].to(torch.float32)
+            out = F.scaled_dot_product_attention(
+                q.view(1, held.shape[1], -1, dim), held, held_values, scale=scaling[i]
+            )
         at = 3 if q_end > 0 else 7  # o's tensors, then the second norm, gate (|up), ...
         o = torch._weight_int4pack_mm_for_cpu(
             out.view(1, -1).to(torch.bfloat16), weights[b + at], group, weights[b + at + 1]
@@ -111,6 +185,15 @@ def _layers(
         down = torch._weight_int4pack_mm_for_cpu(both, weights[b + at], group, weights[b + at + 1])
         hidden = hidden + down
     return hidden
+
+
+def gemm_rows(heads: int, kv_heads: int, dim: int) -> int:
+    """The rows per product that exact attention's products take for this shape (as
+    :func:`~hetmesh.partition.exact_gemm.gemm_attention` picks them), 0 where exact
+    attention makes one call per query (:func:`gemm_is_exact` is False)."""
+    if not gemm_is_exact(heads, kv_heads, dim):
+        return 0
+    return exact_gemm._VERDICTS.get((heads, kv_heads, dim)) or ROW_MINIMUMS[0]
 
 
 _compiled: Any = None
@@ -206,9 +289,13 @@ def decode_layers(
     end: int,
     cos: torch.Tensor,
     sin_signed: torch.Tensor,
+    first: int = 0,
+    gemm_rows: int = 0,
 ) -> torch.Tensor:
     """The layers of ``plan`` for one decode token ``hidden (1, h)`` float32: its KV goes to
-    ``slot`` of ``pool``; layer ``i`` attends to slots ``[starts[i], end)``."""
+    ``slot`` of ``pool``; layer ``i`` attends to slots ``[starts[i], end)``. ``gemm_rows``
+    > 0: attention by exact_gemm's products (that many rows a product at least) over the
+    session's keys from its first slot ``first``; 0: one sdpa call (the per-query way)."""
     function = _script()  # compiled: script_plan made the plan
     with optimized_execution(False):  # op for op: no fusion, no reordering
         out: torch.Tensor = function(
@@ -228,8 +315,17 @@ def decode_layers(
             sin_signed,
             plan.dim,
             INT4_GROUP,
+            first,
+            [gemm_rows, MIN_KEYS, KEY_BLOCK] if gemm_rows > 0 else [],
         )
     return out
 
 
-__all__ = ["SCRIPT_ENV", "ScriptPlan", "decode_layers", "script_default", "script_plan"]
+__all__ = [
+    "SCRIPT_ENV",
+    "ScriptPlan",
+    "decode_layers",
+    "gemm_rows",
+    "script_default",
+    "script_plan",
+]

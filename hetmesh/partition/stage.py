@@ -45,7 +45,6 @@ from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
 from hetmesh.partition.attention import EXACT_ATTENTION, QuerySpans
 from hetmesh.partition.attention import register as register_exact_attention
 from hetmesh.partition.checkpoint import settle_weights
-from hetmesh.partition.exact_gemm import gemm_is_exact
 from hetmesh.partition.exact_linear import make_exact
 from hetmesh.partition.formats import (
     NATIVE,
@@ -70,7 +69,13 @@ from hetmesh.partition.lean import (
     rope_tables,
 )
 from hetmesh.partition.lean import supports as supports_lean
-from hetmesh.partition.lean_script import ScriptPlan, decode_layers, script_default, script_plan
+from hetmesh.partition.lean_script import (
+    ScriptPlan,
+    decode_layers,
+    gemm_rows,
+    script_default,
+    script_plan,
+)
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
@@ -624,20 +629,26 @@ class StageModule(nn.Module):
         starts = [base + (0 if w is None else max(0, position - w + 1)) for w in windows]
         end = base + position + 1
         row = hidden[0]
-        # the script's attention is one sdpa call: only where exact attention's is too
-        script = self._script_plan(plans) if self.lean_script and not self._gemm() else None
-        if script is not None:
-            return decode_layers(script, row, pool, end - 1, starts, end, *rope)[None]
+        script = self._script_plan(plans) if self.lean_script else None
+        if script is not None:  # attention as exact attention computes it for this shape
+            rows = self._gemm_rows()
+            row = decode_layers(script, row, pool, end - 1, starts, end, *rope, base, rows)
+            return row[None]
         for plan, start in zip(plans, starts, strict=True):
             row = lean_decode(plan, row, pool, end - 1, (start, end), *rope, first=base)
         return row[None]
 
     def _gemm(self) -> bool:
         """Whether exact attention takes :mod:`~hetmesh.partition.exact_gemm` here."""
+        return self._gemm_rows() > 0
+
+    def _gemm_rows(self) -> int:
+        """Rows per product of exact attention's products here, 0 where it makes one call
+        per query (:func:`~hetmesh.partition.lean_script.gemm_rows`)."""
         config = self.config
         heads = config.num_attention_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return gemm_is_exact(heads, config.num_key_value_heads, dim)
+        return gemm_rows(heads, config.num_key_value_heads, dim)
 
     def _script_plan(self, plans: list[LeanLayer]) -> ScriptPlan | None:
         """:func:`script_plan` of these layers (read once per run of layers)."""

@@ -51,9 +51,9 @@ def test_lean_default_model_matches_transformers_layers(
         monkeypatch.setattr(stage_module, name, counted)
     expected = _greedy_logits(stage, lean=False)
     got = _greedy_logits(stage, lean=True)
-    # each int4 decode step scripted (one call), plain or fused, unless exact attention
-    # takes products here (the script's one sdpa call would round otherwise: lean_decode)
-    scripted = fmt == "int4" and not stage._gemm()
+    # each int4 decode step scripted (one call), plain or fused, its attention exact
+    # attention's way for this shape (products, or one call per query)
+    scripted = fmt == "int4"
     per_run = STEPS * stage.num_layers if fmt == "int4" else 0
     assert calls["decode_layers"] == (STEPS if scripted else 0)
     assert calls["lean_decode"] == (0 if scripted else per_run)

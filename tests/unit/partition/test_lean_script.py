@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from hetmesh.partition import exact_gemm
 from hetmesh.partition import stage as stage_module
-from hetmesh.partition.exact_gemm import per_query_calls
+from hetmesh.partition.exact_gemm import WIDE_ROWS, per_query_calls
 from hetmesh.partition.lean_script import SCRIPT_ENV, script_default
 from hetmesh.partition.stage import StageModule, load_stage
 
@@ -29,7 +30,7 @@ def wide_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
-        "max_position_embeddings": 128,
+        "max_position_embeddings": 320,
         "tie_word_embeddings": False,
     }
     if request.param == "llama":
@@ -92,21 +93,37 @@ def test_scripted_decode_steps_bit_identical(
         assert torch.equal(b, c)
 
 
-def test_where_exact_attention_takes_products_the_script_steps_aside(
-    monkeypatch: pytest.MonkeyPatch, wide_dir: Path
+@pytest.mark.parametrize("rows", [None, WIDE_ROWS])
+@pytest.mark.parametrize("prompt_length", [13, 250])
+def test_where_exact_attention_takes_products_the_script_takes_them_too(
+    monkeypatch: pytest.MonkeyPatch, wide_dir: Path, prompt_length: int, rows: int | None
 ) -> None:
-    """Exact attention in products (hetmesh.partition.exact_gemm) rounds otherwise than
-    the script's one sdpa call: a lone decode step then goes through lean_decode, which
-    computes it the products' way, so its bits are those of a batched step."""
+    """Exact attention in products (hetmesh.partition.exact_gemm) rounds otherwise than one
+    sdpa call: the scripted step then computes attention the products' way, so its bits
+    are those of lean_decode, lean layers and transformers' layers. 13 tokens: the first
+    steps' keys are padded to 16; 250: the steps cross the key block at 256 (a block of
+    one key, padded). ``rows``: the probe's verdict for the shape forced to WIDE_ROWS
+    rows a product (as for Llama 3.x 8B's heads: a step's two query heads a key head
+    padded with zero rows), else the probe's own."""
     stage = load_stage(wide_dir, 0, 5, weights="int4")
     products = stage._gemm()  # whether this shape's exact attention does, on this CPU
+    if not products:
+        pytest.skip("exact attention makes one call per query for this shape on this CPU")
+    if rows is not None:
+        monkeypatch.setitem(exact_gemm._VERDICTS, (4, 2, 32), rows)
+        assert stage._gemm_rows() == rows
     calls = _count_scripted_steps(monkeypatch)
-    prompt = torch.randint(4, VOCAB, (13,), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(4, VOCAB, (prompt_length,), generator=torch.Generator().manual_seed(2))
     eager = _decode(stage, prompt, 10, lean=False)
-    lean = _decode(stage, prompt, 10, lean=True, lean_script=True)
-    assert len(calls) == (0 if products else 10)
-    for a, b in zip(lean, eager, strict=True):
-        assert torch.equal(a, b)
+    lean = _decode(stage, prompt, 10, lean=True, lean_decode=False)
+    unscripted = _decode(stage, prompt, 10, lean=True, lean_decode=True, lean_script=False)
+    assert not calls
+    scripted = _decode(stage, prompt, 10, lean=True, lean_script=True)
+    assert len(calls) == 10  # one call a decode step, every layer inside it
+    for a, b, c, d in zip(scripted, unscripted, lean, eager, strict=True):
+        assert torch.equal(a, d)
+        assert torch.equal(b, d)
+        assert torch.equal(c, d)
 
 
 def test_scripted_middle_stage_bit_identical(wide_dir: Path) -> None:
