@@ -284,3 +284,27 @@ def test_float32_packed_calls_of_every_row_count_share_one_class(out: int, inp: 
         not torch.equal(mm(x[i : i + 1], packed, w, None, 1), alone[i : i + 1]) for i in range(16)
     ]
     assert not any(ones)
+
+
+def test_a_lone_rows_1_row_call_gives_the_same_bits_at_1_and_2_threads() -> None:
+    """A node's torch threads need not be the reference process's: a decode step's
+    1-row packed call, and the same row in a call of many, give the same bits at 1
+    and 2 threads."""
+    w = _weight(1536, 576, torch.float32)
+    packed = el.mkl_pack(w)
+    assert packed is not None
+    x = _rows(12, 576, torch.float32)
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = (
+                _alone(w, x, packed=packed, lone=True),  # type: ignore[arg-type]
+                exact_linear(x, w, None, packed=packed, lone=True),
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1][0], got[2][0])
+    assert torch.equal(got[1][1], got[2][1])
+    assert torch.equal(got[1][0], got[1][1])
