@@ -71,7 +71,7 @@ and a stream may then find no route) is asked again up to 5 times
 reference (``retried_prefix_differs`` counts those that are not: 0). A stream
 refused before its first token for want of a route (``NoRoute``: the mesh
 replans, e.g. on a link's measured bandwidth drifting on a loaded machine) is
-asked again every 2 s, up to 20 min (``route_refusals``). A stream
+asked again every 2 s, up to 20 min a try (``route_refusals``). A stream
 failed every time is counted in ``streams_failed``, not compared.
 """
 
@@ -258,6 +258,10 @@ def mesh_streams(
                                 tries += 1
                                 if tries <= STREAM_RETRIES:
                                     retried += 1
+                                    # each try may wait for a route afresh: else, once
+                                    # one long outage used the wait, the next refusals
+                                    # spend the retries 2 s apart
+                                    give_up = time.monotonic() + ROUTE_WAIT_S
                                     await trio.sleep(2.0)
                                     continue
                                 failed += 1
