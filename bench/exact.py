@@ -38,8 +38,17 @@ stream of 120 tokens after a chat-sized prompt runs; at its 20th token the
 replica computing it (the one whose CPU time grows while tokens come, or the one
 whose announced load shows the session) gets SIGSTOP and, once 3 more tokens came
 (the session replayed on the other replica: ``freeze_runs_recovered``) or 20 s
-passed, SIGCONT. 1 only when every run froze a replica (``freeze_runs_frozen`` =
-``freeze_runs``) and every stream equals one process (each generated alone).
+passed, SIGCONT (the stream is read meanwhile). A run whose serving replica is
+not clear within 30 s (a starved machine), or whose stream ended first, froze
+nothing: its stream is still compared, and the run is made again
+(``freeze_runs_redone``, at most ``--freeze-runs`` more). 1 only when
+``--freeze-runs`` runs froze their replica (``freeze_runs_frozen``) and every
+stream made equals one process (which equals the stream generated alone).
+
+A mesh that does not start (a node not up in 300 s, or one that exited, on a
+starved machine) is torn down and started again, up to 3 starts
+(``mesh_start_retries`` counts them, ``mesh_start_failures`` says why); only
+its streams' outcome counts, so no key is weakened.
 
 ``--speed`` instead measures what exactness costs, in one process: the default
 model in ``--speed-format`` loaded three times (``exact``: exact attention and,
@@ -47,7 +56,9 @@ in float32/bfloat16, row-invariant linear layers; ``plain_linear``: exact attent
 torch's linear layers; ``sdpa``: torch's attention and linear layers), measured
 in alternation in the same run, CPU time of one thread (steadier than wall time
 on a shared machine): a decode step of one session, a decode round of 8
-sessions, a 291-token prefill.
+sessions, a 291-token prefill; and ``exact_padded``: a decode step of the ``exact``
+stage with its fp32 layers' lone row padded to 2 (the way before 1-row packed
+calls; ``speed_lone_row_layers`` counts the layers taking 1-row calls).
 
 Figures are ratios of equal streams: a loaded machine makes the run slower,
 never different. A stream the mesh refuses as busy (admission: every pipeline
@@ -60,7 +71,7 @@ and a stream may then find no route) is asked again up to 5 times
 reference (``retried_prefix_differs`` counts those that are not: 0). A stream
 refused before its first token for want of a route (``NoRoute``: the mesh
 replans, e.g. on a link's measured bandwidth drifting on a loaded machine) is
-asked again every 2 s, up to 20 min (``route_refusals``). A stream
+asked again every 2 s, up to 20 min a try (``route_refusals``). A stream
 failed every time is counted in ``streams_failed``, not compared.
 """
 
@@ -77,13 +88,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hetmesh.errors import InsufficientCapacity, MeshError, NoRoute, Rejected
+
+T = TypeVar("T")
 
 FORMATS = ("int4", "int8", "bfloat16", "float32")
 CONTEXT = 1536
@@ -97,6 +110,58 @@ REFERENCE_ROUND = 16  # the reference's decode rounds: as many rows as clients
 # MiB in int4, ~345 in int8, ~470 in bf16) that makes the planner cut it
 WHOLE_MEMORY = "2GiB"
 CUT_MEMORY = {"int4": "240MiB", "int8": "260MiB", "bfloat16": "340MiB", "float32": "520MiB"}
+MESH_STARTS = 3  # a mesh that does not start (a node starved at load 25) is started again
+NODE_START_S = 300.0  # how long one node may take to start (its model loaded)
+SERVE_WAIT_S = 600.0  # how long a started mesh may take to serve
+
+
+def start_with_retries(
+    start: Callable[[], T], what: str, tries: int = MESH_STARTS, retries: list[str] | None = None
+) -> T:
+    """``start()``, tried again (up to ``tries`` times in all) while it raises a
+    :class:`MeshError` (a node that did not start or exited, a mesh that did not serve);
+    each failure is logged and appended to ``retries``; the last one raises."""
+    for attempt in range(1, tries + 1):
+        try:
+            return start()
+        except MeshError as exc:
+            if attempt == tries:
+                raise
+            print(f"{what}: start {attempt} of {tries} failed: {exc!r}", file=sys.stderr)
+            if retries is not None:
+                retries.append(repr(exc))
+    raise AssertionError("unreachable")  # tries >= 1 returns or raises above
+
+
+@contextlib.contextmanager
+def started_mesh(
+    what: str,
+    node_args: Sequence[str],
+    *,
+    per_node_args: Sequence[Sequence[str]] = (),
+    pipelines: int = 1,
+    retries: list[str],
+) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """A 3-node local mesh serving ``pipelines`` pipelines, and its view; a start
+    that fails (see :func:`start_with_retries`) is torn down and made again."""
+    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
+
+    def start() -> tuple[contextlib.ExitStack, Any, dict[str, Any]]:
+        stack = contextlib.ExitStack()
+        try:
+            opened = local_mesh(
+                3, node_args=node_args, per_node_args=per_node_args, start_timeout_s=NODE_START_S
+            )
+            mesh = stack.enter_context(opened)
+            view = wait_serving(mesh, pipelines=pipelines, timeout_s=SERVE_WAIT_S)
+        except BaseException:
+            stack.close()
+            raise
+        return stack, mesh, view
+
+    stack, mesh, view = start_with_retries(start, what, retries=retries)
+    with stack:
+        yield mesh, view
 
 
 def stream_mix(seed: int, count: int, quick: bool) -> list[tuple[list[int], int]]:
@@ -137,7 +202,6 @@ def mesh_streams(
     import trio
 
     from hetmesh.client.mesh import open_mesh_client
-    from hetmesh.testbed.local_mesh import local_mesh, wait_serving
 
     args = [
         *("--weights", fmt, "--max-memory", memory, "--max-context", str(CONTEXT)),
@@ -147,9 +211,10 @@ def mesh_streams(
     partial: list[tuple[int, list[int]]] = []  # failed tries: what they delivered
     failed = busy = retried = unrouted = 0
     preempted: list[int] = []
+    start_retries: list[str] = []
     began = time.perf_counter()
-    with local_mesh(3, node_args=args) as mesh:
-        view = wait_serving(mesh, pipelines=pipelines, timeout_s=600)
+    what = f"{fmt} mesh ({memory})"
+    with started_mesh(what, args, pipelines=pipelines, retries=start_retries) as (mesh, view):
         ready_s = time.perf_counter() - began
         # the units each node holds: whole-model replicas, or a cut
         layout = sorted(
@@ -193,6 +258,10 @@ def mesh_streams(
                                 tries += 1
                                 if tries <= STREAM_RETRIES:
                                     retried += 1
+                                    # each try may wait for a route afresh: else, once
+                                    # one long outage used the wait, the next refusals
+                                    # spend the retries 2 s apart
+                                    give_up = time.monotonic() + ROUTE_WAIT_S
                                     await trio.sleep(2.0)
                                     continue
                                 failed += 1
@@ -215,6 +284,7 @@ def mesh_streams(
         "layout": layout,
         "preempted": preempted[0] if preempted else 0,
         "ready_s": round(ready_s, 1),
+        "start_retries": start_retries,
     }
 
 
@@ -436,6 +506,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with concurrent.futures.ThreadPoolExecutor(max(1, args.parallel)) as pool:
             for future in [pool.submit(timed, *job) for job in jobs]:
                 future.result()
+    start_retries: list[str] = []  # a mesh's failed starts, each made again
     for fmt in formats:
         ref = outcome[f"{fmt}_reference"]
         done: list[tuple[int, list[int]]] = []
@@ -453,6 +524,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["retried_prefix_differs"] += part != want[: len(part)]
             offset += len(mixes[fmt, topology])
             result["preemptions"] += got["preempted"]
+            start_retries.extend(got["start_retries"])
             result[f"{fmt}_{topology}_layout"] = got["layout"]
             print(
                 f"{fmt} {topology}: {len(got['done'])} streams, {got['failed']} failed, "
@@ -469,20 +541,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{key}_identical_ratio"] = round(equal / len(done), 4) if done else 0.0
         result[f"{key}_streams"] = len(done)
     if args.freeze_runs:
+        from exact_freeze import judge_freezes
+
         ref = outcome["int4_reference"]
         want, alone_tokens = ref["wants"][freeze_at], ref["alone"][freeze_at]
-        outputs = outcome["freeze"]
-        # the freeze stream is generated alone too: it must equal the rounds' as well
-        equal = sum(o["tokens"] == want for o in outputs) if alone_tokens == want else 0
-        frozen = sum(o["frozen"] for o in outputs)
-        result["freeze_runs"] = len(outputs)
-        result["freeze_runs_frozen"] = frozen
-        result["freeze_runs_recovered"] = sum(o["recovered"] for o in outputs)
-        # 1 only when every run froze its serving replica and every stream equals one
-        # process: a run that froze nothing checks nothing
-        result["freeze_runs_identical"] = int(
-            bool(outputs) and frozen == len(outputs) and equal == len(outputs)
-        )
+        freezes = outcome["freeze"]
+        start_retries.extend(freezes["start_retries"])
+        # every run made is compared, the redone ones too; the freeze stream is
+        # generated alone as well: it must equal the rounds' (see judge_freezes)
+        result.update(judge_freezes(freezes["outputs"], args.freeze_runs, want, alone_tokens))
+    result["mesh_start_retries"] = len(start_retries)
+    result["mesh_start_failures"] = start_retries
     result["phase_seconds"] = phases
     result["parallel_jobs"] = args.parallel
     result["load_average"] = load.summary()

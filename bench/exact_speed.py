@@ -5,9 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+
+@contextlib.contextmanager
+def padded_lone_rows(stage: torch.nn.Module) -> Iterator[int]:
+    """``stage``'s fp32 layers pad a lone row to 2 (the way before 1-row packed calls);
+    yields how many layers took 1-row calls."""
+    from hetmesh.partition.exact_linear import ExactLinear
+
+    lone = [m for m in stage.modules() if isinstance(m, ExactLinear) and m.lone]
+    for m in lone:
+        m.lone = False
+    try:
+        yield len(lone)
+    finally:
+        for m in lone:
+            m.lone = True
 
 
 def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
@@ -59,9 +76,13 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
         return time.thread_time() - began
 
     # "exact_calls": the exact stage with one attention call per query (exact_gemm's
-    # products off), the way before them
+    # products off), the way before them; "exact_padded" (a decode step only): the
+    # exact stage with a lone row padded to 2 in its fp32 products, the way before
+    # 1-row packed calls
     names = [*stages, "exact_calls"]
     best: dict[str, dict[str, float]] = {i: {} for i in names}
+    padded: list[float] = []
+    lone_layers: list[int] = []
     for rep in range(repeats):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
@@ -70,6 +91,9 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
                 for what, fn in (("decode", single), ("round8", batched), ("prefill", prefill)):
                     t = fn(stages["exact" if calls else name])
                     best[name][what] = min(best[name].get(what, t), t)
+        with padded_lone_rows(stages["exact"]) as flipped:
+            padded.append(single(stages["exact"]))
+        lone_layers.append(flipped)
     out: dict[str, Any] = {"speed_format": fmt, "speed_prefill_tokens": len(prompts[-1])}
     for what in ("decode", "round8", "prefill"):
         for name in names:
@@ -77,4 +101,7 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
         out[f"speed_{what}_ratio"] = round(best["exact"][what] / best["sdpa"][what], 3)
         plain = best["plain_linear"][what]
         out[f"speed_{what}_ratio_vs_plain_linear"] = round(best["exact"][what] / plain, 3)
+    out["speed_decode_ms_exact_padded"] = round(1e3 * min(padded), 2)
+    out["speed_decode_ratio_padded"] = round(min(padded) / best["sdpa"]["decode"], 3)
+    out["speed_lone_row_layers"] = lone_layers[-1] if lone_layers else 0
     return out

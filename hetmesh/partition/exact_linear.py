@@ -17,9 +17,13 @@ project's Xeon (torch 2.13, MKL 2024.2, oneDNN 3.12; docs/weights.md,
   call of 2 rows or more, and is as fast as ``F.linear`` from 2 rows to
   hundreds (faster for a decode round: the weight is not repacked per call).
   :func:`exact_linear` computes fp32 rows that way, in tiles of up to
-  :data:`FLOAT32_PACKED_TILE` rows, a lone row padded with a zero row (as fast
-  as the matrix-vector kernel). The packed copy replaces the layer's weight
-  (kept only where another module shares its bytes, as a tied head does).
+  :data:`FLOAT32_PACKED_TILE` rows. A lone row (a decode step) takes a 1-row
+  packed call: on this Xeon it gives the row the bits of every larger call
+  (every shape probed, 1 and 2 threads) and, weights streamed from memory, is
+  ~3 % faster than torch's matrix-vector kernel, where a row padded with a zero
+  row (the fallback, where the probe refuses the 1-row call) is ~7 % slower.
+  The packed copy replaces the layer's weight (kept only where another module
+  shares its bytes, as a tied head does).
   Without MKL's packed product the rows go in tiles of 2 to 15 rows (the
   small-matrix class; a long prefill then pays ~2.5x).
 * ``bfloat16`` ``F.linear`` (oneDNN) gives a row the same result for up to 32
@@ -31,7 +35,8 @@ its own way; its packed product differs at 3 rows for K = 2,048; oneDNN's
 ``weight @ x.T`` differs past 3 rows at K = 8,192), and so may another CPU or
 BLAS. So :func:`make_exact` probes each distinct weight shape once, at load:
 random rows computed in calls of 1 to 300 rows must equal the same rows
-computed one by one, else the next way is probed (packed, then small tiles,
+computed one by one, else the next way is probed (packed with 1-row calls,
+packed with a lone row padded to 2, then small tiles,
 then one row per call: invariant by construction, every call has the same
 shape; slower for a prefill, unchanged for a decode step).
 """
@@ -99,13 +104,17 @@ _MKL_LINEAR: Any = None
 
 
 def _packed(
-    rows: torch.Tensor, packed: torch.Tensor, shape_of: torch.Tensor, tile: int
+    rows: torch.Tensor, packed: torch.Tensor, shape_of: torch.Tensor, tile: int, lone: bool
 ) -> torch.Tensor:
-    """``rows @ weight.T`` by MKL's packed product, every call 2 to ``tile`` rows.
+    """``rows @ weight.T`` by MKL's packed product, every call 2 to ``tile`` rows, a
+    lone row in a call of its own where ``lone`` (else padded with a zero row).
     ``shape_of`` only gives the weight's shape (the call reads no other of its data
     when the row count passed is the call's own)."""
     mm = _mkl_linear()
     count = rows.shape[0]
+    if count == 1 and lone:
+        alone: torch.Tensor = mm(rows.contiguous(), packed, shape_of, None, 1)
+        return alone
     if count == 1:  # a decode step: the lean path (its overhead shows per step)
         pair = torch.cat((rows, _zero_row(rows.shape[1])))
         out: torch.Tensor = mm(pair, packed, shape_of, None, 2)[:1]
@@ -126,16 +135,18 @@ def exact_linear(
     tiled: bool = True,
     packed: torch.Tensor | None = None,
     tile: int = FLOAT32_PACKED_TILE,
+    lone: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be alone:
     by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
-    only gives the shape) in calls of up to ``tile`` rows, else in tiles (see the
-    module's docstring), or one row per call where not ``tiled``."""
+    only gives the shape) in calls of up to ``tile`` rows (a lone row in a 1-row call
+    where ``lone``, else padded to 2), else in tiles (see the module's docstring), or
+    one row per call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
-        out = _packed(rows, packed, weight, tile)
+        out = _packed(rows, packed, weight, tile, lone)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
         parts = [F.linear(row, weight) for row in torch.split(rows, 1)]
         out = torch.cat(parts) if count > 1 else parts[0]
@@ -172,6 +183,7 @@ class ExactLinear(nn.Linear):
     tiled: bool = True
     packed: torch.Tensor | None = None
     tile: int = FLOAT32_PACKED_TILE
+    lone: bool = False  # a lone row takes a 1-row packed call (proved per shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
@@ -183,16 +195,27 @@ class ExactLinear(nn.Linear):
         ):
             # a decode step's lone row: the same call as exact_linear's, without its
             # reshapes and checks (~6 of its ~15 us, on each of a step's ~200 products)
+            if self.lone:
+                row = x.reshape(1, -1).contiguous()
+                one: torch.Tensor = _mkl_linear()(row, packed, self.weight, None, 1)
+                return one.view(*x.shape[:-1], self.out_features)
             pair = torch.cat((x.reshape(1, -1), _zero_row(self.in_features)))
             out: torch.Tensor = _mkl_linear()(pair, packed, self.weight, None, 2)[:1]
             return out.view(*x.shape[:-1], self.out_features)
         return exact_linear(
-            x, self.weight, self.bias, tiled=self.tiled, packed=self.packed, tile=self.tile
+            x,
+            self.weight,
+            self.bias,
+            tiled=self.tiled,
+            packed=self.packed,
+            tile=self.tile,
+            lone=self.lone,
         )
 
     def extra_repr(self) -> str:
         if self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
+            how += ", a lone row alone" if self.lone else ", a lone row padded to 2"
         else:
             how = ", row tiles" if self.tiled else ", one row per call"
         return super().extra_repr() + how
@@ -203,26 +226,34 @@ def _probe_sizes(weight: torch.Tensor) -> list[int]:
 
 
 def tiles_are_exact(
-    weight: torch.Tensor, packed: torch.Tensor | None = None, tile: int = FLOAT32_PACKED_TILE
+    weight: torch.Tensor,
+    packed: torch.Tensor | None = None,
+    tile: int = FLOAT32_PACKED_TILE,
+    lone: bool = False,
 ) -> bool:
     """Whether :func:`exact_linear` gives ``weight``'s rows their lone results (random
     rows, the calls of :data:`PROBE_ROWS`): by its ``packed`` form if given (then with a
-    placeholder for ``weight``: proof that the call reads only the packed copy), else
-    in tiles."""
+    placeholder for ``weight``: proof that the call reads only the packed copy; a lone
+    row in a 1-row call where ``lone``), else in tiles."""
     sizes = _probe_sizes(weight)
     g = torch.Generator().manual_seed(44)
     x = torch.randn(max(sizes), weight.shape[1], generator=g).to(weight.dtype)
     w = weight if packed is None else _placeholder(weight)
     with torch.no_grad():
         alone = torch.cat(
-            [exact_linear(row, w, None, packed=packed, tile=tile) for row in torch.split(x, 1)]
+            [
+                exact_linear(row, w, None, packed=packed, tile=tile, lone=lone)
+                for row in torch.split(x, 1)
+            ]
         )
         if packed is not None and not torch.allclose(
             alone, F.linear(x, weight), rtol=1e-3, atol=1e-3
         ):
             return False  # not the product at all
         return all(
-            torch.equal(exact_linear(x[:m], w, None, packed=packed, tile=tile), alone[:m])
+            torch.equal(
+                exact_linear(x[:m], w, None, packed=packed, tile=tile, lone=lone), alone[:m]
+            )
             for m in sizes
         )
 
@@ -235,7 +266,8 @@ def _placeholder(weight: torch.Tensor) -> torch.Tensor:
 def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     """Turn every plain float ``nn.Linear`` under ``module`` into an :class:`ExactLinear`
     in place. Per distinct weight shape, the first way :func:`tiles_are_exact` proves
-    is taken: fp32 by MKL's packed product (where ``packed``; the layer's weight is
+    is taken: fp32 by MKL's packed product, a lone row in a 1-row call, else padded to
+    2 rows (where ``packed``; the layer's weight is
     then packed and, unless another tensor of ``module`` shares its bytes, replaced by a
     placeholder), else row tiles, else one row per call; returns how many layers
     compute one row per call."""
@@ -256,14 +288,17 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         if key not in verdicts:
             if w.device.type != "cpu":
                 verdicts[key] = "tiles"
+            elif pack is not None and tiles_are_exact(w.detach(), pack, tile, lone=True):
+                verdicts[key] = "packed_lone"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile):
                 verdicts[key] = "packed"
             else:
                 verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
         sub.__class__ = ExactLinear
-        if verdicts[key] == "packed":
+        if verdicts[key] in ("packed", "packed_lone"):
             sub.packed = pack  # type: ignore[assignment]
             sub.tile = tile  # type: ignore[assignment]
+            sub.lone = verdicts[key] == "packed_lone"  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 # straight into the table, not through register_parameter: another
                 # thread building a skeleton under accelerate's init_empty_weights has

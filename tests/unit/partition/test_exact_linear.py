@@ -91,7 +91,7 @@ def _layers(dtype: torch.dtype, bias: bool = False) -> nn.Sequential:
 def test_a_shape_whose_tiles_fail_the_probe_computes_one_row_per_call(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(el, "tiles_are_exact", lambda *a: False)
+    monkeypatch.setattr(el, "tiles_are_exact", lambda *a, **kw: False)
     model = _layers(dtype, bias=True)
     before = model.state_dict()
     assert make_exact(model) == 2
@@ -104,25 +104,29 @@ def test_a_shape_whose_tiles_fail_the_probe_computes_one_row_per_call(
             assert torch.equal(model(x[lo:hi]), alone[lo:hi])
 
 
+@pytest.mark.parametrize("lone", [False, True])
 @pytest.mark.parametrize(("out", "inp"), [*SHAPES, (49152, 576)])
-def test_float32_packed_rows_equal_their_lone_result_in_any_call(out: int, inp: int) -> None:
-    """MKL's packed product: one class for every call of 2 rows or more, the lone row
-    padded to 2; calls of up to 256 rows (the head's: 32), so 600 rows cross tiles."""
+def test_float32_packed_rows_equal_their_lone_result_in_any_call(
+    out: int, inp: int, lone: bool
+) -> None:
+    """MKL's packed product: one class for every call of 2 rows or more and for a
+    1-row call (``lone``; else the lone row padded to 2); calls of up to 256 rows (the
+    head's: 32), so 600 rows cross tiles."""
     w = _weight(out, inp, torch.float32)
     if out == 49152:
         w = w.t().contiguous().t()  # column-major, as load_stage stores an fp32 head
     packed = el.mkl_pack(w)
     assert packed is not None  # this torch has MKL's packed product
     tile = el.FLOAT32_PACKED_TILE if out < 49152 else el.LARGE_TILE
-    assert el.tiles_are_exact(w, packed, tile)
+    assert el.tiles_are_exact(w, packed, tile, lone=lone)
     n = 600 if out < 49152 else 70
     x = _rows(n, inp, torch.float32)
-    alone = _alone(w, x, packed=packed, tile=tile)  # type: ignore[arg-type]
+    alone = _alone(w, x, packed=packed, tile=tile, lone=lone)  # type: ignore[arg-type]
     rng = random.Random(out + inp)
     for _ in range(12):
         lo = rng.randrange(0, n - 1)
         hi = rng.randrange(lo + 1, n + 1)
-        got = exact_linear(x[lo:hi], w, None, packed=packed, tile=tile)
+        got = exact_linear(x[lo:hi], w, None, packed=packed, tile=tile, lone=lone)
         assert torch.equal(got, alone[lo:hi]), (lo, hi)
     assert torch.allclose(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
@@ -150,14 +154,19 @@ def test_make_exact_packs_float32_and_frees_the_weight_unless_shared() -> None:
     assert plain[0].tiled
 
 
-def test_a_lone_rows_lean_path_equals_the_row_in_any_call() -> None:
+@pytest.mark.parametrize("lone", [False, True])
+def test_a_lone_rows_lean_path_equals_the_row_in_any_call(lone: bool) -> None:
     """A decode step's lone row skips exact_linear's reshapes (ExactLinear.forward):
-    the same packed call on the row and a zero row, so the same bits as the row in a
-    call of many, in every shape of a lone row, in and out of inference mode."""
+    the same packed call (on the row alone, or the row and a zero row), so the same
+    bits as the row in a call of many, in every shape of a lone row, in and out of
+    inference mode."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(576, 1536, bias=False), nn.Linear(1536, 576, bias=False))
     make_exact(model)
     assert all(isinstance(m, ExactLinear) and m.packed is not None for m in model)
+    assert all(m.lone for m in model)  # the probe proved the 1-row call on this CPU
+    for m in model:
+        m.lone = lone
     x = _rows(9, 576, torch.float32)
     with torch.no_grad():
         many = model(x)
@@ -165,11 +174,33 @@ def test_a_lone_rows_lean_path_equals_the_row_in_any_call() -> None:
             assert torch.equal(model(x[n]), many[n])  # (576,)
             assert torch.equal(model(x[n : n + 1].view(1, 1, 576)), many[n].view(1, 1, 576))
             lin = model[0]
-            general = exact_linear(x[n : n + 1], lin.weight, None, packed=lin.packed)
+            general = exact_linear(x[n : n + 1], lin.weight, None, packed=lin.packed, lone=lone)
             assert torch.equal(lin(x[n : n + 1]), general)
     with torch.inference_mode():
         assert torch.equal(model(x[4:5]), many[4:5])
     assert not any(row.any() for row in el._ZERO_ROWS.values())  # the padding stays zero
+
+
+def test_a_lone_row_is_padded_where_the_1_row_call_fails_the_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where MKL's 1-row packed call is a class of its own (another CPU or MKL), the
+    probe refuses it and the layer pads a lone row to 2, still packed."""
+    probe = el.tiles_are_exact
+
+    def no_lone(
+        w: torch.Tensor, packed: torch.Tensor | None = None, tile: int = 256, lone: bool = False
+    ) -> bool:
+        return not lone and probe(w, packed, tile)
+
+    monkeypatch.setattr(el, "tiles_are_exact", no_lone)
+    model = nn.Sequential(nn.Linear(576, 576, bias=False))
+    make_exact(model)
+    assert model[0].packed is not None
+    assert not model[0].lone
+    x = _rows(5, 576, torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(x[2]), model(x)[2])
 
 
 def test_a_freed_weight_stays_on_the_cpu_while_another_stage_builds_its_skeleton() -> None:
@@ -248,3 +279,32 @@ def test_float32_packed_calls_of_every_row_count_share_one_class(out: int, inp: 
         if not torch.equal(mm(x[:m], packed, w, None, m), alone[:m])
     ]
     assert differ == []
+    # and a 1-row call (a lone row not padded) gives each row the same bits
+    ones = [
+        not torch.equal(mm(x[i : i + 1], packed, w, None, 1), alone[i : i + 1]) for i in range(16)
+    ]
+    assert not any(ones)
+
+
+def test_a_lone_rows_1_row_call_gives_the_same_bits_at_1_and_2_threads() -> None:
+    """A node's torch threads need not be the reference process's: a decode step's
+    1-row packed call, and the same row in a call of many, give the same bits at 1
+    and 2 threads."""
+    w = _weight(1536, 576, torch.float32)
+    packed = el.mkl_pack(w)
+    assert packed is not None
+    x = _rows(12, 576, torch.float32)
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = (
+                _alone(w, x, packed=packed, lone=True),  # type: ignore[arg-type]
+                exact_linear(x, w, None, packed=packed, lone=True),
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1][0], got[2][0])
+    assert torch.equal(got[1][1], got[2][1])
+    assert torch.equal(got[1][0], got[1][1])
