@@ -14,8 +14,11 @@ Growth by demand is ordered by the placement leader only (the least id among the
 nodes that place, :mod:`hetmesh.scheduler.model_placement`): every node announces
 its pool, the order it gave (as the leader) and the last order it carried out
 (``PLACEMENT_KEY``) on each member; the leader gives its next order once the last
-one's member is in the mesh (or its node left, or ``ORDER_EXPIRES_ROUNDS``
-passed). A node's own rules cover its minimums and giving back.
+one's member is in the mesh, or its node left, or the order lapsed: after
+``ORDER_EXPIRES_ROUNDS`` when its node has not taken it up, and after
+``ORDER_CARRIED_S`` of wall time when it has (starting a member loads a model, which
+can take minutes on a big model or a busy machine; ordering another node meanwhile
+would add two). A node's own rules cover its minimums and giving back.
 """
 
 from __future__ import annotations
@@ -162,11 +165,13 @@ class PlacerState:
     order: Order | None = None  # the last growth this node ordered as the leader
     members_before: int = 0  # the ordered model's mesh members when it was ordered
     order_rounds: int = 0  # rounds since that order
+    order_at: float = 0.0  # when it was ordered (time.monotonic)
     done: dict[str, int] = field(default_factory=dict)  # leader -> its last order done here
     rounds: int = 0  # rounds run
 
 
-ORDER_EXPIRES_ROUNDS = 60  # an order not seen through by then is given up
+ORDER_EXPIRES_ROUNDS = 60  # an order its node has not taken up by then is given up
+ORDER_CARRIED_S = 600.0  # one it took up (a member starting) is given up after this
 
 
 def my_id(members: Members) -> str:
@@ -218,9 +223,11 @@ def _order_growth(
     others: dict[str, Placement],
     me: str,
     policy: PlacementPolicy,
+    now: float,
 ) -> None:
     """As the leader: order one more member of the model in most demand from the node
-    with the most room, once the last order is seen through (its member in the mesh)."""
+    with the most room, once the last order is seen through (its member in the mesh)
+    or has lapsed (see the module's docstring); ``now``: ``time.monotonic()``."""
     order = state.order
     if order is not None:
         state.order_rounds += 1
@@ -232,7 +239,13 @@ def _order_growth(
         mesh = {m.name: m.mesh_members for m in states}
         through = done >= order.seq and mesh.get(order.model, 0) > state.members_before
         alive = order.node == me or order.node in others
-        if alive and not through and state.order_rounds < ORDER_EXPIRES_ROUNDS:
+        taken_up = done >= order.seq
+        lapsed = (
+            now - state.order_at >= ORDER_CARRIED_S
+            if taken_up
+            else state.order_rounds >= ORDER_EXPIRES_ROUNDS
+        )
+        if alive and not through and not lapsed:
             return
     top = wanted(states, policy)
     target = grower(pools, top.name) if top is not None else None
@@ -240,7 +253,7 @@ def _order_growth(
         return
     seq = order.seq + 1 if order is not None else 1
     state.order = Order(seq, target, top.name)
-    state.members_before, state.order_rounds = top.mesh_members, 0
+    state.members_before, state.order_rounds, state.order_at = top.mesh_members, 0, now
     log.info("placement: %s is to add a replica of %s (order %d)", target, top.name, seq)
 
 
@@ -259,7 +272,8 @@ def choose_move(
     pools = [NodePool(me, free, shares), *(p.pool for p in others.values())]
     boss = leader(pools) or me
     if boss == me:
-        _order_growth(state, [*states, *unserved_states(members)], pools, others, me, policy)
+        every = [*states, *unserved_states(members)]
+        _order_growth(state, every, pools, others, me, policy, time.monotonic())
         order = state.order
     else:
         order = others[boss].order
