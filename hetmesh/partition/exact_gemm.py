@@ -190,6 +190,14 @@ def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     return verdict > 0
 
 
+def gemm_rows(heads: int, kv_heads: int, dim: int) -> int:
+    """The rows per product :func:`gemm_attention` takes for this shape (the probe's
+    choice), 0 where :func:`gemm_is_exact` is False (one attention call per query)."""
+    if not gemm_is_exact(heads, kv_heads, dim):
+        return 0
+    return _VERDICTS[(heads, kv_heads, dim)]
+
+
 @contextmanager
 def per_query_calls() -> Iterator[None]:
     """Within it, :func:`gemm_is_exact` is False: exact attention makes one call per query
@@ -250,5 +258,6 @@ __all__ = [
     "ROW_MINIMUMS",
     "gemm_attention",
     "gemm_is_exact",
+    "gemm_rows",
     "per_query_calls",
 ]

@@ -56,9 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetmesh.partition import exact_gemm
 from hetmesh.partition.attention import QuerySpans, exact_attention
-from hetmesh.partition.exact_gemm import KEY_BLOCK, MIN_KEYS, ROW_MINIMUMS, gemm_is_exact
+from hetmesh.partition.exact_gemm import KEY_BLOCK, MIN_KEYS, gemm_rows
 from hetmesh.partition.fused import ProjectionSlice
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear
 
@@ -280,15 +279,6 @@ def lean_layer(
     return hidden + down
 
 
-def gemm_rows(heads: int, kv_heads: int, dim: int) -> int:
-    """The rows per product that exact attention's products take for this shape (as
-    :func:`~hetmesh.partition.exact_gemm.gemm_attention` picks them), 0 where exact
-    attention makes one call per query (:func:`gemm_is_exact` is False)."""
-    if not gemm_is_exact(heads, kv_heads, dim):
-        return 0
-    return exact_gemm._VERDICTS.get((heads, kv_heads, dim)) or ROW_MINIMUMS[0]
-
-
 def gemm_sizes(rows: int) -> list[int]:
     """:func:`gemm_step`'s ``sizes`` for ``rows`` rows per product; ``[]`` for ``rows`` 0
     (where the callers make one sdpa call instead)."""
@@ -433,7 +423,6 @@ __all__ = [
     "LEAN_ENV",
     "LeanLayer",
     "decode_default",
-    "gemm_rows",
     "gemm_sizes",
     "gemm_step",
     "lean_decode",

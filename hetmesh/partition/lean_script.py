@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.jit._fuser import optimized_execution
 
-from hetmesh.partition.lean import LeanLayer, gemm_rows, gemm_sizes, gemm_step
+from hetmesh.partition.lean import LeanLayer, gemm_sizes, gemm_step
 from hetmesh.partition.quant import INT4_GROUP
 
 SCRIPT_ENV = "HETMESH_LEAN_SCRIPT"
@@ -255,11 +255,4 @@ def decode_layers(
     return out
 
 
-__all__ = [
-    "SCRIPT_ENV",
-    "ScriptPlan",
-    "decode_layers",
-    "gemm_rows",
-    "script_default",
-    "script_plan",
-]
+__all__ = ["SCRIPT_ENV", "ScriptPlan", "decode_layers", "script_default", "script_plan"]

@@ -45,6 +45,7 @@ from hetmesh.errors import ComputeError, DeviceOutOfMemory, InvalidRequest
 from hetmesh.partition.attention import EXACT_ATTENTION, QuerySpans
 from hetmesh.partition.attention import register as register_exact_attention
 from hetmesh.partition.checkpoint import settle_weights
+from hetmesh.partition.exact_gemm import gemm_rows
 from hetmesh.partition.exact_linear import make_exact
 from hetmesh.partition.formats import (
     NATIVE,
@@ -69,13 +70,7 @@ from hetmesh.partition.lean import (
     rope_tables,
 )
 from hetmesh.partition.lean import supports as supports_lean
-from hetmesh.partition.lean_script import (
-    ScriptPlan,
-    decode_layers,
-    gemm_rows,
-    script_default,
-    script_plan,
-)
+from hetmesh.partition.lean_script import ScriptPlan, decode_layers, script_default, script_plan
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear, Int8Embedding, Int8Linear
@@ -644,7 +639,7 @@ class StageModule(nn.Module):
 
     def _gemm_rows(self) -> int:
         """Rows per product of exact attention's products here, 0 where it makes one call
-        per query (:func:`~hetmesh.partition.lean_script.gemm_rows`)."""
+        per query (:func:`~hetmesh.partition.exact_gemm.gemm_rows`)."""
         config = self.config
         heads = config.num_attention_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // heads
