@@ -13,8 +13,7 @@ from hetmesh.partition import stage as stage_module
 from hetmesh.partition.exact_gemm import WIDE_ROWS, per_query_calls
 from hetmesh.partition.lean_script import SCRIPT_ENV, script_default
 from hetmesh.partition.stage import StageModule, load_stage
-
-VOCAB = 96
+from tests.unit.partition.tiny_models import VOCAB, count_calls
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral-window"])
@@ -62,15 +61,7 @@ def _decode(stage: StageModule, prompt: torch.Tensor, steps: int, **switches: bo
 
 def _count_scripted_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at each scripted decode step."""
-    calls: list[int] = []
-    real = stage_module.decode_layers
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls.append(1)
-        return real(*args)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(stage_module, "decode_layers", counted)
-    return calls
+    return count_calls(monkeypatch, stage_module, "decode_layers")
 
 
 def test_scripted_decode_steps_bit_identical(

@@ -10,7 +10,7 @@ import torch
 from hetmesh.partition import stage as stage_module
 from hetmesh.partition.lean import DECODE_ENV, LEAN_ENV, decode_default, lean_default, supports
 from hetmesh.partition.stage import StageModule, load_stage
-from tests.unit.partition.tiny_models import FAMILIES, VOCAB, save_tiny
+from tests.unit.partition.tiny_models import FAMILIES, VOCAB, count_calls, save_tiny
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 
@@ -68,14 +68,7 @@ def test_lean_decode_takes_lone_int4_decode_tokens_bit_identical(
     stage = load_stage(tiny_dir, 0, 6, weights="int4")
     assert stage.lean
     assert stage.lean_decode
-    calls: list[int] = []
-    real = stage_module.lean_decode
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(stage_module, "lean_decode", counted)
+    calls = count_calls(monkeypatch, stage_module, "lean_decode")
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (19, 11, 7, 14)]
     stage.lean_decode = False

@@ -153,3 +153,17 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, qtype: str = "F32") -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def count_calls(monkeypatch: Any, module: Any, name: str) -> list[int]:
+    """Wrap ``module.name`` (for the test's duration) so that the returned list grows by
+    one at each call: which path a stage took."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
