@@ -78,6 +78,8 @@ def _attend(
     need, min_keys, key_block = end - first, sizes[1], sizes[2]
     scores = torch.bmm(q.view(k.shape[0], -1, dim), k.transpose(1, 2)).mul_(scale)
     weights = torch.softmax(scores, dim=-1)
+    if need <= key_block:  # one block of keys, none padded: gemm_step's one product
+        return torch.bmm(weights, v)
     out = torch.empty(0)
     for k0 in range(0, need, key_block):
         k1 = min(need, k0 + key_block)
