@@ -29,10 +29,12 @@ Why these kernels (measured on the project's CPU; docs/weights.md):
   scale per vocabulary row (:class:`Int8Embedding`). The int8 format's head is
   W8A8 like its other products (exact integer sums). Every LM head (``packed``)
   takes those sums from oneDNN's int8 product (VNNI/AMX) of a packed copy of its
-  rows, in blocks of 512 inputs (exact there, checked once per process on extreme
-  values; a second copy of at most 64 MiB): 1.3 against 1.8 ms for the default
-  model's head (the bf16 kernel below) and 2.7 ms by ``_int_mm``, the same bits as
-  :func:`int8_sums`, so the int4 format's head is W8A8 too wherever that holds.
+  rows (exact for a row whose ``127 * sum(a + 128)`` is below 2**24, i.e. every
+  head row seen; others take :func:`int8_sums`; checked once per process on
+  extreme values; a second copy of at most 64 MiB): 1.1 against 1.8 ms for the
+  default model's head (the bf16 kernel below) and 2.7 ms by ``_int_mm``, the same
+  bits as :func:`int8_sums`, so the int4 format's head is W8A8 too wherever that
+  holds.
   Elsewhere the int4 format's head takes bf16 activations, as its int4 products do
   (``Int8Linear(bf16_activations=True)``): torch's weight-only int8 kernel
   (``aten._weight_int8pack_mm``) with bf16 inputs computes the 576 x 49,152
@@ -263,50 +265,37 @@ PACKED_HEAD_ENV = "HETMESH_PACKED_INT8_HEAD"  # "0": heads keep int8_sums (A/B r
 # model's 49,152 x 576 head: 27 MiB; a 1B's 128,256 x 2,048: 250 MiB, not packed)
 _PACKED_MAX_BYTES = 64 << 20
 _U8_ZERO = 128  # int8 activations a as uint8 a + 128 (oneDNN's u8 x s8 product)
-# inputs per packed product: oneDNN sums (a + 128) * w in int32 and converts that to
-# fp32 before taking 128 * sum(w) off, so a sum is exact while |sum((a + 128) w)| <
-# 2**24: 512 * 255 * 127 = 16,581,120 is (checked with extreme values: tests)
-_PACKED_K = 512
+# oneDNN sums (a + 128) * w in int32 and converts that to fp32 before taking
+# 128 * sum(w) off: a sum is exact while |sum((a + 128) w)| < 2**24, which holds for a
+# row whose 127 * sum(a + 128) is below it (checked with extreme values: tests)
+_PACKED_BOUND = 2**24
 
 
-def _pack_for_onednn(weight_q: torch.Tensor) -> list[torch.Tensor]:
-    """``weight_q (n, k)`` int8 in oneDNN's blocked layout for its int8 product, one
-    packed matrix per :data:`_PACKED_K` inputs."""
-    k = weight_q.shape[1]
-    packs: list[torch.Tensor] = [
-        torch.ops.onednn.qlinear_prepack(
-            weight_q[:, k0 : k0 + _PACKED_K].contiguous(), [1, min(_PACKED_K, k - k0)]
-        )
-        for k0 in range(0, k, _PACKED_K)
-    ]
-    return packs
+def _pack_for_onednn(weight_q: torch.Tensor) -> torch.Tensor:
+    """``weight_q (n, k)`` int8 in oneDNN's blocked layout for its int8 product."""
+    packed: torch.Tensor = torch.ops.onednn.qlinear_prepack(weight_q, [1, weight_q.shape[1]])
+    return packed
 
 
-def _sums_packed(a: torch.Tensor, packs: list[torch.Tensor], n: int) -> torch.Tensor:
-    """Exact ``a (m, k) int8 @ W.T`` as fp32 ``(m, n)`` from W :func:`_pack_for_onednn`'d,
-    equal to ``_int_mm(...).float()`` where :func:`packed_int8_exact` holds: per block of
-    inputs an exact integer (unit scales, no zero point for W), the blocks added exactly
-    (in fp32 up to :data:`_EXACT_FP32_K` inputs, else in fp64 and rounded once)."""
+def _sums_packed(a: torch.Tensor, packed: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    """Exact ``a (m, k) int8 @ weight_q.T`` as fp32 ``(m, n)`` by oneDNN's product of
+    ``packed`` (:func:`_pack_for_onednn` of ``weight_q``; unit scales, no zero point),
+    equal to ``_int_mm(...).float()`` where :func:`packed_int8_exact` holds; a call
+    with a row oneDNN could round (``127 * sum(a + 128)`` reaching 2**24: ~all of a
+    row's inputs near +127, not seen in a head's activations) takes :func:`int8_sums`."""
+    u8 = a.to(torch.int16).add_(_U8_ZERO)
+    if a.shape[0] and int(u8.sum(1).max()) * 127 >= _PACKED_BOUND:
+        return int8_sums(a, weight_q)
+    return _onednn_sums(u8.to(torch.uint8), packed, weight_q.shape[0])
+
+
+def _onednn_sums(u8: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """oneDNN's ``(u8 - 128) @ W.T`` as fp32 ``(m, n)``, W :func:`_pack_for_onednn`'d."""
     ones, zeros = _unit_weight_scales(n)
-    parts = []
-    for i, packed in enumerate(packs):
-        block = a[:, i * _PACKED_K : (i + 1) * _PACKED_K]
-        u8 = block.to(torch.int16).add_(_U8_ZERO).to(torch.uint8)
-        part: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
-            u8, 1.0, _U8_ZERO, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
-        )
-        parts.append(part)
-    if len(parts) == 1:
-        return parts[0]
-    if a.shape[1] <= _EXACT_FP32_K:  # every partial and total sum below 2**24: exact
-        total = parts[0]
-        for part in parts[1:]:
-            total.add_(part)
-        return total
-    wide = parts[0].double()
-    for part in parts[1:]:
-        wide += part
-    return wide.float()
+    out: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+        u8, 1.0, _U8_ZERO, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    return out
 
 
 @functools.cache
@@ -324,19 +313,20 @@ def packed_int8_exact() -> bool:
     if os.environ.get(PACKED_HEAD_ENV, "").strip() == "0":
         return False
     seeded = torch.Generator().manual_seed(0)
-    for k in (576, 1056):  # blocks added in fp32, in fp64
-        a = torch.randint(-127, 128, (5, k), dtype=torch.int8, generator=seeded)
-        w = torch.randint(-127, 128, (96, k), dtype=torch.int8, generator=seeded)
-        a[0], a[1], w[0], w[1] = 127, -127, 127, -127  # every pair's sum at its largest
-        a[2] = torch.randint(118, 128, (k,), dtype=torch.int8, generator=seeded)  # odd sums
-        w[2] = torch.randint(118, 128, (k,), dtype=torch.int8, generator=seeded)
-        try:
-            got = _sums_packed(a, _pack_for_onednn(w), w.shape[0])
-        except (AttributeError, NotImplementedError, RuntimeError):
-            return False  # no oneDNN int8 product in this torch or on this CPU
-        if not torch.equal(got, _sums_in_float32(a, w)):
-            return False
-    return True
+    k = 576
+    a = torch.randint(-127, 128, (6, k), dtype=torch.int8, generator=seeded)
+    w = torch.randint(-127, 128, (96, k), dtype=torch.int8, generator=seeded)
+    w[0], w[1] = 127, -127  # with a's 127s: pair sums past 16 bits (no VNNI saturates)
+    w[2] = torch.randint(118, 128, (k,), dtype=torch.int8, generator=seeded)
+    a[0, :400], a[1] = 127, -127
+    a[2] = torch.randint(90, 101, (k,), dtype=torch.int8, generator=seeded)  # near the bound
+    u8 = a.to(torch.int16).add_(_U8_ZERO)
+    assert int(u8.sum(1).max()) * 127 < _PACKED_BOUND  # oneDNN's own sums are checked
+    try:
+        got = _onednn_sums(u8.to(torch.uint8), _pack_for_onednn(w), w.shape[0])
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False  # no oneDNN int8 product in this torch or on this CPU
+    return torch.equal(got, _sums_in_float32(a, w))
 
 
 def _row_scale(rows: torch.Tensor) -> torch.Tensor:
@@ -367,8 +357,12 @@ class Int8Linear(nn.Module):
         # an LM head: W8A8 by oneDNN's product from a packed copy of its rows (made at
         # the first call) where packed_int8_exact() holds and the rows fit
         # _PACKED_MAX_BYTES; before bf16_activations' rule
-        self.packed = packed and in_features * out_features <= _PACKED_MAX_BYTES
-        self._packed: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # rows, packs
+        self.packed = (
+            packed
+            and in_features <= _EXACT_FP32_K  # wider: most rows would miss _PACKED_BOUND
+            and in_features * out_features <= _PACKED_MAX_BYTES
+        )
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their pack)
         self.register_buffer(
             "weight_q", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
         )
@@ -381,7 +375,7 @@ class Int8Linear(nn.Module):
             else None
         )
 
-    def _packed_rows(self) -> list[torch.Tensor] | None:
+    def _packed_rows(self) -> torch.Tensor | None:
         """The packed copy of ``weight_q`` where this head takes it, else None."""
         if not self.packed or self.weight_q.device.type != "cpu" or not packed_int8_exact():
             return None
@@ -416,7 +410,7 @@ class Int8Linear(nn.Module):
         rq = torch.round(rest / rest_scale)
         both = torch.cat([xq, rq]).to(torch.int8)  # (2m, k)
         if packed is not None:  # (2m, n), exact integer sums
-            acc = _sums_packed(both, packed, self.out_features)
+            acc = _sums_packed(both, packed, self.weight_q)
         else:
             acc = int8_sums(both, self.weight_q)
         out = (acc[:m] * x_scale + acc[m : 2 * m] * rest_scale) * self.weight_scale
