@@ -63,7 +63,7 @@ from hetmesh.transport.frames import (
     parse_prefix,
 )
 from hetmesh.transport.negotiation import Backend
-from hetmesh.transport.sealed import OpenedSocket, Sealer
+from hetmesh.transport.sealed import RECORD_OVERHEAD, OpenedSocket, Sealer
 from hetmesh.transport.threads import in_thread as in_thread
 from hetmesh.transport.threads import in_thread_always
 
@@ -418,24 +418,60 @@ class SealedReader(BufferedReader):
         self._raw_sock = sock
         super().__init__(self._opened, limits, pool)  # type: ignore[arg-type]
 
+    def _receive(self) -> int:
+        """One raw ``recv`` into the opened socket's buffer (it holds nothing)."""
+        sock, raw = self._raw_sock, self._opened.raw
+        try:
+            got = spin_recv_into(sock, raw, self.spin_ns) if self.spin_ns else -1
+            if got < 0:
+                got = sock.recv_into(raw)
+        except OSError as exc:
+            raise StreamReset(f"connection broken: {exc}") from exc
+        if got == 0:
+            raise StreamReset("peer closed the connection")
+        return got
+
     def _fill(self) -> None:
         opened = self._opened
         if self._start == self._end and opened.idle:
-            sock, raw = self._raw_sock, opened.raw
-            try:
-                got = spin_recv_into(sock, raw, self.spin_ns) if self.spin_ns else -1
-                if got < 0:
-                    got = sock.recv_into(raw)
-            except OSError as exc:
-                raise StreamReset(f"connection broken: {exc}") from exc
-            if got == 0:
-                raise StreamReset("peer closed the connection")
-            size = opened.open_alone(got, self._view)
+            size = opened.open_alone(self._receive(), self._view)
             if size:
                 self._start, self._end = 0, size
                 self.bytes_read += size
                 return
         super()._fill()
+
+    def read_frame(self) -> Frame:
+        """A frame that comes as one record of a layout seen before opens straight into
+        its tensor (:meth:`OpenedSocket.land`); one that came alone teaches its layout."""
+        opened = self._opened
+        if self._start != self._end or not opened.idle:
+            return super().read_frame()
+        got = self._receive()
+        size = opened.land(got, self._pool, self._limits, self._view)
+        if not isinstance(size, int):
+            self.bytes_read += got - RECORD_OVERHEAD
+            return size
+        if not size:  # held: read through the opened socket
+            return super().read_frame()
+        self._start, self._end = 0, size
+        self.bytes_read += size
+        before = self.bytes_read
+        pending = self.read_pending()
+        lead = self._start  # the head's bytes, if no more were read
+        buffers: list[torch.Tensor] = []
+        try:
+            for spec in pending.specs:
+                buffer, view = self._pool.acquire_view(spec)
+                buffers.append(buffer)
+                self.read_into(view)
+        except BaseException:
+            for b in buffers:
+                self._pool.release(b)
+            raise
+        if len(buffers) == 1 and self.bytes_read == before and self._start == size:
+            opened.learn(got, lead, pending.specs[0], self._pool)  # the record was this frame
+        return pending.build(buffers)
 
 
 def write_frame(sock: socket.socket, frame: Frame, limits: Limits) -> int:

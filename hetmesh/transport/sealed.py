@@ -28,7 +28,15 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset
-from hetmesh.transport.frames import flat_bytes
+from hetmesh.transport.codec import BufferPool, TensorSpec
+from hetmesh.transport.frames import (
+    PREFIX_BYTES,
+    Frame,
+    Limits,
+    flat_bytes,
+    parse_header,
+    parse_prefix,
+)
 
 RECORD_BYTES = 1 << 20  # plaintext per record: bounds what a peer makes us buffer
 SMALL_BYTES = 64 << 10  # frames up to this size are sealed in the sealer's standing buffer
@@ -36,7 +44,7 @@ TAG_BYTES = 16
 _LENGTH = struct.Struct(">I")  # 4 bytes
 _NONCE = struct.Struct(">4xQ")  # 96 bits: 32 zero bits, then the record counter
 _MAX_RECORDS = 1 << 64
-_OVERHEAD = _LENGTH.size + TAG_BYTES  # per record
+_OVERHEAD = RECORD_OVERHEAD = _LENGTH.size + TAG_BYTES  # per record
 _VIEW_SIZES = 64  # frame sizes whose views a Sealer keeps (then it starts over)
 
 
@@ -222,6 +230,8 @@ class OpenedSocket:
         self.idle = True  # nothing held (raw bytes or opened ones): a record starts next
         # open_alone's views per record size: a decode step's records all have one size
         self._alone_views: dict[int, tuple[memoryview, memoryview, memoryview]] = {}
+        # land's layouts per record size: (head bytes, the one tensor's spec)
+        self._layouts: dict[int, tuple[int, TensorSpec]] = {}
 
     def recv_into(self, target: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Like ``socket.recv_into``: up to ``len(target)`` plaintext bytes; 0 at EOF.
@@ -286,6 +296,50 @@ class OpenedSocket:
             self._raw_start, self._raw_end = 0, got
             self.idle = False
         return 0
+
+    def land(self, got: int, pool: BufferPool, limits: Limits, staging: memoryview) -> Frame | int:
+        """:meth:`open_alone` for a link reader that holds nothing: ``got`` bytes were just
+        received into :attr:`raw`. A whole record of a size :meth:`learn` saw (a decode
+        step's ``Activations``: a head, then one tensor) is opened into a free landing of
+        ``pool`` (:meth:`BufferPool.add_landing`): the tensor's bytes arrive in its own
+        memory, and the frame, parsed from the opened head, is returned. Anything else
+        is :meth:`open_alone`'s (its size in ``staging``, or 0 and held); so is a record of
+        that size laid out otherwise, once opened (copied to ``staging``). Refusals as
+        :meth:`recv_into`'s, and a bad head's as the reader's."""
+        layout = self._layouts.get(got)
+        if layout is None or _LENGTH.unpack_from(self._raw_view)[0] != got - _LENGTH.size:
+            return self.open_alone(got, staging)
+        lead, spec = layout
+        landing = pool.take_landing(spec, lead)
+        if landing is None:  # all of them still held by the frames' readers
+            return self.open_alone(got, staging)
+        tensor, out = landing
+        try:
+            self._open(self._raw_view[_LENGTH.size : got], out)
+            head = parse_prefix(out, limits)  # the record holds a frame from its first byte
+            if head.header_bytes == lead - PREFIX_BYTES and head.payload_bytes == spec.nbytes:
+                pending = parse_header(head, out[PREFIX_BYTES:lead], limits)
+                specs = pending.specs
+                if len(specs) == 1 and specs[0] == spec:
+                    return pending.build((tensor,))
+        except BaseException:
+            pool.release(tensor)
+            raise
+        size = got - _OVERHEAD  # authenticated, laid out otherwise: parsed from staging
+        staging[:size] = out
+        pool.release(tensor)
+        return size
+
+    def learn(self, got: int, lead: int, spec: TensorSpec, pool: BufferPool) -> None:
+        """The reader parsed a record of ``got`` bytes, opened alone, as one frame of a
+        ``lead``-byte head and a tensor of ``spec``: :meth:`land` opens such records
+        into ``pool``'s landings from now on (at most 64 sizes, then it starts over)."""
+        if spec.nbytes <= 0 or lead < PREFIX_BYTES:
+            return
+        if len(self._layouts) >= _VIEW_SIZES and got not in self._layouts:
+            self._layouts.clear()
+        self._layouts[got] = (lead, spec)
+        pool.add_landing(spec, lead)
 
     def _recv_held(self, view: memoryview, flags: int) -> int:
         """:meth:`recv_into` from what is held (records in part or in number, or a record
@@ -376,4 +430,4 @@ def _checked_views(parts: Sequence[Any], plain: int) -> list[memoryview]:
     return views
 
 
-__all__ = ["RECORD_BYTES", "OpenedSocket", "Sealer"]
+__all__ = ["RECORD_BYTES", "RECORD_OVERHEAD", "OpenedSocket", "Sealer"]
