@@ -63,7 +63,7 @@ from hetmesh.transport.frames import (
     parse_prefix,
 )
 from hetmesh.transport.negotiation import Backend
-from hetmesh.transport.sealed import RECORD_OVERHEAD, OpenedSocket, Sealer
+from hetmesh.transport.sealed import RECORD_OVERHEAD, SMALL_BYTES, OpenedSocket, Sealer
 from hetmesh.transport.threads import in_thread as in_thread
 from hetmesh.transport.threads import in_thread_always
 
@@ -784,9 +784,13 @@ class TcpLink(ThreadedLink):
         return self._reader_io.read_frame()
 
     def _write_blocking(self, frame: Frame) -> int:
-        if self._sealer is not None:
+        sealer = self._sealer
+        if sealer is not None:
             head, buffers, total = encode_parts(frame, self.limits)
-            self._sealer.send(self.sock, head, buffers, total)
+            if total <= SMALL_BYTES:  # a decode step's: Sealer.send's first case, inline
+                self.sock.sendall(sealer.seal_frame(head, buffers, total))
+            else:
+                sealer.send(self.sock, head, buffers, total)
             return total
         return write_frame(self.sock, frame, self.limits)
 

@@ -319,9 +319,11 @@ class OpenedSocket:
             head = parse_prefix(out, limits)  # the record holds a frame from its first byte
             if head.header_bytes == lead - PREFIX_BYTES and head.payload_bytes == spec.nbytes:
                 pending = parse_header(head, out[PREFIX_BYTES:lead], limits)
-                specs = pending.specs
-                if len(specs) == 1 and specs[0] == spec:
-                    return pending.build((tensor,))
+                specs = pending.specs  # a dtype and shape give the nbytes
+                if len(specs) == 1:
+                    read = specs[0]
+                    if read.shape == spec.shape and read.dtype == spec.dtype:
+                        return pending.build((tensor,))
         except BaseException:
             pool.release(tensor)
             raise
