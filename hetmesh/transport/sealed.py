@@ -334,14 +334,19 @@ class OpenedSocket:
 
     def learn(self, got: int, lead: int, spec: TensorSpec, pool: BufferPool) -> None:
         """The reader parsed a record of ``got`` bytes, opened alone, as one frame of a
-        ``lead``-byte head and a tensor of ``spec``: :meth:`land` opens such records
-        into ``pool``'s landings from now on (at most 64 sizes, then it starts over)."""
+        ``lead``-byte head and a tensor of ``spec``. The second time in a row for that
+        size (a decode step's frames repeat; a prefill chunk's may not), ``pool`` gets a
+        landing for it, and :meth:`land` opens such records into one from then on. At
+        most 64 sizes are kept, then it starts over."""
         if spec.nbytes <= 0 or lead < PREFIX_BYTES:
+            return
+        layout = (lead, spec)
+        if self._layouts.get(got) == layout:
+            pool.add_landing(spec, lead)  # none was free (or none made yet)
             return
         if len(self._layouts) >= _VIEW_SIZES and got not in self._layouts:
             self._layouts.clear()
-        self._layouts[got] = (lead, spec)
-        pool.add_landing(spec, lead)
+        self._layouts[got] = layout
 
     def _recv_held(self, view: memoryview, flags: int) -> int:
         """:meth:`recv_into` from what is held (records in part or in number, or a record
