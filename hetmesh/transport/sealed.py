@@ -14,7 +14,10 @@ checked before anything is read into memory.
 The receiving half is a socket look-alike for
 :class:`~hetmesh.transport.links.BufferedReader` (``recv_into``): frames are
 parsed exactly as on a plain link, and a record that fits the reader's
-target is decrypted straight into it (a tensor's own memory).
+target is decrypted straight into it (a tensor's own memory). A decode step's
+record, of a layout seen before, is decrypted into a pool tensor that has room
+for the frame's head just before it (:meth:`OpenedSocket.land`): the head is
+parsed from there, and the tensor needs no copy.
 """
 
 from __future__ import annotations
