@@ -2,8 +2,8 @@
 
 Plain and sealed links' own write and read paths (``encode_parts`` and
 ``write_frame`` or ``Sealer.send``; a
-:class:`~hetmesh.transport.links.BufferedReader`, or the
-:class:`~hetmesh.transport.sealed.SealedReader` when sealed) over a socket
+:class:`~hetmesh.transport.readers.BufferedReader`, or the
+:class:`~hetmesh.transport.readers.SealedReader` when sealed) over a socket
 pair (frames up to 64 KiB, which its buffer takes whole), alternating
 plain and sealed blocks; medians per block, then the
 median over blocks. Prints one JSON object: µs per write and per read, and

@@ -12,7 +12,7 @@ fails its tag and ends the link (:class:`RemoteProtocolError`). Lengths are
 checked before anything is read into memory.
 
 The receiving half is a socket look-alike for
-:class:`~hetmesh.transport.links.BufferedReader` (``recv_into``): frames are
+:class:`~hetmesh.transport.readers.BufferedReader` (``recv_into``): frames are
 parsed exactly as on a plain link, and a record that fits the reader's
 target is decrypted straight into it (a tensor's own memory). A decode step's
 record, of a layout seen before, is decrypted into a pool tensor that has room
