@@ -23,8 +23,11 @@ bits are the ones the single-session step and the eager round give it; tests
 compare them bit for bit.
 
 Where it applies: a decode round (every row one token) of two or more
-sessions of one KV pool, every layer plain or fused int4 with fp32 norms
-(:func:`~hetmesh.partition.lean_script.script_plan`), exact attention by
+sessions of one KV pool, or of one session whose KV blocks do not form one run
+(lean_script's step reads a run; a stage server's sessions interleave their
+blocks as they grow, and such a lone step ran eagerly), every layer plain or
+fused int4 with fp32 norms (:func:`~hetmesh.partition.lean_script.script_plan`),
+exact attention by
 exact_gemm's products (``gemm_rows`` > 0). Elsewhere the stage keeps the eager
 round. ``HETMESH_LEAN_ROUND=0`` turns it off.
 """

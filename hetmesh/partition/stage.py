@@ -618,12 +618,14 @@ class StageModule(nn.Module):
     def _round_plan(
         self, sessions: list[SessionKV], lengths: list[int], plans: list[LeanLayer]
     ) -> ScriptPlan | None:
-        """The script plan where this forward is a decode round of several sessions that
-        :func:`round_layers` computes (one pool, exact attention by exact_gemm's products,
-        every layer plain or fused int4), else None."""
+        """The script plan where this forward is a decode round that :func:`round_layers`
+        computes (one pool, exact attention by exact_gemm's products, every layer plain
+        or fused int4), else None: several sessions, or one whose KV blocks do not form
+        one run (:meth:`_lean_decode` takes those that do; a stage server's sessions
+        interleave their blocks as they grow)."""
         if not (
             self.lean_round
-            and len(lengths) > 1
+            and (len(lengths) > 1 or sessions[0]._base is None)
             and all(n == 1 for n in lengths)
             and all(kv.pool is sessions[0].pool for kv in sessions)
             and self.dtype == torch.float32

@@ -61,9 +61,10 @@ def _rounds(
     stage: StageModule, prompts: list[int], steps: int, mode: str
 ) -> tuple[list[list[torch.Tensor]], list[bool]]:
     """Each session's prefill and ``steps`` decode tokens, all sessions in one pool of
-    small blocks (so growing sessions' blocks interleave): ``mode`` ``single`` steps one
-    session at a time, ``eager`` / ``script`` a round of all of them. Returns each step's
-    outputs and whether each session's blocks still formed one run at the end."""
+    small blocks (so growing sessions' blocks interleave): ``mode`` ``single`` /
+    ``single-script`` steps one session at a time, ``eager`` / ``script`` a round of all
+    of them (``*script``: the round's script on). Returns each step's outputs and
+    whether each session's blocks still formed one run at the end."""
     generator = torch.Generator().manual_seed(7)
     pool = stage.new_pool(64)
     sessions = [stage.new_kv(pool) for _ in prompts]
@@ -71,10 +72,10 @@ def _rounds(
         [stage.forward(_input(stage, n, generator), kv, last_only=True)]
         for n, kv in zip(prompts, sessions, strict=True)
     ]
-    stage.lean_round = mode == "script"
+    stage.lean_round = mode.endswith("script")
     for _ in range(steps):
         rows = [_input(stage, 1, generator) for _ in sessions]
-        if mode == "single":
+        if mode.startswith("single"):
             step = [
                 stage.forward(x, kv, last_only=True) for x, kv in zip(rows, sessions, strict=True)
             ]
@@ -107,7 +108,8 @@ def test_a_scripted_round_gives_every_row_its_single_step_bits(
     """Sessions of 3 (keys padded to 16), 14, 40 and 250 tokens (its steps cross the key
     block at 256) step 10 times: the scripted round's outputs (logits of the whole
     model, or a middle stage's hidden states) equal the lone scripted step's and the
-    eager round's bit for bit; some sessions' blocks stop forming one run on the way.
+    eager round's bit for bit; some sessions' blocks stop forming one run on the way,
+    and their lone steps take the round's script too (else eager layers), same bits.
     ``rows``: the probe's verdict forced to WIDE_ROWS rows a product (Llama 3.x 8B's
     shape: a query head's row padded with zero rows), else the probe's own."""
     stage = _stage(wide_dir, *units, fuse)
@@ -119,17 +121,22 @@ def test_a_scripted_round_gives_every_row_its_single_step_bits(
     prompts, steps = [3, 14, 40, 250], 10
     single, _ = _rounds(stage, prompts, steps, "single")
     lone = len(lone_steps)
-    assert lone > 0  # (a session whose blocks do not form one run steps eagerly)
-    eager, _ = _rounds(stage, prompts, steps, "eager")
+    assert 0 < lone < steps * len(prompts)  # a session whose blocks split steps eagerly
     assert not scripted_rounds
+    single_scripted, _ = _rounds(stage, prompts, steps, "single-script")
+    assert len(lone_steps) == 2 * lone  # the same steps read one run of blocks ...
+    assert len(scripted_rounds) == steps * len(prompts) - lone  # ... the others not
+    eager, _ = _rounds(stage, prompts, steps, "eager")
+    assert len(scripted_rounds) == steps * len(prompts) - lone
     scripted, runs = _rounds(stage, prompts, steps, "script")
-    assert len(scripted_rounds) == steps  # one call a round, every layer inside it
-    assert len(lone_steps) == lone  # no lone step in a round
+    assert len(scripted_rounds) == steps * len(prompts) - lone + steps  # a call a round
+    assert len(lone_steps) == 2 * lone  # no lone step in a round
     assert not all(runs)  # blocks interleaved: the rows' slots are gathered
-    for a, b, c in zip(single, eager, scripted, strict=True):
-        for x, y, z in zip(a, b, c, strict=True):
-            assert torch.equal(x, z)
-            assert torch.equal(y, z)
+    for outputs in zip(single, single_scripted, eager, scripted, strict=True):
+        for a, b, c, d in zip(*outputs, strict=True):
+            assert torch.equal(a, d)
+            assert torch.equal(b, d)
+            assert torch.equal(c, d)
 
 
 def test_sessions_of_different_pools_take_the_eager_round(
