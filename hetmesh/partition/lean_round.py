@@ -4,7 +4,8 @@ A stage's round of N sessions' decode tokens (one row each) ran eagerly:
 :func:`~hetmesh.partition.lean.lean_layer` per layer, the round's batch cache
 scattering and gathering each layer's keys, and exact attention's products,
 each op a call from Python. At 8 sessions on one stage of the default model
-about 45 % of the round was outside the int4 kernels (docs/journal/2026-12-09-fast-cut-5.md).
+about 45 % of the round was outside the int4 kernels
+(docs/journal/2026-12-09-fast-cut-5.md).
 :func:`round_layers` makes the same kind of ops, for every layer of the run,
 from TorchScript's interpreter, with the graph executor's optimisations off
 (nothing fused, reordered or dropped), as :mod:`~hetmesh.partition.lean_script`
@@ -27,9 +28,8 @@ sessions of one KV pool, or of one session whose KV blocks do not form one run
 (lean_script's step reads a run; a stage server's sessions interleave their
 blocks as they grow, and such a lone step ran eagerly), every layer plain or
 fused int4 with fp32 norms (:func:`~hetmesh.partition.lean_script.script_plan`),
-exact attention by
-exact_gemm's products (``gemm_rows`` > 0). Elsewhere the stage keeps the eager
-round. ``HETMESH_LEAN_ROUND=0`` turns it off.
+exact attention by exact_gemm's products (``gemm_rows`` > 0). Elsewhere the
+stage keeps the eager round. ``HETMESH_LEAN_ROUND=0`` turns it off.
 """
 
 from __future__ import annotations
