@@ -63,6 +63,8 @@ FAST_PATHS = (
     "HETMESH_GATEWAY_LANE_OWN",
     # a stage's decode rounds of several sessions scripted (hetmesh.partition.lean_round)
     "HETMESH_LEAN_ROUND",
+    # a stage's longest gap between two frames of one burst, ms (default 5)
+    "HETMESH_STAGE_GATHER_MS",
     # the prefill's chunks (hetmesh.partition.prefill): size and cap
     "HETMESH_PREFILL_CHUNK_TOKENS",
     "HETMESH_PREFILL_MAX_CHUNKS",
