@@ -62,12 +62,18 @@ def main():
             async def run():
                 async with open_mesh_client(mesh.nodes[-1].addr, mesh_secret=mesh.secret) as client:
                     await pipeline._stream(client, prompt_ids, 8)
+                    alone: list[int] = []  # one stream's greedy tokens: each of the 8 must match
+                    await pipeline._stream(client, prompt_ids, tokens, alone)
                     for r in range(repeats):
                         before = {k: cpu(p) for k, p in pids.items()}
                         spans = []
 
+                        streams_ids = []
+
                         async def one():
-                            spans.append(await pipeline._stream(client, prompt_ids, tokens))
+                            ids = []
+                            spans.append(await pipeline._stream(client, prompt_ids, tokens, ids))
+                            streams_ids.append(ids)
 
                         began = time.perf_counter()
                         async with trio.open_nursery() as nursery:
@@ -76,6 +82,9 @@ def main():
                         ended = time.perf_counter()
                         after = {k: cpu(p) for k, p in pids.items()}
                         n = sum(len(s) - 1 for s in spans)
+                        same = all(ids == alone for ids in streams_ids)
+                        print(f"  every stream's tokens equal the lone stream's: {same}")
+                        assert same
                         print(f"  {STREAMS} streams {n / (ended - began):.1f} tok/s, phase {began:.6f}..{ended:.6f}, load {os.getloadavg()[0]:.1f}")
                         for k in pids:
                             per = {}
