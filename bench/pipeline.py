@@ -61,6 +61,10 @@ FAST_PATHS = (
     "HETMESH_STAGE_GROUPS",
     "HETMESH_GATEWAY_LANE_MANY",
     "HETMESH_GATEWAY_LANE_OWN",
+    # a stage's decode rounds of several sessions scripted (hetmesh.partition.lean_round)
+    "HETMESH_LEAN_ROUND",
+    # a stage's longest gap between two frames of one burst, ms (default 5)
+    "HETMESH_STAGE_GATHER_MS",
     # the prefill's chunks (hetmesh.partition.prefill): size and cap
     "HETMESH_PREFILL_CHUNK_TOKENS",
     "HETMESH_PREFILL_MAX_CHUNKS",

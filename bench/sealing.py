@@ -2,8 +2,8 @@
 
 Plain and sealed links' own write and read paths (``encode_parts`` and
 ``write_frame`` or ``Sealer.send``; a
-:class:`~hetmesh.transport.links.BufferedReader`, or the
-:class:`~hetmesh.transport.sealed.SealedReader` when sealed) over a socket
+:class:`~hetmesh.transport.readers.BufferedReader`, or the
+:class:`~hetmesh.transport.readers.SealedReader` when sealed) over a socket
 pair (frames up to 64 KiB, which its buffer takes whole), alternating
 plain and sealed blocks; medians per block, then the
 median over blocks. Prints one JSON object: µs per write and per read, and
@@ -115,7 +115,9 @@ def paired_sealing(
     """What sealing costs: one client and one server process hold a plain and a sealed
     link side by side and use them in alternating blocks, the order swapping by pair.
     A pair's ratio compares two blocks a few ms apart (the load moves in seconds); the
-    figure is the median over ``PAIRS * rounds`` pairs, listed in ``tcp_encrypted_pairs``."""
+    figure is the median over ``PAIRS * rounds`` pairs, listed in ``tcp_encrypted_pairs``.
+    ``tcp_encrypted_added_us_per_hop_*``: the same pairs' round trips as a difference,
+    sealed minus plain, halved (a round trip is two hops), in µs."""
     import trio
 
     T = _transport(pin, spin)
@@ -123,7 +125,8 @@ def paired_sealing(
     for name, size in sizes.items():
         got = trio.run(_measure_paired, size, T._count(size, "tcp"), PAIRS * rounds)
         for kind, pairs in got.items():
-            ratios[f"tcp_encrypted_{kind}_ratio_{name}"] = pairs
+            key = "added_us_per_hop" if kind == "added_us" else f"{kind}_ratio"
+            ratios[f"tcp_encrypted_{key}_{name}"] = pairs
     out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
     out["tcp_encrypted_pairs"] = {k: [round(x, 3) for x in v] for k, v in ratios.items()}
     return out
@@ -219,13 +222,14 @@ async def _measure_paired(size: int, count: tuple[int, int], pairs: int) -> dict
             for backend in ("tcp", SEALED):  # warm up pools, buffers, code
                 await throughput(links[backend, False])
                 await trio.to_thread.run_sync(round_trip, links[backend, True])
-            out: dict[str, list[float]] = {"throughput": [], "rtt": []}
+            out: dict[str, list[float]] = {"throughput": [], "rtt": [], "added_us": []}
             for p in range(pairs):
                 order = ("tcp", SEALED) if p % 2 == 0 else (SEALED, "tcp")
                 tput = {b: await throughput(links[b, False]) for b in order}
                 rtt = {b: await trio.to_thread.run_sync(round_trip, links[b, True]) for b in order}
                 out["throughput"].append(tput[SEALED] / tput["tcp"])
                 out["rtt"].append(rtt[SEALED] / rtt["tcp"])
+                out["added_us"].append((rtt[SEALED] - rtt["tcp"]) / 2 * 1e6)
             for link in links.values():
                 await link.aclose()
     finally:

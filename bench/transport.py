@@ -24,7 +24,23 @@ its figures by plain tcp's (throughput: the trio API; RTT: the blocking API),
 measured after the full runs by one client and one server holding a plain and
 a sealed link side by side, used in alternating blocks (bench/sealing.py,
 ``paired_sealing``: the median of the block pairs' ratios;
-``tcp_encrypted_pairs`` lists them).
+``tcp_encrypted_pairs`` lists them); ``tcp_encrypted_added_us_per_hop_*`` is
+the same pairs' round trips as a difference (sealed minus plain, per hop: half
+a round trip), in µs.
+
+What one round trip does, plain and sealed alike: the client encodes an
+``Activations`` of one float32 tensor (``encode_parts``) and writes it
+(``send_blocking``); the server reads it (``receive_blocking``: the head is
+parsed and the tensor is a buffer of the link's pool, filled from the wire),
+writes the same frame back (encoded again; sealed again on a sealed link) and
+releases it; the client reads the echo the same way and releases it. The
+tensor's bytes reach the pool buffer by a copy from the reader's staging buffer
+(plain), or by AES-GCM opening the record straight into it (sealed, once a
+record of that size and layout was seen; the first is opened into the staging
+buffer and copied). Neither side computes on the tensor between hops, as a stage
+would with torch: the AVX-512 after-effect that the sealed hops' AES-GCM has
+(docs/journal/2026-12-08-sealing-4.md), which torch's own kernels have too, is
+charged in full to sealing here.
 
 Socket backends are measured twice: through the async (trio) API and through
 the blocking API a stage loop uses from its worker thread

@@ -21,18 +21,51 @@ round, since groups that never merge again would crumble into single steps,
 each a forward of its own.
 
 Pure logic (no trio); ``HETMESH_STAGE_GROUPS=0`` turns it off (every burst then
-waits for the share or the gap, as before).
+waits for the share or the gap, as before). ``HETMESH_STAGE_GATHER_MS`` sets the
+gap (default ``GATHER_S``, 5 ms: a lone straggler waits it at every stage, every
+token; the quiet A/B decides whether a shorter one keeps the rounds whole).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from collections.abc import Collection, Iterable
+
+log = logging.getLogger(__name__)
+
+GATHER_S = 0.005  # the default longest gap between two frames of one burst
+GATHER_ENV = "HETMESH_STAGE_GATHER_MS"
+MAX_GATHER_MS = 1000.0
 
 
 def groups_enabled() -> bool:
     """Whether stages end a gather once the waiting sessions' groups are in (default on)."""
     return os.environ.get("HETMESH_STAGE_GROUPS", "1") != "0"
+
+
+def gather_seconds() -> float:
+    """The longest gap between two frames of one burst, in seconds: ``HETMESH_STAGE_GATHER_MS``
+    (0 to 1000 ms; 0: a round starts on what has come), else :data:`GATHER_S`. A value that
+    is not such a number keeps the default, with a warning (the node serves on)."""
+    raw = os.environ.get(GATHER_ENV, "").strip()
+    if not raw:
+        return GATHER_S
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not 0.0 <= ms <= MAX_GATHER_MS:  # (NaN fails too)
+        log.warning(
+            "%s=%r is not 0 to %g ms: the gap stays %g ms",
+            GATHER_ENV,
+            raw,
+            MAX_GATHER_MS,
+            GATHER_S * 1e3,
+        )
+        return GATHER_S
+    return ms / 1e3
 
 
 class Groups:

@@ -93,7 +93,8 @@ from hetmesh.node.kvcache import KVLimits, KVManager, KVStatistics, Stamp
 from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.outcomes import MID_STEP, MOVED_SESSION
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
-from hetmesh.node.stage_groups import Groups, groups_enabled
+from hetmesh.node.stage_groups import GATHER_S as DEFAULT_GATHER_S
+from hetmesh.node.stage_groups import Groups, gather_seconds, groups_enabled
 from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
@@ -115,8 +116,9 @@ log = logging.getLogger(__name__)
 QUEUED_PER_SESSION = MAX_PREFILL_CHUNKS
 OUTBOX_FRAMES = 64  # frames waiting for one peer; past that its sessions fail here
 OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
-# the longest gap between two frames of one burst (a round's outputs upstream)
-GATHER_S = 0.005
+# the longest gap between two frames of one burst (a round's outputs upstream), by
+# default (HETMESH_STAGE_GATHER_MS sets a stage server's: stage_groups.gather_seconds)
+GATHER_S = DEFAULT_GATHER_S
 # how long a stage keeps a moved session's KV frame for its gateway to confirm the move
 HANDED_S = 30.0
 
@@ -259,6 +261,7 @@ class StageServer:
         self._micro_batches = max(1, micro_batches)
         # each session's last round here: a gather ends once its burst is in
         self._groups = Groups() if groups_enabled() else None
+        self._gather_s = gather_seconds()  # a burst's longest gap between frames
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}
         # bounded: at most QUEUED_PER_SESSION items of each session it admitted (as
@@ -838,7 +841,8 @@ class StageServer:
 
     async def _gather(self, limit: int) -> None:
         """Take what the inbox holds; while fewer than ``limit`` sessions wait, keep
-        taking items that follow each other within :data:`GATHER_S`, unless every
+        taking items that follow each other within the gap (:data:`GATHER_S` unless
+        ``HETMESH_STAGE_GATHER_MS`` says otherwise), unless every
         session of the waiting sessions' last rounds here is in
         (:mod:`hetmesh.node.stage_groups`: the burst is complete).
 
@@ -861,7 +865,7 @@ class StageServer:
                 and self._groups.complete(waiting, self._sessions)
             ):
                 return  # every session of their last rounds here is in: the burst ended
-            with trio.move_on_after(GATHER_S):
+            with trio.move_on_after(self._gather_s):
                 self._pending.append(await self._inbox.receive())
                 continue
             return

@@ -70,6 +70,8 @@ from hetmesh.partition.lean import (
     rope_tables,
 )
 from hetmesh.partition.lean import supports as supports_lean
+from hetmesh.partition.lean_round import available as round_available
+from hetmesh.partition.lean_round import round_default, round_layers
 from hetmesh.partition.lean_script import ScriptPlan, decode_layers, script_default, script_plan
 from hetmesh.partition.materialise import META_PATCH_LOCK, materialise
 from hetmesh.partition.profile import SUPPORTED_ARCHITECTURES, model_profile
@@ -291,6 +293,8 @@ class StageModule(nn.Module):
         self.lean_decode = decode_default()
         # ... and through lean_script.decode_layers where every layer is plain int4
         self.lean_script = script_default()
+        # ... and a round of several sessions' decode tokens through lean_round.round_layers
+        self.lean_round = round_default()
         self._scripts: dict[tuple[int, int], ScriptPlan | None] = {}
         self._plans: list[LeanLayer] | None = None
         # decode forwards at 1 thread or the caller's count, by measurement (compact formats)
@@ -554,6 +558,9 @@ class StageModule(nn.Module):
             plans = self._lean_plans()[part] if self.lean else []
             if rope is not None and self._decodes_lean(sessions, lengths, plans):
                 hidden = self._lean_decode(plans, windows, hidden, sessions[0], rope)
+            elif rope is not None and (script := self._round_plan(sessions, lengths, plans)):
+                gemm = self._gemm_rows()
+                hidden = round_layers(script, hidden[:, 0], sessions, windows, *rope, gemm)[:, None]
             else:
                 cache = _BatchCache(sessions, lengths)
                 masks: dict[int | None, torch.Tensor | QuerySpans | None] = {}
@@ -608,6 +615,29 @@ class StageModule(nn.Module):
             and self.config._attn_implementation == EXACT_ATTENTION
             and all(plan.int4 for plan in plans)
         )
+
+    def _round_plan(
+        self, sessions: list[SessionKV], lengths: list[int], plans: list[LeanLayer]
+    ) -> ScriptPlan | None:
+        """The script plan where this forward is a decode round that :func:`round_layers`
+        computes (one pool, exact attention by exact_gemm's products, every layer plain
+        or fused int4), else None: several sessions, or one whose KV blocks do not form
+        one run (:meth:`_lean_decode` takes those that do; a stage server's sessions
+        interleave their blocks as they grow)."""
+        if not (
+            self.lean_round
+            and (len(lengths) > 1 or sessions[0]._base is None)
+            and all(n == 1 for n in lengths)
+            and all(kv.pool is sessions[0].pool for kv in sessions)
+            and self.dtype == torch.float32
+            and self.device.type == "cpu"
+            and self.config._attn_implementation == EXACT_ATTENTION
+            and all(plan.int4 for plan in plans)
+            and self._gemm()
+            and round_available()
+        ):
+            return None
+        return self._script_plan(plans)
 
     def _lean_decode(
         self,

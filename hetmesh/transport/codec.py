@@ -130,7 +130,8 @@ class PoolStatistics:
     reuses: int
 
 
-_Key = tuple[str, tuple[int, ...]]
+# dtype and shape; a landing's (see BufferPool.add_landing) also has its lead bytes
+_Key = tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], int]
 # key, tensor, its byte view, its data_ptr, its nbytes (torch calls cost on the hot path)
 _Entry = tuple[_Key, torch.Tensor, memoryview, int, int]
 
@@ -177,6 +178,44 @@ class BufferPool:
         entry = (key, tensor, byte_view(tensor), tensor.data_ptr(), spec.nbytes)
         with self._lock:
             self._allocations += 1
+            self._in_use[entry[3]] = entry
+            self._in_use_bytes += spec.nbytes
+        return entry[1], entry[2]
+
+    def add_landing(self, spec: TensorSpec, lead: int) -> None:
+        """Keep a *landing* for ``spec``, unless one is free already: a tensor of ``spec``
+        with ``lead`` writable bytes just before its data (which starts 64-byte aligned).
+
+        A sealed link opens a record of a known layout (``lead`` bytes of frame head,
+        then the tensor) straight into one, so the tensor needs no copy. Landings are
+        made here only, after an authenticated frame showed the layout; they are
+        released like any tensor and kept apart from plain buffers of their spec.
+        """
+        key = (spec.dtype, spec.shape, lead)
+        with self._lock:
+            if self._free.get(key) or self._cached_bytes + spec.nbytes > self._max_cached:
+                return
+        raw = torch.empty(lead + spec.nbytes + 64, dtype=torch.uint8)
+        start = -(raw.data_ptr() + lead) % 64
+        tensor = raw[start + lead : start + lead + spec.nbytes]
+        tensor = tensor.view(DTYPES[spec.dtype]).view(spec.shape)
+        landing = byte_view(raw)[start : start + lead + spec.nbytes]
+        entry = (key, tensor, landing, tensor.data_ptr(), spec.nbytes)
+        with self._lock:
+            self._allocations += 1
+            self._free[key].append(entry)
+            self._cached_bytes += spec.nbytes
+
+    def take_landing(self, spec: TensorSpec, lead: int) -> tuple[torch.Tensor, memoryview] | None:
+        """A free landing (:meth:`add_landing`) and its ``lead + spec.nbytes`` bytes; None
+        if there is none free (this never allocates)."""
+        with self._lock:
+            free = self._free.get((spec.dtype, spec.shape, lead))
+            if not free:
+                return None
+            entry = free.pop()
+            self._cached_bytes -= spec.nbytes
+            self._reuses += 1
             self._in_use[entry[3]] = entry
             self._in_use_bytes += spec.nbytes
         return entry[1], entry[2]

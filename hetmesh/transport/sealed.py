@@ -12,9 +12,12 @@ fails its tag and ends the link (:class:`RemoteProtocolError`). Lengths are
 checked before anything is read into memory.
 
 The receiving half is a socket look-alike for
-:class:`~hetmesh.transport.links.BufferedReader` (``recv_into``): frames are
+:class:`~hetmesh.transport.readers.BufferedReader` (``recv_into``): frames are
 parsed exactly as on a plain link, and a record that fits the reader's
-target is decrypted straight into it (a tensor's own memory).
+target is decrypted straight into it (a tensor's own memory). A decode step's
+record, of a layout seen before, is decrypted into a pool tensor that has room
+for the frame's head just before it (:meth:`OpenedSocket.land`): the head is
+parsed from there, and the tensor needs no copy.
 """
 
 from __future__ import annotations
@@ -28,7 +31,15 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from hetmesh.errors import LocalProtocolError, RemoteProtocolError, StreamReset
-from hetmesh.transport.frames import flat_bytes
+from hetmesh.transport.codec import BufferPool, TensorSpec
+from hetmesh.transport.frames import (
+    PREFIX_BYTES,
+    Frame,
+    Limits,
+    flat_bytes,
+    parse_header,
+    parse_prefix,
+)
 
 RECORD_BYTES = 1 << 20  # plaintext per record: bounds what a peer makes us buffer
 SMALL_BYTES = 64 << 10  # frames up to this size are sealed in the sealer's standing buffer
@@ -36,7 +47,7 @@ TAG_BYTES = 16
 _LENGTH = struct.Struct(">I")  # 4 bytes
 _NONCE = struct.Struct(">4xQ")  # 96 bits: 32 zero bits, then the record counter
 _MAX_RECORDS = 1 << 64
-_OVERHEAD = _LENGTH.size + TAG_BYTES  # per record
+_OVERHEAD = RECORD_OVERHEAD = _LENGTH.size + TAG_BYTES  # per record
 _VIEW_SIZES = 64  # frame sizes whose views a Sealer keeps (then it starts over)
 
 
@@ -222,6 +233,8 @@ class OpenedSocket:
         self.idle = True  # nothing held (raw bytes or opened ones): a record starts next
         # open_alone's views per record size: a decode step's records all have one size
         self._alone_views: dict[int, tuple[memoryview, memoryview, memoryview]] = {}
+        # land's layouts per record size: (head bytes, the one tensor's spec)
+        self._layouts: dict[int, tuple[int, TensorSpec]] = {}
 
     def recv_into(self, target: Any, nbytes: int = 0, flags: int = 0) -> int:
         """Like ``socket.recv_into``: up to ``len(target)`` plaintext bytes; 0 at EOF.
@@ -286,6 +299,57 @@ class OpenedSocket:
             self._raw_start, self._raw_end = 0, got
             self.idle = False
         return 0
+
+    def land(self, got: int, pool: BufferPool, limits: Limits, staging: memoryview) -> Frame | int:
+        """:meth:`open_alone` for a link reader that holds nothing: ``got`` bytes were just
+        received into :attr:`raw`. A whole record of a size :meth:`learn` saw (a decode
+        step's ``Activations``: a head, then one tensor) is opened into a free landing of
+        ``pool`` (:meth:`BufferPool.add_landing`): the tensor's bytes arrive in its own
+        memory, and the frame, parsed from the opened head, is returned. Anything else
+        is :meth:`open_alone`'s (its size in ``staging``, or 0 and held); so is a record of
+        that size laid out otherwise, once opened (copied to ``staging``). Refusals as
+        :meth:`recv_into`'s, and a bad head's as the reader's."""
+        layout = self._layouts.get(got)
+        if layout is None or _LENGTH.unpack_from(self._raw_view)[0] != got - _LENGTH.size:
+            return self.open_alone(got, staging)
+        lead, spec = layout
+        landing = pool.take_landing(spec, lead)
+        if landing is None:  # all of them still held by the frames' readers
+            return self.open_alone(got, staging)
+        tensor, out = landing
+        try:
+            self._open(self._raw_view[_LENGTH.size : got], out)
+            head = parse_prefix(out, limits)  # the record holds a frame from its first byte
+            if head.header_bytes == lead - PREFIX_BYTES and head.payload_bytes == spec.nbytes:
+                pending = parse_header(head, out[PREFIX_BYTES:lead], limits)
+                specs = pending.specs  # a dtype and shape give the nbytes
+                if len(specs) == 1:
+                    read = specs[0]
+                    if read.shape == spec.shape and read.dtype == spec.dtype:
+                        return pending.build((tensor,))
+        except BaseException:
+            pool.release(tensor)
+            raise
+        size = got - _OVERHEAD  # authenticated, laid out otherwise: parsed from staging
+        staging[:size] = out
+        pool.release(tensor)
+        return size
+
+    def learn(self, got: int, lead: int, spec: TensorSpec, pool: BufferPool) -> None:
+        """The reader parsed a record of ``got`` bytes, opened alone, as one frame of a
+        ``lead``-byte head and a tensor of ``spec``. The second time in a row for that
+        size (a decode step's frames repeat; a prefill chunk's may not), ``pool`` gets a
+        landing for it, and :meth:`land` opens such records into one from then on. At
+        most 64 sizes are kept, then it starts over."""
+        if spec.nbytes <= 0 or lead < PREFIX_BYTES:
+            return
+        layout = (lead, spec)
+        if self._layouts.get(got) == layout:
+            pool.add_landing(spec, lead)  # none was free (or none made yet)
+            return
+        if len(self._layouts) >= _VIEW_SIZES and got not in self._layouts:
+            self._layouts.clear()
+        self._layouts[got] = layout
 
     def _recv_held(self, view: memoryview, flags: int) -> int:
         """:meth:`recv_into` from what is held (records in part or in number, or a record
@@ -376,4 +440,4 @@ def _checked_views(parts: Sequence[Any], plain: int) -> list[memoryview]:
     return views
 
 
-__all__ = ["RECORD_BYTES", "OpenedSocket", "Sealer"]
+__all__ = ["RECORD_BYTES", "RECORD_OVERHEAD", "OpenedSocket", "Sealer"]

@@ -288,7 +288,7 @@ class ShmLink(ThreadedLink):
 
     def _write_blocking(self, frame: Frame) -> int:
         head, buffers, total = encode_parts(frame, self.limits)
-        seg_ids: list[int | bytes] = []
+        seg_ids: list[int | memoryview] = []
         new: list[list[int]] = []
         fds: list[int] = []
         if buffers:
@@ -298,7 +298,7 @@ class ShmLink(ThreadedLink):
                 seg_id = allocated.pop(tensor.data_ptr(), None) if tensor.nbytes else None
                 if seg_id is None and tensor.nbytes <= min(self._inline_bytes, inline):
                     inline -= tensor.nbytes  # in the packet: nothing to give back
-                    seg_ids.append(bytes(flat_bytes(buffer)))
+                    seg_ids.append(flat_bytes(buffer))  # packed as bin, like bytes: no copy
                     continue
                 if seg_id is None:  # not from allocate(): one copy into a segment
                     data = flat_bytes(buffer)

@@ -16,6 +16,7 @@ import trio.testing
 
 from hetmesh.node.control import OpenSession
 from hetmesh.node.kvcache import KVLimits
+from hetmesh.node.stage_groups import GATHER_ENV
 from hetmesh.node.stage_server import GATHER_S, StageServer
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
@@ -106,6 +107,29 @@ async def test_a_gap_longer_than_the_burst_starts_the_round(
         await trio.testing.wait_all_tasks_blocked()
         mock_clock.jump(GATHER_S * 1.1)
     assert rounds[1] == ["s2"]
+
+
+async def test_the_environment_sets_the_gap(
+    tiny_model, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HETMESH_STAGE_GATHER_MS=1: a frame 0.9 ms after the last joins the round, and 1.1 ms
+    without one (far under the default's 5 ms) starts it."""
+    monkeypatch.setenv(GATHER_ENV, "1")
+    server = first_stage(tiny_model, micro_batches=1)
+    rounds: list[list[str]] = []
+    server.submit(step("s0"), release=lambda: None, sender=GATEWAY)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_round, server, rounds)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(0.0009)
+        server.submit(step("s1"), release=lambda: None, sender=GATEWAY)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rounds == []  # still gathering
+        mock_clock.jump(0.0011)  # nothing came within the gap
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()  # (the default's gap would still be gathering)
+    assert rounds == [["s0", "s1"]]
+    assert GATHER_S > 0.0011
 
 
 async def test_a_round_never_waits_once_it_holds_its_share(

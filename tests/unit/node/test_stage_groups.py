@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from hetmesh.node.stage_groups import Groups, groups_enabled
+from hetmesh.node.stage_groups import (
+    GATHER_ENV,
+    GATHER_S,
+    Groups,
+    gather_seconds,
+    groups_enabled,
+)
 
 
 def test_a_burst_is_complete_once_every_session_of_its_round_waits() -> None:
@@ -57,3 +63,27 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool
     else:
         monkeypatch.setenv("HETMESH_STAGE_GROUPS", value)
     assert groups_enabled() is on
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(None, GATHER_S), ("", GATHER_S), ("2", 0.002), (" 0.5 ", 0.0005), ("0", 0.0)],
+)
+def test_the_gap_follows_the_environment(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, seconds: float
+) -> None:
+    if value is None:
+        monkeypatch.delenv(GATHER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GATHER_ENV, value)
+    assert gather_seconds() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "nan", "1e9", "inf"])
+def test_a_bad_gap_keeps_the_default_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str
+) -> None:
+    monkeypatch.setenv(GATHER_ENV, value)
+    with caplog.at_level("WARNING", logger="hetmesh.node.stage_groups"):
+        assert gather_seconds() == GATHER_S
+    assert GATHER_ENV in caplog.text

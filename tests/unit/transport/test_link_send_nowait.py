@@ -6,12 +6,24 @@ peer receives are exactly those sent, in order, whichever way they went.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import socket
+import struct
+import termios
+
 import pytest
 import torch
 import trio
 
 from hetmesh.transport import Activations, Tokens
-from hetmesh.transport.links import NOWAIT_MAX_BYTES, ThreadedLink, in_thread
+from hetmesh.transport.links import (
+    NOWAIT_MAX_BYTES,
+    SO_MEMINFO,
+    ThreadedLink,
+    _meminfo_queued_at,
+    in_thread,
+)
 from tests.unit.transport.test_links import link_pair, planes, wait_until
 
 
@@ -125,3 +137,47 @@ async def test_a_send_behind_one_in_flight_waits_its_turn(backend: str) -> None:
             lb.release(frame)
         await la.aclose()
         await lb.aclose()
+
+
+def _outq(sock: socket.socket) -> int:
+    queued = bytearray(4)
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)
+    return int.from_bytes(queued, "little")
+
+
+def _meminfo_unread(sock: socket.socket) -> int:
+    at = _meminfo_queued_at(sock)
+    assert at >= 0  # Linux
+    info = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 24)
+    return int(struct.unpack_from("=6I", info)[at])
+
+
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_meminfo_says_bytes_are_queued_exactly_when_tiocoutq_does(family: str) -> None:
+    """TcpLink's send_nowait asks SO_MEMINFO (one call) what TIOCOUTQ said: whether
+    the peer has yet to take bytes sent; both agree before, while and after."""
+    if family == "tcp":
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            left = socket.create_connection(server.getsockname())
+            right, _ = server.accept()
+    else:
+        left, right = socket.socketpair()
+    with left, right:
+        assert _outq(left) == 0
+        assert _meminfo_unread(left) == 0
+        left.setblocking(False)
+        sent = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:  # the peer reads nothing: fill every buffer on the way
+                sent += left.send(bytes(1 << 16))
+        assert _outq(left) > 0
+        assert _meminfo_unread(left) > 0
+        got = 0
+        while got < sent:
+            got += len(right.recv(1 << 20))
+        while True:  # acknowledgements come after the reads; the queues only drain now
+            unread = _meminfo_unread(left)
+            queued = _outq(left)  # read second: 0 here if SO_MEMINFO said 0 before
+            assert queued == 0 or unread > 0  # never "empty" while TIOCOUTQ says not
+            if unread == 0:
+                break

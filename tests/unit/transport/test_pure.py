@@ -118,6 +118,7 @@ def test_pure_modules_import_neither_trio_nor_libp2p() -> None:
         "import sys\n"
         "import hetmesh.transport.frames, hetmesh.transport.codec\n"
         "import hetmesh.transport.negotiation, hetmesh.transport.credentials\n"
+        "import hetmesh.transport.sealed, hetmesh.transport.readers\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('trio', 'libp2p')]\n"
         "assert not bad, bad\n"
     )

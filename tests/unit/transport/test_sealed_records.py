@@ -156,6 +156,7 @@ def test_whole_records_of_many_sizes_open_alone_through_bounded_views() -> None:
             assert reader.read_frame() == frame
             assert reader._opened.idle
             assert len(reader._opened._alone_views) <= 64
+            assert len(reader._opened._layouts) <= 64
 
 
 def test_open_alone_opens_into_the_target_it_is_given() -> None:
