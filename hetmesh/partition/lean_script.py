@@ -229,6 +229,7 @@ class ScriptPlan:
     weights: list[torch.Tensor]
     offsets: list[int]
     columns: list[int]
+    eps: list[float]  # each layer's two norms' (lean_round's step reads them)
     scalars: list[torch.Tensor]
     scaling: list[float]
     indices: list[int]
@@ -280,6 +281,7 @@ def script_plan(plans: list[LeanLayer]) -> ScriptPlan | None:
         weights=weights,
         offsets=offsets,
         columns=columns,
+        eps=[e for plan in plans for e in (plan.ln1[1], plan.ln2[1])],
         scalars=[
             *(
                 torch.tensor(number, dtype=torch.float32)
