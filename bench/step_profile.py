@@ -210,11 +210,15 @@ def kernels(threads: list[int], tries: int = 10) -> dict[str, Any]:
 
     head = Int8Linear(576, 49152, bias=False, device="cpu", bf16_activations=True)
     head.weight_q, head.weight_scale = quantize_rows_int8(torch.randn(49152, 576))
+    # the stage's head: W8A8 from oneDNN's packed product where exact (quant.py)
+    packed = Int8Linear(576, 49152, bias=False, device="cpu", packed=True)
+    packed.weight_q, packed.weight_scale = head.weight_q, head.weight_scale
     cases: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {
         "int4 576x1536": (int4(576, 1536), torch.randn(1, 576)),
         "int4 1536x576": (int4(1536, 576), torch.randn(1, 1536)),
         "int4 576x192": (int4(576, 192), torch.randn(1, 576)),
         "int8 head 576x49152 (bf16 act)": (head, torch.randn(1, 576)),
+        "int8 head 576x49152 (packed W8A8)": (packed, torch.randn(1, 576)),
         "fp32 linear 576x1536": (torch.nn.Linear(576, 1536, bias=False), torch.randn(1, 576)),
     }
     best: dict[tuple[str, int], float] = {}

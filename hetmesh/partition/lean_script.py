@@ -17,7 +17,15 @@ Attention is exact attention's way for the stage's shape: where
 the project's Xeon), :func:`~hetmesh.partition.lean.gemm_step` makes
 ``gemm_attention``'s products for the one query, op for op, over the session's
 keys from its first slot (so a lone step's bits are a batched step's); else
-one ``sdpa`` call, as the per-query way makes it.
+one ``sdpa`` call, as the per-query way makes it. Where no key is masked and no query
+row padded (no window before the session's first key; enough keys and query heads a
+key head), :func:`_attend` makes gemm_step's products, softmax and key-block loop
+without its views and masks.
+
+Fewer ops than Python makes, the same bits: the norm's ``mean`` written as ATen makes it
+(``sum`` then ``div_``), ``pow(2)`` as the product it is, the Python numbers (eps, the
+attention scale, the width) as the float32 tensors ATen casts them to, made once;
+rope's swap of halves by one ``flip`` (``roll`` is two ``narrow`` and a ``cat``).
 
 For int4 layers of separate or fused products (:func:`script_plan`: no
 biases, no padded products, fp32 norm weights): other stages keep
@@ -49,12 +57,47 @@ def script_default() -> bool:
     return os.environ.get(SCRIPT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    first: int,
+    end: int,
+    scale: torch.Tensor,
+    dim: int,
+    sizes: list[int],
+) -> torch.Tensor:
+    """gemm_step's ops for one query of one row that sees every key from the session's
+    first slot (no window before it), with at least ``sizes[1]`` keys and at least
+    ``sizes[0]`` query heads a key head: its tile needs no row padding and its scores no
+    mask, so only its products, softmax and key-block loop are left (the same ops on the
+    same values; its reshapes of the one query tile are views of ``q`` here).
+    ``keys``, ``values``: one layer's ``(kv_heads, slots, dim)`` of the pool."""
+    k = keys.narrow(1, first, end - first).to(torch.float32)
+    v = values.narrow(1, first, end - first).to(torch.float32)
+    need, min_keys, key_block = end - first, sizes[1], sizes[2]
+    scores = torch.bmm(q.view(k.shape[0], -1, dim), k.transpose(1, 2)).mul_(scale)
+    weights = torch.softmax(scores, dim=-1)
+    if need <= key_block:  # one block of keys, none padded: gemm_step's one product
+        return torch.bmm(weights, v)
+    out = torch.empty(0)
+    for k0 in range(0, need, key_block):
+        k1 = min(need, k0 + key_block)
+        w, vb = weights[:, :, k0:k1], v[:, k0:k1]
+        if k1 - k0 < min_keys:
+            w = F.pad(w, [0, min_keys - (k1 - k0)])
+            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
+        part = torch.bmm(w, vb)
+        out = part if k0 == 0 else out.add_(part)
+    return out
+
+
 def _layers(
     hidden: torch.Tensor,
     weights: list[torch.Tensor],
     offsets: list[int],
     columns: list[int],
-    eps: list[float],
+    scalars: list[torch.Tensor],
     scaling: list[float],
     indices: list[int],
     starts: list[int],
@@ -72,29 +115,53 @@ def _layers(
     """lean.lean_decode for each layer in turn (the same ops; see that function). Layer
     ``i``'s tensors start at ``weights[offsets[i]]``: norm, q, k, v, o, norm, gate, up,
     down (each product: packed, scales and zeros); or, fused (``columns[5 i]`` > 0), norm,
-    qkv, o, norm, gate|up, down, with the ends of q, k, v, gate and up in ``columns``."""
+    qkv, o, norm, gate|up, down, with the ends of q, k, v, gate and up in ``columns``.
+    ``scalars``: layer ``i``'s two norms' eps and its attention scale at ``3 i``, then the
+    hidden width, as float32 tensors (what ATen makes of the Python numbers, made once)."""
+    width = scalars[-1]
+    half = dim // 2
     for i in range(len(indices)):
         b = offsets[i]
         index, q_end = indices[i], columns[5 * i]
-        x32 = hidden * hidden.pow(2).mean(-1, keepdim=True).add_(eps[2 * i]).rsqrt_()
-        x = torch.mul(x32, weights[b], out=torch.empty_like(x32, dtype=torch.bfloat16))
+        # the norm: mean is sum then div_ in ATen (the same bits, checked: tests)
+        x32 = (
+            hidden
+            * torch.mul(hidden, hidden)
+            .sum(-1, keepdim=True)
+            .div_(width)
+            .add_(scalars[3 * i])
+            .rsqrt_()
+        )
+        x = torch.mul(x32, weights[b]).to(torch.bfloat16)
         if q_end > 0:  # one product: q's and k's columns side by side, roped as one
             k_end, v_end = columns[5 * i + 1], columns[5 * i + 2]
             qkv = torch._weight_int4pack_mm_for_cpu(x, weights[b + 1], group, weights[b + 2])
             qk = qkv[:, :k_end].view(1, 1, -1, dim).to(torch.float32)
-            qk = torch.mul(torch.roll(qk, dim // 2, -1), sin_signed).add_(qk * cos)
+            # rope's swap of halves (torch.roll's data, in one op)
+            swapped = qk.view(1, 1, -1, 2, half).flip(3).view(qk.shape)
+            qk = torch.mul(swapped, sin_signed).add_(qk * cos)
             q, k, v = qk[:, :, : q_end // dim], qk[:, :, q_end // dim :], qkv[:, k_end:v_end]
         else:
             q = torch._weight_int4pack_mm_for_cpu(x, weights[b + 1], group, weights[b + 2])
             k = torch._weight_int4pack_mm_for_cpu(x, weights[b + 3], group, weights[b + 4])
             v = torch._weight_int4pack_mm_for_cpu(x, weights[b + 5], group, weights[b + 6])
             q = q.view(1, 1, -1, dim).to(torch.float32)
-            q = torch.mul(torch.roll(q, dim // 2, -1), sin_signed).add_(q * cos)
+            swapped = q.view(1, 1, -1, 2, half).flip(3).view(q.shape)
+            q = torch.mul(swapped, sin_signed).add_(q * cos)
             k = k.view(1, 1, -1, dim).to(torch.float32)
-            k = torch.mul(torch.roll(k, dim // 2, -1), sin_signed).add_(k * cos)
-        keys[index, :, slot] = k.view(-1, dim)
-        values[index, :, slot] = v.view(-1, dim)
-        if len(gemm) > 0:  # exact_gemm's products, as lean_decode calls them
+            swapped = k.view(1, 1, -1, 2, half).flip(3).view(k.shape)
+            k = torch.mul(swapped, sin_signed).add_(k * cos)
+        layer_keys, layer_values = keys.select(0, index), values.select(0, index)
+        layer_keys.select(1, slot).copy_(k.view(-1, dim))
+        layer_values.select(1, slot).copy_(v.view(-1, dim))
+        if (
+            len(gemm) > 0
+            and starts[i] == first
+            and end - first >= gemm[1]
+            and q.shape[2] // layer_keys.shape[0] >= gemm[0]
+        ):  # exact_gemm's products without a mask or padded rows: gemm_step's ops, fewer views
+            out = _attend(q, layer_keys, layer_values, first, end, scalars[3 * i + 2], dim, gemm)
+        elif len(gemm) > 0:  # exact_gemm's products, as lean_decode calls them
             whole = keys[index : index + 1, :, first:end].to(torch.float32)
             whole_values = values[index : index + 1, :, first:end].to(torch.float32)
             query = q.reshape(1, 1, -1, dim).transpose(1, 2)
@@ -112,8 +179,15 @@ def _layers(
             out.view(1, -1).to(torch.bfloat16), weights[b + at], group, weights[b + at + 1]
         )
         hidden = hidden + o
-        x32 = hidden * hidden.pow(2).mean(-1, keepdim=True).add_(eps[2 * i + 1]).rsqrt_()
-        x = torch.mul(x32, weights[b + at + 2], out=torch.empty_like(x32, dtype=torch.bfloat16))
+        x32 = (
+            hidden
+            * torch.mul(hidden, hidden)
+            .sum(-1, keepdim=True)
+            .div_(width)
+            .add_(scalars[3 * i + 1])
+            .rsqrt_()
+        )
+        x = torch.mul(x32, weights[b + at + 2]).to(torch.bfloat16)
         if q_end > 0:
             gate_up = torch._weight_int4pack_mm_for_cpu(x, weights[b + 6], group, weights[b + 7])
             gate_end, up_end = columns[5 * i + 3], columns[5 * i + 4]
@@ -123,8 +197,7 @@ def _layers(
             gate = torch._weight_int4pack_mm_for_cpu(x, weights[b + 10], group, weights[b + 11])
             up = torch._weight_int4pack_mm_for_cpu(x, weights[b + 12], group, weights[b + 13])
             at = 14
-        act = F.silu(gate.to(torch.float32))
-        both = torch.mul(act, up, out=torch.empty_like(act, dtype=torch.bfloat16))
+        both = F.silu(gate.to(torch.float32)).mul_(up).to(torch.bfloat16)
         down = torch._weight_int4pack_mm_for_cpu(both, weights[b + at], group, weights[b + at + 1])
         hidden = hidden + down
     return hidden
@@ -156,7 +229,8 @@ class ScriptPlan:
     weights: list[torch.Tensor]
     offsets: list[int]
     columns: list[int]
-    eps: list[float]
+    eps: list[float]  # each layer's two norms' (lean_round's step reads them)
+    scalars: list[torch.Tensor]
     scaling: list[float]
     indices: list[int]
     dim: int
@@ -208,6 +282,14 @@ def script_plan(plans: list[LeanLayer]) -> ScriptPlan | None:
         offsets=offsets,
         columns=columns,
         eps=[e for plan in plans for e in (plan.ln1[1], plan.ln2[1])],
+        scalars=[
+            *(
+                torch.tensor(number, dtype=torch.float32)
+                for plan in plans
+                for number in (plan.ln1[1], plan.ln2[1], plan.scaling)
+            ),
+            torch.tensor(float(plans[0].ln1[0].shape[-1]), dtype=torch.float32),
+        ],
         scaling=[plan.scaling for plan in plans],
         indices=[plan.index for plan in plans],
         dim=plans[0].dim,
@@ -237,7 +319,7 @@ def decode_layers(
             plan.weights,
             plan.offsets,
             plan.columns,
-            plan.eps,
+            plan.scalars,
             plan.scaling,
             plan.indices,
             starts,

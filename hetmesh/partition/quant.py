@@ -27,8 +27,15 @@ Why these kernels (measured on the project's CPU; docs/weights.md):
   devices (no such kernel) the matrix is dequantised per call instead.
 - Embedding tables (and the LM head, which may share them) are int8 with one
   scale per vocabulary row (:class:`Int8Embedding`). The int8 format's head is
-  W8A8 like its other products (exact integer sums). The int4 format's head
-  takes bf16 activations instead, as its int4 products do
+  W8A8 like its other products (exact integer sums). Every LM head (``packed``)
+  takes those sums from oneDNN's int8 product (VNNI/AMX) of a packed copy of its
+  rows (exact for a row whose ``127 * sum(a + 128)`` is below 2**24, i.e. every
+  head row seen; others take :func:`int8_sums`; checked once per process on
+  extreme values; a second copy of at most 64 MiB): 1.1 against 1.8 ms for the
+  default model's head (the bf16 kernel below) and 2.7 ms by ``_int_mm``, the same
+  bits as :func:`int8_sums`, so the int4 format's head is W8A8 too wherever that
+  holds.
+  Elsewhere the int4 format's head takes bf16 activations, as its int4 products do
   (``Int8Linear(bf16_activations=True)``): torch's weight-only int8 kernel
   (``aten._weight_int8pack_mm``) with bf16 inputs computes the 576 x 49,152
   head of the default model 2.3x faster than the padded ``_int_mm`` (2.0
@@ -253,6 +260,75 @@ def int8_sums(a: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
     return _sums_in_float32(a, weight_q)
 
 
+PACKED_HEAD_ENV = "HETMESH_PACKED_INT8_HEAD"  # "0": heads keep int8_sums (A/B runs)
+# the most int8 bytes a head keeps a packed copy of beside its rows (the default
+# model's 49,152 x 576 head: 27 MiB; a 1B's 128,256 x 2,048: 250 MiB, not packed)
+_PACKED_MAX_BYTES = 64 << 20
+_U8_ZERO = 128  # int8 activations a as uint8 a + 128 (oneDNN's u8 x s8 product)
+# oneDNN sums (a + 128) * w in int32 and converts that to fp32 before taking
+# 128 * sum(w) off: a sum is exact while |sum((a + 128) w)| < 2**24, which holds for a
+# row whose 127 * sum(a + 128) is below it (checked with extreme values: tests)
+_PACKED_BOUND = 2**24
+
+
+def _pack_for_onednn(weight_q: torch.Tensor) -> torch.Tensor:
+    """``weight_q (n, k)`` int8 in oneDNN's blocked layout for its int8 product."""
+    packed: torch.Tensor = torch.ops.onednn.qlinear_prepack(weight_q, [1, weight_q.shape[1]])
+    return packed
+
+
+def _sums_packed(a: torch.Tensor, packed: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    """Exact ``a (m, k) int8 @ weight_q.T`` as fp32 ``(m, n)`` by oneDNN's product of
+    ``packed`` (:func:`_pack_for_onednn` of ``weight_q``; unit scales, no zero point),
+    equal to ``_int_mm(...).float()`` where :func:`packed_int8_exact` holds; a call
+    with a row oneDNN could round (``127 * sum(a + 128)`` reaching 2**24: ~all of a
+    row's inputs near +127, not seen in a head's activations) takes :func:`int8_sums`."""
+    u8 = a.to(torch.int16).add_(_U8_ZERO)
+    if a.shape[0] and int(u8.sum(1).max()) * 127 >= _PACKED_BOUND:
+        return int8_sums(a, weight_q)
+    return _onednn_sums(u8.to(torch.uint8), packed, weight_q.shape[0])
+
+
+def _onednn_sums(u8: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """oneDNN's ``(u8 - 128) @ W.T`` as fp32 ``(m, n)``, W :func:`_pack_for_onednn`'d."""
+    ones, zeros = _unit_weight_scales(n)
+    out: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+        u8, 1.0, _U8_ZERO, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    return out
+
+
+@functools.cache
+def _unit_weight_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.int64)
+
+
+@functools.cache
+def packed_int8_exact() -> bool:
+    """Whether heads take oneDNN's prepacked int8 product (:func:`_sums_packed`) here:
+    where this torch has it and it sums exactly, checked once on extreme values (a CPU
+    without VNNI would saturate its pairwise sums at 16 bits), never timed; off with
+    ``HETMESH_PACKED_INT8_HEAD=0``. Its sums are :func:`int8_sums`' bits, so the
+    choice changes speed only."""
+    if os.environ.get(PACKED_HEAD_ENV, "").strip() == "0":
+        return False
+    seeded = torch.Generator().manual_seed(0)
+    k = 576
+    a = torch.randint(-127, 128, (6, k), dtype=torch.int8, generator=seeded)
+    w = torch.randint(-127, 128, (96, k), dtype=torch.int8, generator=seeded)
+    w[0], w[1] = 127, -127  # with a's 127s: pair sums past 16 bits (no VNNI saturates)
+    w[2] = torch.randint(118, 128, (k,), dtype=torch.int8, generator=seeded)
+    a[0, :400], a[1] = 127, -127
+    a[2] = torch.randint(90, 101, (k,), dtype=torch.int8, generator=seeded)  # near the bound
+    u8 = a.to(torch.int16).add_(_U8_ZERO)
+    assert int(u8.sum(1).max()) * 127 < _PACKED_BOUND  # oneDNN's own sums are checked
+    try:
+        got = _onednn_sums(u8.to(torch.uint8), _pack_for_onednn(w), w.shape[0])
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False  # no oneDNN int8 product in this torch or on this CPU
+    return torch.equal(got, _sums_in_float32(a, w))
+
+
 def _row_scale(rows: torch.Tensor) -> torch.Tensor:
     """Per-row symmetric int8 scale ``(m, 1)``."""
     return rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127.0
@@ -273,10 +349,20 @@ class Int8Linear(nn.Module):
         bias: bool,
         device: torch.device | str,
         bf16_activations: bool = False,
+        packed: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bf16_activations = bf16_activations
+        # an LM head: W8A8 by oneDNN's product from a packed copy of its rows (made at
+        # the first call) where packed_int8_exact() holds and the rows fit
+        # _PACKED_MAX_BYTES; before bf16_activations' rule
+        self.packed = (
+            packed
+            and in_features <= _EXACT_FP32_K  # wider: most rows would miss _PACKED_BOUND
+            and in_features * out_features <= _PACKED_MAX_BYTES
+        )
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their pack)
         self.register_buffer(
             "weight_q", torch.empty(out_features, in_features, dtype=torch.int8, device=device)
         )
@@ -289,10 +375,20 @@ class Int8Linear(nn.Module):
             else None
         )
 
+    def _packed_rows(self) -> torch.Tensor | None:
+        """The packed copy of ``weight_q`` where this head takes it, else None."""
+        if not self.packed or self.weight_q.device.type != "cpu" or not packed_int8_exact():
+            return None
+        held = self._packed
+        if held is None or held[0] is not self.weight_q:  # (re)made for these rows
+            held = self._packed = (self.weight_q, _pack_for_onednn(self.weight_q))
+        return held[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float()  # (m, k)
-        if self.bf16_activations and rows.device.type == "cpu":
+        packed = self._packed_rows()
+        if packed is None and self.bf16_activations and rows.device.type == "cpu":
             # unit scales in the kernel, the fp32 row scales after it: only the
             # activations and the raw sums are rounded to bf16
             sums: torch.Tensor = torch.ops.aten._weight_int8pack_mm(
@@ -313,7 +409,10 @@ class Int8Linear(nn.Module):
         rest_scale = _row_scale(rest)
         rq = torch.round(rest / rest_scale)
         both = torch.cat([xq, rq]).to(torch.int8)  # (2m, k)
-        acc = int8_sums(both, self.weight_q)  # (2m, n), exact integer sums
+        if packed is not None:  # (2m, n), exact integer sums
+            acc = _sums_packed(both, packed, self.weight_q)
+        else:
+            acc = int8_sums(both, self.weight_q)
         out = (acc[:m] * x_scale + acc[m : 2 * m] * rest_scale) * self.weight_scale
         if self.bias is not None:
             out = out + self.bias
@@ -321,6 +420,8 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "bf16 activations" if self.bf16_activations else "W8A8 (two passes)"
+        if self.packed:
+            kind += ", W8A8 packed where exact"
         return f"in={self.in_features}, out={self.out_features}, int8 {kind}"
 
 
@@ -428,6 +529,7 @@ class Int8Embedding(nn.Module):
 
 __all__ = [
     "INT4_GROUP",
+    "PACKED_HEAD_ENV",
     "Int4Linear",
     "Int8Embedding",
     "Int8Linear",
@@ -435,6 +537,7 @@ __all__ = [
     "int8_kernel",
     "int8_sums",
     "pack_int4",
+    "packed_int8_exact",
     "quantize_groups_int4",
     "quantize_rows_int8",
     "unpack_int4",

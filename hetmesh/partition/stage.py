@@ -279,6 +279,7 @@ class StageModule(nn.Module):
                         device="meta",
                         # int4 multiplies in bf16 already: its head too (quant.py)
                         bf16_activations=weights is WeightFormat.INT4 and bf16_int8_head(),
+                        packed=True,  # W8A8 from a packed copy where exact (quant.py)
                     )
                     if quantized
                     else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.jit._fuser import optimized_execution
 
 from hetmesh.partition import exact_gemm
 from hetmesh.partition import stage as stage_module
 from hetmesh.partition.exact_gemm import WIDE_ROWS, per_query_calls
-from hetmesh.partition.lean_script import SCRIPT_ENV, script_default
+from hetmesh.partition.lean import gemm_sizes, gemm_step
+from hetmesh.partition.lean_script import SCRIPT_ENV, _attend, script_default
 from hetmesh.partition.stage import StageModule, load_stage
 from tests.unit.partition.tiny_models import VOCAB, count_calls
 
@@ -57,6 +60,14 @@ def _decode(stage: StageModule, prompt: torch.Tensor, steps: int, **switches: bo
         token = int(outputs[-1][-1].argmax())
         outputs.append(stage.forward(torch.tensor([token]), kv))
     return outputs
+
+
+def _script_attend() -> Any:
+    """lean_script's attention compiled as the script compiles it (torch.jit's deprecation
+    warning silenced, as lean_script silences it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(_attend)
 
 
 def _count_scripted_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -138,3 +149,35 @@ def test_script_switch_follows_the_environment(
     assert not load_stage(wide_dir, 0, 2, weights="int4").lean_script
     monkeypatch.delenv(SCRIPT_ENV)
     assert script_default()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "rows"), [(9, 3, 2), (4, 2, 2), (8, 2, 4), (6, 6, 1)]
+)
+@pytest.mark.parametrize("keys", [16, 17, 46, 256, 257, 271, 300, 513])
+def test_unmasked_attention_is_gemm_steps(heads: int, kv_heads: int, rows: int, keys: int) -> None:
+    """The script's attention where no key is masked and no query row padded (a session's
+    every key from its first slot; as many query heads a key head as a product's rows at
+    least) is gemm_step's, bit for bit: one key block, several, a last block of fewer
+    than MIN_KEYS keys (padded) and of more."""
+    dim, first, slots = 64, 5, 600
+    gen = torch.Generator().manual_seed(keys * 31 + heads)
+    pool_keys = torch.randn(kv_heads, slots, dim, generator=gen).to(torch.float16)
+    pool_values = torch.randn(kv_heads, slots, dim, generator=gen).to(torch.float16)
+    q = torch.randn(1, 1, heads, dim, generator=gen)
+    scale = dim**-0.5
+    sizes = gemm_sizes(rows)
+    end = first + keys
+    want = gemm_step(
+        q.reshape(1, 1, -1, dim).transpose(1, 2),
+        pool_keys[None, :, first:end].to(torch.float32),
+        pool_values[None, :, first:end].to(torch.float32),
+        0,
+        keys,
+        scale,
+        sizes,
+    )
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    with optimized_execution(False):  # as decode_layers runs it
+        got = _script_attend()(q, pool_keys, pool_values, first, end, scale_t, dim, sizes)
+    assert torch.equal(got.reshape(-1), want.reshape(-1))

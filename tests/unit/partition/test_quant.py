@@ -187,3 +187,85 @@ def test_the_int4_head_takes_bf16_where_the_cpu_has_it(
     assert bf16_int8_head() is cpu_has_bf16()  # the CPU's flags, unless forced
     monkeypatch.setenv(BF16_HEAD_ENV, forced)
     assert bf16_int8_head() is (forced == "1")
+
+
+_needs_packed = pytest.mark.skipif(
+    not quant.packed_int8_exact(), reason="no exact oneDNN int8 product on this CPU"
+)
+
+
+@_needs_packed
+@pytest.mark.parametrize("k", [64, 512, 576, 960])
+@pytest.mark.parametrize("m", [1, 2, 17, 600])
+def test_packed_int8_sums_are_exact_at_the_extremes(
+    monkeypatch: pytest.MonkeyPatch, m: int, k: int
+) -> None:
+    """oneDNN's product of a packed matrix gives int8_sums' bits: rows and columns of
+    ±127 (pair sums past 16 bits), rows just under the bound its sums stay exact
+    below (odd sums near 2**24), and calls with a row past it, which take int8_sums."""
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    n = 160
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    w[0], w[1] = 127, -127
+    w[2] = torch.randint(115, 128, (k,), dtype=torch.int8, generator=gen)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
+    # as near the bound as this width allows: 127 * sum(a + 128) just under 2**24
+    near = min(116, (2**24 - 1) // (127 * k) - 128 - 12)
+    a[0] = torch.randint(near, near + 12, (k,), dtype=torch.int8, generator=gen)
+    if m > 1:
+        a[1] = -127
+    fallbacks = []
+    real = quant.int8_sums
+    monkeypatch.setattr(quant, "int8_sums", lambda *args: fallbacks.append(1) or real(*args))
+    packed = quant._pack_for_onednn(w)
+    got = quant._sums_packed(a, packed, w)
+    assert not fallbacks  # oneDNN's own sums
+    assert torch.equal(got, quant._sums_in_float32(a, w))
+    assert torch.equal(got, (a.double() @ w.double().t()).float())
+    if 127 * 255 * k >= 2**24:  # a row of +127s: past the bound, int8_sums for the call
+        a[-1] = 127
+        past = quant._sums_packed(a, packed, w)
+        assert fallbacks
+        assert torch.equal(past, (a.double() @ w.double().t()).float())
+
+
+@_needs_packed
+def test_packed_head_gives_the_w8a8_bits_and_keeps_rows_independent() -> None:
+    """An LM head with ``packed``: W8A8 (the int8 format's head) bit for bit, whatever
+    its rows' batch (1-600 rows)."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 3000, 576
+    q, scale = quantize_rows_int8(torch.randn(n, k, generator=gen) * 0.05)
+    heads = []
+    for packed in (True, False):
+        layer = Int8Linear(k, n, bias=False, device="cpu", bf16_activations=True, packed=packed)
+        layer.weight_q.copy_(q)
+        layer.weight_scale.copy_(scale)
+        heads.append(layer)
+    packed_head, bf16_head = heads
+    w8a8 = Int8Linear(k, n, bias=False, device="cpu")
+    w8a8.weight_q.copy_(q)
+    w8a8.weight_scale.copy_(scale)
+    x = torch.randn(600, k, generator=gen)
+    x[3, 7] = 40.0  # an outlier (the second pass's case)
+    got = packed_head(x)
+    assert packed_head._packed is not None  # the packed kernel ran
+    assert torch.equal(got, w8a8(x))
+    assert not torch.equal(got[:4], bf16_head(x[:4]))  # not the bf16 head's numerics
+    for rows in (slice(0, 1), slice(3, 5), slice(7, 24), slice(100, 400)):
+        assert torch.equal(packed_head(x[rows]), got[rows])
+
+
+def test_packed_head_switch_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(quant.PACKED_HEAD_ENV, "0")
+    quant.packed_int8_exact.cache_clear()
+    try:
+        assert not quant.packed_int8_exact()
+        layer = Int8Linear(64, 96, bias=False, device="cpu", packed=True)
+        layer.weight_q.zero_()
+        layer.weight_scale.fill_(1.0)
+        layer(torch.randn(2, 64))
+        assert layer._packed is None  # int8_sums, not the packed copy
+    finally:
+        monkeypatch.delenv(quant.PACKED_HEAD_ENV)
+        quant.packed_int8_exact.cache_clear()
