@@ -69,9 +69,15 @@ def supported_formats(device: str) -> list[str]:
 
 def weight_bytes(config: Mapping[str, Any], weights: str, *, name: str) -> WeightBytes:
     """What ``weights`` costs per unit for the model of ``config`` (the planner's input)."""
+    from hetmesh.partition.formats import QUANTIZED_FORMATS
     from hetmesh.partition.profile import model_profile
+    from hetmesh.partition.quant import packed_head_bytes
 
-    return WeightBytes.of(model_profile(config, weights=weights, name=name), weights=weights)
+    profile = model_profile(config, weights=weights, name=name)
+    quantized = weights in {f.value for f in QUANTIZED_FORMATS}
+    # an int head's packed copy (charged on every CPU; made where its sums are exact)
+    pack = packed_head_bytes(profile.vocab_size, profile.hidden_size) if quantized else 0
+    return dataclasses.replace(WeightBytes.of(profile, weights=weights), head_pack_bytes=pack)
 
 
 def fits(

@@ -264,11 +264,21 @@ PACKED_HEAD_ENV = "HETMESH_PACKED_INT8_HEAD"  # "0": heads keep int8_sums (A/B r
 # the most int8 bytes a head keeps a packed copy of beside its rows (the default
 # model's 49,152 x 576 head: 27 MiB; a 1B's 128,256 x 2,048: 250 MiB, not packed)
 _PACKED_MAX_BYTES = 64 << 20
+_PACKED_MAX_K = 1024  # wider: most rows would miss _PACKED_BOUND
 _U8_ZERO = 128  # int8 activations a as uint8 a + 128 (oneDNN's u8 x s8 product)
 # oneDNN sums (a + 128) * w in int32 and converts that to fp32 before taking
 # 128 * sum(w) off: a sum is exact while |sum((a + 128) w)| < 2**24, which holds for a
 # row whose 127 * sum(a + 128) is below it (checked with extreme values: tests)
 _PACKED_BOUND = 2**24
+
+
+def packed_head_bytes(rows: int, width: int) -> int:
+    """Bytes of the packed copy an int head of ``(rows, width)`` keeps beside its rows
+    (``Int8Linear(packed=True)`` where :func:`packed_int8_exact`; 0 where its shape
+    takes none): the planner charges it (``WeightBytes.head_pack_bytes``)."""
+    if width > _PACKED_MAX_K or rows * width > _PACKED_MAX_BYTES:
+        return 0
+    return rows * (width + 4)  # and oneDNN's int32 compensation per row
 
 
 def _pack_for_onednn(weight_q: torch.Tensor) -> torch.Tensor:
@@ -359,7 +369,7 @@ class Int8Linear(nn.Module):
         # _PACKED_MAX_BYTES; before bf16_activations' rule
         self.packed = (
             packed
-            and in_features <= _EXACT_FP32_K  # wider: most rows would miss _PACKED_BOUND
+            and in_features <= _PACKED_MAX_K
             and in_features * out_features <= _PACKED_MAX_BYTES
         )
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their pack)
@@ -383,6 +393,13 @@ class Int8Linear(nn.Module):
         if held is None or held[0] is not self.weight_q:  # (re)made for these rows
             held = self._packed = (self.weight_q, _pack_for_onednn(self.weight_q))
         return held[1]
+
+    def packed_bytes(self) -> int:
+        """Bytes of the packed copy this head makes at its first call here (0: none); a
+        plain attribute, so not among the module's tensors (StageModule.resident_bytes)."""
+        if not self.packed or self.weight_q.device.type != "cpu" or not packed_int8_exact():
+            return 0
+        return packed_head_bytes(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

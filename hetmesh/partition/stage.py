@@ -341,10 +341,12 @@ class StageModule(nn.Module):
         return total
 
     def resident_bytes(self) -> int:
-        """Bytes of every tensor this stage holds (shared tensors once; accelerate's count)."""
+        """Bytes of every tensor this stage holds (shared tensors once; accelerate's count),
+        with an int head's packed copy (made at its first call)."""
         from accelerate.utils import compute_module_sizes
 
-        return int(compute_module_sizes(self)[""])
+        packed = self.lm_head.packed_bytes() if isinstance(self.lm_head, Int8Linear) else 0
+        return int(compute_module_sizes(self)[""]) + packed
 
     def new_pool(self, num_blocks: int) -> KVPool:
         """A fixed pool of ``num_blocks`` KV blocks for this stage's layers (a stage server's)."""

@@ -230,7 +230,11 @@ class CostModel:
         has_head = (self._heads[b] - self._heads[a]) > 0
         work = np.where(
             has_block, float(cons.prefill_chunk_tokens * _WORKSPACE_FACTOR) * self.hidden_bytes, 0.0
-        ) + np.where(has_head, float(head_workspace_bytes(self.model.vocab_size, cons)), 0.0)
+        ) + np.where(
+            has_head,
+            float(head_workspace_bytes(self.model.vocab_size, cons) + weights.head_pack_bytes),
+            0.0,
+        )
         budget = float(cons.max_context_tokens * cons.max_sessions) * kv_mat
         read_mat = read[b] - read[a]
         first = self._first_block

@@ -33,14 +33,17 @@ class WeightBytes(WireRecord):
     A device serving in ``weights`` (``"bfloat16"``, ``"int8"``…) holds
     ``param_bytes[i]`` bytes for unit ``i`` and ``kv_bytes_per_token[i]`` bytes of
     KV per cached token (the KV dtype of that format); a stage holding every unit
-    loads a tied embedding/head matrix once, saving ``tied_bytes``. The node
-    computes these from the format; the planner only adds bytes.
+    loads a tied embedding/head matrix once, saving ``tied_bytes``. A stage holding
+    the head also holds ``head_pack_bytes`` (a second, packed copy of an int head's
+    rows, read in their stead). The node computes these from the format; the planner
+    only adds bytes.
     """
 
     weights: str
     param_bytes: tuple[int, ...]
     kv_bytes_per_token: tuple[int, ...]
     tied_bytes: int = 0
+    head_pack_bytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.param_bytes) != len(self.kv_bytes_per_token):
@@ -49,6 +52,8 @@ class WeightBytes(WireRecord):
             raise ValueError("byte counts must be non-negative")
         if not 0 <= self.tied_bytes <= sum(self.param_bytes):
             raise ValueError("tied_bytes must be between 0 and the model's bytes")
+        if not 0 <= self.head_pack_bytes <= (self.param_bytes[-1] if self.param_bytes else 0):
+            raise ValueError("head_pack_bytes must be between 0 and the head's bytes")
 
     @classmethod
     def of(cls, model: ModelProfile, weights: str | None = None) -> WeightBytes:

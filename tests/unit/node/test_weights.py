@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hetmesh.node.weights import (
@@ -113,3 +115,32 @@ def test_a_cpu_runs_the_float_and_integer_formats_but_not_emulated_fp16() -> Non
     assert found[:2] == ["float32", "bfloat16"]
     assert "float16" not in found
     assert "int8" in found
+
+
+def test_a_stage_holding_an_int_head_is_charged_its_packed_copy() -> None:
+    from hetmesh.partition.quant import packed_head_bytes
+    from hetmesh.scheduler.cost import CostModel
+
+    int4 = weight_bytes(SMOL, "int4", name="smol")
+    pack = packed_head_bytes(int(SMOL["vocab_size"]), int(SMOL["hidden_size"]))
+    assert int4.head_pack_bytes == pack > 20 << 20  # 49,152 x 576 int8 rows, packed
+    assert weight_bytes(SMOL, "bfloat16", name="smol").head_pack_bytes == 0
+    device = _device("a", 8 << 30)
+    cons = PlanConstraints(weights_by_device={"a/cpu": int4})
+    with_pack = CostModel(model_profile(SMOL, weights="int4"), [device], [], cons)
+    without = CostModel(
+        model_profile(SMOL, weights="int4"),
+        [device],
+        [],
+        PlanConstraints(weights_by_device={"a/cpu": replace(int4, head_pack_bytes=0)}),
+    )
+    n = with_pack.n
+    head_stage, first_stage = (n - 3, n), (0, 3)
+    assert with_pack.stage_memory_bytes(0, *head_stage) == (
+        without.stage_memory_bytes(0, *head_stage) + pack
+    )
+    assert with_pack.stage_memory_bytes(0, *first_stage) == without.stage_memory_bytes(
+        0, *first_stage
+    )
+    # read in the rows' stead: the head's step time is unchanged
+    assert with_pack.step_s(0, *head_stage) == without.step_s(0, *head_stage)
