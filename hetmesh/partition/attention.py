@@ -38,7 +38,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hetmesh.partition.exact_gemm import gemm_attention, gemm_is_exact
+from hetmesh.partition.exact_gemm import (
+    gemm_attention,
+    gemm_is_exact,
+    widened_attention,
+    widens_bf16,
+)
 
 EXACT_ATTENTION = "hetmesh_exact"
 
@@ -92,6 +97,9 @@ def exact_attention(
     if query.dtype == torch.float32 and gemm_is_exact(heads, kv_heads, dim):
         # the same invariance in a few products per forward (hetmesh.partition.exact_gemm)
         return gemm_attention(query, key, value, spans.rows, scaling, spans=spans), None
+    if query.dtype == torch.bfloat16 and widens_bf16(heads, kv_heads, dim):
+        # bf16 widened to fp32 for those products, the output rounded back
+        return widened_attention(query, key, value, spans.rows, scaling, spans=spans), None
     # (b, s, kv_heads, groups, d): one position's query heads, grouped by their key head
     q = query.transpose(1, 2).reshape(batch, seq, kv_heads, groups, dim)
     attend = F.scaled_dot_product_attention
