@@ -22,7 +22,9 @@ call per row instead of one padded call (about the same), and a prefill costs
 one call per token instead of one per prompt: the price of exactness, paid in
 the time to the first token (docs/weights.md, "Exactness"). Where its probe
 allows, fp32 queries take :mod:`hetmesh.partition.exact_gemm` instead: the same
-invariance in a few matrix products per forward, about torch's time.
+invariance in a few matrix products per forward, about torch's time; bf16
+queries take the same products widened to fp32 (``HETMESH_EXACT_GEMM_BF16=0``:
+the per-query calls, as before).
 
 The stage (:mod:`hetmesh.partition.stage`) passes the key range of every query
 as a :class:`QuerySpans` where transformers' layers pass a mask; the layers

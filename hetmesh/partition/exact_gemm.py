@@ -34,6 +34,12 @@ only not the same bits as the per-call way: a process uses one way for all of
 its forwards (the probe's verdict is per shape and holds for the process).
 The keys and values a forward pads a row with must be finite (the stage pads
 with zeros or a held slot): a masked key's weight is 0, and 0 x NaN is not.
+
+bf16 attention (the bfloat16 format) takes the same products on its queries,
+keys and values widened to fp32, the output rounded back once
+(:func:`widened_attention`, where :func:`widens_bf16` holds): row-invariant as
+fp32's, and within one bf16 rounding of fp32 attention, where torch's own bf16
+kernel rounds inside and lands further off.
 """
 
 from __future__ import annotations
