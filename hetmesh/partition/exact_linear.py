@@ -52,6 +52,7 @@ shape; slower for a prefill, unchanged for a decode step).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -326,6 +327,19 @@ def _placeholder(weight: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
+def _storage_counts(module: nn.Module) -> dict[int, int]:
+    """Per storage (its data pointer): how many of ``module``'s tensors use it. Holds no
+    tensor once it returns: each weight :func:`make_exact` replaces is freed at once,
+    and the next packed copy reuses its pages (a load peaks near the stage's bytes;
+    with a list of the tensors kept, a bf16 stage's load peaked at 2x)."""
+    counts: dict[int, int] = {}
+    named = module.named_parameters(remove_duplicate=False)
+    for t in itertools.chain((t for _, t in named), module.buffers()):
+        ptr = t.untyped_storage().data_ptr()
+        counts[ptr] = counts.get(ptr, 0) + 1
+    return counts
+
+
 def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     """Turn every plain float ``nn.Linear`` under ``module`` into an :class:`ExactLinear`
     in place. Per distinct weight shape, the first way :func:`tiles_are_exact` proves
@@ -335,11 +349,7 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     placeholder), else row tiles, else one row per call; returns how many layers
     compute one row per call."""
     verdicts: dict[tuple[object, ...], str] = {}
-    shared: dict[int, int] = {}
-    tensors = [t for _, t in module.named_parameters(remove_duplicate=False)]
-    for t in (*tensors, *module.buffers()):
-        ptr = t.untyped_storage().data_ptr()
-        shared[ptr] = shared.get(ptr, 0) + 1
+    shared = _storage_counts(module)
     untiled = 0
     for sub in module.modules():
         if type(sub) is not nn.Linear or sub.weight.dtype not in (torch.float32, torch.bfloat16):
