@@ -22,7 +22,9 @@ call per row instead of one padded call (about the same), and a prefill costs
 one call per token instead of one per prompt: the price of exactness, paid in
 the time to the first token (docs/weights.md, "Exactness"). Where its probe
 allows, fp32 queries take :mod:`hetmesh.partition.exact_gemm` instead: the same
-invariance in a few matrix products per forward, about torch's time.
+invariance in a few matrix products per forward, about torch's time; bf16
+queries take the same products widened to fp32 (``HETMESH_EXACT_GEMM_BF16=0``:
+the per-query calls, as before).
 
 The stage (:mod:`hetmesh.partition.stage`) passes the key range of every query
 as a :class:`QuerySpans` where transformers' layers pass a mask; the layers
@@ -38,7 +40,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hetmesh.partition.exact_gemm import gemm_attention, gemm_is_exact
+from hetmesh.partition.exact_gemm import (
+    gemm_attention,
+    gemm_is_exact,
+    widened_attention,
+    widens_bf16,
+)
 
 EXACT_ATTENTION = "hetmesh_exact"
 
@@ -92,6 +99,9 @@ def exact_attention(
     if query.dtype == torch.float32 and gemm_is_exact(heads, kv_heads, dim):
         # the same invariance in a few products per forward (hetmesh.partition.exact_gemm)
         return gemm_attention(query, key, value, spans.rows, scaling, spans=spans), None
+    if query.dtype == torch.bfloat16 and widens_bf16(heads, kv_heads, dim):
+        # bf16 widened to fp32 for those products, the output rounded back
+        return widened_attention(query, key, value, spans.rows, scaling, spans=spans), None
     # (b, s, kv_heads, groups, d): one position's query heads, grouped by their key head
     q = query.transpose(1, 2).reshape(batch, seq, kv_heads, groups, dim)
     attend = F.scaled_dot_product_attention

@@ -34,6 +34,12 @@ only not the same bits as the per-call way: a process uses one way for all of
 its forwards (the probe's verdict is per shape and holds for the process).
 The keys and values a forward pads a row with must be finite (the stage pads
 with zeros or a held slot): a masked key's weight is 0, and 0 x NaN is not.
+
+bf16 attention (the bfloat16 format) takes the same products on its queries,
+keys and values widened to fp32, the output rounded back once
+(:func:`widened_attention`, where :func:`widens_bf16` holds): row-invariant as
+fp32's, and within one bf16 rounding of fp32 attention, where torch's own bf16
+kernel rounds inside and lands further off.
 """
 
 from __future__ import annotations
@@ -168,6 +174,7 @@ def gemm_attention(
 
 # per (heads, kv_heads, dim): the rows per product that the probe proved, 0: none
 _VERDICTS: dict[tuple[int, int, int], int] = {}
+_WIDENED: dict[tuple[int, int, int], bool] = {}  # per shape: bf16 widened to the products
 _OFF = False  # within per_query_calls()
 
 
@@ -196,6 +203,42 @@ def gemm_rows(heads: int, kv_heads: int, dim: int) -> int:
     if not gemm_is_exact(heads, kv_heads, dim):
         return 0
     return _VERDICTS[(heads, kv_heads, dim)]
+
+
+def widens_bf16(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether bf16 queries of this shape take :func:`gemm_attention` widened to fp32
+    (:func:`widened_attention`): the fp32 probe holds for the shape (:func:`gemm_is_exact`)
+    and the widened products agree with torch's bf16 attention to its rounding (probed once
+    per shape). ``HETMESH_EXACT_GEMM_BF16=0`` (read at the first probe; set it alike on
+    every node and in the process compared with them): never (one bf16 attention call per
+    query, the way before)."""
+    if not gemm_is_exact(heads, kv_heads, dim):
+        return False
+    shape = (heads, kv_heads, dim)
+    verdict = _WIDENED.get(shape)
+    if verdict is None:
+        verdict = False
+        if os.environ.get("HETMESH_EXACT_GEMM_BF16", "1") != "0":
+            with torch.no_grad():
+                verdict = _probe_widened(heads, kv_heads, dim)
+        _WIDENED[shape] = verdict
+    return verdict
+
+
+def widened_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rows: Sequence[Sequence[tuple[int, int] | None]],
+    scaling: float | None,
+    spans: object = None,
+) -> torch.Tensor:
+    """:func:`gemm_attention` of bf16 ``query``/``key``/``value`` widened to fp32 (exactly),
+    the result rounded back to bf16: fp32's row-invariant products, so a bf16 query's bits
+    do not depend on its batch, chunks or replay either (torch's bf16 attention on a CPU
+    also computes in fp32 inside; it rounds its output once, as this does)."""
+    out = gemm_attention(query.float(), key.float(), value.float(), rows, scaling, spans=spans)
+    return out.to(query.dtype)
 
 
 @contextmanager
@@ -251,6 +294,29 @@ def _probe(heads: int, kv_heads: int, dim: int, min_rows: int = 2, length: int =
     return all(torch.equal(round_out[r, 0], whole[0, e - 1]) for r, e in enumerate(ends))
 
 
+def _probe_widened(heads: int, kv_heads: int, dim: int, length: int = 300) -> bool:
+    """bf16 through the widened products against torch's fp32 attention of the same
+    (widened) values, to one bf16 rounding of the output (the products' invariance is
+    fp32's, :func:`_probe`: widening is exact). torch's own bf16 kernel is further off
+    (it rounds inside: up to ~2**-7 of the largest outputs, measured)."""
+    g = torch.Generator().manual_seed(45)
+    q = torch.randn(1, heads, length, dim, generator=g).bfloat16()
+    k = torch.randn(1, kv_heads, length, dim, generator=g).bfloat16()
+    v = torch.randn(1, kv_heads, length, dim, generator=g).bfloat16()
+    whole = widened_attention(q, k, v, [_causal(0, length)], None)
+    reference = F.scaled_dot_product_attention(
+        q.float(),
+        k.float().repeat_interleave(heads // kv_heads, 1),
+        v.float().repeat_interleave(heads // kv_heads, 1),
+        is_causal=True,
+    ).transpose(1, 2)
+    # rounding to bf16 moves a value by up to 2**-8 of it (2**-7: the products' own
+    # fp32 rounding beside it, near values whose bits are all 1s)
+    return whole.dtype == torch.bfloat16 and torch.allclose(
+        whole.float(), reference, rtol=2**-7, atol=1e-5
+    )
+
+
 __all__ = [
     "KEY_BLOCK",
     "MIN_KEYS",
@@ -260,4 +326,6 @@ __all__ = [
     "gemm_is_exact",
     "gemm_rows",
     "per_query_calls",
+    "widened_attention",
+    "widens_bf16",
 ]

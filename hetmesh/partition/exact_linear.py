@@ -28,7 +28,16 @@ project's Xeon (torch 2.13, MKL 2024.2, oneDNN 3.12; docs/weights.md,
   small-matrix class; a long prefill then pays ~2.5x).
 * ``bfloat16`` ``F.linear`` (oneDNN) gives a row the same result for up to 32
   rows and not beyond; ``weight @ x.T`` gives the single row's result for up
-  to 128 rows, and is as fast there: rows go in tiles of 128 that way.
+  to 128 rows, but a prefill's 291 rows cost ~2x ``F.linear``'s that way (the
+  product transposed, copied back). oneDNN's *prepacked* product (torch's
+  ``mkldnn._linear_pointwise`` on a weight reordered once at load for one row,
+  ``mkldnn._reorder_linear_weight(w, 1)``) gives a row the single row's result
+  in every call up to 600 rows for most of the default model's shapes (up to
+  128 for 576 x 1,536), bit-identical to ``weight @ x.T``'s, at 1 and 2
+  threads, and costs about ``F.linear``'s in one call: :func:`make_exact` takes
+  it where the probe proves it, in calls of up to the largest of
+  :data:`BFLOAT16_PACKED_TILES` that holds (else ``weight @ x.T`` in tiles of
+  128 as before).
 
 Other shapes draw the classes elsewhere (MKL treats a small matrix, K = 64,
 its own way; its packed product differs at 3 rows for K = 2,048; oneDNN's
@@ -43,6 +52,7 @@ shape; slower for a prefill, unchanged for a decode step).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -52,6 +62,7 @@ from torch import nn
 FLOAT32_TILE = 15  # MKL's small-matrix kernel: 2 to 15 rows
 FLOAT32_PACKED_TILE = 256  # MKL's packed product: rows per call (2 to 256)
 BFLOAT16_TILE = 128  # oneDNN's weight @ x.T: a row's sums as alone, up to 128 rows
+BFLOAT16_PACKED_TILES = (512, 128, 32)  # oneDNN's prepacked product: rows per call, tried
 PACKED_FOR = 512  # the row count MKL packs the weight for (its blocking; not a limit)
 
 
@@ -79,6 +90,42 @@ def mkl_pack(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError):
         return None
     return packed
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked form of a bf16 CPU ``weight`` (out x in), reordered for one
+    row (the blocking whose rows are invariant furthest), or None where this torch build
+    has none."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    except (RuntimeError, AttributeError):
+        return None
+    return packed
+
+
+def _onednn_linear() -> Any:
+    """torch's op for oneDNN's prepacked product (looked up once)."""
+    global _ONEDNN_LINEAR
+    if _ONEDNN_LINEAR is None:
+        _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+    return _ONEDNN_LINEAR
+
+
+_ONEDNN_LINEAR: Any = None
+
+
+def _onednn(rows: torch.Tensor, packed: torch.Tensor, tile: int) -> torch.Tensor:
+    """``rows @ weight.T`` by oneDNN's prepacked product, in calls of up to ``tile`` rows."""
+    mm = _onednn_linear()
+    rows = rows.contiguous()
+    if rows.shape[0] <= tile:
+        out: torch.Tensor = mm(rows, packed, None, "none", [], "")
+        return out
+    return torch.cat([mm(t, packed, None, "none", [], "") for t in torch.split(rows, tile)])
 
 
 _ZERO_ROWS: dict[int, torch.Tensor] = {}  # a lone row's padding, per width (never written)
@@ -140,13 +187,16 @@ def exact_linear(
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be alone:
     by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
     only gives the shape) in calls of up to ``tile`` rows (a lone row in a 1-row call
-    where ``lone``, else padded to 2), else in tiles (see the module's docstring), or
-    one row per call where not ``tiled``."""
+    where ``lone``, else padded to 2), or oneDNN's (bf16, :func:`onednn_pack`) in calls
+    of up to ``tile`` rows, else in tiles (see the module's docstring), or one row per
+    call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
         out = _packed(rows, packed, weight, tile, lone)
+    elif packed is not None and rows.dtype == torch.bfloat16:
+        out = _onednn(rows, packed, tile)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
         parts = [F.linear(row, weight) for row in torch.split(rows, 1)]
         out = torch.cat(parts) if count > 1 else parts[0]
@@ -202,6 +252,11 @@ class ExactLinear(nn.Linear):
             pair = torch.cat((x.reshape(1, -1), _zero_row(self.in_features)))
             out: torch.Tensor = _mkl_linear()(pair, packed, self.weight, None, 2)[:1]
             return out.view(*x.shape[:-1], self.out_features)
+        if packed is not None and self.bias is None and x.dtype == torch.bfloat16:
+            rows = x.reshape(-1, self.in_features)
+            if rows.shape[0] <= self.tile:  # one call (a decode step, a round, a chunk)
+                one = _onednn_linear()(rows.contiguous(), packed, None, "none", [], "")
+                return one.view(*x.shape[:-1], self.out_features)
         return exact_linear(
             x,
             self.weight,
@@ -213,7 +268,9 @@ class ExactLinear(nn.Linear):
         )
 
     def extra_repr(self) -> str:
-        if self.packed is not None:
+        if self.packed is not None and self.weight.dtype == torch.bfloat16:
+            how = f", oneDNN's prepacked product, calls of up to {self.tile} rows"
+        elif self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
             how += ", a lone row alone" if self.lone else ", a lone row padded to 2"
         else:
@@ -221,8 +278,11 @@ class ExactLinear(nn.Linear):
         return super().extra_repr() + how
 
 
-def _probe_sizes(weight: torch.Tensor) -> list[int]:
-    return [m for m in PROBE_ROWS if weight.numel() <= PROBE_LARGE or m <= 33]
+def _probe_sizes(weight: torch.Tensor, tile: int = FLOAT32_PACKED_TILE) -> list[int]:
+    sizes = [m for m in PROBE_ROWS if weight.numel() <= PROBE_LARGE or m <= 33]
+    if tile > PROBE_ROWS[-1]:  # calls up to the tile and past it too
+        sizes += [tile - 1, tile, tile + 1, tile + 88]
+    return sizes
 
 
 def tiles_are_exact(
@@ -235,7 +295,7 @@ def tiles_are_exact(
     rows, the calls of :data:`PROBE_ROWS`): by its ``packed`` form if given (then with a
     placeholder for ``weight``: proof that the call reads only the packed copy; a lone
     row in a 1-row call where ``lone``), else in tiles."""
-    sizes = _probe_sizes(weight)
+    sizes = _probe_sizes(weight, tile if packed is not None else FLOAT32_PACKED_TILE)
     g = torch.Generator().manual_seed(44)
     x = torch.randn(max(sizes), weight.shape[1], generator=g).to(weight.dtype)
     w = weight if packed is None else _placeholder(weight)
@@ -246,7 +306,11 @@ def tiles_are_exact(
                 for row in torch.split(x, 1)
             ]
         )
-        if packed is not None and not torch.allclose(
+        if packed is not None and weight.dtype == torch.bfloat16:
+            reference = F.linear(x.float(), weight.float())
+            if (alone.float() - reference).abs().max() > 2**-6 * reference.abs().max():
+                return False  # not the product at all (bf16: a few roundings apart)
+        elif packed is not None and not torch.allclose(
             alone, F.linear(x, weight), rtol=1e-3, atol=1e-3
         ):
             return False  # not the product at all
@@ -263,6 +327,19 @@ def _placeholder(weight: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
+def _storage_counts(module: nn.Module) -> dict[int, int]:
+    """Per storage (its data pointer): how many of ``module``'s tensors use it. Holds no
+    tensor once it returns: each weight :func:`make_exact` replaces is freed at once,
+    and the next packed copy reuses its pages (a load peaks near the stage's bytes;
+    with a list of the tensors kept, a bf16 stage's load peaked at 2x)."""
+    counts: dict[int, int] = {}
+    named = module.named_parameters(remove_duplicate=False)
+    for t in itertools.chain((t for _, t in named), module.buffers()):
+        ptr = t.untyped_storage().data_ptr()
+        counts[ptr] = counts.get(ptr, 0) + 1
+    return counts
+
+
 def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     """Turn every plain float ``nn.Linear`` under ``module`` into an :class:`ExactLinear`
     in place. Per distinct weight shape, the first way :func:`tiles_are_exact` proves
@@ -272,22 +349,28 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     placeholder), else row tiles, else one row per call; returns how many layers
     compute one row per call."""
     verdicts: dict[tuple[object, ...], str] = {}
-    shared: dict[int, int] = {}
-    tensors = [t for _, t in module.named_parameters(remove_duplicate=False)]
-    for t in (*tensors, *module.buffers()):
-        ptr = t.untyped_storage().data_ptr()
-        shared[ptr] = shared.get(ptr, 0) + 1
+    shared = _storage_counts(module)
     untiled = 0
     for sub in module.modules():
         if type(sub) is not nn.Linear or sub.weight.dtype not in (torch.float32, torch.bfloat16):
             continue
         w = sub.weight
         tile = FLOAT32_PACKED_TILE if w.numel() <= PROBE_LARGE else LARGE_TILE
-        pack = mkl_pack(w.detach()) if packed else None
+        bf16 = w.dtype == torch.bfloat16
+        pack = (onednn_pack if bf16 else mkl_pack)(w.detach()) if packed else None
         key = (w.dtype, w.device, tuple(w.shape), w.stride())
         if key not in verdicts:
             if w.device.type != "cpu":
                 verdicts[key] = "tiles"
+            elif bf16 and pack is not None:
+                # the largest tile that holds (calls of up to 33 rows for a large weight)
+                tiles = [t for t in BFLOAT16_PACKED_TILES if w.numel() <= PROBE_LARGE or t <= 32]
+                proven = (t for t in tiles if tiles_are_exact(w.detach(), pack, t))
+                tiled_to = next(proven, 0)
+                if tiled_to:
+                    verdicts[key] = f"onednn{tiled_to}"
+                else:
+                    verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile, lone=True):
                 verdicts[key] = "packed_lone"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile):
@@ -295,7 +378,12 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
             else:
                 verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
         sub.__class__ = ExactLinear
-        if verdicts[key] in ("packed", "packed_lone"):
+        if verdicts[key].startswith("onednn"):
+            sub.packed = pack  # type: ignore[assignment]
+            sub.tile = int(verdicts[key].removeprefix("onednn"))  # type: ignore[assignment]
+            if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
+                sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
+        elif verdicts[key] in ("packed", "packed_lone"):
             sub.packed = pack  # type: ignore[assignment]
             sub.tile = tile  # type: ignore[assignment]
             sub.lone = verdicts[key] == "packed_lone"  # type: ignore[assignment]
@@ -311,6 +399,7 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
 
 
 __all__ = [
+    "BFLOAT16_PACKED_TILES",
     "BFLOAT16_TILE",
     "FLOAT32_PACKED_TILE",
     "FLOAT32_TILE",
@@ -319,5 +408,6 @@ __all__ = [
     "exact_linear",
     "make_exact",
     "mkl_pack",
+    "onednn_pack",
     "tiles_are_exact",
 ]

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetmesh.partition import attention
+from hetmesh.partition.exact_gemm import widens_bf16
 from hetmesh.partition.formats import WeightFormat
 from hetmesh.partition.stage import load_stage
 from tests.unit.partition.invariance import (
@@ -17,6 +19,7 @@ from tests.unit.partition.invariance import (
     decoded_and_replayed,
     whole_and_chunked,
 )
+from tests.unit.partition.tiny_models import count_calls
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -30,6 +33,16 @@ def test_torch_attention_differs_with_chunks_and_batches(default_model_dir: Path
     assert (whole - chunked).abs().max() > 0.01  # measured 0.39
     alone, rounded, _, _ = alone_and_in_a_round(stage, [PROMPT_TOKENS, 336, 50])
     assert (alone - rounded).abs().max() > 0.01  # measured 0.23
+
+
+def test_torch_bf16_attention_differs_with_chunks(default_model_dir: Path) -> None:
+    """bf16's reproduction for the attention alone: torch's kernel beside the exact
+    linear layers; the widened products (below) hold."""
+    stage = load_stage(
+        default_model_dir, 0, 32, weights="bfloat16", attn_implementation="sdpa", exact_linears=True
+    )
+    whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, CUTS)
+    assert not torch.equal(whole, chunked)
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat.FLOAT32, WeightFormat.BFLOAT16], ids=str)
@@ -47,7 +60,10 @@ def test_torch_linear_layers_differ_with_chunks_and_batches(
     [WeightFormat.INT4, WeightFormat.INT8, WeightFormat.FLOAT32, WeightFormat.BFLOAT16],
     ids=str,
 )
-def test_exact_stages_are_bit_identical(default_model_dir: Path, fmt: WeightFormat) -> None:
+def test_exact_stages_are_bit_identical(
+    default_model_dir: Path, fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    widened = count_calls(monkeypatch, attention, "widened_attention")
     stage = load_stage(default_model_dir, 0, 32, weights=fmt)
     whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, CUTS)
     assert torch.equal(whole, chunked)
@@ -57,3 +73,6 @@ def test_exact_stages_are_bit_identical(default_model_dir: Path, fmt: WeightForm
     decoded, replayed, chunked = decoded_and_replayed(stage, 120, 8)
     assert torch.equal(decoded, replayed)
     assert torch.equal(decoded, chunked)
+    # bf16 attends by fp32's products widened (where this machine's probe holds)
+    expect = fmt is WeightFormat.BFLOAT16 and widens_bf16(9, 3, 64)
+    assert (len(widened) > 0) == expect

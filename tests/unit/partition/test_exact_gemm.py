@@ -1,6 +1,7 @@
 """Exact attention by products (hetmesh.partition.exact_gemm): a query's output is the
 one it gets alone, across the key blocks and query tiles the products are cut into,
-and the per-call way it replaces still holds where the probe refuses the products."""
+and the per-call way it replaces still holds where the probe refuses the products.
+fp32 and bf16 (widened to fp32 for the products) alike."""
 
 from __future__ import annotations
 
@@ -16,15 +17,26 @@ from hetmesh.partition.exact_gemm import (
     QUERY_TILE,
     ROW_MINIMUMS,
     gemm_is_exact,
+    widened_attention,
+    widens_bf16,
 )
 
+DTYPES = [torch.float32, torch.bfloat16]
 
-def _inputs(total: int, seed: int, heads: int = 9, kv_heads: int = 3, dim: int = 64):
+
+def _inputs(
+    total: int,
+    seed: int,
+    heads: int = 9,
+    kv_heads: int = 3,
+    dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, total, dim, generator=g)
     k = torch.randn(1, kv_heads, total, dim, generator=g)
     v = torch.randn(1, kv_heads, total, dim, generator=g)
-    return q, k, v
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def _exact(q, k, v, spans=None) -> torch.Tensor:
@@ -37,13 +49,21 @@ def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each case both ways: the products (where this machine's probe allows them) and
     one call per query (``HETMESH_EXACT_GEMM=0``)."""
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_WIDENED", {})
+    monkeypatch.delenv("HETMESH_EXACT_GEMM_BF16", raising=False)
     if request.param == "calls":
         monkeypatch.setenv("HETMESH_EXACT_GEMM", "0")
     else:
         monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
-        if not gemm_is_exact(9, 3, 64):
+        if not widens_bf16(9, 3, 64):
             pytest.skip("this machine's products are not row-invariant (the probe refused)")
     return str(request.param)
+
+
+@pytest.fixture(params=DTYPES, ids=str)
+def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    """fp32 (the int4, int8 and float32 formats' attention) and bf16 (bfloat16's)."""
+    return request.param  # type: ignore[no-any-return]
 
 
 def _chunked(q, k, v, cuts: list[int], window: int | None = None) -> torch.Tensor:
@@ -62,11 +82,11 @@ def test_the_constants_cover_the_cases_below() -> None:
 
 @pytest.mark.parametrize("window", [None, 100])
 def test_a_long_prompt_whole_in_chunks_and_decoded_is_bit_identical(
-    way: str, window: int | None
+    way: str, dtype: torch.dtype, window: int | None
 ) -> None:
     """600 tokens: three key blocks, ten query tiles; chunks cut across both."""
     total = 600
-    q, k, v = _inputs(total, seed=1)
+    q, k, v = _inputs(total, seed=1, dtype=dtype)
     whole = _exact(q, k, v, QuerySpans.of([0], [total], total, window))
     for cuts in ([1, 1, 1, 597], [255, 2, 343], [63, 65, 128, 256, 88], [5] * 120):
         assert torch.equal(_chunked(q, k, v, cuts, window), whole), cuts[:4]
@@ -76,12 +96,12 @@ def test_a_long_prompt_whole_in_chunks_and_decoded_is_bit_identical(
         assert torch.equal(step, whole[:, p : p + 1]), p
 
 
-def test_a_row_in_a_padded_round_equals_it_alone(way: str) -> None:
+def test_a_row_in_a_padded_round_equals_it_alone(way: str, dtype: torch.dtype) -> None:
     """Rows padded with zeros and with a held key (the stage does both): a masked key
     weighs exactly nothing."""
     lengths = [3, 17, 256, 257, 600, 40]
     total = max(lengths)
-    rows = [_inputs(n, seed=10 + i) for i, n in enumerate(lengths)]
+    rows = [_inputs(n, seed=10 + i, dtype=dtype) for i, n in enumerate(lengths)]
     alone = [_exact(q[:, :, -1:], k, v) for q, k, v in rows]
     keys, values = [], []
     for i, (_, k, v) in enumerate(rows):
@@ -100,11 +120,11 @@ def test_a_row_in_a_padded_round_equals_it_alone(way: str) -> None:
 
 
 def test_rows_of_a_mixed_forward_equal_them_alone_and_padding_queries_are_zero(
-    way: str,
+    way: str, dtype: torch.dtype
 ) -> None:
     """A chunk beside a decode row (the stage pads the short row's queries)."""
-    q1, k1, v1 = _inputs(300, seed=20)
-    q2, k2, v2 = _inputs(90, seed=21)
+    q1, k1, v1 = _inputs(300, seed=20, dtype=dtype)
+    q2, k2, v2 = _inputs(90, seed=21, dtype=dtype)
     # row 0: positions 200..299 (a chunk); row 1: position 89 (a decode step) + 99 padding
     spans = QuerySpans.of([200, 89], [100, 1], 100, None)
     q = torch.cat([q1[:, :, 200:], F.pad(q2[:, :, 89:], (0, 0, 0, 99))])
@@ -131,11 +151,86 @@ def test_without_grouped_queries_a_lone_row_equals_it_in_a_round(
         assert torch.equal(step, whole[:, p : p + 1]), p
 
 
-def test_the_products_match_torchs_attention_to_rounding(way: str) -> None:
-    q, k, v = _inputs(600, seed=5)
+def test_the_products_match_torchs_attention_to_rounding(way: str, dtype: torch.dtype) -> None:
+    q, k, v = _inputs(600, seed=5, dtype=dtype)
     ours = _exact(q, k, v)
     theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert torch.allclose(ours, theirs.transpose(1, 2), atol=2e-6, rtol=1e-5)
+    assert ours.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(ours, theirs.transpose(1, 2), atol=2e-6, rtol=1e-5)
+    else:  # the products round fp32's result once; torch's bf16 kernel rounds inside
+        if way == "products":
+            fp32 = _exact(q.float(), k.float(), v.float())
+            assert torch.allclose(ours.float(), fp32, atol=1e-5, rtol=2**-7)
+        assert torch.allclose(ours.float(), theirs.transpose(1, 2).float(), atol=2**-5)
+
+
+def test_torchs_bf16_attention_differs_whole_and_chunked() -> None:
+    """The reproduction for bf16: torch's kernel, given a prompt whole and in chunks (with
+    the mask a chunk needs), sums a query's softmax in other blocks, so the two differ."""
+    q, k, v = _inputs(300, seed=6, dtype=torch.bfloat16)
+
+    def attend(a: int, b: int) -> torch.Tensor:
+        mask = torch.arange(b)[None, :] <= torch.arange(a, b)[:, None]
+        return F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, :b], v[:, :, :b], attn_mask=mask, enable_gqa=True
+        )
+
+    whole = attend(0, 300)
+    chunked = torch.cat([attend(0, 85), attend(85, 170), attend(170, 255), attend(255, 300)], 2)
+    assert torch.allclose(whole.float(), chunked.float(), atol=2**-6, rtol=2**-6)
+    assert not torch.equal(whole, chunked)
+    # the widened products give every cut the same bits (and torch's values to rounding)
+    products = [
+        widened_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], exact_gemm_causal(a, b), None)
+        for a, b in ((0, 85), (85, 170), (170, 255), (255, 300))
+    ]
+    whole_products = widened_attention(q, k, v, exact_gemm_causal(0, 300), None)
+    assert torch.equal(torch.cat(products, 1), whole_products)
+
+
+def exact_gemm_causal(a: int, b: int) -> list[list[tuple[int, int]]]:
+    """One row whose queries are positions ``[a, b)``, each seeing the keys up to itself."""
+    return [[(0, p + 1) for p in range(a, b)]]
+
+
+def test_bf16_takes_the_widened_products_unless_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``HETMESH_EXACT_GEMM_BF16=0``: bf16 makes one call per query again (the way before;
+    agreeing with the products to rounding, not bit for bit), fp32 keeps the products."""
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_WIDENED", {})
+    monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+    monkeypatch.delenv("HETMESH_EXACT_GEMM_BF16", raising=False)
+    if not widens_bf16(9, 3, 64):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    q, k, v = _inputs(300, seed=7, dtype=torch.bfloat16)
+    products = _exact(q, k, v)
+    assert torch.equal(products, widened_attention(q, k, v, exact_gemm_causal(0, 300), None))
+    monkeypatch.setattr(exact_gemm, "_WIDENED", {})
+    monkeypatch.setenv("HETMESH_EXACT_GEMM_BF16", "0")
+    assert not widens_bf16(9, 3, 64)
+    assert gemm_is_exact(9, 3, 64)
+    calls = _exact(q, k, v)
+    assert not torch.equal(calls, products)
+    assert torch.allclose(calls.float(), products.float(), atol=2**-8, rtol=2**-7)
+
+
+def test_the_bf16_probe_refuses_products_that_are_not_torchs_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe can fail: products that are row-invariant but scaled wrongly."""
+    real = exact_gemm.gemm_attention
+
+    def unscaled(*args: object, **kwargs: object) -> torch.Tensor:
+        q, k, v, rows, _ = args
+        return real(q, k, v, rows, 1.0, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exact_gemm, "gemm_attention", unscaled)
+    assert not exact_gemm._probe_widened(9, 3, 64)
+    monkeypatch.setattr(exact_gemm, "gemm_attention", real)
+    assert exact_gemm._probe_widened(9, 3, 64)
 
 
 def test_the_switch_turns_the_products_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,10 +240,11 @@ def test_the_switch_turns_the_products_off(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_per_query_calls_turn_the_products_off_within_only() -> None:
-    before = gemm_is_exact(9, 3, 64)
+    before = gemm_is_exact(9, 3, 64), widens_bf16(9, 3, 64)
     with exact_gemm.per_query_calls():
         assert not gemm_is_exact(9, 3, 64)
-    assert gemm_is_exact(9, 3, 64) == before
+        assert not widens_bf16(9, 3, 64)
+    assert (gemm_is_exact(9, 3, 64), widens_bf16(9, 3, 64)) == before
 
 
 def test_the_thread_count_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -308,3 +308,105 @@ def test_a_lone_rows_1_row_call_gives_the_same_bits_at_1_and_2_threads() -> None
     assert torch.equal(got[1][0], got[2][0])
     assert torch.equal(got[1][1], got[2][1])
     assert torch.equal(got[1][0], got[1][1])
+
+
+def _bf16_tile(w: torch.Tensor, packed: torch.Tensor) -> int:
+    """The largest tile of oneDNN's prepacked product the probe proves (0: none)."""
+    tiles = [t for t in el.BFLOAT16_PACKED_TILES if w.numel() <= el.PROBE_LARGE or t <= 32]
+    return next((t for t in tiles if el.tiles_are_exact(w, packed, t)), 0)
+
+
+@pytest.mark.parametrize(("out", "inp"), [*SHAPES, (49152, 576)])
+def test_bfloat16_prepacked_rows_equal_their_lone_result_in_any_call(out: int, inp: int) -> None:
+    """oneDNN's product on a weight reordered for one row: a row's bits in any call up
+    to the tile (and across tiles), the bits of ``weight @ x.T`` (the bf16 way before:
+    the default model's bf16 bits are unchanged), near torch's product."""
+    w = _weight(out, inp, torch.bfloat16)
+    packed = el.onednn_pack(w)
+    assert packed is not None  # this torch has oneDNN's prepacked product
+    tile = _bf16_tile(w, packed)
+    assert tile >= (128 if out < 49152 else 32)  # measured on the project's Xeon
+    n = 700 if out < 49152 else 70
+    x = _rows(n, inp, torch.bfloat16)
+    alone = _alone(w, x, packed=packed, tile=tile)  # type: ignore[arg-type]
+    rng = random.Random(out + inp)
+    for _ in range(12):
+        lo = rng.randrange(0, n - 1)
+        hi = rng.randrange(lo + 1, n + 1)
+        got = exact_linear(x[lo:hi], w, None, packed=packed, tile=tile)
+        assert torch.equal(got, alone[lo:hi]), (lo, hi)
+    assert torch.equal(alone, _alone(w, x))
+    reference = F.linear(x.float(), w.float())
+    assert (alone.float() - reference).abs().max() <= 2**-6 * reference.abs().max()
+
+
+def test_bfloat16_packing_for_more_rows_is_not_row_invariant() -> None:
+    """Why the weight is reordered for one row: reordered for 64, a call of 33 rows or
+    more gives a row other bits than alone (the reproduction for the choice)."""
+    w = _weight(1536, 576, torch.bfloat16)
+    if el.onednn_pack(w) is None:
+        pytest.skip("no oneDNN prepacked product in this torch build")
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    assert not el.tiles_are_exact(w, packed, 512)
+    assert el.tiles_are_exact(w, packed, 32)
+
+
+def test_make_exact_prepacks_bfloat16_and_frees_the_weight_unless_shared() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(576, 1536, bias=False), nn.Linear(1536, 576, bias=False), nn.Linear(576, 1536)
+    ).to(torch.bfloat16)
+    model[2].weight = model[0].weight  # tied: another module's bytes
+    x = _rows(300, 576, torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+        assert make_exact(model) == 0
+        assert all(isinstance(m, ExactLinear) and m.packed is not None for m in model)
+        assert "oneDNN" in repr(model[0])
+        assert model[1].weight.untyped_storage().nbytes() == 2
+        assert model[1].weight.shape == (576, 1536)
+        assert model[0].weight.untyped_storage().nbytes() == 576 * 1536 * 2
+        got = model(x)
+        alone = torch.cat([model(row) for row in x.split(1)])
+        # a lone row's short path (no reshapes), in each shape a decode step has
+        for n in (0, 7, 299):
+            assert torch.equal(model(x[n]), got[n])
+            assert torch.equal(model(x[n : n + 1].view(1, 1, 576)), got[n].view(1, 1, -1))
+    assert torch.equal(got, alone)
+    assert torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.5)
+
+
+def test_a_bfloat16_packing_that_fails_the_probe_falls_back_to_row_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    other = el.onednn_pack(_weight(192, 576, torch.bfloat16, seed=9))
+    if other is None:
+        pytest.skip("no oneDNN prepacked product in this torch build")
+    monkeypatch.setattr(el, "onednn_pack", lambda weight: other)
+    model = nn.Sequential(nn.Linear(576, 192, bias=False)).to(torch.bfloat16)
+    assert make_exact(model) == 0
+    assert model[0].packed is None
+    assert model[0].tiled
+    assert model[0].weight.untyped_storage().nbytes() == 576 * 192 * 2
+
+
+def test_bfloat16_prepacked_rows_are_the_same_at_1_and_2_threads() -> None:
+    w = _weight(1536, 576, torch.bfloat16)
+    packed = el.onednn_pack(w)
+    if packed is None:
+        pytest.skip("no oneDNN prepacked product in this torch build")
+    x = _rows(300, 576, torch.bfloat16)
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = (
+                _alone(w, x[:40], packed=packed, tile=512),  # type: ignore[arg-type]
+                exact_linear(x, w, None, packed=packed, tile=512),
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1][0], got[2][0])
+    assert torch.equal(got[1][1], got[2][1])
+    assert torch.equal(got[1][0], got[1][1][:40])

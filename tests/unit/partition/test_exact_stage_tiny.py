@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetmesh.partition import attention, exact_gemm
 from hetmesh.partition.exact_linear import ExactLinear
 from hetmesh.partition.formats import WeightFormat
 from hetmesh.partition.stage import EXACT_LINEARS_ENV, load_stage
@@ -16,7 +17,7 @@ from tests.unit.partition.invariance import (
     decoded_and_replayed,
     whole_and_chunked,
 )
-from tests.unit.partition.tiny_models import save_tiny
+from tests.unit.partition.tiny_models import count_calls, save_tiny
 
 # int4/int8: row-invariant kernels (integer sums, torch's int4 kernel); float32/bfloat16:
 # linear layers in row tiles (hetmesh.partition.exact_linear; docs/weights.md, "Exactness")
@@ -46,6 +47,36 @@ def test_whole_chunked_batched_and_replayed_rows_are_bit_identical(
     assert torch.equal(decoded, replayed)
     assert torch.equal(decoded, chunked)
     assert not torch.equal(alone, again)  # the checks can fail: a later step differs
+
+
+@pytest.mark.parametrize("way", ["products", "calls"])
+def test_bf16_attention_takes_the_widened_products_or_one_call_per_query(
+    tiny_dir: Path, way: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 attention by fp32's products (widened), or with ``HETMESH_EXACT_GEMM_BF16=0``
+    one call per query: each way bit-identical, and the two ways differ (by rounding)."""
+    monkeypatch.setattr(exact_gemm, "_WIDENED", {})
+    monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+    monkeypatch.delenv("HETMESH_EXACT_GEMM_BF16", raising=False)
+    if not exact_gemm.widens_bf16(4, 2, 16):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    products = load_stage(tiny_dir, 0, 6, weights=WeightFormat.BFLOAT16)
+    reference, _ = whole_and_chunked(products, 40, [40])
+    if way == "calls":
+        monkeypatch.setattr(exact_gemm, "_WIDENED", {})
+        monkeypatch.setenv("HETMESH_EXACT_GEMM_BF16", "0")
+    widened = count_calls(monkeypatch, attention, "widened_attention")
+    stage = load_stage(tiny_dir, 0, 6, weights=WeightFormat.BFLOAT16)
+    whole, chunked = whole_and_chunked(stage, 40, [1, 1, 1, 37])
+    assert torch.equal(whole, chunked)
+    alone, rounded, beside, _ = alone_and_in_a_round(stage, [30, 47, 3, 16])
+    assert torch.equal(alone, rounded)
+    assert torch.equal(alone, beside)
+    decoded, replayed, chunked = decoded_and_replayed(stage, 20, 10)
+    assert torch.equal(decoded, replayed)
+    assert torch.equal(decoded, chunked)
+    assert (len(widened) > 0) == (way == "products")
+    assert torch.equal(whole, reference) == (way == "products")
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat.FLOAT32, WeightFormat.BFLOAT16], ids=str)
