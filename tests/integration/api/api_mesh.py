@@ -7,13 +7,13 @@ processes, reaped whatever happens).
 from __future__ import annotations
 
 import contextlib
-import socket
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.integration.discovery.discovery_nodes import SECRET, NodeFactory, NodeProc, wait_for
+from tests.integration.node.inprocess_mesh import free_port
 
 # Each node offers this much memory: the model (~0.54 GB of fp32 weights plus the
 # KV budget) needs all three, so the planner splits it three ways. The nodes hold
@@ -41,12 +41,6 @@ def serve_args(max_sessions: int = 4, memory: str = NODE_MEMORY) -> tuple[str, .
         "--block-step-ms",
         "2",
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -29,6 +29,7 @@ from tests.integration.discovery.discovery_nodes import (
     node_env,
     wait_for,
 )
+from tests.integration.node.inprocess_mesh import free_port
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -70,14 +71,6 @@ class SecuredMesh:
         return self.nodes[0].addr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _with_env(**extra: str) -> Any:
     def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, **{**kwargs, "env": {**kwargs["env"], **extra}})
@@ -101,7 +94,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredMesh]:
     # the files set what neither flag nor environment does (max-context) as well
     first_toml.write_text(f'api-key = "{FILE_KEY}"\nmax-context = 256\nmax-sessions = 2\n')
     second_toml.write_text(f'api-key = "{FILE_KEY_2}"\nmax-context = 256\nmax-sessions = 2\n')
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     factory = NodeFactory(root, exec_nodes=True)  # `hetmesh node start` as users run it
     try:
         first = factory.start(

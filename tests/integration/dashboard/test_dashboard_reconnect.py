@@ -9,7 +9,6 @@ again on the same port, while headless Chromium watches.
 from __future__ import annotations
 
 import functools
-import socket
 import threading
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from hetmesh.node.api_serve import serve_http
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.protocol.generate import GenerateRequest
 from tests.integration.dashboard.dashboard_browser import css, missing, open_chromium, read, until
+from tests.integration.node.inprocess_mesh import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -93,10 +93,7 @@ class Server:
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    running = Server(port)
+    running = Server(free_port())
     running.start()
     try:
         yield running

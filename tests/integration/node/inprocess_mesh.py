@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -58,10 +59,24 @@ def split_memory_bytes(model: Path, serving: ServingConfig, nodes: int = 2) -> i
 PROMPT_IDS = [1, 504, 3458, 282, 1029, 314, 253]  # arbitrary in-vocabulary ids
 
 
+# below Linux's ephemeral range (32768-60999): a port found free here is not handed to
+# an outgoing connection or a ``tcp/0`` listener before the node binds it (CI-like saw
+# "Address already in use" for a port taken from bind(("127.0.0.1", 0)))
+_FREE_PORTS = range(20_000, 32_700)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port free now, outside the range the kernel picks ports from."""
+    pick = random.Random()
+    for _ in range(200):
+        port = pick.choice(_FREE_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def node_config(

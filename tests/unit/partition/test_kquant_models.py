@@ -20,7 +20,7 @@ from hetmesh.partition.quant import Int4Linear, Int8Linear
 from hetmesh.partition.stage import StageModule, load_stage
 from hetmesh.partition.store import resolve_model
 from tests.unit.partition.kquant_files import byte_tokens, more_bits, write_model_gguf
-from tests.unit.partition.tiny_models import reference_logits
+from tests.unit.partition.tiny_models import reference_logits, tensor_bytes
 
 ATOL = 1e-4
 LAYERS = 4
@@ -193,9 +193,8 @@ def test_q4_k_m_gguf_is_held_compact_and_stages_agree(tmp_path: Path, family: st
     for start, end in [(0, LAYERS + 2), *SPLIT]:
         for fmt in (WeightFormat.INT4, WeightFormat.INT8):
             stage = load_stage(folder, start, end, weights=fmt)
-            rotary = sum(b.nbytes for b in stage.rotary_emb.buffers()) if stage.rotary_emb else 0
             charged = stage.profile.range_param_bytes(start, end)
-            assert stage.resident_bytes() - rotary == charged, (fmt, start, end)
+            assert tensor_bytes(stage) == charged, (fmt, start, end)
     # K stages give the single stage's logits, bit for bit
     split_prefill, split_steps = _chain_logits(stages)
     one_prefill, one_steps = _chain_logits([whole])
@@ -236,8 +235,7 @@ def test_wide_matrices_fuse_on_their_own_kernel(tmp_path: Path) -> None:
         assert isinstance(separate.layers[0].self_attn.q_proj, kind)
         assert fused.fused
         charged = separate.profile.range_param_bytes(0, LAYERS + 2)
-        rotary = sum(b.nbytes for b in separate.rotary_emb.buffers())
-        assert separate.resident_bytes() - rotary == charged, where
+        assert tensor_bytes(separate) == charged, where
         a_prefill, a_steps = _chain_logits([separate])
         b_prefill, b_steps = _chain_logits([fused])
         assert torch.equal(a_prefill, b_prefill)

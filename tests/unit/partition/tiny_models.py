@@ -167,3 +167,15 @@ def count_calls(monkeypatch: Any, module: Any, name: str) -> list[int]:
 
     monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def tensor_bytes(stage: Any) -> int:
+    """A stage's ``resident_bytes()`` less its rotary tables and its int head's packed
+    copy: the bytes its profile charges (``range_param_bytes``); the pack is charged
+    apart (``WeightBytes.head_pack_bytes``)."""
+    from hetmesh.partition.quant import Int8Linear
+
+    rotary = sum(b.nbytes for b in stage.rotary_emb.buffers()) if stage.rotary_emb else 0
+    head = stage.lm_head
+    pack = head.packed_bytes() if isinstance(head, Int8Linear) else 0
+    return int(stage.resident_bytes()) - rotary - pack
