@@ -285,6 +285,25 @@ def gemm_sizes(rows: int) -> list[int]:
     return [rows, MIN_KEYS, KEY_BLOCK] if rows > 0 else []
 
 
+def weighted_values(
+    weights: torch.Tensor, values: torch.Tensor, keys: int, min_keys: int, key_block: int
+) -> torch.Tensor:
+    """``weights (b, rows, >= keys) @ values (b, >= keys, dim)`` over the first ``keys``
+    keys, summed in fixed blocks of ``key_block`` keys at absolute positions, a block of
+    fewer than ``min_keys`` padded with zeros: exact_gemm's row-invariant order (shared
+    by :func:`gemm_step` and the scripted steps, which TorchScript compiles it into)."""
+    out = torch.empty(0)
+    for k0 in range(0, keys, key_block):
+        k1 = min(keys, k0 + key_block)
+        w, vb = weights[:, :, k0:k1], values[:, k0:k1]
+        if k1 - k0 < min_keys:
+            w = F.pad(w, [0, min_keys - (k1 - k0)])
+            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
+        part = torch.bmm(w, vb)
+        out = part if k0 == 0 else out.add_(part)
+    return out
+
+
 def gemm_step(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -326,15 +345,7 @@ def gemm_step(
     weights = torch.softmax(scores, dim=-1).view(batch * kv_heads, seq * groups, need)
     if short > 0:
         weights = F.pad(weights, [0, 0, 0, short])
-    out = torch.empty(0)
-    for k0 in range(0, need, key_block):
-        k1 = min(need, k0 + key_block)
-        w, vb = weights[:, :, k0:k1], v[:, k0:k1]
-        if k1 - k0 < min_keys:
-            w = F.pad(w, [0, min_keys - (k1 - k0)])
-            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
-        part = torch.bmm(w, vb)
-        out = part if k0 == 0 else out.add_(part)
+    out = weighted_values(weights, v, need, min_keys, key_block)
     if short > 0:
         out = out[:, : seq * groups]
     out = out.view(batch, kv_heads, seq, groups, dim).permute(0, 2, 1, 3, 4)

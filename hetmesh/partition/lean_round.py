@@ -35,10 +35,7 @@ stage keeps the eager round. ``HETMESH_LEAN_ROUND=0`` turns it off.
 from __future__ import annotations
 
 import os
-import threading
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +43,8 @@ from torch.jit._fuser import optimized_execution
 
 from hetmesh.partition.exact_gemm import MIN_KEYS
 from hetmesh.partition.kv import SessionKV
-from hetmesh.partition.lean import gemm_sizes
-from hetmesh.partition.lean_script import ScriptPlan
+from hetmesh.partition.lean import gemm_sizes, weighted_values
+from hetmesh.partition.lean_script import ScriptedOnce, ScriptPlan
 from hetmesh.partition.quant import INT4_GROUP
 
 ROUND_ENV = "HETMESH_LEAN_ROUND"
@@ -93,15 +90,7 @@ def _attend(
     weights = torch.softmax(scores, dim=-1).view(kv_heads * n, groups, total)
     if short > 0:
         weights = F.pad(weights, [0, 0, 0, short])
-    out = torch.empty(0)
-    for k0 in range(0, total, key_block):
-        k1 = min(total, k0 + key_block)
-        w, vb = weights[:, :, k0:k1], values[:, k0:k1]
-        if k1 - k0 < min_keys:
-            w = F.pad(w, [0, min_keys - (k1 - k0)])
-            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
-        part = torch.bmm(w, vb)
-        out = part if k0 == 0 else out.add_(part)
+    out = weighted_values(weights, values, total, min_keys, key_block)
     if short > 0:
         out = out[:, :groups]
     # (kv_heads * n, groups, dim) -> (n, heads * dim): a row's heads in order
@@ -199,23 +188,7 @@ def _round(
     return hidden
 
 
-_compiled: Any = None
-_compile_lock = threading.Lock()
-
-
-def _script() -> Any:
-    """The compiled :func:`_round` (at the first call), or None where this torch cannot
-    script it (the stage keeps its eager round then)."""
-    global _compiled
-    with _compile_lock:
-        if _compiled is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                try:
-                    _compiled = torch.jit.script(_round)
-                except (AttributeError, RuntimeError, TypeError):
-                    _compiled = False
-        return _compiled or None
+_script = ScriptedOnce(_round)  # the compiled _round, at the first call (None: eager)
 
 
 def available() -> bool:

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.jit._fuser import optimized_execution
 
-from hetmesh.partition.lean import LeanLayer, gemm_sizes, gemm_step
+from hetmesh.partition.lean import LeanLayer, gemm_sizes, gemm_step, weighted_values
 from hetmesh.partition.quant import INT4_GROUP
 
 SCRIPT_ENV = "HETMESH_LEAN_SCRIPT"
@@ -80,16 +80,7 @@ def _attend(
     weights = torch.softmax(scores, dim=-1)
     if need <= key_block:  # one block of keys, none padded: gemm_step's one product
         return torch.bmm(weights, v)
-    out = torch.empty(0)
-    for k0 in range(0, need, key_block):
-        k1 = min(need, k0 + key_block)
-        w, vb = weights[:, :, k0:k1], v[:, k0:k1]
-        if k1 - k0 < min_keys:
-            w = F.pad(w, [0, min_keys - (k1 - k0)])
-            vb = F.pad(vb, [0, 0, 0, min_keys - (k1 - k0)])
-        part = torch.bmm(w, vb)
-        out = part if k0 == 0 else out.add_(part)
-    return out
+    return weighted_values(weights, v, need, min_keys, key_block)
 
 
 def _layers(
@@ -203,23 +194,28 @@ def _layers(
     return hidden
 
 
-_compiled: Any = None
-_compile_lock = threading.Lock()
+class ScriptedOnce:
+    """``function`` compiled by ``torch.jit.script`` at its first use, or None where this
+    torch cannot script it (``torch.jit`` is deprecated: the stage keeps its eager way)."""
+
+    def __init__(self, function: Any) -> None:
+        self._function = function
+        self._compiled: Any = None  # False: tried and refused
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Any:
+        with self._lock:
+            if self._compiled is None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    try:
+                        self._compiled = torch.jit.script(self._function)
+                    except (AttributeError, RuntimeError, TypeError):
+                        self._compiled = False
+            return self._compiled or None
 
 
-def _script() -> Any:
-    """The compiled :func:`_layers` (compiled at the first call), or None where this torch
-    cannot script it (``torch.jit`` is deprecated: the stage keeps lean_decode then)."""
-    global _compiled
-    with _compile_lock:
-        if _compiled is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                try:
-                    _compiled = torch.jit.script(_layers)
-                except (AttributeError, RuntimeError, TypeError):
-                    _compiled = False
-        return _compiled or None
+_script = ScriptedOnce(_layers)  # the compiled _layers, at the first call
 
 
 @dataclass(frozen=True)
