@@ -7,8 +7,10 @@
 - ``n`` host namespaces ``<prefix>h<i>``, each with ``lo`` and ``eth0``
   (10.<a>.<b>.<i+2>/24, a per-run private subnet) on that bridge and a route
   for 224.0.0.0/4 so multicast stays on it;
-- optionally, per host: a ``tc tbf`` rate on both ends of its access link, and
-  a CPU quota (over a 100 ms period) and/or memory limit, in cgroup v1 or v2
+- optionally, per host: a ``tc tbf`` rate on both ends of its access link, a
+  delay on it (each way; the kernel has no ``netem``, so the link is two TAP
+  devices joined by a process that holds every frame: hetmesh/testbed/delay.py),
+  and a CPU quota (over a 100 ms period) and/or memory limit, in cgroup v1 or v2
   (hetmesh/testbed/cgroups.py), that processes started with :meth:`NetnsTestbed.popen`
   join before they exec.
 
@@ -23,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +147,21 @@ class NetnsTestbed:
         return proc
 
 
+def _delay_link(ns: str, bridge_ns: str, outer: str, delay_s: float) -> subprocess.Popen[Any]:
+    """Host namespace ``ns``'s ``eth0`` and the bridge's ``outer``, ``delay_s`` apart."""
+    argv = [sys.executable, "-m", "hetmesh.testbed.delay"]
+    argv += [str(NETNS_DIR / ns), "eth0", str(NETNS_DIR / bridge_ns), outer, repr(delay_s)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else ""  # "ready" once both devices exist
+    if line.strip() != "ready":
+        _kill(proc)
+        err = proc.stderr.read() if proc.stderr else ""
+        raise RuntimeError(f"the delayed link of {ns} did not come up: {err.strip()[-500:]}")
+    return proc
+
+
 def _kill(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -159,8 +178,13 @@ def open_testbed(
     rates: Mapping[int, str] | None = None,
     cpu_quota_us: Mapping[int, int] | None = None,
     memory_limit_bytes: Mapping[int, int] | None = None,
+    delays_s: Mapping[int, float] | None = None,
 ) -> Iterator[NetnsTestbed]:
-    """Build ``n`` hosts on one bridge (see the module doc); tear it all down after."""
+    """Build ``n`` hosts on one bridge (see the module doc); tear it all down after.
+
+    ``delays_s[i]``: seconds every frame waits on host ``i``'s access link, each way;
+    two hosts given ``d`` each are ``4 d`` apart in round trip.
+    """
     hierarchy = detect(CGROUP_ROOT) if cpu_quota_us or memory_limit_bytes else None
     prefix = f"hm{secrets.token_hex(3)}"
     subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
@@ -182,21 +206,25 @@ def open_testbed(
             outer = f"{prefix}v{i}"
             ip = f"{subnet}.{i + 2}"
             in_ns = ("ip", "netns", "exec", ns)
-            _run(
-                "ip",
-                "link",
-                "add",
-                outer,
-                "netns",
-                bridge_ns,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                ns,
-            )
+            delay_s = (delays_s or {}).get(i)
+            if delay_s:
+                testbed.processes.append(_delay_link(ns, bridge_ns, outer, delay_s))
+            else:
+                _run(
+                    "ip",
+                    "link",
+                    "add",
+                    outer,
+                    "netns",
+                    bridge_ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    ns,
+                )
             _run(*in_br, "ip", "link", "set", outer, "master", "br0")
             _run(*in_br, "ip", "link", "set", outer, "up")
             _run(*in_ns, "ip", "link", "set", "lo", "up")
