@@ -51,6 +51,7 @@ class HostSpec:
     cpu: float | None = None  # cgroup quota as a fraction of one core; None: no quota
     memory_limit_bytes: int | None = None  # cgroup memory limit; None: no limit
     rate: str | None = None  # tc tbf rate of its access link, e.g. "50mbit"
+    delay_s: float | None = None  # what each frame waits on its access link, each way
     max_memory: str | None = None  # --max-memory: what the node offers to the planner
     args: tuple[str, ...] = ()
     # the node's data-plane backends in preference order; empty: the node's default, so
@@ -292,7 +293,10 @@ def open_mesh_testbed(
     rates = {i: s.rate for i, s in enumerate(specs) if s.rate}
     quotas = {i: int(s.cpu * CPU_PERIOD_US) for i, s in enumerate(specs) if s.cpu}
     mems = {i: s.memory_limit_bytes for i, s in enumerate(specs) if s.memory_limit_bytes}
-    with open_testbed(len(specs), rates=rates, cpu_quota_us=quotas, memory_limit_bytes=mems) as net:
+    delays = {i: s.delay_s for i, s in enumerate(specs) if s.delay_s}
+    with open_testbed(
+        len(specs), rates=rates, cpu_quota_us=quotas, memory_limit_bytes=mems, delays_s=delays
+    ) as net:
         bed = MeshTestbed(net, tuple(specs), workdir, secret or f"{SECRET}-{secrets.token_hex(4)}")
         try:
             yield bed
