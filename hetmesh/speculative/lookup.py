@@ -16,7 +16,9 @@ Pure: nothing here imports trio, libp2p or torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from hetmesh.speculative.accept import FixedBudget
 
 WINDOW = 16384  # tokens of a history indexed afresh (the latest): bounds a rebuild
 MAX_NGRAM = 3
@@ -86,4 +88,12 @@ class PromptLookup:
                 self._ends[tuple(tokens[begin : end + 1])] = end
 
 
-__all__ = ["MAX_NGRAM", "MIN_NGRAM", "WINDOW", "PromptLookup"]
+def speculation(k: int) -> Callable[[], tuple[PromptLookup, FixedBudget]] | None:
+    """What a gateway drafts with for each request: prompt lookup, ``k`` drafts a step
+    (None for ``k`` = 0: requests decode plainly)."""
+    if k <= 0:
+        return None
+    return lambda: (PromptLookup(), FixedBudget(k))
+
+
+__all__ = ["MAX_NGRAM", "MIN_NGRAM", "WINDOW", "PromptLookup", "speculation"]
