@@ -111,6 +111,8 @@ from hetmesh.protocol.logprobs import token_of
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.records import Plan
 from hetmesh.scheduler.standby import standby_takeovers
+from hetmesh.speculative.accept import MAX_DRAFTS, accepted
+from hetmesh.speculative.drafter import Budget, Drafter
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,10 @@ class _SlowOpen(Exception):
 NO_ANSWER = "no answer in time: "
 
 
+Speculation = Callable[[], "tuple[Drafter, Budget]"]
+"""A drafter and a draft budget for one request (speculative decoding, issue 48)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Request:
     """What a session was opened with (internal): a migration opens it again elsewhere."""
@@ -178,6 +184,8 @@ class _Request:
     avoid: set[PeerId]
     order_s: float  # its place in the stages' admission queues (with ``base``)
     generated: list[int]  # the tokens it has yielded so far (the request's, all tries)
+    # its drafter and budget (all tries: a replay drafts on); None: it decodes plainly
+    speculation: tuple[Drafter, Budget] | None = None
 
 
 @dataclass(slots=True)
@@ -220,6 +228,7 @@ class _InFlight:
     hops: tuple[Hop, ...]
     tokens: int = 1  # tokens still to come from it (a fed session's: several)
     fed: int = 1  # token ids the next token's step took in (the first: the step's)
+    drafts: tuple[int, ...] = ()  # a verify step's drafts (its tokens come in one frame)
 
 
 def feed_steps_default() -> int:
@@ -250,6 +259,18 @@ def _refusals(hops: Sequence[Hop], replies: Sequence[Reply]) -> list[tuple[Hop, 
     ]
 
 
+def _kept(tokens: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """A verify step's tokens as far as they are consistent with its ``drafts``: each
+    but the last equal to its draft, at most one more than the drafts (a last stage
+    that says more is believed no further)."""
+    kept: list[int] = []
+    for i, token in enumerate(tokens[: len(drafts) + 1]):
+        kept.append(int(token))
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return kept
+
+
 class Gateway:
     """Runs sessions for requests that enter at this node."""
 
@@ -272,6 +293,7 @@ class Gateway:
         helper: Helper | None = None,
         split_prefill: bool | None = None,
         send_now: SendNow | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
         (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
@@ -285,7 +307,9 @@ class Gateway:
         (:mod:`hetmesh.node.split`; ``split_prefill`` False, or the
         ``HETMESH_SPLIT_PREFILL=0`` switch, turns that off). ``send_now``: a reader
         thread sends a decode step's successor as the token comes in
-        (:mod:`hetmesh.node.gateway_lane`; ``HETMESH_GATEWAY_LANE=0``: off)."""
+        (:mod:`hetmesh.node.gateway_lane`; ``HETMESH_GATEWAY_LANE=0``: off).
+        ``speculation``: a drafter and a budget for each request (None: no drafts);
+        see :meth:`_drafts` for which steps carry them."""
         self.peer_id = peer_id
         self._control = control
         self._send = send
@@ -312,6 +336,7 @@ class Gateway:
         self._step_s = 0.0  # moving average of decode step time
         self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
         self._lane_many = gateway_lane_many()
+        self._speculation = speculation
 
     # -- inbound ------------------------------------------------------------------
 
@@ -453,6 +478,10 @@ class Gateway:
         # preemption takes a new one): the same request heads every stage's queue
         # (no two requests each head one)
         order_s = time.time()
+        # a grammar's draw advances on every row drawn, and a frame carries one token's
+        # log-probabilities: such requests decode plainly
+        plain = bool(params.grammar) or params.logprobs is not None
+        speculation = None if plain or self._speculation is None else self._speculation()
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
@@ -468,6 +497,7 @@ class Gateway:
                     avoid,
                     order_s,
                     generated,
+                    speculation,
                 )
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
                 session = _Session(session_id, request, inbox_send, hops, time.time())
@@ -546,10 +576,15 @@ class Gateway:
                     alive = [h for h in hops if h.peer_id not in avoid]
                     with trio.CancelScope(shield=True):
                         # every stage's KV holds a prefix of the history: name its blocks
-                        hashes = block_hashes(history) if self.prefix_cache else []
+                        # (where drafts went, all but the last token's: the KV at its
+                        # position may be a rejected draft's)
+                        named = history[:-1] if speculation is not None else history
+                        hashes = block_hashes(named) if self.prefix_cache else []
                         await self._close(session_id, alive, tuple(hashes))
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
+            if speculation is not None:
+                speculation[0].close()
             if finished:
                 counts.sessions_finished += 1
             else:
@@ -745,28 +780,35 @@ class Gateway:
         it. A step that cannot be sent fails only after its token has been yielded,
         so the replay that follows loses nothing. On a route of one stage a step
         brings up to ``feed_steps`` tokens (the stage feeds itself between them);
-        the next step leaves once the last of them is in.
+        the next step leaves once the last of them is in. A decode step may carry
+        drafts (:meth:`_drafts`): its tokens come back in one frame, the drafts the
+        last stage kept and its own next token, and the step after it starts right
+        after them (each stage drops the rest of its KV there).
         """
         # the whole history (a first prefill or a replay) but what every stage holds cached
         feed = list(history[cached:])
         position = cached
         in_flight: _InFlight | None = None
         helper = session.helper  # the prompt goes through it (split)
+        drafts: tuple[int, ...] = ()
         while len(generated) < max_new_tokens:
             if in_flight is None:
                 if session.leaving and len(feed) == 1:  # nothing in flight
                     await self._migrate(session, position)
+                if len(feed) == 1:
+                    drafts = self._drafts(session, history, len(generated), max_new_tokens)
                 in_flight = await self._send_step(
-                    session, feed, position, len(generated), max_new_tokens, helper
+                    session, feed, position, len(generated), max_new_tokens, helper, drafts
                 )
                 helper = None
             # the step in flight, and its move's KV, once more
             again = functools.partial(
                 self._move_again, session, tuple(feed), position, len(generated), max_new_tokens
             )  # the move's KV once more; its step too where the first stage moved
-            self._arm(session, in_flight, len(history), max_new_tokens - len(generated))
+            if not in_flight.drafts and session.request.speculation is None:
+                self._arm(session, in_flight, len(history), max_new_tokens - len(generated))
             try:
-                token = await self._await_token(
+                tokens = await self._await_token(
                     inbox,
                     in_flight.step,
                     in_flight.fed,
@@ -774,6 +816,7 @@ class Gateway:
                     session.moving,
                     position=len(history),
                     again=again if session.handoffs else None,
+                    drafts=in_flight.drafts,
                 )
             finally:
                 sent = self.lane.claim(session.session_id)  # the next step, if it left
@@ -786,32 +829,81 @@ class Gateway:
             self._note_step(now - in_flight.started, in_flight.fed)
             if session.handoffs:  # its sources may let the KV they kept for it go
                 await self._confirm(session)
-            position += in_flight.fed
-            in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
-            in_flight.tokens -= 1
-            if in_flight.tokens == 0:
+            if in_flight.drafts:  # a verify step: the next input follows its last token
+                position += len(tokens)
+                self._note_verify(session, in_flight, tokens, now)
                 in_flight = None
-            if token in self._eos:
+            else:
+                position += in_flight.fed
+                in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
+                in_flight.tokens -= 1
+                if in_flight.tokens == 0:
+                    in_flight = None
+            delivered: list[int] = []
+            ended = False  # an end-of-sequence token came
+            for token in tokens:
+                ended = token in self._eos
+                if ended or len(generated) >= max_new_tokens:
+                    break
+                generated.append(token)
+                history.append(token)
+                delivered.append(token)
+            if not delivered:
                 return
-            generated.append(token)
-            history.append(token)
-            self._counts.tokens_out += 1
-            feed = [token]
+            self._counts.tokens_out += len(delivered)
+            feed = [delivered[-1]]
             failed: _StepFailed | None = None
             # a session leaving its peers moves between steps, with nothing in flight
-            more = len(generated) < max_new_tokens and not session.leaving
+            more = len(generated) < max_new_tokens and not session.leaving and not ended
             if in_flight is None and sent is not None:  # sent by the lane: in flight
                 in_flight = _InFlight(sent.step + 1, sent.sent_at, session.route)
             elif in_flight is None and more:
+                drafts = self._drafts(session, history, len(generated), max_new_tokens)
                 try:
                     in_flight = await self._send_step(
-                        session, feed, position, len(generated), max_new_tokens
+                        session, feed, position, len(generated), max_new_tokens, None, drafts
                     )
                 except _StepFailed as exc:
                     failed = exc
-            yield token
+            for token in delivered:
+                yield token
+            if ended:
+                return
             if failed is not None:
                 raise failed
+
+    def _drafts(
+        self, session: _Session, history: Sequence[int], step: int, max_new: int
+    ) -> tuple[int, ...]:
+        """The drafts the session's next decode step carries: its drafter's, as many as
+        its budget says, never past ``max_new`` tokens; none on a route whose stage
+        feeds itself (it brings several tokens a step already), nor while a move or a
+        split prefill's helper is under way."""
+        speculation = session.request.speculation
+        if speculation is None or session.helper or session.leaving or session.moving:
+            return ()
+        if self._feeding(session.route)[0] != 1:
+            return ()
+        drafter, budget = speculation
+        k = min(budget.k(), max_new - step - 1, MAX_DRAFTS)
+        if k <= 0:
+            return ()
+        drafts = tuple(int(t) for t in drafter.propose(history, k)[:k])
+        return drafts if all(t >= 0 for t in drafts) else ()
+
+    def _note_verify(
+        self, session: _Session, in_flight: _InFlight, tokens: Sequence[int], now: float
+    ) -> None:
+        """Count a verify step and tell the session's budget how it went."""
+        kept = accepted(in_flight.drafts, tokens)
+        counts = self._counts
+        counts.verify_steps += 1
+        counts.drafted += len(in_flight.drafts)
+        counts.accepted += kept
+        counts.verified_tokens += len(tokens)
+        speculation = session.request.speculation
+        if speculation is not None:
+            speculation[1].record(len(in_flight.drafts), kept, now - in_flight.started)
 
     def _arm(self, session: _Session, in_flight: _InFlight, position: int, left: int) -> None:
         """Let a reader thread send the step after the awaited token (the lane) where
@@ -839,14 +931,31 @@ class Gateway:
         step: int,
         max_new: int,
         helper: Hop | None = None,
+        drafts: tuple[int, ...] = (),
     ) -> _InFlight:
         """Send one step's token ids to the session's first stage (a long prefill in
         chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`), or to its
-        ``helper`` (a split prefill's); ``step`` tokens are out of ``max_new``."""
+        ``helper`` (a split prefill's); ``step`` tokens are out of ``max_new``. A
+        decode step's ``drafts`` go with its token, as one frame (a verify step)."""
         session_id, route = session.session_id, session.route
         hops = (helper, *route) if helper is not None else route
         first = hops[0].peer_id
         started = time.perf_counter()
+        if drafts and len(feed) == 1 and helper is None:
+            frame = Activations(
+                session_id=session_id,
+                step=step,
+                positions=tuple(range(position, position + 1 + len(drafts))),
+                tensors=(torch.tensor([feed[0], *drafts], dtype=torch.int64),),
+                drafts=drafts,
+            )
+            try:
+                await self._send(first, frame)
+            except TransportError as exc:
+                raise _StepFailed(
+                    f"cannot reach the first stage: {exc}", frozenset({first})
+                ) from exc
+            return _InFlight(step, started, hops, drafts=drafts)
         ids = torch.tensor(list(feed), dtype=torch.int64)
         chunk_tokens = self._chunk_tokens(hops) if len(feed) > 1 else self.prefill_chunk_tokens
         for chunk in torch.split(ids, prefill_chunks(len(feed), chunk_tokens)):
@@ -1011,9 +1120,10 @@ class Gateway:
         *,
         position: int,
         again: Callable[..., Awaitable[bool]] | None = None,
-    ) -> int:
-        """The token of ``step``, at sequence ``position``; ``_StepFailed`` when a stage
-        is gone or stuck.
+        drafts: Sequence[int] = (),
+    ) -> list[int]:
+        """The token of ``step``, at sequence ``position`` (a verify step's: its tokens,
+        :func:`_kept`); ``_StepFailed`` when a stage is gone or stuck.
 
         A token frame for another step or position is dropped (``stale_frames``): one
         at a position already delivered (a stage that resumed after a freeze, a
@@ -1067,7 +1177,9 @@ class Gateway:
                         # the sender is not known here: the recovery pings the route
                         raise _StepFailed(f"a stage failed: {frame.message}")
                     if frame.step == step and frame.position == position and frame.token_ids:
-                        return token_of(frame.token_ids[0], frame.logprobs)
+                        if len(frame.token_ids) == 1:
+                            return [token_of(frame.token_ids[0], frame.logprobs)]
+                        return _kept(frame.token_ids, drafts)
                     self._counts.stale_frames += 1
             silent = await self._find_silent([*hops, *moving])  # a move's source too
             if silent & {h.peer_id for h in hops}:

@@ -1,0 +1,180 @@
+"""Speculative decoding through a real three-stage cut of the tiny model, in process
+(issue 48): prompt-lookup drafts verified by the last stage, with the gateway and
+stage servers of a node and hops as function calls (``test_kv_migration``'s mesh).
+
+Greedy output with drafts, some kept and some rejected, equals the single-process
+reference; every stage drops a rejected step's tail and the next step starts right
+after the kept tokens; a stage killed mid-stream is replayed on another route and
+the drafts go on; a move carries the KV and the drafts go on; seeded sampling
+draws the same tokens with and without drafts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import trio
+
+from hetmesh.node.gateway import Gateway, GatewayTimeouts
+from hetmesh.partition.sampling import SamplingParams
+from hetmesh.speculative.lookup import speculation
+from hetmesh.transport.frames import Frame, Tokens
+from tests.integration.node.test_kv_migration import FIRST, GATEWAY, SECOND, MovingMesh
+from tests.integration.node.test_serving_inprocess import collect, reference, tiny_model
+
+__all__ = ["tiny_model"]  # a fixture, used by name
+
+# copy-heavy: "41 7 7" recurs, and what followed it ("7 50 …") is right once, then wrong
+PROMPT = [5, 17, 33, 2, 9, 41, 7, 7, 7, 50, 51, 52, 5, 17, 33, 2, 9, 41, 7]
+TOKENS = 40
+
+
+class WatchedMesh(MovingMesh):
+    """The mesh, recording each stage's forwards ``(KV length before, rows)`` and the
+    token frames the gateway receives."""
+
+    def __init__(self, model_dir) -> None:
+        super().__init__(model_dir)
+        self.forwards: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        self.tokens: list[Tokens] = []
+        for peer, server in self.servers.items():
+            stage = server.stage
+            plain = stage.forward_batch
+
+            def watched(items, *, _peer=peer, _plain=plain, **kwargs):
+                for inputs, kv in items:
+                    self.forwards[_peer].append((kv.length, int(inputs.shape[0])))
+                return _plain(items, **kwargs)
+
+            stage.forward_batch = watched  # type: ignore[method-assign]
+
+    async def send(self, sender: str, peer: str, frame: Frame) -> None:
+        if peer == GATEWAY and isinstance(frame, Tokens):
+            self.tokens.append(frame)
+        await super().send(sender, peer, frame)
+
+    def gateway_with(self, k: int, **timeouts) -> Gateway:
+        async def choose(session_id, avoid, hashes=()):
+            return next((h for h in (FIRST, SECOND) if not {x.peer_id for x in h} & avoid), ())
+
+        async def send(peer: str, frame: Frame) -> None:
+            await self.send(GATEWAY, peer, frame)
+
+        self.gateway = Gateway(
+            peer_id=GATEWAY,
+            control=self.control,
+            send=send,
+            choose=choose,
+            ping=self.ping,
+            eos_token_ids=frozenset(),
+            max_context=256,
+            timeouts=GatewayTimeouts(**timeouts),
+            speculation=speculation(k),
+        )
+        return self.gateway
+
+    def verify_steps(self, peer: str) -> list[tuple[int, int, int]]:
+        """``(start, rows, next start)`` of each verify step ``peer`` ran that another
+        step followed (a verify step's tokens frame sits right after its first input)."""
+        verified = {t.position for t in self.tokens}
+        calls = self.forwards[peer]
+        return [
+            (start, rows, calls[i + 1][0])
+            for i, (start, rows) in enumerate(calls[:-1])
+            if rows > 1 and start + 1 in verified
+        ]
+
+
+async def _run(mesh: WatchedMesh, gateway: Gateway, params: SamplingParams, on_token=None):
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+        out = await collect(gateway, PROMPT, params, on_token=on_token)
+        nursery.cancel_scope.cancel()
+    return out
+
+
+def _kept_after(tokens: Sequence[Tokens], position: int) -> int:
+    """Tokens the frame at ``position`` brought (the kept drafts and the target's own)."""
+    return next(len(t.token_ids) for t in tokens if t.position == position)
+
+
+async def test_greedy_with_drafts_equals_the_reference_and_every_stage_rolls_back(tiny_model):
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    g = gateway.statistics()
+    assert g.verify_steps > 0
+    assert 0 < g.accepted < g.drafted  # drafts kept and drafts rejected
+    assert g.verified_tokens == g.verify_steps + g.accepted
+    assert g.tokens_out == TOKENS
+    c = mesh.servers["c"].statistics()
+    assert (c.verify_steps, c.drafted, c.accepted) == (g.verify_steps, g.drafted, g.accepted)
+    rejected = 0
+    for peer in ("a", "b1", "c"):
+        steps = mesh.verify_steps(peer)
+        assert steps, peer
+        for start, rows, next_start in steps:
+            # the next step starts right after the kept tokens: the rest of the KV dropped
+            assert next_start == start + _kept_after(mesh.tokens, start + 1), (peer, start)
+            rejected += next_start < start + rows
+    assert rejected >= 3  # at least one rejected step on each stage
+    assert mesh.forwards["a"] == mesh.forwards["b1"] == mesh.forwards["c"]
+    for server in mesh.servers.values():
+        assert server.statistics().kv.sessions == 0  # closed: every block back
+
+
+async def test_plain_decoding_sends_no_drafts(tiny_model):
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(0)
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=12))
+    assert out == reference(tiny_model, PROMPT, 12)
+    assert gateway.statistics().verify_steps == 0
+    assert [rows for _, rows in mesh.forwards["a"][1:]] == [1] * 11  # one token a step
+
+
+async def test_a_stage_killed_mid_stream_is_replayed_and_drafts_go_on(tiny_model):
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4, step_floor_s=1.0, ping_s=0.5)
+
+    def kill(n: int) -> None:
+        if n == 12:
+            mesh.dead.add("b1")
+
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS), on_token=kill)
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    assert gateway.statistics().recoveries == 1
+    replay, *after = mesh.forwards["b2"]
+    assert replay[0] == 0  # the history replayed from the start
+    assert any(rows > 1 for _, rows in after)  # then verify steps on the new route
+
+
+async def test_a_moved_stage_keeps_its_kv_and_drafts_go_on(tiny_model):
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+
+    def move(n: int) -> None:
+        if n == 12:
+            assert gateway.move_off("b1") == 1
+
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS), on_token=move)
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    g = gateway.statistics()
+    assert (g.migrations, g.recoveries, g.migration_fallbacks) == (1, 0, 0)
+    assert mesh.forwards["b2"][0][0] > len(PROMPT)  # no replay: it started from the KV
+    assert any(rows > 1 for _, rows in mesh.forwards["b2"])
+
+
+async def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(tiny_model):
+    # peaked enough that the output repeats (drafts go), loose enough to leave greedy
+    params = SamplingParams(max_new_tokens=TOKENS, temperature=0.1, seed=11)
+    plain_mesh = WatchedMesh(tiny_model)
+    plain = await _run(plain_mesh, plain_mesh.gateway_with(0), params)
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+    drafted = await _run(mesh, gateway, params)
+    assert drafted == plain
+    assert plain != reference(tiny_model, PROMPT, TOKENS)  # sampled, not greedy
+    assert gateway.statistics().accepted > 0
