@@ -18,7 +18,13 @@ expected tokens per second, and 0 unless that beats plain decoding by
 as it would without speculation. While it is off, one step in
 ``probe_every`` carries ``probe_k`` drafts, so that a session whose text
 turns predictable (or whose route gets slower) is noticed; probes are the
-only cost speculation can add, and they are bounded by that fraction.
+only cost speculation can add, and they are bounded by that fraction. The
+first two steps carry drafts of two sizes (``probe_k``, then ``max_k / 2``):
+a line needs two points, and a gateway may report only steps that carried
+drafts (then ``t0`` is the line's, extrapolated).
+
+A draft model's time is not in the route's: ``overhead_s`` (the drafter's
+last proposal, in seconds) is added to each recorded step that carried drafts.
 
 Pure and deterministic: no clock, no randomness; the same sequence of
 :meth:`~SpeculationBudget.record` calls gives the same choices.
@@ -26,6 +32,7 @@ Pure and deterministic: no clock, no randomness; the same sequence of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetmesh.errors import InvalidRequest
@@ -75,7 +82,11 @@ class SpeculationBudget:
         probe_k: int = 1,
         decay: float = 0.8,
         prior_acceptance: float = 0.5,
+        overhead_s: Callable[[], float] | None = None,
     ) -> None:
+        """``overhead_s``: what drafting the step just recorded took, added to its
+        time (a draft model's forwards run before the step is sent, so the route's
+        clock does not see them); None: drafting is free (prompt lookup)."""
         if max_k < 0 or not 0 <= probe_k <= max_k:
             raise InvalidRequest(f"need 0 <= probe_k ({probe_k}) <= max_k ({max_k})")
         if probe_every < 2 or not 0 < decay <= 1 or margin < 0:
@@ -87,12 +98,13 @@ class SpeculationBudget:
         self.probe_every = probe_every
         self.probe_k = probe_k
         self.decay = decay
+        self.overhead_s = overhead_s
         # decayed counts of the draft positions kept and rejected, from a prior of one each way
         self._kept = prior_acceptance
         self._rejected = 1.0 - prior_acceptance
         self._times: dict[int, float] = {}  # k -> moving average of its step's seconds
         self._steps = 0  # steps recorded
-        self._since_probe = 0  # plain steps since speculation last ran
+        self._since_probe = 0  # plain steps chosen since drafts were last asked for
 
     # -- what it believes -------------------------------------------------------------
 
@@ -140,32 +152,43 @@ class SpeculationBudget:
     # -- the Budget protocol ----------------------------------------------------------
 
     def k(self) -> int:
-        """Drafts for the next step.
+        """Drafts for the next step (called once a step).
 
-        The first step is plain and the second a probe (two sizes to fit the line);
-        then the best ``k``, or, while that is 0, a probe every ``probe_every`` steps.
+        The first steps carry ``probe_k`` drafts and then a second size, to fit the
+        line (a gateway may tell only of steps that carried drafts); then the best
+        ``k``, or, while that is 0, ``probe_k`` once in ``probe_every`` steps.
         """
-        if self._steps == 0:
-            return 0
-        if self._line() is None:
-            return self.probe_k
+        fitted = self._line()
+        if fitted is None:
+            tried = [k for k in self._times if k]
+            if not tried or self.probe_k == 0:
+                return self._plain_or_probe(self.probe_k)
+            second = max(self.max_k // 2, 1)
+            return second if second not in tried else self._plain_or_probe(self.probe_k)
         chosen = self.best()
         if chosen:
+            self._since_probe = 0
             return chosen
-        return self.probe_k if self._since_probe + 1 >= self.probe_every else 0
+        if self._since_probe + 1 >= self.probe_every:
+            return self._plain_or_probe(self.probe_k)
+        return self._plain_or_probe(0)
+
+    def _plain_or_probe(self, k: int) -> int:
+        self._since_probe = 0 if k else self._since_probe + 1
+        return k
 
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         if not 0 <= accepted <= drafted or seconds < 0:
             raise InvalidRequest(f"a step kept {accepted} of {drafted} drafts in {seconds} s")
         self._steps += 1
+        if self.overhead_s is not None and drafted:
+            seconds += max(0.0, self.overhead_s())  # drafting the step, before it was sent
         old = self._times.get(drafted)
         self._times[drafted] = (
             seconds if old is None else TIME_DECAY * old + (1 - TIME_DECAY) * seconds
         )
         if drafted == 0:
-            self._since_probe += 1
             return
-        self._since_probe = 0
         tried = accepted + (1 if accepted < drafted else 0)
         self._kept = self.decay * self._kept + accepted
         self._rejected = self.decay * self._rejected + tried - accepted

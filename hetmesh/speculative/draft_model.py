@@ -25,7 +25,8 @@ read-only weights.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,6 +34,7 @@ from hetmesh.errors import InvalidRequest
 from hetmesh.partition.formats import WeightFormat
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.partition.kv import SessionKV
+from hetmesh.speculative.budget import SpeculationBudget
 
 DEFAULT_WEIGHTS = WeightFormat.INT4
 
@@ -91,6 +93,7 @@ class ModelDrafter:
         self.model = model
         self._kvs: list[SessionKV] | None = [s.new_kv() for s in model.pipeline.stages]
         self._held: list[int] = []  # the tokens whose KV the cache holds, in order
+        self.last_s = 0.0  # what the last proposal took (wall seconds): a budget's overhead
 
     @property
     def held(self) -> list[int]:
@@ -107,8 +110,14 @@ class ModelDrafter:
         if self._kvs is None:
             raise InvalidRequest("this drafter was closed")
         if k <= 0 or not history or len(history) + k > self.model.max_context:
+            self.last_s = 0.0
             return []
-        kvs = self._kvs
+        began = time.perf_counter()
+        drafts = self._propose(self._kvs, history, k)
+        self.last_s = time.perf_counter() - began
+        return drafts
+
+    def _propose(self, kvs: list[SessionKV], history: Sequence[int], k: int) -> list[int]:
         common = _common_prefix(self._held, history)
         # the last token of history is fed again when the cache holds it all: its
         # logits were not kept
@@ -143,6 +152,19 @@ class ModelDrafter:
             self.model._closed(self)
 
 
+def speculation(
+    model: DraftModel, max_k: int
+) -> Callable[[], tuple[ModelDrafter, SpeculationBudget]]:
+    """A gateway's speculation for each request: a drafter of ``model`` and a measured
+    budget of up to ``max_k`` drafts that counts the drafter's time in each step."""
+
+    def make() -> tuple[ModelDrafter, SpeculationBudget]:
+        drafter = model.drafter()
+        return drafter, SpeculationBudget(max_k=max_k, overhead_s=lambda: drafter.last_s)
+
+    return make
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -151,4 +173,4 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["DEFAULT_WEIGHTS", "DraftModel", "ModelDrafter"]
+__all__ = ["DEFAULT_WEIGHTS", "DraftModel", "ModelDrafter", "speculation"]

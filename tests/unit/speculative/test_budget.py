@@ -39,8 +39,39 @@ def simulate(
 
 
 def test_is_a_budget() -> None:
-    budget: Budget = SpeculationBudget()
-    assert budget.k() == 0
+    budget: Budget = SpeculationBudget(probe_k=1, max_k=8)
+    assert budget.k() == 1  # two sizes first: a line needs two points
+    budget.record(1, 1, 0.02)
+    assert budget.k() == 4
+    budget.record(4, 4, 0.03)
+    assert budget.k() == 8
+
+
+def test_learns_from_drafted_steps_alone() -> None:
+    """A gateway that reports only the steps that carried drafts: t0 is extrapolated."""
+    budget = SpeculationBudget(max_k=8)
+    for _ in range(40):
+        k = budget.k()
+        if k:
+            budget.record(k, 0, 0.012 + 0.003 * k)
+    state = budget.state()
+    assert state.step_s == pytest.approx(0.012)
+    assert state.per_draft_s == pytest.approx(0.003)
+    assert budget.best() == 0
+
+
+def test_drafting_time_counts() -> None:
+    """A draft model's 10 ms a draft makes 3 ms of verification per draft not pay."""
+    drafting = {"s": 0.0}
+    cheap = SpeculationBudget(max_k=8)
+    dear = SpeculationBudget(max_k=8, overhead_s=lambda: drafting["s"])
+    for _ in range(30):
+        for budget in (cheap, dear):
+            k = budget.k()
+            drafting["s"] = 0.010 * k
+            budget.record(k, int(k * 0.6), 0.020 + 0.003 * k)
+    assert cheap.best() > 0
+    assert dear.best() == 0
 
 
 @pytest.mark.parametrize(("a", "k", "want"), [(0.0, 5, 1.0), (1.0, 3, 4.0), (0.5, 2, 1.75)])

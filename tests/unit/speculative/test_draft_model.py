@@ -9,7 +9,7 @@ import pytest
 from hetmesh.errors import InvalidRequest
 from hetmesh.partition.generate import LocalPipeline
 from hetmesh.protocol.generate import SamplingParams
-from hetmesh.speculative.draft_model import DraftModel
+from hetmesh.speculative.draft_model import DraftModel, speculation
 from hetmesh.speculative.drafter import Drafter
 
 PROMPT = [1, 9038, 2784, 314, 253, 1345, 28, 665, 2292, 260, 2725, 30]
@@ -117,3 +117,20 @@ def test_int4_copy_of_the_default_model(default_model_dir: Path) -> None:
     finally:
         drafter.close()
     assert model.resident_bytes() == model.weight_bytes()
+
+
+def test_speculation_for_a_gateway(tiny_draft: DraftModel) -> None:
+    """Each request gets its own drafter and a measured budget that counts drafting."""
+    make = speculation(tiny_draft, 6)
+    (first, budget), (second, _) = make(), make()
+    try:
+        assert first is not second
+        assert budget.max_k == 6
+        drafts = first.propose(PROMPT, budget.k())
+        assert first.last_s > 0
+        budget.record(len(drafts), 1, 0.0)
+        assert budget.state().step_s is None  # one size so far
+        assert budget._times[len(drafts)] == pytest.approx(first.last_s)  # drafting counted
+    finally:
+        first.close()
+        second.close()
