@@ -16,19 +16,25 @@ threads, one per arm, in order (``--rounds 2`` runs the arms again, reversed:
 A/B/B/A):
 
 - ``off``: ``--speculative-k 0`` (plain decoding);
-- ``lookup``: ``--speculative-k K`` (prompt lookup, the gateway's default drafter);
-- ``draft``: ``--speculative-k K`` and ``--speculative-draft int4`` (an int4 copy of
-  the model at the gateway drafting for the float32 mesh; ``--draft-args`` if the
-  node spells it otherwise).
+- ``lookup``: ``--speculative-k K`` (the node as shipped: prompt lookup, K drafts
+  a step);
+- ``lookup_measured``: prompt lookup, the measured budget
+  (:class:`~hetmesh.speculative.budget.SpeculationBudget`, up to ``--max-k``);
+- ``draft``: an int4 copy of the model at the gateway drafting for the float32
+  mesh, the measured budget (``draft_fixed``: K drafts a step).
+
+The last three start their nodes through ``bench/speculative_node.py``, which
+sets the gateway's drafter and budget until the node has flags for them.
 
 Each mesh answers the copy-heavy prompts (rewrite or repeat a given passage) and
 the open ones (a story, an explanation), greedy, ``--tokens`` each, entering at
 host 0. A generation's rate is ``(n - 1) ÷`` the time from its first token to
 its last; an arm's rate on a prompt set is the median over its generations.
 
-``--json`` prints one object: ``wan_repetitive_speedup`` (lookup ÷ off, copy-heavy
-prompts; target ≥ 2.5), ``wan_open_speedup`` (draft ÷ off, open prompts; ≥ 1.3),
-``loopback_open_speedup`` (draft ÷ off on the loopback; ≥ 0.95),
+``--json`` prints one object: ``wan_repetitive_speedup`` (lookup_measured ÷ off,
+copy-heavy prompts; target ≥ 2.5), ``wan_open_speedup`` (draft ÷ off, open
+prompts; ≥ 1.3), ``loopback_open_speedup`` (draft ÷ off on the loopback; ≥ 0.95),
+the same for the other arms (``*_fixed_k``: the node's own fixed K),
 ``outputs_identical`` (every stream of every arm equal to the single-process
 float32 reference), ``plan`` and ``split_stages`` (3), the gateway's counters per
 arm (drafted, accepted, tokens per verify step), each arm's rates, the CPU model
@@ -71,7 +77,16 @@ STAGES = 3
 WAN_RTT_S = 0.020
 NODE_ARGS = ("--max-sessions", "4", "--max-context", "1024", "--weights", "float32")
 OFF_ARGS = ("--speculative-k", "0")
-DRAFT_ARGS = ("--speculative-draft", "int4")
+LAUNCHER = Path(__file__).resolve().parent / "speculative_node.py"
+# arm -> (drafter, budget) of bench/speculative_node.py; None: the node as shipped
+ARMS: dict[str, tuple[str, str] | None] = {
+    "off": None,  # --speculative-k 0
+    "lookup": None,  # the node's own: prompt lookup, --speculative-k drafts every step
+    "lookup_measured": ("lookup", "measured"),
+    "draft": ("int4", "measured"),
+    "draft_fixed": ("int4", "fixed"),
+}
+DEFAULT_ARMS = "off,lookup,lookup_measured,draft"
 # the gateway's speculation counters in its status record (hetmesh.node.gateway_records)
 COUNTERS = ("verify_steps", "drafted", "accepted", "verified_tokens")
 
@@ -173,22 +188,53 @@ def cpu_model() -> str:
 # -- the run -----------------------------------------------------------------------
 
 
+def launcher_argv(argv: Sequence[str], choice: tuple[str, str] | None) -> list[str]:
+    """A node's argv (``python -m hetmesh node start ...``) through bench/speculative_node.py
+    with ``choice`` (drafter, budget); unchanged for None."""
+    argv = list(argv)
+    if choice is None:
+        return argv
+    at = argv.index("-m")
+    if argv[at + 1] != "hetmesh":
+        raise ValueError(f"not a hetmesh command line: {argv}")
+    drafter, budget = choice
+    launcher = [str(LAUNCHER), "--bench-drafter", drafter, "--bench-budget", budget]
+    return [*argv[:at], *launcher, *argv[at + 2 :]]
+
+
+def arm_args(arm: str, k: str, max_k: int) -> list[str]:
+    if arm == "off":
+        return list(OFF_ARGS)
+    choice = ARMS[arm]
+    if choice is not None and choice[1] == "measured":
+        return ["--speculative-k", str(max_k)]
+    return ["--speculative-k", k]
+
+
 def measure_arm(
     bed: Any,
     model_dir: Path,
-    arm_args: Sequence[str],
+    arm: str,
+    args: argparse.Namespace,
     prompts: dict[str, list[list[int]]],
-    tokens: int,
-    repeat: int,
 ) -> dict[str, Any]:
-    """One fresh mesh with ``arm_args``: its plan checked, each prompt set's streams."""
+    """One fresh mesh for ``arm``: its plan checked, each prompt set's streams."""
     import cut  # bench/cut.py, beside this file
 
+    import hetmesh.testbed.mesh as testbed_mesh
+    from hetmesh.testbed.local_mesh import node_argv
     from hetmesh.testbed.mesh import plan_of
 
-    node_args = cut.node_args_for(model_dir, STAGES, [*NODE_ARGS, *arm_args])
+    tokens, repeat = args.tokens, args.repeat
+    node_args = cut.node_args_for(
+        model_dir, STAGES, [*NODE_ARGS, *arm_args(arm, args.k, args.max_k)]
+    )
     began = time.monotonic()
-    bed.start_all(*node_args)
+    testbed_mesh.node_argv = lambda *a: launcher_argv(node_argv(*a), ARMS[arm])  # type: ignore[assignment]
+    try:
+        bed.start_all(*node_args)
+    finally:
+        testbed_mesh.node_argv = node_argv  # type: ignore[assignment]
     try:
         view = bed.wait_serving()
         plan = plan_of(view)
@@ -204,7 +250,7 @@ def measure_arm(
                 got = bed.generate(ids, tokens, repeat=repeat)
                 failed = [g for g in got if "tokens" not in g]
                 if failed:
-                    raise RuntimeError(f"{arm_args}: generation failed: {failed[0]}")
+                    raise RuntimeError(f"{arm}: generation failed: {failed[0]}")
                 gens += got
             out[name] = {
                 "tokens_per_s": median_rate(gens),
@@ -220,7 +266,7 @@ def measure_arm(
 def run_network(
     name: str,
     delay_s: float | None,
-    arms: dict[str, tuple[str, ...]],
+    arms: Sequence[str],
     args: argparse.Namespace,
     model_dir: Path,
     prompts: dict[str, list[list[int]]],
@@ -233,7 +279,7 @@ def run_network(
     with open_mesh_testbed(workdir, hosts) as bed:
         for arm in arm_order(list(arms), args.rounds):
             print(f"{name}/{arm}: starting", file=sys.stderr, flush=True)
-            r = measure_arm(bed, model_dir, arms[arm], prompts, args.tokens, args.repeat)
+            r = measure_arm(bed, model_dir, arm, args, prompts)
             print(
                 f"{name}/{arm}: plan {r['plan']}, "
                 + ", ".join(f"{k} {r[k]['tokens_per_s']}" for k in prompts)
@@ -284,10 +330,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=1, help="generations per prompt")
     parser.add_argument("--rounds", type=int, default=1, help="2: the arms again, reversed")
-    parser.add_argument("--k", default="4", help="--speculative-k of the speculating arms")
-    parser.add_argument(
-        "--draft-args", default=" ".join(DRAFT_ARGS), help="node flags for the int4 draft"
-    )
+    parser.add_argument("--k", default="4", help="drafts a step of the fixed arms")
+    parser.add_argument("--max-k", type=int, default=8, help="the measured budget's most")
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"of {','.join(ARMS)}")
     parser.add_argument("--networks", default="wan,loopback")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument(
@@ -325,21 +370,18 @@ def main() -> int:
     if args.offline_only:
         print(json.dumps({"offline": offline(model_dir, prompts, refs, k_offline), "k": args.k}))
         return 0
-    spec = ("--speculative-k", str(args.k))
-    arms_by_network = {
-        "wan": {"off": OFF_ARGS, "lookup": spec, "draft": (*spec, *args.draft_args.split())},
-        "loopback": {"off": OFF_ARGS, "lookup": spec, "draft": (*spec, *args.draft_args.split())},
-    }
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - set(ARMS)
+    if unknown or "off" not in arms:
+        parser.error(f"--arms: unknown {sorted(unknown)}, or no 'off' to compare with")
     delays = {"wan": WAN_RTT_S / 4, "loopback": None}  # 4 waits per round trip
     results: dict[str, Any] = {}
     for network in args.networks.split(","):
-        results[network] = run_network(
-            network, delays[network], arms_by_network[network], args, model_dir, prompts
-        )
+        results[network] = run_network(network, delays[network], arms, args, model_dir, prompts)
 
     def speedup(network: str, arm: str, prompt_set: str) -> float | None:
         runs = results.get(network)
-        if not runs:
+        if not runs or arm not in runs:
             return None
         return ratio(arm_rate(runs[arm], prompt_set), arm_rate(runs["off"], prompt_set))
 
@@ -352,15 +394,26 @@ def main() -> int:
     ]
     any_run = next(run for arms in results.values() for runs in arms.values() for run in runs)
     out: dict[str, Any] = {
-        "wan_repetitive_speedup": speedup("wan", "lookup", "repetitive"),
+        "wan_repetitive_speedup": speedup("wan", "lookup_measured", "repetitive"),
         "wan_open_speedup": speedup("wan", "draft", "open"),
         "loopback_open_speedup": speedup("loopback", "draft", "open"),
-        "loopback_repetitive_speedup": speedup("loopback", "lookup", "repetitive"),
-        "wan_open_lookup_speedup": speedup("wan", "lookup", "open"),
+        "loopback_repetitive_speedup": speedup("loopback", "lookup_measured", "repetitive"),
+        "wan_repetitive_speedup_fixed_k": speedup("wan", "lookup", "repetitive"),
+        "wan_open_speedup_fixed_k": speedup("wan", "draft_fixed", "open"),
+        "loopback_open_speedup_fixed_k": speedup("loopback", "draft_fixed", "open"),
+        "loopback_repetitive_speedup_fixed_k": speedup("loopback", "lookup", "repetitive"),
+        "speedups": {
+            f"{network}_{arm}_{p}": speedup(network, arm, p)
+            for network in results
+            for arm in arms
+            if arm != "off"
+            for p in prompts
+        },
         "outputs_identical": int(all(streams_equal)),
         "plan": any_run["plan"],
         "split_stages": any_run["stages"],
         "k": args.k,
+        "max_k": args.max_k,
         "wan_rtt_ms": WAN_RTT_S * 1e3,
         "arms": {
             network: {
@@ -378,6 +431,8 @@ def main() -> int:
             for network, arms in results.items()
         },
         "tokens": args.tokens,
+        "threads": 1,  # every node: --threads 1 (hetmesh/testbed/mesh.py)
+        "weights": "float32",
         "cpu_model": cpu_model(),
         "seconds": round(time.monotonic() - began, 1),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],

@@ -90,3 +90,17 @@ def test_counters_from_a_status_view() -> None:
 def test_arm_order_alternates() -> None:
     assert bench.arm_order(["off", "on"], 1) == ["off", "on"]
     assert bench.arm_order(["off", "on"], 2) == ["off", "on", "on", "off"]
+
+
+def test_arms_start_through_the_launcher() -> None:
+    argv = ["/py", "-m", "hetmesh", "node", "start", "--data-dir", "d"]
+    assert bench.launcher_argv(argv, None) == argv
+    via = bench.launcher_argv(argv, ("int4", "measured"))
+    assert via[0] == "/py"
+    assert via[1].endswith("bench/speculative_node.py")
+    assert via[2:6] == ["--bench-drafter", "int4", "--bench-budget", "measured"]
+    assert via[6:] == ["node", "start", "--data-dir", "d"]
+    assert bench.arm_args("off", "4", 8) == ["--speculative-k", "0"]
+    assert bench.arm_args("lookup", "4", 8) == ["--speculative-k", "4"]
+    assert bench.arm_args("draft", "4", 8) == ["--speculative-k", "8"]
+    assert bench.arm_args("draft_fixed", "4", 8) == ["--speculative-k", "4"]
