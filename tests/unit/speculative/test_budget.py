@@ -176,3 +176,22 @@ def test_bad_settings_raise() -> None:
         SpeculationBudget(max_k=2, probe_k=3)
     with pytest.raises(InvalidRequest):
         SpeculationBudget(probe_every=1)
+
+
+@pytest.mark.parametrize("plain_reported", [True, False])
+def test_probe_pacing_by_k_calls(plain_reported: bool) -> None:
+    """The gateway asks k() exactly once per step it sends; whether or not it reports
+    plain steps (record(0, 0, s)), an off budget probes once in probe_every steps."""
+    budget = SpeculationBudget(probe_every=16, probe_k=1)
+    budget.record(1, 0, 0.013)  # two sizes known, drafts never hold: off
+    budget.record(4, 0, 0.022)
+    chosen = []
+    for _ in range(160):
+        k = budget.k()
+        chosen.append(k)
+        if k or plain_reported:
+            budget.record(k, 0, 0.010 + 0.003 * k)
+    assert budget.best() == 0
+    assert [i for i, k in enumerate(chosen) if k] == list(range(15, 160, 16))
+    if plain_reported:
+        assert budget.state().step_s == pytest.approx(0.010)
