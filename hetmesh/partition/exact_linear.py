@@ -37,7 +37,11 @@ project's Xeon (torch 2.13, MKL 2024.2, oneDNN 3.12; docs/weights.md,
   threads, and costs about ``F.linear``'s in one call: :func:`make_exact` takes
   it where the probe proves it, in calls of up to the largest of
   :data:`BFLOAT16_PACKED_TILES` that holds (else ``weight @ x.T`` in tiles of
-  128 as before).
+  128 as before). On AMD's EPYC (Zen 4: AVX-512 with bf16 dot products, no
+  AMX) the same product gives 576 x 1,536 (the MLP's down projection) a lone
+  row's bits in calls of up to 16 rows only, and neither ``F.linear`` nor
+  ``weight @ x.T`` holds past 16 either: calls of 16 there (a 291-row prefill
+  ~12 % over one call, where one row per call cost 5x).
 
 Other shapes draw the classes elsewhere (MKL treats a small matrix, K = 64,
 its own way; its packed product differs at 3 rows for K = 2,048; oneDNN's
@@ -62,7 +66,7 @@ from torch import nn
 FLOAT32_TILE = 15  # MKL's small-matrix kernel: 2 to 15 rows
 FLOAT32_PACKED_TILE = 256  # MKL's packed product: rows per call (2 to 256)
 BFLOAT16_TILE = 128  # oneDNN's weight @ x.T: a row's sums as alone, up to 128 rows
-BFLOAT16_PACKED_TILES = (512, 128, 32)  # oneDNN's prepacked product: rows per call, tried
+BFLOAT16_PACKED_TILES = (512, 128, 32, 16)  # oneDNN's prepacked product: rows per call, tried
 PACKED_FOR = 512  # the row count MKL packs the weight for (its blocking; not a limit)
 
 
@@ -118,24 +122,33 @@ def _onednn_linear() -> Any:
 _ONEDNN_LINEAR: Any = None
 
 
-def _onednn(rows: torch.Tensor, packed: torch.Tensor, tile: int) -> torch.Tensor:
-    """``rows @ weight.T`` by oneDNN's prepacked product, in calls of up to ``tile`` rows."""
+def _onednn(rows: torch.Tensor, packed: torch.Tensor, tile: int, lone: bool = True) -> torch.Tensor:
+    """``rows @ weight.T`` by oneDNN's prepacked product, in calls of up to ``tile`` rows;
+    a lone row in a 1-row call where ``lone``, else every call 2 rows or more (a lone row
+    padded with a zero row)."""
     mm = _onednn_linear()
     rows = rows.contiguous()
-    if rows.shape[0] <= tile:
+    count = rows.shape[0]
+    if count == 1 and not lone:
+        pair = torch.cat((rows, _zero_row(rows.shape[1], rows.dtype)))
+        padded: torch.Tensor = mm(pair, packed, None, "none", [], "")[:1]
+        return padded
+    if count <= tile:
         out: torch.Tensor = mm(rows, packed, None, "none", [], "")
         return out
-    return torch.cat([mm(t, packed, None, "none", [], "") for t in torch.split(rows, tile)])
+    tiles = torch.split(rows, tile if lone else _float32_tiles(count, tile))
+    return torch.cat([mm(t, packed, None, "none", [], "") for t in tiles])
 
 
-_ZERO_ROWS: dict[int, torch.Tensor] = {}  # a lone row's padding, per width (never written)
+# a lone row's padding, per width and dtype (never written)
+_ZERO_ROWS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
-def _zero_row(width: int) -> torch.Tensor:
-    row = _ZERO_ROWS.get(width)
+def _zero_row(width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    row = _ZERO_ROWS.get((width, dtype))
     if row is None:
         with torch.inference_mode(False):  # a plain tensor, usable in and out of it
-            row = _ZERO_ROWS.setdefault(width, torch.zeros(1, width))
+            row = _ZERO_ROWS.setdefault((width, dtype), torch.zeros(1, width, dtype=dtype))
     return row
 
 
@@ -188,15 +201,15 @@ def exact_linear(
     by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
     only gives the shape) in calls of up to ``tile`` rows (a lone row in a 1-row call
     where ``lone``, else padded to 2), or oneDNN's (bf16, :func:`onednn_pack`) in calls
-    of up to ``tile`` rows, else in tiles (see the module's docstring), or one row per
-    call where not ``tiled``."""
+    of up to ``tile`` rows (a lone row likewise), else in tiles (see the module's
+    docstring), or one row per call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
         out = _packed(rows, packed, weight, tile, lone)
     elif packed is not None and rows.dtype == torch.bfloat16:
-        out = _onednn(rows, packed, tile)
+        out = _onednn(rows, packed, tile, lone)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
         parts = [F.linear(row, weight) for row in torch.split(rows, 1)]
         out = torch.cat(parts) if count > 1 else parts[0]
@@ -254,7 +267,8 @@ class ExactLinear(nn.Linear):
             return out.view(*x.shape[:-1], self.out_features)
         if packed is not None and self.bias is None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, self.in_features)
-            if rows.shape[0] <= self.tile:  # one call (a decode step, a round, a chunk)
+            # one call (a decode step, a round, a chunk; a lone row where it may be)
+            if rows.shape[0] <= self.tile and (self.lone or rows.shape[0] > 1):
                 one = _onednn_linear()(rows.contiguous(), packed, None, "none", [], "")
                 return one.view(*x.shape[:-1], self.out_features)
         return exact_linear(
@@ -270,6 +284,7 @@ class ExactLinear(nn.Linear):
     def extra_repr(self) -> str:
         if self.packed is not None and self.weight.dtype == torch.bfloat16:
             how = f", oneDNN's prepacked product, calls of up to {self.tile} rows"
+            how += "" if self.lone else ", a lone row padded to 2"
         elif self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
             how += ", a lone row alone" if self.lone else ", a lone row padded to 2"
@@ -363,12 +378,18 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
             if w.device.type != "cpu":
                 verdicts[key] = "tiles"
             elif bf16 and pack is not None:
-                # the largest tile that holds (calls of up to 33 rows for a large weight)
+                # the largest tile that holds (calls of up to 33 rows for a large weight),
+                # a lone row alone, else padded to 2 (AMD's EPYC: 576 x 1,536)
                 tiles = [t for t in BFLOAT16_PACKED_TILES if w.numel() <= PROBE_LARGE or t <= 32]
-                proven = (t for t in tiles if tiles_are_exact(w.detach(), pack, t))
-                tiled_to = next(proven, 0)
-                if tiled_to:
-                    verdicts[key] = f"onednn{tiled_to}"
+                ways = [(t, lone) for lone in (True, False) for t in tiles]
+                proven = (
+                    f"onednn{t}{'' if lone else 'pad'}"
+                    for t, lone in ways
+                    if tiles_are_exact(w.detach(), pack, t, lone=lone)
+                )
+                way = next(proven, "")
+                if way:
+                    verdicts[key] = way
                 else:
                     verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile, lone=True):
@@ -380,7 +401,9 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         sub.__class__ = ExactLinear
         if verdicts[key].startswith("onednn"):
             sub.packed = pack  # type: ignore[assignment]
-            sub.tile = int(verdicts[key].removeprefix("onednn"))  # type: ignore[assignment]
+            tile_of = verdicts[key].removeprefix("onednn").removesuffix("pad")
+            sub.tile = int(tile_of)  # type: ignore[assignment]
+            sub.lone = not verdicts[key].endswith("pad")  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
         elif verdicts[key] in ("packed", "packed_lone"):
