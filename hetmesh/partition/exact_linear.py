@@ -70,15 +70,16 @@ BFLOAT16_PACKED_TILES = (512, 128, 32, 16)  # oneDNN's prepacked product: rows p
 PACKED_FOR = 512  # the row count MKL packs the weight for (its blocking; not a limit)
 
 
-def _float32_tiles(rows: int, tile: int = FLOAT32_TILE) -> list[int]:
-    """Tile sizes for ``rows`` rows, each 2 to ``tile`` (a lone row is padded to 2)."""
+def _float32_tiles(rows: int, tile: int = FLOAT32_TILE, least: int = 2) -> list[int]:
+    """Tile sizes for ``rows`` rows, each ``least`` to ``tile`` (fewer rows than ``least``
+    are one call, which the caller pads)."""
     if rows <= tile:
         return [rows]
     sizes = [tile] * (rows // tile)
     rest = rows % tile
-    if rest == 1:  # 15 + 1 -> 14 + 2
-        sizes[-1] -= 1
-        rest = 2
+    if 0 < rest < least:  # 15 + 1 -> 14 + 2 (least 2); 256 + 1 -> 253 + 4 (least 4)
+        sizes[-1] -= least - rest
+        rest = least
     if rest:
         sizes.append(rest)
     return sizes
@@ -140,15 +141,16 @@ def _onednn(rows: torch.Tensor, packed: torch.Tensor, tile: int, lone: bool = Tr
     return torch.cat([mm(t, packed, None, "none", [], "") for t in tiles])
 
 
-# a lone row's padding, per width and dtype (never written)
-_ZERO_ROWS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+# a few rows' padding, per width, dtype and count (never written)
+_ZERO_ROWS: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
 
-def _zero_row(width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    row = _ZERO_ROWS.get((width, dtype))
+def _zero_row(width: int, dtype: torch.dtype = torch.float32, count: int = 1) -> torch.Tensor:
+    key = (width, dtype, count)
+    row = _ZERO_ROWS.get(key)
     if row is None:
         with torch.inference_mode(False):  # a plain tensor, usable in and out of it
-            row = _ZERO_ROWS.setdefault((width, dtype), torch.zeros(1, width, dtype=dtype))
+            row = _ZERO_ROWS.setdefault(key, torch.zeros(count, width, dtype=dtype))
     return row
 
 
@@ -164,10 +166,15 @@ _MKL_LINEAR: Any = None
 
 
 def _packed(
-    rows: torch.Tensor, packed: torch.Tensor, shape_of: torch.Tensor, tile: int, lone: bool
+    rows: torch.Tensor,
+    packed: torch.Tensor,
+    shape_of: torch.Tensor,
+    tile: int,
+    lone: bool,
+    least: int = 2,
 ) -> torch.Tensor:
-    """``rows @ weight.T`` by MKL's packed product, every call 2 to ``tile`` rows, a
-    lone row in a call of its own where ``lone`` (else padded with a zero row).
+    """``rows @ weight.T`` by MKL's packed product, every call ``least`` to ``tile`` rows
+    (fewer padded with zero rows), a lone row in a call of its own where ``lone``.
     ``shape_of`` only gives the weight's shape (the call reads no other of its data
     when the row count passed is the call's own)."""
     mm = _mkl_linear()
@@ -175,15 +182,15 @@ def _packed(
     if count == 1 and lone:
         alone: torch.Tensor = mm(rows.contiguous(), packed, shape_of, None, 1)
         return alone
-    if count == 1:  # a decode step: the lean path (its overhead shows per step)
-        pair = torch.cat((rows, _zero_row(rows.shape[1])))
-        out: torch.Tensor = mm(pair, packed, shape_of, None, 2)[:1]
+    if count < least:  # a decode step: the lean path (its overhead shows per step)
+        pad = _zero_row(rows.shape[1], count=least - count)
+        out: torch.Tensor = mm(torch.cat((rows, pad)), packed, shape_of, None, least)[:count]
         return out
     rows = rows.contiguous()
     if count <= tile:
         out = mm(rows, packed, shape_of, None, count)
         return out
-    tiles = torch.split(rows, _float32_tiles(count, tile))
+    tiles = torch.split(rows, _float32_tiles(count, tile, least))
     return torch.cat([mm(t, packed, shape_of, None, t.shape[0]) for t in tiles])
 
 
@@ -196,18 +203,20 @@ def exact_linear(
     packed: torch.Tensor | None = None,
     tile: int = FLOAT32_PACKED_TILE,
     lone: bool = False,
+    least: int = 2,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be alone:
     by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
     only gives the shape) in calls of up to ``tile`` rows (a lone row in a 1-row call
-    where ``lone``, else padded to 2), or oneDNN's (bf16, :func:`onednn_pack`) in calls
-    of up to ``tile`` rows (a lone row likewise), else in tiles (see the module's
-    docstring), or one row per call where not ``tiled``."""
+    where ``lone``, else every call ``least`` rows or more, padded), or oneDNN's (bf16,
+    :func:`onednn_pack`) in calls of up to ``tile`` rows (a lone row in its own call
+    where ``lone``, else padded to 2), else in tiles (see the module's docstring), or
+    one row per call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
-        out = _packed(rows, packed, weight, tile, lone)
+        out = _packed(rows, packed, weight, tile, lone, least)
     elif packed is not None and rows.dtype == torch.bfloat16:
         out = _onednn(rows, packed, tile, lone)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
@@ -247,6 +256,7 @@ class ExactLinear(nn.Linear):
     packed: torch.Tensor | None = None
     tile: int = FLOAT32_PACKED_TILE
     lone: bool = False  # a lone row takes a 1-row packed call (proved per shape)
+    least: int = 2  # else fp32's packed calls have this many rows at least (zeros added)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
@@ -262,8 +272,9 @@ class ExactLinear(nn.Linear):
                 row = x.reshape(1, -1).contiguous()
                 one: torch.Tensor = _mkl_linear()(row, packed, self.weight, None, 1)
                 return one.view(*x.shape[:-1], self.out_features)
-            pair = torch.cat((x.reshape(1, -1), _zero_row(self.in_features)))
-            out: torch.Tensor = _mkl_linear()(pair, packed, self.weight, None, 2)[:1]
+            pad = _zero_row(self.in_features, count=self.least - 1)
+            pair = torch.cat((x.reshape(1, -1), pad))
+            out: torch.Tensor = _mkl_linear()(pair, packed, self.weight, None, self.least)[:1]
             return out.view(*x.shape[:-1], self.out_features)
         if packed is not None and self.bias is None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, self.in_features)
@@ -279,6 +290,7 @@ class ExactLinear(nn.Linear):
             packed=self.packed,
             tile=self.tile,
             lone=self.lone,
+            least=self.least,
         )
 
     def extra_repr(self) -> str:
@@ -287,7 +299,7 @@ class ExactLinear(nn.Linear):
             how += "" if self.lone else ", a lone row padded to 2"
         elif self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
-            how += ", a lone row alone" if self.lone else ", a lone row padded to 2"
+            how += ", a lone row alone" if self.lone else f", a lone row padded to {self.least}"
         else:
             how = ", row tiles" if self.tiled else ", one row per call"
         return super().extra_repr() + how
@@ -305,11 +317,13 @@ def tiles_are_exact(
     packed: torch.Tensor | None = None,
     tile: int = FLOAT32_PACKED_TILE,
     lone: bool = False,
+    least: int = 2,
 ) -> bool:
     """Whether :func:`exact_linear` gives ``weight``'s rows their lone results (random
     rows, the calls of :data:`PROBE_ROWS`): by its ``packed`` form if given (then with a
     placeholder for ``weight``: proof that the call reads only the packed copy; a lone
-    row in a 1-row call where ``lone``), else in tiles."""
+    row in a 1-row call where ``lone``, else fp32's calls ``least`` rows at least), else
+    in tiles."""
     sizes = _probe_sizes(weight, tile if packed is not None else FLOAT32_PACKED_TILE)
     g = torch.Generator().manual_seed(44)
     x = torch.randn(max(sizes), weight.shape[1], generator=g).to(weight.dtype)
@@ -317,7 +331,7 @@ def tiles_are_exact(
     with torch.no_grad():
         alone = torch.cat(
             [
-                exact_linear(row, w, None, packed=packed, tile=tile, lone=lone)
+                exact_linear(row, w, None, packed=packed, tile=tile, lone=lone, least=least)
                 for row in torch.split(x, 1)
             ]
         )
@@ -331,7 +345,8 @@ def tiles_are_exact(
             return False  # not the product at all
         return all(
             torch.equal(
-                exact_linear(x[:m], w, None, packed=packed, tile=tile, lone=lone), alone[:m]
+                exact_linear(x[:m], w, None, packed=packed, tile=tile, lone=lone, least=least),
+                alone[:m],
             )
             for m in sizes
         )
@@ -396,6 +411,8 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
                 verdicts[key] = "packed_lone"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile):
                 verdicts[key] = "packed"
+            elif pack is not None and tiles_are_exact(w.detach(), pack, tile, least=4):
+                verdicts[key] = "packed4"  # AMD's EPYC: 1 to 3 rows take other kernels
             else:
                 verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
         sub.__class__ = ExactLinear
@@ -406,10 +423,11 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
             sub.lone = not verdicts[key].endswith("pad")  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
-        elif verdicts[key] in ("packed", "packed_lone"):
+        elif verdicts[key] in ("packed", "packed_lone", "packed4"):
             sub.packed = pack  # type: ignore[assignment]
             sub.tile = tile  # type: ignore[assignment]
             sub.lone = verdicts[key] == "packed_lone"  # type: ignore[assignment]
+            sub.least = 4 if verdicts[key] == "packed4" else 2  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 # straight into the table, not through register_parameter: another
                 # thread building a skeleton under accelerate's init_empty_weights has
