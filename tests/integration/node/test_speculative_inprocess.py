@@ -15,8 +15,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import trio
+from rich.console import Console
 
+from hetmesh.cli.status_view import load_table, summarize
+from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.gateway import Gateway, GatewayTimeouts
+from hetmesh.node.stage_host import as_dict
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.speculative.lookup import speculation
 from hetmesh.transport.frames import Frame, Tokens
@@ -178,3 +182,50 @@ async def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(tin
     assert drafted == plain
     assert plain != reference(tiny_model, PROMPT, TOKENS)  # sampled, not greedy
     assert gateway.statistics().accepted > 0
+
+
+class _Gauges:
+    def __init__(self, gauges: MeshGauges) -> None:
+        self._gauges = gauges
+
+    def gauges(self) -> MeshGauges:
+        return self._gauges
+
+
+async def test_counters_reach_status_and_metrics(tiny_model):
+    """The gateway's counters, as its node announces them (``extra["gateway"]``) and
+    exports them, show drafts sent and kept and tokens per step."""
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+    await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+    g = gateway.statistics()
+    view = {
+        "peers": [
+            {
+                "peer_id": "12D3KooWgate",
+                "health": "self",
+                "record": {"extra": {"gateway": as_dict(g)}},
+            }
+        ]
+    }
+    (peer,) = summarize(view)["load"]["peers"]
+    per_step = g.verified_tokens / g.verify_steps
+    assert peer["speculation"] == {
+        "drafted": g.drafted,
+        "accepted": g.accepted,
+        "tokens_per_step": per_step,
+    }
+    assert per_step > 1  # more than a token a trip
+    console = Console(width=250, record=True)
+    console.print(load_table(summarize(view)))
+    assert f"{g.accepted}/{g.drafted}, {per_step:.2f} tok/step" in console.export_text()
+    gauges = MeshGauges(
+        verify_steps=g.verify_steps,
+        drafted=g.drafted,
+        accepted=g.accepted,
+        verified_tokens=g.verified_tokens,
+    )
+    text = ApiMetrics(_Gauges(gauges)).render().decode()
+    assert f"hetmesh_speculative_drafted_total {float(g.drafted)}" in text
+    assert f"hetmesh_speculative_accepted_total {float(g.accepted)}" in text
+    assert f"hetmesh_speculative_steps_total {float(g.verify_steps)}" in text
