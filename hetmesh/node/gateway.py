@@ -43,6 +43,16 @@ it, as a cached prefix does: the greedy tokens are the one-process reference's,
 and in int4 and int8 its logits are bit-identical to a whole prefill's (exact
 attention, docs/weights.md "Exactness"; float formats to within rounding).
 
+Speculative decoding (issue 48): a gateway given a drafter and a budget
+(``speculation``; ``hetmesh node start --speculative-k N``) sends a decode step's
+token with up to ``k`` drafts as one frame; the last stage draws every row as plain
+decoding would and sends back the drafts it kept plus its own next token, which the
+gateway delivers in order (:mod:`hetmesh.speculative.accept`). The next step's first
+position tells every stage where its KV ends (the rejected drafts' tail is dropped).
+The tokens are plain decoding's, greedy or seeded. No drafts go on a route whose
+stage feeds itself, during a move or a split prefill, nor for a request with a
+grammar or log-probabilities (those decode plainly). A replay drafts on.
+
 No token twice: each token frame names its sequence position, and only the
 awaited step at the awaited position is delivered; anything else (a stage that
 resumed stale work, a frame overtaken by a replay) is dropped as stale.

@@ -229,3 +229,29 @@ async def test_counters_reach_status_and_metrics(tiny_model):
     assert f"hetmesh_speculative_drafted_total {float(g.drafted)}" in text
     assert f"hetmesh_speculative_accepted_total {float(g.accepted)}" in text
     assert f"hetmesh_speculative_steps_total {float(g.verify_steps)}" in text
+
+
+async def test_a_move_right_after_a_rejected_step_carries_the_kv(tiny_model):
+    """The moved stage's KV still holds the rejected drafts' tail when it leaves: the
+    new stage takes it and drops the tail, no replay."""
+    probe = WatchedMesh(tiny_model)
+    await _run(probe, probe.gateway_with(4), SamplingParams(max_new_tokens=TOKENS))
+    start = next(s for s, rows, after in probe.verify_steps("b1") if after < s + rows)
+    # the token fed at ``start`` is the one handed on right after its step left: asked
+    # to move then, the session moves once that (rejecting) step is back
+    move_at = start - len(PROMPT) + 1
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+
+    def move(n: int) -> None:
+        if n == move_at:
+            assert gateway.move_off("b1") == 1
+
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS), on_token=move)
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    g = gateway.statistics()
+    assert (g.migrations, g.recoveries, g.migration_fallbacks) == (1, 0, 0)
+    b1_start, b1_rows = mesh.forwards["b1"][-1]  # its last step: the rejected one
+    assert b1_start == start
+    b2_first = mesh.forwards["b2"][0][0]
+    assert b1_start < b2_first < b1_start + b1_rows  # b2 started inside b1's tail
