@@ -14,16 +14,20 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+import pytest
+import torch
 import trio
 from rich.console import Console
 
 from hetmesh.cli.status_view import load_table, summarize
+from hetmesh.errors import InvalidRequest
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
+from hetmesh.node.control import OpenSession
 from hetmesh.node.gateway import Gateway, GatewayTimeouts
 from hetmesh.node.stage_host import as_dict
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.speculative.lookup import speculation
-from hetmesh.transport.frames import Frame, Tokens
+from hetmesh.transport.frames import Activations, Frame, Tokens
 from tests.integration.node.test_kv_migration import FIRST, GATEWAY, SECOND, MovingMesh
 from tests.integration.node.test_serving_inprocess import collect, reference, tiny_model
 
@@ -255,3 +259,45 @@ async def test_a_move_right_after_a_rejected_step_carries_the_kv(tiny_model):
     assert b1_start == start
     b2_first = mesh.forwards["b2"][0][0]
     assert b1_start < b2_first < b1_start + b1_rows  # b2 started inside b1's tail
+
+
+async def test_a_request_for_logprobs_decodes_plainly(tiny_model):
+    """A token frame carries one token's log-probabilities: no drafts for such a request."""
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=12, logprobs=2))
+    assert out == reference(tiny_model, PROMPT, 12)
+    assert gateway.statistics().verify_steps == 0
+    assert all(len(t.token_ids) == 1 and t.logprobs for t in mesh.tokens)
+
+
+async def test_a_stage_refuses_drafts_that_do_not_fit_the_step(tiny_model):
+    """Drafts must be the step's inputs after its first: anything else is the
+    sender's ``InvalidRequest`` and the session is untouched."""
+    mesh = WatchedMesh(tiny_model)
+    server = mesh.servers["a"]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        opening = OpenSession(
+            session_id="s",
+            start=0,
+            end=2,
+            next_peer="b1",
+            gateway=GATEWAY,
+            max_tokens=64,
+            prompt_tokens=2,
+            sampling=SamplingParams(),
+        )
+        assert server.handle(opening, GATEWAY).ok
+        bad = Activations(
+            session_id="s",
+            step=0,
+            positions=(0, 1),
+            tensors=(torch.tensor([5, 6]),),
+            drafts=(6, 7),
+        )
+        with pytest.raises(InvalidRequest, match="2 drafts for a step of 2 positions"):
+            server.submit(bad, lambda: None, GATEWAY)
+        assert server.statistics().queue_depth == 0
+        assert server.kv.get("s").length == 0  # untouched
+        nursery.cancel_scope.cancel()
