@@ -844,6 +844,9 @@ class Gateway:
                 self._note_verify(session, in_flight, tokens, now)
                 in_flight = None
             else:
+                speculation = session.request.speculation
+                if speculation is not None and in_flight.fed == 1:  # a plain decode step
+                    speculation[1].record(0, 0, now - in_flight.started)
                 position += in_flight.fed
                 in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
                 in_flight.tokens -= 1

@@ -23,10 +23,10 @@ from hetmesh.cli.status_view import load_table, summarize
 from hetmesh.errors import InvalidRequest
 from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
 from hetmesh.node.control import OpenSession
-from hetmesh.node.gateway import Gateway, GatewayTimeouts
+from hetmesh.node.gateway import Gateway, GatewayTimeouts, Speculation
 from hetmesh.node.stage_host import as_dict
 from hetmesh.partition.sampling import SamplingParams
-from hetmesh.speculative.lookup import speculation
+from hetmesh.speculative.lookup import PromptLookup, speculation
 from hetmesh.transport.frames import Activations, Frame, Tokens
 from tests.integration.node.test_kv_migration import FIRST, GATEWAY, SECOND, MovingMesh
 from tests.integration.node.test_serving_inprocess import collect, reference, tiny_model
@@ -62,7 +62,9 @@ class WatchedMesh(MovingMesh):
             self.tokens.append(frame)
         await super().send(sender, peer, frame)
 
-    def gateway_with(self, k: int, **timeouts) -> Gateway:
+    def gateway_with(self, k: int, make: Speculation | None = None, **timeouts) -> Gateway:
+        """A gateway drafting ``k`` tokens a step by prompt lookup (or as ``make`` says)."""
+
         async def choose(session_id, avoid, hashes=()):
             return next((h for h in (FIRST, SECOND) if not {x.peer_id for x in h} & avoid), ())
 
@@ -78,7 +80,7 @@ class WatchedMesh(MovingMesh):
             eos_token_ids=frozenset(),
             max_context=256,
             timeouts=GatewayTimeouts(**timeouts),
-            speculation=speculation(k),
+            speculation=make or speculation(k),
         )
         return self.gateway
 
@@ -301,3 +303,35 @@ async def test_a_stage_refuses_drafts_that_do_not_fit_the_step(tiny_model):
         assert server.statistics().queue_depth == 0
         assert server.kv.get("s").length == 0  # untouched
         nursery.cancel_scope.cancel()
+
+
+class _Recording:
+    """A budget that asks for 2 drafts and records what it is told."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, int, float]] = []
+
+    def k(self) -> int:
+        return 2
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.records.append((drafted, accepted, seconds))
+
+
+async def test_the_budget_hears_every_decode_step(tiny_model):
+    """Verify steps with their drafts and kept drafts, plain decode steps (no draft to
+    propose) as 0 drafts: what a measured budget compares."""
+    mesh = WatchedMesh(tiny_model)
+    budget = _Recording()
+    gateway = mesh.gateway_with(0, make=lambda: (PromptLookup(), budget))
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    g = gateway.statistics()
+    verify = [r for r in budget.records if r[0]]
+    plain = [r for r in budget.records if not r[0]]
+    assert len(verify) == g.verify_steps > 0
+    assert sum(r[1] for r in verify) == g.accepted
+    assert plain  # the first decode step finds no repeated n-gram yet
+    assert all(r[2] > 0 for r in budget.records)
+    # every token after the prompt's came from one recorded step
+    assert len(plain) + g.verified_tokens == TOKENS - 1
