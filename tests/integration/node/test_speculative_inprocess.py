@@ -60,9 +60,19 @@ class WatchedMesh(MovingMesh):
     async def send(self, sender: str, peer: str, frame: Frame) -> None:
         if peer == GATEWAY and isinstance(frame, Tokens):
             self.tokens.append(frame)
+            if self.gateway is not None and sender not in self.dead:
+                self.gateway.lane.offer(sender, frame)  # as a link's reader thread does
         await super().send(sender, peer, frame)
 
-    def gateway_with(self, k: int, make: Speculation | None = None, **timeouts) -> Gateway:
+    def _send_now(self, peer: str, frame: Frame) -> bool:
+        """The lane's write to the first stage: taken at once."""
+        assert isinstance(frame, Activations)
+        self.servers[peer].submit(frame, lambda: None, GATEWAY)
+        return True
+
+    def gateway_with(
+        self, k: int, make: Speculation | None = None, *, lane: bool = False, **timeouts
+    ) -> Gateway:
         """A gateway drafting ``k`` tokens a step by prompt lookup (or as ``make`` says)."""
 
         async def choose(session_id, avoid, hashes=()):
@@ -81,6 +91,7 @@ class WatchedMesh(MovingMesh):
             max_context=256,
             timeouts=GatewayTimeouts(**timeouts),
             speculation=make or speculation(k),
+            send_now=self._send_now if lane else None,
         )
         return self.gateway
 
@@ -306,13 +317,16 @@ async def test_a_stage_refuses_drafts_that_do_not_fit_the_step(tiny_model):
 
 
 class _Recording:
-    """A budget that asks for 2 drafts and records what it is told."""
+    """A budget that asks for ``k`` drafts and records what it is asked and told."""
 
-    def __init__(self) -> None:
+    def __init__(self, k: int = 2) -> None:
         self.records: list[tuple[int, int, float]] = []
+        self._k = k
+        self.asked = 0
 
     def k(self) -> int:
-        return 2
+        self.asked += 1
+        return self._k
 
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         self.records.append((drafted, accepted, seconds))
@@ -335,3 +349,26 @@ async def test_the_budget_hears_every_decode_step(tiny_model):
     assert all(r[2] > 0 for r in budget.records)
     # every token after the prompt's came from one recorded step
     assert len(plain) + g.verified_tokens == TOKENS - 1
+
+
+async def test_a_budget_at_zero_keeps_the_lane_and_is_asked_once_a_step(tiny_model):
+    """A session whose budget says 0 sends plain steps through the gateway's lane as a
+    session without speculation does; with k > 0 the lane is not armed; either way the
+    budget is asked once for each decode step sent and told each one's outcome."""
+    sent_by_lane = {}
+    for name, make in (
+        ("off", None),
+        ("zero", _Recording(0)),
+        ("four", _Recording(4)),
+    ):
+        mesh = WatchedMesh(tiny_model)
+        factory = None if make is None else (lambda b=make: (PromptLookup(), b))
+        gateway = mesh.gateway_with(0, factory, lane=True)
+        out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+        assert out == reference(tiny_model, PROMPT, TOKENS), name
+        sent_by_lane[name] = gateway.lane.sent
+        steps = len(mesh.forwards["a"]) - 1  # after the prompt's one chunk
+        if make is not None:
+            assert make.asked == steps == len(make.records), name
+    assert sent_by_lane["off"] == sent_by_lane["zero"] == TOKENS - 1  # every decode step
+    assert sent_by_lane["four"] < sent_by_lane["zero"]
