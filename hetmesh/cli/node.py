@@ -53,6 +53,7 @@ def _weights_help() -> str:
 
 
 WEIGHTS_HELP = _weights_help()
+DEFAULT_SPECULATIVE_K = 4  # drafts a step with --speculative and no --speculative-k
 
 
 def parse_size(text: str) -> int:
@@ -239,6 +240,23 @@ def start(
             "stopping) moves with its KV (default), or replays its history (for comparisons).",
         ),
     ] = None,
+    speculative: Annotated[
+        bool | None,
+        typer.Option(
+            "--speculative/--no-speculative",
+            help="Requests entering here send drafts (prompt lookup) with each decode "
+            "step, verified by the last stage: several tokens per trip through the "
+            f"pipeline, the same output (--speculative alone: {DEFAULT_SPECULATIVE_K} "
+            "drafts). Off by default.",
+        ),
+    ] = None,
+    speculative_k: Annotated[
+        int | None,
+        typer.Option(
+            "--speculative-k",
+            help="Drafts per decode step of a request entering here (0: none, the default).",
+        ),
+    ] = None,
     kv_reserve_whole: Annotated[
         bool | None,
         typer.Option(
@@ -372,6 +390,7 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             kv_pool_tokens=settings.get("kv_pool_tokens") or base.kv_pool_tokens,
             prefix_cache=bool(settings.get("prefix_cache", base.prefix_cache)),
             migrate=bool(settings.get("migrate", base.migrate)),
+            speculative_k=_speculative_k(settings),
             drain_s=STOP_DRAIN_S,  # SIGTERM: sessions move away before the node leaves
             kv_reserve_whole=bool(settings.get("kv_reserve_whole", base.kv_reserve_whole)),
             threads=settings.get("threads") or default_threads(),
@@ -440,6 +459,21 @@ def parse_min_replicas(items: list[str]) -> dict[str, int]:
             raise InvalidRequest(f"--min-replicas {item!r}: expected NAME=N, e.g. a=2")
         out[name] = int(count)
     return out
+
+
+def _speculative_k(settings: dict[str, Any]) -> int:
+    """Drafts per decode step from ``--speculative[-k]`` (``--no-speculative`` wins)."""
+    from hetmesh.errors import InvalidRequest
+    from hetmesh.transport.frames import MAX_DRAFTS
+
+    if settings.get("speculative") is False:
+        return 0
+    k = settings.get("speculative_k")
+    if k is None:
+        return DEFAULT_SPECULATIVE_K if settings.get("speculative") else 0
+    if not 0 <= k <= MAX_DRAFTS:
+        raise InvalidRequest(f"--speculative-k must be within [0, {MAX_DRAFTS}], got {k}")
+    return int(k)
 
 
 def _weights(value: Any, device: Any) -> str:

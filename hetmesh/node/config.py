@@ -69,6 +69,9 @@ class ServingConfig:
     prefix_cache: bool = True  # stages share the KV blocks of common prompt prefixes
     # a session whose stage leaves alive (re-plan, drain) moves with its KV (False: replay)
     migrate: bool = True
+    # drafts a decode step of a request entering here carries (speculative decoding,
+    # issue 48: prompt lookup verified by the last stage); 0: none
+    speculative_k: int = 0
     # a stopping node waits up to this long for its sessions to move away (0: it leaves at
     # once and they replay); nodes started by the CLI wait STOP_DRAIN_S (SIGTERM drains)
     drain_s: float = 0.0
@@ -104,6 +107,8 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "kv_pool_tokens": (int, None),
     "prefix_cache": (bool, None),
     "migrate": (bool, None),
+    "speculative": (bool, None),
+    "speculative_k": (int, None),
     "kv_reserve_whole": (bool, None),
     "threads": (int, None),
     "block_step_ms": ((int, float), None),

@@ -43,6 +43,16 @@ it, as a cached prefix does: the greedy tokens are the one-process reference's,
 and in int4 and int8 its logits are bit-identical to a whole prefill's (exact
 attention, docs/weights.md "Exactness"; float formats to within rounding).
 
+Speculative decoding (issue 48): a gateway given a drafter and a budget
+(``speculation``; ``hetmesh node start --speculative-k N``) sends a decode step's
+token with up to ``k`` drafts as one frame; the last stage draws every row as plain
+decoding would and sends back the drafts it kept plus its own next token, which the
+gateway delivers in order (:mod:`hetmesh.speculative.accept`). The next step's first
+position tells every stage where its KV ends (the rejected drafts' tail is dropped).
+The tokens are plain decoding's, greedy or seeded. No drafts go on a route whose
+stage feeds itself, during a move or a split prefill, nor for a request with a
+grammar or log-probabilities (those decode plainly). A replay drafts on.
+
 No token twice: each token frame names its sequence position, and only the
 awaited step at the awaited position is delivered; anything else (a stage that
 resumed stale work, a frame overtaken by a replay) is dropped as stale.
@@ -111,6 +121,8 @@ from hetmesh.protocol.logprobs import token_of
 from hetmesh.resources import PeerId
 from hetmesh.scheduler.records import Plan
 from hetmesh.scheduler.standby import standby_takeovers
+from hetmesh.speculative.accept import MAX_DRAFTS, accepted
+from hetmesh.speculative.drafter import Budget, Drafter
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
@@ -168,6 +180,10 @@ class _SlowOpen(Exception):
 NO_ANSWER = "no answer in time: "
 
 
+Speculation = Callable[[], "tuple[Drafter, Budget]"]
+"""A drafter and a draft budget for one request (speculative decoding, issue 48)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Request:
     """What a session was opened with (internal): a migration opens it again elsewhere."""
@@ -178,6 +194,8 @@ class _Request:
     avoid: set[PeerId]
     order_s: float  # its place in the stages' admission queues (with ``base``)
     generated: list[int]  # the tokens it has yielded so far (the request's, all tries)
+    # its drafter and budget (all tries: a replay drafts on); None: it decodes plainly
+    speculation: tuple[Drafter, Budget] | None = None
 
 
 @dataclass(slots=True)
@@ -220,6 +238,7 @@ class _InFlight:
     hops: tuple[Hop, ...]
     tokens: int = 1  # tokens still to come from it (a fed session's: several)
     fed: int = 1  # token ids the next token's step took in (the first: the step's)
+    drafts: tuple[int, ...] = ()  # a verify step's drafts (its tokens come in one frame)
 
 
 def feed_steps_default() -> int:
@@ -250,6 +269,18 @@ def _refusals(hops: Sequence[Hop], replies: Sequence[Reply]) -> list[tuple[Hop, 
     ]
 
 
+def _kept(tokens: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """A verify step's tokens as far as they are consistent with its ``drafts``: each
+    but the last equal to its draft, at most one more than the drafts (a last stage
+    that says more is believed no further)."""
+    kept: list[int] = []
+    for i, token in enumerate(tokens[: len(drafts) + 1]):
+        kept.append(int(token))
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return kept
+
+
 class Gateway:
     """Runs sessions for requests that enter at this node."""
 
@@ -272,6 +303,7 @@ class Gateway:
         helper: Helper | None = None,
         split_prefill: bool | None = None,
         send_now: SendNow | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
         (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
@@ -285,7 +317,9 @@ class Gateway:
         (:mod:`hetmesh.node.split`; ``split_prefill`` False, or the
         ``HETMESH_SPLIT_PREFILL=0`` switch, turns that off). ``send_now``: a reader
         thread sends a decode step's successor as the token comes in
-        (:mod:`hetmesh.node.gateway_lane`; ``HETMESH_GATEWAY_LANE=0``: off)."""
+        (:mod:`hetmesh.node.gateway_lane`; ``HETMESH_GATEWAY_LANE=0``: off).
+        ``speculation``: a drafter and a budget for each request (None: no drafts);
+        see :meth:`_drafts` for which steps carry them."""
         self.peer_id = peer_id
         self._control = control
         self._send = send
@@ -312,6 +346,7 @@ class Gateway:
         self._step_s = 0.0  # moving average of decode step time
         self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
         self._lane_many = gateway_lane_many()
+        self._speculation = speculation
 
     # -- inbound ------------------------------------------------------------------
 
@@ -453,6 +488,10 @@ class Gateway:
         # preemption takes a new one): the same request heads every stage's queue
         # (no two requests each head one)
         order_s = time.time()
+        # a grammar's draw advances on every row drawn, and a frame carries one token's
+        # log-probabilities: such requests decode plainly
+        plain = bool(params.grammar) or params.logprobs is not None
+        speculation = None if plain or self._speculation is None else self._speculation()
         try:
             for attempt in itertools.count():
                 session_id = f"{base}.{attempt}"
@@ -468,6 +507,7 @@ class Gateway:
                     avoid,
                     order_s,
                     generated,
+                    speculation,
                 )
                 inbox_send, inbox = trio.open_memory_channel[_Inbound](INBOX_FRAMES)
                 session = _Session(session_id, request, inbox_send, hops, time.time())
@@ -546,10 +586,15 @@ class Gateway:
                     alive = [h for h in hops if h.peer_id not in avoid]
                     with trio.CancelScope(shield=True):
                         # every stage's KV holds a prefix of the history: name its blocks
-                        hashes = block_hashes(history) if self.prefix_cache else []
+                        # (where drafts went, all but the last token's: the KV at its
+                        # position may be a rejected draft's)
+                        named = history[:-1] if speculation is not None else history
+                        hashes = block_hashes(named) if self.prefix_cache else []
                         await self._close(session_id, alive, tuple(hashes))
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
+            if speculation is not None:
+                speculation[0].close()
             if finished:
                 counts.sessions_finished += 1
             else:
@@ -745,28 +790,44 @@ class Gateway:
         it. A step that cannot be sent fails only after its token has been yielded,
         so the replay that follows loses nothing. On a route of one stage a step
         brings up to ``feed_steps`` tokens (the stage feeds itself between them);
-        the next step leaves once the last of them is in.
+        the next step leaves once the last of them is in. A decode step may carry
+        drafts (:meth:`_drafts`): its tokens come back in one frame, the drafts the
+        last stage kept and its own next token, and the step after it starts right
+        after them (each stage drops the rest of its KV there).
         """
         # the whole history (a first prefill or a replay) but what every stage holds cached
         feed = list(history[cached:])
         position = cached
         in_flight: _InFlight | None = None
         helper = session.helper  # the prompt goes through it (split)
+        drafts: tuple[int, ...] = ()
         while len(generated) < max_new_tokens:
             if in_flight is None:
                 if session.leaving and len(feed) == 1:  # nothing in flight
                     await self._migrate(session, position)
+                if len(feed) == 1:
+                    drafts = self._drafts(session, history, len(generated), max_new_tokens)
+                else:
+                    drafts = ()
                 in_flight = await self._send_step(
-                    session, feed, position, len(generated), max_new_tokens, helper
+                    session, feed, position, len(generated), max_new_tokens, helper, drafts
                 )
                 helper = None
             # the step in flight, and its move's KV, once more
             again = functools.partial(
                 self._move_again, session, tuple(feed), position, len(generated), max_new_tokens
             )  # the move's KV once more; its step too where the first stage moved
-            self._arm(session, in_flight, len(history), max_new_tokens - len(generated))
+            # the next step's drafts are decided now (the budget asked once a step) where
+            # the lane could send it: none, and the lane sends it as a plain step
+            next_k: int | None = None
+            if not in_flight.drafts and self._armable(
+                session, in_flight, max_new_tokens - len(generated)
+            ):
+                next_k = self._next_k(session)
+                if next_k == 0:
+                    self._arm(session, in_flight, len(history))
             try:
-                token = await self._await_token(
+                tokens = await self._await_token(
                     inbox,
                     in_flight.step,
                     in_flight.fed,
@@ -774,6 +835,7 @@ class Gateway:
                     session.moving,
                     position=len(history),
                     again=again if session.handoffs else None,
+                    drafts=in_flight.drafts,
                 )
             finally:
                 sent = self.lane.claim(session.session_id)  # the next step, if it left
@@ -786,50 +848,116 @@ class Gateway:
             self._note_step(now - in_flight.started, in_flight.fed)
             if session.handoffs:  # its sources may let the KV they kept for it go
                 await self._confirm(session)
-            position += in_flight.fed
-            in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
-            in_flight.tokens -= 1
-            if in_flight.tokens == 0:
+            if in_flight.drafts:  # a verify step: the next input follows its last token
+                position += len(tokens)
+                self._note_verify(session, in_flight, tokens, now)
                 in_flight = None
-            if token in self._eos:
+            else:
+                speculation = session.request.speculation
+                if speculation is not None and in_flight.fed == 1:  # a plain decode step
+                    speculation[1].record(0, 0, now - in_flight.started)
+                position += in_flight.fed
+                in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
+                in_flight.tokens -= 1
+                if in_flight.tokens == 0:
+                    in_flight = None
+            delivered: list[int] = []
+            ended = False  # an end-of-sequence token came
+            for token in tokens:
+                ended = token in self._eos
+                if ended or len(generated) >= max_new_tokens:
+                    break
+                generated.append(token)
+                history.append(token)
+                delivered.append(token)
+            if not delivered:
                 return
-            generated.append(token)
-            history.append(token)
-            self._counts.tokens_out += 1
-            feed = [token]
+            self._counts.tokens_out += len(delivered)
+            feed = [delivered[-1]]
             failed: _StepFailed | None = None
             # a session leaving its peers moves between steps, with nothing in flight
-            more = len(generated) < max_new_tokens and not session.leaving
+            more = len(generated) < max_new_tokens and not session.leaving and not ended
             if in_flight is None and sent is not None:  # sent by the lane: in flight
                 in_flight = _InFlight(sent.step + 1, sent.sent_at, session.route)
             elif in_flight is None and more:
+                drafts = self._drafts(session, history, len(generated), max_new_tokens, next_k)
                 try:
                     in_flight = await self._send_step(
-                        session, feed, position, len(generated), max_new_tokens
+                        session, feed, position, len(generated), max_new_tokens, None, drafts
                     )
                 except _StepFailed as exc:
                     failed = exc
-            yield token
+            for token in delivered:
+                yield token
+            if ended:
+                return
             if failed is not None:
                 raise failed
 
-    def _arm(self, session: _Session, in_flight: _InFlight, position: int, left: int) -> None:
-        """Let a reader thread send the step after the awaited token (the lane) where
-        it is a plain decode step, with another wanted after it and no move or helper,
-        of any session here where the first stage gathers bursts by their groups, else
-        of the one session here: steps sent one by one as their tokens come in could
-        split the stages' batches (see :mod:`hetmesh.node.gateway_lane`)."""
+    def _drafts(
+        self,
+        session: _Session,
+        history: Sequence[int],
+        step: int,
+        max_new: int,
+        k: int | None = None,
+    ) -> tuple[int, ...]:
+        """The drafts the session's next decode step carries: its drafter's, ``k`` of
+        them (None: as many as its budget says now), never past ``max_new`` tokens;
+        none on a route whose stage feeds itself (it brings several tokens a step
+        already), nor while a move or a split prefill's helper is under way."""
+        speculation = session.request.speculation
+        if speculation is None or session.helper or session.leaving or session.moving:
+            return ()
+        if self._feeding(session.route)[0] != 1:
+            return ()
+        k = min(self._next_k(session) if k is None else k, max_new - step - 1, MAX_DRAFTS)
+        if k <= 0:
+            return ()
+        drafts = tuple(int(t) for t in speculation[0].propose(history, k)[:k])
+        return drafts if all(t >= 0 for t in drafts) else ()
+
+    @staticmethod
+    def _next_k(session: _Session) -> int:
+        """Drafts the session's budget wants on its next step (asked once a step sent;
+        0 without speculation)."""
+        speculation = session.request.speculation
+        return 0 if speculation is None else max(0, int(speculation[1].k()))
+
+    def _note_verify(
+        self, session: _Session, in_flight: _InFlight, tokens: Sequence[int], now: float
+    ) -> None:
+        """Count a verify step and tell the session's budget how it went."""
+        kept = accepted(in_flight.drafts, tokens)
+        counts = self._counts
+        counts.verify_steps += 1
+        counts.drafted += len(in_flight.drafts)
+        counts.accepted += kept
+        counts.verified_tokens += len(tokens)
+        speculation = session.request.speculation
+        if speculation is not None:
+            speculation[1].record(len(in_flight.drafts), kept, now - in_flight.started)
+
+    def _armable(self, session: _Session, in_flight: _InFlight, left: int) -> bool:
+        """Whether a reader thread may send the step after the awaited token (the lane):
+        a plain decode step, with another wanted after it and no move or helper, of any
+        session here where the first stage gathers bursts by their groups, else of the
+        one session here: steps sent one by one as their tokens come in could split the
+        stages' batches (see :mod:`hetmesh.node.gateway_lane`)."""
         route = session.route
         if not self.lane.enabled or in_flight.tokens != 1 or left < 2 or in_flight.hops != route:
-            return
+            return False
         if len(self._sessions) != 1 and not self._lane_many:
-            return
+            return False
         if session.helper or session.leaving or session.moving or session.handoffs:
-            return
-        if self._feeding(route)[0] == 1:
-            last, first = route[-1].peer_id, route[0].peer_id
-            armed = Armed(in_flight.step, position, last, first, self._eos)
-            self.lane.arm(session.session_id, armed)
+            return False
+        return self._feeding(route)[0] == 1
+
+    def _arm(self, session: _Session, in_flight: _InFlight, position: int) -> None:
+        """Arm the lane with the step after the awaited token (see :meth:`_armable`)."""
+        route = session.route
+        armed = Armed(in_flight.step, position, route[-1].peer_id, route[0].peer_id, self._eos)
+        self.lane.arm(session.session_id, armed)
 
     async def _send_step(
         self,
@@ -839,14 +967,31 @@ class Gateway:
         step: int,
         max_new: int,
         helper: Hop | None = None,
+        drafts: tuple[int, ...] = (),
     ) -> _InFlight:
         """Send one step's token ids to the session's first stage (a long prefill in
         chunks, see :func:`~hetmesh.partition.prefill.prefill_chunks`), or to its
-        ``helper`` (a split prefill's); ``step`` tokens are out of ``max_new``."""
+        ``helper`` (a split prefill's); ``step`` tokens are out of ``max_new``. A
+        decode step's ``drafts`` go with its token, as one frame (a verify step)."""
         session_id, route = session.session_id, session.route
         hops = (helper, *route) if helper is not None else route
         first = hops[0].peer_id
         started = time.perf_counter()
+        if drafts and len(feed) == 1 and helper is None:
+            frame = Activations(
+                session_id=session_id,
+                step=step,
+                positions=tuple(range(position, position + 1 + len(drafts))),
+                tensors=(torch.tensor([feed[0], *drafts], dtype=torch.int64),),
+                drafts=drafts,
+            )
+            try:
+                await self._send(first, frame)
+            except TransportError as exc:
+                raise _StepFailed(
+                    f"cannot reach the first stage: {exc}", frozenset({first})
+                ) from exc
+            return _InFlight(step, started, hops, drafts=drafts)
         ids = torch.tensor(list(feed), dtype=torch.int64)
         chunk_tokens = self._chunk_tokens(hops) if len(feed) > 1 else self.prefill_chunk_tokens
         for chunk in torch.split(ids, prefill_chunks(len(feed), chunk_tokens)):
@@ -1011,9 +1156,10 @@ class Gateway:
         *,
         position: int,
         again: Callable[..., Awaitable[bool]] | None = None,
-    ) -> int:
-        """The token of ``step``, at sequence ``position``; ``_StepFailed`` when a stage
-        is gone or stuck.
+        drafts: Sequence[int] = (),
+    ) -> list[int]:
+        """The token of ``step``, at sequence ``position`` (a verify step's: its tokens,
+        :func:`_kept`); ``_StepFailed`` when a stage is gone or stuck.
 
         A token frame for another step or position is dropped (``stale_frames``): one
         at a position already delivered (a stage that resumed after a freeze, a
@@ -1067,7 +1213,9 @@ class Gateway:
                         # the sender is not known here: the recovery pings the route
                         raise _StepFailed(f"a stage failed: {frame.message}")
                     if frame.step == step and frame.position == position and frame.token_ids:
-                        return token_of(frame.token_ids[0], frame.logprobs)
+                        if len(frame.token_ids) == 1:
+                            return [token_of(frame.token_ids[0], frame.logprobs)]
+                        return _kept(frame.token_ids, drafts)
                     self._counts.stale_frames += 1
             silent = await self._find_silent([*hops, *moving])  # a move's source too
             if silent & {h.peer_id for h in hops}:

@@ -45,6 +45,12 @@ class GatewayStatistics:
     migration_fallbacks: int = 0  # moves that failed: those sessions were replayed
     move_replays: int = 0  # sessions moved by replay because migration is off
     split_prefills: int = 0  # prompts prefilled by their stage and an idle helper together
+    # speculative decoding (issue 48): steps that carried drafts, the drafts they
+    # carried, those the last stage kept, and the tokens those steps brought
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verified_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -69,3 +75,7 @@ class Counters:
     migration_fallbacks: int = 0
     move_replays: int = 0
     split_prefills: int = 0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verified_tokens: int = 0

@@ -51,6 +51,7 @@ from hetmesh.scheduler.prefix_summary import summary_salt
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
+from hetmesh.speculative.lookup import speculation
 from hetmesh.transport import DataPlane, Frame
 
 if TYPE_CHECKING:
@@ -213,6 +214,7 @@ class Serving:
                 chunk_costs=self.routes.chunk_costs,
                 helper=self.routes.helper,
                 send_now=self._lane_send_now(),  # hetmesh.node.gateway_lane
+                speculation=speculation(self.config.speculative_k),
             )
             self.pool.peek = self.gateway.lane.offer
             self.calls.gateway = self.routes.gateway = self.gateway

@@ -39,6 +39,13 @@ step and sends its output on, the device thread still parked; anything that need
 trio (another session, a prefill chunk, a control request, a KV block) wakes it
 back to the batching loop.
 
+A verify step (speculative decoding, issue 48) carries a session's last token and
+its drafts (``Activations.drafts``), which every stage passes on: the head stage
+computes the head on all of its rows, draws each as plain decoding would, and sends
+the drafts its draws agree with plus its own next token in one ``Tokens`` frame. A
+step whose first position is below the session's cached length drops the tail
+there first (a rejected draft's KV: ``SessionKV.truncate``, no copy).
+
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
 activations until the KV arrives from that peer, and then runs like any other.
@@ -104,7 +111,8 @@ from hetmesh.partition.sampling import Sampler
 from hetmesh.partition.stage import StageModule
 from hetmesh.protocol.logprobs import wire_of
 from hetmesh.resources import PeerId
-from hetmesh.transport.frames import Activations, Error, Frame, KVBlock, Tokens
+from hetmesh.speculative.accept import accepted, verify
+from hetmesh.transport.frames import MAX_DRAFTS, Activations, Error, Frame, KVBlock, Tokens
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -169,13 +177,16 @@ class _Item:
     positions: tuple[int, ...]
     inputs: torch.Tensor
     release: Callable[[], None]
+    # a verify step's drafts: its inputs at positions[1:] (speculative decoding, issue 48)
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
 class _Outcome:
     item: _Item
     session: _Session | None = None
-    output: torch.Tensor | int | None = None
+    # hidden states; a sampled token; a verify step's tokens (a tuple)
+    output: torch.Tensor | int | tuple[int, ...] | None = None
     error: MeshError | None = None
     sent: bool = False  # its frame already left from the device thread
     follow: bool = False  # its token is the session's next input here (a fed session)
@@ -204,6 +215,12 @@ class StageStatistics:
     device_rounds: int = 0  # rounds run on in the device thread (fed sessions, no trio)
     helped: int = 0  # split prefills whose first units this stage ran for another peer
     lane_steps: int = 0  # steps taken from a link's reader thread (hetmesh.node.stage_lane)
+    # a head stage's verify steps (speculative decoding): steps, drafts they carried,
+    # drafts kept, tokens they sent
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verified_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -213,6 +230,10 @@ class _Counters:
     tokens: int = 0
     errors: int = 0
     device_rounds: int = 0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verified_tokens: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=32))
 
     def note_round(self, items: int, tokens: int, elapsed_s: float) -> None:
@@ -496,17 +517,18 @@ class StageServer:
             try:
                 if start is None:
                     raise InvalidRequest("the KV came before the prompt's first chunk")
+                length = request.prompt_tokens - start
                 keys, values = check_kv(
                     frame,
                     num_layers=len(range(self.pool.num_layers)[awaiting.layers]),
                     kv_heads=self.pool.kv_heads,
                     head_dim=self.pool.head_dim,
                     dtype=self.pool.dtype,
-                    length=request.prompt_tokens - start,
+                    length=_migrated_length(frame, length) if migrating else length,
                     start=start,
                 )
-                if migrating:
-                    session.kv.load(keys, values)
+                if migrating:  # a rejected drafts' tail stays behind
+                    session.kv.load(keys[:, :, :length], values[:, :, :length])
                 else:
                     if not session.kv.reserve(request.prompt_tokens):
                         raise Rejected("the stage's KV pool is full")
@@ -544,7 +566,9 @@ class StageServer:
         span = session.awaiting.layers if session.awaiting is not None else slice(None)
         pool, layers = self.pool, len(range(self.pool.num_layers)[span])
         per_token = 2 * layers * pool.kv_heads * pool.head_dim * pool.dtype.itemsize
-        return per_token * session.request.prompt_tokens
+        # a migrated KV may hold a verify step's rejected drafts past its length
+        tail = MAX_DRAFTS if session.request.migrate_from else 0
+        return per_token * (session.request.prompt_tokens + tail)
 
     def check_control(self, session_id: str, sender: PeerId | None) -> None:
         """``InvalidRequest`` unless ``sender`` (None: this node) may close or cancel the
@@ -614,6 +638,10 @@ class StageServer:
                 raise InvalidRequest(
                     f"expected one tensor per activation, got {len(frame.tensors)}"
                 )
+            if frame.drafts and len(frame.drafts) != len(frame.positions) - 1:
+                raise InvalidRequest(
+                    f"{len(frame.drafts)} drafts for a step of {len(frame.positions)} positions"
+                )
             queued = self._queued.get(frame.session_id, 0)
             prompt = is_helped_chunk(frame.positions, session.request)  # its helper's chunk
             if session.awaiting is not None and not prompt:
@@ -625,7 +653,9 @@ class StageServer:
         except InvalidRequest:
             release()
             raise
-        item = _Item(frame.session_id, frame.step, frame.positions, frame.tensors[0], release)
+        item = _Item(
+            frame.session_id, frame.step, frame.positions, frame.tensors[0], release, frame.drafts
+        )
         session.feed_left = session.request.feed_steps  # a step from its feeder: a new feed
         if session.request.split and session.prompt_from is None and item.positions:
             session.prompt_from = item.positions[0]
@@ -724,9 +754,12 @@ class StageServer:
             if session is None:
                 continue  # closed, or preempted just now
             start = item.positions[0] if item.positions else session.kv.length
-            if start < session.kv.length:  # the pipeline agreed on a shorter cached prefix
+            if start < session.kv.length:
                 with contextlib.suppress(InvalidRequest):  # else the forward reports it
-                    session.kv.rewind(start)
+                    if start % BLOCK_TOKENS == 0:  # the pipeline agreed on a shorter prefix
+                        session.kv.rewind(start)
+                    else:  # a verify step's rejected drafts: drop the tail, keep its blocks
+                        session.kv.truncate(start)
             try:
                 preempted = self.kv.grow(
                     item.session_id, session.kv.length + int(item.inputs.shape[0])
@@ -1070,6 +1103,13 @@ class StageServer:
     def _forward(self, outcomes: list[_Outcome]) -> None:
         if not outcomes:
             return
+        if self.stage.has_head and any(o.item.drafts for o in outcomes):
+            # a verify step needs the head on every row: a forward of its own
+            self._forward([o for o in outcomes if not o.item.drafts])
+            for outcome in outcomes:
+                if outcome.item.drafts:
+                    self._forward_verify(outcome)
+            return
         sessions = [o.session for o in outcomes if o.session is not None]
         # a prefill chunk short of the prompt's end samples nothing: no head for it
         pairs = list(zip(outcomes, sessions, strict=True))
@@ -1103,6 +1143,36 @@ class StageServer:
                     and token not in request.stop_ids
                     and session.kv.length < request.max_tokens - 1
                 )
+
+    def _forward_verify(self, outcome: _Outcome) -> None:
+        """A head stage's verify step: logits on all ``k + 1`` rows, and the tokens
+        :func:`~hetmesh.speculative.accept.verify` keeps (row ``i`` drawn as plain
+        decoding draws step ``step + i``). A session that draws within a grammar or
+        reports log-probabilities keeps row 0's token only (its drafts ignored: the
+        grammar would advance on a rejected draw, and a frame carries one token's
+        log-probabilities)."""
+        session, item = outcome.session, outcome.item
+        assert session is not None  # _forward's outcomes all have one
+        sampler = session.sampler
+        if sampler is None:  # a split prefill's helper: it samples nothing
+            outcome.error = InvalidRequest("a verify step for a stage that samples nothing")
+            return
+        (logits,) = self.stage.forward_batch([(item.inputs, session.kv)])  # (k + 1, vocab)
+        plain = sampler.constraint is not None or sampler.params.logprobs is not None
+        drafts = () if plain else item.drafts
+        try:
+            tokens = verify(
+                drafts, lambda i: int(sampler(logits[i], item.step + i)), session.request.stop_ids
+            )
+        except MeshError as exc:
+            outcome.error = exc
+            return
+        outcome.output = tuple(tokens)
+        counters = self._counters
+        counters.verify_steps += 1
+        counters.drafted += len(item.drafts)
+        counters.accepted += accepted(drafts, tokens)
+        counters.verified_tokens += len(tokens)
 
     def _deliver(self, outcome: _Outcome) -> None:
         item, session = outcome.item, outcome.session
@@ -1175,6 +1245,10 @@ class StageServer:
             device_rounds=c.device_rounds,
             helped=self._helped,
             lane_steps=self._lane.taken,
+            verify_steps=c.verify_steps,
+            drafted=c.drafted,
+            accepted=c.accepted,
+            verified_tokens=c.verified_tokens,
         )
 
 
@@ -1219,8 +1293,16 @@ def _next_step(outcome: _Outcome) -> _Item:
     )
 
 
-def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | None:
-    """What a computed item sends on: a sampled token, or the hidden states."""
+def _output_frame(item: _Item, output: torch.Tensor | int | tuple[int, ...] | None) -> Frame | None:
+    """What a computed item sends on: a sampled token, a verify step's tokens (the
+    first at the position after the step's first input), or the hidden states."""
+    if isinstance(output, tuple):
+        return Tokens(
+            session_id=item.session_id,
+            step=item.step,
+            token_ids=output,
+            position=item.positions[0] + 1,
+        )
     if isinstance(output, int):
         # the token's place in the sequence: right after the item's last position
         position = item.positions[-1] + 1 if item.positions else 0
@@ -1239,7 +1321,19 @@ def _output_frame(item: _Item, output: torch.Tensor | int | None) -> Frame | Non
         step=item.step,
         positions=tuple(range(end - output.shape[0], end)),
         tensors=(output,),
+        drafts=item.drafts,  # the head stage compares them with its draws
     )
+
+
+def _migrated_length(frame: KVBlock, length: int) -> int:
+    """The positions a migrated KV frame holds, if ``length`` and at most
+    :data:`MAX_DRAFTS` more (the source's cache past the step the session moved
+    after: a verify step's rejected drafts, dropped here), else ``length`` (refused)."""
+    keys = frame.tensors[0] if frame.tensors else None
+    if keys is None or keys.dim() != 4:
+        return length
+    held = int(keys.shape[2])
+    return held if length <= held <= length + MAX_DRAFTS else length
 
 
 def _pool_blocks(stage: StageModule, limits: KVLimits) -> int:

@@ -87,6 +87,8 @@ class Limits:
 
 
 DEFAULT_LIMITS: Final = Limits()
+# draft tokens one verify step may carry (Activations.drafts; speculative decoding)
+MAX_DRAFTS: Final = 32
 
 # headroom over what a frame of a model's shape needs (a float32 stage of a bf16
 # model, a few positions more): generous, still far under max_payload_bytes
@@ -206,13 +208,19 @@ class Proof(Frame):
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Activations(Frame):
-    """Hidden states (or token ids) for one step of one session."""
+    """Hidden states (or token ids) for one step of one session.
+
+    ``drafts``: a verify step's draft tokens (speculative decoding, issue 48), the
+    inputs at ``positions[1:]``, passed on by every stage so the head stage can
+    compare them with its own draws; empty for a plain step (whose wire header is
+    then the one it always was). At most :data:`MAX_DRAFTS`."""
 
     TAG: ClassVar[int] = 6
     session_id: str
     step: int
     positions: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]
+    drafts: tuple[int, ...] = ()
 
     def tensors_(self) -> tuple[torch.Tensor, ...]:
         return self.tensors
@@ -300,6 +308,7 @@ _KIND: Final[dict[str, int]] = {
     "positions": _INTS,
     "tensors": _TENSORS,
     "token_ids": _INTS,
+    "drafts": _INTS,
     "position": _UINT,
     "logprobs": _BYTES,
     "first_layer": _UINT,
@@ -356,7 +365,7 @@ _SCHEMA: dict[type[Frame], tuple[tuple[str, int], ...]] = {
 # refuse to load if a change to either frame's fields would make that shortcut wrong
 _HOT_LAYOUTS: Final = {
     Tokens: ("session_id", "step", "token_ids", "position", "logprobs"),
-    Activations: ("session_id", "step", "positions", "tensors"),
+    Activations: ("session_id", "step", "positions", "tensors", "drafts"),
 }
 if any(_FIELDS[cls] != names for cls, names in _HOT_LAYOUTS.items()):
     raise RuntimeError("the hot-path layouts of Tokens/Activations no longer match SCHEMAS")
@@ -507,7 +516,13 @@ def _fast_header(frame: Frame, limits: Limits, out: list[Any]) -> tuple[list[Any
     if positions is None:
         return None
     described, payload = _describe(frame.tensors, limits, out)
-    return [session_id, step, positions, described], payload
+    drafts = frame.drafts
+    if not drafts:  # a plain step: the header without the field (as before issue 48)
+        return [session_id, step, positions, described], payload
+    checked = _local_ints(drafts, limits)
+    if checked is None or len(checked) > MAX_DRAFTS:
+        return None  # the generic path raises LocalProtocolError
+    return [session_id, step, positions, described, checked], payload
 
 
 def encode_parts(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, list[Any], int]:
@@ -549,6 +564,8 @@ def _generic_header(frame: Frame, limits: Limits, out: list[Any]) -> tuple[list[
             header.append(value)
         else:
             header.append(_check_local(kind, name, value, limits))
+            if name == "drafts" and len(value) > MAX_DRAFTS:
+                raise LocalProtocolError(f"{len(value)} drafts, more than {MAX_DRAFTS}")
     return header, payload
 
 
@@ -735,7 +752,9 @@ def _parse_items(
 ) -> Pending:
     """Validate an unpacked msgpack header of a ``cls`` frame (for :func:`parse_header`)."""
     names = _FIELDS[cls]
-    if type(items) is not list or len(items) != len(names):
+    # a plain step's Activations header leaves its drafts out
+    plain_step = cls is Activations and type(items) is list and len(items) == len(names) - 1
+    if (type(items) is not list or len(items) != len(names)) and not plain_step:
         raise RemoteProtocolError(f"{cls.__name__} header has the wrong shape")
     specs: tuple[TensorSpec, ...] = ()
     values: dict[str, Any]
@@ -757,6 +776,10 @@ def _parse_items(
         else:
             specs = _remote_specs(items[3], limits)
             values = {"session_id": session_id, "step": step, "positions": ints}
+            drafts = _remote_ints(items[4], limits) if len(items) > 4 else ()
+            if len(drafts) > MAX_DRAFTS:
+                raise RemoteProtocolError(f"{len(drafts)} drafts, more than {MAX_DRAFTS}")
+            values["drafts"] = drafts
     else:
         values = {}
         for name, value in zip(names, items, strict=True):

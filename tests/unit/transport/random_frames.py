@@ -100,7 +100,11 @@ FRAME_DRAWERS: dict[type[Frame], Callable[[random.Random], Frame]] = {
     Challenge: lambda r: Challenge(nonce=random_blob(r)),
     Proof: lambda r: Proof(mac=random_blob(r)),
     Activations: lambda r: Activations(
-        session_id=random_text(r), step=_uint(r), positions=_int_tuple(r), tensors=_tensors(r)
+        session_id=random_text(r),
+        step=_uint(r),
+        positions=_int_tuple(r),
+        tensors=_tensors(r),
+        drafts=_int_tuple(r),
     ),
     Tokens: lambda r: Tokens(session_id=random_text(r), step=_uint(r), token_ids=_int_tuple(r)),
     KVBlock: lambda r: KVBlock(

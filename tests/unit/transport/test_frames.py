@@ -99,7 +99,12 @@ frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(Challenge, nonce=blobs),
     st.builds(Proof, mac=blobs),
     st.builds(
-        Activations, session_id=texts, step=ints, positions=int_tuples, tensors=tensor_tuples
+        Activations,
+        session_id=texts,
+        step=ints,
+        positions=int_tuples,
+        tensors=tensor_tuples,
+        drafts=int_tuples,
     ),
     st.builds(Tokens, session_id=texts, step=ints, token_ids=int_tuples),
     st.builds(KVBlock, session_id=texts, first_layer=ints, start=ints, tensors=tensor_tuples),
