@@ -17,7 +17,11 @@ def padded_lone_rows(stage: torch.nn.Module) -> Iterator[int]:
     yields how many layers took 1-row calls."""
     from hetmesh.partition.exact_linear import ExactLinear
 
-    lone = [m for m in stage.modules() if isinstance(m, ExactLinear) and m.lone]
+    lone = [
+        m
+        for m in stage.modules()
+        if isinstance(m, ExactLinear) and m.lone and m.weight.dtype == torch.float32
+    ]
     for m in lone:
         m.lone = False
     try:

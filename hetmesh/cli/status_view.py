@@ -54,6 +54,21 @@ def _tokens_out(record: Mapping[str, Any]) -> int:
     return int(_serving(record).gateway.get("tokens_out", 0))
 
 
+def _speculation(record: Mapping[str, Any]) -> dict[str, float] | None:
+    """A gateway's speculative decoding (issue 48): drafts sent, drafts kept, and tokens
+    per verify step; None where it sent none."""
+    counters = _serving(record).gateway
+    number = partial(_number, counters)
+    steps, drafted = int(number("verify_steps")), int(number("drafted"))
+    if steps <= 0 or drafted <= 0:
+        return None
+    return {
+        "drafted": drafted,
+        "accepted": int(number("accepted")),
+        "tokens_per_step": number("verified_tokens") / steps,
+    }
+
+
 def _fetch(counters: Mapping[str, float]) -> dict[str, float] | None:
     """A peer's fetch in progress (bytes done / total, rate), None when it fetches nothing."""
     if not counters.get("fetching"):
@@ -209,6 +224,7 @@ def summarize(
                 "tokens_per_s": rate,
                 "units_held": [list(r) for r in _serving(record).units_held],
                 "fetch": _fetch(_serving(record).shards),
+                "speculation": _speculation(record),
             }
         )
     rates = [p["tokens_per_s"] for p in peers if p["tokens_per_s"] is not None]
@@ -383,7 +399,8 @@ def load_table(summary: Mapping[str, Any]) -> Table:
     )
     several = len(summary.get("models") or ()) > 1  # then each peer's model too
     columns = ("peer", "weights", "units on disk", "fetching", "sessions", "queue", "KV used")
-    for col in (*columns, "tokens out", "tokens/s", *(("model",) if several else ())):
+    tail = ("tokens out", "tokens/s", "drafts kept", *(("model",) if several else ()))
+    for col in (*columns, *tail):
         table.add_column(col)
     for p in load.get("peers") or ():
         table.add_row(
@@ -396,9 +413,17 @@ def load_table(summary: Mapping[str, Any]) -> Table:
             _mib(p["kv_bytes_used"]),
             str(p["tokens_out"]),
             _rate(p["tokens_per_s"]),
+            _speculation_text(p.get("speculation")),
             *((str(p.get("model", "-")),) if several else ()),
         )
     return table
+
+
+def _speculation_text(spec: Mapping[str, float] | None) -> str:
+    if not spec:
+        return "-"
+    kept = f"{int(spec['accepted'])}/{int(spec['drafted'])}"
+    return f"{kept}, {spec['tokens_per_step']:.2f} tok/step"
 
 
 __all__ = ["kv_table", "load_table", "plan_table", "summarize"]

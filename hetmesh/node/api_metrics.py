@@ -31,6 +31,12 @@ class MeshGauges:
     tokens_out: int = 0
     sessions_failed: int = 0
     prefix_tokens_skipped: int = 0  # prompt tokens this gateway's sessions found cached
+    # speculative decoding (issue 48): this gateway's verify steps, the drafts they
+    # carried, the drafts kept, the tokens they brought
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verified_tokens: int = 0
     links: tuple[tuple[str, str, float, float], ...] = ()  # src, dst, rtt_s, bandwidth_bps
     shard_bytes_fetched: int = 0
     shard_bytes_served: int = 0
@@ -76,6 +82,14 @@ class _MeshCollector:
             "hetmesh_gateway_prefix_tokens_skipped",
             "Prompt tokens of this gateway's sessions found in every stage's prefix cache",
             g.prefix_tokens_skipped,
+        )
+        counter("hetmesh_speculative_steps", "Decode steps sent with drafts", g.verify_steps)
+        counter("hetmesh_speculative_drafted", "Draft tokens sent", g.drafted)
+        counter("hetmesh_speculative_accepted", "Draft tokens the last stage kept", g.accepted)
+        counter(
+            "hetmesh_speculative_tokens",
+            "Tokens the steps with drafts brought (kept drafts and the target's own)",
+            g.verified_tokens,
         )
         counter(
             "hetmesh_shard_bytes_fetched", "Tensor bytes fetched from peers", g.shard_bytes_fetched

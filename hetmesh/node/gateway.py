@@ -43,6 +43,16 @@ it, as a cached prefix does: the greedy tokens are the one-process reference's,
 and in int4 and int8 its logits are bit-identical to a whole prefill's (exact
 attention, docs/weights.md "Exactness"; float formats to within rounding).
 
+Speculative decoding (issue 48): a gateway given a drafter and a budget
+(``speculation``; ``hetmesh node start --speculative-k N``) sends a decode step's
+token with up to ``k`` drafts as one frame; the last stage draws every row as plain
+decoding would and sends back the drafts it kept plus its own next token, which the
+gateway delivers in order (:mod:`hetmesh.speculative.accept`). The next step's first
+position tells every stage where its KV ends (the rejected drafts' tail is dropped).
+The tokens are plain decoding's, greedy or seeded. No drafts go on a route whose
+stage feeds itself, during a move or a split prefill, nor for a request with a
+grammar or log-probabilities (those decode plainly). A replay drafts on.
+
 No token twice: each token frame names its sequence position, and only the
 awaited step at the awaited position is delivered; anything else (a stage that
 resumed stale work, a frame overtaken by a replay) is dropped as stale.
@@ -797,6 +807,8 @@ class Gateway:
                     await self._migrate(session, position)
                 if len(feed) == 1:
                     drafts = self._drafts(session, history, len(generated), max_new_tokens)
+                else:
+                    drafts = ()
                 in_flight = await self._send_step(
                     session, feed, position, len(generated), max_new_tokens, helper, drafts
                 )
@@ -805,8 +817,15 @@ class Gateway:
             again = functools.partial(
                 self._move_again, session, tuple(feed), position, len(generated), max_new_tokens
             )  # the move's KV once more; its step too where the first stage moved
-            if not in_flight.drafts and session.request.speculation is None:
-                self._arm(session, in_flight, len(history), max_new_tokens - len(generated))
+            # the next step's drafts are decided now (the budget asked once a step) where
+            # the lane could send it: none, and the lane sends it as a plain step
+            next_k: int | None = None
+            if not in_flight.drafts and self._armable(
+                session, in_flight, max_new_tokens - len(generated)
+            ):
+                next_k = self._next_k(session)
+                if next_k == 0:
+                    self._arm(session, in_flight, len(history))
             try:
                 tokens = await self._await_token(
                     inbox,
@@ -834,6 +853,9 @@ class Gateway:
                 self._note_verify(session, in_flight, tokens, now)
                 in_flight = None
             else:
+                speculation = session.request.speculation
+                if speculation is not None and in_flight.fed == 1:  # a plain decode step
+                    speculation[1].record(0, 0, now - in_flight.started)
                 position += in_flight.fed
                 in_flight.step, in_flight.started, in_flight.fed = in_flight.step + 1, now, 1
                 in_flight.tokens -= 1
@@ -858,7 +880,7 @@ class Gateway:
             if in_flight is None and sent is not None:  # sent by the lane: in flight
                 in_flight = _InFlight(sent.step + 1, sent.sent_at, session.route)
             elif in_flight is None and more:
-                drafts = self._drafts(session, history, len(generated), max_new_tokens)
+                drafts = self._drafts(session, history, len(generated), max_new_tokens, next_k)
                 try:
                     in_flight = await self._send_step(
                         session, feed, position, len(generated), max_new_tokens, None, drafts
@@ -873,23 +895,34 @@ class Gateway:
                 raise failed
 
     def _drafts(
-        self, session: _Session, history: Sequence[int], step: int, max_new: int
+        self,
+        session: _Session,
+        history: Sequence[int],
+        step: int,
+        max_new: int,
+        k: int | None = None,
     ) -> tuple[int, ...]:
-        """The drafts the session's next decode step carries: its drafter's, as many as
-        its budget says, never past ``max_new`` tokens; none on a route whose stage
-        feeds itself (it brings several tokens a step already), nor while a move or a
-        split prefill's helper is under way."""
+        """The drafts the session's next decode step carries: its drafter's, ``k`` of
+        them (None: as many as its budget says now), never past ``max_new`` tokens;
+        none on a route whose stage feeds itself (it brings several tokens a step
+        already), nor while a move or a split prefill's helper is under way."""
         speculation = session.request.speculation
         if speculation is None or session.helper or session.leaving or session.moving:
             return ()
         if self._feeding(session.route)[0] != 1:
             return ()
-        drafter, budget = speculation
-        k = min(budget.k(), max_new - step - 1, MAX_DRAFTS)
+        k = min(self._next_k(session) if k is None else k, max_new - step - 1, MAX_DRAFTS)
         if k <= 0:
             return ()
-        drafts = tuple(int(t) for t in drafter.propose(history, k)[:k])
+        drafts = tuple(int(t) for t in speculation[0].propose(history, k)[:k])
         return drafts if all(t >= 0 for t in drafts) else ()
+
+    @staticmethod
+    def _next_k(session: _Session) -> int:
+        """Drafts the session's budget wants on its next step (asked once a step sent;
+        0 without speculation)."""
+        speculation = session.request.speculation
+        return 0 if speculation is None else max(0, int(speculation[1].k()))
 
     def _note_verify(
         self, session: _Session, in_flight: _InFlight, tokens: Sequence[int], now: float
@@ -905,23 +938,26 @@ class Gateway:
         if speculation is not None:
             speculation[1].record(len(in_flight.drafts), kept, now - in_flight.started)
 
-    def _arm(self, session: _Session, in_flight: _InFlight, position: int, left: int) -> None:
-        """Let a reader thread send the step after the awaited token (the lane) where
-        it is a plain decode step, with another wanted after it and no move or helper,
-        of any session here where the first stage gathers bursts by their groups, else
-        of the one session here: steps sent one by one as their tokens come in could
-        split the stages' batches (see :mod:`hetmesh.node.gateway_lane`)."""
+    def _armable(self, session: _Session, in_flight: _InFlight, left: int) -> bool:
+        """Whether a reader thread may send the step after the awaited token (the lane):
+        a plain decode step, with another wanted after it and no move or helper, of any
+        session here where the first stage gathers bursts by their groups, else of the
+        one session here: steps sent one by one as their tokens come in could split the
+        stages' batches (see :mod:`hetmesh.node.gateway_lane`)."""
         route = session.route
         if not self.lane.enabled or in_flight.tokens != 1 or left < 2 or in_flight.hops != route:
-            return
+            return False
         if len(self._sessions) != 1 and not self._lane_many:
-            return
+            return False
         if session.helper or session.leaving or session.moving or session.handoffs:
-            return
-        if self._feeding(route)[0] == 1:
-            last, first = route[-1].peer_id, route[0].peer_id
-            armed = Armed(in_flight.step, position, last, first, self._eos)
-            self.lane.arm(session.session_id, armed)
+            return False
+        return self._feeding(route)[0] == 1
+
+    def _arm(self, session: _Session, in_flight: _InFlight, position: int) -> None:
+        """Arm the lane with the step after the awaited token (see :meth:`_armable`)."""
+        route = session.route
+        armed = Armed(in_flight.step, position, route[-1].peer_id, route[0].peer_id, self._eos)
+        self.lane.arm(session.session_id, armed)
 
     async def _send_step(
         self,

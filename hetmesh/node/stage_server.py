@@ -39,6 +39,13 @@ step and sends its output on, the device thread still parked; anything that need
 trio (another session, a prefill chunk, a control request, a KV block) wakes it
 back to the batching loop.
 
+A verify step (speculative decoding, issue 48) carries a session's last token and
+its drafts (``Activations.drafts``), which every stage passes on: the head stage
+computes the head on all of its rows, draws each as plain decoding would, and sends
+the drafts its draws agree with plus its own next token in one ``Tokens`` frame. A
+step whose first position is below the session's cached length drops the tail
+there first (a rejected draft's KV: ``SessionKV.truncate``, no copy).
+
 A session can move here from another peer with its KV (see
 :mod:`hetmesh.node.migration`): it is opened with ``migrate_from``, holds its
 activations until the KV arrives from that peer, and then runs like any other.
@@ -105,7 +112,7 @@ from hetmesh.partition.stage import StageModule
 from hetmesh.protocol.logprobs import wire_of
 from hetmesh.resources import PeerId
 from hetmesh.speculative.accept import accepted, verify
-from hetmesh.transport.frames import Activations, Error, Frame, KVBlock, Tokens
+from hetmesh.transport.frames import MAX_DRAFTS, Activations, Error, Frame, KVBlock, Tokens
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -510,17 +517,18 @@ class StageServer:
             try:
                 if start is None:
                     raise InvalidRequest("the KV came before the prompt's first chunk")
+                length = request.prompt_tokens - start
                 keys, values = check_kv(
                     frame,
                     num_layers=len(range(self.pool.num_layers)[awaiting.layers]),
                     kv_heads=self.pool.kv_heads,
                     head_dim=self.pool.head_dim,
                     dtype=self.pool.dtype,
-                    length=request.prompt_tokens - start,
+                    length=_migrated_length(frame, length) if migrating else length,
                     start=start,
                 )
-                if migrating:
-                    session.kv.load(keys, values)
+                if migrating:  # a rejected drafts' tail stays behind
+                    session.kv.load(keys[:, :, :length], values[:, :, :length])
                 else:
                     if not session.kv.reserve(request.prompt_tokens):
                         raise Rejected("the stage's KV pool is full")
@@ -558,7 +566,9 @@ class StageServer:
         span = session.awaiting.layers if session.awaiting is not None else slice(None)
         pool, layers = self.pool, len(range(self.pool.num_layers)[span])
         per_token = 2 * layers * pool.kv_heads * pool.head_dim * pool.dtype.itemsize
-        return per_token * session.request.prompt_tokens
+        # a migrated KV may hold a verify step's rejected drafts past its length
+        tail = MAX_DRAFTS if session.request.migrate_from else 0
+        return per_token * (session.request.prompt_tokens + tail)
 
     def check_control(self, session_id: str, sender: PeerId | None) -> None:
         """``InvalidRequest`` unless ``sender`` (None: this node) may close or cancel the
@@ -1313,6 +1323,17 @@ def _output_frame(item: _Item, output: torch.Tensor | int | tuple[int, ...] | No
         tensors=(output,),
         drafts=item.drafts,  # the head stage compares them with its draws
     )
+
+
+def _migrated_length(frame: KVBlock, length: int) -> int:
+    """The positions a migrated KV frame holds, if ``length`` and at most
+    :data:`MAX_DRAFTS` more (the source's cache past the step the session moved
+    after: a verify step's rejected drafts, dropped here), else ``length`` (refused)."""
+    keys = frame.tensors[0] if frame.tensors else None
+    if keys is None or keys.dim() != 4:
+        return length
+    held = int(keys.shape[2])
+    return held if length <= held <= length + MAX_DRAFTS else length
 
 
 def _pool_blocks(stage: StageModule, limits: KVLimits) -> int:

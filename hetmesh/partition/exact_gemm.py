@@ -23,10 +23,14 @@ because every step is row-invariant, as measured on the project's Xeon (torch
   row takes a scalar path: rows are at least :data:`MIN_KEYS` wide);
 * weights ``@ values``, summed over the keys: MKL splits a long sum into
   blocks whose bounds follow the call's length, so the keys go in fixed blocks
-  of :data:`KEY_BLOCK` at absolute positions, each block's product summed in
+  at absolute positions (:func:`key_block`), each block's product summed in
   order; within a block, trailing zero weights change nothing (a block shorter
   than :data:`MIN_KEYS` is padded with zeros: torch sums a tiny product in its
-  own loop, not MKL's).
+  own loop, not MKL's). How long a sum MKL takes in one pass depends on the
+  CPU: on Intel's Xeon up to 256 keys (:data:`KEY_BLOCK`), on AMD's EPYC
+  (Zen 4, the same MKL on its AVX-512 path) up to 192, past which a row's
+  sum over 100 keys padded with zeros changes with the padding. The probe
+  takes the first of :data:`KEY_BLOCKS` that holds, once for the process.
 
 So a decode step, a decode round (rows padded to the longest), a prompt whole
 or in chunks, and a history replayed give a token the same bits, as before,
@@ -52,11 +56,23 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-KEY_BLOCK = 256  # keys per weights @ values product (below MKL's own blocking of the sum)
+KEY_BLOCKS = (256, 128, 64)  # keys per weights @ values product, tried in order by the probe
+KEY_BLOCK = KEY_BLOCKS[0]  # the first: below MKL's own blocking of the sum on Intel's Xeon
 MIN_KEYS = 16  # keys in every scores product and softmax row (fewer take other kernels)
 QUERY_TILE = 64  # query positions per product: a tile computes keys up to its last query's
 ROW_MINIMUMS = (2, 8)  # rows per product, at least: the probe takes the first that holds
 WIDE_ROWS = ROW_MINIMUMS[-1]
+
+_KEY_BLOCK: int | None = None  # the process's key block: the first probe that held fixed it
+
+
+def key_block() -> int:
+    """Keys per weights @ values product in this process: the block the first probe that
+    held proved (:func:`gemm_is_exact`), :data:`KEY_BLOCK` before any probe held. One for
+    the process, whatever the shape: the scripted steps (:mod:`hetmesh.partition.lean`)
+    take it too."""
+    return _KEY_BLOCK or KEY_BLOCK
+
 
 # the disallowed keys (b, s, total); per query tile: the keys it needs and whether any
 # of them is disallowed to one of its queries; the padding queries (b, s) or None
@@ -110,17 +126,20 @@ def gemm_attention(
     scaling: float | None,
     spans: object = None,
     min_rows: int | None = None,
+    key_block: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query (b, heads, s, d)`` over ``key``/``value (b, kv_heads, t, d)``,
     query ``i`` of row ``r`` seeing keys ``rows[r][i] = (lo, hi)`` (None: a padding query,
     output zeros); returns ``(b, s, heads, d)``. ``spans``: an object standing for ``rows``
     (the same object in each layer of a forward: its mask is built once). ``min_rows``:
-    rows per product at least (zeros added; None: the probe's choice for the shape)."""
+    rows per product at least (zeros added; None: the probe's choice for the shape).
+    ``key_block``: keys per weights @ values product (None: :func:`key_block`)."""
     batch, heads, seq, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     if min_rows is None:
         min_rows = _VERDICTS.get((heads, kv_heads, dim)) or ROW_MINIMUMS[0]
+    block = key_block or _KEY_BLOCK or KEY_BLOCK
     scale = dim**-0.5 if scaling is None else scaling
     if total < MIN_KEYS:  # zero keys, masked: every call has MIN_KEYS columns or more
         key = F.pad(key, (0, 0, 0, MIN_KEYS - total))
@@ -152,8 +171,8 @@ def gemm_attention(
         if short > 0:
             weights = F.pad(weights, (0, 0, 0, short))
         out: torch.Tensor | None = None
-        for k0 in range(0, need, KEY_BLOCK):
-            k1 = min(need, k0 + KEY_BLOCK)
+        for k0 in range(0, need, block):
+            k1 = min(need, k0 + block)
             w, vb = weights[:, :, k0:k1], v[:, k0:k1]
             if k1 - k0 < MIN_KEYS:  # a short sum takes torch's own loop: zeros to MKL's
                 w = F.pad(w, (0, MIN_KEYS - (k1 - k0)))
@@ -181,8 +200,10 @@ _OFF = False  # within per_query_calls()
 def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     """Whether :func:`gemm_attention` gives fp32 queries of this shape their lone results
     on this machine (random queries: a 300-token prompt whole, in chunks, one position
-    at a time, and rows of a padded round); probed once per shape. ``HETMESH_EXACT_GEMM=0``
-    (read at the first probe): never (one attention call per query, for comparisons)."""
+    at a time, and rows of a padded round); probed once per shape, with the process's key
+    block once one held (:func:`key_block`), else each of :data:`KEY_BLOCKS` until one
+    holds (it becomes the process's). ``HETMESH_EXACT_GEMM=0`` (read at the first probe):
+    never (one attention call per query, for comparisons)."""
     if _OFF:
         return False
     shape = (heads, kv_heads, dim)
@@ -190,11 +211,26 @@ def gemm_is_exact(heads: int, kv_heads: int, dim: int) -> bool:
     if verdict is None:
         verdict = 0
         if os.environ.get("HETMESH_EXACT_GEMM", "1") != "0":
-            with torch.no_grad():
-                proven = (m for m in ROW_MINIMUMS if _probe(heads, kv_heads, dim, min_rows=m))
-                verdict = next(proven, 0)
+            verdict = _probe_blocks(heads, kv_heads, dim)
         _VERDICTS[shape] = verdict
     return verdict > 0
+
+
+def _probe_blocks(heads: int, kv_heads: int, dim: int) -> int:
+    """The rows per product the probe proves for the shape (0: none), with the process's
+    key block, or the first of :data:`KEY_BLOCKS` that holds (then made the process's)."""
+    global _KEY_BLOCK
+    blocks = KEY_BLOCKS if _KEY_BLOCK is None else (_KEY_BLOCK,)
+    with torch.no_grad():
+        for block in blocks:
+            proven = (
+                m for m in ROW_MINIMUMS if _probe(heads, kv_heads, dim, min_rows=m, key_block=block)
+            )
+            rows = next(proven, 0)
+            if rows:
+                _KEY_BLOCK = block
+                return rows
+    return 0
 
 
 def gemm_rows(heads: int, kv_heads: int, dim: int) -> int:
@@ -257,12 +293,20 @@ def _causal(past: int, n: int) -> list[tuple[int, int]]:
     return [(0, p + 1) for p in range(past, past + n)]
 
 
-def _probe(heads: int, kv_heads: int, dim: int, min_rows: int = 2, length: int = 300) -> bool:
+def _probe(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    min_rows: int = 2,
+    length: int = 300,
+    key_block: int | None = None,
+) -> bool:
     g = torch.Generator().manual_seed(44)
     q = torch.randn(1, heads, length, dim, generator=g)
     k = torch.randn(1, kv_heads, length, dim, generator=g)
     v = torch.randn(1, kv_heads, length, dim, generator=g)
-    whole = gemm_attention(q, k, v, [_causal(0, length)], None, min_rows=min_rows)
+    kw = {"min_rows": min_rows, "key_block": key_block}
+    whole = gemm_attention(q, k, v, [_causal(0, length)], None, **kw)
     # the plain product's attention (not merely self-consistent)
     reference = F.scaled_dot_product_attention(
         q,
@@ -274,10 +318,11 @@ def _probe(heads: int, kv_heads: int, dim: int, min_rows: int = 2, length: int =
         return False
     # chunks, and lone decode steps at the edges of key blocks and query tiles
     cuts = [0, 1, 5, 17, 70, 199, 256, 257, 281, length]
-    steps = [(p, p + 1) for p in (0, 2, 3, 15, 16, 17, 63, 64, 65, 255, 257, 258, 259, 272)]
+    edges = (0, 2, 3, 15, 16, 17, 63, 64, 65, 100, 127, 128, 129, 191, 192, 193, 198)
+    steps = [(p, p + 1) for p in (*edges, 255, 257, 258, 259, 272)]
     for a, b in [*itertools.pairwise(cuts), *steps]:
         part = gemm_attention(
-            q[:, :, a:b], k[:, :, :b], v[:, :, :b], [_causal(a, b - a)], None, min_rows=min_rows
+            q[:, :, a:b], k[:, :, :b], v[:, :, :b], [_causal(a, b - a)], None, **kw
         )
         if not torch.equal(part, whole[:, a:b]):
             return False
@@ -290,7 +335,7 @@ def _probe(heads: int, kv_heads: int, dim: int, min_rows: int = 2, length: int =
         rk[row, :, :e], rv[row, :, :e] = k[0, :, :e], v[0, :, :e]
         rk[row, :, e:], rv[row, :, e:] = k[0, :, :1], v[0, :, :1]
     rows = [[(0, e)] for e in ends]
-    round_out = gemm_attention(rq, rk, rv, rows, None, min_rows=min_rows)
+    round_out = gemm_attention(rq, rk, rv, rows, None, **kw)
     return all(torch.equal(round_out[r, 0], whole[0, e - 1]) for r, e in enumerate(ends))
 
 
@@ -319,12 +364,14 @@ def _probe_widened(heads: int, kv_heads: int, dim: int, length: int = 300) -> bo
 
 __all__ = [
     "KEY_BLOCK",
+    "KEY_BLOCKS",
     "MIN_KEYS",
     "QUERY_TILE",
     "ROW_MINIMUMS",
     "gemm_attention",
     "gemm_is_exact",
     "gemm_rows",
+    "key_block",
     "per_query_calls",
     "widened_attention",
     "widens_bf16",

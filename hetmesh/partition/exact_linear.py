@@ -37,7 +37,11 @@ project's Xeon (torch 2.13, MKL 2024.2, oneDNN 3.12; docs/weights.md,
   threads, and costs about ``F.linear``'s in one call: :func:`make_exact` takes
   it where the probe proves it, in calls of up to the largest of
   :data:`BFLOAT16_PACKED_TILES` that holds (else ``weight @ x.T`` in tiles of
-  128 as before).
+  128 as before). On AMD's EPYC (Zen 4: AVX-512 with bf16 dot products, no
+  AMX) the same product gives 576 x 1,536 (the MLP's down projection) a lone
+  row's bits in calls of up to 16 rows only, and neither ``F.linear`` nor
+  ``weight @ x.T`` holds past 16 either: calls of 16 there (a 291-row prefill
+  ~12 % over one call, where one row per call cost 5x).
 
 Other shapes draw the classes elsewhere (MKL treats a small matrix, K = 64,
 its own way; its packed product differs at 3 rows for K = 2,048; oneDNN's
@@ -62,19 +66,20 @@ from torch import nn
 FLOAT32_TILE = 15  # MKL's small-matrix kernel: 2 to 15 rows
 FLOAT32_PACKED_TILE = 256  # MKL's packed product: rows per call (2 to 256)
 BFLOAT16_TILE = 128  # oneDNN's weight @ x.T: a row's sums as alone, up to 128 rows
-BFLOAT16_PACKED_TILES = (512, 128, 32)  # oneDNN's prepacked product: rows per call, tried
+BFLOAT16_PACKED_TILES = (512, 128, 32, 16)  # oneDNN's prepacked product: rows per call, tried
 PACKED_FOR = 512  # the row count MKL packs the weight for (its blocking; not a limit)
 
 
-def _float32_tiles(rows: int, tile: int = FLOAT32_TILE) -> list[int]:
-    """Tile sizes for ``rows`` rows, each 2 to ``tile`` (a lone row is padded to 2)."""
+def _float32_tiles(rows: int, tile: int = FLOAT32_TILE, least: int = 2) -> list[int]:
+    """Tile sizes for ``rows`` rows, each ``least`` to ``tile`` (fewer rows than ``least``
+    are one call, which the caller pads)."""
     if rows <= tile:
         return [rows]
     sizes = [tile] * (rows // tile)
     rest = rows % tile
-    if rest == 1:  # 15 + 1 -> 14 + 2
-        sizes[-1] -= 1
-        rest = 2
+    if 0 < rest < least:  # 15 + 1 -> 14 + 2 (least 2); 256 + 1 -> 253 + 4 (least 4)
+        sizes[-1] -= least - rest
+        rest = least
     if rest:
         sizes.append(rest)
     return sizes
@@ -118,24 +123,34 @@ def _onednn_linear() -> Any:
 _ONEDNN_LINEAR: Any = None
 
 
-def _onednn(rows: torch.Tensor, packed: torch.Tensor, tile: int) -> torch.Tensor:
-    """``rows @ weight.T`` by oneDNN's prepacked product, in calls of up to ``tile`` rows."""
+def _onednn(rows: torch.Tensor, packed: torch.Tensor, tile: int, lone: bool = True) -> torch.Tensor:
+    """``rows @ weight.T`` by oneDNN's prepacked product, in calls of up to ``tile`` rows;
+    a lone row in a 1-row call where ``lone``, else every call 2 rows or more (a lone row
+    padded with a zero row)."""
     mm = _onednn_linear()
     rows = rows.contiguous()
-    if rows.shape[0] <= tile:
+    count = rows.shape[0]
+    if count == 1 and not lone:
+        pair = torch.cat((rows, _zero_row(rows.shape[1], rows.dtype)))
+        padded: torch.Tensor = mm(pair, packed, None, "none", [], "")[:1]
+        return padded
+    if count <= tile:
         out: torch.Tensor = mm(rows, packed, None, "none", [], "")
         return out
-    return torch.cat([mm(t, packed, None, "none", [], "") for t in torch.split(rows, tile)])
+    tiles = torch.split(rows, tile if lone else _float32_tiles(count, tile))
+    return torch.cat([mm(t, packed, None, "none", [], "") for t in tiles])
 
 
-_ZERO_ROWS: dict[int, torch.Tensor] = {}  # a lone row's padding, per width (never written)
+# a few rows' padding, per width, dtype and count (never written)
+_ZERO_ROWS: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
 
-def _zero_row(width: int) -> torch.Tensor:
-    row = _ZERO_ROWS.get(width)
+def _zero_row(width: int, dtype: torch.dtype = torch.float32, count: int = 1) -> torch.Tensor:
+    key = (width, dtype, count)
+    row = _ZERO_ROWS.get(key)
     if row is None:
         with torch.inference_mode(False):  # a plain tensor, usable in and out of it
-            row = _ZERO_ROWS.setdefault(width, torch.zeros(1, width))
+            row = _ZERO_ROWS.setdefault(key, torch.zeros(count, width, dtype=dtype))
     return row
 
 
@@ -151,10 +166,15 @@ _MKL_LINEAR: Any = None
 
 
 def _packed(
-    rows: torch.Tensor, packed: torch.Tensor, shape_of: torch.Tensor, tile: int, lone: bool
+    rows: torch.Tensor,
+    packed: torch.Tensor,
+    shape_of: torch.Tensor,
+    tile: int,
+    lone: bool,
+    least: int = 2,
 ) -> torch.Tensor:
-    """``rows @ weight.T`` by MKL's packed product, every call 2 to ``tile`` rows, a
-    lone row in a call of its own where ``lone`` (else padded with a zero row).
+    """``rows @ weight.T`` by MKL's packed product, every call ``least`` to ``tile`` rows
+    (fewer padded with zero rows), a lone row in a call of its own where ``lone``.
     ``shape_of`` only gives the weight's shape (the call reads no other of its data
     when the row count passed is the call's own)."""
     mm = _mkl_linear()
@@ -162,15 +182,15 @@ def _packed(
     if count == 1 and lone:
         alone: torch.Tensor = mm(rows.contiguous(), packed, shape_of, None, 1)
         return alone
-    if count == 1:  # a decode step: the lean path (its overhead shows per step)
-        pair = torch.cat((rows, _zero_row(rows.shape[1])))
-        out: torch.Tensor = mm(pair, packed, shape_of, None, 2)[:1]
+    if count < least:  # a decode step: the lean path (its overhead shows per step)
+        pad = _zero_row(rows.shape[1], count=least - count)
+        out: torch.Tensor = mm(torch.cat((rows, pad)), packed, shape_of, None, least)[:count]
         return out
     rows = rows.contiguous()
     if count <= tile:
         out = mm(rows, packed, shape_of, None, count)
         return out
-    tiles = torch.split(rows, _float32_tiles(count, tile))
+    tiles = torch.split(rows, _float32_tiles(count, tile, least))
     return torch.cat([mm(t, packed, shape_of, None, t.shape[0]) for t in tiles])
 
 
@@ -183,20 +203,22 @@ def exact_linear(
     packed: torch.Tensor | None = None,
     tile: int = FLOAT32_PACKED_TILE,
     lone: bool = False,
+    least: int = 2,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be alone:
     by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
     only gives the shape) in calls of up to ``tile`` rows (a lone row in a 1-row call
-    where ``lone``, else padded to 2), or oneDNN's (bf16, :func:`onednn_pack`) in calls
-    of up to ``tile`` rows, else in tiles (see the module's docstring), or one row per
-    call where not ``tiled``."""
+    where ``lone``, else every call ``least`` rows or more, padded), or oneDNN's (bf16,
+    :func:`onednn_pack`) in calls of up to ``tile`` rows (a lone row in its own call
+    where ``lone``, else padded to 2), else in tiles (see the module's docstring), or
+    one row per call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
-        out = _packed(rows, packed, weight, tile, lone)
+        out = _packed(rows, packed, weight, tile, lone, least)
     elif packed is not None and rows.dtype == torch.bfloat16:
-        out = _onednn(rows, packed, tile)
+        out = _onednn(rows, packed, tile, lone)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
         parts = [F.linear(row, weight) for row in torch.split(rows, 1)]
         out = torch.cat(parts) if count > 1 else parts[0]
@@ -234,6 +256,7 @@ class ExactLinear(nn.Linear):
     packed: torch.Tensor | None = None
     tile: int = FLOAT32_PACKED_TILE
     lone: bool = False  # a lone row takes a 1-row packed call (proved per shape)
+    least: int = 2  # else fp32's packed calls have this many rows at least (zeros added)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
@@ -249,12 +272,14 @@ class ExactLinear(nn.Linear):
                 row = x.reshape(1, -1).contiguous()
                 one: torch.Tensor = _mkl_linear()(row, packed, self.weight, None, 1)
                 return one.view(*x.shape[:-1], self.out_features)
-            pair = torch.cat((x.reshape(1, -1), _zero_row(self.in_features)))
-            out: torch.Tensor = _mkl_linear()(pair, packed, self.weight, None, 2)[:1]
+            pad = _zero_row(self.in_features, count=self.least - 1)
+            pair = torch.cat((x.reshape(1, -1), pad))
+            out: torch.Tensor = _mkl_linear()(pair, packed, self.weight, None, self.least)[:1]
             return out.view(*x.shape[:-1], self.out_features)
         if packed is not None and self.bias is None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, self.in_features)
-            if rows.shape[0] <= self.tile:  # one call (a decode step, a round, a chunk)
+            # one call (a decode step, a round, a chunk; a lone row where it may be)
+            if rows.shape[0] <= self.tile and (self.lone or rows.shape[0] > 1):
                 one = _onednn_linear()(rows.contiguous(), packed, None, "none", [], "")
                 return one.view(*x.shape[:-1], self.out_features)
         return exact_linear(
@@ -265,14 +290,16 @@ class ExactLinear(nn.Linear):
             packed=self.packed,
             tile=self.tile,
             lone=self.lone,
+            least=self.least,
         )
 
     def extra_repr(self) -> str:
         if self.packed is not None and self.weight.dtype == torch.bfloat16:
             how = f", oneDNN's prepacked product, calls of up to {self.tile} rows"
+            how += "" if self.lone else ", a lone row padded to 2"
         elif self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
-            how += ", a lone row alone" if self.lone else ", a lone row padded to 2"
+            how += ", a lone row alone" if self.lone else f", a lone row padded to {self.least}"
         else:
             how = ", row tiles" if self.tiled else ", one row per call"
         return super().extra_repr() + how
@@ -290,11 +317,13 @@ def tiles_are_exact(
     packed: torch.Tensor | None = None,
     tile: int = FLOAT32_PACKED_TILE,
     lone: bool = False,
+    least: int = 2,
 ) -> bool:
     """Whether :func:`exact_linear` gives ``weight``'s rows their lone results (random
     rows, the calls of :data:`PROBE_ROWS`): by its ``packed`` form if given (then with a
     placeholder for ``weight``: proof that the call reads only the packed copy; a lone
-    row in a 1-row call where ``lone``), else in tiles."""
+    row in a 1-row call where ``lone``, else fp32's calls ``least`` rows at least), else
+    in tiles."""
     sizes = _probe_sizes(weight, tile if packed is not None else FLOAT32_PACKED_TILE)
     g = torch.Generator().manual_seed(44)
     x = torch.randn(max(sizes), weight.shape[1], generator=g).to(weight.dtype)
@@ -302,7 +331,7 @@ def tiles_are_exact(
     with torch.no_grad():
         alone = torch.cat(
             [
-                exact_linear(row, w, None, packed=packed, tile=tile, lone=lone)
+                exact_linear(row, w, None, packed=packed, tile=tile, lone=lone, least=least)
                 for row in torch.split(x, 1)
             ]
         )
@@ -316,7 +345,8 @@ def tiles_are_exact(
             return False  # not the product at all
         return all(
             torch.equal(
-                exact_linear(x[:m], w, None, packed=packed, tile=tile, lone=lone), alone[:m]
+                exact_linear(x[:m], w, None, packed=packed, tile=tile, lone=lone, least=least),
+                alone[:m],
             )
             for m in sizes
         )
@@ -363,30 +393,41 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
             if w.device.type != "cpu":
                 verdicts[key] = "tiles"
             elif bf16 and pack is not None:
-                # the largest tile that holds (calls of up to 33 rows for a large weight)
+                # the largest tile that holds (calls of up to 33 rows for a large weight),
+                # a lone row alone, else padded to 2 (AMD's EPYC: 576 x 1,536)
                 tiles = [t for t in BFLOAT16_PACKED_TILES if w.numel() <= PROBE_LARGE or t <= 32]
-                proven = (t for t in tiles if tiles_are_exact(w.detach(), pack, t))
-                tiled_to = next(proven, 0)
-                if tiled_to:
-                    verdicts[key] = f"onednn{tiled_to}"
+                ways = [(t, lone) for lone in (True, False) for t in tiles]
+                proven = (
+                    f"onednn{t}{'' if lone else 'pad'}"
+                    for t, lone in ways
+                    if tiles_are_exact(w.detach(), pack, t, lone=lone)
+                )
+                way = next(proven, "")
+                if way:
+                    verdicts[key] = way
                 else:
                     verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile, lone=True):
                 verdicts[key] = "packed_lone"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile):
                 verdicts[key] = "packed"
+            elif pack is not None and tiles_are_exact(w.detach(), pack, tile, least=4):
+                verdicts[key] = "packed4"  # AMD's EPYC: 1 to 3 rows take other kernels
             else:
                 verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
         sub.__class__ = ExactLinear
         if verdicts[key].startswith("onednn"):
             sub.packed = pack  # type: ignore[assignment]
-            sub.tile = int(verdicts[key].removeprefix("onednn"))  # type: ignore[assignment]
+            tile_of = verdicts[key].removeprefix("onednn").removesuffix("pad")
+            sub.tile = int(tile_of)  # type: ignore[assignment]
+            sub.lone = not verdicts[key].endswith("pad")  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
-        elif verdicts[key] in ("packed", "packed_lone"):
+        elif verdicts[key] in ("packed", "packed_lone", "packed4"):
             sub.packed = pack  # type: ignore[assignment]
             sub.tile = tile  # type: ignore[assignment]
             sub.lone = verdicts[key] == "packed_lone"  # type: ignore[assignment]
+            sub.least = 4 if verdicts[key] == "packed4" else 2  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 # straight into the table, not through register_parameter: another
                 # thread building a skeleton under accelerate's init_empty_weights has

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmesh.partition.attention import QuerySpans, exact_attention
-from hetmesh.partition.exact_gemm import KEY_BLOCK, MIN_KEYS, gemm_rows
+from hetmesh.partition.exact_gemm import MIN_KEYS, gemm_rows, key_block
 from hetmesh.partition.fused import ProjectionSlice
 from hetmesh.partition.quant import INT4_GROUP, Int4Linear
 
@@ -281,8 +281,9 @@ def lean_layer(
 
 def gemm_sizes(rows: int) -> list[int]:
     """:func:`gemm_step`'s ``sizes`` for ``rows`` rows per product; ``[]`` for ``rows`` 0
-    (where the callers make one sdpa call instead)."""
-    return [rows, MIN_KEYS, KEY_BLOCK] if rows > 0 else []
+    (where the callers make one sdpa call instead). The key block is the process's
+    (:func:`~hetmesh.partition.exact_gemm.key_block`), as exact_gemm's products take it."""
+    return [rows, MIN_KEYS, key_block()] if rows > 0 else []
 
 
 def weighted_values(
@@ -316,7 +317,7 @@ def gemm_step(
     """exact_gemm.gemm_attention for one query position of one row seeing keys
     ``[lo, hi)``: the same ops on the same tensors, in the same order (its one query
     tile; its mask of that row built here). ``sizes``: its rows per product at least,
-    MIN_KEYS and KEY_BLOCK (:func:`gemm_sizes`; TorchScript, which compiles this for
+    MIN_KEYS and the key block (:func:`gemm_sizes`; TorchScript, which compiles this for
     :mod:`~hetmesh.partition.lean_script`, reads no module constants)."""
     min_rows, min_keys, key_block = sizes[0], sizes[1], sizes[2]
     batch, heads, seq, dim = query.shape

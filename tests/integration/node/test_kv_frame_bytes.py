@@ -11,6 +11,7 @@ import trio
 from hetmesh.node.control import OpenSession
 from hetmesh.node.migration import kv_frame
 from hetmesh.partition.sampling import SamplingParams
+from hetmesh.transport.frames import MAX_DRAFTS
 from tests.integration.node.tiny_hops import GATEWAY, PROMPT, Hops, save_tiny_model
 
 
@@ -46,7 +47,10 @@ async def test_a_stage_bounds_a_kvblock_by_the_sessions_kv_it_awaits(tiny_model)
         sent = kv_frame("s", *kv.export())
         assert target.kv_frame_bytes("s") is None  # not open there yet
         assert target.handle(opening("s", migrate_from="a"), GATEWAY).ok
-        assert target.kv_frame_bytes("s") == sum(t.nbytes for t in sent.tensors)
+        per_token = sum(t.nbytes for t in sent.tensors) // len(PROMPT)
+        # the prompt's KV, and room for a verify step's rejected drafts past it (the
+        # source's tail, dropped on arrival: speculative decoding)
+        assert target.kv_frame_bytes("s") == per_token * (len(PROMPT) + MAX_DRAFTS)
         assert target.kv_frame_bytes("other") is None
         assert source.kv_frame_bytes("s") is None  # it computes its own: none awaited
         nursery.cancel_scope.cancel()

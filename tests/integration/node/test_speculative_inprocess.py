@@ -14,12 +14,20 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+import pytest
+import torch
 import trio
+from rich.console import Console
 
-from hetmesh.node.gateway import Gateway, GatewayTimeouts
+from hetmesh.cli.status_view import load_table, summarize
+from hetmesh.errors import InvalidRequest
+from hetmesh.node.api_metrics import ApiMetrics, MeshGauges
+from hetmesh.node.control import OpenSession
+from hetmesh.node.gateway import Gateway, GatewayTimeouts, Speculation
+from hetmesh.node.stage_host import as_dict
 from hetmesh.partition.sampling import SamplingParams
-from hetmesh.speculative.lookup import speculation
-from hetmesh.transport.frames import Frame, Tokens
+from hetmesh.speculative.lookup import PromptLookup, speculation
+from hetmesh.transport.frames import Activations, Frame, Tokens
 from tests.integration.node.test_kv_migration import FIRST, GATEWAY, SECOND, MovingMesh
 from tests.integration.node.test_serving_inprocess import collect, reference, tiny_model
 
@@ -52,9 +60,21 @@ class WatchedMesh(MovingMesh):
     async def send(self, sender: str, peer: str, frame: Frame) -> None:
         if peer == GATEWAY and isinstance(frame, Tokens):
             self.tokens.append(frame)
+            if self.gateway is not None and sender not in self.dead:
+                self.gateway.lane.offer(sender, frame)  # as a link's reader thread does
         await super().send(sender, peer, frame)
 
-    def gateway_with(self, k: int, **timeouts) -> Gateway:
+    def _send_now(self, peer: str, frame: Frame) -> bool:
+        """The lane's write to the first stage: taken at once."""
+        assert isinstance(frame, Activations)
+        self.servers[peer].submit(frame, lambda: None, GATEWAY)
+        return True
+
+    def gateway_with(
+        self, k: int, make: Speculation | None = None, *, lane: bool = False, **timeouts
+    ) -> Gateway:
+        """A gateway drafting ``k`` tokens a step by prompt lookup (or as ``make`` says)."""
+
         async def choose(session_id, avoid, hashes=()):
             return next((h for h in (FIRST, SECOND) if not {x.peer_id for x in h} & avoid), ())
 
@@ -70,7 +90,8 @@ class WatchedMesh(MovingMesh):
             eos_token_ids=frozenset(),
             max_context=256,
             timeouts=GatewayTimeouts(**timeouts),
-            speculation=speculation(k),
+            speculation=make or speculation(k),
+            send_now=self._send_now if lane else None,
         )
         return self.gateway
 
@@ -178,3 +199,176 @@ async def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(tin
     assert drafted == plain
     assert plain != reference(tiny_model, PROMPT, TOKENS)  # sampled, not greedy
     assert gateway.statistics().accepted > 0
+
+
+class _Gauges:
+    def __init__(self, gauges: MeshGauges) -> None:
+        self._gauges = gauges
+
+    def gauges(self) -> MeshGauges:
+        return self._gauges
+
+
+async def test_counters_reach_status_and_metrics(tiny_model):
+    """The gateway's counters, as its node announces them (``extra["gateway"]``) and
+    exports them, show drafts sent and kept and tokens per step."""
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+    await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+    g = gateway.statistics()
+    view = {
+        "peers": [
+            {
+                "peer_id": "12D3KooWgate",
+                "health": "self",
+                "record": {"extra": {"gateway": as_dict(g)}},
+            }
+        ]
+    }
+    (peer,) = summarize(view)["load"]["peers"]
+    per_step = g.verified_tokens / g.verify_steps
+    assert peer["speculation"] == {
+        "drafted": g.drafted,
+        "accepted": g.accepted,
+        "tokens_per_step": per_step,
+    }
+    assert per_step > 1  # more than a token a trip
+    console = Console(width=250, record=True)
+    console.print(load_table(summarize(view)))
+    assert f"{g.accepted}/{g.drafted}, {per_step:.2f} tok/step" in console.export_text()
+    gauges = MeshGauges(
+        verify_steps=g.verify_steps,
+        drafted=g.drafted,
+        accepted=g.accepted,
+        verified_tokens=g.verified_tokens,
+    )
+    text = ApiMetrics(_Gauges(gauges)).render().decode()
+    assert f"hetmesh_speculative_drafted_total {float(g.drafted)}" in text
+    assert f"hetmesh_speculative_accepted_total {float(g.accepted)}" in text
+    assert f"hetmesh_speculative_steps_total {float(g.verify_steps)}" in text
+
+
+async def test_a_move_right_after_a_rejected_step_carries_the_kv(tiny_model):
+    """The moved stage's KV still holds the rejected drafts' tail when it leaves: the
+    new stage takes it and drops the tail, no replay."""
+    probe = WatchedMesh(tiny_model)
+    await _run(probe, probe.gateway_with(4), SamplingParams(max_new_tokens=TOKENS))
+    start = next(s for s, rows, after in probe.verify_steps("b1") if after < s + rows)
+    # the token fed at ``start`` is the one handed on right after its step left: asked
+    # to move then, the session moves once that (rejecting) step is back
+    move_at = start - len(PROMPT) + 1
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+
+    def move(n: int) -> None:
+        if n == move_at:
+            assert gateway.move_off("b1") == 1
+
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS), on_token=move)
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    g = gateway.statistics()
+    assert (g.migrations, g.recoveries, g.migration_fallbacks) == (1, 0, 0)
+    b1_start, b1_rows = mesh.forwards["b1"][-1]  # its last step: the rejected one
+    assert b1_start == start
+    b2_first = mesh.forwards["b2"][0][0]
+    assert b1_start < b2_first < b1_start + b1_rows  # b2 started inside b1's tail
+
+
+async def test_a_request_for_logprobs_decodes_plainly(tiny_model):
+    """A token frame carries one token's log-probabilities: no drafts for such a request."""
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(4)
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=12, logprobs=2))
+    assert out == reference(tiny_model, PROMPT, 12)
+    assert gateway.statistics().verify_steps == 0
+    assert all(len(t.token_ids) == 1 and t.logprobs for t in mesh.tokens)
+
+
+async def test_a_stage_refuses_drafts_that_do_not_fit_the_step(tiny_model):
+    """Drafts must be the step's inputs after its first: anything else is the
+    sender's ``InvalidRequest`` and the session is untouched."""
+    mesh = WatchedMesh(tiny_model)
+    server = mesh.servers["a"]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        opening = OpenSession(
+            session_id="s",
+            start=0,
+            end=2,
+            next_peer="b1",
+            gateway=GATEWAY,
+            max_tokens=64,
+            prompt_tokens=2,
+            sampling=SamplingParams(),
+        )
+        assert server.handle(opening, GATEWAY).ok
+        bad = Activations(
+            session_id="s",
+            step=0,
+            positions=(0, 1),
+            tensors=(torch.tensor([5, 6]),),
+            drafts=(6, 7),
+        )
+        with pytest.raises(InvalidRequest, match="2 drafts for a step of 2 positions"):
+            server.submit(bad, lambda: None, GATEWAY)
+        assert server.statistics().queue_depth == 0
+        assert server.kv.get("s").length == 0  # untouched
+        nursery.cancel_scope.cancel()
+
+
+class _Recording:
+    """A budget that asks for ``k`` drafts and records what it is asked and told."""
+
+    def __init__(self, k: int = 2) -> None:
+        self.records: list[tuple[int, int, float]] = []
+        self._k = k
+        self.asked = 0
+
+    def k(self) -> int:
+        self.asked += 1
+        return self._k
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.records.append((drafted, accepted, seconds))
+
+
+async def test_the_budget_hears_every_decode_step(tiny_model):
+    """Verify steps with their drafts and kept drafts, plain decode steps (no draft to
+    propose) as 0 drafts: what a measured budget compares."""
+    mesh = WatchedMesh(tiny_model)
+    budget = _Recording()
+    gateway = mesh.gateway_with(0, make=lambda: (PromptLookup(), budget))
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    g = gateway.statistics()
+    verify = [r for r in budget.records if r[0]]
+    plain = [r for r in budget.records if not r[0]]
+    assert len(verify) == g.verify_steps > 0
+    assert sum(r[1] for r in verify) == g.accepted
+    assert plain  # the first decode step finds no repeated n-gram yet
+    assert all(r[2] > 0 for r in budget.records)
+    # every token after the prompt's came from one recorded step
+    assert len(plain) + g.verified_tokens == TOKENS - 1
+
+
+async def test_a_budget_at_zero_keeps_the_lane_and_is_asked_once_a_step(tiny_model):
+    """A session whose budget says 0 sends plain steps through the gateway's lane as a
+    session without speculation does; with k > 0 the lane is not armed; either way the
+    budget is asked once for each decode step sent and told each one's outcome."""
+    sent_by_lane = {}
+    for name, make in (
+        ("off", None),
+        ("zero", _Recording(0)),
+        ("four", _Recording(4)),
+    ):
+        mesh = WatchedMesh(tiny_model)
+        factory = None if make is None else (lambda b=make: (PromptLookup(), b))
+        gateway = mesh.gateway_with(0, factory, lane=True)
+        out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+        assert out == reference(tiny_model, PROMPT, TOKENS), name
+        sent_by_lane[name] = gateway.lane.sent
+        steps = len(mesh.forwards["a"]) - 1  # after the prompt's one chunk
+        if make is not None:
+            assert make.asked == steps == len(make.records), name
+    assert sent_by_lane["off"] == sent_by_lane["zero"] == TOKENS - 1  # every decode step
+    assert sent_by_lane["four"] < sent_by_lane["zero"]

@@ -23,6 +23,12 @@ from tests.unit.partition.tiny_models import count_calls
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as info:
+        return next((set(x.split(":", 1)[1].split()) for x in info if x.startswith("flags")), set())
+
+
 # issue 44's prompts that flipped were 323-354 tokens, cut into chunks by the mesh
 PROMPT_TOKENS, CUTS = 340, [85, 85, 85, 85]
 
@@ -49,6 +55,10 @@ def test_torch_bf16_attention_differs_with_chunks(default_model_dir: Path) -> No
 def test_torch_linear_layers_differ_with_chunks_and_batches(
     default_model_dir: Path, fmt: WeightFormat
 ) -> None:
+    if fmt is WeightFormat.BFLOAT16 and "amx_bf16" not in _cpu_flags():
+        # measured on AMD's EPYC (AVX-512 BF16, no AMX): torch's bf16 products gave each
+        # row the same bits whole, chunked and in a round (docs/journal/2026-12-10-exact-9.md)
+        pytest.skip("torch's bf16 linear layers are row-dependent on AMX (Xeon) only")
     stage = load_stage(default_model_dir, 0, 32, weights=fmt, exact_linears=False)
     whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, CUTS)
     alone, rounded, _, _ = alone_and_in_a_round(stage, [PROMPT_TOKENS, 336, 50])

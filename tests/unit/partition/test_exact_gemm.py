@@ -13,6 +13,7 @@ from hetmesh.partition import exact_gemm
 from hetmesh.partition.attention import QuerySpans, exact_attention
 from hetmesh.partition.exact_gemm import (
     KEY_BLOCK,
+    KEY_BLOCKS,
     MIN_KEYS,
     QUERY_TILE,
     ROW_MINIMUMS,
@@ -49,6 +50,7 @@ def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each case both ways: the products (where this machine's probe allows them) and
     one call per query (``HETMESH_EXACT_GEMM=0``)."""
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_KEY_BLOCK", None)
     monkeypatch.setattr(exact_gemm, "_WIDENED", {})
     monkeypatch.delenv("HETMESH_EXACT_GEMM_BF16", raising=False)
     if request.param == "calls":
@@ -78,19 +80,22 @@ def _chunked(q, k, v, cuts: list[int], window: int | None = None) -> torch.Tenso
 
 def test_the_constants_cover_the_cases_below() -> None:
     assert MIN_KEYS < QUERY_TILE < KEY_BLOCK < 600 - KEY_BLOCK
+    assert KEY_BLOCKS[0] == KEY_BLOCK
+    assert all(QUERY_TILE <= block <= KEY_BLOCK for block in KEY_BLOCKS)
 
 
 @pytest.mark.parametrize("window", [None, 100])
 def test_a_long_prompt_whole_in_chunks_and_decoded_is_bit_identical(
     way: str, dtype: torch.dtype, window: int | None
 ) -> None:
-    """600 tokens: three key blocks, ten query tiles; chunks cut across both."""
+    """600 tokens: three to ten key blocks, ten query tiles; chunks cut across both."""
     total = 600
     q, k, v = _inputs(total, seed=1, dtype=dtype)
     whole = _exact(q, k, v, QuerySpans.of([0], [total], total, window))
     for cuts in ([1, 1, 1, 597], [255, 2, 343], [63, 65, 128, 256, 88], [5] * 120):
         assert torch.equal(_chunked(q, k, v, cuts, window), whole), cuts[:4]
-    for p in (0, 1, 14, 15, 16, 63, 64, 255, 256, 257, 511, 512, 513, 599):
+    edges = (127, 128, 129, 191, 192, 193, 383, 384, 385)  # the smaller key blocks'
+    for p in (0, 1, 14, 15, 16, 63, 64, 255, 256, 257, 511, 512, 513, 599, *edges):
         spans = QuerySpans.of([p], [1], 1, window)
         step = _exact(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], spans)
         assert torch.equal(step, whole[:, p : p + 1]), p
@@ -141,6 +146,7 @@ def test_without_grouped_queries_a_lone_row_equals_it_in_a_round(
 ) -> None:
     """One query head per key head: a decode step is one row (padded to two inside)."""
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_KEY_BLOCK", None)
     monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
     if not gemm_is_exact(4, 4, 32):
         pytest.skip("this machine's products are not row-invariant (the probe refused)")
@@ -180,7 +186,10 @@ def test_torchs_bf16_attention_differs_whole_and_chunked() -> None:
     chunked = torch.cat([attend(0, 85), attend(85, 170), attend(170, 255), attend(255, 300)], 2)
     assert torch.allclose(whole.float(), chunked.float(), atol=2**-6, rtol=2**-6)
     assert not torch.equal(whole, chunked)
-    # the widened products give every cut the same bits (and torch's values to rounding)
+    # the widened products give every cut the same bits (and torch's values to rounding),
+    # in the rows per product and key block this machine's probe proves
+    if not widens_bf16(9, 3, 64):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
     products = [
         widened_attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], exact_gemm_causal(a, b), None)
         for a, b in ((0, 85), (85, 170), (170, 255), (255, 300))
@@ -200,6 +209,7 @@ def test_bf16_takes_the_widened_products_unless_switched_off(
     """``HETMESH_EXACT_GEMM_BF16=0``: bf16 makes one call per query again (the way before;
     agreeing with the products to rounding, not bit for bit), fp32 keeps the products."""
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_KEY_BLOCK", None)
     monkeypatch.setattr(exact_gemm, "_WIDENED", {})
     monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
     monkeypatch.delenv("HETMESH_EXACT_GEMM_BF16", raising=False)
@@ -235,6 +245,7 @@ def test_the_bf16_probe_refuses_products_that_are_not_torchs_attention(
 
 def test_the_switch_turns_the_products_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_KEY_BLOCK", None)
     monkeypatch.setenv("HETMESH_EXACT_GEMM", "0")
     assert not gemm_is_exact(9, 3, 64)
 
@@ -252,6 +263,7 @@ def test_the_thread_count_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> No
     The products only (the per-query calls are one torch kernel each, pinned by
     test_threads.py's stages; at 2 threads on a busy machine they crawl)."""
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_KEY_BLOCK", None)
     monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
     if not gemm_is_exact(9, 3, 64):
         pytest.skip("this machine's products are not row-invariant (the probe refused)")
@@ -278,6 +290,7 @@ def test_wide_heads_and_ungrouped_queries_pad_their_products_to_more_rows(
     product of 2 to 4 rows takes another kernel than a prompt's here, so the probe
     takes a larger row minimum (or refuses: then one call per query)."""
     monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_KEY_BLOCK", None)
     monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
     heads, kv_heads, dim = shape
     if not gemm_is_exact(*shape):
@@ -290,3 +303,67 @@ def test_wide_heads_and_ungrouped_queries_pad_their_products_to_more_rows(
     for p in (0, 3, 16, 64, 255, 257, 299):
         step = _exact(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1])
         assert torch.equal(step, whole[:, p : p + 1]), p
+
+
+def test_a_key_block_the_probe_refuses_gives_way_to_the_next_for_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where 256 keys are one sum too many (AMD's EPYC), the probe takes the next of
+    KEY_BLOCKS; the process keeps that block for every shape and the scripted steps."""
+    from hetmesh.partition.lean import gemm_sizes
+
+    monkeypatch.setattr(exact_gemm, "_VERDICTS", {})
+    monkeypatch.setattr(exact_gemm, "_KEY_BLOCK", None)
+    monkeypatch.delenv("HETMESH_EXACT_GEMM", raising=False)
+    real = exact_gemm._probe
+    tried: list[tuple[tuple[int, int, int], int | None]] = []
+
+    def no_256(heads: int, kv_heads: int, dim: int, **kw: int | None) -> bool:
+        tried.append(((heads, kv_heads, dim), kw.get("key_block")))
+        return kw.get("key_block") != KEY_BLOCKS[0] and real(heads, kv_heads, dim, **kw)
+
+    monkeypatch.setattr(exact_gemm, "_probe", no_256)
+    assert exact_gemm.key_block() == KEY_BLOCK  # before any probe held
+    if not gemm_is_exact(9, 3, 64):
+        pytest.skip("this machine's products are not row-invariant at any key block")
+    block = exact_gemm.key_block()
+    assert block in KEY_BLOCKS[1:]
+    assert {b for _, b in tried} >= {KEY_BLOCKS[0], block}
+    assert gemm_sizes(exact_gemm.gemm_rows(9, 3, 64))[2] == block
+    tried.clear()
+    gemm_is_exact(4, 4, 32)  # another shape: probed with the process's block only
+    assert {b for _, b in tried} == {block}
+    # the products cut at that block: a prompt whole = chunked = decoded
+    q, k, v = _inputs(300, seed=60)
+    whole = _exact(q, k, v)
+    assert torch.equal(_chunked(q, k, v, [block - 1, 2, 300 - block - 1]), whole)
+    for p in (block - 1, block, block + 1):
+        step = _exact(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1])
+        assert torch.equal(step, whole[:, p : p + 1]), p
+
+
+def test_the_key_block_sums_a_row_as_its_keys_alone() -> None:
+    """What the key blocks rest on, for the block this process's probe took: a row's
+    weights @ values over its keys, zero weights after them up to the block's end (a
+    masked key), give its sum over its keys alone. Where the probe took a smaller
+    block than the first, the first does not hold here (the reason it was refused)."""
+    if not gemm_is_exact(9, 3, 64):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    block = exact_gemm.key_block()
+    rows = exact_gemm.gemm_rows(9, 3, 64)
+    g = torch.Generator().manual_seed(61)
+    values = torch.randn(3, KEY_BLOCK, 64, generator=g)
+    weights = torch.rand(3, max(rows, 8), KEY_BLOCK, generator=g)
+
+    def padding_changes(keys: int, width: int) -> bool:
+        w = torch.zeros(3, weights.shape[1], width)
+        w[:, :, :keys] = weights[:, :, :keys]
+        alone = torch.bmm(w[:, :, :keys], values[:, :keys])
+        return not torch.equal(torch.bmm(w, values[:, :width]), alone)
+
+    lengths = (MIN_KEYS, 33, 64, 100, 127, 135, 191, 198, 255)
+    assert not any(
+        padding_changes(n, width) for n in lengths if n <= block for width in range(n, block + 1)
+    )
+    if block < KEY_BLOCK:
+        assert any(padding_changes(n, w) for n in lengths for w in range(n, KEY_BLOCK + 1))
