@@ -53,7 +53,7 @@ def _weights_help() -> str:
 
 
 WEIGHTS_HELP = _weights_help()
-DEFAULT_SPECULATIVE_K = 4  # drafts a step with --speculative and no --speculative-k
+DEFAULT_SPECULATIVE_K = 8  # the most drafts a step with --speculative (the budget chooses)
 
 
 def parse_size(text: str) -> int:
@@ -244,17 +244,29 @@ def start(
         bool | None,
         typer.Option(
             "--speculative/--no-speculative",
-            help="Requests entering here send drafts (prompt lookup) with each decode "
-            "step, verified by the last stage: several tokens per trip through the "
-            f"pipeline, the same output (--speculative alone: {DEFAULT_SPECULATIVE_K} "
-            "drafts). Off by default.",
+            help="Requests entering here send drafts (prompt lookup, or --draft) with "
+            "their decode steps, verified by the last stage: several tokens per trip "
+            "through the pipeline, the same output. A budget measures each session's "
+            f"steps and sends 0 to {DEFAULT_SPECULATIVE_K} drafts a step, none where "
+            "they do not pay. Off by default.",
         ),
     ] = None,
     speculative_k: Annotated[
         int | None,
         typer.Option(
             "--speculative-k",
-            help="Drafts per decode step of a request entering here (0: none, the default).",
+            help="Drafts every decode step of a request entering here sends, fixed (for "
+            "comparisons; 0: none, the default). With --speculative: the budget's most.",
+        ),
+    ] = None,
+    draft: Annotated[
+        str | None,
+        typer.Option(
+            "--draft",
+            help="What drafts with --speculative[-k]: 'lookup' (prompt lookup, the "
+            "default) or a weight format such as 'int4': a copy of the served model in "
+            "that format at this node, drafting for its requests (its memory is this "
+            "node's: the int4 default model ~124 MB).",
         ),
     ] = None,
     kv_reserve_whole: Annotated[
@@ -391,6 +403,8 @@ def build_node_config(settings: dict[str, Any]) -> Any:
             prefix_cache=bool(settings.get("prefix_cache", base.prefix_cache)),
             migrate=bool(settings.get("migrate", base.migrate)),
             speculative_k=_speculative_k(settings),
+            speculative_measured=_speculative_measured(settings),
+            draft=_draft(settings.get("draft")),
             drain_s=STOP_DRAIN_S,  # SIGTERM: sessions move away before the node leaves
             kv_reserve_whole=bool(settings.get("kv_reserve_whole", base.kv_reserve_whole)),
             threads=settings.get("threads") or default_threads(),
@@ -474,6 +488,27 @@ def _speculative_k(settings: dict[str, Any]) -> int:
     if not 0 <= k <= MAX_DRAFTS:
         raise InvalidRequest(f"--speculative-k must be within [0, {MAX_DRAFTS}], got {k}")
     return int(k)
+
+
+def _speculative_measured(settings: dict[str, Any]) -> bool:
+    """Whether the measured budget chooses: ``--speculative`` without ``--speculative-k``
+    (a k given alone is every step's, for comparisons)."""
+    return bool(settings.get("speculative")) and settings.get("speculative_k") is None
+
+
+def _draft(value: Any) -> str:
+    """``--draft``: ``lookup``, or a weight format (checked here, before the node joins)."""
+    from hetmesh.partition.formats import parse_weights
+    from hetmesh.speculative.choose import LOOKUP
+
+    if value is None or str(value).strip().lower() == LOOKUP:
+        return LOOKUP
+    fmt = parse_weights(str(value))
+    if fmt is None:  # "auto"
+        from hetmesh.errors import InvalidRequest
+
+        raise InvalidRequest("--draft takes 'lookup' or a weight format, not 'auto'")
+    return fmt.value
 
 
 def _weights(value: Any, device: Any) -> str:

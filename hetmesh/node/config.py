@@ -70,8 +70,13 @@ class ServingConfig:
     # a session whose stage leaves alive (re-plan, drain) moves with its KV (False: replay)
     migrate: bool = True
     # drafts a decode step of a request entering here carries (speculative decoding,
-    # issue 48: prompt lookup verified by the last stage); 0: none
+    # issue 48: drafts verified by the last stage); 0: none. With speculative_measured
+    # the most a step carries (the measured budget chooses), else every step's count
     speculative_k: int = 0
+    speculative_measured: bool = False
+    # what drafts: "lookup" (prompt lookup), or a weight format ("int4"): a copy of the
+    # served model in it at this node (hetmesh.speculative.draft_model)
+    draft: str = "lookup"
     # a stopping node waits up to this long for its sessions to move away (0: it leaves at
     # once and they replay); nodes started by the CLI wait STOP_DRAIN_S (SIGTERM drains)
     drain_s: float = 0.0
@@ -109,6 +114,7 @@ _KEYS: dict[str, tuple[type | tuple[type, ...], tuple[str, ...] | None]] = {
     "migrate": (bool, None),
     "speculative": (bool, None),
     "speculative_k": (int, None),
+    "draft": (str, None),  # "lookup" or a weight format, checked by hetmesh.cli.node
     "kv_reserve_whole": (bool, None),
     "threads": (int, None),
     "block_step_ms": ((int, float), None),

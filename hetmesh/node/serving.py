@@ -15,6 +15,7 @@ calls (:mod:`~hetmesh.node.peer_calls`), the calibrator
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from hetmesh.scheduler.prefix_summary import summary_salt
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.shards.fetch import SHARDS_PROTOCOL, Shards, open_shards
 from hetmesh.shards.links import SHARD_LINK_PROTOCOL, shard_plane_config
-from hetmesh.speculative.lookup import speculation
+from hetmesh.speculative.choose import LOOKUP, Speculation, gateway_speculation
 from hetmesh.transport import DataPlane, Frame
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class Serving:
         self.node = node
         self.config = config
         self.model_dir = model_dir
+        self.draft_model: Any = None  # --draft FORMAT: its DraftModel (speculative decoding)
         model_config = check_model_dir(model_dir)
         # the planner's fallback for peers announcing no format; each device is
         # charged its own format's bytes (weights_constraints)
@@ -214,7 +216,7 @@ class Serving:
                 chunk_costs=self.routes.chunk_costs,
                 helper=self.routes.helper,
                 send_now=self._lane_send_now(),  # hetmesh.node.gateway_lane
-                speculation=speculation(self.config.speculative_k),
+                speculation=await self._speculation(),
             )
             self.pool.peek = self.gateway.lane.offer
             self.calls.gateway = self.routes.gateway = self.gateway
@@ -304,6 +306,36 @@ class Serving:
         return self.routes.ready()
 
     # -- announcing -----------------------------------------------------------------
+
+    async def _speculation(self) -> Speculation | None:
+        """The gateway's drafter and budget for each request (issue 48): none unless
+        ``--speculative[-k]``; a draft model (``--draft FORMAT``) is loaded here, once,
+        in a thread, and its bytes logged (they are this node's, beside its stages)."""
+        config = self.config
+        if config.speculative_k <= 0:
+            return None
+        model = None
+        if config.draft != LOOKUP:
+            from hetmesh.speculative.draft_model import DraftModel
+
+            model = await trio.to_thread.run_sync(
+                functools.partial(
+                    DraftModel.load,
+                    self.model_dir,
+                    weights=config.draft,
+                    device=self.node.config.device or "cpu",
+                )
+            )
+            self.draft_model = model
+            log.info(
+                "draft model: %s in %s, %.1f MB of weights",
+                self.model_key,
+                config.draft,
+                model.weight_bytes() / 1e6,
+            )
+        return gateway_speculation(
+            config.speculative_k, measured=config.speculative_measured, model=model
+        )
 
     def _lane_send_now(self) -> SendNow:
         """The gateway lane's send (:mod:`hetmesh.node.gateway_lane`): a next step for

@@ -372,3 +372,36 @@ async def test_a_budget_at_zero_keeps_the_lane_and_is_asked_once_a_step(tiny_mod
             assert make.asked == steps == len(make.records), name
     assert sent_by_lane["off"] == sent_by_lane["zero"] == TOKENS - 1  # every decode step
     assert sent_by_lane["four"] < sent_by_lane["zero"]
+
+
+async def test_a_draft_model_with_the_measured_budget_gives_the_reference(tiny_model):
+    """``--speculative --draft FORMAT``: a copy of the model at the gateway drafts (its
+    own greedy text, so nearly all kept), the measured budget goes to many drafts a
+    step, the output is the reference's, and each request's drafter lets its KV go."""
+    from hetmesh.speculative.budget import SpeculationBudget
+    from hetmesh.speculative.choose import gateway_speculation
+    from hetmesh.speculative.draft_model import DraftModel
+
+    model = DraftModel.load(tiny_model, weights="float32")
+    make = gateway_speculation(8, measured=True, model=model)
+    assert make is not None
+    budgets: list[SpeculationBudget] = []
+
+    def watched():
+        drafter, budget = make()
+        budgets.append(budget)
+        return drafter, budget
+
+    mesh = WatchedMesh(tiny_model)
+    gateway = mesh.gateway_with(0, watched, lane=True)
+    out = await _run(mesh, gateway, SamplingParams(max_new_tokens=TOKENS))
+    assert out == reference(tiny_model, PROMPT, TOKENS)
+    g = gateway.statistics()
+    assert g.verify_steps > 0
+    assert g.accepted >= 0.9 * g.drafted  # the same weights: its drafts hold
+    assert g.verified_tokens / g.verify_steps > 2
+    assert budgets
+    assert budgets[0].acceptance > 0.8
+    assert model.resident_bytes() == model.weight_bytes()  # the drafter was closed
+    for server in mesh.servers.values():
+        assert server.statistics().kv.sessions == 0
