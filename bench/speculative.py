@@ -15,16 +15,13 @@ On each network, fresh meshes of real node processes with the same format and
 threads, one per arm, in order (``--rounds 2`` runs the arms again, reversed:
 A/B/B/A):
 
-- ``off``: ``--speculative-k 0`` (plain decoding);
-- ``lookup``: ``--speculative-k K`` (the node as shipped: prompt lookup, K drafts
-  a step);
-- ``lookup_measured``: prompt lookup, the measured budget
-  (:class:`~hetmesh.speculative.budget.SpeculationBudget`, up to ``--max-k``);
-- ``draft``: an int4 copy of the model at the gateway drafting for the float32
-  mesh, the measured budget (``draft_fixed``: K drafts a step).
-
-The last three start their nodes through ``bench/speculative_node.py``, which
-sets the gateway's drafter and budget until the node has flags for them.
+- ``off``: ``--no-speculative`` (plain decoding);
+- ``lookup``: ``--speculative-k K`` (prompt lookup, K drafts every step);
+- ``lookup_measured``: ``--speculative`` (prompt lookup, the measured budget:
+  :class:`~hetmesh.speculative.budget.SpeculationBudget`, up to 8 a step);
+- ``draft``: ``--speculative --draft int4`` (an int4 copy of the model at the
+  gateway drafting for the float32 mesh, the measured budget); ``draft_fixed``:
+  ``--speculative-k K --draft int4``.
 
 Each mesh answers the copy-heavy prompts (rewrite or repeat a given passage) and
 the open ones (a story, an explanation), greedy, ``--tokens`` each, entering at
@@ -76,15 +73,14 @@ OPEN = (
 STAGES = 3
 WAN_RTT_S = 0.020
 NODE_ARGS = ("--max-sessions", "4", "--max-context", "1024", "--weights", "float32")
-OFF_ARGS = ("--speculative-k", "0")
-LAUNCHER = Path(__file__).resolve().parent / "speculative_node.py"
-# arm -> (drafter, budget) of bench/speculative_node.py; None: the node as shipped
-ARMS: dict[str, tuple[str, str] | None] = {
-    "off": None,  # --speculative-k 0
-    "lookup": None,  # the node's own: prompt lookup, --speculative-k drafts every step
-    "lookup_measured": ("lookup", "measured"),
-    "draft": ("int4", "measured"),
-    "draft_fixed": ("int4", "fixed"),
+MEASURED_MAX_K = 8  # hetmesh.cli.node.DEFAULT_SPECULATIVE_K: --speculative's most
+# arm -> its nodes' flags; "K": the fixed arms' --k
+ARMS: dict[str, tuple[str, ...]] = {
+    "off": ("--no-speculative",),
+    "lookup": ("--speculative-k", "K"),  # prompt lookup, K drafts every step
+    "lookup_measured": ("--speculative",),  # prompt lookup, the measured budget
+    "draft": ("--speculative", "--draft", "int4"),  # int4 self-draft, the measured budget
+    "draft_fixed": ("--speculative-k", "K", "--draft", "int4"),
 }
 DEFAULT_ARMS = "off,lookup,lookup_measured,draft"
 # the gateway's speculation counters in its status record (hetmesh.node.gateway_records)
@@ -188,27 +184,9 @@ def cpu_model() -> str:
 # -- the run -----------------------------------------------------------------------
 
 
-def launcher_argv(argv: Sequence[str], choice: tuple[str, str] | None) -> list[str]:
-    """A node's argv (``python -m hetmesh node start ...``) through bench/speculative_node.py
-    with ``choice`` (drafter, budget); unchanged for None."""
-    argv = list(argv)
-    if choice is None:
-        return argv
-    at = argv.index("-m")
-    if argv[at + 1] != "hetmesh":
-        raise ValueError(f"not a hetmesh command line: {argv}")
-    drafter, budget = choice
-    launcher = [str(LAUNCHER), "--bench-drafter", drafter, "--bench-budget", budget]
-    return [*argv[:at], *launcher, *argv[at + 2 :]]
-
-
-def arm_args(arm: str, k: str, max_k: int) -> list[str]:
-    if arm == "off":
-        return list(OFF_ARGS)
-    choice = ARMS[arm]
-    if choice is not None and choice[1] == "measured":
-        return ["--speculative-k", str(max_k)]
-    return ["--speculative-k", k]
+def arm_args(arm: str, k: str) -> list[str]:
+    """The node flags of ``arm``, ``K`` replaced by ``k``."""
+    return [k if a == "K" else a for a in ARMS[arm]]
 
 
 def measure_arm(
@@ -221,20 +199,12 @@ def measure_arm(
     """One fresh mesh for ``arm``: its plan checked, each prompt set's streams."""
     import cut  # bench/cut.py, beside this file
 
-    import hetmesh.testbed.mesh as testbed_mesh
-    from hetmesh.testbed.local_mesh import node_argv
     from hetmesh.testbed.mesh import plan_of
 
     tokens, repeat = args.tokens, args.repeat
-    node_args = cut.node_args_for(
-        model_dir, STAGES, [*NODE_ARGS, *arm_args(arm, args.k, args.max_k)]
-    )
+    node_args = cut.node_args_for(model_dir, STAGES, [*NODE_ARGS, *arm_args(arm, args.k)])
     began = time.monotonic()
-    testbed_mesh.node_argv = lambda *a: launcher_argv(node_argv(*a), ARMS[arm])  # type: ignore[assignment]
-    try:
-        bed.start_all(*node_args)
-    finally:
-        testbed_mesh.node_argv = node_argv  # type: ignore[assignment]
+    bed.start_all(*node_args)
     try:
         view = bed.wait_serving()
         plan = plan_of(view)
@@ -331,7 +301,6 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="generations per prompt")
     parser.add_argument("--rounds", type=int, default=1, help="2: the arms again, reversed")
     parser.add_argument("--k", default="4", help="drafts a step of the fixed arms")
-    parser.add_argument("--max-k", type=int, default=8, help="the measured budget's most")
     parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"of {','.join(ARMS)}")
     parser.add_argument("--networks", default="wan,loopback")
     parser.add_argument("--no-offline", action="store_true")
@@ -413,7 +382,7 @@ def main() -> int:
         "plan": any_run["plan"],
         "split_stages": any_run["stages"],
         "k": args.k,
-        "max_k": args.max_k,
+        "max_k": MEASURED_MAX_K,
         "wan_rtt_ms": WAN_RTT_S * 1e3,
         "arms": {
             network: {

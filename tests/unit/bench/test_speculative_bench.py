@@ -92,15 +92,46 @@ def test_arm_order_alternates() -> None:
     assert bench.arm_order(["off", "on"], 2) == ["off", "on", "on", "off"]
 
 
-def test_arms_start_through_the_launcher() -> None:
-    argv = ["/py", "-m", "hetmesh", "node", "start", "--data-dir", "d"]
-    assert bench.launcher_argv(argv, None) == argv
-    via = bench.launcher_argv(argv, ("int4", "measured"))
-    assert via[0] == "/py"
-    assert via[1].endswith("bench/speculative_node.py")
-    assert via[2:6] == ["--bench-drafter", "int4", "--bench-budget", "measured"]
-    assert via[6:] == ["node", "start", "--data-dir", "d"]
-    assert bench.arm_args("off", "4", 8) == ["--speculative-k", "0"]
-    assert bench.arm_args("lookup", "4", 8) == ["--speculative-k", "4"]
-    assert bench.arm_args("draft", "4", 8) == ["--speculative-k", "8"]
-    assert bench.arm_args("draft_fixed", "4", 8) == ["--speculative-k", "4"]
+def test_arms_are_node_flags() -> None:
+    assert bench.arm_args("off", "4") == ["--no-speculative"]
+    assert bench.arm_args("lookup", "4") == ["--speculative-k", "4"]
+    assert bench.arm_args("lookup_measured", "4") == ["--speculative"]
+    assert bench.arm_args("draft", "4") == ["--speculative", "--draft", "int4"]
+    assert bench.arm_args("draft_fixed", "6") == ["--speculative-k", "6", "--draft", "int4"]
+
+
+def test_the_flags_are_the_nodes() -> None:
+    """Every arm's flags parse into the node config the arm means."""
+    from hetmesh.cli.node import DEFAULT_SPECULATIVE_K, build_node_config
+    from hetmesh.node.config import check_settings
+
+    assert bench.MEASURED_MAX_K == DEFAULT_SPECULATIVE_K
+    want = {
+        "off": (0, False, "lookup"),
+        "lookup": (4, False, "lookup"),
+        "lookup_measured": (8, True, "lookup"),
+        "draft": (8, True, "int4"),
+        "draft_fixed": (4, False, "int4"),
+    }
+    for arm, (k, measured, draft) in want.items():
+        flags = bench.arm_args(arm, "4")
+        settings: dict[str, object] = {}
+        i = 0
+        while i < len(flags):
+            name = flags[i].removeprefix("--").replace("-", "_")
+            if name.startswith("no_"):
+                settings[name[3:]] = False
+                i += 1
+            elif i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+                value = flags[i + 1]
+                settings[name] = int(value) if value.isdigit() else value
+                i += 2
+            else:
+                settings[name] = True
+                i += 1
+        serving = build_node_config(check_settings(settings, source="flags")).serving
+        assert (serving.speculative_k, serving.speculative_measured, serving.draft) == (
+            k,
+            measured,
+            draft,
+        ), arm
