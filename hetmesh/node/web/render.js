@@ -81,6 +81,18 @@ function peerCard(peer, reserved) {
     inUse,
     h("p", {}, stages.length ? stages.join("; ") : "no stage"),
     h("p", { className: "muted" }, `sessions ${load.active_sessions || 0} · queue ${load.queue_depth || 0} · KV ${mib(load.kv_bytes_used || 0)}`),
+    speculation((r.extra || {}).gateway || {}),
+  );
+}
+
+// speculative decoding at this node's gateway: drafts kept of those sent, tokens a verify step
+function speculation(g) {
+  if (!g.verify_steps || !g.drafted) return null;
+  const perStep = (g.verified_tokens || 0) / g.verify_steps;
+  return h(
+    "p",
+    { className: "muted speculation" },
+    `drafts kept ${g.accepted || 0}/${g.drafted} · ${perStep.toFixed(2)} tokens a verify step`,
   );
 }
 
