@@ -57,6 +57,7 @@ shape; slower for a prefill, unchanged for a decode step).
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import torch
@@ -370,6 +371,21 @@ def _storage_counts(module: nn.Module) -> dict[int, int]:
     return counts
 
 
+PAD4_ENV = "HETMESH_EXACT_FP32_PAD4"
+
+
+def padded_to_four() -> bool:
+    """Whether fp32 layers may take MKL's packed product in calls of 4 rows at least
+    (``HETMESH_EXACT_FP32_PAD4=1``; off unless set). Where 1 to 3 rows take kernels of
+    their own (AMD's EPYC) that is the only packed way that holds, and it is faster
+    (a prefill 1.0x of torch's instead of 3.2x), but MKL's packed copies there
+    take ~1.7x the rows' bytes, which the planner does not charge yet: an fp32 stage
+    of 14 layers and the head held ~200 MiB more than planned and a 800 MiB host was
+    killed (tests/integration/testbed/test_testbed_mesh.py). Off, such layers compute
+    one row per call, exactly as well."""
+    return os.environ.get(PAD4_ENV, "0") == "1"
+
+
 def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     """Turn every plain float ``nn.Linear`` under ``module`` into an :class:`ExactLinear`
     in place. Per distinct weight shape, the first way :func:`tiles_are_exact` proves
@@ -411,7 +427,11 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
                 verdicts[key] = "packed_lone"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile):
                 verdicts[key] = "packed"
-            elif pack is not None and tiles_are_exact(w.detach(), pack, tile, least=4):
+            elif (
+                pack is not None
+                and padded_to_four()
+                and tiles_are_exact(w.detach(), pack, tile, least=4)
+            ):
                 verdicts[key] = "packed4"  # AMD's EPYC: 1 to 3 rows take other kernels
             else:
                 verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"

@@ -33,6 +33,35 @@ def _cpu_vendor() -> str:
 XEON = _cpu_vendor() == "GenuineIntel"
 
 
+@pytest.fixture(autouse=True)
+def _padded_to_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are of the packed ways, all of them: the one padded to 4 rows (AMD's
+    EPYC) included, which the node takes only where asked (``padded_to_four``)."""
+    monkeypatch.setenv(el.PAD4_ENV, "1")
+
+
+def test_the_way_padded_to_four_is_taken_only_where_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unasked, a shape whose only packed way is padded to 4 rows computes one row per
+    call (its packed copies would outgrow what the planner charges); asked, it packs."""
+    w = nn.Linear(576, 576, bias=False)
+    packed = el.mkl_pack(w.weight.detach())
+    if el.tiles_are_exact(w.weight.detach(), packed, el.FLOAT32_PACKED_TILE):
+        pytest.skip("a packed way of 2 rows holds on this CPU: nothing is padded to 4")
+    assert el.tiles_are_exact(w.weight.detach(), packed, el.FLOAT32_PACKED_TILE, least=4)
+    monkeypatch.delenv(el.PAD4_ENV)
+    unasked = nn.Sequential(nn.Linear(576, 576, bias=False))
+    make_exact(unasked)
+    assert unasked[0].packed is None
+    assert not unasked[0].tiled
+    monkeypatch.setenv(el.PAD4_ENV, "1")
+    asked = nn.Sequential(nn.Linear(576, 576, bias=False))
+    make_exact(asked)
+    assert asked[0].packed is not None
+    assert asked[0].least == 4
+
+
 def _f32_least(w: torch.Tensor, packed: torch.Tensor, tile: int) -> int:
     """The fewest rows of fp32's packed calls the probe proves (as make_exact takes it):
     2 on Intel's Xeon, 4 on AMD's EPYC (1 to 3 rows take other kernels there)."""
