@@ -69,6 +69,53 @@ def running_mesh(
         factory.close()
 
 
+CUT_CONTEXT, CUT_SESSIONS = 512, 4  # a cut mesh's nodes (cut_memory_cap, cut_mesh)
+
+
+def cut_memory_cap(model_dir: Path, stages: int) -> str:
+    """``--max-memory`` that makes the model (native weights) need ``stages`` nodes of
+    :func:`cut_mesh`."""
+    from hetmesh.node.config import ServingConfig
+    from hetmesh.node.weights import weight_bytes
+    from hetmesh.partition.checkpoint import settle_weights
+    from hetmesh.partition.profile import model_profile
+    from hetmesh.partition.store import check_model_dir
+    from hetmesh.scheduler.caps import node_memory_cap
+
+    config = check_model_dir(model_dir)
+    fmt = settle_weights("native", model_dir, "cpu")
+    assert fmt is not None
+    cap = node_memory_cap(
+        model_profile(config, name=model_dir.name),
+        weight_bytes(config, fmt.value, name=model_dir.name),
+        stages,
+        max_context_tokens=CUT_CONTEXT,
+        max_sessions=CUT_SESSIONS,
+        reserve_bytes=ServingConfig().reserve_bytes,
+    )
+    return str(cap)
+
+
+@contextlib.contextmanager
+def cut_mesh(tmp_path: Path, count: int, *args: str) -> Iterator[list[NodeProc]]:
+    """``count`` equal serving nodes of the default model (one given speed: no
+    calibration), bootstrapped from the first; ``args`` (e.g. ``--max-memory`` from
+    :func:`cut_memory_cap`) decide how it is cut. All reaped on exit."""
+    common = (
+        *("--serve", "--no-mdns", "--listen", "/ip4/127.0.0.1/tcp/0"),
+        *("--max-sessions", str(CUT_SESSIONS), "--max-context", str(CUT_CONTEXT)),
+        *("--block-step-ms", "3"),
+        *args,
+    )
+    factory = NodeFactory(tmp_path)
+    try:
+        first = factory.start(*common).wait_ready(90)
+        others = [factory.start(*common, "--bootstrap", first.addr) for _ in range(count - 1)]
+        yield [first, *(n.wait_ready(90) for n in others)]
+    finally:
+        factory.close()
+
+
 def wait_serving(node: NodeProc, pipelines: int = 1, timeout_s: float = 90) -> dict[str, Any]:
     """Block until ``node`` sees ``pipelines`` fully ready pipelines; its view then.
 

@@ -16,11 +16,8 @@ SIGKILLed while a greedy generation runs through another node:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import trio
@@ -32,6 +29,8 @@ from hetmesh.scheduler.replan import newest_in_view
 from tests.integration.node.mesh_nodes import (
     SECRET,
     NodeProc,
+    cut_memory_cap,
+    cut_mesh,
     encode,
     reference_ids,
     view_of,
@@ -42,50 +41,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.model]
 
 NEW_TOKENS = 40
 KILL_AFTER = 6
-CONTEXT, SESSIONS = 512, 4
 PROMPT = "Tell me a story about a lighthouse keeper."
-
-
-def _cap(model_dir: Path, stages: int) -> str:
-    """``--max-memory`` that makes the model (native weights) need ``stages`` nodes."""
-    from hetmesh.node.config import ServingConfig
-    from hetmesh.node.weights import weight_bytes
-    from hetmesh.partition.checkpoint import settle_weights
-    from hetmesh.partition.profile import model_profile
-    from hetmesh.partition.store import check_model_dir
-    from hetmesh.scheduler.caps import node_memory_cap
-
-    config = check_model_dir(model_dir)
-    fmt = settle_weights("native", model_dir, "cpu")
-    assert fmt is not None
-    cap = node_memory_cap(
-        model_profile(config, name=model_dir.name),
-        weight_bytes(config, fmt.value, name=model_dir.name),
-        stages,
-        max_context_tokens=CONTEXT,
-        max_sessions=SESSIONS,
-        reserve_bytes=ServingConfig().reserve_bytes,
-    )
-    return str(cap)
-
-
-@contextlib.contextmanager
-def _mesh(tmp_path: Path, *args: str) -> Iterator[list[NodeProc]]:
-    from tests.integration.node.mesh_nodes import NodeFactory
-
-    common = (
-        *("--serve", "--no-mdns", "--listen", "/ip4/127.0.0.1/tcp/0"),
-        *("--max-sessions", str(SESSIONS), "--max-context", str(CONTEXT)),
-        *("--block-step-ms", "3"),  # one given speed: no calibration, equal devices
-        *args,
-    )
-    factory = NodeFactory(tmp_path)
-    try:
-        first = factory.start(*common).wait_ready(90)
-        others = [factory.start(*common, "--bootstrap", first.addr) for _ in range(3)]
-        yield [first, *(n.wait_ready(90) for n in others)]
-    finally:
-        factory.close()
 
 
 async def _four_stages(nodes: list[NodeProc]) -> Plan:
@@ -123,8 +79,8 @@ async def test_survivors_that_hold_the_model_resume_the_stream(tmp_path, default
     expected = reference_ids(default_model_dir, ids, NEW_TOKENS)
     assert len(expected) > KILL_AFTER
     # two nodes could hold the model: the even split over four, then three, fits
-    cap = _cap(default_model_dir, 2)
-    with _mesh(tmp_path, "--plan-strategy", "even", "--max-memory", cap) as nodes:
+    cap = cut_memory_cap(default_model_dir, 2)
+    with cut_mesh(tmp_path, 4, "--plan-strategy", "even", "--max-memory", cap) as nodes:
         plan = await _four_stages(nodes)
         gateway, victim = _roles(nodes, plan)
         got: list[int] = []
@@ -143,7 +99,7 @@ async def test_survivors_that_hold_the_model_resume_the_stream(tmp_path, default
 
 async def test_survivors_that_cannot_hold_the_model_refuse_at_once(tmp_path, default_model_dir):
     ids = encode(default_model_dir, PROMPT, chat=True)
-    with _mesh(tmp_path, "--max-memory", _cap(default_model_dir, 4)) as nodes:
+    with cut_mesh(tmp_path, 4, "--max-memory", cut_memory_cap(default_model_dir, 4)) as nodes:
         plan = await _four_stages(nodes)
         gateway, victim = _roles(nodes, plan)
         lost = next(s for s in plan.pipelines[0].stages if s.peer_id == victim.peer_id)

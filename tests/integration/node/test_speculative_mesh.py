@@ -5,10 +5,6 @@ announced counters show drafts sent and kept, more than one token a step."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import trio
 
@@ -17,6 +13,8 @@ from hetmesh.scheduler.replan import newest_in_view
 from tests.integration.node.mesh_nodes import (
     SECRET,
     NodeProc,
+    cut_memory_cap,
+    cut_mesh,
     encode,
     fetch_view,
     reference_ids,
@@ -27,54 +25,12 @@ from tests.integration.node.mesh_nodes import (
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.model]
 
-CONTEXT, SESSIONS, NEW_TOKENS = 512, 4, 48
+NEW_TOKENS = 48
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed "
     "the wick, polished the great lens, and wound the clockwork that turned the light."
 )
 PROMPT = f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}"
-
-
-def _cap(model_dir: Path, stages: int) -> str:
-    """``--max-memory`` that makes the model (native weights) need ``stages`` nodes."""
-    from hetmesh.node.config import ServingConfig
-    from hetmesh.node.weights import weight_bytes
-    from hetmesh.partition.checkpoint import settle_weights
-    from hetmesh.partition.profile import model_profile
-    from hetmesh.partition.store import check_model_dir
-    from hetmesh.scheduler.caps import node_memory_cap
-
-    config = check_model_dir(model_dir)
-    fmt = settle_weights("native", model_dir, "cpu")
-    assert fmt is not None
-    cap = node_memory_cap(
-        model_profile(config, name=model_dir.name),
-        weight_bytes(config, fmt.value, name=model_dir.name),
-        stages,
-        max_context_tokens=CONTEXT,
-        max_sessions=SESSIONS,
-        reserve_bytes=ServingConfig().reserve_bytes,
-    )
-    return str(cap)
-
-
-@contextlib.contextmanager
-def _mesh(tmp_path: Path, *args: str) -> Iterator[list[NodeProc]]:
-    from tests.integration.node.mesh_nodes import NodeFactory
-
-    common = (
-        *("--serve", "--no-mdns", "--listen", "/ip4/127.0.0.1/tcp/0"),
-        *("--max-sessions", str(SESSIONS), "--max-context", str(CONTEXT)),
-        *("--block-step-ms", "3"),  # one given speed: no calibration, equal devices
-        *args,
-    )
-    factory = NodeFactory(tmp_path)
-    try:
-        first = factory.start(*common).wait_ready(90)
-        others = [factory.start(*common, "--bootstrap", first.addr) for _ in range(2)]
-        yield [first, *(n.wait_ready(90) for n in others)]
-    finally:
-        factory.close()
 
 
 async def _stream(gateway: NodeProc, ids: list[int]) -> list[int]:
@@ -94,8 +50,8 @@ def _counters(view: dict) -> dict[str, float]:
 async def test_drafts_through_a_three_stage_cut_give_the_reference(tmp_path, default_model_dir):
     ids = encode(default_model_dir, PROMPT, chat=True)
     expected = reference_ids(default_model_dir, ids, NEW_TOKENS)
-    cap = _cap(default_model_dir, 3)
-    with _mesh(tmp_path, "--max-memory", cap, "--speculative-k", "4") as nodes:
+    cap = cut_memory_cap(default_model_dir, 3)
+    with cut_mesh(tmp_path, 3, "--max-memory", cap, "--speculative-k", "4") as nodes:
         await trio.to_thread.run_sync(lambda: wait_serving(nodes[0], timeout_s=300))
         plan = newest_in_view(await view_of(nodes[0]))
         assert plan is not None
