@@ -985,12 +985,7 @@ class Gateway:
                 tensors=(torch.tensor([feed[0], *drafts], dtype=torch.int64),),
                 drafts=drafts,
             )
-            try:
-                await self._send(first, frame)
-            except TransportError as exc:
-                raise _StepFailed(
-                    f"cannot reach the first stage: {exc}", frozenset({first})
-                ) from exc
+            await self._send_first(first, frame)
             return _InFlight(step, started, hops, drafts=drafts)
         ids = torch.tensor(list(feed), dtype=torch.int64)
         chunk_tokens = self._chunk_tokens(hops) if len(feed) > 1 else self.prefill_chunk_tokens
@@ -1002,14 +997,16 @@ class Gateway:
                 tensors=(chunk,),
             )
             position += chunk.shape[0]
-            try:
-                await self._send(first, frame)
-            except TransportError as exc:
-                raise _StepFailed(
-                    f"cannot reach the first stage: {exc}", frozenset({first})
-                ) from exc
+            await self._send_first(first, frame)
         tokens = min(self._feeding(route)[0], max_new - step)
         return _InFlight(step, started, hops, tokens, len(feed))
+
+    async def _send_first(self, first: PeerId, frame: Activations) -> None:
+        """Send a step's frame to its first stage; a failure is the step's."""
+        try:
+            await self._send(first, frame)
+        except TransportError as exc:
+            raise _StepFailed(f"cannot reach the first stage: {exc}", frozenset({first})) from exc
 
     async def _migrate(self, session: _Session, position: int) -> None:
         """Move the session's stages off the peers it is leaving, KV and all, or
