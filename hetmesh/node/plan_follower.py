@@ -10,7 +10,10 @@ gathers a :class:`~hetmesh.scheduler.coordination.MeshView` from the records,
 lets the pure :func:`~hetmesh.scheduler.coordination.decide` choose (adopt a
 peer's plan, publish a new one, or keep) and returns what changed: the plans
 adopted (with their signatures) and the verdict to announce. It touches no
-stage; the node's root carries the result out.
+stage; the node's root carries the result out. A plan it follows stands against
+drifted measurements for a while once it serves
+(:class:`~hetmesh.scheduler.replan.DriftHold`): the serving loop tells it when the
+plan became ready.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from hetmesh.scheduler.plan_trust import (
     term_floor,
 )
 from hetmesh.scheduler.records import Plan, PlanConstraints, WeightBytes
-from hetmesh.scheduler.replan import MeshSnapshot
+from hetmesh.scheduler.replan import DriftHold, MeshSnapshot
 
 if TYPE_CHECKING:
     from hetmesh.shards.fetch import Shards
@@ -143,6 +146,7 @@ class PlanFollower:
         self._refusal_logged: dict[PeerId, float] = {}  # peer -> when we last said so
         self._corrected: frozenset[str] = frozenset()  # devices planned on measured steps
         self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
+        self.drift_hold = DriftHold()  # how long the followed plan stands against drift
 
     @property
     def plan(self) -> Plan | None:
@@ -164,9 +168,19 @@ class PlanFollower:
         """The mesh the followed plan was last judged on (None: judge it afresh)."""
         return self.coordination.planned_on
 
-    def step(self, local: Announcement, view: PeerView, now: float, unheld: str = "") -> Followed:
+    def step(
+        self,
+        local: Announcement,
+        view: PeerView,
+        now: float,
+        unheld: str = "",
+        *,
+        ready: bool = False,
+    ) -> Followed:
         """Decide on the mesh ``local`` (this node's record) and ``view`` describe;
-        ``unheld``: units no live member holds (no plan can serve them)."""
+        ``unheld``: units no live member holds (no plan can serve them); ``ready``:
+        whether the followed plan serves (a pipeline fully ready)."""
+        self.drift_hold.observe(now, ready=ready)
         mesh, missing = self._view(local, view, now)
         step = decide(mesh, self.coordination, self.coordinator_config)
         if unheld:
@@ -183,8 +197,10 @@ class PlanFollower:
                 log.warning("cannot place %s on this mesh yet: %s", self.model_key, verdict)
             changed = verdict
         adopted: list[tuple[Plan, PlanSignature | None]] = []
+        drifted: Plan | None = None  # a plan drift alone made here this step
         for action in step.actions:
             if isinstance(action, Publish):
+                drifted = action.plan if action.drift else drifted
                 log.info(
                     "plan epoch %d (%s): %s; predicted %.1f ms/token",
                     action.plan.epoch,
@@ -201,6 +217,7 @@ class PlanFollower:
                 else:  # relayed as the coordinator signed it
                     signature = next((g for p, g in self._signatures if p is action.plan), None)
                 adopted.append((action.plan, signature))
+                self.drift_hold.adopted(now, drift=action.plan is drifted)
         return Followed(tuple(adopted), changed, tuple(missing))
 
     def _view(
@@ -244,6 +261,7 @@ class PlanFollower:
             constraints=constraints,
             plans=tuple(p for p, _ in self._signatures),
             settled=now - self.started_at >= self.settle_s,
+            drift_allowed=self.drift_hold.allows(now),
             epoch_floor=epoch_floor(offers, self._verify),  # signed plans only (issue 45)
             term_floor=term_floor(offers, self._verify),  # a new coordinator's term above it
             following=tuple(following.items()),

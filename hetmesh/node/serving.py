@@ -259,7 +259,9 @@ class Serving:
         discovery.local_record()  # publishes a changed record: our own, as planned on
         local = discovery.local_record(advance=False)  # its load the latest set
         verdict = unheld(view, self.profile, self.shards)  # no plan can serve those (issue 15)
-        followed = self.follower.step(local, view, trio.current_time(), verdict)
+        followed = self.follower.step(
+            local, view, trio.current_time(), verdict, ready=self.routes.ready()
+        )
         discovery.request_links(list(followed.missing_links))  # bounded by discovery
         if followed.insufficient is not None:  # announced: gateways refuse requests at once
             self._announce(insufficient=followed.insufficient)

@@ -61,7 +61,14 @@ from hetmesh.scheduler.plan_trust import (
 )
 from hetmesh.scheduler.planner import evaluate
 from hetmesh.scheduler.records import Objective, Plan, PlanConstraints
-from hetmesh.scheduler.replan import MeshSnapshot, coordinator, newest, replan, supersedes
+from hetmesh.scheduler.replan import (
+    MeshSnapshot,
+    ReplanOutcome,
+    coordinator,
+    newest,
+    replan,
+    supersedes,
+)
 from hetmesh.scheduler.standby import add_standby_replicas, with_standby
 
 HETMESH_STRATEGY = "hetmesh"
@@ -98,6 +105,7 @@ class MeshView:
     # :func:`~hetmesh.scheduler.plan_trust.plan_refusal`: signed by the coordinator
     plans: tuple[Plan, ...] = ()
     settled: bool = True  # past the start-up wait: enough peers heard of to plan
+    drift_allowed: bool = True  # drift alone may move the plan now (replan.DriftHold)
     epoch_floor: int = -1  # the highest epoch announced (plan_trust.epoch_floor)
     term_floor: int = -1  # the highest term announced (plan_trust.term_floor)
     # (member, signer of the plan it announces following) for each peer that announces
@@ -135,6 +143,7 @@ class Publish:
 
     plan: Plan
     reason: str
+    drift: bool = False  # made on drifted measurements alone (replan.DriftHold)
 
 
 Action = Keep | Adopt | Publish
@@ -267,11 +276,16 @@ def _coordinate(
     epoch = (state.plan.epoch + 1) if state.plan is not None else floor + 1
     term, new_term = _term(view, state)
     try:
-        candidate, reason = _candidate(current, state.planned_on, snapshot, constraints, config)
+        outcome = _candidate(
+            current, state.planned_on, snapshot, constraints, config, view.drift_allowed
+        )
     except InsufficientCapacity as exc:
         verdict = str(exc) + compact_hint(constraints, snapshot.devices, config)
         return dataclasses.replace(state, insufficient=verdict, planned_on=snapshot)
-    state = dataclasses.replace(state, insufficient="", planned_on=snapshot)
+    candidate, reason = outcome.plan, outcome.reason
+    # a drift held is judged again on the inputs the plan stands on, once the hold ends
+    planned_on = state.planned_on if outcome.held else snapshot
+    state = dataclasses.replace(state, insufficient="", planned_on=planned_on)
     if candidate is None and current is not None and current != state.plan:
         candidate, reason = current, LOST_PEER_REASON
     if candidate is None and current is not None and state.signer != view.me:
@@ -292,7 +306,8 @@ def _coordinate(
     why = unmeasured_majority(plan, model=model, constraints=constraints)
     if why:  # followers would refuse it too: wait for the measurements instead
         return dataclasses.replace(state, insufficient=f"{UNMEASURED_REASON}: {why}")
-    actions.append(Publish(plan, reason))
+    drift = outcome.drift and candidate is outcome.plan
+    actions.append(Publish(plan, reason, drift=drift))
     return dataclasses.replace(state, published=plan)
 
 
@@ -316,8 +331,9 @@ def _candidate(
     snapshot: MeshSnapshot,
     constraints: PlanConstraints,
     config: CoordinatorConfig,
-) -> tuple[Plan | None, str]:
-    """The strategy's new plan (None: keep ``current``) and why."""
+    drift_allowed: bool = True,
+) -> ReplanOutcome:
+    """The strategy's new plan (``plan`` None: keep ``current``) and why."""
     model = config.model
     if config.strategy == HETMESH_STRATEGY:
         outcome = replan(
@@ -327,6 +343,7 @@ def _candidate(
             model,
             objective=config.objective,
             constraints=constraints,
+            drift_allowed=drift_allowed,
         )
         candidate = outcome.plan
         if candidate is not None and config.standby:
@@ -338,13 +355,13 @@ def _candidate(
                 constraints=constraints,
                 previous=current,
             )
-        return candidate, outcome.reason
+        return dataclasses.replace(outcome, plan=candidate)
     # a forced baseline ignores drift: it places again only when membership changes
     peers = {d.peer_id for d in snapshot.devices}
     changed = planned_on is None or peers != {d.peer_id for d in planned_on.devices}
     reason = f"forced {config.strategy} placement"
     if not (changed or current is None):
-        return None, reason
+        return ReplanOutcome(None, reason)
     placed = BASELINES[config.strategy](
         snapshot.devices,
         snapshot.links,
@@ -352,7 +369,7 @@ def _candidate(
         objective=config.objective,
         constraints=constraints,
     )
-    return placed, reason
+    return ReplanOutcome(placed, reason)
 
 
 def surviving(

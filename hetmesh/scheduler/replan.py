@@ -4,6 +4,8 @@ Pure decisions for the coordinator service (the async glue lives with the node):
 
 - :func:`should_replan`: membership changed, or a measured profile drifted by more
   than ``drift`` (20% by default) since the inputs of the current plan;
+- :class:`DriftHold`: how long a plan stands before drift alone may move it (a move
+  reloads stages: minutes on a big model, and a busy machine's measurements swing);
 - :func:`should_adopt`: a new plan is adopted only if its predicted gain over the
   current plan, *re-scored under the same fresh measurements*, passes
   ``min_gain`` (no flapping), or if the current plan no longer fits or names
@@ -30,6 +32,8 @@ from hetmesh.scheduler.records import Objective, Plan, PlanConstraints, device_k
 
 DEFAULT_DRIFT = 0.2
 DEFAULT_MIN_GAIN = 0.1
+DRIFT_HOLD_MIN_S = 60.0  # the least a plan serves, ready, before drift alone may move it
+DRIFT_HOLD_MAX_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +50,7 @@ class Verdict:
 
     act: bool
     reason: str
+    drift: bool = False  # acting on drifted measurements alone (no membership change)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,8 @@ class ReplanOutcome:
     plan: Plan | None
     reason: str
     candidate: Plan | None = field(default=None)
+    drift: bool = False  # planned again on drift alone (see ``DriftHold``)
+    held: bool = False  # drift seen, but the plan stands for now: judge it again later
 
 
 def _drifted(old: float, new: float, drift: float) -> bool:
@@ -81,7 +88,9 @@ def should_replan(
         for name in ("matmul_flops", "memory_bandwidth_bps", "memory_free_bytes"):
             if _drifted(float(getattr(a, name)), float(getattr(b, name)), drift):
                 return Verdict(
-                    True, f"drift: {key} {name} {getattr(a, name)} -> {getattr(b, name)}"
+                    True,
+                    f"drift: {key} {name} {getattr(a, name)} -> {getattr(b, name)}",
+                    drift=True,
                 )
     old_links = {(x.src, x.dst): x for x in previous.links}
     for link in sorted(current.links, key=lambda x: (x.src, x.dst)):
@@ -89,10 +98,10 @@ def should_replan(
         if before is None:
             return Verdict(True, f"new link {link.src} -> {link.dst}")
         if _drifted(before.bandwidth_bps, link.bandwidth_bps, drift):
-            return Verdict(True, f"drift: link {link.src} -> {link.dst} bandwidth")
+            return Verdict(True, f"drift: link {link.src} -> {link.dst} bandwidth", drift=True)
         # RTTs of a few microseconds jitter by more than 20%; count 100 µs and up
         if abs(link.rtt_s - before.rtt_s) > 1e-4 and _drifted(before.rtt_s, link.rtt_s, drift):
-            return Verdict(True, f"drift: link {link.src} -> {link.dst} rtt")
+            return Verdict(True, f"drift: link {link.src} -> {link.dst} rtt", drift=True)
     return Verdict(False, "no membership change or drift")
 
 
@@ -117,6 +126,56 @@ def should_adopt(
     if g > min_gain:
         return Verdict(True, f"predicted gain {g:.1%} > {min_gain:.0%}")
     return Verdict(False, f"predicted gain {g:.1%} ≤ {min_gain:.0%}")
+
+
+@dataclass(slots=True)
+class DriftHold:
+    """How long the followed plan stands before drift alone may move it.
+
+    A move reloads stages (minutes for a big model; a float32 stage on a loaded
+    machine took five), and the moved pipeline serves nothing meanwhile. The figures
+    that drift are a busy machine's, and a member's measured step rises with what it
+    serves: a plan moved off the member that looked slow makes the next one look slow
+    (a float32 cut under load swapped two hosts every six minutes, serving nothing
+    between). So drift may move a plan only once it has served, ready, for
+    ``max(min_s, 2 × the time it took to become ready)``, doubled for each move in a
+    row that drift alone made, at most ``max_s``; a plan that never becomes ready may
+    move after ``max_s``. Membership changes and plans that no longer fit never ask.
+    Times are the caller's clock (no clocks here).
+    """
+
+    min_s: float = DRIFT_HOLD_MIN_S
+    max_s: float = DRIFT_HOLD_MAX_S
+    adopted_at: float | None = None  # when the followed plan was adopted
+    ready_at: float | None = None  # when it first served (a pipeline fully ready)
+    streak: int = 0  # moves in a row that drift alone made
+
+    def adopted(self, now: float, *, drift: bool) -> None:
+        """A new plan is followed from ``now``; ``drift``: drift alone made it."""
+        self.adopted_at, self.ready_at = now, None
+        self.streak = min(self.streak + 1, 16) if drift else 0
+
+    def observe(self, now: float, *, ready: bool) -> None:
+        """Whether the followed plan serves at ``now`` (its first ready time is kept)."""
+        if ready and self.ready_at is None and self.adopted_at is not None:
+            self.ready_at = now
+
+    def hold_s(self) -> float:
+        """How long the plan stands once ready."""
+        load = (
+            0.0
+            if self.ready_at is None or self.adopted_at is None
+            else (self.ready_at - self.adopted_at)
+        )
+        return min(self.max_s, max(self.min_s, 2.0 * load) * 2.0**self.streak)
+
+    def allows(self, now: float) -> bool:
+        """Whether drift alone may move the plan at ``now``."""
+        if self.adopted_at is None:
+            return True
+        if self.ready_at is None:
+            return now - self.adopted_at >= self.max_s
+        return now - self.ready_at >= self.hold_s()
 
 
 def coordinator(live_peers: Iterable[PeerId]) -> PeerId | None:
@@ -176,8 +235,12 @@ def replan(
     options: SearchOptions | None = None,
     drift: float = DEFAULT_DRIFT,
     min_gain: float = DEFAULT_MIN_GAIN,
+    drift_allowed: bool = True,
 ) -> ReplanOutcome:
     """The coordinator's decision: a plan of epoch ``current.epoch + 1`` to publish, or none.
+
+    ``drift_allowed``: whether drift alone may move the plan now (:class:`DriftHold`);
+    when it may not, a drift is left ``held`` for a later turn.
 
     Raises :class:`~hetmesh.errors.InsufficientCapacity` if the mesh can no longer
     hold the model at all.
@@ -185,6 +248,8 @@ def replan(
     decision = should_replan(previous if current is not None else None, now, drift=drift)
     if not decision.act:
         return ReplanOutcome(None, decision.reason)
+    if decision.drift and not drift_allowed:
+        return ReplanOutcome(None, f"{decision.reason}; held while the plan settles", held=True)
     cons = constraints or (current.constraints if current is not None else PlanConstraints())
     epoch = current.epoch + 1 if current is not None else 0
     candidate = plan(
@@ -199,7 +264,7 @@ def replan(
     rescored = _rescore(current, now, model, objective, cons)
     adopt = should_adopt(rescored, candidate, min_gain=min_gain)
     reason = f"{decision.reason}; {adopt.reason}"
-    return ReplanOutcome(candidate if adopt.act else None, reason, candidate)
+    return ReplanOutcome(candidate if adopt.act else None, reason, candidate, drift=decision.drift)
 
 
 def _rescore(
@@ -234,6 +299,9 @@ def alive_pipelines(plan_: Plan, live_peers: Sequence[PeerId]) -> int:
 __all__ = [
     "DEFAULT_DRIFT",
     "DEFAULT_MIN_GAIN",
+    "DRIFT_HOLD_MAX_S",
+    "DRIFT_HOLD_MIN_S",
+    "DriftHold",
     "MeshSnapshot",
     "ReplanOutcome",
     "Verdict",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from hetmesh.resources import LinkProfile
+from hetmesh.resources import DeviceProfile, LinkProfile
 from hetmesh.scheduler import MeshSnapshot, PlanConstraints, evaluate, plan
 from hetmesh.scheduler.coordination import (
     INHERITED_REASON,
@@ -330,3 +330,30 @@ def test_surviving_drops_only_pipelines_that_lost_a_peer() -> None:
     assert [p.peers for p in left.pipelines] == [frozenset({"a"})]
     assert left.epoch == REPLICAS.epoch
     assert surviving(PLAN_AB, mesh("c"), MODEL, LIMITS) is None
+
+
+def test_a_held_drift_publishes_nothing_and_is_judged_again_when_the_hold_ends() -> None:
+    """While drift may not move the plan, the coordinator keeps the inputs the plan stands
+    on, so the same drift is judged (and may move it) once the hold ends."""
+    current = planned(AB)
+    faster = MeshSnapshot(
+        devices=tuple(
+            DeviceProfile.from_wire(
+                {**d.to_wire(), "memory_bandwidth_bps": d.memory_bandwidth_bps * 4}
+            )
+            if d.peer_id == "b"
+            else d
+            for d in AB.devices
+        ),
+        links=AB.links,
+    )
+    state = CoordinatorState(plan=current, published=current, planned_on=AB, signer="a")
+    held_view = dataclasses.replace(view(faster), drift_allowed=False)
+    held = decide(held_view, state, HETMESH)
+    assert not any(isinstance(a, Publish) for a in held.actions)
+    assert held.state.planned_on is AB  # the drift is not forgotten
+    free = decide(view(faster), held.state, HETMESH)
+    published = [a for a in free.actions if isinstance(a, Publish)]
+    assert published, free.actions
+    assert published[0].drift
+    assert "drift" in published[0].reason

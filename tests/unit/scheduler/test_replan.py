@@ -19,6 +19,7 @@ from hetmesh.scheduler import (
     should_replan,
     supersedes,
 )
+from hetmesh.scheduler.replan import DriftHold
 from hetmesh.scheduler.synthetic import random_mesh
 from tests.unit.scheduler.sched_helpers import device, full_links
 
@@ -162,3 +163,46 @@ def test_newest_in_view_reads_followed_plans_and_skips_malformed_ones() -> None:
     assert found.pipelines == p3.pipelines
     assert newest_in_view({"peers": []}) is None
     assert newest_in_view({"peers": [peer("not a plan")]}) is None
+
+
+def test_a_drift_is_held_while_the_plan_settles_but_membership_acts() -> None:
+    base = snapshot()
+    current = plan(base.devices, base.links, MODEL)
+    faster = MeshSnapshot(devices=tuple(scaled(d, 3.0) for d in base.devices), links=base.links)
+    held = replan(current, base, faster, MODEL, drift_allowed=False)
+    assert held.plan is None
+    assert held.held
+    assert "held" in held.reason
+    free = replan(current, base, faster, MODEL)
+    assert free.drift
+    assert not free.held
+    fewer = MeshSnapshot(devices=base.devices[1:], links=base.links)
+    gone = replan(current, base, fewer, MODEL, drift_allowed=False)
+    assert not gone.held
+    assert not gone.drift
+    assert gone.candidate is not None  # a departure is planned for at once
+
+
+def test_the_drift_hold_grows_with_load_time_and_with_moves_in_a_row() -> None:
+    hold = DriftHold(min_s=60.0, max_s=3600.0)
+    assert hold.allows(0.0)  # nothing followed yet
+    hold.adopted(100.0, drift=False)
+    hold.observe(150.0, ready=False)
+    assert not hold.allows(200.0)  # not serving yet: measurements mean little
+    hold.observe(400.0, ready=True)  # 300 s to load: it stands 600 s once ready
+    hold.observe(500.0, ready=True)  # the first ready time is the one kept
+    assert hold.hold_s() == 600.0
+    assert not hold.allows(999.0)
+    assert hold.allows(1000.0)
+    hold.adopted(1000.0, drift=True)  # a move drift alone made: the next stands twice as long
+    hold.observe(1010.0, ready=True)
+    assert hold.hold_s() == 120.0  # max(60, 2 x 10) x 2
+    hold.adopted(1200.0, drift=True)
+    hold.observe(1210.0, ready=True)
+    assert hold.hold_s() == 240.0
+    hold.adopted(1500.0, drift=False)  # a membership change resets the streak
+    hold.observe(1501.0, ready=True)
+    assert hold.hold_s() == 60.0
+    hold.adopted(2000.0, drift=False)  # a plan that never serves may still move, late
+    assert not hold.allows(2000.0 + 3599.0)
+    assert hold.allows(2000.0 + 3600.0)
