@@ -8,10 +8,11 @@ in two layouts, one after the other, each with the plan it assumes checked:
   format by :mod:`hetmesh.scheduler.caps`), so the planner must cut it into K
   stages; the run fails if the adopted plan has another shape.
 
-Measured per layout, on the same machine, with the same weight format and the
-same torch thread count on both sides (one; the mesh and the reference in turn,
-one mesh stream, then one reference stream, per repeat, so a machine whose speed
-drifts moves both alike):
+Measured per layout, on the same machine, with the same weight format, the same
+torch thread count (one) and no speculative decoding on both sides (the nodes run
+``--no-speculative``: the figures are the cut's, not a gateway's drafts); the mesh
+and the reference in turn, one mesh stream, then one reference stream, per repeat,
+so a machine whose speed drifts moves both alike:
 
 - single-stream decode tokens/s (mesh ÷ reference) -> ``decode_ratio_single_stream``
   (replicas), ``split_decode_ratio``
@@ -77,6 +78,9 @@ NODE_ARGS = [
     "--max-context",
     "1024",
     "--no-prefix-cache",
+    # the cut itself: the reference does not speculate, so neither does the mesh (a
+    # gateway's speculative decoding would be measured as the cut's speed)
+    "--no-speculative",
 ]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
