@@ -24,6 +24,14 @@ so a machine whose speed drifts moves both alike:
   512-token one) equal the reference's -> ``outputs_identical``,
   ``split_outputs_identical``
 - the plans -> ``plan`` and ``replicas_stages`` (1), ``split_plan`` and ``split_stages``
+- where a stream's token goes (read from ``/proc``, Linux; empty elsewhere): for each
+  stage of the first pipeline, its node's CPU a token of the single streams, ms, as
+  (busiest thread, all its other threads) -> ``split_stage_cpu_ms`` (the busiest is the
+  reader thread that computes the stage's decode steps; the others hold trio, the
+  parked device thread with the stream's prefill, the gateway), beside the reference's
+  thread CPU a token -> ``split_reference_cpu_ms`` and the planner's ``split_plan_stage_ms``:
+  the busiest threads' sum against the reference's is what the forwards cost more in
+  their own processes, the token's period less that sum is the hops and the waits
 - the nodes' fast-path switches as this run set them (empty: unset, on) ->
   ``fast_path_switches`` (``HETMESH_STAGE_GROUPS=0 python bench/pipeline.py`` is the
   run without :mod:`hetmesh.node.stage_groups`)
@@ -97,13 +105,19 @@ class Reference:
         torch.set_num_threads(1)  # the nodes' default
         self.pipeline = LocalPipeline.load(model_dir, 1, weights=weights)
         self._params = SamplingParams
+        self.cpu_per_token_s: list[float] = []  # each decode_tpot's thread CPU a token
         self.decode_tpot([1, 2, 3], 4)  # warm up
+        self.cpu_per_token_s.clear()
 
     def decode_tpot(self, prompt_ids: list[int], tokens: int) -> float:
         """Mean time per token after the first, of one greedy stream."""
         params = self._params(max_new_tokens=tokens)
         tokens_out = self.pipeline.generate_ids(prompt_ids, params, eos_ids=set())
-        stamps = [time.perf_counter() for _ in tokens_out]
+        stamps, cpu = [], []
+        for _token in tokens_out:
+            stamps.append(time.perf_counter())
+            cpu.append(time.thread_time())
+        self.cpu_per_token_s.append((cpu[-1] - cpu[0]) / (len(cpu) - 1))
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
     def ids(self, prompt_ids: list[int], tokens: int) -> list[int]:
@@ -140,6 +154,34 @@ async def _stream(
 CHECKED_TOKENS = 16  # of the 512-token prompt, against the reference
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """Each thread's CPU seconds so far, of process ``pid`` (Linux; empty elsewhere)."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+def cpu_per_token(
+    before: dict[int, float], after: dict[int, float], tokens: int
+) -> tuple[float, float]:
+    """A process's CPU per token between two :func:`thread_cpu` readings, ms: its busiest
+    thread's (a stage node's: the reader thread that computes its forwards) and all the
+    others' together (trio, the parked device thread, the gateway's work)."""
+    spent = sorted((t - before.get(tid, 0.0) for tid, t in after.items()), reverse=True)
+    if not spent or tokens <= 0:
+        return 0.0, 0.0
+    return spent[0] / tokens * 1e3, sum(spent[1:]) / tokens * 1e3
+
+
 def figures(
     mesh: Any,
     reference: Reference,
@@ -147,14 +189,14 @@ def figures(
     long_ids: list[int],
     tokens: int,
     repeats: int,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The mesh's figures and the reference's, measured in turn (a drifting machine
     moves both alike): one mesh stream, then one reference stream, and so on."""
     import trio
 
     from hetmesh.client.mesh import open_mesh_client
 
-    async def measure() -> dict[str, float]:
+    async def measure() -> dict[str, Any]:
         async with open_mesh_client(mesh.nodes[-1].addr, mesh_secret=mesh.secret) as client:
             await _stream(client, prompt_ids, 4)  # warm up: links, first forwards
             # outputs first: the mesh's greedy tokens must be the single process's
@@ -166,9 +208,15 @@ def figures(
                 long_ids, CHECKED_TOKENS
             )
             tpots, ttfts, ref_tpots, ref_ttfts = [], [], [], []
+            pids = [node.proc.pid for node in mesh.nodes]
+            spent: list[list[tuple[float, float]]] = [[] for _ in pids]
             for _ in range(repeats):
+                before = [thread_cpu(pid) for pid in pids]
                 stamps = await _stream(client, prompt_ids, tokens)
+                after = [thread_cpu(pid) for pid in pids]
                 tpots.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+                for mine, b, a in zip(spent, before, after, strict=True):
+                    mine.append(cpu_per_token(b, a, len(stamps) - 1))
                 # the reference runs while the idle nodes wait, on the same cores
                 ref_tpots.append(reference.decode_tpot(prompt_ids, tokens))
                 stamps = await _stream(client, long_ids, 1)
@@ -199,6 +247,16 @@ def figures(
             "tokens_per_s_1": statistics.median(singles),
             "tokens_per_s_8": statistics.median(eights),
             "outputs_identical": float(identical),
+            "reference_cpu_ms": statistics.median(reference.cpu_per_token_s[-repeats:]) * 1e3,
+            # per node (mesh.nodes' order), one stream's CPU a token, ms, median over the
+            # repeats: the busiest thread's (the forwards) and the other threads'
+            "node_cpu_ms": [
+                (
+                    round(statistics.median(x for x, _ in mine), 3),
+                    round(statistics.median(y for _, y in mine), 3),
+                )
+                for mine in spent
+            ],
         }
 
     return trio.run(measure)
@@ -232,6 +290,7 @@ def run_layout(
         assert plan is not None
         ours = figures(mesh, reference, prompt_ids, long_ids, args.tokens, args.repeats)
         entry = mesh.nodes[-1].peer_id  # the client's gateway
+        order = {n.peer_id: i for i, n in enumerate(mesh.nodes)}
     return {
         "figures": ours,
         "plan": cut.describe(plan, names),
@@ -248,6 +307,10 @@ def run_layout(
             (i for i, s in enumerate(plan.pipelines[0].stages) if s.peer_id == entry), None
         ),
         "stages": max(cut.stages_of(plan)),
+        # each stage of the first pipeline: its node's busiest thread's CPU a token of one
+        # stream (its forwards, the sends and reads around them) and its other threads'
+        # (ms): beside plan_stage_ms and the token's period, where a cut's time goes
+        "stage_cpu_ms": [ours["node_cpu_ms"][order[s.peer_id]] for s in plan.pipelines[0].stages],
         "node_memory_bytes": int(cut.option(node_args, "--max-memory", "0")),
     }
 
@@ -277,6 +340,9 @@ def keys(layout: dict[str, Any], prefix: str) -> dict[str, Any]:
         f"{prefix}gateway_holds_a_pipeline": layout["gateway_holds_a_pipeline"],
         f"{prefix}gateway_stage": layout["gateway_stage"],
         f"{prefix}stages": layout["stages"],
+        f"{prefix}stage_cpu_ms": layout["stage_cpu_ms"],
+        # the reference's CPU a token, ms (its forward and sampling, one thread)
+        f"{prefix}reference_cpu_ms": round(ours["reference_cpu_ms"], 3),
         f"{prefix}node_memory_bytes": layout["node_memory_bytes"],
     }
 
