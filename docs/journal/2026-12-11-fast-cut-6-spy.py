@@ -2,7 +2,8 @@
 node (and this client) for SECONDS while one greedy stream decodes.
 
 PYTHONPATH=. OMP_NUM_THREADS=1 python docs/journal/2026-12-11-fast-cut-6-spy.py OUT SECONDS
-writes OUT/<node>.txt (py-spy's collapsed stacks, --native, --idle off) and prints the plan.
+writes OUT/<node>.txt (py-spy's collapsed stacks, --native, --idle off) and prints the plan;
+with STRACE=1, OUT/<node>.strace: strace -tt of each node's main (trio) thread instead.
 """
 
 import os
@@ -38,14 +39,24 @@ with local_mesh(3, node_args=node_args) as mesh:
     async def main() -> None:
         async with open_mesh_client(mesh.nodes[-1].addr, mesh_secret=mesh.secret) as client:
             await _stream(client, prompt_ids, 8)
-            spies = [
-                subprocess.Popen(
-                    [SPY, "record", "--native", "-r", "250", "-d", str(SECONDS), "-f", "raw",
-                     "-o", f"{OUT}/{name}.txt", "-p", str(pid)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )
-                for name, pid in pids.items()
-            ]
+            if os.environ.get("STRACE"):  # each node's trio thread's syscalls instead
+                spies = [
+                    subprocess.Popen(
+                        ["timeout", str(SECONDS), "strace", "-tt", "-p", str(pid),
+                         "-o", f"{OUT}/{name}.strace"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )
+                    for name, pid in pids.items()
+                ]
+            else:
+                spies = [
+                    subprocess.Popen(
+                        [SPY, "record", "--native", "-r", "250", "-d", str(SECONDS), "-f",
+                         "raw", "-o", f"{OUT}/{name}.txt", "-p", str(pid)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )
+                    for name, pid in pids.items()
+                ]
             began = time.perf_counter()
             tokens = 0
             while time.perf_counter() - began < SECONDS + 1:
