@@ -24,14 +24,15 @@ so a machine whose speed drifts moves both alike:
   512-token one) equal the reference's -> ``outputs_identical``,
   ``split_outputs_identical``
 - the plans -> ``plan`` and ``replicas_stages`` (1), ``split_plan`` and ``split_stages``
-- where a stream's token goes (read from ``/proc``, Linux; empty elsewhere): for each
-  stage of the first pipeline, its node's CPU a token of the single streams, ms, as
-  (busiest thread, all its other threads) -> ``split_stage_cpu_ms`` (the busiest is the
-  reader thread that computes the stage's decode steps; the others hold trio, the
+- where a stream's token goes (nodes read from ``/proc``, Linux; zeros elsewhere): for
+  each stage of the first pipeline, its node's CPU a token of the single streams, ms,
+  as (busiest thread, all its other threads) -> ``split_stage_cpu_ms`` (the busiest is
+  the reader thread that computes the stage's decode steps; the others hold trio, the
   parked device thread with the stream's prefill, the gateway), beside the reference's
-  thread CPU a token -> ``split_reference_cpu_ms`` and the planner's ``split_plan_stage_ms``:
-  the busiest threads' sum against the reference's is what the forwards cost more in
-  their own processes, the token's period less that sum is the hops and the waits
+  thread CPU a token -> ``split_reference_cpu_ms``, the client's ->
+  ``split_client_cpu_ms`` and the planner's ``split_plan_stage_ms``: the busiest
+  threads' sum against the reference's is what the forwards cost more in their own
+  processes, the token's period less that sum is the hops and the waits
 - the nodes' fast-path switches as this run set them (empty: unset, on) ->
   ``fast_path_switches`` (``HETMESH_STAGE_GROUPS=0 python bench/pipeline.py`` is the
   run without :mod:`hetmesh.node.stage_groups`)
@@ -210,9 +211,12 @@ def figures(
             tpots, ttfts, ref_tpots, ref_ttfts = [], [], [], []
             pids = [node.proc.pid for node in mesh.nodes]
             spent: list[list[tuple[float, float]]] = [[] for _ in pids]
+            client_cpu = []  # this process's (the client's) CPU a token, s
             for _ in range(repeats):
                 before = [thread_cpu(pid) for pid in pids]
+                began = time.process_time()
                 stamps = await _stream(client, prompt_ids, tokens)
+                client_cpu.append((time.process_time() - began) / (len(stamps) - 1))
                 after = [thread_cpu(pid) for pid in pids]
                 tpots.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
                 for mine, b, a in zip(spent, before, after, strict=True):
@@ -248,6 +252,7 @@ def figures(
             "tokens_per_s_8": statistics.median(eights),
             "outputs_identical": float(identical),
             "reference_cpu_ms": statistics.median(reference.cpu_per_token_s[-repeats:]) * 1e3,
+            "client_cpu_ms": statistics.median(client_cpu) * 1e3,
             # per node (mesh.nodes' order), one stream's CPU a token, ms, median over the
             # repeats: the busiest thread's (the forwards) and the other threads'
             "node_cpu_ms": [
@@ -343,6 +348,8 @@ def keys(layout: dict[str, Any], prefix: str) -> dict[str, Any]:
         f"{prefix}stage_cpu_ms": layout["stage_cpu_ms"],
         # the reference's CPU a token, ms (its forward and sampling, one thread)
         f"{prefix}reference_cpu_ms": round(ours["reference_cpu_ms"], 3),
+        # the client's (this process's) CPU a token of those streams, ms
+        f"{prefix}client_cpu_ms": round(ours["client_cpu_ms"], 3),
         f"{prefix}node_memory_bytes": layout["node_memory_bytes"],
     }
 
