@@ -26,9 +26,11 @@ so a machine whose speed drifts moves both alike:
 - the plans -> ``plan`` and ``replicas_stages`` (1), ``split_plan`` and ``split_stages``
 - where a stream's token goes (nodes read from ``/proc``, Linux; zeros elsewhere): for
   each stage of the first pipeline, its node's CPU a token of the single streams, ms,
-  as (busiest thread, all its other threads) -> ``split_stage_cpu_ms`` (the busiest is
-  the reader thread that computes the stage's decode steps; the others hold trio, the
-  parked device thread with the stream's prefill, the gateway), beside the reference's
+  as (busiest thread, all its other threads, the busiest's wait in the run queue) ->
+  ``split_stage_cpu_ms`` (the busiest is the reader thread that computes the stage's
+  decode steps; the others hold trio, the parked device thread with the stream's
+  prefill, the gateway; the wait is the time it was ready to run but every core was
+  taken), beside the reference's
   thread CPU a token -> ``split_reference_cpu_ms``, the client's ->
   ``split_client_cpu_ms`` and the planner's ``split_plan_stage_ms``: the busiest
   threads' sum against the reference's is what the forwards cost more in their own
@@ -155,9 +157,10 @@ async def _stream(
 CHECKED_TOKENS = 16  # of the 512-token prompt, against the reference
 
 
-def thread_cpu(pid: int) -> dict[int, float]:
-    """Each thread's CPU seconds so far, of process ``pid`` (Linux; empty elsewhere)."""
-    out: dict[int, float] = {}
+def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
+    """Each thread's CPU seconds so far, and its seconds runnable but waiting for a CPU
+    (the run queue), of process ``pid`` (Linux's schedstat; empty elsewhere)."""
+    out: dict[int, tuple[float, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -165,22 +168,31 @@ def thread_cpu(pid: int) -> dict[int, float]:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                out[int(tid)] = int(f.read().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
+                ran, waited = f.read().split()[:2]
+            out[int(tid)] = (int(ran) / 1e9, int(waited) / 1e9)
+        except (OSError, ValueError):
             continue  # the thread ended meanwhile
     return out
 
 
 def cpu_per_token(
-    before: dict[int, float], after: dict[int, float], tokens: int
-) -> tuple[float, float]:
+    before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], tokens: int
+) -> tuple[float, float, float]:
     """A process's CPU per token between two :func:`thread_cpu` readings, ms: its busiest
-    thread's (a stage node's: the reader thread that computes its forwards) and all the
-    others' together (trio, the parked device thread, the gateway's work)."""
-    spent = sorted((t - before.get(tid, 0.0) for tid, t in after.items()), reverse=True)
+    thread's (a stage node's: the reader thread that computes its forwards), all the
+    others' together (trio, the parked device thread, the gateway's work), and the
+    busiest thread's wait for a CPU while runnable (the cores taken by others)."""
+    spent = sorted(
+        (
+            (ran - before.get(tid, (0.0, 0.0))[0], waited - before.get(tid, (0.0, 0.0))[1])
+            for tid, (ran, waited) in after.items()
+        ),
+        reverse=True,
+    )
     if not spent or tokens <= 0:
-        return 0.0, 0.0
-    return spent[0] / tokens * 1e3, sum(spent[1:]) / tokens * 1e3
+        return 0.0, 0.0, 0.0
+    ms = 1e3 / tokens
+    return spent[0][0] * ms, sum(ran for ran, _ in spent[1:]) * ms, spent[0][1] * ms
 
 
 def figures(
@@ -210,7 +222,7 @@ def figures(
             )
             tpots, ttfts, ref_tpots, ref_ttfts = [], [], [], []
             pids = [node.proc.pid for node in mesh.nodes]
-            spent: list[list[tuple[float, float]]] = [[] for _ in pids]
+            spent: list[list[tuple[float, float, float]]] = [[] for _ in pids]
             client_cpu = []  # this process's (the client's) CPU a token, s
             for _ in range(repeats):
                 before = [thread_cpu(pid) for pid in pids]
@@ -254,12 +266,10 @@ def figures(
             "reference_cpu_ms": statistics.median(reference.cpu_per_token_s[-repeats:]) * 1e3,
             "client_cpu_ms": statistics.median(client_cpu) * 1e3,
             # per node (mesh.nodes' order), one stream's CPU a token, ms, median over the
-            # repeats: the busiest thread's (the forwards) and the other threads'
+            # repeats: the busiest thread's (the forwards), the other threads', and the
+            # busiest thread's wait for a CPU
             "node_cpu_ms": [
-                (
-                    round(statistics.median(x for x, _ in mine), 3),
-                    round(statistics.median(y for _, y in mine), 3),
-                )
+                tuple(round(statistics.median(row[i] for row in mine), 3) for i in range(3))
                 for mine in spent
             ],
         }
@@ -313,8 +323,9 @@ def run_layout(
         ),
         "stages": max(cut.stages_of(plan)),
         # each stage of the first pipeline: its node's busiest thread's CPU a token of one
-        # stream (its forwards, the sends and reads around them) and its other threads'
-        # (ms): beside plan_stage_ms and the token's period, where a cut's time goes
+        # stream (its forwards, the sends and reads around them), its other threads', and
+        # the busiest's wait for a core (ms): beside plan_stage_ms and the token's period,
+        # where a cut's time goes
         "stage_cpu_ms": [ours["node_cpu_ms"][order[s.peer_id]] for s in plan.pipelines[0].stages],
         "node_memory_bytes": int(cut.option(node_args, "--max-memory", "0")),
     }

@@ -29,13 +29,15 @@ pipeline = _bench()
 
 
 def test_the_busiest_thread_and_the_others_per_token() -> None:
-    before = {1: 1.0, 2: 0.5, 3: 0.0}
-    after = {1: 1.2, 2: 0.56, 3: 0.01, 4: 0.03}  # thread 4 started meanwhile
-    busiest, others = pipeline.cpu_per_token(before, after, 10)
+    before = {1: (1.0, 0.3), 2: (0.5, 0.0), 3: (0.0, 0.0)}
+    # thread 4 started meanwhile; thread 2 waited longer, thread 1 ran longer
+    after = {1: (1.2, 0.32), 2: (0.56, 0.1), 3: (0.01, 0.0), 4: (0.03, 0.0)}
+    busiest, others, waited = pipeline.cpu_per_token(before, after, 10)
     assert busiest == pytest.approx(20.0)  # ms a token: thread 1's 0.2 s over 10
     assert others == pytest.approx(10.0)  # 0.06 + 0.01 + 0.03 s
-    assert pipeline.cpu_per_token(before, after, 0) == (0.0, 0.0)
-    assert pipeline.cpu_per_token({}, {}, 10) == (0.0, 0.0)
+    assert waited == pytest.approx(2.0)  # thread 1's 0.02 s in the run queue, not thread 2's
+    assert pipeline.cpu_per_token(before, after, 0) == (0.0, 0.0, 0.0)
+    assert pipeline.cpu_per_token({}, {}, 10) == (0.0, 0.0, 0.0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -52,7 +54,7 @@ def test_a_spinning_thread_is_the_busiest_of_this_process() -> None:
     try:
         began = time.thread_time()
         after = pipeline.thread_cpu(os.getpid())
-        while after.get(worker.native_id or 0, 0.0) < 0.05:  # the spinner's CPU, read back
+        while after.get(worker.native_id or 0, (0.0, 0.0))[0] < 0.05:  # the spinner's CPU
             time.sleep(0.01)
             after = pipeline.thread_cpu(os.getpid())
         waited = time.thread_time() - began
@@ -61,7 +63,8 @@ def test_a_spinning_thread_is_the_busiest_of_this_process() -> None:
         worker.join()
     assert worker.native_id in after
     assert worker.native_id not in before
-    busiest, _ = pipeline.cpu_per_token(before, after, 1)
+    busiest, _, waited_ms = pipeline.cpu_per_token(before, after, 1)
+    assert waited_ms >= 0.0
     assert busiest >= 50.0  # ms: the spinner, not this (mostly sleeping) thread
     assert busiest > waited * 1e3
     assert pipeline.thread_cpu(2**31 - 1) == {}  # no such process: nothing, no error
