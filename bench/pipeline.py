@@ -157,14 +157,22 @@ async def _stream(
 CHECKED_TOKENS = 16  # of the 512-token prompt, against the reference
 
 
+WHOLE = 0  # thread_cpu's key of the whole process (no thread has id 0)
+
+
 def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
     """Each thread's CPU seconds so far, and its seconds runnable but waiting for a CPU
-    (the run queue), of process ``pid`` (Linux's schedstat; empty elsewhere)."""
+    (the run queue), of process ``pid`` (Linux's schedstat; empty elsewhere); under
+    :data:`WHOLE`, the process's CPU seconds, its ended threads' included (``stat``'s
+    user and system time, in clock ticks)."""
     out: dict[int, tuple[float, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[WHOLE] = ((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return {}
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
@@ -179,20 +187,26 @@ def cpu_per_token(
     before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], tokens: int
 ) -> tuple[float, float, float]:
     """A process's CPU per token between two :func:`thread_cpu` readings, ms: its busiest
-    thread's (a stage node's: the reader thread that computes its forwards), all the
-    others' together (trio, the parked device thread, the gateway's work), and the
-    busiest thread's wait for a CPU while runnable (the cores taken by others)."""
+    thread's (a stage node's: the reader thread that computes its forwards), the rest of
+    the process's (trio, the parked device thread, worker threads, ended ones included,
+    the gateway's work), and the busiest thread's wait for a CPU while runnable (the
+    cores taken by others)."""
     spent = sorted(
         (
             (ran - before.get(tid, (0.0, 0.0))[0], waited - before.get(tid, (0.0, 0.0))[1])
             for tid, (ran, waited) in after.items()
+            if tid != WHOLE
         ),
         reverse=True,
     )
     if not spent or tokens <= 0:
         return 0.0, 0.0, 0.0
+    busiest, waited = spent[0]
+    rest = sum(ran for ran, _ in spent[1:])
+    if WHOLE in before and WHOLE in after:  # ended threads too (the clock's ticks apart)
+        rest = max(rest, after[WHOLE][0] - before[WHOLE][0] - busiest)
     ms = 1e3 / tokens
-    return spent[0][0] * ms, sum(ran for ran, _ in spent[1:]) * ms, spent[0][1] * ms
+    return busiest * ms, rest * ms, waited * ms
 
 
 def figures(

@@ -40,6 +40,16 @@ def test_the_busiest_thread_and_the_others_per_token() -> None:
     assert pipeline.cpu_per_token({}, {}, 10) == (0.0, 0.0, 0.0)
 
 
+def test_threads_that_ended_count_in_the_rest_through_the_whole_process() -> None:
+    whole = pipeline.WHOLE
+    # thread 2 ran 0.3 s and ended before the second reading: only the process saw it
+    before = {whole: (2.0, 0.0), 1: (1.0, 0.0), 2: (0.5, 0.0)}
+    after = {whole: (2.5, 0.0), 1: (1.2, 0.0)}
+    busiest, rest, _ = pipeline.cpu_per_token(before, after, 10)
+    assert busiest == pytest.approx(20.0)
+    assert rest == pytest.approx(30.0)  # 0.5 s of the process less the busiest's 0.2
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_spinning_thread_is_the_busiest_of_this_process() -> None:
     stop = threading.Event()
@@ -63,6 +73,7 @@ def test_a_spinning_thread_is_the_busiest_of_this_process() -> None:
         worker.join()
     assert worker.native_id in after
     assert worker.native_id not in before
+    assert after[pipeline.WHOLE][0] >= after[worker.native_id][0] - 0.02  # ticks of 10 ms
     busiest, _, waited_ms = pipeline.cpu_per_token(before, after, 1)
     assert waited_ms >= 0.0
     assert busiest >= 50.0  # ms: the spinner, not this (mostly sleeping) thread
