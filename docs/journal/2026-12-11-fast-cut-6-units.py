@@ -4,7 +4,9 @@ minus stage [25,31): the final norm and the int8 lm_head) and the embedding (sta
 [0,13) minus 12 blocks); beside the planner's FLOPs for them (its head charge is the
 head's FLOPs at the measured block's rate, cost.CostModel.head_extra_s).
 
-PYTHONPATH=. OMP_NUM_THREADS=1 python docs/journal/2026-12-11-fast-cut-6-units.py ROUNDS
+PYTHONPATH=. OMP_NUM_THREADS=1 python docs/journal/2026-12-11-fast-cut-6-units.py ROUNDS [PROMPT]
+(PROMPT: the prompt's tokens before the 48 decode steps, default 30; the planner predicts
+decode at half the nodes' --max-context: 512 for bench/pipeline.py's nodes)
 """
 
 import json
@@ -19,10 +21,11 @@ from hetmesh.partition.store import resolve_model
 
 torch.set_num_threads(1)
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+PROMPT = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 md = resolve_model(None)
 s0, s1 = load_stage(md, 0, 13), load_stage(md, 13, 25)
 tail, whole = load_stage(md, 25, 31), load_stage(md, 25, 32)
-prompt = torch.tensor(list(range(100, 130)))
+prompt = torch.tensor([100 + i % 1000 for i in range(PROMPT)])
 
 
 def run(steps: int, order: int) -> dict[str, float]:
