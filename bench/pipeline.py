@@ -8,10 +8,11 @@ in two layouts, one after the other, each with the plan it assumes checked:
   format by :mod:`hetmesh.scheduler.caps`), so the planner must cut it into K
   stages; the run fails if the adopted plan has another shape.
 
-Measured per layout, on the same machine, with the same weight format and the
-same torch thread count on both sides (one; the mesh and the reference in turn,
-one mesh stream, then one reference stream, per repeat, so a machine whose speed
-drifts moves both alike):
+Measured per layout, on the same machine, with the same weight format, the same
+torch thread count (one) and no speculative decoding on both sides (the nodes run
+``--no-speculative``: the figures are the cut's, not a gateway's drafts); the mesh
+and the reference in turn, one mesh stream, then one reference stream, per repeat,
+so a machine whose speed drifts moves both alike:
 
 - single-stream decode tokens/s (mesh ÷ reference) -> ``decode_ratio_single_stream``
   (replicas), ``split_decode_ratio``
@@ -23,6 +24,17 @@ drifts moves both alike):
   512-token one) equal the reference's -> ``outputs_identical``,
   ``split_outputs_identical``
 - the plans -> ``plan`` and ``replicas_stages`` (1), ``split_plan`` and ``split_stages``
+- where a stream's token goes (nodes read from ``/proc``, Linux; zeros elsewhere): for
+  each stage of the first pipeline, its node's CPU a token of the single streams, ms,
+  as (busiest thread, all its other threads, the busiest's wait in the run queue) ->
+  ``split_stage_cpu_ms`` (the busiest is the reader thread that computes the stage's
+  decode steps; the others hold trio, the parked device thread with the stream's
+  prefill, the gateway; the wait is the time it was ready to run but every core was
+  taken), beside the reference's
+  thread CPU a token -> ``split_reference_cpu_ms``, the client's ->
+  ``split_client_cpu_ms`` and the planner's ``split_plan_stage_ms``: the busiest
+  threads' sum against the reference's is what the forwards cost more in their own
+  processes, the token's period less that sum is the hops and the waits
 - the nodes' fast-path switches as this run set them (empty: unset, on) ->
   ``fast_path_switches`` (``HETMESH_STAGE_GROUPS=0 python bench/pipeline.py`` is the
   run without :mod:`hetmesh.node.stage_groups`)
@@ -77,6 +89,9 @@ NODE_ARGS = [
     "--max-context",
     "1024",
     "--no-prefix-cache",
+    # the cut itself: the reference does not speculate, so neither does the mesh (a
+    # gateway's speculative decoding would be measured as the cut's speed)
+    "--no-speculative",
 ]
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -93,13 +108,19 @@ class Reference:
         torch.set_num_threads(1)  # the nodes' default
         self.pipeline = LocalPipeline.load(model_dir, 1, weights=weights)
         self._params = SamplingParams
+        self.cpu_per_token_s: list[float] = []  # each decode_tpot's thread CPU a token
         self.decode_tpot([1, 2, 3], 4)  # warm up
+        self.cpu_per_token_s.clear()
 
     def decode_tpot(self, prompt_ids: list[int], tokens: int) -> float:
         """Mean time per token after the first, of one greedy stream."""
         params = self._params(max_new_tokens=tokens)
         tokens_out = self.pipeline.generate_ids(prompt_ids, params, eos_ids=set())
-        stamps = [time.perf_counter() for _ in tokens_out]
+        stamps, cpu = [], []
+        for _token in tokens_out:
+            stamps.append(time.perf_counter())
+            cpu.append(time.thread_time())
+        self.cpu_per_token_s.append((cpu[-1] - cpu[0]) / (len(cpu) - 1))
         return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
     def ids(self, prompt_ids: list[int], tokens: int) -> list[int]:
@@ -136,6 +157,58 @@ async def _stream(
 CHECKED_TOKENS = 16  # of the 512-token prompt, against the reference
 
 
+WHOLE = 0  # thread_cpu's key of the whole process (no thread has id 0)
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[float, float]]:
+    """Each thread's CPU seconds so far, and its seconds runnable but waiting for a CPU
+    (the run queue), of process ``pid`` (Linux's schedstat; empty elsewhere); under
+    :data:`WHOLE`, the process's CPU seconds, its ended threads' included (``stat``'s
+    user and system time, in clock ticks)."""
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[WHOLE] = ((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+            out[int(tid)] = (int(ran) / 1e9, int(waited) / 1e9)
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+def cpu_per_token(
+    before: dict[int, tuple[float, float]], after: dict[int, tuple[float, float]], tokens: int
+) -> tuple[float, float, float]:
+    """A process's CPU per token between two :func:`thread_cpu` readings, ms: its busiest
+    thread's (a stage node's: the reader thread that computes its forwards), the rest of
+    the process's (trio, the parked device thread, worker threads, ended ones included,
+    the gateway's work), and the busiest thread's wait for a CPU while runnable (the
+    cores taken by others)."""
+    spent = sorted(
+        (
+            (ran - before.get(tid, (0.0, 0.0))[0], waited - before.get(tid, (0.0, 0.0))[1])
+            for tid, (ran, waited) in after.items()
+            if tid != WHOLE
+        ),
+        reverse=True,
+    )
+    if not spent or tokens <= 0:
+        return 0.0, 0.0, 0.0
+    busiest, waited = spent[0]
+    rest = sum(ran for ran, _ in spent[1:])
+    if WHOLE in before and WHOLE in after:  # ended threads too (the clock's ticks apart)
+        rest = max(rest, after[WHOLE][0] - before[WHOLE][0] - busiest)
+    ms = 1e3 / tokens
+    return busiest * ms, rest * ms, waited * ms
+
+
 def figures(
     mesh: Any,
     reference: Reference,
@@ -143,14 +216,14 @@ def figures(
     long_ids: list[int],
     tokens: int,
     repeats: int,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The mesh's figures and the reference's, measured in turn (a drifting machine
     moves both alike): one mesh stream, then one reference stream, and so on."""
     import trio
 
     from hetmesh.client.mesh import open_mesh_client
 
-    async def measure() -> dict[str, float]:
+    async def measure() -> dict[str, Any]:
         async with open_mesh_client(mesh.nodes[-1].addr, mesh_secret=mesh.secret) as client:
             await _stream(client, prompt_ids, 4)  # warm up: links, first forwards
             # outputs first: the mesh's greedy tokens must be the single process's
@@ -162,9 +235,18 @@ def figures(
                 long_ids, CHECKED_TOKENS
             )
             tpots, ttfts, ref_tpots, ref_ttfts = [], [], [], []
+            pids = [node.proc.pid for node in mesh.nodes]
+            spent: list[list[tuple[float, float, float]]] = [[] for _ in pids]
+            client_cpu = []  # this process's (the client's) CPU a token, s
             for _ in range(repeats):
+                before = [thread_cpu(pid) for pid in pids]
+                began = time.process_time()
                 stamps = await _stream(client, prompt_ids, tokens)
+                client_cpu.append((time.process_time() - began) / (len(stamps) - 1))
+                after = [thread_cpu(pid) for pid in pids]
                 tpots.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+                for mine, b, a in zip(spent, before, after, strict=True):
+                    mine.append(cpu_per_token(b, a, len(stamps) - 1))
                 # the reference runs while the idle nodes wait, on the same cores
                 ref_tpots.append(reference.decode_tpot(prompt_ids, tokens))
                 stamps = await _stream(client, long_ids, 1)
@@ -195,6 +277,15 @@ def figures(
             "tokens_per_s_1": statistics.median(singles),
             "tokens_per_s_8": statistics.median(eights),
             "outputs_identical": float(identical),
+            "reference_cpu_ms": statistics.median(reference.cpu_per_token_s[-repeats:]) * 1e3,
+            "client_cpu_ms": statistics.median(client_cpu) * 1e3,
+            # per node (mesh.nodes' order), one stream's CPU a token, ms, median over the
+            # repeats: the busiest thread's (the forwards), the other threads', and the
+            # busiest thread's wait for a CPU
+            "node_cpu_ms": [
+                tuple(round(statistics.median(row[i] for row in mine), 3) for i in range(3))
+                for mine in spent
+            ],
         }
 
     return trio.run(measure)
@@ -228,6 +319,7 @@ def run_layout(
         assert plan is not None
         ours = figures(mesh, reference, prompt_ids, long_ids, args.tokens, args.repeats)
         entry = mesh.nodes[-1].peer_id  # the client's gateway
+        order = {n.peer_id: i for i, n in enumerate(mesh.nodes)}
     return {
         "figures": ours,
         "plan": cut.describe(plan, names),
@@ -244,6 +336,11 @@ def run_layout(
             (i for i, s in enumerate(plan.pipelines[0].stages) if s.peer_id == entry), None
         ),
         "stages": max(cut.stages_of(plan)),
+        # each stage of the first pipeline: its node's busiest thread's CPU a token of one
+        # stream (its forwards, the sends and reads around them), its other threads', and
+        # the busiest's wait for a core (ms): beside plan_stage_ms and the token's period,
+        # where a cut's time goes
+        "stage_cpu_ms": [ours["node_cpu_ms"][order[s.peer_id]] for s in plan.pipelines[0].stages],
         "node_memory_bytes": int(cut.option(node_args, "--max-memory", "0")),
     }
 
@@ -273,6 +370,11 @@ def keys(layout: dict[str, Any], prefix: str) -> dict[str, Any]:
         f"{prefix}gateway_holds_a_pipeline": layout["gateway_holds_a_pipeline"],
         f"{prefix}gateway_stage": layout["gateway_stage"],
         f"{prefix}stages": layout["stages"],
+        f"{prefix}stage_cpu_ms": layout["stage_cpu_ms"],
+        # the reference's CPU a token, ms (its forward and sampling, one thread)
+        f"{prefix}reference_cpu_ms": round(ours["reference_cpu_ms"], 3),
+        # the client's (this process's) CPU a token of those streams, ms
+        f"{prefix}client_cpu_ms": round(ours["client_cpu_ms"], 3),
         f"{prefix}node_memory_bytes": layout["node_memory_bytes"],
     }
 
