@@ -604,3 +604,25 @@ def test_bfloat16_prepacked_rows_are_the_same_at_1_and_2_threads() -> None:
     assert torch.equal(got[1][0], got[2][0])
     assert torch.equal(got[1][1], got[2][1])
     assert torch.equal(got[1][0], got[1][1][:40])
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_the_float32_linear_way_holds_no_bytes_beyond_the_weights() -> None:
+    """What the planner charges a stage (its tensors' bytes) is what it holds: where
+    make_exact takes F.linear's way, the resident set grows by no copy of the weights
+    (MKL's packed copies there held ~1.7x the weights' bytes, measured RSS, uncharged)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(576, 1536, bias=False) for _ in range(8)])
+    weights = 8 * 1536 * 576 * 4  # 27 MiB
+    if not _quanta_hold(model[0].weight.detach()):
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    make_exact(nn.Sequential(nn.Linear(576, 1536, bias=False)))  # the probe's scratch, once
+    before = _rss()
+    make_exact(model)
+    grown = _rss() - before
+    assert all(m.packed is None and m.quantum for m in model)
+    assert grown < weights // 4, grown
