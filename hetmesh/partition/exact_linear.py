@@ -204,6 +204,19 @@ def _packed(
     return torch.cat([mm(t, packed, shape_of, None, t.shape[0]) for t in tiles])
 
 
+HEAD_SLICE = 2048  # a large weight's output rows per F.linear call (a row's bits unchanged)
+
+
+def _sliced(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(rows, weight)``, a large row-major weight (a head) in slices of
+    :data:`HEAD_SLICE` output rows: each output's sum is the same (MKL blocks the
+    outputs, not the sum), and a few rows' call streams it ~1.5x faster (AMD's EPYC,
+    the head 49,152 x 576, 4 rows: 13.5 against 18.2 ms whole, 21.9 column-major)."""
+    if weight.shape[0] < 4 * HEAD_SLICE or weight.stride(1) != 1:
+        return F.linear(rows, weight)
+    return torch.cat([F.linear(rows, part) for part in torch.split(weight, HEAD_SLICE)], dim=-1)
+
+
 def _quanta(
     rows: torch.Tensor, weight: torch.Tensor, tile: int, least: int, quantum: int
 ) -> torch.Tensor:
@@ -215,13 +228,13 @@ def _quanta(
     short = -count % quantum
     if count < least and short:  # a decode step or a small round
         padded = torch.cat((rows, _zero_row(rows.shape[1], count=short)))
-        out: torch.Tensor = F.linear(padded, weight)[:count]
+        out: torch.Tensor = _sliced(padded, weight)[:count]
         return out
     if count <= tile:
-        out = F.linear(rows, weight)
+        out = _sliced(rows, weight)
         return out
     tiles = torch.split(rows, _float32_tiles(count, tile, least))
-    return torch.cat([F.linear(t, weight) for t in tiles])
+    return torch.cat([_sliced(t, weight) for t in tiles])
 
 
 def exact_linear(
@@ -300,7 +313,7 @@ class ExactLinear(nn.Linear):
             # a decode step's lone row, padded with zero rows (exact_linear's call)
             pad = _zero_row(self.in_features, count=self.quantum - 1)
             four = torch.cat((x.reshape(1, -1), pad))
-            row: torch.Tensor = F.linear(four, self.weight)[:1]
+            row: torch.Tensor = _sliced(four, self.weight)[:1]
             if self.bias is not None:
                 row = row + self.bias
             return row.view(*x.shape[:-1], self.out_features)
@@ -408,6 +421,11 @@ def tiles_are_exact(
         )
 
 
+def _column_major(weight: torch.Tensor) -> bool:
+    """Whether a 2-D ``weight`` large enough to be sliced is stored column-major."""
+    return weight.shape[0] >= 4 * HEAD_SLICE and weight.stride() == (1, weight.shape[0])
+
+
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
     """A tensor of ``weight``'s shape and dtype holding one element."""
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
@@ -451,8 +469,18 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         bf16 = w.dtype == torch.bfloat16
         key = (w.dtype, w.device, tuple(w.shape), w.stride())
         quanta = not bf16 and w.device.type == "cpu"
-        if key not in verdicts and quanta and tiles_are_exact(w.detach(), None, tile, *QUANTA):
-            verdicts[key] = "quanta"  # AMD's EPYC: no packed copy at all
+        rowwise = None  # a column-major head laid row-major, for the F.linear way
+        if (
+            quanta
+            and verdicts.get(key, "quanta") == "quanta"
+            and _column_major(w)
+            and shared.get(w.untyped_storage().data_ptr(), 0) <= 1
+        ):
+            rowwise = w.detach().contiguous()
+        if key not in verdicts and quanta:
+            trial = w.detach() if rowwise is None else rowwise
+            if tiles_are_exact(trial, None, tile, *QUANTA):
+                verdicts[key] = "quanta"  # AMD's EPYC: no packed copy at all
         pack = None
         if packed and verdicts.get(key) != "quanta":
             pack = (onednn_pack if bf16 else mkl_pack)(w.detach())
@@ -490,6 +518,11 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
                 sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
         elif verdicts[key] == "quanta":
             sub.tile = tile  # type: ignore[assignment]
+            if rowwise is not None:
+                # a head stored column-major (load_stage: the fastest lone row for
+                # torch's 1-row kernel, which this way never calls): row-major, a
+                # few rows' call streams it faster, in slices (the way probed so)
+                sub._parameters["weight"] = nn.Parameter(rowwise, requires_grad=False)
             sub.least, sub.quantum = LINEAR_LEAST, LINEAR_QUANTUM  # type: ignore[assignment]
         elif verdicts[key] in ("packed", "packed_lone"):
             sub.packed = pack  # type: ignore[assignment]
@@ -503,6 +536,7 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         elif verdicts[key] == "rows":
             sub.tiled = False  # type: ignore[assignment]
             untiled += 1
+        rowwise = None  # the column-major head freed as the next layer is made
     return untiled
 
 

@@ -626,3 +626,29 @@ def test_the_float32_linear_way_holds_no_bytes_beyond_the_weights() -> None:
     grown = _rss() - before
     assert all(m.packed is None and m.quantum for m in model)
     assert grown < weights // 4, grown
+
+
+def test_a_column_major_head_is_laid_row_major_for_the_float32_linear_way() -> None:
+    """load_stage stores an fp32 head column-major (torch's 1-row kernel streams it
+    fastest); the F.linear way never makes a 1-row call, and a few rows' call streams a
+    row-major head in slices ~1.5x faster: make_exact re-lays it (same bytes, the old
+    layout freed), proving the way on the new layout, and a row's bits are those of
+    the column-major way in any call."""
+    w = _weight(49152, 576, torch.float32).t().contiguous().t()
+    if not _quanta_hold(w, el.LARGE_TILE):
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    x = _rows(40, 576, torch.float32)
+    kw = {"tile": el.LARGE_TILE, "least": el.LINEAR_LEAST, "quantum": el.LINEAR_QUANTUM}
+    column_way = _alone(w, x, **kw)
+    head = nn.Linear(576, 49152, bias=False)
+    head.weight = nn.Parameter(w, requires_grad=False)
+    model = nn.Sequential(head)
+    del w, head
+    with torch.no_grad():
+        make_exact(model)
+        assert model[0].weight.stride() == (576, 1)  # row-major now
+        assert model[0].weight.untyped_storage().nbytes() == 49152 * 576 * 4
+        alone = torch.stack([model(row) for row in x])  # the lean path
+        assert torch.equal(alone, column_way)
+        for lo, hi in ((0, 40), (3, 20), (5, 6), (7, 9), (1, 33)):
+            assert torch.equal(model(x[lo:hi]), alone[lo:hi]), (lo, hi)
