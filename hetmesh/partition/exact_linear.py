@@ -211,7 +211,8 @@ def _sliced(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(rows, weight)``, a large row-major weight (a head) in slices of
     :data:`HEAD_SLICE` output rows: each output's sum is the same (MKL blocks the
     outputs, not the sum), and a few rows' call streams it ~1.5x faster (AMD's EPYC,
-    the head 49,152 x 576, 4 rows: 13.5 against 18.2 ms whole, 21.9 column-major)."""
+    the head 49,152 x 576, 4 rows: 13.5 against 18.2 ms whole, 21.9 column-major;
+    so load_stage keeps an fp32 head row-major where its linear layers are exact)."""
     if weight.shape[0] < 4 * HEAD_SLICE or weight.stride(1) != 1:
         return F.linear(rows, weight)
     return torch.cat([F.linear(rows, part) for part in torch.split(weight, HEAD_SLICE)], dim=-1)
@@ -421,11 +422,6 @@ def tiles_are_exact(
         )
 
 
-def _column_major(weight: torch.Tensor) -> bool:
-    """Whether a 2-D ``weight`` large enough to be sliced is stored column-major."""
-    return weight.shape[0] >= 4 * HEAD_SLICE and weight.stride() == (1, weight.shape[0])
-
-
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
     """A tensor of ``weight``'s shape and dtype holding one element."""
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
@@ -469,18 +465,8 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         bf16 = w.dtype == torch.bfloat16
         key = (w.dtype, w.device, tuple(w.shape), w.stride())
         quanta = not bf16 and w.device.type == "cpu"
-        rowwise = None  # a column-major head laid row-major, for the F.linear way
-        if (
-            quanta
-            and verdicts.get(key, "quanta") == "quanta"
-            and _column_major(w)
-            and shared.get(w.untyped_storage().data_ptr(), 0) <= 1
-        ):
-            rowwise = w.detach().contiguous()
-        if key not in verdicts and quanta:
-            trial = w.detach() if rowwise is None else rowwise
-            if tiles_are_exact(trial, None, tile, *QUANTA):
-                verdicts[key] = "quanta"  # AMD's EPYC: no packed copy at all
+        if key not in verdicts and quanta and tiles_are_exact(w.detach(), None, tile, *QUANTA):
+            verdicts[key] = "quanta"  # AMD's EPYC: no packed copy at all
         pack = None
         if packed and verdicts.get(key) != "quanta":
             pack = (onednn_pack if bf16 else mkl_pack)(w.detach())
@@ -518,11 +504,6 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
                 sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
         elif verdicts[key] == "quanta":
             sub.tile = tile  # type: ignore[assignment]
-            if rowwise is not None:
-                # a head stored column-major (load_stage: the fastest lone row for
-                # torch's 1-row kernel, which this way never calls): row-major, a
-                # few rows' call streams it faster, in slices (the way probed so)
-                sub._parameters["weight"] = nn.Parameter(rowwise, requires_grad=False)
             sub.least, sub.quantum = LINEAR_LEAST, LINEAR_QUANTUM  # type: ignore[assignment]
         elif verdicts[key] in ("packed", "packed_lone"):
             sub.packed = pack  # type: ignore[assignment]
@@ -536,7 +517,6 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         elif verdicts[key] == "rows":
             sub.tiled = False  # type: ignore[assignment]
             untiled += 1
-        rowwise = None  # the column-major head freed as the next layer is made
     return untiled
 
 
