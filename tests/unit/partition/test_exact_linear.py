@@ -648,3 +648,29 @@ def test_a_row_major_head_in_slices_gives_the_column_major_heads_bits() -> None:
         assert torch.equal(alone, column_way)
         for lo, hi in ((0, 40), (3, 20), (5, 6), (7, 9), (1, 33)):
             assert torch.equal(model(x[lo:hi]), alone[lo:hi]), (lo, hi)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_float32_linear_calls_of_every_row_count_share_one_class(out: int, inp: int) -> None:
+    """The probe at load checks some call sizes; here every call the F.linear way makes
+    (1 to 300 rows, padded or tiled as exact_linear does) gives each row its lone
+    result, for the default model's shapes, at 1 and 2 threads."""
+    w = _weight(out, inp, torch.float32)
+    if not _quanta_hold(w):
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    kw = {"least": el.LINEAR_LEAST, "quantum": el.LINEAR_QUANTUM}
+    x = _rows(300, inp, torch.float32)
+    alone = _alone(w, x, **kw)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            differ = [
+                m
+                for m in range(1, 301)
+                if not torch.equal(exact_linear(x[:m], w, None, **kw), alone[:m])
+            ]  # type: ignore[arg-type]
+            assert differ == [], threads
+    finally:
+        torch.set_num_threads(before)
