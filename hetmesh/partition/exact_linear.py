@@ -42,14 +42,24 @@ project's Xeon (torch 2.13, MKL 2024.2, oneDNN 3.12; docs/weights.md,
   row's bits in calls of up to 16 rows only, and neither ``F.linear`` nor
   ``weight @ x.T`` holds past 16 either: calls of 16 there (a 291-row prefill
   ~12 % over one call, where one row per call cost 5x).
+* On AMD's EPYC fp32's ``F.linear`` (the same MKL) computes rows in blocks of 4
+  and, in a call of under 12 rows, a block's 1 to 3 leftover rows by other
+  kernels (at 1 thread only calls of 1 to 3 rows): every call of 12 rows or more
+  or of a multiple of 4 gives a row one result (up to 1,200 rows, 1 and 2
+  threads, every shape; the head column-major too), and MKL's packed product
+  holds only from 4 rows, its copies ~1.7x the weight's bytes. So
+  :func:`make_exact` first tries ``F.linear`` on the weight as stored, a call of
+  under 12 rows padded with zero rows to a multiple of 4 (a decode step's lone
+  row to 4): no copy, a prefill and a round at torch's speed.
 
 Other shapes draw the classes elsewhere (MKL treats a small matrix, K = 64,
 its own way; its packed product differs at 3 rows for K = 2,048; oneDNN's
 ``weight @ x.T`` differs past 3 rows at K = 8,192), and so may another CPU or
 BLAS. So :func:`make_exact` probes each distinct weight shape once, at load:
 random rows computed in calls of 1 to 300 rows must equal the same rows
-computed one by one, else the next way is probed (packed with 1-row calls,
-packed with a lone row padded to 2, then small tiles,
+computed one by one, else the next way is probed (``F.linear`` padded to a
+multiple of 4, packed with 1-row calls, packed with a lone row padded to 2, then
+small tiles,
 then one row per call: invariant by construction, every call has the same
 shape; slower for a prefill, unchanged for a decode step).
 """
@@ -57,7 +67,6 @@ shape; slower for a prefill, unchanged for a decode step).
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any
 
 import torch
@@ -195,6 +204,40 @@ def _packed(
     return torch.cat([mm(t, packed, shape_of, None, t.shape[0]) for t in tiles])
 
 
+HEAD_SLICE = 2048  # a large weight's output rows per F.linear call (a row's bits unchanged)
+
+
+def _sliced(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(rows, weight)``, a large row-major weight (a head) in slices of
+    :data:`HEAD_SLICE` output rows: each output's sum is the same (MKL blocks the
+    outputs, not the sum), and a few rows' call streams it ~1.5x faster (AMD's EPYC,
+    the head 49,152 x 576, 4 rows: 13.5 against 18.2 ms whole, 21.9 column-major;
+    so load_stage keeps an fp32 head row-major where its linear layers are exact)."""
+    if weight.shape[0] < 4 * HEAD_SLICE or weight.stride(1) != 1:
+        return F.linear(rows, weight)
+    return torch.cat([F.linear(rows, part) for part in torch.split(weight, HEAD_SLICE)], dim=-1)
+
+
+def _quanta(
+    rows: torch.Tensor, weight: torch.Tensor, tile: int, least: int, quantum: int
+) -> torch.Tensor:
+    """``rows @ weight.T`` by torch's own ``F.linear``, every call ``least`` to ``tile``
+    rows or a multiple of ``quantum`` (a call of fewer than ``least`` rows padded with
+    zero rows to the next multiple): AMD's EPYC, where MKL computes rows in blocks of 4
+    and, below 12 rows, a block's 1 to 3 leftover rows by other kernels."""
+    count = rows.shape[0]
+    short = -count % quantum
+    if count < least and short:  # a decode step or a small round
+        padded = torch.cat((rows, _zero_row(rows.shape[1], count=short)))
+        out: torch.Tensor = _sliced(padded, weight)[:count]
+        return out
+    if count <= tile:
+        out = _sliced(rows, weight)
+        return out
+    tiles = torch.split(rows, _float32_tiles(count, tile, least))
+    return torch.cat([_sliced(t, weight) for t in tiles])
+
+
 def exact_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -205,19 +248,24 @@ def exact_linear(
     tile: int = FLOAT32_PACKED_TILE,
     lone: bool = False,
     least: int = 2,
+    quantum: int = 0,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be alone:
     by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
     only gives the shape) in calls of up to ``tile`` rows (a lone row in a 1-row call
     where ``lone``, else every call ``least`` rows or more, padded), or oneDNN's (bf16,
     :func:`onednn_pack`) in calls of up to ``tile`` rows (a lone row in its own call
-    where ``lone``, else padded to 2), else in tiles (see the module's docstring), or
-    one row per call where not ``tiled``."""
+    where ``lone``, else padded to 2), or fp32's ``F.linear`` on the weight as stored
+    where ``quantum`` (calls of ``least`` to ``tile`` rows or a multiple of
+    ``quantum``, padded), else in tiles (see the module's docstring), or one row per
+    call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
         out = _packed(rows, packed, weight, tile, lone, least)
+    elif quantum and rows.dtype == torch.float32:
+        out = _quanta(rows, weight, tile, least, quantum)
     elif packed is not None and rows.dtype == torch.bfloat16:
         out = _onednn(rows, packed, tile, lone)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
@@ -258,9 +306,18 @@ class ExactLinear(nn.Linear):
     tile: int = FLOAT32_PACKED_TILE
     lone: bool = False  # a lone row takes a 1-row packed call (proved per shape)
     least: int = 2  # else fp32's packed calls have this many rows at least (zeros added)
+    quantum: int = 0  # fp32's F.linear, calls under `least` rows padded to a multiple
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
+        if self.quantum and x.numel() == self.in_features and x.dtype == torch.float32:
+            # a decode step's lone row, padded with zero rows (exact_linear's call)
+            pad = _zero_row(self.in_features, count=self.quantum - 1)
+            four = torch.cat((x.reshape(1, -1), pad))
+            row: torch.Tensor = _sliced(four, self.weight)[:1]
+            if self.bias is not None:
+                row = row + self.bias
+            return row.view(*x.shape[:-1], self.out_features)
         if (
             packed is not None
             and self.bias is None
@@ -292,12 +349,15 @@ class ExactLinear(nn.Linear):
             tile=self.tile,
             lone=self.lone,
             least=self.least,
+            quantum=self.quantum,
         )
 
     def extra_repr(self) -> str:
         if self.packed is not None and self.weight.dtype == torch.bfloat16:
             how = f", oneDNN's prepacked product, calls of up to {self.tile} rows"
             how += "" if self.lone else ", a lone row padded to 2"
+        elif self.quantum:
+            how = f", calls of {self.least} to {self.tile} rows or a multiple of {self.quantum}"
         elif self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
             how += ", a lone row alone" if self.lone else f", a lone row padded to {self.least}"
@@ -319,37 +379,46 @@ def tiles_are_exact(
     tile: int = FLOAT32_PACKED_TILE,
     lone: bool = False,
     least: int = 2,
+    quantum: int = 0,
 ) -> bool:
     """Whether :func:`exact_linear` gives ``weight``'s rows their lone results (random
     rows, the calls of :data:`PROBE_ROWS`): by its ``packed`` form if given (then with a
     placeholder for ``weight``: proof that the call reads only the packed copy; a lone
-    row in a 1-row call where ``lone``, else fp32's calls ``least`` rows at least), else
-    in tiles."""
-    sizes = _probe_sizes(weight, tile if packed is not None else FLOAT32_PACKED_TILE)
+    row in a 1-row call where ``lone``, else fp32's calls ``least`` rows at least), by
+    fp32's ``F.linear`` in calls of ``least`` rows or a multiple of ``quantum`` where
+    ``quantum``, else in tiles. Fails fast: the calls go from the fewest rows up, each
+    row's lone result computed only once a call needs it, so a way refused at 2 rows
+    costs a few products, not hundreds (an fp32 stage's load took 6.6 s CPU probing
+    each refused way in full)."""
+    sizes = _probe_sizes(weight, tile if packed is not None or quantum else FLOAT32_PACKED_TILE)
     g = torch.Generator().manual_seed(44)
     x = torch.randn(max(sizes), weight.shape[1], generator=g).to(weight.dtype)
     w = weight if packed is None else _placeholder(weight)
+    kw: dict[str, Any] = {
+        "packed": packed,
+        "tile": tile,
+        "lone": lone,
+        "least": least,
+        "quantum": quantum,
+    }
     with torch.no_grad():
-        alone = torch.cat(
-            [
-                exact_linear(row, w, None, packed=packed, tile=tile, lone=lone, least=least)
-                for row in torch.split(x, 1)
-            ]
-        )
+        alone: list[torch.Tensor] = []
+
+        def lone_rows(m: int) -> torch.Tensor:
+            alone.extend(exact_linear(x[n : n + 1], w, None, **kw) for n in range(len(alone), m))
+            return torch.cat(alone[:m])
+
+        first = lone_rows(min(8, len(x)))  # is it the product at all?
         if packed is not None and weight.dtype == torch.bfloat16:
-            reference = F.linear(x.float(), weight.float())
-            if (alone.float() - reference).abs().max() > 2**-6 * reference.abs().max():
+            reference = F.linear(x[:8].float(), weight.float())
+            if (first.float() - reference).abs().max() > 2**-6 * reference.abs().max():
                 return False  # not the product at all (bf16: a few roundings apart)
         elif packed is not None and not torch.allclose(
-            alone, F.linear(x, weight), rtol=1e-3, atol=1e-3
+            first, F.linear(x[:8], weight), rtol=1e-3, atol=1e-3
         ):
             return False  # not the product at all
         return all(
-            torch.equal(
-                exact_linear(x[:m], w, None, packed=packed, tile=tile, lone=lone, least=least),
-                alone[:m],
-            )
-            for m in sizes
+            torch.equal(exact_linear(x[:m], w, None, **kw), lone_rows(m)) for m in sorted(sizes)
         )
 
 
@@ -371,29 +440,20 @@ def _storage_counts(module: nn.Module) -> dict[int, int]:
     return counts
 
 
-PAD4_ENV = "HETMESH_EXACT_FP32_PAD4"
-
-
-def padded_to_four() -> bool:
-    """Whether fp32 layers may take MKL's packed product in calls of 4 rows at least
-    (``HETMESH_EXACT_FP32_PAD4=1``; off unless set). Where 1 to 3 rows take kernels of
-    their own (AMD's EPYC) that is the only packed way that holds, and it is faster
-    (a prefill 1.0x of torch's instead of 3.2x), but MKL's packed copies there
-    take ~1.7x the rows' bytes, which the planner does not charge yet: an fp32 stage
-    of 14 layers and the head held ~200 MiB more than planned and a 800 MiB host was
-    killed (tests/integration/testbed/test_testbed_mesh.py). Off, such layers compute
-    one row per call, exactly as well."""
-    return os.environ.get(PAD4_ENV, "0") == "1"
+LINEAR_LEAST = 12  # fp32 F.linear on AMD's EPYC: any call of 12 rows or more, ...
+LINEAR_QUANTUM = 4  # ... or of a multiple of 4 rows, gives a row one result
+QUANTA = (False, LINEAR_LEAST, LINEAR_QUANTUM)  # tiles_are_exact's lone, least, quantum
 
 
 def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     """Turn every plain float ``nn.Linear`` under ``module`` into an :class:`ExactLinear`
     in place. Per distinct weight shape, the first way :func:`tiles_are_exact` proves
-    is taken: fp32 by MKL's packed product, a lone row in a 1-row call, else padded to
-    2 rows (where ``packed``; the layer's weight is
+    is taken: fp32 by ``F.linear`` on the weight as stored, calls of 12 rows or more or
+    a multiple of 4 (AMD's EPYC; no copy), else by MKL's packed product, a lone row in
+    a 1-row call, else padded to 2 rows (where ``packed``; the layer's weight is
     then packed and, unless another tensor of ``module`` shares its bytes, replaced by a
-    placeholder), else row tiles, else one row per call; returns how many layers
-    compute one row per call."""
+    placeholder), else row tiles, else one row per call; bf16 by oneDNN's prepacked
+    product likewise. Returns how many layers compute one row per call."""
     verdicts: dict[tuple[object, ...], str] = {}
     shared = _storage_counts(module)
     untiled = 0
@@ -403,8 +463,13 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         w = sub.weight
         tile = FLOAT32_PACKED_TILE if w.numel() <= PROBE_LARGE else LARGE_TILE
         bf16 = w.dtype == torch.bfloat16
-        pack = (onednn_pack if bf16 else mkl_pack)(w.detach()) if packed else None
         key = (w.dtype, w.device, tuple(w.shape), w.stride())
+        quanta = not bf16 and w.device.type == "cpu"
+        if key not in verdicts and quanta and tiles_are_exact(w.detach(), None, tile, *QUANTA):
+            verdicts[key] = "quanta"  # AMD's EPYC: no packed copy at all
+        pack = None
+        if packed and verdicts.get(key) != "quanta":
+            pack = (onednn_pack if bf16 else mkl_pack)(w.detach())
         if key not in verdicts:
             if w.device.type != "cpu":
                 verdicts[key] = "tiles"
@@ -427,12 +492,6 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
                 verdicts[key] = "packed_lone"
             elif pack is not None and tiles_are_exact(w.detach(), pack, tile):
                 verdicts[key] = "packed"
-            elif (
-                pack is not None
-                and padded_to_four()
-                and tiles_are_exact(w.detach(), pack, tile, least=4)
-            ):
-                verdicts[key] = "packed4"  # AMD's EPYC: 1 to 3 rows take other kernels
             else:
                 verdicts[key] = "tiles" if tiles_are_exact(w.detach()) else "rows"
         sub.__class__ = ExactLinear
@@ -443,11 +502,13 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
             sub.lone = not verdicts[key].endswith("pad")  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
-        elif verdicts[key] in ("packed", "packed_lone", "packed4"):
+        elif verdicts[key] == "quanta":
+            sub.tile = tile  # type: ignore[assignment]
+            sub.least, sub.quantum = LINEAR_LEAST, LINEAR_QUANTUM  # type: ignore[assignment]
+        elif verdicts[key] in ("packed", "packed_lone"):
             sub.packed = pack  # type: ignore[assignment]
             sub.tile = tile  # type: ignore[assignment]
             sub.lone = verdicts[key] == "packed_lone"  # type: ignore[assignment]
-            sub.least = 4 if verdicts[key] == "packed4" else 2  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 # straight into the table, not through register_parameter: another
                 # thread building a skeleton under accelerate's init_empty_weights has
@@ -464,6 +525,8 @@ __all__ = [
     "BFLOAT16_TILE",
     "FLOAT32_PACKED_TILE",
     "FLOAT32_TILE",
+    "LINEAR_LEAST",
+    "LINEAR_QUANTUM",
     "PROBE_ROWS",
     "ExactLinear",
     "exact_linear",

@@ -803,8 +803,14 @@ def load_stage(
     # fast for one decode row (docs/benchmarks.md, issue 16). Not the row-major
     # product's logits to the last bit (another reduction order, ~2e-6 relative):
     # greedy tokens are checked against it by tests and every bench/decode.py run.
+    if exact_linears is None:
+        exact_linears = attn_implementation == "exact" and exact_linears_default()
+    # (exact linear layers never make the 1-row call it speeds; on AMD's EPYC their
+    # few rows' calls stream a row-major head faster: exact_linear.HEAD_SLICE)
     column_major = fmt is WeightFormat.FLOAT32 and (
-        transposed_head_default() if transpose_head is None else transpose_head
+        transposed_head_default() and not (exact_linears and torch_device.type == "cpu")
+        if transpose_head is None
+        else transpose_head
     )
     materialise(
         stage,
@@ -822,8 +828,6 @@ def load_stage(
         and torch_device.type == "cpu"
         and all(supports_lean(layer) for layer in stage.layers)
     )
-    if exact_linears is None:
-        exact_linears = attn_implementation == "exact" and exact_linears_default()
     if exact_linears:
         make_exact(stage)
     stage.eval()

@@ -33,33 +33,101 @@ def _cpu_vendor() -> str:
 XEON = _cpu_vendor() == "GenuineIntel"
 
 
-@pytest.fixture(autouse=True)
-def _padded_to_four(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are of the packed ways, all of them: the one padded to 4 rows (AMD's
-    EPYC) included, which the node takes only where asked (``padded_to_four``)."""
-    monkeypatch.setenv(el.PAD4_ENV, "1")
+def _quanta_hold(w: torch.Tensor, tile: int = el.FLOAT32_PACKED_TILE) -> bool:
+    """Whether fp32's ``F.linear`` in calls of 12 rows or more or a multiple of 4 holds
+    for ``w`` (AMD's EPYC), the way make_exact tries first."""
+    return el.tiles_are_exact(w, None, tile, *el.QUANTA)
 
 
-def test_the_way_padded_to_four_is_taken_only_where_asked(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.fixture
+def _no_quanta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe refuses the F.linear way (which AMD's EPYC takes first), so make_exact
+    goes on to the packed ones."""
+    probe = el.tiles_are_exact
+
+    def no_quanta(*a: Any, **kw: Any) -> bool:
+        return not (kw.get("quantum") or (len(a) > 5 and a[5])) and probe(*a, **kw)
+
+    monkeypatch.setattr(el, "tiles_are_exact", no_quanta)
+
+
+@pytest.fixture
+def _packed_ways(_no_quanta: None) -> None:
+    """For the tests of make_exact's packed fp32 ways: skipped where none holds (AMD's
+    EPYC, whose packed product holds only in calls of 4 rows or more: the F.linear way
+    is taken there, with no copy)."""
+    w = _weight(576, 576, torch.float32)
+    packed = el.mkl_pack(w)
+    if packed is None or not el.tiles_are_exact(w, packed, el.FLOAT32_PACKED_TILE):
+        assert not XEON
+        pytest.skip("no packed way of make_exact holds on this CPU (F.linear's is taken)")
+
+
+@pytest.mark.parametrize(("out", "inp"), [*SHAPES, (49152, 576)])
+def test_float32_linear_calls_of_12_rows_or_a_multiple_of_4_share_one_class(
+    out: int, inp: int
 ) -> None:
-    """Unasked, a shape whose only packed way is padded to 4 rows computes one row per
-    call (its packed copies would outgrow what the planner charges); asked, it packs."""
-    w = nn.Linear(576, 576, bias=False)
-    packed = el.mkl_pack(w.weight.detach())
-    if el.tiles_are_exact(w.weight.detach(), packed, el.FLOAT32_PACKED_TILE):
-        pytest.skip("a packed way of 2 rows holds on this CPU: nothing is padded to 4")
-    assert el.tiles_are_exact(w.weight.detach(), packed, el.FLOAT32_PACKED_TILE, least=4)
-    monkeypatch.delenv(el.PAD4_ENV)
-    unasked = nn.Sequential(nn.Linear(576, 576, bias=False))
-    make_exact(unasked)
-    assert unasked[0].packed is None
-    assert not unasked[0].tiled
-    monkeypatch.setenv(el.PAD4_ENV, "1")
-    asked = nn.Sequential(nn.Linear(576, 576, bias=False))
-    make_exact(asked)
-    assert asked[0].packed is not None
-    assert asked[0].least == 4
+    """AMD's EPYC: MKL's ``F.linear`` computes rows in blocks of 4 and, in a call of
+    fewer than 12 rows, a block's 1 to 3 leftover rows by other kernels (at 1 thread
+    only a call of 1 to 3 rows; the reproduction: a 2-row call differs from its rows
+    padded to 4), the same bits at 1 and 2 threads; every call of 12 rows or more, or
+    of a multiple of 4, gives a row one result. So calls padded to that take the
+    weight as stored: no packed copy. (Intel's Xeon draws the classes at 2 and 16
+    rows: the probe refuses it there.)"""
+    w = _weight(out, inp, torch.float32)
+    if out == 49152:
+        w = w.t().contiguous().t()  # column-major, as load_stage stores an fp32 head
+    tile = el.FLOAT32_PACKED_TILE if out < 49152 else el.LARGE_TILE
+    if not _quanta_hold(w, tile):
+        assert XEON, "F.linear's calls of 12 or a multiple of 4 hold on AMD's EPYC"
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    x = _rows(300 if out < 49152 else 60, inp, torch.float32)
+    pad = torch.zeros(3, inp)
+    alone = torch.cat([F.linear(torch.cat((row, pad)), w)[:1] for row in x.split(1)])
+    assert not torch.equal(F.linear(x[:2], w), alone[:2])  # the reproduction
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (4, 8, 12, 13, 17, 31, 33, 60, 129, 257, 300):
+                if m <= len(x):
+                    assert torch.equal(F.linear(x[:m], w), alone[:m]), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+    kw = {"tile": tile, "least": el.LINEAR_LEAST, "quantum": el.LINEAR_QUANTUM}
+    rng = random.Random(out + inp)
+    for _ in range(12):
+        lo = rng.randrange(0, len(x) - 1)
+        hi = rng.randrange(lo + 1, len(x) + 1)
+        assert torch.equal(exact_linear(x[lo:hi], w, None, **kw), alone[lo:hi]), (lo, hi)  # type: ignore[arg-type]
+
+
+def test_make_exact_takes_float32_linear_as_stored_where_its_calls_hold() -> None:
+    """Where the F.linear way holds (AMD's EPYC) make_exact takes it before any packed
+    one: the weight keeps its bytes and no copy is made (a packed copy there took ~1.7x
+    the weight's bytes, uncharged, and an 800 MiB host was killed); a lone row's lean
+    path (padded to 4 rows), a round, a chunk and a prefill give a row the same bits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 1536), nn.Linear(1536, 576, bias=False))
+    if not _quanta_hold(model[1].weight.detach()):
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    x = _rows(300, 576, torch.float32)
+    with torch.no_grad():
+        want = model(x)
+        assert make_exact(model) == 0
+        assert all(m.packed is None and m.quantum == 4 and m.least == 12 for m in model)
+        assert model[0].weight.untyped_storage().nbytes() == 576 * 1536 * 4
+        assert "a multiple of 4" in repr(model[0])
+        got = model(x)
+        alone = torch.stack([model(row) for row in x])  # (576,): the lean path
+        assert torch.equal(got, alone)
+        for lo, hi in ((0, 1), (3, 8), (5, 6), (10, 23), (0, 11), (7, 264)):
+            assert torch.equal(model(x[lo:hi]), alone[lo:hi]), (lo, hi)
+        assert torch.equal(model(x[9:10].view(1, 1, 576)), alone[9].view(1, 1, 576))
+    with torch.inference_mode():
+        assert torch.equal(model(x[4:5]), alone[4:5])
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not any(row.any() for row in el._ZERO_ROWS.values())  # the padding stays zero
 
 
 def _f32_least(w: torch.Tensor, packed: torch.Tensor, tile: int) -> int:
@@ -198,6 +266,7 @@ def test_float32_packed_rows_equal_their_lone_result_in_any_call(
     assert torch.allclose(alone, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("_packed_ways")
 def test_make_exact_packs_float32_and_frees_the_weight_unless_shared() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(576, 1536), nn.Linear(1536, 576), nn.Linear(576, 1536))
@@ -222,6 +291,7 @@ def test_make_exact_packs_float32_and_frees_the_weight_unless_shared() -> None:
 
 
 @pytest.mark.parametrize("lone", [False, True])
+@pytest.mark.usefixtures("_packed_ways")
 def test_a_lone_rows_lean_path_equals_the_row_in_any_call(lone: bool) -> None:
     """A decode step's lone row skips exact_linear's reshapes (ExactLinear.forward):
     the same packed call (on the row alone, or the row and a zero row), so the same
@@ -252,6 +322,7 @@ def test_a_lone_rows_lean_path_equals_the_row_in_any_call(lone: bool) -> None:
     assert not any(row.any() for row in el._ZERO_ROWS.values())  # the padding stays zero
 
 
+@pytest.mark.usefixtures("_packed_ways")
 def test_a_lone_row_is_padded_where_the_1_row_call_fails_the_probe(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -278,6 +349,7 @@ def test_a_lone_row_is_padded_where_the_1_row_call_fails_the_probe(
         assert torch.equal(model(x[2]), model(x)[2])
 
 
+@pytest.mark.usefixtures("_packed_ways")
 def test_a_freed_weight_stays_on_the_cpu_while_another_stage_builds_its_skeleton() -> None:
     """accelerate's init_empty_weights patches register_parameter for the whole process
     while a stage's skeleton is built (another node's load, in an in-process mesh): a
@@ -301,6 +373,7 @@ def test_a_freed_weight_stays_on_the_cpu_while_another_stage_builds_its_skeleton
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("_no_quanta")
 def test_a_packing_that_fails_the_probe_falls_back_to_row_tiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -531,3 +604,73 @@ def test_bfloat16_prepacked_rows_are_the_same_at_1_and_2_threads() -> None:
     assert torch.equal(got[1][0], got[2][0])
     assert torch.equal(got[1][1], got[2][1])
     assert torch.equal(got[1][0], got[1][1][:40])
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_the_float32_linear_way_holds_no_bytes_beyond_the_weights() -> None:
+    """What the planner charges a stage (its tensors' bytes) is what it holds: where
+    make_exact takes F.linear's way, the resident set grows by no copy of the weights
+    (MKL's packed copies there held ~1.7x the weights' bytes, measured RSS, uncharged)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(576, 1536, bias=False) for _ in range(8)])
+    weights = 8 * 1536 * 576 * 4  # 27 MiB
+    if not _quanta_hold(model[0].weight.detach()):
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    make_exact(nn.Sequential(nn.Linear(576, 1536, bias=False)))  # the probe's scratch, once
+    before = _rss()
+    make_exact(model)
+    grown = _rss() - before
+    assert all(m.packed is None and m.quantum for m in model)
+    assert grown < weights // 4, grown
+
+
+def test_a_row_major_head_in_slices_gives_the_column_major_heads_bits() -> None:
+    """load_stage keeps an fp32 head row-major where its linear layers are exact (it
+    stores it column-major for torch's 1-row kernel, which the F.linear way never
+    calls): in slices of 2,048 vocabulary rows a few rows' call streams it ~1.5x
+    faster, and a row's bits are those of the column-major head's way, in any call."""
+    w = _weight(49152, 576, torch.float32)
+    if not _quanta_hold(w, el.LARGE_TILE):
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    x = _rows(40, 576, torch.float32)
+    kw = {"tile": el.LARGE_TILE, "least": el.LINEAR_LEAST, "quantum": el.LINEAR_QUANTUM}
+    column_way = _alone(w.t().contiguous().t(), x, **kw)
+    model = nn.Sequential(nn.Linear(576, 49152, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+        make_exact(model)
+        assert model[0].weight.stride() == (576, 1)
+        alone = torch.stack([model(row) for row in x])  # the lean path
+        assert torch.equal(alone, column_way)
+        for lo, hi in ((0, 40), (3, 20), (5, 6), (7, 9), (1, 33)):
+            assert torch.equal(model(x[lo:hi]), alone[lo:hi]), (lo, hi)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_float32_linear_calls_of_every_row_count_share_one_class(out: int, inp: int) -> None:
+    """The probe at load checks some call sizes; here every call the F.linear way makes
+    (1 to 300 rows, padded or tiled as exact_linear does) gives each row its lone
+    result, for the default model's shapes, at 1 and 2 threads."""
+    w = _weight(out, inp, torch.float32)
+    if not _quanta_hold(w):
+        pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
+    kw = {"least": el.LINEAR_LEAST, "quantum": el.LINEAR_QUANTUM}
+    x = _rows(300, inp, torch.float32)
+    alone = _alone(w, x, **kw)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            differ = [
+                m
+                for m in range(1, 301)
+                if not torch.equal(exact_linear(x[:m], w, None, **kw), alone[:m])
+            ]  # type: ignore[arg-type]
+            assert differ == [], threads
+    finally:
+        torch.set_num_threads(before)
