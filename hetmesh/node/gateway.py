@@ -215,6 +215,7 @@ class _Session:
     moving: tuple[Hop, ...] = ()
     # each moved stage of that move: its index, the peer that sent its KV, the new one
     handoffs: tuple[tuple[int, Hop, Hop], ...] = ()
+    drafted: bool = False  # a step carried drafts (its stages' KV may end in a rejected one)
 
     def peers(self) -> tuple[Hop, ...]:
         """Every hop it may still hold KV on: its route, a move's other ends, its helper."""
@@ -588,7 +589,7 @@ class Gateway:
                         # every stage's KV holds a prefix of the history: name its blocks
                         # (where drafts went, all but the last token's: the KV at its
                         # position may be a rejected draft's)
-                        named = history[:-1] if speculation is not None else history
+                        named = history[:-1] if session.drafted else history
                         hashes = block_hashes(named) if self.prefix_cache else []
                         await self._close(session_id, alive, tuple(hashes))
             raise AssertionError("unreachable: the loop returns or raises")
@@ -915,7 +916,10 @@ class Gateway:
         if k <= 0:
             return ()
         drafts = tuple(int(t) for t in speculation[0].propose(history, k)[:k])
-        return drafts if all(t >= 0 for t in drafts) else ()
+        if not drafts or any(t < 0 for t in drafts):
+            return ()
+        session.drafted = True
+        return drafts
 
     @staticmethod
     def _next_k(session: _Session) -> int:
