@@ -72,6 +72,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import trio
@@ -126,6 +127,8 @@ from hetmesh.speculative.drafter import Budget, Drafter
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 Control = Callable[[PeerId, OpenSession | CloseSession | MoveSession], Awaitable[Reply]]
@@ -348,6 +351,9 @@ class Gateway:
         self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
         self._lane_many = gateway_lane_many()
         self._speculation = speculation
+        # a blocking drafter's calls (a draft model's forwards) on one worker thread at
+        # a time: they queue for the model's lock anyway, and trio's loop stays free
+        self._drafting = trio.CapacityLimiter(1)
 
     # -- inbound ------------------------------------------------------------------
 
@@ -595,7 +601,10 @@ class Gateway:
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
             if speculation is not None:
-                speculation[0].close()
+                # after any propose of it (awaited even when cancelled): no KV of a
+                # closed session is left in a draft model
+                with trio.CancelScope(shield=True):
+                    await self._drafter_call(speculation[0], speculation[0].close)
             if finished:
                 counts.sessions_finished += 1
             else:
@@ -807,7 +816,7 @@ class Gateway:
                 if session.leaving and len(feed) == 1:  # nothing in flight
                     await self._migrate(session, position)
                 if len(feed) == 1:
-                    drafts = self._drafts(session, history, len(generated), max_new_tokens)
+                    drafts = await self._drafts(session, history, len(generated), max_new_tokens)
                 else:
                     drafts = ()
                 in_flight = await self._send_step(
@@ -881,7 +890,9 @@ class Gateway:
             if in_flight is None and sent is not None:  # sent by the lane: in flight
                 in_flight = _InFlight(sent.step + 1, sent.sent_at, session.route)
             elif in_flight is None and more:
-                drafts = self._drafts(session, history, len(generated), max_new_tokens, next_k)
+                drafts = await self._drafts(
+                    session, history, len(generated), max_new_tokens, next_k
+                )
                 try:
                     in_flight = await self._send_step(
                         session, feed, position, len(generated), max_new_tokens, None, drafts
@@ -895,7 +906,7 @@ class Gateway:
             if failed is not None:
                 raise failed
 
-    def _drafts(
+    async def _drafts(
         self,
         session: _Session,
         history: Sequence[int],
@@ -906,7 +917,8 @@ class Gateway:
         """The drafts the session's next decode step carries: its drafter's, ``k`` of
         them (None: as many as its budget says now), never past ``max_new`` tokens;
         none on a route whose stage feeds itself (it brings several tokens a step
-        already), nor while a move or a split prefill's helper is under way."""
+        already), nor while a move or a split prefill's helper is under way. A
+        blocking drafter (a draft model) proposes on a worker thread."""
         speculation = session.request.speculation
         if speculation is None or session.helper or session.leaving or session.moving:
             return ()
@@ -915,11 +927,23 @@ class Gateway:
         k = min(self._next_k(session) if k is None else k, max_new - step - 1, MAX_DRAFTS)
         if k <= 0:
             return ()
-        drafts = tuple(int(t) for t in speculation[0].propose(history, k)[:k])
+        drafter = speculation[0]
+        propose = functools.partial(drafter.propose, tuple(history), k)
+        proposed = await self._drafter_call(drafter, propose)
+        drafts = tuple(int(t) for t in proposed[:k])
         if not drafts or any(t < 0 for t in drafts):
             return ()
         session.drafted = True
         return drafts
+
+    async def _drafter_call(self, drafter: Drafter, call: Callable[[], _T]) -> _T:
+        """``call()``, one of ``drafter``'s methods: inline for a cheap drafter (prompt
+        lookup), on a worker thread for a blocking one (a draft model's ``k`` forwards
+        would hold every request of this node), awaited to its end even when
+        cancelled."""
+        if not getattr(drafter, "blocking", False):
+            return call()
+        return await trio.to_thread.run_sync(call, limiter=self._drafting)
 
     @staticmethod
     def _next_k(session: _Session) -> int:

@@ -13,7 +13,13 @@ from typing import Protocol
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens for one session, deterministically."""
+    """Proposes draft tokens for one session, deterministically.
+
+    A drafter whose ``propose`` computes (a draft model's forwards) says so with a
+    true ``blocking`` attribute: the gateway then calls its ``propose`` and ``close``
+    on a worker thread, not on the node's event loop. Without it (prompt lookup:
+    microseconds) they are called inline.
+    """
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """At most ``k`` token ids likely to follow ``history`` (the prompt and every
