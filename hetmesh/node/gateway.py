@@ -932,6 +932,11 @@ class Gateway:
         proposed = await self._drafter_call(drafter, propose)
         drafts = tuple(int(t) for t in proposed[:k])
         if not drafts or any(t < 0 for t in drafts):
+            # the drafter had none: a budget that backs off then hears of it (the plain
+            # steps it chooses meanwhile keep the lane)
+            no_drafts = getattr(speculation[1], "no_drafts", None)
+            if no_drafts is not None:
+                no_drafts()
             return ()
         session.drafted = True
         return drafts

@@ -33,7 +33,11 @@ class Drafter(Protocol):
 
 
 class Budget(Protocol):
-    """Chooses how many drafts a session's next step carries, from what it measured."""
+    """Chooses how many drafts a session's next step carries, from what it measured.
+
+    A budget may also have ``no_drafts()``: the gateway calls it when the drafts
+    ``k()`` asked for did not come (the drafter had none) and the step went plain.
+    """
 
     def k(self) -> int:
         """Drafts for the next step: 0 decodes plainly."""
