@@ -928,7 +928,9 @@ class Gateway:
         if k <= 0:
             return ()
         drafter = speculation[0]
-        propose = functools.partial(drafter.propose, tuple(history), k)
+        # a worker thread reads a copy: never a list the event loop may touch
+        seen = tuple(history) if getattr(drafter, "blocking", False) else history
+        propose = functools.partial(drafter.propose, seen, k)
         proposed = await self._drafter_call(drafter, propose)
         drafts = tuple(int(t) for t in proposed[:k])
         if not drafts or any(t < 0 for t in drafts):

@@ -298,17 +298,21 @@ def test_the_gateways_card_shows_its_speculation(
 ) -> None:
     """Speculative decoding is on by default: after a copy-heavy request the API
     node's card shows the drafts its gateway sent and kept (issue 48)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    models = httpx.get(f"{mesh.api_url}/v1/models", headers=auth, timeout=30)
+    models.raise_for_status()
     reply = httpx.post(
         f"{mesh.api_url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers=auth,
         json={
+            "model": models.json()["data"][0]["id"],
             "messages": [{"role": "user", "content": COPY}],
             "max_tokens": 48,
             "temperature": 0,
         },
         timeout=180,
     )
-    reply.raise_for_status()
+    assert reply.status_code == 200, reply.text
     gateway = mesh.nodes[0]  # node1: the API's node, where the request entered
 
     def line() -> str | None:
