@@ -16,6 +16,7 @@ threads, one per arm, in order (``--rounds 2`` runs the arms again, reversed:
 A/B/B/A):
 
 - ``off``: ``--no-speculative`` (plain decoding);
+- ``default``: no flag, the node as shipped (the same as ``lookup_measured``);
 - ``lookup``: ``--speculative-k K`` (prompt lookup, K drafts every step);
 - ``lookup_measured``: ``--speculative`` (prompt lookup, the measured budget:
   :class:`~hetmesh.speculative.budget.SpeculationBudget`, up to 8 a step);
@@ -73,10 +74,11 @@ OPEN = (
 STAGES = 3
 WAN_RTT_S = 0.020
 NODE_ARGS = ("--max-sessions", "4", "--max-context", "1024", "--weights", "float32")
-MEASURED_MAX_K = 8  # hetmesh.cli.node.DEFAULT_SPECULATIVE_K: --speculative's most
+MEASURED_MAX_K = 8  # hetmesh.node.config.DEFAULT_SPECULATIVE_K: the measured budget's most
 # arm -> its nodes' flags; "K": the fixed arms' --k
 ARMS: dict[str, tuple[str, ...]] = {
     "off": ("--no-speculative",),
+    "default": (),  # no flag: the node as shipped (prompt lookup, the measured budget)
     "lookup": ("--speculative-k", "K"),  # prompt lookup, K drafts every step
     "lookup_measured": ("--speculative",),  # prompt lookup, the measured budget
     "draft": ("--speculative", "--draft", "int4"),  # int4 self-draft, the measured budget

@@ -13,6 +13,7 @@ import typer
 
 from hetmesh.cli._app import app
 from hetmesh.errors import MeshError, find_in_group
+from hetmesh.node.config import DEFAULT_SPECULATIVE_K
 
 node_app = typer.Typer(help="Run a mesh node.", no_args_is_help=True)
 app.add_typer(node_app, name="node")
@@ -53,7 +54,6 @@ def _weights_help() -> str:
 
 
 WEIGHTS_HELP = _weights_help()
-DEFAULT_SPECULATIVE_K = 8  # the most drafts a step with --speculative (the budget chooses)
 
 
 def parse_size(text: str) -> int:
@@ -248,7 +248,8 @@ def start(
             "their decode steps, verified by the last stage: several tokens per trip "
             "through the pipeline, the same output. A budget measures each session's "
             f"steps and sends 0 to {DEFAULT_SPECULATIVE_K} drafts a step, none where "
-            "they do not pay. Off by default.",
+            "they do not pay (a probe of one draft in 16 steps). On by default; "
+            "--no-speculative: plain decoding.",
         ),
     ] = None,
     speculative_k: Annotated[
@@ -483,17 +484,17 @@ def _speculative_k(settings: dict[str, Any]) -> int:
     if settings.get("speculative") is False:
         return 0
     k = settings.get("speculative_k")
-    if k is None:
-        return DEFAULT_SPECULATIVE_K if settings.get("speculative") else 0
+    if k is None:  # on by default: the measured budget's most
+        return DEFAULT_SPECULATIVE_K
     if not 0 <= k <= MAX_DRAFTS:
         raise InvalidRequest(f"--speculative-k must be within [0, {MAX_DRAFTS}], got {k}")
     return int(k)
 
 
 def _speculative_measured(settings: dict[str, Any]) -> bool:
-    """Whether the measured budget chooses: ``--speculative`` without ``--speculative-k``
-    (a k given alone is every step's, for comparisons)."""
-    return bool(settings.get("speculative")) and settings.get("speculative_k") is None
+    """Whether the measured budget chooses: unless ``--no-speculative`` or a
+    ``--speculative-k`` (a k given is every step's, for comparisons)."""
+    return settings.get("speculative") is not False and settings.get("speculative_k") is None
 
 
 def _draft(value: Any) -> str:

@@ -33,6 +33,8 @@ PLAN_STRATEGIES: tuple[str, ...] = ("hetmesh", "even", "memory-proportional", "g
 # --max-sessions is not given; the stage then admits by KV blocks alone
 PLANNED_SESSIONS = 8
 STOP_DRAIN_S = 10.0
+# the most drafts a decode step carries where the measured budget chooses (issue 48)
+DEFAULT_SPECULATIVE_K = 8
 
 
 def _default_timeouts() -> GatewayTimeouts:
@@ -71,9 +73,10 @@ class ServingConfig:
     migrate: bool = True
     # drafts a decode step of a request entering here carries (speculative decoding,
     # issue 48: drafts verified by the last stage); 0: none. With speculative_measured
-    # the most a step carries (the measured budget chooses), else every step's count
-    speculative_k: int = 0
-    speculative_measured: bool = False
+    # the most a step carries (the measured budget chooses, 0 where drafts do not pay),
+    # else every step's count. On by default: prompt lookup, the measured budget
+    speculative_k: int = DEFAULT_SPECULATIVE_K
+    speculative_measured: bool = True
     # what drafts: "lookup" (prompt lookup), or a weight format ("int4"): a copy of the
     # served model in it at this node (hetmesh.speculative.draft_model)
     draft: str = "lookup"

@@ -38,7 +38,13 @@ from hetmesh.discovery.host import derive_psk, load_or_create_identity, open_hos
 from hetmesh.discovery.service import Discovery, DiscoveryConfig
 from hetmesh.nat.dialback import Reachability
 from hetmesh.nat.relay import RelayClient
-from hetmesh.node.memory import MEMORY_KEY, MemoryReport, charged_bytes, memory_in_use
+from hetmesh.node.memory import (
+    MEMORY_KEY,
+    MemoryReport,
+    charged_bytes,
+    memory_in_use,
+    offered_cap,
+)
 from hetmesh.node.runtime import Node, NodeConfig, default_data_dir
 
 if TYPE_CHECKING:
@@ -73,11 +79,13 @@ async def serve_profiling(
         return bench, gpu
 
     def profiles(bench: profiling.Benchmark, gpu: dict[int, float]) -> Any:
+        # a draft model at the gateway is this node's memory, beside the plan's stages
+        beside = node.serving.beside_plan_bytes() if node.serving is not None else 0
         return profiling.device_profiles(
             node.peer_id,
             bench,
             gpu_flops=gpu,
-            max_memory_bytes=cfg.max_memory_bytes,
+            max_memory_bytes=offered_cap(cfg.max_memory_bytes, beside),
             only=cfg.device,
         )
 

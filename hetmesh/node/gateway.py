@@ -72,6 +72,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import trio
@@ -126,6 +127,8 @@ from hetmesh.speculative.drafter import Budget, Drafter
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 Control = Callable[[PeerId, OpenSession | CloseSession | MoveSession], Awaitable[Reply]]
@@ -215,6 +218,7 @@ class _Session:
     moving: tuple[Hop, ...] = ()
     # each moved stage of that move: its index, the peer that sent its KV, the new one
     handoffs: tuple[tuple[int, Hop, Hop], ...] = ()
+    drafted: bool = False  # a step carried drafts (its stages' KV may end in a rejected one)
 
     def peers(self) -> tuple[Hop, ...]:
         """Every hop it may still hold KV on: its route, a move's other ends, its helper."""
@@ -347,6 +351,9 @@ class Gateway:
         self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
         self._lane_many = gateway_lane_many()
         self._speculation = speculation
+        # a blocking drafter's calls (a draft model's forwards) on one worker thread at
+        # a time: they queue for the model's lock anyway, and trio's loop stays free
+        self._drafting = trio.CapacityLimiter(1)
 
     # -- inbound ------------------------------------------------------------------
 
@@ -588,13 +595,16 @@ class Gateway:
                         # every stage's KV holds a prefix of the history: name its blocks
                         # (where drafts went, all but the last token's: the KV at its
                         # position may be a rejected draft's)
-                        named = history[:-1] if speculation is not None else history
+                        named = history[:-1] if session.drafted else history
                         hashes = block_hashes(named) if self.prefix_cache else []
                         await self._close(session_id, alive, tuple(hashes))
             raise AssertionError("unreachable: the loop returns or raises")
         finally:
             if speculation is not None:
-                speculation[0].close()
+                # after any propose of it (awaited even when cancelled): no KV of a
+                # closed session is left in a draft model
+                with trio.CancelScope(shield=True):
+                    await self._drafter_call(speculation[0], speculation[0].close)
             if finished:
                 counts.sessions_finished += 1
             else:
@@ -806,7 +816,7 @@ class Gateway:
                 if session.leaving and len(feed) == 1:  # nothing in flight
                     await self._migrate(session, position)
                 if len(feed) == 1:
-                    drafts = self._drafts(session, history, len(generated), max_new_tokens)
+                    drafts = await self._drafts(session, history, len(generated), max_new_tokens)
                 else:
                     drafts = ()
                 in_flight = await self._send_step(
@@ -880,7 +890,9 @@ class Gateway:
             if in_flight is None and sent is not None:  # sent by the lane: in flight
                 in_flight = _InFlight(sent.step + 1, sent.sent_at, session.route)
             elif in_flight is None and more:
-                drafts = self._drafts(session, history, len(generated), max_new_tokens, next_k)
+                drafts = await self._drafts(
+                    session, history, len(generated), max_new_tokens, next_k
+                )
                 try:
                     in_flight = await self._send_step(
                         session, feed, position, len(generated), max_new_tokens, None, drafts
@@ -894,7 +906,7 @@ class Gateway:
             if failed is not None:
                 raise failed
 
-    def _drafts(
+    async def _drafts(
         self,
         session: _Session,
         history: Sequence[int],
@@ -905,7 +917,8 @@ class Gateway:
         """The drafts the session's next decode step carries: its drafter's, ``k`` of
         them (None: as many as its budget says now), never past ``max_new`` tokens;
         none on a route whose stage feeds itself (it brings several tokens a step
-        already), nor while a move or a split prefill's helper is under way."""
+        already), nor while a move or a split prefill's helper is under way. A
+        blocking drafter (a draft model) proposes on a worker thread."""
         speculation = session.request.speculation
         if speculation is None or session.helper or session.leaving or session.moving:
             return ()
@@ -914,8 +927,30 @@ class Gateway:
         k = min(self._next_k(session) if k is None else k, max_new - step - 1, MAX_DRAFTS)
         if k <= 0:
             return ()
-        drafts = tuple(int(t) for t in speculation[0].propose(history, k)[:k])
-        return drafts if all(t >= 0 for t in drafts) else ()
+        drafter = speculation[0]
+        # a worker thread reads a copy: never a list the event loop may touch
+        seen = tuple(history) if getattr(drafter, "blocking", False) else history
+        propose = functools.partial(drafter.propose, seen, k)
+        proposed = await self._drafter_call(drafter, propose)
+        drafts = tuple(int(t) for t in proposed[:k])
+        if not drafts or any(t < 0 for t in drafts):
+            # the drafter had none: a budget that backs off then hears of it (the plain
+            # steps it chooses meanwhile keep the lane)
+            no_drafts = getattr(speculation[1], "no_drafts", None)
+            if no_drafts is not None:
+                no_drafts()
+            return ()
+        session.drafted = True
+        return drafts
+
+    async def _drafter_call(self, drafter: Drafter, call: Callable[[], _T]) -> _T:
+        """``call()``, one of ``drafter``'s methods: inline for a cheap drafter (prompt
+        lookup), on a worker thread for a blocking one (a draft model's ``k`` forwards
+        would hold every request of this node), awaited to its end even when
+        cancelled."""
+        if not getattr(drafter, "blocking", False):
+            return call()
+        return await trio.to_thread.run_sync(call, limiter=self._drafting)
 
     @staticmethod
     def _next_k(session: _Session) -> int:

@@ -112,6 +112,16 @@ def charged_bytes(plan: Plan | None, peer_id: PeerId) -> int:
     return sum(stages.values())
 
 
+def offered_cap(max_memory_bytes: int | None, beside_plan_bytes: int) -> int | None:
+    """The memory cap a node offers the planner: its ``--max-memory`` less what it
+    holds beside the plan's stages (a draft model at its gateway: weights and open
+    sessions' KV), so a stage that no longer fits is not placed here. Without a cap
+    (None) the machine's available memory already counts what the process holds."""
+    if max_memory_bytes is None:
+        return None
+    return max(0, max_memory_bytes - max(0, beside_plan_bytes))
+
+
 K = TypeVar("K")
 
 
@@ -189,4 +199,5 @@ __all__ = [
     "device_capacity",
     "memory_in_use",
     "must_release_first",
+    "offered_cap",
 ]

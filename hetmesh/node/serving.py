@@ -309,10 +309,17 @@ class Serving:
 
     # -- announcing -----------------------------------------------------------------
 
+    def beside_plan_bytes(self) -> int:
+        """What this node holds for serving that no stage of the plan is charged: the
+        draft model (``--draft FORMAT``), its weights and its sessions' KV."""
+        model = self.draft_model
+        return 0 if model is None else int(model.resident_bytes())
+
     async def _speculation(self) -> Speculation | None:
         """The gateway's drafter and budget for each request (issue 48): none unless
         ``--speculative[-k]``; a draft model (``--draft FORMAT``) is loaded here, once,
-        in a thread, and its bytes logged (they are this node's, beside its stages)."""
+        in a thread; its bytes come off the memory the node offers the planner
+        (:meth:`beside_plan_bytes`, :func:`hetmesh.node.memory.offered_cap`)."""
         config = self.config
         if config.speculative_k <= 0:
             return None
@@ -330,7 +337,7 @@ class Serving:
             )
             self.draft_model = model
             log.info(
-                "draft model: %s in %s, %.1f MB of weights",
+                "draft model: %s in %s, %.1f MB of weights (off the memory offered the planner)",
                 self.model_key,
                 config.draft,
                 model.weight_bytes() / 1e6,

@@ -23,6 +23,14 @@ first two steps carry drafts of two sizes (``probe_k``, then ``max_k / 2``):
 a line needs two points, and a gateway may report only steps that carried
 drafts (then ``t0`` is the line's, extrapolated).
 
+A step asked for drafts may go plain: the drafter had none (prompt lookup on
+text with no repeated n-gram). Such an empty ask costs the session its plain
+fast path for that step (a gateway sends a step it may draft from its own
+loop; the gateway says so with :meth:`SpeculationBudget.no_drafts`), so after
+one the next steps decode plainly without asking: one step,
+then twice as many after each further empty ask in a row, up to
+``probe_every``; a step that carries drafts ends the back-off.
+
 A draft model's time is not in the route's: ``overhead_s`` (the drafter's
 last proposal, in seconds) is added to each recorded step that carried drafts.
 
@@ -105,6 +113,8 @@ class SpeculationBudget:
         self._times: dict[int, float] = {}  # k -> moving average of its step's seconds
         self._steps = 0  # steps recorded
         self._since_probe = 0  # plain steps chosen since drafts were last asked for
+        self._hold = 0  # plain steps still to choose after an empty ask
+        self._backoff = 1  # the hold after the next empty ask
 
     # -- what it believes -------------------------------------------------------------
 
@@ -158,6 +168,12 @@ class SpeculationBudget:
         line (a gateway may tell only of steps that carried drafts); then the best
         ``k``, or, while that is 0, ``probe_k`` once in ``probe_every`` steps.
         """
+        if self._hold > 0:  # backing off after an empty ask
+            self._hold -= 1
+            return self._plain_or_probe(0)
+        return self._choose()
+
+    def _choose(self) -> int:
         fitted = self._line()
         if fitted is None:
             tried = [k for k in self._times if k]
@@ -177,6 +193,12 @@ class SpeculationBudget:
         self._since_probe = 0 if k else self._since_probe + 1
         return k
 
+    def no_drafts(self) -> None:
+        """The drafts ``k()`` asked for did not come: the drafter had none, the step
+        goes plain. Back off (see the module)."""
+        self._hold = self._backoff
+        self._backoff = min(2 * self._backoff, self.probe_every)
+
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         if not 0 <= accepted <= drafted or seconds < 0:
             raise InvalidRequest(f"a step kept {accepted} of {drafted} drafts in {seconds} s")
@@ -189,6 +211,7 @@ class SpeculationBudget:
         )
         if drafted == 0:
             return
+        self._backoff = 1
         tried = accepted + (1 if accepted < drafted else 0)
         self._kept = self.decay * self._kept + accepted
         self._rejected = self.decay * self._rejected + tried - accepted

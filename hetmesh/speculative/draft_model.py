@@ -17,14 +17,16 @@ feeds one or two tokens before it drafts again.
 
 Bounded: a history longer than the model's context (less ``k``) gets no
 drafts, and one forward feeds at most ``max_prefill`` tokens (a longer
-catch-up is fed in chunks). Not thread-safe: one session's drafter is
-called by one task at a time; drafters of different sessions share only
-read-only weights.
+catch-up is fed in chunks). A drafter is ``blocking``: the gateway calls
+it on a worker thread. The model's lock serialises every drafter's
+``propose`` and ``close`` (one model's forwards at a time, and the KV of a
+session closing never freed under a forward).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -48,6 +50,8 @@ class DraftModel:
         self.pipeline = pipeline
         self.max_prefill = max_prefill
         self._drafters: set[ModelDrafter] = set()
+        # held by a drafter's propose and close: one forward of this model at a time
+        self.lock = threading.Lock()
 
     @classmethod
     def load(
@@ -79,7 +83,7 @@ class DraftModel:
 
     def resident_bytes(self) -> int:
         """The weights plus the KV every open drafter holds: what to charge the node."""
-        return self.weight_bytes() + sum(d.kv_bytes for d in self._drafters)
+        return self.weight_bytes() + sum(d.kv_bytes for d in list(self._drafters))
 
     def _closed(self, drafter: ModelDrafter) -> None:
         self._drafters.discard(drafter)
@@ -88,6 +92,8 @@ class DraftModel:
 class ModelDrafter:
     """A :class:`~hetmesh.speculative.drafter.Drafter` for one session, backed by a
     :class:`DraftModel`."""
+
+    blocking = True  # k forwards of a model: the gateway calls it on a worker thread
 
     def __init__(self, model: DraftModel) -> None:
         self.model = model
@@ -107,13 +113,14 @@ class ModelDrafter:
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """``k`` greedy tokens of the draft model after ``history``; [] when ``k`` is 0,
         ``history`` is empty or too long for the model's context."""
-        if self._kvs is None:
-            raise InvalidRequest("this drafter was closed")
         if k <= 0 or not history or len(history) + k > self.model.max_context:
             self.last_s = 0.0
             return []
-        began = time.perf_counter()
-        drafts = self._propose(self._kvs, history, k)
+        began = time.perf_counter()  # the wait for the model counts: the session waits
+        with self.model.lock:
+            if self._kvs is None:
+                raise InvalidRequest("this drafter was closed")
+            drafts = self._propose(self._kvs, history, k)
         self.last_s = time.perf_counter() - began
         return drafts
 
@@ -144,12 +151,13 @@ class ModelDrafter:
         return drafts
 
     def close(self) -> None:
-        if self._kvs is not None:
-            for kv in self._kvs:
-                kv.free()
-            self._kvs = None
-            self._held = []
-            self.model._closed(self)
+        with self.model.lock:
+            if self._kvs is not None:
+                for kv in self._kvs:
+                    kv.free()
+                self._kvs = None
+                self._held = []
+                self.model._closed(self)
 
 
 def speculation(

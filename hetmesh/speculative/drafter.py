@@ -13,7 +13,13 @@ from typing import Protocol
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens for one session, deterministically."""
+    """Proposes draft tokens for one session, deterministically.
+
+    A drafter whose ``propose`` computes (a draft model's forwards) says so with a
+    true ``blocking`` attribute: the gateway then calls its ``propose`` and ``close``
+    on a worker thread, not on the node's event loop. Without it (prompt lookup:
+    microseconds) they are called inline.
+    """
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """At most ``k`` token ids likely to follow ``history`` (the prompt and every
@@ -27,7 +33,11 @@ class Drafter(Protocol):
 
 
 class Budget(Protocol):
-    """Chooses how many drafts a session's next step carries, from what it measured."""
+    """Chooses how many drafts a session's next step carries, from what it measured.
+
+    A budget may also have ``no_drafts()``: the gateway calls it when the drafts
+    ``k()`` asked for did not come (the drafter had none) and the step went plain.
+    """
 
     def k(self) -> int:
         """Drafts for the next step: 0 decodes plainly."""

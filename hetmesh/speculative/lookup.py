@@ -28,6 +28,8 @@ MIN_NGRAM = 2  # a single token repeats too often to predict what follows
 class PromptLookup:
     """A :class:`~hetmesh.speculative.drafter.Drafter` for one session; see the module."""
 
+    blocking = False  # cheap: the gateway calls it inline
+
     def __init__(
         self, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM, window: int = WINDOW
     ) -> None:

@@ -286,6 +286,50 @@ def test_a_chat_streams_the_reference_reply(
         browser.set_window_size(1280, 1000)
 
 
+# copy-heavy: the reply repeats the passage, so prompt lookup's drafts hold
+COPY = (
+    "Repeat this sentence three times, word for word: the quick brown fox jumps over "
+    "the lazy dog near the quiet river bank."
+)
+
+
+def test_the_gateways_card_shows_its_speculation(
+    browser: Any, mesh: Demo, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Speculative decoding is on by default: after a copy-heavy request the API
+    node's card shows the drafts its gateway sent and kept (issue 48)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    models = httpx.get(f"{mesh.api_url}/v1/models", headers=auth, timeout=30)
+    models.raise_for_status()
+    reply = httpx.post(
+        f"{mesh.api_url}/v1/chat/completions",
+        headers=auth,
+        json={
+            "model": models.json()["data"][0]["id"],
+            "messages": [{"role": "user", "content": COPY}],
+            "max_tokens": 48,
+            "temperature": 0,
+        },
+        timeout=180,
+    )
+    assert reply.status_code == 200, reply.text
+    gateway = mesh.nodes[0]  # node1: the API's node, where the request entered
+
+    def line() -> str | None:
+        texts = read(browser, f'.card[data-peer-id="{gateway.peer_id}"] .speculation')
+        return texts[0] if texts else None
+
+    text = until(browser, line, 60, "the gateway's speculation line")
+    kept, sent = text.split("drafts kept ", 1)[1].split(" ")[0].split("/")
+    assert 0 < int(kept) <= int(sent), text
+    assert "tokens a verify step" in text
+    folder = tmp_path_factory.mktemp("speculation")
+    _screenshot(browser, folder / "dashboard-speculation.png")
+    target = os.environ.get("HETMESH_SPECULATION_SCREENSHOT")
+    if target:
+        shutil.copyfile(folder / "dashboard-speculation.png", target)
+
+
 def _screenshot(browser: Any, path: Path) -> None:
     """The whole page at 1280 px, beyond the window's height (Chromium's DevTools capture)."""
     height = int(browser.execute_script("return document.documentElement.scrollHeight"))

@@ -11,12 +11,14 @@ draws the same tokens with and without drafts.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Sequence
 
 import pytest
 import torch
 import trio
+import trio.testing
 from rich.console import Console
 
 from hetmesh.cli.status_view import load_table, summarize
@@ -405,3 +407,95 @@ async def test_a_draft_model_with_the_measured_budget_gives_the_reference(tiny_m
     assert model.resident_bytes() == model.weight_bytes()  # the drafter was closed
     for server in mesh.servers.values():
         assert server.statistics().kv.sessions == 0
+
+
+class _GatedDrafter:
+    """A draft model's drafter whose first ``propose`` (where ``hold``) holds its
+    worker thread until the test opens ``gate`` (a blocking drafter, called off the
+    event loop)."""
+
+    blocking = True
+
+    def __init__(self, inner, *, hold: bool) -> None:
+        self.inner = inner
+        self.hold = hold
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.thread_ids: set[int] = set()
+
+    @property
+    def last_s(self) -> float:
+        return self.inner.last_s
+
+    def propose(self, history, k):
+        self.thread_ids.add(threading.get_ident())
+        if self.hold and not self.entered.is_set():
+            self.entered.set()
+            # the test opens the gate from the event loop: a propose on that loop's
+            # thread would never see it (the bound only turns a hang into a failure)
+            assert self.gate.wait(timeout=60), "the event loop never ran during a propose"
+        return self.inner.propose(history, k)
+
+    def close(self) -> None:
+        self.thread_ids.add(threading.get_ident())
+        self.inner.close()
+
+
+async def test_a_draft_models_propose_runs_off_the_event_loop(tiny_model):
+    """``--draft FORMAT``: a draft model's ``propose`` (``k`` forwards) runs on a worker
+    thread, so while one session's propose is held the node goes on serving: another
+    request's prompt goes through every stage and its token frame reaches the gateway.
+    Two concurrent requests both equal the reference, and each closed session's KV
+    leaves the draft model."""
+    from hetmesh.speculative.budget import SpeculationBudget
+    from hetmesh.speculative.draft_model import DraftModel
+
+    model = DraftModel.load(tiny_model, weights="int4")
+    drafters: list[_GatedDrafter] = []
+
+    def make():
+        drafter = _GatedDrafter(model.drafter(), hold=not drafters)  # a's
+        drafters.append(drafter)
+        return drafter, SpeculationBudget(max_k=8, overhead_s=lambda: drafter.last_s)
+
+    other = [1, 2, 3, 4, 5, 6, 7, 8]
+    frames_while_held: list[Tokens] = []
+    b_answered = trio.Event()
+
+    class HeldMesh(WatchedMesh):
+        async def send(self, sender: str, peer: str, frame: Frame) -> None:
+            held = drafters[0] if drafters else None
+            while_held = held is not None and held.entered.is_set() and not held.gate.is_set()
+            if peer == GATEWAY and isinstance(frame, Tokens) and while_held:
+                frames_while_held.append(frame)
+                b_answered.set()
+            await super().send(sender, peer, frame)
+
+    mesh = HeldMesh(tiny_model)
+    gateway = mesh.gateway_with(0, make, lane=True)
+    params = SamplingParams(max_new_tokens=TOKENS)
+    outs: dict[str, list[int]] = {}
+
+    async def run(name, prompt):
+        outs[name] = await collect(gateway, prompt, params)
+
+    async with trio.open_nursery() as nursery:
+        for server in mesh.servers.values():
+            await nursery.start(server.serve)
+        async with trio.open_nursery() as requests:
+            requests.start_soon(run, "a", PROMPT)
+            await trio.testing.wait_all_tasks_blocked()
+            held = drafters[0]
+            await trio.to_thread.run_sync(held.entered.wait)  # a's propose is held
+            requests.start_soon(run, "b", other)
+            await b_answered.wait()  # b's prefill came back while a's propose was held
+            held.gate.set()
+        nursery.cancel_scope.cancel()
+    assert frames_while_held
+    assert outs["a"] == reference(tiny_model, PROMPT, TOKENS)
+    assert outs["b"] == reference(tiny_model, other, TOKENS)
+    assert gateway.statistics().verify_steps > 0
+    main = threading.get_ident()
+    assert len(drafters) == 2
+    assert all(d.thread_ids and main not in d.thread_ids for d in drafters)
+    assert model.resident_bytes() == model.weight_bytes()  # both drafters closed

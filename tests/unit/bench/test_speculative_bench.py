@@ -108,6 +108,7 @@ def test_the_flags_are_the_nodes() -> None:
     assert bench.MEASURED_MAX_K == DEFAULT_SPECULATIVE_K
     want = {
         "off": (0, False, "lookup"),
+        "default": (8, True, "lookup"),  # on by default: as --speculative
         "lookup": (4, False, "lookup"),
         "lookup_measured": (8, True, "lookup"),
         "draft": (8, True, "int4"),

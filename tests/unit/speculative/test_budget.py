@@ -195,3 +195,25 @@ def test_probe_pacing_by_k_calls(plain_reported: bool) -> None:
     assert [i for i, k in enumerate(chosen) if k] == list(range(15, 160, 16))
     if plain_reported:
         assert budget.state().step_s == pytest.approx(0.010)
+
+
+def test_a_drafter_with_nothing_to_offer_leaves_most_steps_plain() -> None:
+    """Prompt lookup on text with no repeated n-gram proposes nothing: each such ask
+    makes the step plain without the lane, so the budget backs off (1, 2, 4, … up to
+    ``probe_every`` plain steps asked for nothing) and drafts again once some come."""
+    budget = SpeculationBudget(max_k=8, probe_every=16)
+    asks = 0
+    for _ in range(200):
+        if budget.k():
+            asks += 1
+            budget.no_drafts()  # the drafter had none: the step goes plain
+        budget.record(0, 0, 0.1)
+    assert asks <= 1 + 5 + 200 // 16  # the back-off's doublings, then one in 16
+    # drafts come again: the back-off ends with the first step that carries some
+    while not budget.k():
+        budget.record(0, 0, 0.1)
+    budget.record(1, 1, 0.11)
+    budget.no_drafts()
+    assert budget.k() == 0  # one plain step after a single empty ask
+    budget.record(0, 0, 0.1)
+    assert budget.k() > 0

@@ -20,8 +20,9 @@ from hetmesh.speculative.lookup import PromptLookup, speculation
 @pytest.mark.parametrize(
     ("settings", "k", "measured"),
     [
-        ({}, 0, False),  # off by default
-        ({"speculative": True}, DEFAULT_SPECULATIVE_K, True),  # the budget chooses
+        ({}, DEFAULT_SPECULATIVE_K, True),  # on by default: the budget chooses
+        ({"speculative": True}, DEFAULT_SPECULATIVE_K, True),
+        ({"speculative": False}, 0, False),  # --no-speculative
         ({"speculative_k": 6}, 6, False),  # fixed: for comparisons
         ({"speculative": True, "speculative_k": 2}, 2, False),
         ({"speculative": False, "speculative_k": 6}, 0, False),  # --no-speculative wins
