@@ -167,7 +167,7 @@ def _layers(
             )
         at = 3 if q_end > 0 else 7  # o's tensors, then the second norm, gate (|up), ...
         o = torch._weight_int4pack_mm_for_cpu(
-            out.view(1, -1).to(torch.bfloat16), weights[b + at], group, weights[b + at + 1]
+            out.reshape(1, -1).to(torch.bfloat16), weights[b + at], group, weights[b + at + 1]
         )
         hidden = hidden + o
         x32 = (

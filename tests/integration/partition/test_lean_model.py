@@ -67,3 +67,14 @@ def test_lean_default_model_matches_transformers_layers(
         assert torch.equal(a, b), f"{fmt}: logits differ at step {step}"
         assert torch.equal(c, b), f"{fmt}: lean_layer's logits differ at step {step}"
         assert torch.equal(d, b), f"{fmt}: lean_decode's logits differ at step {step}"
+
+
+def test_scripted_int4_step_takes_heads_wider_than_the_hidden_size(tiny_model_dir: Path) -> None:
+    """The tests' tiny model has 4 heads of 64 over a hidden size of 64: its attention's
+    output is not one contiguous row. The scripted int4 step (which a gateway's int4
+    draft model runs) gives the unscripted path's logits instead of failing."""
+    stage = load_stage(tiny_model_dir, 0, 32, weights="int4")
+    unscripted = _greedy_logits(stage, lean=True, script=False)
+    scripted = _greedy_logits(stage, lean=True, script=True)
+    for step, (a, b) in enumerate(zip(scripted, unscripted, strict=True)):
+        assert torch.equal(a, b), f"logits differ at step {step}"
