@@ -26,7 +26,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +91,19 @@ class _Served:
     server: StageServer
     scope: trio.CancelScope
     retiring: bool = False
+
+
+def plan_steps(stages: Iterable[tuple[bool, Sequence[float]]]) -> tuple[float, ...]:
+    """The step times a node announces (``load.recent_step_s``): the last four of each
+    stage it serves for the plan, given ``(retiring, recent steps)`` per stage.
+
+    A retiring stage's steps are left out: the coordinator compares a node's steps
+    with what the plan predicts for the stages it now gives that node
+    (``calibration.measured_constraints``), and a node moved from a long stage to a
+    short one would otherwise read as far slower than it claimed, and be moved again
+    (a float32 cut under load swapped two hosts this way every few minutes).
+    """
+    return tuple(x for retiring, steps in stages if not retiring for x in steps[-4:])
 
 
 class StageHost:
@@ -173,7 +186,8 @@ class StageHost:
 
     def announced(self) -> tuple[tuple[ServedStage, ...], tuple[dict[str, Any], ...], Load]:
         """The stages, their servers' counters and the load, as announced."""
-        stats = [s.server.statistics() for s in self._served.values()]
+        served = list(self._served.values())
+        stats = [s.server.statistics() for s in served]
         stages = tuple(
             ServedStage(model=self.model_key, start=a, end=b, ready=not s.retiring)
             for (a, b), s in sorted(self._served.items())
@@ -188,7 +202,9 @@ class StageHost:
             active_sessions=sum(s.kv.sessions for s in stats),
             kv_bytes_used=sum(s.kv.bytes_used for s in stats),
             kv_bytes_free=sum(max(0, s.kv.budget_bytes - s.kv.bytes_reserved) for s in stats),
-            recent_step_s=tuple(x for s in stats for x in s.recent_step_s[-4:]),
+            recent_step_s=plan_steps(
+                (x.retiring, s.recent_step_s) for x, s in zip(served, stats, strict=True)
+            ),
         )
         return stages, counters, load
 
@@ -481,4 +497,11 @@ def as_dict(record: Any) -> dict[str, Any]:
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
 
 
-__all__ = ["STAGE_LOAD_ATTEMPTS", "Reconcile", "StageHost", "as_dict", "reconcile"]
+__all__ = [
+    "STAGE_LOAD_ATTEMPTS",
+    "Reconcile",
+    "StageHost",
+    "as_dict",
+    "plan_steps",
+    "reconcile",
+]
