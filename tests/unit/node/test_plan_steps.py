@@ -4,52 +4,13 @@ from __future__ import annotations
 
 from hetmesh.node.calibration import measured_constraints
 from hetmesh.node.stage_host import plan_steps
-from hetmesh.scheduler.records import Pipeline, Plan, PlanConstraints, Stage
-
-
-def _stage(peer: str, start: int, end: int, step_s: float) -> Stage:
-    return Stage(
-        peer_id=peer,
-        device="cpu",
-        start=start,
-        end=end,
-        decode_step_s=step_s,
-        batch_step_s=step_s,
-        prefill_s_per_1k=0.1,
-        link_out_s=0.0,
-        memory_bytes=1,
-        weights="float32",
-    )
-
-
-def _plan(*stages: Stage) -> Plan:
-    pipeline = Pipeline(
-        stages=stages,
-        decode_latency_s=0.1,
-        prefill_s_per_1k=1.0,
-        bottleneck_s=0.1,
-        throughput_tps=10.0,
-    )
-    return Plan(
-        epoch=1,
-        model_name="m",
-        objective="latency",
-        strategy="exact",
-        pipelines=(pipeline,),
-        objective_value=0.1,
-        decode_latency_s=0.1,
-        prefill_s_per_1k=1.0,
-        throughput_tps=10.0,
-    )
+from hetmesh.scheduler.records import PlanConstraints
+from tests.unit.scheduler.sched_helpers import hand_pipeline, hand_plan, hand_stage
 
 
 def test_a_retiring_stage_steps_are_not_announced() -> None:
-    assert plan_steps([(False, (0.1, 0.2, 0.3, 0.4, 0.5)), (True, (9.0,))]) == (
-        0.2,
-        0.3,
-        0.4,
-        0.5,
-    )
+    steps = plan_steps([(False, (0.1, 0.2, 0.3, 0.4, 0.5)), (True, (9.0,))])
+    assert steps == (0.2, 0.3, 0.4, 0.5)
     assert plan_steps([(True, (9.0, 8.0))]) == ()
 
 
@@ -58,7 +19,9 @@ def test_a_node_moved_to_a_shorter_stage_is_not_judged_on_its_old_one() -> None:
     (predicted 7 ms); its new stage has not served yet. Announcing the old stage's
     steps made b read four times as slow as claimed (past the factor of 3) and moved
     it again; without them nobody is corrected."""
-    plan = _plan(_stage("b", 0, 7, 0.007), _stage("a", 7, 21, 0.014))
+    plan = hand_plan(
+        hand_pipeline(hand_stage("b", 0, 7, step_s=0.007), hand_stage("a", 7, 21, step_s=0.014))
+    )
     claims = PlanConstraints(block_step_s_by_device={"a/cpu": 0.001, "b/cpu": 0.001})
     old_steps = (0.028, 0.029, 0.03)
     stale = {"a": (0.014,), "b": plan_steps([(True, old_steps), (False, ())])}

@@ -7,34 +7,13 @@ import trio
 
 from hetmesh.errors import InsufficientCapacity, NoRoute
 from hetmesh.node.route_wait import hopeless, lost_units, mesh_verdict
-from hetmesh.scheduler.records import Pipeline, Plan, Stage
-from tests.unit.scheduler.sched_helpers import hand_stage
+from hetmesh.scheduler.records import Plan
+from tests.unit.scheduler.sched_helpers import hand_pipeline, hand_plan, hand_stage
 
 VERDICT = "m (int4 weights) does not fit on these 3 device(s): 0.10 GiB more free memory"
 
 
-def _pipeline(*stages: Stage) -> Pipeline:
-    return Pipeline(
-        stages=stages,
-        decode_latency_s=0.02,
-        prefill_s_per_1k=0.2,
-        bottleneck_s=0.01,
-        throughput_tps=50.0,
-    )
-
-
-def _plan(*pipelines: Pipeline) -> Plan:
-    return Plan(
-        epoch=1,
-        model_name="m",
-        objective="latency",
-        strategy="exact",
-        pipelines=pipelines,
-        objective_value=0.02,
-        decode_latency_s=0.02,
-        prefill_s_per_1k=0.2,
-        throughput_tps=50.0,
-    )
+_pipeline, _plan = hand_pipeline, hand_plan
 
 
 # a four-stage cut, and the same with a standby replica of its third stage on E

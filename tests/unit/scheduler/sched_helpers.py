@@ -5,7 +5,7 @@ from __future__ import annotations
 from hetmesh.partition.profile import llama_like_config, model_profile
 from hetmesh.resources import DeviceProfile, LinkProfile, ModelProfile
 from hetmesh.scheduler import PlanConstraints
-from hetmesh.scheduler.records import Stage
+from hetmesh.scheduler.records import Pipeline, Plan, Stage
 
 GIB = 1024**3
 
@@ -83,7 +83,9 @@ def cpu_device(peer: str, memory: int = 4 * GIB) -> DeviceProfile:
     return device(peer, memory=memory, flops=5e10, bandwidth=2e10, backend="cpu")
 
 
-def hand_stage(peer: str, start: int, end: int, device: str = "cpu") -> Stage:
+def hand_stage(
+    peer: str, start: int, end: int, device: str = "cpu", *, step_s: float = 0.01
+) -> Stage:
     """A planned stage with small fixed costs, for tests of what reads plans (routing,
     readiness) rather than of the planner."""
     return Stage(
@@ -91,9 +93,35 @@ def hand_stage(peer: str, start: int, end: int, device: str = "cpu") -> Stage:
         device=device,
         start=start,
         end=end,
-        decode_step_s=0.01,
-        batch_step_s=0.01,
+        decode_step_s=step_s,
+        batch_step_s=step_s,
         prefill_s_per_1k=0.1,
         link_out_s=0.001,
         memory_bytes=1,
+    )
+
+
+def hand_pipeline(*stages: Stage) -> Pipeline:
+    """A pipeline of hand-made stages (its own figures are placeholders)."""
+    return Pipeline(
+        stages=stages,
+        decode_latency_s=0.02,
+        prefill_s_per_1k=0.2,
+        bottleneck_s=0.01,
+        throughput_tps=50.0,
+    )
+
+
+def hand_plan(*pipelines: Pipeline, epoch: int = 1) -> Plan:
+    """A plan of hand-made pipelines, of model ``m`` (its own figures are placeholders)."""
+    return Plan(
+        epoch=epoch,
+        model_name="m",
+        objective="latency",
+        strategy="exact",
+        pipelines=pipelines,
+        objective_value=0.02,
+        decode_latency_s=0.02,
+        prefill_s_per_1k=0.2,
+        throughput_tps=50.0,
     )
