@@ -6,34 +6,13 @@ import pytest
 
 from hetmesh.node.peer_view import ready_stages_in_view
 from hetmesh.node.readiness import ready_pipelines, unready_peers
-from hetmesh.scheduler.records import Pipeline, Plan, Stage
-from tests.unit.scheduler.sched_helpers import hand_stage
-
-
-def _pipeline(*stages: Stage) -> Pipeline:
-    return Pipeline(
-        stages=stages,
-        decode_latency_s=0.02,
-        prefill_s_per_1k=0.2,
-        bottleneck_s=0.01,
-        throughput_tps=50.0,
-    )
-
+from tests.unit.scheduler.sched_helpers import hand_pipeline, hand_plan, hand_stage
 
 # two replicas: A[0,4) -> B[4,8), and C holding all eight units
-PLAN = Plan(
+PLAN = hand_plan(
+    hand_pipeline(hand_stage("A", 0, 4), hand_stage("B", 4, 8)),
+    hand_pipeline(hand_stage("C", 0, 8)),
     epoch=3,
-    model_name="m",
-    objective="latency",
-    strategy="exact",
-    pipelines=(
-        _pipeline(hand_stage("A", 0, 4), hand_stage("B", 4, 8)),
-        _pipeline(hand_stage("C", 0, 8)),
-    ),
-    objective_value=0.02,
-    decode_latency_s=0.02,
-    prefill_s_per_1k=0.2,
-    throughput_tps=100.0,
 )
 
 
