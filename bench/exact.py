@@ -56,9 +56,11 @@ in float32/bfloat16, row-invariant linear layers; ``plain_linear``: exact attent
 torch's linear layers; ``sdpa``: torch's attention and linear layers), measured
 in alternation in the same run, CPU time of one thread (steadier than wall time
 on a shared machine): a decode step of one session, a decode round of 8
-sessions, a 291-token prefill; and ``exact_padded``: a decode step of the ``exact``
-stage with its fp32 layers' lone row padded to 2 (the way before 1-row packed
-calls; ``speed_lone_row_layers`` counts the layers taking 1-row calls).
+sessions, a 291-token prefill; and ``exact_padded``: a decode step and a round of
+the ``exact`` stage with its fp32 layers' few rows padded (to 4 on AMD's EPYC, the
+way before the exact kernel, :mod:`hetmesh.partition.exact_kernel`; to 2 before
+1-row packed calls; ``speed_lone_row_layers`` counts the layers taking the kernel
+or 1-row calls).
 
 Figures are ratios of equal streams: a loaded machine makes the run slower,
 never different. A stream the mesh refuses as busy (admission: every pipeline

@@ -13,20 +13,25 @@ import torch
 
 @contextlib.contextmanager
 def padded_lone_rows(stage: torch.nn.Module) -> Iterator[int]:
-    """``stage``'s fp32 layers pad a lone row to 2 (the way before 1-row packed calls);
-    yields how many layers took 1-row calls."""
+    """``stage``'s fp32 layers pad a few rows as before the exact kernel (to 4 on AMD's
+    EPYC, F.linear's way; to 2 where a packed way takes 1-row calls); yields how many
+    layers took the kernel or 1-row calls."""
     from hetmesh.partition.exact_linear import ExactLinear
 
-    lone = [
-        m
-        for m in stage.modules()
-        if isinstance(m, ExactLinear) and m.lone and m.weight.dtype == torch.float32
+    fp32 = [
+        m for m in stage.modules() if isinstance(m, ExactLinear) and m.weight.dtype == torch.float32
     ]
+    kernel = [(m, m.kernel) for m in fp32 if m.kernel]
+    lone = [m for m in fp32 if m.lone]
+    for m, _ in kernel:
+        m.kernel = 0
     for m in lone:
         m.lone = False
     try:
-        yield len(lone)
+        yield len(kernel) + len(lone)
     finally:
+        for m, chain in kernel:
+            m.kernel = chain
         for m in lone:
             m.lone = True
 
@@ -80,12 +85,12 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
         return time.thread_time() - began
 
     # "exact_calls": the exact stage with one attention call per query (exact_gemm's
-    # products off), the way before them; "exact_padded" (a decode step only): the
-    # exact stage with a lone row padded to 2 in its fp32 products, the way before
-    # 1-row packed calls
+    # products off), the way before them; "exact_padded" (a decode step and a round):
+    # the exact stage with its fp32 products' few rows padded, the way before the exact
+    # kernel (and before 1-row packed calls)
     names = [*stages, "exact_calls"]
     best: dict[str, dict[str, float]] = {i: {} for i in names}
-    padded: list[float] = []
+    padded: dict[str, list[float]] = {"decode": [], "round8": []}
     lone_layers: list[int] = []
     for rep in range(repeats):
         order = names if rep % 2 == 0 else names[::-1]
@@ -96,7 +101,8 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
                     t = fn(stages["exact" if calls else name])
                     best[name][what] = min(best[name].get(what, t), t)
         with padded_lone_rows(stages["exact"]) as flipped:
-            padded.append(single(stages["exact"]))
+            padded["decode"].append(single(stages["exact"]))
+            padded["round8"].append(batched(stages["exact"]))
         lone_layers.append(flipped)
     out: dict[str, Any] = {"speed_format": fmt, "speed_prefill_tokens": len(prompts[-1])}
     for what in ("decode", "round8", "prefill"):
@@ -105,7 +111,8 @@ def speed(fmt: str, context: int = 200, repeats: int = 3) -> dict[str, Any]:
         out[f"speed_{what}_ratio"] = round(best["exact"][what] / best["sdpa"][what], 3)
         plain = best["plain_linear"][what]
         out[f"speed_{what}_ratio_vs_plain_linear"] = round(best["exact"][what] / plain, 3)
-    out["speed_decode_ms_exact_padded"] = round(1e3 * min(padded), 2)
-    out["speed_decode_ratio_padded"] = round(min(padded) / best["sdpa"]["decode"], 3)
+    for what in ("decode", "round8"):
+        out[f"speed_{what}_ms_exact_padded"] = round(1e3 * min(padded[what]), 2)
+        out[f"speed_{what}_ratio_padded"] = round(min(padded[what]) / best["sdpa"][what], 3)
     out["speed_lone_row_layers"] = lone_layers[-1] if lone_layers else 0
     return out

@@ -73,6 +73,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetmesh.partition import exact_kernel
+
 FLOAT32_TILE = 15  # MKL's small-matrix kernel: 2 to 15 rows
 FLOAT32_PACKED_TILE = 256  # MKL's packed product: rows per call (2 to 256)
 BFLOAT16_TILE = 128  # oneDNN's weight @ x.T: a row's sums as alone, up to 128 rows
@@ -219,13 +221,23 @@ def _sliced(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _quanta(
-    rows: torch.Tensor, weight: torch.Tensor, tile: int, least: int, quantum: int
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    tile: int,
+    least: int,
+    quantum: int,
+    kernel: int = 0,
 ) -> torch.Tensor:
     """``rows @ weight.T`` by torch's own ``F.linear``, every call ``least`` to ``tile``
     rows or a multiple of ``quantum`` (a call of fewer than ``least`` rows padded with
     zero rows to the next multiple): AMD's EPYC, where MKL computes rows in blocks of 4
-    and, below 12 rows, a block's 1 to 3 leftover rows by other kernels."""
+    and, below 12 rows, a block's 1 to 3 leftover rows by other kernels. Where
+    ``kernel`` (its chains' length), a call of up to :data:`exact_kernel.KERNEL_ROWS`
+    rows is computed by :mod:`hetmesh.partition.exact_kernel` in MKL's order instead
+    (a decode step at a matrix-vector's cost, where padded it paid ~1.4x)."""
     count = rows.shape[0]
+    if kernel and count <= exact_kernel.KERNEL_ROWS and exact_kernel.fits(rows, weight):
+        return exact_kernel.kernel_rows(rows, weight, kernel)
     short = -count % quantum
     if count < least and short:  # a decode step or a small round
         padded = torch.cat((rows, _zero_row(rows.shape[1], count=short)))
@@ -249,6 +261,7 @@ def exact_linear(
     lone: bool = False,
     least: int = 2,
     quantum: int = 0,
+    kernel: int = 0,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose every row is computed as it would be alone:
     by MKL's ``packed`` product (fp32, :func:`mkl_pack` of ``weight``; ``weight`` then
@@ -257,15 +270,16 @@ def exact_linear(
     :func:`onednn_pack`) in calls of up to ``tile`` rows (a lone row in its own call
     where ``lone``, else padded to 2), or fp32's ``F.linear`` on the weight as stored
     where ``quantum`` (calls of ``least`` to ``tile`` rows or a multiple of
-    ``quantum``, padded), else in tiles (see the module's docstring), or one row per
-    call where not ``tiled``."""
+    ``quantum``, padded; a few rows by :mod:`~hetmesh.partition.exact_kernel` where
+    ``kernel``, its chains' length), else in tiles (see the module's docstring), or
+    one row per call where not ``tiled``."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     count = rows.shape[0]
     if packed is not None and rows.dtype == torch.float32:
         out = _packed(rows, packed, weight, tile, lone, least)
     elif quantum and rows.dtype == torch.float32:
-        out = _quanta(rows, weight, tile, least, quantum)
+        out = _quanta(rows, weight, tile, least, quantum, kernel)
     elif packed is not None and rows.dtype == torch.bfloat16:
         out = _onednn(rows, packed, tile, lone)
     elif not tiled and rows.dtype in (torch.float32, torch.bfloat16):
@@ -307,9 +321,21 @@ class ExactLinear(nn.Linear):
     lone: bool = False  # a lone row takes a 1-row packed call (proved per shape)
     least: int = 2  # else fp32's packed calls have this many rows at least (zeros added)
     quantum: int = 0  # fp32's F.linear, calls under `least` rows padded to a multiple
+    kernel: int = 0  # and a few rows by exact_kernel, chains this long (0: padded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
+        if (
+            self.kernel
+            and x.numel() == self.in_features
+            and x.dtype == torch.float32
+            and self.weight.stride(1) == 1
+        ):
+            # a decode step's lone row in MKL's order (the weight's layout proved at load)
+            few = exact_kernel.kernel_rows(x.reshape(1, -1), self.weight, self.kernel)
+            if self.bias is not None:
+                few = few + self.bias
+            return few.view(*x.shape[:-1], self.out_features)
         if self.quantum and x.numel() == self.in_features and x.dtype == torch.float32:
             # a decode step's lone row, padded with zero rows (exact_linear's call)
             pad = _zero_row(self.in_features, count=self.quantum - 1)
@@ -350,6 +376,7 @@ class ExactLinear(nn.Linear):
             lone=self.lone,
             least=self.least,
             quantum=self.quantum,
+            kernel=self.kernel,
         )
 
     def extra_repr(self) -> str:
@@ -358,6 +385,8 @@ class ExactLinear(nn.Linear):
             how += "" if self.lone else ", a lone row padded to 2"
         elif self.quantum:
             how = f", calls of {self.least} to {self.tile} rows or a multiple of {self.quantum}"
+            if self.kernel:
+                how += f", up to {exact_kernel.KERNEL_ROWS} rows by the kernel ({self.kernel})"
         elif self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
             how += ", a lone row alone" if self.lone else f", a lone row padded to {self.least}"
@@ -380,16 +409,18 @@ def tiles_are_exact(
     lone: bool = False,
     least: int = 2,
     quantum: int = 0,
+    kernel: int = 0,
 ) -> bool:
     """Whether :func:`exact_linear` gives ``weight``'s rows their lone results (random
     rows, the calls of :data:`PROBE_ROWS`): by its ``packed`` form if given (then with a
     placeholder for ``weight``: proof that the call reads only the packed copy; a lone
     row in a 1-row call where ``lone``, else fp32's calls ``least`` rows at least), by
     fp32's ``F.linear`` in calls of ``least`` rows or a multiple of ``quantum`` where
-    ``quantum``, else in tiles. Fails fast: the calls go from the fewest rows up, each
-    row's lone result computed only once a call needs it, so a way refused at 2 rows
-    costs a few products, not hundreds (an fp32 stage's load took 6.6 s CPU probing
-    each refused way in full)."""
+    ``quantum`` (a few rows by the kernel where ``kernel``: then every lone row is the
+    kernel's, every call of 12 rows or more MKL's), else in tiles. Fails fast: the calls
+    go from the fewest rows up, each row's lone result computed only once a call needs
+    it, so a way refused at 2 rows costs a few products, not hundreds (an fp32 stage's
+    load took 6.6 s CPU probing each refused way in full)."""
     sizes = _probe_sizes(weight, tile if packed is not None or quantum else FLOAT32_PACKED_TILE)
     g = torch.Generator().manual_seed(44)
     x = torch.randn(max(sizes), weight.shape[1], generator=g).to(weight.dtype)
@@ -400,6 +431,7 @@ def tiles_are_exact(
         "lone": lone,
         "least": least,
         "quantum": quantum,
+        "kernel": kernel,
     }
     with torch.no_grad():
         alone: list[torch.Tensor] = []
@@ -465,10 +497,15 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
         bf16 = w.dtype == torch.bfloat16
         key = (w.dtype, w.device, tuple(w.shape), w.stride())
         quanta = not bf16 and w.device.type == "cpu"
-        if key not in verdicts and quanta and tiles_are_exact(w.detach(), None, tile, *QUANTA):
-            verdicts[key] = "quanta"  # AMD's EPYC: no packed copy at all
+        if key not in verdicts and quanta:
+            # AMD's EPYC: no packed copy at all; a few rows by the kernel where it holds
+            chain = exact_kernel.kernel_block() if exact_kernel.fits(w[:1], w) else 0
+            if chain and tiles_are_exact(w.detach(), None, tile, *QUANTA, kernel=chain):
+                verdicts[key] = f"quanta{chain}"
+            elif tiles_are_exact(w.detach(), None, tile, *QUANTA):
+                verdicts[key] = "quanta"
         pack = None
-        if packed and verdicts.get(key) != "quanta":
+        if packed and not verdicts.get(key, "").startswith("quanta"):
             pack = (onednn_pack if bf16 else mkl_pack)(w.detach())
         if key not in verdicts:
             if w.device.type != "cpu":
@@ -502,9 +539,10 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
             sub.lone = not verdicts[key].endswith("pad")  # type: ignore[assignment]
             if shared.get(w.untyped_storage().data_ptr(), 0) <= 1:
                 sub._parameters["weight"] = nn.Parameter(_placeholder(w), requires_grad=False)
-        elif verdicts[key] == "quanta":
+        elif verdicts[key].startswith("quanta"):
             sub.tile = tile  # type: ignore[assignment]
             sub.least, sub.quantum = LINEAR_LEAST, LINEAR_QUANTUM  # type: ignore[assignment]
+            sub.kernel = int(verdicts[key].removeprefix("quanta") or 0)  # type: ignore[assignment]
         elif verdicts[key] in ("packed", "packed_lone"):
             sub.packed = pack  # type: ignore[assignment]
             sub.tile = tile  # type: ignore[assignment]
