@@ -50,7 +50,12 @@ project's Xeon (torch 2.13, MKL 2024.2, oneDNN 3.12; docs/weights.md,
   holds only from 4 rows, its copies ~1.7x the weight's bytes. So
   :func:`make_exact` first tries ``F.linear`` on the weight as stored, a call of
   under 12 rows padded with zero rows to a multiple of 4 (a decode step's lone
-  row to 4): no copy, a prefill and a round at torch's speed.
+  row to 4): no copy, a prefill and a round at torch's speed. MKL sums every
+  output of those calls in one order (chains of 192 inputs, fused, the chains'
+  sums added in order), so a call of up to 8 rows is computed in that very
+  order by :mod:`hetmesh.partition.exact_kernel` (a small C kernel built at
+  first use), where its probe holds: a lone row the bits of a large call at a
+  matrix-vector's cost, where padded to 4 it paid 1.3 to 1.7x.
 
 Other shapes draw the classes elsewhere (MKL treats a small matrix, K = 64,
 its own way; its packed product differs at 3 rows for K = 2,048; oneDNN's
@@ -481,7 +486,8 @@ def make_exact(module: nn.Module, *, packed: bool = True) -> int:
     """Turn every plain float ``nn.Linear`` under ``module`` into an :class:`ExactLinear`
     in place. Per distinct weight shape, the first way :func:`tiles_are_exact` proves
     is taken: fp32 by ``F.linear`` on the weight as stored, calls of 12 rows or more or
-    a multiple of 4 (AMD's EPYC; no copy), else by MKL's packed product, a lone row in
+    a multiple of 4, up to 8 rows by the exact kernel where it holds for the shape
+    (AMD's EPYC; no copy), else by MKL's packed product, a lone row in
     a 1-row call, else padded to 2 rows (where ``packed``; the layer's weight is
     then packed and, unless another tensor of ``module`` shares its bytes, replaced by a
     placeholder), else row tiles, else one row per call; bf16 by oneDNN's prepacked

@@ -187,3 +187,37 @@ def test_the_plain_c_kernel_sums_in_the_same_order(
     with torch.no_grad():
         assert torch.equal(ek.kernel_rows(x[:5], w, ek.kernel_block()), F.linear(x, w)[:5])
     assert os.path.exists(ek.library_path())
+
+
+@pytest.mark.parametrize("kind", ["llama-tied", "mistral-window"])
+def test_a_tiny_stages_decode_steps_equal_its_prefill_and_the_padded_way(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fp32 stage of the tiny model takes the kernel for its few rows: its decode
+    steps equal the same rows in a prefill (whole and chunked), and the very bits of
+    the same stage with the kernel off (a lone row padded to 4), where F.linear's way
+    holds."""
+    from hetmesh.partition.exact_linear import ExactLinear
+    from hetmesh.partition.formats import WeightFormat
+    from hetmesh.partition.stage import load_stage
+    from tests.unit.partition.invariance import alone_and_in_a_round, decoded_and_replayed
+    from tests.unit.partition.tiny_models import save_tiny
+
+    block = _block()
+    save_tiny(kind, tmp_path)
+    stage = load_stage(tmp_path, 0, 6, weights=WeightFormat.FLOAT32)
+    layers = [m for m in stage.modules() if isinstance(m, ExactLinear)]
+    if not any(m.quantum for m in layers):
+        pytest.skip("F.linear's way does not hold here (another CPU's classes)")
+    assert [m.kernel for m in layers if m.quantum] == [block] * sum(1 for m in layers if m.quantum)
+    with torch.inference_mode():
+        decoded, replayed, chunked = decoded_and_replayed(stage, 20, 10)
+        assert torch.equal(decoded, replayed)
+        assert torch.equal(decoded, chunked)
+        alone, rounded, beside, _ = alone_and_in_a_round(stage, [30, 47, 3, 16])
+        assert torch.equal(alone, rounded)
+        assert torch.equal(alone, beside)
+        for m in layers:
+            m.kernel = 0
+        padded, _, _ = decoded_and_replayed(stage, 20, 10)
+    assert torch.equal(decoded, padded)
