@@ -7,7 +7,8 @@
  * EPYC's MKL takes in a call of 12 rows or more or a multiple of 4, so a row gets
  * here the bits it gets there. The weight is row-major (out x in, rows `ldw`
  * apart): 16 outputs' rows are read 16 inputs at a time and turned in registers,
- * so one vector holds 16 outputs' weights for one input. Built with
+ * so one vector holds 16 outputs' weights for one input (AVX2: 8 outputs by 8
+ * inputs; else a plain loop, one output at a time). Built with
  * -ffp-contract=off: every fused product is written out, none is made by the
  * compiler. Never -ffast-math.
  */
@@ -86,6 +87,8 @@ static inline __attribute__((always_inline)) void tile16(const float *x, long m,
 
 int hm_width(void) { return 16; }
 
+int hm_pass(void) { return ROWS; }
+
 void hm_rows(const float *x, long m, long ldx, const float *w, long n, long k, long ldw,
              float *out, long ldo, long block, long j0, long j1) {
     (void)n;
@@ -108,9 +111,108 @@ void hm_rows(const float *x, long m, long ldx, const float *w, long n, long k, l
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define ROWS 4 /* rows per pass (16 ymm registers: 4 sums, 8 weights, a few temps) */
+
+/* 8 x 8 floats turned: r[k] (8 outputs' weights at input k) from r[j] */
+static inline void turn8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+static inline __m256i first(long count) { /* lanes below count set */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __attribute__((always_inline)) void tile8(const float *x, long m, long ldx,
+                                                        const float *w, long n, long k,
+                                                        long ldw, float *out, long ldo,
+                                                        long block) {
+    __m256i outs = first(n);
+    const float *row[8];
+    for (int j = 0; j < 8; j++)
+        row[j] = w + (j < n ? j : n - 1) * ldw;
+    for (long b0 = 0; b0 < k; b0 += block) {
+        long end = b0 + block < k ? b0 + block : k;
+        __m256 acc[ROWS];
+        for (int i = 0; i < ROWS; i++)
+            acc[i] = _mm256_setzero_ps();
+        for (long c = b0; c < end; c += 8) {
+            long count = end - c < 8 ? end - c : 8;
+            __m256 r[8];
+            if (count == 8) {
+                for (int j = 0; j < 8; j++)
+                    r[j] = _mm256_loadu_ps(row[j] + c);
+            } else {
+                __m256i ins = first(count);
+                for (int j = 0; j < 8; j++)
+                    r[j] = _mm256_maskload_ps(row[j] + c, ins);
+            }
+            turn8(r);
+            for (long q = 0; q < count; q++) {
+                for (long i = 0; i < m; i++) {
+                    __m256 xi = _mm256_set1_ps(x[i * ldx + c + q]);
+                    acc[i] = _mm256_fmadd_ps(xi, r[q], acc[i]);
+                }
+            }
+        }
+        for (long i = 0; i < m; i++) {
+            float *o = out + i * ldo;
+            __m256 sum = acc[i];
+            if (b0 > 0)
+                sum = _mm256_add_ps(_mm256_maskload_ps(o, outs), acc[i]);
+            _mm256_maskstore_ps(o, outs, sum);
+        }
+    }
+}
+
+int hm_width(void) { return 8; }
+
+int hm_pass(void) { return ROWS; }
+
+void hm_rows(const float *x, long m, long ldx, const float *w, long n, long k, long ldw,
+             float *out, long ldo, long block, long j0, long j1) {
+    (void)n;
+    for (long i0 = 0; i0 < m; i0 += ROWS) {
+        long rows = m - i0 < ROWS ? m - i0 : ROWS;
+        for (long j = j0; j < j1; j += 8) {
+            long outs = j1 - j < 8 ? j1 - j : 8;
+            const float *xi = x + i0 * ldx;
+            const float *wj = w + j * ldw;
+            float *o = out + i0 * ldo + j;
+            switch (rows) {
+#define TILE(M)                                                                            \
+    case M:                                                                                \
+        tile8(xi, M, ldx, wj, outs, k, ldw, o, ldo, block);                                 \
+        break;
+                TILE(1) TILE(2) TILE(3) TILE(4)
+#undef TILE
+            }
+        }
+    }
+}
+
 #else /* plain C: the same order, one output at a time */
 
 int hm_width(void) { return 1; }
+
+int hm_pass(void) { return 1; }
 
 void hm_rows(const float *x, long m, long ldx, const float *w, long n, long k, long ldw,
              float *out, long ldo, long block, long j0, long j1) {

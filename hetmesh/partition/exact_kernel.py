@@ -8,8 +8,8 @@ element for K of 576 to 4,096, 4 to 512 rows, up to 49,152 outputs, 1 and 2
 threads, the weight row- or column-major). A lone row (a decode step) takes
 another kernel with other bits, so the exact fp32 way padded it to 4 rows: a
 decode step then cost ~1.4x torch's (issue 44, item 5). ``exact_kernel.c`` sums
-in that very order, 16 outputs per vector, up to :data:`KERNEL_ROWS` rows per
-pass over the weight: a lone row gets the bits a large call gives it, as fast as
+in that very order, 16 outputs per vector (AVX-512; 8 with AVX2), up to
+:data:`KERNEL_ROWS` rows per call: a lone row gets the bits a large call gives it, as fast as
 torch's own matrix-vector kernel (one thread against its two).
 
 The C source is built at first use by the system compiler (``$HETMESH_CC``, else
@@ -17,8 +17,10 @@ The C source is built at first use by the system compiler (``$HETMESH_CC``, else
 cache dir (``kernels/``, named by the source's, compiler's and CPU's hash) and
 loaded with ctypes. Then :func:`kernel_block` proves it once per process: random
 rows of a few shapes must equal ``F.linear``'s bits in a 16-row call, for the
-first of :data:`BLOCKS` that holds everywhere. No compiler, a failed build, or no
-block that holds: the exact way pads as before, said once in the log.
+first of :data:`BLOCKS` that holds everywhere. No compiler, a failed build, a
+build without a vector path (its plain loop sums in the same order, but no faster
+than padding), or no block that holds: the exact way pads as before, said once
+in the log.
 ``HETMESH_EXACT_KERNEL=0`` (read at the first probe) turns it off.
 """
 
@@ -41,7 +43,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("exact_kernel.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
 BLOCKS = (192, 256, 128, 384, 512, 96, 64)  # inputs per chain, tried in order by the probe
-KERNEL_ROWS = 8  # rows of a call the kernel computes (one pass over the weight); more: MKL
+KERNEL_ROWS = 8  # rows a call to the kernel may have (the C loops over passes)
+# rows of a layer's call the kernel takes: one pass over the weight (AVX-512 8, AVX2 4;
+# set by the probe), more by MKL (two passes cost more than F.linear's call)
+ROWS = KERNEL_ROWS
 # the probe's shapes (out, in): the default model's, a ragged one, a small one
 PROBE_SHAPES = ((576, 576), (1536, 576), (576, 1536), (77, 700), (96, 2048), (40, 64))
 
@@ -118,8 +123,9 @@ def _load() -> ctypes.CDLL:
         lib.hm_rows.argtypes = [ptr, c_long, c_long, ptr, c_long, c_long, c_long]
         lib.hm_rows.argtypes += [ptr, c_long, c_long, c_long, c_long]
         lib.hm_rows.restype = None
-        lib.hm_width.argtypes = []
-        lib.hm_width.restype = ctypes.c_int
+        for name in ("hm_width", "hm_pass"):
+            getattr(lib, name).argtypes = []
+            getattr(lib, name).restype = ctypes.c_int
         _LIB = lib
     return _LIB
 
@@ -161,13 +167,15 @@ def kernel_block() -> int:
     """The inputs per chain with which the kernel gives rows ``F.linear``'s bits on this
     machine (proven once per process, :func:`_probe`), 0 where none holds, the kernel
     cannot be built or ``HETMESH_EXACT_KERNEL=0``."""
-    global _BLOCK
+    global _BLOCK, ROWS
     if _BLOCK is None:
         _BLOCK = 0
         if os.environ.get("HETMESH_EXACT_KERNEL", "1") == "0":
             log.info("exact fp32 kernel off (HETMESH_EXACT_KERNEL=0): a lone row is padded")
         else:
             _BLOCK = _probe()
+            if _BLOCK:
+                ROWS = min(KERNEL_ROWS, _load().hm_pass())
     return _BLOCK
 
 
@@ -179,6 +187,9 @@ def _probe() -> int:
         log.warning(
             "exact fp32 kernel not built (%s: %s): a lone row is padded", compiler(), detail
         )
+        return 0
+    if lib.hm_width() < 8:  # the plain loop: no faster than F.linear padded to 4
+        log.warning("exact fp32 kernel built without a vector path: a lone row is padded")
         return 0
     g = torch.Generator().manual_seed(11)
     cases = []
@@ -193,7 +204,12 @@ def _probe() -> int:
                 for x, w, ref in cases
                 for m in (1, 3, KERNEL_ROWS)
             ):
-                log.info("exact fp32 kernel: chains of %d inputs (%d-wide)", block, lib.hm_width())
+                width, rows = lib.hm_width(), lib.hm_pass()
+                log.info(
+                    "exact fp32 kernel: chains of %d inputs, %d outputs a vector, calls of"
+                    " up to %d rows",
+                    block, width, rows,
+                )  # fmt: skip
                 return block
     log.warning(
         "exact fp32 kernel: no chain length gives F.linear's bits here: a lone row is padded"
@@ -203,9 +219,10 @@ def _probe() -> int:
 
 def reset() -> None:
     """Forget the process's verdict (tests: a probe again, e.g. under another compiler)."""
-    global _BLOCK, _LIB
+    global _BLOCK, _LIB, ROWS
     _BLOCK = None
     _LIB = None
+    ROWS = KERNEL_ROWS
 
 
 __all__ = [

@@ -237,11 +237,11 @@ def _quanta(
     rows or a multiple of ``quantum`` (a call of fewer than ``least`` rows padded with
     zero rows to the next multiple): AMD's EPYC, where MKL computes rows in blocks of 4
     and, below 12 rows, a block's 1 to 3 leftover rows by other kernels. Where
-    ``kernel`` (its chains' length), a call of up to :data:`exact_kernel.KERNEL_ROWS`
-    rows is computed by :mod:`hetmesh.partition.exact_kernel` in MKL's order instead
+    ``kernel`` (its chains' length), a call of up to :data:`exact_kernel.ROWS` rows
+    (8 with AVX-512) is computed by :mod:`hetmesh.partition.exact_kernel` in MKL's order instead
     (a decode step at a matrix-vector's cost, where padded it paid ~1.4x)."""
     count = rows.shape[0]
-    if kernel and count <= exact_kernel.KERNEL_ROWS and exact_kernel.fits(rows, weight):
+    if kernel and count <= exact_kernel.ROWS and exact_kernel.fits(rows, weight):
         return exact_kernel.kernel_rows(rows, weight, kernel)
     short = -count % quantum
     if count < least and short:  # a decode step or a small round
@@ -391,7 +391,7 @@ class ExactLinear(nn.Linear):
         elif self.quantum:
             how = f", calls of {self.least} to {self.tile} rows or a multiple of {self.quantum}"
             if self.kernel:
-                how += f", up to {exact_kernel.KERNEL_ROWS} rows by the kernel ({self.kernel})"
+                how += f", up to {exact_kernel.ROWS} rows by the kernel ({self.kernel})"
         elif self.packed is not None:
             how = f", packed product, calls of up to {self.tile} rows"
             how += ", a lone row alone" if self.lone else f", a lone row padded to {self.least}"

@@ -27,6 +27,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe again in this test (the process's verdict kept around it)."""
     monkeypatch.setattr(ek, "_BLOCK", None)
     monkeypatch.setattr(ek, "_LIB", None)
+    monkeypatch.setattr(ek, "ROWS", ek.KERNEL_ROWS)
     monkeypatch.delenv("HETMESH_EXACT_KERNEL", raising=False)
 
 
@@ -168,24 +169,32 @@ def test_the_switch_turns_the_kernel_off(fresh: None, monkeypatch: pytest.Monkey
     assert model[0].kernel == 0
 
 
-def test_the_plain_c_kernel_sums_in_the_same_order(
-    fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("flags", "width"), [("-mno-avx512f", 8), ("-mno-avx512f -mno-avx2", 1)])
+def test_the_avx2_and_plain_c_kernels_sum_in_the_same_order(
+    fresh: None, flags: str, width: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Built without AVX-512 (a compiler wrapper adding -mno-avx512f), the plain C loop
-    gives the same bits as the vector one: the order is the source's, not the ISA's."""
-    _block()
+    """Built without AVX-512 (a compiler wrapper adding -mno-avx512f: the AVX2 path) or
+    without AVX2 too (the plain C loop), the kernel gives the vector one's bits: the
+    order is the source's, not the ISA's. The plain loop is no faster than padding:
+    the probe refuses it (a lone row padded), said in the log."""
+    native = _block()
     ek.reset()
-    wrapper = tmp_path / "cc-plain"
-    wrapper.write_text('#!/bin/sh\nexec cc "$@" -mno-avx512f\n')
+    wrapper = tmp_path / "cc-narrow"
+    wrapper.write_text(f'#!/bin/sh\nexec cc "$@" {flags}\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("HETMESH_HOME", str(tmp_path))
     monkeypatch.setenv("HETMESH_CC", str(wrapper))
-    assert ek.kernel_block() in ek.BLOCKS
-    assert ek._load().hm_width() == 1
+    block = ek.kernel_block()
+    assert ek._load().hm_width() == width
+    assert (block in ek.BLOCKS) if width > 1 else block == 0
+    rows = 4 if width == 8 else ek.KERNEL_ROWS  # AVX2: one pass, 4 rows
+    assert rows == ek.ROWS
     w = _weight(96, 700)
     x = torch.randn(16, 700, generator=torch.Generator().manual_seed(10))
     with torch.no_grad():
-        assert torch.equal(ek.kernel_rows(x[:5], w, ek.kernel_block()), F.linear(x, w)[:5])
+        ref = F.linear(x, w)
+        for m in (1, 3, 5, 8):
+            assert torch.equal(ek.kernel_rows(x[:m], w, block or native), ref[:m]), m
     assert os.path.exists(ek.library_path())
 
 
