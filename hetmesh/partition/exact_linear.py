@@ -334,6 +334,8 @@ class ExactLinear(nn.Linear):
             self.kernel
             and x.numel() == self.in_features
             and x.dtype == torch.float32
+            and x.is_cpu
+            and self.weight.is_cpu
             and self.weight.stride(1) == 1
         ):
             # a decode step's lone row in MKL's order (the weight's layout proved at load)
