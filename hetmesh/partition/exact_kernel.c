@@ -35,8 +35,8 @@ static inline void turn16(__m512 r[16]) {
             r[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
         }
     }
-    /* r[i + 0..3] now hold, per 128-bit lane L, outputs 4q..4q+3 of rows i..i+3's
-     * group at inputs 4L + (0..3); the lanes are put in place in two steps */
+    /* r[4q + s] now holds, in its 128-bit lane L, outputs 4q..4q+3 at input 4L + s;
+     * two lane shuffles gather input c's 16 outputs into r[c] */
     for (int i = 0; i < 8; i++) {
         int a = (i / 4) * 8 + (i % 4);
         t[a] = _mm512_shuffle_f32x4(r[a], r[a + 4], 0x88);
@@ -50,8 +50,10 @@ static inline void turn16(__m512 r[16]) {
 
 /* outputs j0 .. j0 + n (n <= 16) of `m` (<= ROWS) rows; inlined per m, so that the
  * accumulators stay in registers */
-static inline __attribute__((always_inline)) void tile16(const float *x, long m, long ldx, const float *w, long n, long k,
-                   long ldw, float *out, long ldo, long block) {
+static inline __attribute__((always_inline)) void tile16(const float *x, long m, long ldx,
+                                                         const float *w, long n, long k,
+                                                         long ldw, float *out, long ldo,
+                                                         long block) {
     __mmask16 outs = (__mmask16)((1u << n) - 1u);
     const float *row[16];
     for (int j = 0; j < 16; j++)
