@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetmesh.partition import exact_kernel
 from hetmesh.partition import exact_linear as el
 from hetmesh.partition.exact_linear import ExactLinear, exact_linear, make_exact
 
@@ -651,15 +652,23 @@ def test_a_row_major_head_in_slices_gives_the_column_major_heads_bits() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernel", [False, True], ids=["padded", "kernel"])
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
-def test_float32_linear_calls_of_every_row_count_share_one_class(out: int, inp: int) -> None:
+def test_float32_linear_calls_of_every_row_count_share_one_class(
+    out: int, inp: int, kernel: bool
+) -> None:
     """The probe at load checks some call sizes; here every call the F.linear way makes
-    (1 to 300 rows, padded or tiled as exact_linear does) gives each row its lone
-    result, for the default model's shapes, at 1 and 2 threads."""
+    (1 to 300 rows, padded or tiled as exact_linear does; a few rows by the exact
+    kernel where ``kernel``) gives each row its lone result, for the default model's
+    shapes, at 1 and 2 threads."""
     w = _weight(out, inp, torch.float32)
     if not _quanta_hold(w):
         pytest.skip("F.linear's classes differ on this CPU: a packed way is taken")
-    kw = {"least": el.LINEAR_LEAST, "quantum": el.LINEAR_QUANTUM}
+    kw: dict[str, int] = {"least": el.LINEAR_LEAST, "quantum": el.LINEAR_QUANTUM}
+    if kernel:
+        kw["kernel"] = exact_kernel.kernel_block()
+        if not kw["kernel"]:
+            pytest.skip("the exact kernel does not hold here")
     x = _rows(300, inp, torch.float32)
     alone = _alone(w, x, **kw)
     before = torch.get_num_threads()
