@@ -74,6 +74,27 @@ class Followed:
     missing_links: tuple[tuple[PeerId, PeerId], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """:func:`plan_refusal`'s answer for ``offer`` as judged with ``judged`` (the
+    coordinator, the plan followed and its signer, the devices, the constraints)."""
+
+    offer: Offer
+    judged: tuple[object, ...]
+    why: str
+
+    def holds(self, offer: Offer, judged: tuple[object, ...]) -> bool:
+        """Whether the answer stands for ``offer`` judged with ``judged``: the same
+        offer object, the same plan followed (object) and equal other inputs."""
+        mine = self.judged
+        return (
+            offer is self.offer
+            and judged[1] is mine[1]
+            and judged[0] == mine[0]
+            and judged[2:] == mine[2:]
+        )
+
+
 def snapshot(records: Sequence[Announcement]) -> tuple[MeshSnapshot, list[tuple[str, str]]]:
     """The mesh the records describe (``records[0]``: this node's), and the candidate
     links nobody measured yet."""
@@ -147,6 +168,14 @@ class PlanFollower:
         self._corrected: frozenset[str] = frozenset()  # devices planned on measured steps
         self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self.drift_hold = DriftHold()  # how long the followed plan stands against drift
+        # what a tick re-derived from records that did not change, kept by record and
+        # offer identity (a peer's record object is replaced when it changes): its
+        # offer, each offer's verdict, the signed floors (a plan tick parsed every
+        # record's plan and re-encoded every plan's JSON to check its signature, each
+        # second, on every node: half its idle CPU)
+        self._offers: dict[PeerId, tuple[Announcement, Offer | None]] = {}
+        self._verdicts: dict[PeerId, _Verdict] = {}
+        self._floors: tuple[tuple[Offer, ...], int, int] = ((), -1, -1)
 
     @property
     def plan(self) -> Plan | None:
@@ -229,7 +258,7 @@ class PlanFollower:
         mesh, missing = snapshot(records)
         constraints = self._constraints(local, records[1:], mesh.devices, now)
         peers = tuple(m.peer_id for m in members)
-        offers = [o for r in records[1:] if (o := read_offer(r.extra, r.peer_id)) is not None]
+        offers = [o for r in records[1:] if (o := self._offer(r)) is not None]
         following = {o.relayed_by: o.signature.signer for o in offers if o.signature}
         boss = self.boss = choose_coordinator(
             (self.me, *peers),
@@ -239,21 +268,29 @@ class PlanFollower:
             following=following,
         )
         self._signatures = []
+        verdicts: dict[PeerId, _Verdict] = {}
         for offer in offers:
-            why = plan_refusal(
-                offer,
-                coordinator=boss,
-                current=self.plan,
-                current_signer=self.coordination.signer,
-                devices=mesh.devices,
-                model=self.profile,
-                constraints=constraints,
-                verify=self._verify,
-            )
-            if why:
-                self._refused(offer, why, now)
+            judged = (boss, self.plan, self.coordination.signer, mesh.devices, constraints)
+            verdict = self._verdicts.get(offer.relayed_by)
+            if verdict is None or not verdict.holds(offer, judged):
+                why = plan_refusal(
+                    offer,
+                    coordinator=boss,
+                    current=self.plan,
+                    current_signer=self.coordination.signer,
+                    devices=mesh.devices,
+                    model=self.profile,
+                    constraints=constraints,
+                    verify=self._verify,
+                )
+                verdict = _Verdict(offer, judged, why)
+            verdicts[offer.relayed_by] = verdict
+            if verdict.why:
+                self._refused(offer, verdict.why, now)
             elif offer.signature is not None:
                 self._signatures.append((offer.plan, offer.signature))
+        self._verdicts = verdicts
+        epochs, terms = self._signed_floors(offers)
         return MeshView(
             me=self.me,
             peers=peers,
@@ -262,10 +299,30 @@ class PlanFollower:
             plans=tuple(p for p, _ in self._signatures),
             settled=now - self.started_at >= self.settle_s,
             drift_allowed=self.drift_hold.allows(now),
-            epoch_floor=epoch_floor(offers, self._verify),  # signed plans only (issue 45)
-            term_floor=term_floor(offers, self._verify),  # a new coordinator's term above it
+            epoch_floor=epochs,  # signed plans only (issue 45)
+            term_floor=terms,  # a new coordinator's term above it
             following=tuple(following.items()),
         ), missing
+
+    def _offer(self, record: Announcement) -> Offer | None:
+        """The plan ``record`` offers (parsed once per record object)."""
+        cached = self._offers.get(record.peer_id)
+        if cached is not None and cached[0] is record:
+            return cached[1]
+        offer = read_offer(record.extra, record.peer_id)
+        if len(self._offers) >= MAX_VERIFIED:  # bounded: gone peers' records go too
+            self._offers.clear()
+        self._offers[record.peer_id] = (record, offer)
+        return offer
+
+    def _signed_floors(self, offers: Sequence[Offer]) -> tuple[int, int]:
+        """:func:`epoch_floor` and :func:`term_floor` of ``offers`` (again only when an
+        offer changed: each checks a signature over the plan's JSON)."""
+        seen, epochs, terms = self._floors
+        if len(seen) != len(offers) or any(a is not b for a, b in zip(seen, offers, strict=False)):
+            epochs, terms = epoch_floor(offers, self._verify), term_floor(offers, self._verify)
+            self._floors = (tuple(offers), epochs, terms)
+        return epochs, terms
 
     def sign(self, plan: Plan) -> PlanSignature:
         """This node's signature of ``plan``, with its libp2p identity key."""
