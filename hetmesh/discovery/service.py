@@ -484,6 +484,11 @@ class Discovery:
             return msg
         if not msg.record_blob:
             raise RemoteProtocolError(f"an unsigned record of {msg.record.peer_id}")
+        held = self._signed.get(msg.record.peer_id)
+        if held is not None and held[1] == msg.record_blob and held[2] == msg.signature:
+            # the very bytes and signature checked already (gossip brings a record
+            # many times): its record was decoded from these bytes, so it is that one
+            return msg
         record = open_record(msg.record_blob, msg.signature)
         held = self._signed.get(record.peer_id)
         if held is None or held[0] < record.order:

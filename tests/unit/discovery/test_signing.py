@@ -191,3 +191,34 @@ def test_discovery_probes_a_bounded_sample_plus_the_links_asked_for() -> None:
     outside = next(p.id for p in peers if p.id not in targets)
     disc.want_links([outside])
     assert {e.peer_id for e in disc.link_targets()} == targets | {outside}
+
+
+def test_discovery_checks_a_record_it_holds_already_only_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gossip brings the same signed bytes many times: they are decoded and verified
+    once; other bytes under the same signature are still checked (and refused)."""
+    import hetmesh.discovery.service as service
+
+    opened: list[bytes] = []
+    real = service.open_record
+
+    def counting(blob: bytes, signature: bytes) -> Announcement:
+        opened.append(blob)
+        return real(blob, signature)
+
+    monkeypatch.setattr(service, "open_record", counting)
+    a, b, c = _Peer(), _Peer(), _Peer()
+    disc = Discovery(_Host(a), DiscoveryConfig(), psk="00" * 32)
+    disc.receive_message(_rumor(c, a, b, 1), c.id, now=0.0)
+    blob, signature = b.signed(b.record(seq=1))
+    for i in range(3):
+        disc.receive_message(_relayed(c, a, blob, signature, b.id), c.id, now=0.1 + i / 10)
+    assert opened == [blob]
+    entry = disc.table.entries[b.id]
+    assert entry.record is not None
+    assert entry.record.seq == 1
+    forged = wire.encode(b.record(seq=1, stages=({"model": "m", "start": 0, "end": 99},)))
+    disc.receive_message(_relayed(c, a, forged, signature, b.id), c.id, now=0.5)
+    assert opened == [blob, forged]
+    assert disc.statistics().rejected == 1
