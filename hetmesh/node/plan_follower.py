@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 REFUSAL_LOG_INTERVAL_S = 60.0
 MAX_VERIFIED = 256  # cached signature checks (a few plans are announced at a time)
+# the entries of a record's ``extra`` its offer is read from (read_offer)
+OFFER_KEYS = ("serving_version", "plan", "plan_signature")
 COMPACT_HINT = (  # what a coordinator that cannot place the model says of the formats
     "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
     "of float32's weight bytes"
@@ -168,12 +170,12 @@ class PlanFollower:
         self._corrected: frozenset[str] = frozenset()  # devices planned on measured steps
         self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self.drift_hold = DriftHold()  # how long the followed plan stands against drift
-        # what a tick re-derived from records that did not change, kept by record and
-        # offer identity (a peer's record object is replaced when it changes): its
-        # offer, each offer's verdict, the signed floors (a plan tick parsed every
-        # record's plan and re-encoded every plan's JSON to check its signature, each
-        # second, on every node: half its idle CPU)
-        self._offers: dict[PeerId, tuple[Announcement, Offer | None]] = {}
+        # what a tick re-derived from plans that did not change: each peer's offer
+        # (kept while its record's plan entries are equal), each offer's verdict and
+        # the signed floors (kept while the offer objects are the same): a plan tick
+        # parsed every record's plan and re-encoded every plan's JSON to check its
+        # signature, each second, on every node
+        self._offers: dict[PeerId, tuple[tuple[object, ...], Offer | None]] = {}
         self._verdicts: dict[PeerId, _Verdict] = {}
         self._floors: tuple[tuple[Offer, ...], int, int] = ((), -1, -1)
 
@@ -305,14 +307,17 @@ class PlanFollower:
         ), missing
 
     def _offer(self, record: Announcement) -> Offer | None:
-        """The plan ``record`` offers (parsed once per record object)."""
+        """The plan ``record`` offers, parsed again only when the entries it is read
+        from changed (a record changes with its sender's memory and counters too)."""
+        extra = record.extra if isinstance(record.extra, Mapping) else {}
+        raw = tuple(extra.get(key) for key in OFFER_KEYS)
         cached = self._offers.get(record.peer_id)
-        if cached is not None and cached[0] is record:
+        if cached is not None and cached[0] == raw:
             return cached[1]
         offer = read_offer(record.extra, record.peer_id)
-        if len(self._offers) >= MAX_VERIFIED:  # bounded: gone peers' records go too
+        if len(self._offers) >= MAX_VERIFIED:  # bounded: gone peers' entries go too
             self._offers.clear()
-        self._offers[record.peer_id] = (record, offer)
+        self._offers[record.peer_id] = (raw, offer)
         return offer
 
     def _signed_floors(self, offers: Sequence[Offer]) -> tuple[int, int]:

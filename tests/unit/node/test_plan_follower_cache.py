@@ -120,19 +120,25 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return calls
 
 
-def test_plan_follower_reads_an_unchanged_record_once(counted: dict[str, int]) -> None:
+def test_plan_follower_reads_an_unchanged_plan_once(counted: dict[str, int]) -> None:
+    """A record that changed elsewhere (its counters, its memory: a new record object
+    every tick) but announces the same plan is not parsed or judged again."""
     me = _record(ME, ServingAnnouncement(model=MODEL.name))
     boss = _boss_record(epoch=4)
     follower = _follower(ME, ME_KEY)
     first = follower.step(me, _view(boss), now=10.0)
     assert [plan.epoch for plan, _ in first.adopted] == [4]  # followed: the boss signed it
+    assert counted["read_offer"] == 1
     assert counted["plan_message"] >= 1  # its signature was checked over the plan's JSON
-    # judged once more against the plan now followed; from then on, the same record
-    # objects: nothing parsed or encoded again
+    # judged once more against the plan now followed; from then on, the same plan
+    # entries: nothing parsed or encoded again
     assert follower.step(me, _view(boss), now=11.0).adopted == ()
     encoded = counted["plan_message"]
-    for now in (12.0, 13.0, 14.0):
-        assert follower.step(me, _view(boss), now=now).adopted == ()
+    for seq, now in ((2, 12.0), (3, 13.0), (4, 14.0)):
+        changed = dataclasses.replace(
+            boss, seq=seq, extra={**boss.extra, "gateway": {"tokens_out": seq}}
+        )
+        assert follower.step(me, _view(changed), now=now).adopted == ()
     assert counted == {"read_offer": 1, "plan_message": encoded}
     assert follower.plan is not None
     assert follower.plan.epoch == 4
