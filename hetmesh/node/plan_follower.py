@@ -60,6 +60,9 @@ REFUSAL_LOG_INTERVAL_S = 60.0
 MAX_VERIFIED = 256  # cached signature checks (a few plans are announced at a time)
 # the entries of a record's ``extra`` its offer is read from (read_offer)
 OFFER_KEYS = ("serving_version", "plan", "plan_signature")
+# the entries calibrated_constraints, quota_constraints and weights_constraints read
+# (each through read_serving: the version, the calibration, the host, the format)
+CONSTRAINT_KEYS = ("serving_version", "calibration", "host", "weights")
 COMPACT_HINT = (  # what a coordinator that cannot place the model says of the formats
     "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
     "of float32's weight bytes"
@@ -178,6 +181,8 @@ class PlanFollower:
         self._offers: dict[PeerId, tuple[tuple[object, ...], Offer | None]] = {}
         self._verdicts: dict[PeerId, _Verdict] = {}
         self._floors: tuple[tuple[Offer, ...], int, int] = ((), -1, -1)
+        # the constraints the announcements' calibrations, hosts and formats gave
+        self._announced_constraints: tuple[object, PlanConstraints] | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -346,9 +351,26 @@ class PlanFollower:
         from hetmesh.scheduler.announcement import quota_constraints
 
         announced = [(r.peer_id, r.extra) for r in (local, *records)]
-        constraints = calibrated_constraints(self.constraints, self.model_key, announced)
-        constraints = quota_constraints(constraints, announced)  # shares of a core (issue 42)
-        constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
+        # each of the three reads every record's serving entries in full; they read
+        # only the entries CONSTRAINT_KEYS name, so they run again only when those
+        # (or the devices) changed
+        key = (
+            tuple(
+                (peer, *(extra.get(k) for k in CONSTRAINT_KEYS))
+                for peer, extra in announced
+                if isinstance(extra, Mapping)
+            ),
+            len(announced),
+            tuple(devices),
+            self.constraints,
+        )
+        if self._announced_constraints is not None and self._announced_constraints[0] == key:
+            constraints = self._announced_constraints[1]
+        else:
+            constraints = calibrated_constraints(self.constraints, self.model_key, announced)
+            constraints = quota_constraints(constraints, announced)  # shares of a core (42)
+            constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
+            self._announced_constraints = (key, constraints)
         # claims against what the stages serving the plan measure: a member far slower
         # than it claimed is planned on its measurement (at the next replan)
         observed = {r.peer_id: r.load.recent_step_s for r in records}

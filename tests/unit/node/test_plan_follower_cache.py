@@ -178,3 +178,42 @@ def test_plan_follower_judges_an_offer_again_when_the_followed_plan_changes() ->
     fresh_step = fresh.step(me, _view(boss), now=11.0)
     cached_step = cached.step(me, _view(boss), now=11.0)
     assert [p.epoch for p, _ in cached_step.adopted] == [p.epoch for p, _ in fresh_step.adopted]
+
+
+def test_plan_follower_reads_the_constraints_again_only_when_their_entries_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The constraints the announcements give (calibrations, hosts, formats) are worked
+    out again when one of those entries changes, not for a counter; a calibration
+    announced later is planned on."""
+    import hetmesh.node.calibration as calibration
+    from hetmesh.scheduler.announcement import Calibration
+
+    calls = []
+    real = calibration.calibrated_constraints
+
+    def counting(*args: object, **kwargs: object) -> PlanConstraints:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(calibration, "calibrated_constraints", counting)
+    me = _record(ME, ServingAnnouncement(model=MODEL.name))
+    boss = _boss_record(epoch=4)
+    follower = _follower(ME, ME_KEY)
+    for now in (10.0, 11.0, 12.0):
+        counter = {"gateway": {"tokens_out": int(now)}}
+        follower.step(me, _view(dataclasses.replace(boss, extra={**boss.extra, **counter})), now)
+    assert len(calls) == 1
+    measured = Calibration(
+        model=MODEL.name,
+        device="cpu",
+        block_step_s=0.002,
+        context_tokens=LIMITS.calibration_context_tokens,
+    )
+    calibrated = dataclasses.replace(boss, extra={**boss.extra, "calibration": measured.to_wire()})
+    follower.step(me, _view(calibrated), now=13.0)
+    assert len(calls) == 2
+    key = next(iter(real(LIMITS, MODEL.name, [(BOSS, calibrated.extra)]).block_step_s_by_device))
+    mesh, _ = follower._view(me, _view(calibrated), 14.0)
+    assert mesh.constraints.block_step_s_by_device == {key: 0.002}
+    assert len(calls) == 2
