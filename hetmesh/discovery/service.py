@@ -509,10 +509,11 @@ class Discovery:
     async def _handle_membership(self, stream: Any) -> None:
         """A peer's lane: frames until it closes (or goes quiet for long)."""
         remote = str(stream.muxed_conn.peer_id)
+        reader = wire.FrameReader(stream)  # a message's prefix and body in one read
         while True:
             try:
-                payload = await wire.read_frame(
-                    stream, max_bytes=MAX_MESSAGE_BYTES, timeout_s=self._outbox.idle_s * 4
+                payload = await reader.read_frame(
+                    max_bytes=MAX_MESSAGE_BYTES, timeout_s=self._outbox.idle_s * 4
                 )
             except (StreamReset, trio.TooSlowError):
                 return
