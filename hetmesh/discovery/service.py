@@ -164,6 +164,7 @@ class Discovery:
         # our published record: its content (to notice changes), when its load was
         # last published, and its signed bytes; records of others as signed by them
         self._content: dict[str, Any] | None = None
+        self._content_of: tuple[object, ...] | None = None  # what _content was built from
         self._published_load: Load | None = None
         self._load_published_at = -1e9
         self._record: Announcement | None = None
@@ -341,8 +342,26 @@ class Discovery:
 
     def _refresh(self, now: float) -> None:
         """Publish a new record version if its content (or, rate-limited, its load) changed."""
-        content = replace(self._build(load=Load()), seq=0, sent_at_s=0.0, incarnation=0).to_wire()
-        changed = self._record is None or content != self._content
+        # what the content is built from (the setters replace these, never mutate them):
+        # equal, and the content is; only otherwise is the record encoded to compare
+        # (five times a second and at every plan tick, it was most of this tick's CPU)
+        made_of = (
+            self.addrs,
+            self._devices,
+            tuple(self._links.items()),
+            self._data_plane,
+            self._stages,
+            self.probe_port,
+            tuple(self._extra.items()),
+            self._link_requests,
+        )
+        changed = self._record is None
+        if made_of != self._content_of:
+            content = replace(
+                self._build(load=Load()), seq=0, sent_at_s=0.0, incarnation=0
+            ).to_wire()
+            changed = changed or content != self._content
+            self._content, self._content_of = content, made_of
         load_due = (
             self._load != self._published_load
             and now - self._load_published_at >= self.config.load_publish_every_s
@@ -350,7 +369,6 @@ class Discovery:
         if not (changed or load_due):
             return
         self._seq += 1
-        self._content = content
         self._published_load = self._load
         self._load_published_at = now
         record = self._build(load=self._load)
