@@ -97,6 +97,7 @@ class MeshClient:
         deadline = trio.current_time() + seconds(timeout.total)
         stream = await self._open_stream(GENERATE_PROTOCOL, seconds(timeout.connect))
         first = True
+        reader = wire.FrameReader(stream)  # a read a token (tokens already there: none)
         try:
             await wire.write_frame(stream, payload)
             while True:
@@ -105,8 +106,8 @@ class MeshClient:
                 if self._per_read_s is not None:
                     wait = min(wait, self._per_read_s)
                 try:
-                    raw = await wire.read_frame(
-                        stream, max_bytes=MAX_REQUEST_BYTES, timeout_s=max(wait, 0.0)
+                    raw = await reader.read_frame(
+                        max_bytes=MAX_REQUEST_BYTES, timeout_s=max(wait, 0.0)
                     )
                 except trio.TooSlowError as exc:
                     what = "the first token" if first else "the end of the stream"

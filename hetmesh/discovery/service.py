@@ -164,6 +164,7 @@ class Discovery:
         # our published record: its content (to notice changes), when its load was
         # last published, and its signed bytes; records of others as signed by them
         self._content: dict[str, Any] | None = None
+        self._content_of: tuple[object, ...] | None = None  # what _content was built from
         self._published_load: Load | None = None
         self._load_published_at = -1e9
         self._record: Announcement | None = None
@@ -341,8 +342,26 @@ class Discovery:
 
     def _refresh(self, now: float) -> None:
         """Publish a new record version if its content (or, rate-limited, its load) changed."""
-        content = replace(self._build(load=Load()), seq=0, sent_at_s=0.0, incarnation=0).to_wire()
-        changed = self._record is None or content != self._content
+        # what the content is built from (the setters replace these, never mutate them):
+        # equal, and the content is; only otherwise is the record encoded to compare
+        # (five times a second and at every plan tick, it was most of this tick's CPU)
+        made_of = (
+            self.addrs,
+            self._devices,
+            tuple(self._links.items()),
+            self._data_plane,
+            self._stages,
+            self.probe_port,
+            tuple(self._extra.items()),
+            self._link_requests,
+        )
+        changed = self._record is None
+        if made_of != self._content_of:
+            content = replace(
+                self._build(load=Load()), seq=0, sent_at_s=0.0, incarnation=0
+            ).to_wire()
+            changed = changed or content != self._content
+            self._content, self._content_of = content, made_of
         load_due = (
             self._load != self._published_load
             and now - self._load_published_at >= self.config.load_publish_every_s
@@ -350,7 +369,6 @@ class Discovery:
         if not (changed or load_due):
             return
         self._seq += 1
-        self._content = content
         self._published_load = self._load
         self._load_published_at = now
         record = self._build(load=self._load)
@@ -484,6 +502,11 @@ class Discovery:
             return msg
         if not msg.record_blob:
             raise RemoteProtocolError(f"an unsigned record of {msg.record.peer_id}")
+        held = self._signed.get(msg.record.peer_id)
+        if held is not None and held[1] == msg.record_blob and held[2] == msg.signature:
+            # the very bytes and signature checked already (gossip brings a record
+            # many times): its record was decoded from these bytes, so it is that one
+            return msg
         record = open_record(msg.record_blob, msg.signature)
         held = self._signed.get(record.peer_id)
         if held is None or held[0] < record.order:
@@ -504,10 +527,11 @@ class Discovery:
     async def _handle_membership(self, stream: Any) -> None:
         """A peer's lane: frames until it closes (or goes quiet for long)."""
         remote = str(stream.muxed_conn.peer_id)
+        reader = wire.FrameReader(stream)  # a message's prefix and body in one read
         while True:
             try:
-                payload = await wire.read_frame(
-                    stream, max_bytes=MAX_MESSAGE_BYTES, timeout_s=self._outbox.idle_s * 4
+                payload = await reader.read_frame(
+                    max_bytes=MAX_MESSAGE_BYTES, timeout_s=self._outbox.idle_s * 4
                 )
             except (StreamReset, trio.TooSlowError):
                 return

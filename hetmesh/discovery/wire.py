@@ -201,6 +201,48 @@ async def _read_exact(stream: ByteStream, n: int) -> bytes:
     return bytes(buf)
 
 
+class FrameReader:
+    """Length-prefixed messages from one stream, read in as large pieces as arrive.
+
+    :func:`read_frame` reads a message's prefix and its body apart: two reads through
+    the stream's layers (libp2p's stream state lock, yamux's stream and window locks)
+    for each message. This reader takes whatever has arrived (up to ``chunk_bytes``)
+    and keeps what follows a message for the next one, so a token stream pays one
+    read a token, and none for tokens already there.
+    """
+
+    def __init__(self, stream: ByteStream, *, chunk_bytes: int = 64 * 1024) -> None:
+        self._stream = stream
+        self._chunk_bytes = chunk_bytes
+        self._buffer = bytearray()
+
+    async def read_frame(self, *, max_bytes: int, timeout_s: float) -> bytes:
+        """The next message, within ``timeout_s``; raises as :func:`read_frame` does
+        (a length over ``max_bytes`` before its body is read, a stream that ends early,
+        ``trio.TooSlowError``). After a timeout the stream is not to be read again."""
+        import trio  # here, so the pure modules that use the records stay free of trio
+
+        buffer = self._buffer
+        with trio.fail_after(timeout_s):
+            while True:
+                if len(buffer) >= _HEADER.size:
+                    (size,) = _HEADER.unpack_from(buffer)
+                    if size > max_bytes:
+                        raise RemoteProtocolError(f"frame of {size} bytes exceeds {max_bytes}")
+                    end = _HEADER.size + size
+                    if len(buffer) >= end:
+                        payload = bytes(buffer[_HEADER.size : end])
+                        del buffer[:end]
+                        return payload
+                try:
+                    chunk = await self._stream.read(self._chunk_bytes)
+                except Exception as exc:  # libp2p StreamEOF / StreamReset / StreamError
+                    raise StreamReset(f"stream ended with {len(buffer)} bytes unread") from exc
+                if not chunk:
+                    raise StreamReset(f"stream ended with {len(buffer)} bytes unread")
+                buffer += chunk
+
+
 def frame_prefix(nbytes: int) -> bytes:
     """The length prefix of a message of ``nbytes`` (a writer that streams the rest)."""
     return _HEADER.pack(nbytes)
@@ -233,6 +275,7 @@ __all__ = [
     "MAX_STATUS_BYTES",
     "STATUS_PROTOCOL",
     "Announcement",
+    "FrameReader",
     "KnownPeer",
     "LinkRequest",
     "Load",

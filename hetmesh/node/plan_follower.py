@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,11 @@ log = logging.getLogger(__name__)
 
 REFUSAL_LOG_INTERVAL_S = 60.0
 MAX_VERIFIED = 256  # cached signature checks (a few plans are announced at a time)
+# the entries of a record's ``extra`` its offer is read from (read_offer)
+OFFER_KEYS = ("serving_version", "plan", "plan_signature")
+# the entries calibrated_constraints, quota_constraints and weights_constraints read
+# (each through read_serving: the version, the calibration, the host, the format)
+CONSTRAINT_KEYS = ("serving_version", "calibration", "host", "weights")
 COMPACT_HINT = (  # what a coordinator that cannot place the model says of the formats
     "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
     "of float32's weight bytes"
@@ -72,6 +77,27 @@ class Followed:
     adopted: tuple[tuple[Plan, PlanSignature | None], ...] = ()
     insufficient: str | None = None
     missing_links: tuple[tuple[PeerId, PeerId], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """:func:`plan_refusal`'s answer for ``offer`` as judged with ``judged`` (the
+    coordinator, the plan followed and its signer, the devices, the constraints)."""
+
+    offer: Offer
+    judged: tuple[object, ...]
+    why: str
+
+    def holds(self, offer: Offer, judged: tuple[object, ...]) -> bool:
+        """Whether the answer stands for ``offer`` judged with ``judged``: the same
+        offer object, the same plan followed (object) and equal other inputs."""
+        mine = self.judged
+        return (
+            offer is self.offer
+            and judged[1] is mine[1]
+            and judged[0] == mine[0]
+            and judged[2:] == mine[2:]
+        )
 
 
 def snapshot(records: Sequence[Announcement]) -> tuple[MeshSnapshot, list[tuple[str, str]]]:
@@ -147,6 +173,16 @@ class PlanFollower:
         self._corrected: frozenset[str] = frozenset()  # devices planned on measured steps
         self._corrected_logged = -REFUSAL_LOG_INTERVAL_S
         self.drift_hold = DriftHold()  # how long the followed plan stands against drift
+        # what a tick re-derived from plans that did not change: each peer's offer
+        # (kept while its record's plan entries are equal), each offer's verdict and
+        # the signed floors (kept while the offer objects are the same): a plan tick
+        # parsed every record's plan and re-encoded every plan's JSON to check its
+        # signature, each second, on every node
+        self._offers: dict[PeerId, tuple[tuple[object, ...], Offer | None]] = {}
+        self._verdicts: dict[PeerId, _Verdict] = {}
+        self._floors: tuple[tuple[Offer, ...], int, int] = ((), -1, -1)
+        # the constraints the announcements' calibrations, hosts and formats gave
+        self._announced_constraints: tuple[object, PlanConstraints] | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -229,7 +265,7 @@ class PlanFollower:
         mesh, missing = snapshot(records)
         constraints = self._constraints(local, records[1:], mesh.devices, now)
         peers = tuple(m.peer_id for m in members)
-        offers = [o for r in records[1:] if (o := read_offer(r.extra, r.peer_id)) is not None]
+        offers = [o for r in records[1:] if (o := self._offer(r)) is not None]
         following = {o.relayed_by: o.signature.signer for o in offers if o.signature}
         boss = self.boss = choose_coordinator(
             (self.me, *peers),
@@ -239,21 +275,29 @@ class PlanFollower:
             following=following,
         )
         self._signatures = []
+        verdicts: dict[PeerId, _Verdict] = {}
         for offer in offers:
-            why = plan_refusal(
-                offer,
-                coordinator=boss,
-                current=self.plan,
-                current_signer=self.coordination.signer,
-                devices=mesh.devices,
-                model=self.profile,
-                constraints=constraints,
-                verify=self._verify,
-            )
-            if why:
-                self._refused(offer, why, now)
+            judged = (boss, self.plan, self.coordination.signer, mesh.devices, constraints)
+            verdict = self._verdicts.get(offer.relayed_by)
+            if verdict is None or not verdict.holds(offer, judged):
+                why = plan_refusal(
+                    offer,
+                    coordinator=boss,
+                    current=self.plan,
+                    current_signer=self.coordination.signer,
+                    devices=mesh.devices,
+                    model=self.profile,
+                    constraints=constraints,
+                    verify=self._verify,
+                )
+                verdict = _Verdict(offer, judged, why)
+            verdicts[offer.relayed_by] = verdict
+            if verdict.why:
+                self._refused(offer, verdict.why, now)
             elif offer.signature is not None:
                 self._signatures.append((offer.plan, offer.signature))
+        self._verdicts = verdicts
+        epochs, terms = self._signed_floors(offers)
         return MeshView(
             me=self.me,
             peers=peers,
@@ -262,10 +306,33 @@ class PlanFollower:
             plans=tuple(p for p, _ in self._signatures),
             settled=now - self.started_at >= self.settle_s,
             drift_allowed=self.drift_hold.allows(now),
-            epoch_floor=epoch_floor(offers, self._verify),  # signed plans only (issue 45)
-            term_floor=term_floor(offers, self._verify),  # a new coordinator's term above it
+            epoch_floor=epochs,  # signed plans only (issue 45)
+            term_floor=terms,  # a new coordinator's term above it
             following=tuple(following.items()),
         ), missing
+
+    def _offer(self, record: Announcement) -> Offer | None:
+        """The plan ``record`` offers, parsed again only when the entries it is read
+        from changed (a record changes with its sender's memory and counters too)."""
+        extra = record.extra if isinstance(record.extra, Mapping) else {}
+        raw = tuple(extra.get(key) for key in OFFER_KEYS)
+        cached = self._offers.get(record.peer_id)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        offer = read_offer(record.extra, record.peer_id)
+        if len(self._offers) >= MAX_VERIFIED:  # bounded: gone peers' entries go too
+            self._offers.clear()
+        self._offers[record.peer_id] = (raw, offer)
+        return offer
+
+    def _signed_floors(self, offers: Sequence[Offer]) -> tuple[int, int]:
+        """:func:`epoch_floor` and :func:`term_floor` of ``offers`` (again only when an
+        offer changed: each checks a signature over the plan's JSON)."""
+        seen, epochs, terms = self._floors
+        if len(seen) != len(offers) or any(a is not b for a, b in zip(seen, offers, strict=False)):
+            epochs, terms = epoch_floor(offers, self._verify), term_floor(offers, self._verify)
+            self._floors = (tuple(offers), epochs, terms)
+        return epochs, terms
 
     def sign(self, plan: Plan) -> PlanSignature:
         """This node's signature of ``plan``, with its libp2p identity key."""
@@ -284,9 +351,26 @@ class PlanFollower:
         from hetmesh.scheduler.announcement import quota_constraints
 
         announced = [(r.peer_id, r.extra) for r in (local, *records)]
-        constraints = calibrated_constraints(self.constraints, self.model_key, announced)
-        constraints = quota_constraints(constraints, announced)  # shares of a core (issue 42)
-        constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
+        # each of the three reads every record's serving entries in full; they read
+        # only the entries CONSTRAINT_KEYS name, so they run again only when those
+        # (or the devices) changed
+        key = (
+            tuple(
+                (peer, *(extra.get(k) for k in CONSTRAINT_KEYS))
+                for peer, extra in announced
+                if isinstance(extra, Mapping)
+            ),
+            len(announced),
+            tuple(devices),
+            self.constraints,
+        )
+        if self._announced_constraints is not None and self._announced_constraints[0] == key:
+            constraints = self._announced_constraints[1]
+        else:
+            constraints = calibrated_constraints(self.constraints, self.model_key, announced)
+            constraints = quota_constraints(constraints, announced)  # shares of a core (42)
+            constraints = weights_constraints(constraints, announced, devices, self.bytes_of)
+            self._announced_constraints = (key, constraints)
         # claims against what the stages serving the plan measure: a member far slower
         # than it claimed is planned on its measurement (at the next replan)
         observed = {r.peer_id: r.load.recent_step_s for r in records}

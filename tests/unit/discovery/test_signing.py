@@ -179,6 +179,36 @@ async def test_discovery_record_versions_on_change_and_load_at_most_every_2s(
     assert disc.local_record().seq == later.seq
 
 
+async def test_discovery_record_is_encoded_to_compare_only_when_what_it_is_built_from_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tick with nothing set encodes nothing; an equal value set again is encoded
+    and compared (no new version); another value is published."""
+    a = _Peer()
+    disc = Discovery(_Host(a), DiscoveryConfig(), psk="00" * 32)
+    disc.set_extra("plan", {"epoch": 1})
+    first = disc.local_record()
+    encoded = []
+    real = Announcement.to_wire
+
+    def counting(self: Announcement) -> dict[str, Any]:
+        encoded.append(1)
+        return real(self)
+
+    monkeypatch.setattr(Announcement, "to_wire", counting)
+    for _ in range(5):
+        assert disc.local_record().seq == first.seq
+    assert encoded == []
+    disc.set_extra("plan", {"epoch": 1})  # a new object, equal: compared, not published
+    assert disc.local_record().seq == first.seq
+    disc.set_extra("plan", {"epoch": 2})
+    changed = disc.local_record()
+    assert changed.seq == first.seq + 1
+    assert changed.extra["plan"] == {"epoch": 2}
+    disc.set_stages([{"model": "m", "start": 0, "end": 4}])
+    assert disc.local_record().seq == first.seq + 2
+
+
 def test_discovery_probes_a_bounded_sample_plus_the_links_asked_for() -> None:
     a = _Peer()
     disc = Discovery(_Host(a), DiscoveryConfig(link_neighbours=4), psk="00" * 32)
@@ -191,3 +221,34 @@ def test_discovery_probes_a_bounded_sample_plus_the_links_asked_for() -> None:
     outside = next(p.id for p in peers if p.id not in targets)
     disc.want_links([outside])
     assert {e.peer_id for e in disc.link_targets()} == targets | {outside}
+
+
+def test_discovery_checks_a_record_it_holds_already_only_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gossip brings the same signed bytes many times: they are decoded and verified
+    once; other bytes under the same signature are still checked (and refused)."""
+    import hetmesh.discovery.service as service
+
+    opened: list[bytes] = []
+    real = service.open_record
+
+    def counting(blob: bytes, signature: bytes) -> Announcement:
+        opened.append(blob)
+        return real(blob, signature)
+
+    monkeypatch.setattr(service, "open_record", counting)
+    a, b, c = _Peer(), _Peer(), _Peer()
+    disc = Discovery(_Host(a), DiscoveryConfig(), psk="00" * 32)
+    disc.receive_message(_rumor(c, a, b, 1), c.id, now=0.0)
+    blob, signature = b.signed(b.record(seq=1))
+    for i in range(3):
+        disc.receive_message(_relayed(c, a, blob, signature, b.id), c.id, now=0.1 + i / 10)
+    assert opened == [blob]
+    entry = disc.table.entries[b.id]
+    assert entry.record is not None
+    assert entry.record.seq == 1
+    forged = wire.encode(b.record(seq=1, stages=({"model": "m", "start": 0, "end": 99},)))
+    disc.receive_message(_relayed(c, a, forged, signature, b.id), c.id, now=0.5)
+    assert opened == [blob, forged]
+    assert disc.statistics().rejected == 1

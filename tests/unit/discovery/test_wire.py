@@ -318,3 +318,41 @@ def test_wire_refuses_non_finite_absurd_or_too_many_values(change: dict[str, Any
     payload = msgpack.packb({**full_record().to_wire(), **change}, use_bin_type=True)
     with pytest.raises(RemoteProtocolError):
         wire.decode_announcement(payload)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 1 << 20])
+async def test_wire_frame_reader_gives_each_message_whatever_the_pieces(chunk: int) -> None:
+    """Messages arriving in pieces of any size, several in one piece or one across many,
+    come out whole and in order; a reader takes each piece in one read."""
+    payloads = [wire.encode({"i": i, "text": "x" * (i * 37 % 300)}) for i in range(12)]
+    stream = _Stream(b"", chunk)
+    for payload in payloads:
+        await wire.write_frame(stream, payload)
+    total = len(stream.data)
+    reads = 0
+    real_read = stream.read
+
+    async def counted(n: int | None = None) -> bytes:
+        nonlocal reads
+        reads += 1
+        return await real_read(n)
+
+    stream.read = counted  # type: ignore[method-assign]
+    reader = wire.FrameReader(stream)
+    got = [await reader.read_frame(max_bytes=1 << 20, timeout_s=5) for _ in payloads]
+    assert got == payloads
+    assert reads == -(-total // chunk)  # every piece read once, none read twice
+
+
+async def test_wire_frame_reader_refuses_a_frame_over_the_cap_before_its_body() -> None:
+    stream = _Stream(struct.pack(">I", 1 << 30) + b"abc", 1 << 20)
+    with pytest.raises(RemoteProtocolError):
+        await wire.FrameReader(stream).read_frame(max_bytes=1 << 20, timeout_s=5)
+
+
+async def test_wire_frame_reader_a_stream_ending_mid_frame_is_a_reset() -> None:
+    stream = _Stream(struct.pack(">I", 5) + b"hello" + struct.pack(">I", 100) + b"abc", 4)
+    reader = wire.FrameReader(stream)
+    assert await reader.read_frame(max_bytes=1 << 20, timeout_s=5) == b"hello"
+    with pytest.raises(StreamReset):
+        await reader.read_frame(max_bytes=1 << 20, timeout_s=5)
