@@ -21,7 +21,9 @@ another, so a stage gathers a burst before it starts (frames no more than
 ``GATHER_S`` apart, until its share is in, or until every session of the
 waiting sessions' last rounds here is in: :mod:`hetmesh.node.stage_groups`):
 otherwise it would start on the first frame of a micro-batch and the groups would
-crumble into single steps.
+crumble into single steps. A burst of decode steps too small for the micro-batches (more
+groups circulate than ``micro_batches``) waits up to ``MERGE_S`` for the next group and
+runs with it, so the groups settle as two rounds of the share.
 
 A stage holding the whole model can feed a session itself
 (``OpenSession.feed_steps``): from one step its gateway sends, it generates
@@ -101,7 +103,7 @@ from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.outcomes import MID_STEP, MOVED_SESSION
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.node.stage_groups import GATHER_S as DEFAULT_GATHER_S
-from hetmesh.node.stage_groups import Groups, gather_seconds, groups_enabled
+from hetmesh.node.stage_groups import Groups, gather_seconds, groups_enabled, merge_seconds
 from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
@@ -283,6 +285,7 @@ class StageServer:
         # each session's last round here: a gather ends once its burst is in
         self._groups = Groups() if groups_enabled() else None
         self._gather_s = gather_seconds()  # a burst's longest gap between frames
+        self._merge_s = merge_seconds()  # a burst too small for a round: its wait to merge
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}
         # bounded: at most QUEUED_PER_SESSION items of each session it admitted (as
@@ -869,7 +872,9 @@ class StageServer:
                     self._queued[item.session_id] = left
         self._pending.extendleft(reversed(deferred))
         if self._groups is not None:
-            self._groups.ran((item.session_id for item in batch), self._sessions)
+            self._groups.ran(
+                (item.session_id for item in batch), self._sessions, trio.current_time()
+            )
         return batch
 
     async def _gather(self, limit: int) -> None:
@@ -883,6 +888,7 @@ class StageServer:
         stage that started on the first of them would split the micro-batch in
         two rounds, and the pipeline's groups would crumble into single steps.
         """
+        merge_until: float | None = None  # a burst too small for a round waits this long
         while True:
             try:
                 self._pending.append(self._inbox.receive_nowait())
@@ -892,16 +898,35 @@ class StageServer:
             waiting = {item.session_id for item in self._pending}
             if len(waiting) >= limit:
                 return
-            if (
+            wait = self._gather_s
+            if self._too_small(waiting, limit):  # wait for the next group, to run with it
+                now = trio.current_time()
+                if merge_until is None:
+                    merge_until = now + max(self._merge_s, self._gather_s)
+                wait = merge_until - now
+                if wait <= 0:
+                    return  # no group came: it runs as it is
+            elif (
                 self._groups is not None
                 and 2 * len(waiting) >= limit  # a lone straggler waits to rejoin a round
                 and self._groups.complete(waiting, self._sessions)
             ):
                 return  # every session of their last rounds here is in: the burst ended
-            with trio.move_on_after(self._gather_s):
+            with trio.move_on_after(wait):
                 self._pending.append(await self._inbox.receive())
                 continue
             return
+
+    def _too_small(self, waiting: set[str], limit: int) -> bool:
+        """Whether the waiting burst, decode steps only, is a group too small for the
+        micro-batches (:meth:`Groups.too_small`): it then waits to merge with the next."""
+        if self._groups is None or self._merge_s <= 0:
+            return False
+        if any(item.inputs.shape[0] != 1 for item in self._pending):  # a prefill's chunk
+            return False
+        return self._groups.too_small(
+            waiting, self._sessions, limit, self._micro_batches, trio.current_time()
+        )
 
     def _compute(self, outcomes: list[_Outcome]) -> None:
         """Runs on the device thread: one forward for the whole batch if it can.
