@@ -82,6 +82,8 @@ FAST_PATHS = (
     "HETMESH_LEAN_ROUND",
     # a stage's longest gap between two frames of one burst, ms (default 5)
     "HETMESH_STAGE_GATHER_MS",
+    # a stage's longest wait of a group too small for the micro-batches, ms (default 50)
+    "HETMESH_STAGE_MERGE_MS",
     # the prefill's chunks (hetmesh.partition.prefill): size and cap
     "HETMESH_PREFILL_CHUNK_TOKENS",
     "HETMESH_PREFILL_MAX_CHUNKS",
