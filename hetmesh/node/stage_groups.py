@@ -29,7 +29,8 @@ sessions active here could not fit in ``micro_batches`` rounds of the share with
 apart (:meth:`Groups.too_small`), waits up to ``MERGE_S`` for the next group to come in
 and runs with it: the groups settle as ``micro_batches`` rounds of the share. The wait
 costs no CPU (the stage has nothing else to run) and only while other active sessions
-are on their way; a session counts as active for :data:`ACTIVE_S` after its last
+are on their way (the stage server bounds it by two of its recent rounds: the next
+group comes in about a round behind); a session counts as active for :data:`ACTIVE_S` after its last
 round here, so idle ones (a client that stopped reading) stop holding bursts back.
 
 Pure logic (no trio); ``HETMESH_STAGE_GROUPS=0`` turns it off (every burst then

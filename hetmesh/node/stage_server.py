@@ -84,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -131,6 +132,8 @@ OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
 GATHER_S = DEFAULT_GATHER_S
 # how long a stage keeps a moved session's KV frame for its gateway to confirm the move
 HANDED_S = 30.0
+# rounds a stage ran before their times bound a small group's wait to merge (_merge_wait)
+MERGE_ROUNDS_SEEN = 4
 
 
 @dataclass(slots=True)
@@ -902,7 +905,7 @@ class StageServer:
             if self._too_small(waiting, limit):  # wait for the next group, to run with it
                 now = trio.current_time()
                 if merge_until is None:
-                    merge_until = now + max(self._merge_s, self._gather_s)
+                    merge_until = now + self._merge_wait()
                 wait = merge_until - now
                 if wait <= 0:
                     return  # no group came: it runs as it is
@@ -916,6 +919,17 @@ class StageServer:
                 self._pending.append(await self._inbox.receive())
                 continue
             return
+
+    def _merge_wait(self) -> float:
+        """How long a group too small for the micro-batches waits for the next one: the
+        merge's wait, but no more than two of this stage's recent rounds (the next group
+        comes in about a round behind; a group that does not is not coming soon, and the
+        sessions waiting would pay for it), and never less than the gap."""
+        wait = self._merge_s
+        recent = self._counters.recent
+        if len(recent) >= MERGE_ROUNDS_SEEN:
+            wait = min(wait, 2.0 * statistics.median(recent))
+        return max(wait, self._gather_s)
 
     def _too_small(self, waiting: set[str], limit: int) -> bool:
         """Whether the waiting burst, decode steps only, is a group too small for the

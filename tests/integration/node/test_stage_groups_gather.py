@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from hetmesh.node.stage_groups import MERGE_ENV, MERGE_S
-from hetmesh.node.stage_server import GATHER_S, StageServer
+from hetmesh.node.stage_server import GATHER_S, MERGE_ROUNDS_SEEN, StageServer
 from tests.integration.node.test_stage_gather import first_stage, next_round, step, tiny_model
 from tests.integration.node.tiny_hops import GATEWAY
 
@@ -186,3 +186,28 @@ async def test_with_the_merge_off_a_small_group_runs_after_the_gap(
     for sid in ("s2", "s3"):
         assert await run_round(server, mock_clock, [sid], GATHER_S * 1.1) == [sid]
     assert await run_round(server, mock_clock, ["s2"], GATHER_S * 1.1) == ["s2"]
+
+
+async def test_the_merge_waits_no_longer_than_two_recent_rounds(
+    tiny_model, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage whose rounds take 10 ms: a small group waits 20 ms for the next, not 50."""
+    monkeypatch.delenv("HETMESH_STAGE_GROUPS", raising=False)
+    monkeypatch.delenv(MERGE_ENV, raising=False)
+    server = first_stage(tiny_model, micro_batches=2)
+    assert await run_round(server, mock_clock, ["s0", "s1"], 0.0) == ["s0", "s1"]
+    for sid in ("s2", "s3"):
+        assert await run_round(server, mock_clock, [sid], MERGE_S * 1.1) == [sid]
+    for _ in range(MERGE_ROUNDS_SEEN):
+        server._counters.note_round(2, 2, 0.010)
+    assert MERGE_S > 0.025
+    rounds: list[list[str]] = []
+    submit(server, ["s2"])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_round, server, rounds)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(0.019)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rounds == []
+        mock_clock.jump(0.002)
+    assert rounds == [["s2"]]
