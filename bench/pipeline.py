@@ -84,6 +84,8 @@ FAST_PATHS = (
     "HETMESH_STAGE_GATHER_MS",
     # a stage's longest wait of a group too small for the micro-batches, ms (default 50)
     "HETMESH_STAGE_MERGE_MS",
+    # a stage of a cut's micro-batches (default 2)
+    "HETMESH_STAGE_MICRO_BATCHES",
     # the prefill's chunks (hetmesh.partition.prefill): size and cap
     "HETMESH_PREFILL_CHUNK_TOKENS",
     "HETMESH_PREFILL_MAX_CHUNKS",

@@ -38,7 +38,9 @@ waits for the share or the gap, as before). ``HETMESH_STAGE_GATHER_MS`` sets the
 gap (default ``GATHER_S``, 5 ms: a lone straggler waits it at every stage, every
 token; the quiet A/B decides whether a shorter one keeps the rounds whole).
 ``HETMESH_STAGE_MERGE_MS`` sets the merge's longest wait (default ``MERGE_S``; 0: groups
-too small do not wait to merge, as before 2026-12-12).
+too small do not wait to merge, as before 2026-12-12). ``HETMESH_STAGE_MICRO_BATCHES``
+sets a cut's micro-batches (default 2; three stages on two cores might prefer 3: for
+the quiet A/B).
 """
 
 from __future__ import annotations
@@ -77,6 +79,28 @@ def merge_seconds() -> float:
     seconds: ``HETMESH_STAGE_MERGE_MS`` (0 to 1000 ms; 0: no wait), else :data:`MERGE_S`;
     a value that is not such a number keeps the default, with a warning."""
     return _ms_env(MERGE_ENV, MERGE_S, "the merge's wait")
+
+
+MICRO_BATCHES_ENV = "HETMESH_STAGE_MICRO_BATCHES"
+MAX_MICRO_BATCHES = 8
+
+
+def micro_batches_env() -> int | None:
+    """A stage of a cut's micro-batches as ``HETMESH_STAGE_MICRO_BATCHES`` says (1 to 8:
+    a round takes that share of the open sessions; the stage server's default, 2, where
+    unset); a value that is not such a number is ignored, with a warning."""
+    raw = os.environ.get(MICRO_BATCHES_ENV, "").strip()
+    if not raw:
+        return None
+    if raw.isdigit() and 1 <= int(raw) <= MAX_MICRO_BATCHES:
+        return int(raw)
+    log.warning(
+        "%s=%r is not 1 to %d: the default micro-batches stay",
+        MICRO_BATCHES_ENV,
+        raw,
+        MAX_MICRO_BATCHES,
+    )
+    return None
 
 
 def _ms_env(name: str, default_s: float, what: str) -> float:

@@ -104,7 +104,13 @@ from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.outcomes import MID_STEP, MOVED_SESSION
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.node.stage_groups import GATHER_S as DEFAULT_GATHER_S
-from hetmesh.node.stage_groups import Groups, gather_seconds, groups_enabled, merge_seconds
+from hetmesh.node.stage_groups import (
+    Groups,
+    gather_seconds,
+    groups_enabled,
+    merge_seconds,
+    micro_batches_env,
+)
 from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
@@ -269,7 +275,8 @@ class StageServer:
         device thread (None: every frame goes through trio); ``micro_batches``: the
         share of the open sessions one round may take (1: all of them at once;
         None: 1 for a stage holding the whole model, which has no next stage to
-        overlap with, else 2); ``grammars``: the model's grammar engine (api, issue 49);
+        overlap with, else ``HETMESH_STAGE_MICRO_BATCHES`` or 2); ``grammars``: the
+        model's grammar engine (api, issue 49);
         ``lane``: whether the device thread parks for its session's next step, offered
         from a link's reader thread (:meth:`offer`): only where the links offer it
         frames (a stage nobody offers to must not park: each step would then wait
@@ -283,7 +290,8 @@ class StageServer:
         self._send_now = send_now
         self._max_batch = max_batch
         if micro_batches is None:
-            micro_batches = 1 if stage.has_embed and stage.has_head else 2
+            whole = stage.has_embed and stage.has_head
+            micro_batches = 1 if whole else (micro_batches_env() or 2)
         self._micro_batches = max(1, micro_batches)
         # each session's last round here: a gather ends once its burst is in
         self._groups = Groups() if groups_enabled() else None

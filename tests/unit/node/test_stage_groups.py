@@ -11,10 +11,12 @@ from hetmesh.node.stage_groups import (
     GATHER_S,
     MERGE_ENV,
     MERGE_S,
+    MICRO_BATCHES_ENV,
     Groups,
     gather_seconds,
     groups_enabled,
     merge_seconds,
+    micro_batches_env,
 )
 
 EIGHT = {f"s{i}" for i in range(8)}
@@ -151,3 +153,24 @@ def test_a_bad_merge_wait_keeps_the_default_and_says_so(
     with caplog.at_level("WARNING", logger="hetmesh.node.stage_groups"):
         assert merge_seconds() == MERGE_S
     assert MERGE_ENV in caplog.text
+
+
+@pytest.mark.parametrize(("value", "count"), [(None, None), ("", None), ("3", 3), (" 1 ", 1)])
+def test_the_micro_batches_follow_the_environment(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, count: int | None
+) -> None:
+    if value is None:
+        monkeypatch.delenv(MICRO_BATCHES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MICRO_BATCHES_ENV, value)
+    assert micro_batches_env() == count
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-2", "9", "2.5"])
+def test_bad_micro_batches_keep_the_default_and_say_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str
+) -> None:
+    monkeypatch.setenv(MICRO_BATCHES_ENV, value)
+    with caplog.at_level("WARNING", logger="hetmesh.node.stage_groups"):
+        assert micro_batches_env() is None
+    assert MICRO_BATCHES_ENV in caplog.text
