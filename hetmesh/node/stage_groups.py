@@ -55,8 +55,10 @@ log = logging.getLogger(__name__)
 GATHER_S = 0.005  # the default longest gap between two frames of one burst
 GATHER_ENV = "HETMESH_STAGE_GATHER_MS"
 MAX_GATHER_MS = 1000.0
-# the default longest wait of a burst too small for the micro-batches, for the next group
-MERGE_S = 0.05
+# the default longest wait of a burst too small for the micro-batches, for the next group:
+# a ceiling; the stage server bounds it by two of its recent rounds (the next group comes
+# about a round behind), ~25 ms for the default model's stages, ~100 ms at 1B
+MERGE_S = 0.2
 MERGE_ENV = "HETMESH_STAGE_MERGE_MS"
 # a session counts as active here this long after its last round here
 ACTIVE_S = 1.0
