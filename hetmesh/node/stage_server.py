@@ -22,8 +22,9 @@ another, so a stage gathers a burst before it starts (frames no more than
 waiting sessions' last rounds here is in: :mod:`hetmesh.node.stage_groups`):
 otherwise it would start on the first frame of a micro-batch and the groups would
 crumble into single steps. A burst of decode steps too small for the micro-batches (more
-groups circulate than ``micro_batches``) waits up to ``MERGE_S`` for the next group and
-runs with it, so the groups settle as two rounds of the share.
+groups circulate than ``micro_batches``) waits for the next group, at most two of the
+stage's recent rounds (and ``MERGE_S``), and runs with it, so the groups settle as
+``micro_batches`` rounds of the share.
 
 A stage holding the whole model can feed a session itself
 (``OpenSession.feed_steps``): from one step its gateway sends, it generates
