@@ -35,6 +35,11 @@ so a machine whose speed drifts moves both alike:
   ``split_client_cpu_ms`` and the planner's ``split_plan_stage_ms``: the busiest
   threads' sum against the reference's is what the forwards cost more in their own
   processes, the token's period less that sum is the hops and the waits
+- the same over the 8 concurrent streams, a token of all of them together ->
+  ``split_stage_cpu_ms_8``, ``split_client_cpu_ms_8``: the busiest is the device thread
+  that runs the stage's rounds (its CPU a token falls as the rounds fill); all the
+  processes' CPU a token against twice the tokens' period (two cores) says how busy
+  the cores were
 - the nodes' fast-path switches as this run set them (empty: unset, on) ->
   ``fast_path_switches`` (``HETMESH_STAGE_GROUPS=0 python bench/pipeline.py`` is the
   run without :mod:`hetmesh.node.stage_groups`)
@@ -77,6 +82,10 @@ FAST_PATHS = (
     "HETMESH_LEAN_ROUND",
     # a stage's longest gap between two frames of one burst, ms (default 5)
     "HETMESH_STAGE_GATHER_MS",
+    # a stage's longest wait of a group too small for the micro-batches, ms (default 50)
+    "HETMESH_STAGE_MERGE_MS",
+    # a stage of a cut's micro-batches (default 2)
+    "HETMESH_STAGE_MICRO_BATCHES",
     # the prefill's chunks (hetmesh.partition.prefill): size and cap
     "HETMESH_PREFILL_CHUNK_TOKENS",
     "HETMESH_PREFILL_MAX_CHUNKS",
@@ -253,17 +262,29 @@ def figures(
                 ttfts.append(stamps[1] - stamps[0])
                 ref_ttfts.append(reference.ttft(long_ids))
 
+            spent_8: list[list[tuple[float, float, float]]] = [[] for _ in pids]
+            client_cpu_8: list[float] = []
+
             async def concurrent(streams: int) -> float:
                 spans: list[list[float]] = []
 
                 async def one() -> None:
                     spans.append(await _stream(client, prompt_ids, tokens))
 
+                before = [thread_cpu(pid) for pid in pids] if streams > 1 else []
+                cpu_began = time.process_time()
                 began = time.perf_counter()
                 async with trio.open_nursery() as nursery:
                     for _ in range(streams):
                         nursery.start_soon(one)
-                return sum(len(s) - 1 for s in spans) / (time.perf_counter() - began)
+                elapsed = time.perf_counter() - began
+                made = sum(len(s) - 1 for s in spans)
+                if before:  # the nodes' CPU a token of all the streams together
+                    after = [thread_cpu(pid) for pid in pids]
+                    for mine, b, a in zip(spent_8, before, after, strict=True):
+                        mine.append(cpu_per_token(b, a, made))
+                    client_cpu_8.append((time.process_time() - cpu_began) / max(1, made))
+                return made / elapsed
 
             singles, eights = [], []
             for _ in range(repeats):  # in turn as well
@@ -279,12 +300,18 @@ def figures(
             "outputs_identical": float(identical),
             "reference_cpu_ms": statistics.median(reference.cpu_per_token_s[-repeats:]) * 1e3,
             "client_cpu_ms": statistics.median(client_cpu) * 1e3,
+            "client_cpu_ms_8": statistics.median(client_cpu_8) * 1e3,
             # per node (mesh.nodes' order), one stream's CPU a token, ms, median over the
             # repeats: the busiest thread's (the forwards), the other threads', and the
             # busiest thread's wait for a CPU
             "node_cpu_ms": [
                 tuple(round(statistics.median(row[i] for row in mine), 3) for i in range(3))
                 for mine in spent
+            ],
+            # the same during the 8 streams, a token of all of them together
+            "node_cpu_ms_8": [
+                tuple(round(statistics.median(row[i] for row in mine), 3) for i in range(3))
+                for mine in spent_8
             ],
         }
 
@@ -341,6 +368,12 @@ def run_layout(
         # the busiest's wait for a core (ms): beside plan_stage_ms and the token's period,
         # where a cut's time goes
         "stage_cpu_ms": [ours["node_cpu_ms"][order[s.peer_id]] for s in plan.pipelines[0].stages],
+        # the same over the 8 concurrent streams, a token of all of them: the busiest is
+        # the device thread running the stage's rounds; the sum over the stages against
+        # the tokens' period (1 / tokens_per_s_8) on two cores says how busy the cores were
+        "stage_cpu_ms_8": [
+            ours["node_cpu_ms_8"][order[s.peer_id]] for s in plan.pipelines[0].stages
+        ],
         "node_memory_bytes": int(cut.option(node_args, "--max-memory", "0")),
     }
 
@@ -371,10 +404,12 @@ def keys(layout: dict[str, Any], prefix: str) -> dict[str, Any]:
         f"{prefix}gateway_stage": layout["gateway_stage"],
         f"{prefix}stages": layout["stages"],
         f"{prefix}stage_cpu_ms": layout["stage_cpu_ms"],
+        f"{prefix}stage_cpu_ms_8": layout["stage_cpu_ms_8"],
         # the reference's CPU a token, ms (its forward and sampling, one thread)
         f"{prefix}reference_cpu_ms": round(ours["reference_cpu_ms"], 3),
         # the client's (this process's) CPU a token of those streams, ms
         f"{prefix}client_cpu_ms": round(ours["client_cpu_ms"], 3),
+        f"{prefix}client_cpu_ms_8": round(ours["client_cpu_ms_8"], 3),
         f"{prefix}node_memory_bytes": layout["node_memory_bytes"],
     }
 

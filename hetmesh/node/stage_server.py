@@ -21,7 +21,10 @@ another, so a stage gathers a burst before it starts (frames no more than
 ``GATHER_S`` apart, until its share is in, or until every session of the
 waiting sessions' last rounds here is in: :mod:`hetmesh.node.stage_groups`):
 otherwise it would start on the first frame of a micro-batch and the groups would
-crumble into single steps.
+crumble into single steps. A burst of decode steps too small for the micro-batches (more
+groups circulate than ``micro_batches``) waits for the next group, at most two of the
+stage's recent rounds (and ``MERGE_S``), and runs with it, so the groups settle as
+``micro_batches`` rounds of the share.
 
 A stage holding the whole model can feed a session itself
 (``OpenSession.feed_steps``): from one step its gateway sends, it generates
@@ -82,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -101,7 +105,13 @@ from hetmesh.node.migration import check_kv, kv_frame
 from hetmesh.node.outcomes import MID_STEP, MOVED_SESSION
 from hetmesh.node.split import is_helped_chunk, span_of, split_role
 from hetmesh.node.stage_groups import GATHER_S as DEFAULT_GATHER_S
-from hetmesh.node.stage_groups import Groups, gather_seconds, groups_enabled
+from hetmesh.node.stage_groups import (
+    Groups,
+    gather_seconds,
+    groups_enabled,
+    merge_seconds,
+    micro_batches_env,
+)
 from hetmesh.node.stage_lane import PARK_S, Lane
 from hetmesh.partition.blocks import BLOCK_TOKENS, blocks_for
 from hetmesh.partition.grammar import Grammars
@@ -129,6 +139,8 @@ OUTBOX_IDLE_S = 60.0  # an outbox's task ends after this long without a frame
 GATHER_S = DEFAULT_GATHER_S
 # how long a stage keeps a moved session's KV frame for its gateway to confirm the move
 HANDED_S = 30.0
+# rounds a stage ran before their times bound a small group's wait to merge (_merge_wait)
+MERGE_ROUNDS_SEEN = 4
 
 
 @dataclass(slots=True)
@@ -264,7 +276,8 @@ class StageServer:
         device thread (None: every frame goes through trio); ``micro_batches``: the
         share of the open sessions one round may take (1: all of them at once;
         None: 1 for a stage holding the whole model, which has no next stage to
-        overlap with, else 2); ``grammars``: the model's grammar engine (api, issue 49);
+        overlap with, else ``HETMESH_STAGE_MICRO_BATCHES`` or 2); ``grammars``: the
+        model's grammar engine (api, issue 49);
         ``lane``: whether the device thread parks for its session's next step, offered
         from a link's reader thread (:meth:`offer`): only where the links offer it
         frames (a stage nobody offers to must not park: each step would then wait
@@ -278,11 +291,13 @@ class StageServer:
         self._send_now = send_now
         self._max_batch = max_batch
         if micro_batches is None:
-            micro_batches = 1 if stage.has_embed and stage.has_head else 2
+            whole = stage.has_embed and stage.has_head
+            micro_batches = 1 if whole else (micro_batches_env() or 2)
         self._micro_batches = max(1, micro_batches)
         # each session's last round here: a gather ends once its burst is in
         self._groups = Groups() if groups_enabled() else None
         self._gather_s = gather_seconds()  # a burst's longest gap between frames
+        self._merge_s = merge_seconds()  # a burst too small for a round: its wait to merge
         self._limiter = device_limiter or trio.CapacityLimiter(1)
         self._sessions: dict[str, _Session] = {}
         # bounded: at most QUEUED_PER_SESSION items of each session it admitted (as
@@ -869,7 +884,9 @@ class StageServer:
                     self._queued[item.session_id] = left
         self._pending.extendleft(reversed(deferred))
         if self._groups is not None:
-            self._groups.ran((item.session_id for item in batch), self._sessions)
+            self._groups.ran(
+                (item.session_id for item in batch), self._sessions, trio.current_time()
+            )
         return batch
 
     async def _gather(self, limit: int) -> None:
@@ -883,6 +900,7 @@ class StageServer:
         stage that started on the first of them would split the micro-batch in
         two rounds, and the pipeline's groups would crumble into single steps.
         """
+        merge_until: float | None = None  # a burst too small for a round waits this long
         while True:
             try:
                 self._pending.append(self._inbox.receive_nowait())
@@ -892,16 +910,46 @@ class StageServer:
             waiting = {item.session_id for item in self._pending}
             if len(waiting) >= limit:
                 return
-            if (
+            wait = self._gather_s
+            if self._too_small(waiting, limit):  # wait for the next group, to run with it
+                now = trio.current_time()
+                if merge_until is None:
+                    merge_until = now + self._merge_wait()
+                wait = merge_until - now
+                if wait <= 0:
+                    return  # no group came: it runs as it is
+            elif (
                 self._groups is not None
                 and 2 * len(waiting) >= limit  # a lone straggler waits to rejoin a round
                 and self._groups.complete(waiting, self._sessions)
             ):
                 return  # every session of their last rounds here is in: the burst ended
-            with trio.move_on_after(self._gather_s):
+            with trio.move_on_after(wait):
                 self._pending.append(await self._inbox.receive())
                 continue
             return
+
+    def _merge_wait(self) -> float:
+        """How long a group too small for the micro-batches waits for the next one: the
+        merge's wait, but no more than two of this stage's recent rounds (the next group
+        comes in about a round behind; a group that does not is not coming soon, and the
+        sessions waiting would pay for it), and never less than the gap."""
+        wait = self._merge_s
+        recent = self._counters.recent
+        if len(recent) >= MERGE_ROUNDS_SEEN:
+            wait = min(wait, 2.0 * statistics.median(recent))
+        return max(wait, self._gather_s)
+
+    def _too_small(self, waiting: set[str], limit: int) -> bool:
+        """Whether the waiting burst, decode steps only, is a group too small for the
+        micro-batches (:meth:`Groups.too_small`): it then waits to merge with the next."""
+        if self._groups is None or self._merge_s <= 0:
+            return False
+        if any(item.inputs.shape[0] != 1 for item in self._pending):  # a prefill's chunk
+            return False
+        return self._groups.too_small(
+            waiting, self._sessions, limit, self._micro_batches, trio.current_time()
+        )
 
     def _compute(self, outcomes: list[_Outcome]) -> None:
         """Runs on the device thread: one forward for the whole batch if it can.

@@ -12,7 +12,8 @@ import pytest
 import trio
 import trio.testing
 
-from hetmesh.node.stage_server import GATHER_S, StageServer
+from hetmesh.node.stage_groups import MERGE_ENV, MERGE_S
+from hetmesh.node.stage_server import GATHER_S, MERGE_ROUNDS_SEEN, StageServer
 from tests.integration.node.test_stage_gather import first_stage, next_round, step, tiny_model
 from tests.integration.node.tiny_hops import GATEWAY
 
@@ -114,3 +115,99 @@ async def test_off_every_short_burst_waits_for_the_gap(
         assert rounds == []  # the same group, all in: it still waits for the gap
         mock_clock.jump(GATHER_S * 1.1)
     assert rounds == [GROUP]
+
+
+async def run_round(
+    server: StageServer, mock_clock: trio.testing.MockClock, sids: list[str], wait_s: float
+) -> list[str]:
+    """``sids`` come in together; the round they start after ``wait_s`` of the clock."""
+    rounds: list[list[str]] = []
+    submit(server, sids)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_round, server, rounds)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(wait_s)
+    return rounds[0]
+
+
+async def test_a_group_too_small_for_the_micro_batches_waits_to_merge_with_the_next(
+    tiny_model, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four sessions in two micro-batches (a share of two) running as three groups (s0+s1,
+    s2, s3): s2 alone waits past the gap for s3, and the two run as one round."""
+    monkeypatch.delenv("HETMESH_STAGE_GROUPS", raising=False)
+    monkeypatch.delenv(MERGE_ENV, raising=False)
+    server = first_stage(tiny_model, micro_batches=2)
+    assert await run_round(server, mock_clock, ["s0", "s1"], 0.0) == ["s0", "s1"]
+    for sid in ("s2", "s3"):  # no group yet: each runs alone (s3 after the merge's wait)
+        assert await run_round(server, mock_clock, [sid], MERGE_S * 1.1) == [sid]
+    rounds: list[list[str]] = []
+    submit(server, ["s2"])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_round, server, rounds)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(GATHER_S * 4)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rounds == []  # four gaps on: s2 still waits for the next group
+        submit(server, ["s3"])
+    assert rounds == [["s2", "s3"]]
+    # merged, they are one group of the share: it runs as soon as it is in
+    assert await run_round(server, mock_clock, ["s2", "s3"], 0.0) == ["s2", "s3"]
+
+
+async def test_a_group_waits_to_merge_no_longer_than_the_merge_wait(
+    tiny_model, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HETMESH_STAGE_GROUPS", raising=False)
+    monkeypatch.delenv(MERGE_ENV, raising=False)
+    server = first_stage(tiny_model, micro_batches=2)
+    assert await run_round(server, mock_clock, ["s0", "s1"], 0.0) == ["s0", "s1"]
+    for sid in ("s2", "s3"):
+        assert await run_round(server, mock_clock, [sid], MERGE_S * 1.1) == [sid]
+    rounds: list[list[str]] = []
+    submit(server, ["s2"])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_round, server, rounds)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(MERGE_S * 0.9)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rounds == []
+        mock_clock.jump(MERGE_S * 0.2)  # s3 never comes: s2 runs alone
+    assert rounds == [["s2"]]
+
+
+async def test_with_the_merge_off_a_small_group_runs_after_the_gap(
+    tiny_model, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HETMESH_STAGE_GROUPS", raising=False)
+    monkeypatch.setenv(MERGE_ENV, "0")
+    server = first_stage(tiny_model, micro_batches=2)
+    assert await run_round(server, mock_clock, ["s0", "s1"], 0.0) == ["s0", "s1"]
+    for sid in ("s2", "s3"):
+        assert await run_round(server, mock_clock, [sid], GATHER_S * 1.1) == [sid]
+    assert await run_round(server, mock_clock, ["s2"], GATHER_S * 1.1) == ["s2"]
+
+
+async def test_the_merge_waits_no_longer_than_two_recent_rounds(
+    tiny_model, mock_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage whose rounds take 10 ms: a small group waits 20 ms for the next, not 50."""
+    monkeypatch.delenv("HETMESH_STAGE_GROUPS", raising=False)
+    monkeypatch.delenv(MERGE_ENV, raising=False)
+    server = first_stage(tiny_model, micro_batches=2)
+    assert await run_round(server, mock_clock, ["s0", "s1"], 0.0) == ["s0", "s1"]
+    for sid in ("s2", "s3"):
+        assert await run_round(server, mock_clock, [sid], MERGE_S * 1.1) == [sid]
+    for _ in range(MERGE_ROUNDS_SEEN):
+        server._counters.note_round(2, 2, 0.010)
+    assert MERGE_S > 0.025
+    rounds: list[list[str]] = []
+    submit(server, ["s2"])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_round, server, rounds)
+        await trio.testing.wait_all_tasks_blocked()
+        mock_clock.jump(0.019)
+        await trio.testing.wait_all_tasks_blocked()
+        assert rounds == []
+        mock_clock.jump(0.002)
+    assert rounds == [["s2"]]
