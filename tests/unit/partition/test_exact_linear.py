@@ -117,6 +117,7 @@ def test_make_exact_takes_float32_linear_as_stored_where_its_calls_hold() -> Non
         want = model(x)
         assert make_exact(model) == 0
         assert all(m.packed is None and m.quantum == 4 and m.least == 12 for m in model)
+        assert all(m.tile == el.QUANTA_TILE for m in model)  # a 300-row prefill: one call
         assert model[0].weight.untyped_storage().nbytes() == 576 * 1536 * 4
         assert "a multiple of 4" in repr(model[0])
         got = model(x)
@@ -125,6 +126,9 @@ def test_make_exact_takes_float32_linear_as_stored_where_its_calls_hold() -> Non
         for lo, hi in ((0, 1), (3, 8), (5, 6), (10, 23), (0, 11), (7, 264)):
             assert torch.equal(model(x[lo:hi]), alone[lo:hi]), (lo, hi)
         assert torch.equal(model(x[9:10].view(1, 1, 576)), alone[9].view(1, 1, 576))
+        # past the tile: tiles of 512 and the rest, the same bits as each row alone
+        longer = torch.cat((x, _rows(300, 576, torch.float32, seed=2)))
+        assert torch.equal(model(longer)[300:], torch.stack([model(r) for r in longer[300:]]))
     with torch.inference_mode():
         assert torch.equal(model(x[4:5]), alone[4:5])
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
