@@ -141,15 +141,12 @@ async def test_idle_sessions_expire_but_a_generating_one_never_does(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
     idle_s = 2.0  # above the stalls a loaded machine shows, short enough to wait for
-    tokens = 120
-    # float32: two 500 MiB nodes must split it (the default model's own int4 fits one)
-    expected = reference_ids(default_model_dir, PROMPT_IDS, tokens, "float32")
     serving = ServingConfig(
         max_sessions=2,
         max_context_tokens=512,
         block_step_s=0.002,
         idle_session_s=idle_s,
-        weights="float32",
+        weights="float32",  # two 500 MiB nodes must split it (int4 fits one)
     )
     async with open_mesh(tmp_path, serving, 2) as mesh:
         first, *rest = stage_servers(mesh.nodes)
@@ -157,13 +154,18 @@ async def test_idle_sessions_expire_but_a_generating_one_never_does(
         await until_(lambda: "forgotten" not in first.kv, 30, "the idle session to expire")
         assert first.statistics().kv.expired == 1
 
+        # the generation must outlive the idle limit twice over on any machine: a
+        # short one measures this mesh's pace, which sets the long one's length
+        started = trio.current_time()
+        await generate(mesh.addr, 16)
+        pace = 16 / (trio.current_time() - started)
+        tokens = max(120, min(480, int(pace * 4 * idle_s)))
         started = trio.current_time()
         got = await generate(mesh.addr, tokens)
         took = trio.current_time() - started
-        assert got == expected
-        # the generation outlived the idle limit: it must have been seen as in use,
-        # never expired (and never recovered from an expiry)
-        assert took > 2 * idle_s, f"generation took {took:.1f} s: too short to test expiry"
+        assert got == reference_ids(default_model_dir, PROMPT_IDS, tokens, "float32")
+        # it was seen as in use, never expired (and never recovered from an expiry)
+        assert took > 2 * idle_s, f"{tokens} tokens took {took:.1f} s: too short to test"
         assert [s.statistics().kv.expired for s in rest] == [0]
         assert first.statistics().kv.expired == 1
         assert mesh.nodes[0].serving.gateway.statistics().recoveries == 0
