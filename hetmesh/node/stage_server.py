@@ -39,8 +39,12 @@ the link's reader thread that reads it (:mod:`hetmesh.node.stage_lane`): after a
 round of the one session's decode step whose output left at once, the device
 thread parks instead of returning to trio, and the reader thread computes the next
 step and sends its output on, the device thread still parked; anything that needs
-trio (another session, a prefill chunk, a control request, a KV block) wakes it
-back to the batching loop.
+trio (another session, a prefill chunk, a control request) wakes it back to the
+batching loop. A step that starts a new KV block takes it on the reader thread
+from the pool's free blocks (``SessionKV.extend``); only with none free does it go
+to trio, whose ``_grow`` may evict cached blocks or preempt a session. Each decode
+step of a session here that the lane does not take is counted by its reason
+(``StageStatistics.lane_refused``).
 
 A verify step (speculative decoding, issue 48) carries a session's last token and
 its drafts (``Activations.drafts``), which every stage passes on: the head stage
@@ -86,8 +90,9 @@ import contextlib
 import dataclasses
 import logging
 import statistics
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -227,6 +232,9 @@ class StageStatistics:
     device_rounds: int = 0  # rounds run on in the device thread (fed sessions, no trio)
     helped: int = 0  # split prefills whose first units this stage ran for another peer
     lane_steps: int = 0  # steps taken from a link's reader thread (hetmesh.node.stage_lane)
+    # decode steps of a session here the lane did not take, by reason (see StageServer.offer)
+    lane_refused: tuple[tuple[str, int], ...] = ()
+    lane_blocks: int = 0  # KV blocks the lane's steps took (no trio _grow for them)
     # a head stage's verify steps (speculative decoding): steps, drafts they carried,
     # drafts kept, tokens they sent
     verify_steps: int = 0
@@ -319,6 +327,9 @@ class StageServer:
         # the device thread then returns after its round
         self._lane: Lane[_Item] = Lane()
         self._lane_on = lane
+        self._lane_refused: Counter[str] = Counter()  # by reason; from the reader threads
+        self._lane_count = threading.Lock()
+        self._lane_blocks = 0
         self._parked_ready: list[_Outcome] = []  # the last round run while parked
         self._wants_trio = False
         self._parked_s = 0.0  # of the batch on the device thread: time parked, not computing
@@ -1005,30 +1016,55 @@ class StageServer:
         is the stage's now); False: it goes through trio (:meth:`submit`) as before.
 
         Taken: one decode step (one position, right after what the session's cache
-        holds, in a block it already has) of the session the parked round computed,
-        from the peer that feeds it, with nothing of it queued, unsent or closing.
+        holds) of the session the parked round computed, from the peer that feeds it,
+        with nothing of it queued, unsent or closing; a step that starts a new block
+        takes it here if one is free. A refused decode step of a session here is
+        counted by its reason (:attr:`StageStatistics.lane_refused`).
         """
         if len(frame.positions) != 1 or len(frame.tensors) != 1 or sender is None:
             return False
         sid = frame.session_id
+        refused = "not parked"  # the device thread is in trio, or busy: accept never ran
 
         def accept() -> _Item | None:
+            nonlocal refused
             session = self._sessions.get(sid)
-            if session is None or sid not in self._inflight or sid in self._closing:
+            if session is None:
+                refused = ""  # not this stage's session (another stage of this node's)
+                return None
+            if sid not in self._inflight or sid in self._closing:
+                refused = "not in flight"
                 return None
             request = session.request
-            if self._wants_trio or session.awaiting is not None or request.split:
+            if self._wants_trio:
+                refused = "trio waits"
+                return None
+            if session.awaiting is not None or request.split:
+                refused = "split or awaiting KV"
                 return None
             if sender != (request.previous_peer or request.gateway):
+                refused = "sender"
                 return None
             if self._queued.get(sid) or self._unsent.get(sid):
+                refused = "queued or unsent"
                 return None
             kv = session.kv
-            if frame.positions[0] != kv.length or kv.capacity <= kv.length:
-                return None  # a new block: trio's _grow
+            if frame.positions[0] != kv.length:
+                refused = "position"
+                return None
+            if kv.capacity <= kv.length:  # a new block: a free one, else trio's _grow
+                if not kv.extend(kv.length + 1):
+                    refused = "no free block"
+                    return None
+                self._lane_blocks += 1  # under the lane's lock
             return _Item(sid, frame.step, frame.positions, frame.tensors[0], release)
 
-        return self._lane.offer(accept, self._step_offered)
+        if self._lane.offer(accept, self._step_offered):
+            return True
+        if refused and sid in self._sessions:
+            with self._lane_count:
+                self._lane_refused[refused] += 1
+        return False
 
     def _may_park(self, ready: list[_Outcome]) -> bool:
         """Whether the device thread waits here for the session's next step: one
@@ -1103,8 +1139,9 @@ class StageServer:
                 return None
             if session.awaiting is not None:  # its next step waits for a helper's KV
                 return None
-            if session.kv.capacity <= session.kv.length:  # a new block: trio's _grow
-                return None
+            kv = session.kv
+            if kv.capacity <= kv.length and not kv.extend(kv.length + 1):
+                return None  # no free block: trio's _grow
         following = []
         for outcome in ready:
             outcome.follow = False  # fed here: trio does not feed it again
@@ -1278,6 +1315,10 @@ class StageServer:
         self._helped += 1
         self.close(session_id)
 
+    def _lane_counts(self) -> tuple[tuple[str, int], ...]:
+        with self._lane_count:
+            return tuple(sorted(self._lane_refused.items()))
+
     def statistics(self) -> StageStatistics:
         c = self._counters
         return StageStatistics(
@@ -1293,6 +1334,8 @@ class StageServer:
             device_rounds=c.device_rounds,
             helped=self._helped,
             lane_steps=self._lane.taken,
+            lane_refused=self._lane_counts(),
+            lane_blocks=self._lane_blocks,
             verify_steps=c.verify_steps,
             drafted=c.drafted,
             accepted=c.accepted,

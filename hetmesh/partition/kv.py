@@ -26,8 +26,12 @@ pool needs it for new tokens (least recently used first). A block is found
 only by sessions of the same ``scope`` (their gateway), and KV loaded from
 another peer is never named (:mod:`hetmesh.partition.prefix`).
 
-A stage server's pool is fixed in size (its KV budget) and only the trio
-thread allocates or frees; a session made without a pool
+A stage server's pool is fixed in size (its KV budget); the trio thread
+allocates, frees and names blocks, and a link's reader thread computing a
+session's decode step (:mod:`hetmesh.node.stage_lane`) may take that
+session its next block (:meth:`SessionKV.extend`: a free block only, never a
+cached one, and never more than the pool holds), so the block table of the
+allocator is kept under the pool's lock. A session made without a pool
 (``StageModule.new_kv()``) gets a private pool that grows as needed.
 
 ``length`` counts the tokens committed by completed forwards: a forward that
@@ -38,6 +42,7 @@ inference tensors are refused outside it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -72,6 +77,8 @@ class KVPool:
         self.growable = growable
         self.block_tokens = block_tokens
         self.allocator = BlockAllocator(num_blocks, block_tokens)
+        # the allocator's: trio's takes and releases, and a reader thread's take_free
+        self._lock = threading.Lock()
         self.prefix = PrefixCache()
         shape = (num_layers, kv_heads, num_blocks * block_tokens, head_dim)
         # torch.empty: untouched pages of a large pool cost no memory until used
@@ -98,19 +105,29 @@ class KVPool:
         return self.block_tokens * per_token
 
     def take(self, count: int, after: int | None) -> list[int] | None:
-        """``count`` blocks (a growable pool grows for them), or None when full."""
-        short = count - self.allocator.free_blocks
-        if short > 0 and self.prefix.idle_blocks:  # reuse the least recently used cached blocks
-            self.allocator.free(self.prefix.evict(short))
-        blocks = self.allocator.allocate(count, after=after)
-        if blocks is None and self.growable:
-            self._grow(max(count, self.num_blocks, _MIN_PRIVATE_BLOCKS))
+        """``count`` blocks (a growable pool grows for them), or None when full.
+
+        On the thread that owns the prefix cache (trio's, in a stage server)."""
+        with self._lock:
+            short = count - self.allocator.free_blocks
+            if short > 0 and self.prefix.idle_blocks:  # reuse the least recently used cached
+                self.allocator.free(self.prefix.evict(short))
             blocks = self.allocator.allocate(count, after=after)
-        return blocks
+            if blocks is None and self.growable:
+                self._grow(max(count, self.num_blocks, _MIN_PRIVATE_BLOCKS))
+                blocks = self.allocator.allocate(count, after=after)
+            return blocks
+
+    def take_free(self, count: int, after: int | None) -> list[int] | None:
+        """``count`` blocks free now, or None: from any thread, as it touches neither the
+        prefix cache (no cached block is reused) nor the pool's tensors (it never grows)."""
+        with self._lock:
+            return self.allocator.allocate(count, after=after)
 
     def release(self, blocks: list[int]) -> None:
         """A session lets ``blocks`` go: cached ones stay (idle), the others are freed."""
-        self.allocator.free([b for b in blocks if not self.prefix.release(b)])
+        with self._lock:
+            self.allocator.free([b for b in blocks if not self.prefix.release(b)])
 
     def _grow(self, extra: int) -> None:
         slots = extra * self.block_tokens
@@ -176,6 +193,23 @@ class SessionKV:
         if missing <= 0 or self.num_layers == 0:
             return True
         got = self.pool.take(missing, self.blocks[-1] if self.blocks else None)
+        if got is None:
+            return False
+        self.blocks.extend(got)
+        self._index()
+        return True
+
+    def extend(self, tokens: int) -> bool:
+        """:meth:`reserve` from a thread other than the pool's owner, for a session no
+        other thread touches meanwhile: only blocks free now (False, nothing taken, if
+        there are too few: the owner's :meth:`reserve` evicts cached blocks, grows a
+        private pool or the stage preempts a session for them)."""
+        if self._freed:
+            raise InvalidRequest("the session's KV cache was freed")
+        missing = blocks_for(tokens, self.pool.block_tokens) - len(self.blocks)
+        if missing <= 0 or self.num_layers == 0:
+            return True
+        got = self.pool.take_free(missing, self.blocks[-1] if self.blocks else None)
         if got is None:
             return False
         self.blocks.extend(got)

@@ -42,10 +42,16 @@ async def test_a_cut_takes_its_decode_steps_on_the_device_thread_and_matches_the
         servers = stage_servers(mesh.nodes)
         assert len(servers) == 2, "the tiny model must be cut in two"
         assert await generate(mesh.addr, TOKENS) == expected
-        lane = sum(s.statistics().lane_steps for s in servers)
-        # the stage fed over a link took most of the stream's steps on its device thread
-        # (not the first step after the prompt, nor one needing a new KV block)
-        assert lane >= TOKENS // 2, [s.statistics() for s in servers]
+        stats = [s.statistics() for s in servers]
+        lane = sum(s.lane_steps for s in stats)
+        # the stages took the stream's steps on the reader threads (quiet: all but the
+        # first after the prompt), those that start a new KV block too (a free block
+        # taken there); a step missed the lane only when it came while the device thread
+        # was in trio (a loaded machine's timing), for no other reason
+        assert lane >= TOKENS // 2, stats
+        assert sum(s.lane_blocks for s in stats) >= 1, stats
+        refused = {k for s in stats for k, _ in s.lane_refused}
+        assert refused <= {"not parked", "not in flight"}, stats
         results: dict[int, list[int]] = {}
 
         async def run(i: int, prompt: list[int]) -> None:
