@@ -49,6 +49,7 @@ from hetmesh.scheduler.prefix_summary import SUMMARY_BLOCKS, encode_summary, sal
 from hetmesh.scheduler.records import Plan, PlanConstraints
 from hetmesh.transport import Activations, Frame, KVBlock, Link
 from hetmesh.transport.frames import Cancel
+from hetmesh.transport.priority import nice_control_thread
 
 if TYPE_CHECKING:
     from hetmesh.node.gateway import Send
@@ -156,8 +157,10 @@ class StageHost:
         self.cancelled_loads = 0  # loads stopped because the plan moved on
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Run stages (and their loads) in ``nursery``."""
+        """Run stages (and their loads) in ``nursery``; on trio's thread, which
+        ``HETMESH_CONTROL_NICE`` makes nicer than the stages' data path."""
         self._nursery = nursery
+        nice_control_thread()
 
     # -- what is served ---------------------------------------------------------
 

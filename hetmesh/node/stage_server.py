@@ -128,6 +128,7 @@ from hetmesh.protocol.logprobs import wire_of
 from hetmesh.resources import PeerId
 from hetmesh.speculative.accept import accepted, verify
 from hetmesh.transport.frames import MAX_DRAFTS, Activations, Error, Frame, KVBlock, Tokens
+from hetmesh.transport.priority import data_path_thread
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -970,6 +971,7 @@ class StageServer:
         """
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)  # binds this thread's OpenMP team
+        data_path_thread()  # trio's worker thread: not as nice as trio's (HETMESH_CONTROL_NICE)
         first = list(outcomes)
         ready: list[_Outcome] = []
         for outcome in outcomes:

@@ -59,6 +59,7 @@ from hetmesh.transport.frames import (
     flat_bytes,
 )
 from hetmesh.transport.negotiation import Backend
+from hetmesh.transport.priority import data_path_thread
 from hetmesh.transport.readers import BufferedReader as BufferedReader
 from hetmesh.transport.readers import SealedReader as SealedReader
 from hetmesh.transport.readers import spin_recv_into as spin_recv_into
@@ -376,6 +377,7 @@ class ThreadedLink(Link):
 
     def _read_loop(self) -> None:
         torch.set_num_threads(1)
+        data_path_thread()  # it may compute a stage's step (the lane): trio's nice is not its
         while not self._stop.is_set():
             self._credit.acquire()
             item: Frame | BaseException
