@@ -32,7 +32,7 @@ def arena(total: int) -> torch.Tensor:
     """``total`` bytes in a fresh anonymous mapping advised for huge pages, 2 MiB-aligned."""
     import mmap
 
-    mm = mmap.mmap(-1, total + (4 << 20))
+    mm = mmap.mmap(-1, total + (4 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)
     MAPS.append(mm)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
