@@ -63,6 +63,9 @@ OFFER_KEYS = ("serving_version", "plan", "plan_signature")
 # the entries calibrated_constraints, quota_constraints and weights_constraints read
 # (each through read_serving: the version, the calibration, the host, the format)
 CONSTRAINT_KEYS = ("serving_version", "calibration", "host", "weights")
+# the entry of a record's ``data_plane`` that names its host (serving.announced_host)
+HOST_KEY = "host"
+MAX_HOST_CHARS = 64
 COMPACT_HINT = (  # what a coordinator that cannot place the model says of the formats
     "; nodes started with --weights bfloat16, int8 or int4 hold about 1/2, 1/4 or 1/7 "
     "of float32's weight bytes"
@@ -119,7 +122,17 @@ def snapshot(records: Sequence[Announcement]) -> tuple[MeshSnapshot, list[tuple[
                 links[(link.src, link.dst)] = link
     pairs = [(s, d) for s in sorted(ids) for d in sorted(ids) if s != d]
     missing = [p for p in pairs if p not in links]
-    return MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links))), missing
+    hosts = tuple(sorted((r.peer_id, h) for r in records if (h := record_host(r))))
+    mesh = MeshSnapshot(devices=devices, links=tuple(links[k] for k in sorted(links)), hosts=hosts)
+    return mesh, missing
+
+
+def record_host(record: Announcement) -> str:
+    """The host ``record``'s sender names in its data-plane entry ("" if none, or not a
+    short string: such a peer shares a host with nobody)."""
+    plane = record.data_plane if isinstance(record.data_plane, Mapping) else {}
+    host = plane.get(HOST_KEY, "")
+    return host if isinstance(host, str) and len(host) <= MAX_HOST_CHARS else ""
 
 
 def unheld(view: PeerView, profile: ModelProfile, shards: Shards | None) -> str:
@@ -418,10 +431,13 @@ def verify_signature(signer: PeerId, message: bytes, signature: bytes) -> bool:
 
 __all__ = [
     "COMPACT_HINT",
+    "HOST_KEY",
+    "MAX_HOST_CHARS",
     "MAX_VERIFIED",
     "REFUSAL_LOG_INTERVAL_S",
     "Followed",
     "PlanFollower",
+    "record_host",
     "snapshot",
     "unheld",
     "verify_signature",
