@@ -113,6 +113,7 @@ from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefill import (
     prefill_chunk_default,
     prefill_chunks,
+    prefill_schedule,
     route_chunk_tokens,
     token_count_env,
 )
@@ -1024,7 +1025,11 @@ class Gateway:
             return _InFlight(step, started, hops, drafts=drafts)
         ids = torch.tensor(list(feed), dtype=torch.int64)
         chunk_tokens = self._chunk_tokens(hops) if len(feed) > 1 else self.prefill_chunk_tokens
-        for chunk in torch.split(ids, prefill_chunks(len(feed), chunk_tokens)):
+        # a route of several stages tapers them (fill and drain); a split's helper's
+        # cut is chosen for even chunks
+        stages = len(route) if helper is None else 1
+        sizes = prefill_schedule(len(feed), chunk_tokens, stages=stages)
+        for chunk in torch.split(ids, sizes):
             frame = Activations(
                 session_id=session_id,
                 step=step,
