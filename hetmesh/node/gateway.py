@@ -900,6 +900,8 @@ class Gateway:
                     )
                 except _StepFailed as exc:
                     failed = exc
+                else:
+                    self._count_turn(session.session_id)
             for token in delivered:
                 yield token
             if ended:
@@ -1270,6 +1272,14 @@ class Gateway:
             self._counts.slow_steps += 1
         raise _StepFailed(f"step {step} stalled although every stage answers pings")
 
+    def _count_turn(self, session_id: str) -> None:
+        """A next step trio sent: its turn since the token came in (the lane's own are
+        counted by the lane)."""
+        arrived = self.lane.arrival(session_id)
+        if arrived is not None:
+            self._counts.trio_turns += 1
+            self._counts.trio_turn_s += time.perf_counter() - arrived
+
     def _note_step(self, elapsed: float, fed: int) -> None:
         if fed == 1:
             self._step_s = elapsed if self._step_s == 0 else 0.8 * self._step_s + 0.2 * elapsed
@@ -1311,5 +1321,8 @@ class Gateway:
 
     def statistics(self) -> GatewayStatistics:
         return GatewayStatistics(
-            active_sessions=len(self._sessions), **dataclasses.asdict(self._counts)
+            active_sessions=len(self._sessions),
+            lane_turns=self.lane.sent,
+            lane_turn_s=self.lane.turn_s,
+            **dataclasses.asdict(self._counts),
         )
