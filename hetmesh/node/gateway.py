@@ -349,7 +349,7 @@ class Gateway:
         self._ended: deque[tuple[float, float, frozenset[PeerId]]] = deque(maxlen=ENDED_SESSIONS)
         self._counts = _Counters()
         self._step_s = 0.0  # moving average of decode step time
-        self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
+        self.lane = GatewayLane(send_now if gateway_lane_enabled() else None, peer_id)
         self._lane_many = gateway_lane_many()
         self._speculation = speculation
         # a blocking drafter's calls (a draft model's forwards) on one worker thread at
@@ -901,7 +901,7 @@ class Gateway:
                 except _StepFailed as exc:
                     failed = exc
                 else:
-                    self._count_turn(session.session_id)
+                    self._count_turn(session.session_id, in_flight.hops[0].peer_id)
             for token in delivered:
                 yield token
             if ended:
@@ -1272,11 +1272,12 @@ class Gateway:
             self._counts.slow_steps += 1
         raise _StepFailed(f"step {step} stalled although every stage answers pings")
 
-    def _count_turn(self, session_id: str) -> None:
-        """A next step trio sent: its turn since the token came in (the lane's own are
-        counted by the lane)."""
+    def _count_turn(self, session_id: str, first: PeerId) -> None:
+        """A next step trio sent to ``first``: its turn since the token came in (the
+        lane's are counted by the lane; one to this node's own first stage is not a turn
+        either way, see :class:`GatewayLane`)."""
         arrived = self.lane.arrival(session_id)
-        if arrived is not None:
+        if arrived is not None and first != self.peer_id:
             self._counts.trio_turns += 1
             self._counts.trio_turn_s += time.perf_counter() - arrived
 
@@ -1322,7 +1323,7 @@ class Gateway:
     def statistics(self) -> GatewayStatistics:
         return GatewayStatistics(
             active_sessions=len(self._sessions),
-            lane_turns=self.lane.sent,
+            lane_turns=self.lane.turns,
             lane_turn_s=self.lane.turn_s,
             **dataclasses.asdict(self._counts),
         )

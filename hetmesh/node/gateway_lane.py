@@ -88,8 +88,9 @@ class Armed:
 class GatewayLane:
     """The armed next steps of one gateway's sessions (thread-safe)."""
 
-    def __init__(self, send_now: SendNow | None) -> None:
+    def __init__(self, send_now: SendNow | None, me: PeerId = "") -> None:
         self._send_now = send_now
+        self._me = me  # this node: a next step for its own first stage is its forward
         self._lock = threading.Lock()
         self._armed: dict[str, Armed] = {}
         # when each session's latest token reached this node (a reader thread, or this
@@ -97,7 +98,11 @@ class GatewayLane:
         self._arrived: dict[str, float] = {}
         self.sent = 0  # next steps sent from a reader thread
         self.sent_beside_others = 0  # of those, sent while another session was armed too
-        self.turn_s = 0.0  # their turns in all: the token in, the next step written
+        # of those, the ones to another node's first stage, and their turns in all (the
+        # token in, the next step written); one to this node's own first stage runs
+        # that stage's forward on this thread (gateway_lane_own): not a turn's cost
+        self.turns = 0
+        self.turn_s = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -162,5 +167,7 @@ class GatewayLane:
             with self._lock:
                 armed.sent_at = time.perf_counter()
                 self.sent += 1
-                self.turn_s += armed.sent_at - arrived
+                if armed.first != self._me:
+                    self.turns += 1
+                    self.turn_s += armed.sent_at - arrived
                 self.sent_beside_others += len(self._armed) > 1

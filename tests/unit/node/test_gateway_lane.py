@@ -133,6 +133,14 @@ def test_a_turn_is_timed_from_the_token_in_once_by_whoever_sent_the_next_step() 
     assert before <= arrived <= time.perf_counter()
     assert lane.arrival("t") is None  # read once
     assert lane.sent == 1
+    # a next step for this node's own first stage is that stage's forward: sent, no turn
+    own = GatewayLane(send_now, "first")
+    own.arm("s", armed())
+    own.offer("last", token())
+    assert own.sent == 1
+    assert own.turns == 0
+    assert own.turn_s == 0.0
+    assert lane.turns == 1
     # an error frame is no token: no arrival
     lane.offer("last", Error(code=1, message="boom", session_id="u"))
     assert lane.arrival("u") is None
