@@ -11,10 +11,16 @@ from __future__ import annotations
 import dataclasses
 
 from hetmesh.discovery.wire import Announcement, Load
-from hetmesh.node.plan_follower import HOST_KEY, MAX_HOST_CHARS, record_host, snapshot
+from hetmesh.node.plan_follower import (
+    HOST_KEY,
+    MAX_HOST_CHARS,
+    loopback_floors,
+    record_host,
+    snapshot,
+)
 from hetmesh.node.serving import announced_host
 from hetmesh.resources import LinkProfile
-from hetmesh.scheduler.replan import should_replan
+from hetmesh.scheduler.replan import MeshSnapshot, should_replan
 from tests.unit.scheduler.sched_helpers import cpu_device
 
 PEERS = ("a", "b", "c", "d", "e")
@@ -92,3 +98,29 @@ def test_this_process_announces_a_stable_short_host() -> None:
     assert len(host) == 32
     assert int(host, 16) >= 0
     assert len(host) <= MAX_HOST_CHARS
+
+
+def test_a_loopback_link_is_planned_on_its_best_measurement() -> None:
+    planes = {p: v for p, v in _planes().items() if p in ("a", "b", "c")}
+
+    def mesh_at(rtt_s: float, peers: tuple[str, ...] = ("a", "b", "c")) -> MeshSnapshot:
+        return snapshot([_record(p, planes[p], rtt_s=rtt_s) for p in peers])[0]
+
+    quiet, floors = loopback_floors(mesh_at(2e-4), {})
+    assert set(floors) == {("a", "b"), ("b", "a")}  # the loopback pair only
+    assert quiet == mesh_at(2e-4)  # nothing better seen yet: as measured
+    # under load every probe reads 10x longer: the loopback pair keeps its best, the
+    # links to the other host carry what they measure (a wire's drift is the wire's)
+    loaded, floors = loopback_floors(mesh_at(2e-3), floors)
+    rtts = {(x.src, x.dst): x.rtt_s for x in loaded.links}
+    assert rtts[("a", "b")] == rtts[("b", "a")] == 2e-4
+    assert rtts[("a", "c")] == rtts[("c", "b")] == 2e-3
+    assert should_replan(quiet, loaded).reason.startswith("drift: link a -> c rtt")
+    # a better measurement is the new best
+    better, floors = loopback_floors(mesh_at(1e-4), floors)
+    assert {(x.src, x.dst): x.rtt_s for x in better.links}[("a", "b")] == 1e-4
+    assert floors[("a", "b")].rtt_s == 1e-4
+    # b leaves: its links' bests go with it (bounded by the links measured now)
+    alone, floors = loopback_floors(mesh_at(2e-3, ("a", "c")), floors)
+    assert floors == {}
+    assert alone == mesh_at(2e-3, ("a", "c"))
