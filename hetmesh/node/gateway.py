@@ -113,6 +113,7 @@ from hetmesh.partition.blocks import BLOCK_TOKENS
 from hetmesh.partition.prefill import (
     prefill_chunk_default,
     prefill_chunks,
+    prefill_schedule,
     route_chunk_tokens,
     token_count_env,
 )
@@ -348,7 +349,7 @@ class Gateway:
         self._ended: deque[tuple[float, float, frozenset[PeerId]]] = deque(maxlen=ENDED_SESSIONS)
         self._counts = _Counters()
         self._step_s = 0.0  # moving average of decode step time
-        self.lane = GatewayLane(send_now if gateway_lane_enabled() else None)
+        self.lane = GatewayLane(send_now if gateway_lane_enabled() else None, peer_id)
         self._lane_many = gateway_lane_many()
         self._speculation = speculation
         # a blocking drafter's calls (a draft model's forwards) on one worker thread at
@@ -899,6 +900,8 @@ class Gateway:
                     )
                 except _StepFailed as exc:
                     failed = exc
+                else:
+                    self._count_turn(session.session_id, in_flight.hops[0].peer_id)
             for token in delivered:
                 yield token
             if ended:
@@ -1024,7 +1027,11 @@ class Gateway:
             return _InFlight(step, started, hops, drafts=drafts)
         ids = torch.tensor(list(feed), dtype=torch.int64)
         chunk_tokens = self._chunk_tokens(hops) if len(feed) > 1 else self.prefill_chunk_tokens
-        for chunk in torch.split(ids, prefill_chunks(len(feed), chunk_tokens)):
+        # a route of several stages tapers them (fill and drain); a split's helper's
+        # cut is chosen for even chunks
+        stages = len(route) if helper is None else 1
+        sizes = prefill_schedule(len(feed), chunk_tokens, stages=stages)
+        for chunk in torch.split(ids, sizes):
             frame = Activations(
                 session_id=session_id,
                 step=step,
@@ -1265,6 +1272,15 @@ class Gateway:
             self._counts.slow_steps += 1
         raise _StepFailed(f"step {step} stalled although every stage answers pings")
 
+    def _count_turn(self, session_id: str, first: PeerId) -> None:
+        """A next step trio sent to ``first``: its turn since the token came in (the
+        lane's are counted by the lane; one to this node's own first stage is not a turn
+        either way, see :class:`GatewayLane`)."""
+        arrived = self.lane.arrival(session_id)
+        if arrived is not None and first != self.peer_id:
+            self._counts.trio_turns += 1
+            self._counts.trio_turn_s += time.perf_counter() - arrived
+
     def _note_step(self, elapsed: float, fed: int) -> None:
         if fed == 1:
             self._step_s = elapsed if self._step_s == 0 else 0.8 * self._step_s + 0.2 * elapsed
@@ -1306,5 +1322,8 @@ class Gateway:
 
     def statistics(self) -> GatewayStatistics:
         return GatewayStatistics(
-            active_sessions=len(self._sessions), **dataclasses.asdict(self._counts)
+            active_sessions=len(self._sessions),
+            lane_turns=self.lane.turns,
+            lane_turn_s=self.lane.turn_s,
+            **dataclasses.asdict(self._counts),
         )

@@ -46,6 +46,8 @@ from hetmesh.transport.frames import Activations, Frame, Tokens
 
 log = logging.getLogger(__name__)
 
+MAX_ARRIVALS = 1024  # sessions whose token's arrival is kept (a gateway runs far fewer)
+
 SendNow = Callable[[PeerId, Frame], bool]
 """Writes a frame to a peer's open link from any thread if it takes it at once."""
 
@@ -86,12 +88,21 @@ class Armed:
 class GatewayLane:
     """The armed next steps of one gateway's sessions (thread-safe)."""
 
-    def __init__(self, send_now: SendNow | None) -> None:
+    def __init__(self, send_now: SendNow | None, me: PeerId = "") -> None:
         self._send_now = send_now
+        self._me = me  # this node: a next step for its own first stage is its forward
         self._lock = threading.Lock()
         self._armed: dict[str, Armed] = {}
+        # when each session's latest token reached this node (a reader thread, or this
+        # node's last stage), for the turn the gateway measures: token in, next step out
+        self._arrived: dict[str, float] = {}
         self.sent = 0  # next steps sent from a reader thread
         self.sent_beside_others = 0  # of those, sent while another session was armed too
+        # of those, the ones to another node's first stage, and their turns in all (the
+        # token in, the next step written); one to this node's own first stage runs
+        # that stage's forward on this thread (gateway_lane_own): not a turn's cost
+        self.turns = 0
+        self.turn_s = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -105,7 +116,16 @@ class GatewayLane:
         """Disarm ``session_id``: its arm if the next step was sent, else None (send it)."""
         with self._lock:
             armed = self._armed.pop(session_id, None)
-        return armed if armed is not None and armed.sent_at else None
+            if armed is None or not armed.sent_at:
+                return None
+            self._arrived.pop(session_id, None)  # its turn is counted: the lane's
+        return armed
+
+    def arrival(self, session_id: str) -> float | None:
+        """When ``session_id``'s latest token came in (``perf_counter``; None: not seen
+        here), forgotten once read."""
+        with self._lock:
+            return self._arrived.pop(session_id, None)
 
     def offer(self, sender: PeerId, frame: Frame) -> None:
         """On a link's reader thread, before trio gets ``frame``: if it is an armed
@@ -117,7 +137,11 @@ class GatewayLane:
         (the token reaches trio after it), so nobody else sends its step."""
         if type(frame) is not Tokens or not frame.token_ids:
             return
+        arrived = time.perf_counter()
         with self._lock:
+            if len(self._arrived) >= MAX_ARRIVALS:  # bounded: ended sessions' go too
+                self._arrived.clear()
+            self._arrived[frame.session_id] = arrived
             armed = self._armed.get(frame.session_id)
             if armed is None or armed.taken or self._send_now is None:
                 return
@@ -143,4 +167,7 @@ class GatewayLane:
             with self._lock:
                 armed.sent_at = time.perf_counter()
                 self.sent += 1
+                if armed.first != self._me:
+                    self.turns += 1
+                    self.turn_s += armed.sent_at - arrived
                 self.sent_beside_others += len(self._armed) > 1

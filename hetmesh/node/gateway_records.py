@@ -51,6 +51,14 @@ class GatewayStatistics:
     drafted: int = 0
     accepted: int = 0
     verified_tokens: int = 0
+    # the gateway's turn, a decode token in (its link's reader, or this node's last
+    # stage) to the next step written to another node's first stage: by the lane (on
+    # the reader thread) and by trio (the session's task), how many and their seconds
+    # in all (a step for this node's own first stage is its forward: not counted)
+    lane_turns: int = 0
+    lane_turn_s: float = 0.0
+    trio_turns: int = 0
+    trio_turn_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -79,3 +87,5 @@ class Counters:
     drafted: int = 0
     accepted: int = 0
     verified_tokens: int = 0
+    trio_turns: int = 0
+    trio_turn_s: float = 0.0

@@ -35,7 +35,7 @@ from hetmesh.node.link_pool import DATAPLANE_PROTOCOL, LinkPool
 from hetmesh.node.memory import device_capacity
 from hetmesh.node.peer_calls import PeerCalls, data_plane_host, node_plane_config
 from hetmesh.node.peer_view import PeerViews
-from hetmesh.node.plan_follower import PlanFollower, unheld, verify_signature
+from hetmesh.node.plan_follower import HOST_KEY, PlanFollower, unheld, verify_signature
 from hetmesh.node.readiness import StageKey
 from hetmesh.node.route_chooser import RouteChooser
 from hetmesh.node.stage_host import StageHost, as_dict
@@ -220,7 +220,11 @@ class Serving:
             )
             self.pool.peek = self.gateway.lane.offer
             self.calls.gateway = self.routes.gateway = self.gateway
-            discovery.set_data_plane({"backends": list(plane.config.backends)})
+            # the host: peers on ours reach us over loopback, whose RTT drift is our CPU's
+            # (hetmesh.scheduler.replan.should_replan discounts it)
+            discovery.set_data_plane(
+                {"backends": list(plane.config.backends), HOST_KEY: announced_host()}
+            )
             # the tensors it holds, offered to peers (hetmesh.shards: issue 15)
             self.shards = self.stages.shards = await open_shards(
                 discovery, self.model_dir, self.model_key
@@ -469,10 +473,22 @@ async def serve_model(
     await serving.serve(task_status=task_status)
 
 
+def announced_host() -> str:
+    """This process's host as its record's data-plane entry names it: a digest of
+    :func:`~hetmesh.transport.dataplane.host_identity` (the boot and the network
+    namespace), equal exactly for the nodes that reach each other over loopback."""
+    import hashlib
+
+    from hetmesh.transport.dataplane import host_identity
+
+    return hashlib.sha256(host_identity().encode()).hexdigest()[:32]
+
+
 __all__ = [
     "GENERATE_PROTOCOL",
     "Serving",
     "ServingConfig",
+    "announced_host",
     "data_plane_host",
     "serve_model",
     "verify_signature",

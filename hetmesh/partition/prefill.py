@@ -33,6 +33,10 @@ MAX_PREFILL_CHUNKS = 4
 # bring a prefill closer to half its time whole (the lead's quiet A/B decides; it needs
 # HETMESH_PREFILL_CHUNK_TOKENS small enough too, e.g. 64 for 8 chunks of 512 tokens)
 MAX_PREFILL_CHUNKS_ENV = "HETMESH_PREFILL_MAX_CHUNKS"
+# a route of several stages tapers its chunks (prefill_schedule): the first and the last
+# half the others, so the first stage hands the pipeline its first chunk sooner (fill)
+# and the last stage's last chunk is shorter (drain); 0 turns it off (even chunks)
+PREFILL_TAPER_ENV = "HETMESH_PREFILL_TAPER"
 # a route is cut into chunks only if no stage measured them costing more than this many
 # times the whole prefill: fp32 measured 1.14 (chunks won, TTFT 0.85x the single
 # process against 1.04x whole), int8 0.96 and int4 1.0 on the same CPU; bf16 with AMX
@@ -78,6 +82,45 @@ def prefill_chunks(count: int, chunk_tokens: int, max_chunks: int | None = None)
         return [count]
     size, extra = divmod(count, pieces)
     return [size + 1 if i < extra else size for i in range(pieces)]
+
+
+def prefill_taper() -> bool:
+    """Whether a route of several stages tapers its prefill chunks: on unless
+    ``HETMESH_PREFILL_TAPER`` is ``0``."""
+    return os.environ.get(PREFILL_TAPER_ENV, "1").strip() != "0"
+
+
+def prefill_schedule(
+    count: int,
+    chunk_tokens: int,
+    max_chunks: int | None = None,
+    *,
+    stages: int = 1,
+    taper: bool | None = None,
+) -> list[int]:
+    """The chunks a prefill of ``count`` tokens is sent in, through ``stages`` stages.
+
+    As many chunks as :func:`prefill_chunks` cuts, but on a route of two stages or
+    more, of three chunks or more, tapered (``taper``; None: :func:`prefill_taper`):
+    the first and the last chunk half the size of the others. While the first chunk
+    goes through the first stage the others wait for it, and while the last goes
+    through the last stage the others are done: on a host whose cores the stages
+    share, those are the prefill's idle cores (the pipeline's fill and drain), and a
+    chunk half as long halves them. The chunks in between carry the rest, as even as
+    can be; the count stays what a stage queues (``max_chunks``). Modelled on two
+    cores with three stages of 11 / 13 / 8 layers, four chunks of a 512-token
+    prefill: 0.61 of one process's time even, 0.59 tapered (85 / 171 / 171 / 85).
+    """
+    sizes = prefill_chunks(count, chunk_tokens, max_chunks)
+    if taper is None:
+        taper = prefill_taper()
+    pieces = len(sizes)
+    if not taper or stages < 2 or pieces < 3:
+        return sizes
+    # weights 1/2, 1, ..., 1, 1/2: the middle chunks share count / (pieces - 1) each
+    end = max(1, count // (2 * (pieces - 1)))
+    middle, extra = divmod(count - 2 * end, pieces - 2)
+    return [end] + [middle + 1 if i < extra else middle for i in range(pieces - 2)] + [end]
 
 
 def route_chunk_tokens(

@@ -3,7 +3,9 @@
 Pure decisions for the coordinator service (the async glue lives with the node):
 
 - :func:`should_replan`: membership changed, or a measured profile drifted by more
-  than ``drift`` (20% by default) since the inputs of the current plan;
+  than ``drift`` (20% by default) since the inputs of the current plan; a link whose
+  two ends share a host (:attr:`MeshSnapshot.hosts`) is loopback, and its drift is the
+  host's CPU, not a wire: it moves no plan;
 - :class:`DriftHold`: how long a plan stands before drift alone may move it (a move
   reloads stages: minutes on a big model, and a busy machine's measurements swing);
 - :func:`should_adopt`: a new plan is adopted only if its predicted gain over the
@@ -42,6 +44,17 @@ class MeshSnapshot(WireRecord):
 
     devices: tuple[DeviceProfile, ...] = ()
     links: tuple[LinkProfile, ...] = ()
+    # (peer, host identity) as each peer announced it: two peers of one identity share a
+    # machine and a network namespace (hetmesh.transport.dataplane.host_identity), so
+    # their link is loopback; a peer that announced none shares a host with nobody
+    hosts: tuple[tuple[PeerId, str], ...] = ()
+
+    def colocated(self, src: PeerId, dst: PeerId) -> bool:
+        """Whether ``src`` and ``dst`` announced the same host: a link between them is
+        loopback, its RTT a wait for the CPU."""
+        hosts = dict(self.hosts)
+        mine = hosts.get(src, "")
+        return bool(mine) and mine == hosts.get(dst, "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +110,11 @@ def should_replan(
         before = old_links.get((link.src, link.dst))
         if before is None:
             return Verdict(True, f"new link {link.src} -> {link.dst}")
+        if current.colocated(link.src, link.dst):
+            # loopback: a probe's round trip and copy rate between two processes of one
+            # host are how soon the CPU ran them (under load: several times the quiet
+            # figure, and back), which the devices' own figures already say
+            continue
         if _drifted(before.bandwidth_bps, link.bandwidth_bps, drift):
             return Verdict(True, f"drift: link {link.src} -> {link.dst} bandwidth", drift=True)
         # RTTs of a few microseconds jitter by more than 20%; count 100 µs and up

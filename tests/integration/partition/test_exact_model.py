@@ -13,6 +13,7 @@ import torch
 from hetmesh.partition import attention
 from hetmesh.partition.exact_gemm import widens_bf16
 from hetmesh.partition.formats import WeightFormat
+from hetmesh.partition.prefill import prefill_schedule
 from hetmesh.partition.stage import load_stage
 from tests.unit.partition.invariance import (
     alone_and_in_a_round,
@@ -86,3 +87,14 @@ def test_exact_stages_are_bit_identical(
     # bf16 attends by fp32's products widened (where this machine's probe holds)
     expect = fmt is WeightFormat.BFLOAT16 and widens_bf16(9, 3, 64)
     assert (len(widened) > 0) == expect
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.INT4, WeightFormat.FLOAT32], ids=str)
+def test_tapered_chunks_are_bit_identical(default_model_dir: Path, fmt: WeightFormat) -> None:
+    """A cut's gateway tapers its chunks (hetmesh.partition.prefill.prefill_schedule):
+    the first and the last half the others; a prompt's logits stay those whole."""
+    cuts = prefill_schedule(PROMPT_TOKENS, 80, 4, stages=3, taper=True)
+    assert cuts == [56, 114, 114, 56]
+    stage = load_stage(default_model_dir, 0, 32, weights=fmt)
+    whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, cuts)
+    assert torch.equal(whole, chunked)

@@ -5,6 +5,7 @@ nothing and leaves the step to the gateway's trio loop."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -102,3 +103,44 @@ def test_a_lane_without_send_now_is_off() -> None:
     lane.arm("s", armed())
     lane.offer("last", token())
     assert lane.claim("s") is None
+
+
+def test_a_turn_is_timed_from_the_token_in_once_by_whoever_sent_the_next_step() -> None:
+    """The lane counts its turns (token in to next step written); a token it did not
+    turn leaves its arrival for trio's send (``arrival``), read once; a claimed step's
+    arrival is gone (not counted twice)."""
+    slow = Sent()
+
+    def send_now(peer: str, frame: Frame) -> bool:
+        # the write takes a measurable while: the turn covers it
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.002:
+            pass
+        return slow(peer, frame)
+
+    lane = GatewayLane(send_now)
+    lane.arm("s", armed())
+    before = time.perf_counter()
+    lane.offer("last", token())
+    assert lane.sent == 1
+    assert 0.002 <= lane.turn_s <= time.perf_counter() - before
+    assert lane.claim("s") is not None
+    assert lane.arrival("s") is None  # the lane's turn: trio counts nothing
+    # not armed: nothing sent, the arrival waits for trio
+    lane.offer("last", token(step=6, position=10, sid="t"))
+    arrived = lane.arrival("t")
+    assert arrived is not None
+    assert before <= arrived <= time.perf_counter()
+    assert lane.arrival("t") is None  # read once
+    assert lane.sent == 1
+    # a next step for this node's own first stage is that stage's forward: sent, no turn
+    own = GatewayLane(send_now, "first")
+    own.arm("s", armed())
+    own.offer("last", token())
+    assert own.sent == 1
+    assert own.turns == 0
+    assert own.turn_s == 0.0
+    assert lane.turns == 1
+    # an error frame is no token: no arrival
+    lane.offer("last", Error(code=1, message="boom", session_id="u"))
+    assert lane.arrival("u") is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from hetmesh.errors import InvalidRequest
@@ -14,9 +14,12 @@ from hetmesh.partition.prefill import (
     MAX_PREFILL_CHUNKS_ENV,
     PREFILL_CHUNK_ENV,
     PREFILL_CHUNK_TOKENS,
+    PREFILL_TAPER_ENV,
     max_prefill_chunks,
     prefill_chunk_default,
     prefill_chunks,
+    prefill_schedule,
+    prefill_taper,
     route_chunk_tokens,
 )
 
@@ -105,3 +108,56 @@ def test_a_route_chunks_only_where_every_stage_measured_chunks_cheap(
     assert route_chunk_tokens(costs, 128) == tokens
     assert route_chunk_tokens(costs, 0) == 0  # off stays off
     assert route_chunk_tokens(iter(costs), 128) == tokens  # any iterable, read once
+
+
+@pytest.mark.parametrize(
+    ("count", "stages", "sizes"),
+    [
+        (512, 3, [85, 171, 171, 85]),  # the cut's TTFT@512: fill and drain halved
+        (515, 2, [85, 173, 172, 85]),
+        (384, 3, [96, 192, 96]),
+        (256, 3, [128, 128]),  # two chunks: both ends, even already
+        (200, 3, [200]),  # one chunk: nothing to taper
+        (512, 1, [128, 128, 128, 128]),  # one stage: nothing overlaps, even as before
+        (1, 3, [1]),  # a decode step
+    ],
+)
+def test_a_route_of_several_stages_tapers_its_chunks(
+    count: int, stages: int, sizes: list[int]
+) -> None:
+    assert prefill_schedule(count, 128, MAX_PREFILL_CHUNKS, stages=stages, taper=True) == sizes
+
+
+@given(
+    count=st.integers(1, 100_000),
+    chunk=st.integers(0, 4096),
+    most=st.integers(1, 16),
+    stages=st.integers(1, 8),
+)
+@example(count=3, chunk=1, most=3, stages=2)  # ends of half a token: one each
+@example(count=5, chunk=1, most=5, stages=3)
+def test_a_tapered_schedule_covers_the_feed_in_as_many_chunks(
+    count: int, chunk: int, most: int, stages: int
+) -> None:
+    even = prefill_chunks(count, chunk, most)
+    sizes = prefill_schedule(count, chunk, most, stages=stages, taper=True)
+    assert sum(sizes) == count
+    assert len(sizes) == len(even)  # never more frames than a stage queues
+    assert min(sizes) >= 1
+    if len(sizes) >= 3 and stages >= 2:
+        middle = sizes[1:-1]
+        assert max(middle) - min(middle) <= 1
+        assert sizes[0] == sizes[-1]
+        assert abs(2 * sizes[0] - min(middle)) <= 2  # the ends half a middle chunk
+    else:
+        assert sizes == even
+    assert prefill_schedule(count, chunk, most, stages=stages, taper=False) == even
+
+
+def test_the_taper_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PREFILL_TAPER_ENV, raising=False)
+    assert prefill_taper()
+    assert prefill_schedule(512, 128, 4, stages=3) == [85, 171, 171, 85]
+    monkeypatch.setenv(PREFILL_TAPER_ENV, "0")
+    assert not prefill_taper()
+    assert prefill_schedule(512, 128, 4, stages=3) == [128] * 4

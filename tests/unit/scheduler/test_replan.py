@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hetmesh.partition.profile import KNOWN_SHAPES, model_profile
@@ -21,9 +22,10 @@ from hetmesh.scheduler import (
 )
 from hetmesh.scheduler.replan import DriftHold
 from hetmesh.scheduler.synthetic import random_mesh
-from tests.unit.scheduler.sched_helpers import device, full_links
+from tests.unit.scheduler.sched_helpers import device, full_links, toy_model
 
 MODEL = model_profile(KNOWN_SHAPES["llama-7b"], dtype="float16", name="llama-7b")
+MODEL_SMALL = toy_model()
 
 
 def scaled(d: DeviceProfile, factor: float) -> DeviceProfile:
@@ -206,3 +208,51 @@ def test_the_drift_hold_grows_with_load_time_and_with_moves_in_a_row() -> None:
     hold.adopted(2000.0, drift=False)  # a plan that never serves may still move, late
     assert not hold.allows(2000.0 + 3599.0)
     assert hold.allows(2000.0 + 3600.0)
+
+
+def slower_links(s: MeshSnapshot, factor: float, pairs: set[tuple[str, str]]) -> MeshSnapshot:
+    links = tuple(
+        dataclasses.replace(x, rtt_s=x.rtt_s * factor, bandwidth_bps=x.bandwidth_bps / factor)
+        if (x.src, x.dst) in pairs
+        else x
+        for x in s.links
+    )
+    return dataclasses.replace(s, links=links)
+
+
+def test_loopback_drift_moves_no_plan_but_a_wire_between_hosts_does() -> None:
+    # three CPU nodes; a and b on one host (one identity), c on another
+    devs = [device(p, backend="cpu", flops=1e11, bandwidth=2e10) for p in ("a", "b", "c")]
+    hosts = (("a", "host-1"), ("b", "host-1"), ("c", "host-2"))
+    base = MeshSnapshot(devices=tuple(devs), links=tuple(full_links(devs)), hosts=hosts)
+    assert base.colocated("a", "b")
+    assert base.colocated("b", "a")
+    assert not base.colocated("a", "c")
+    assert not base.colocated("c", "b")
+    loop = {("a", "b"), ("b", "a")}
+    # the loopback probes read 8x longer under CPU load: no drift, no new plan
+    loaded = slower_links(base, 8.0, loop)
+    assert not should_replan(base, loaded).act
+    current = plan(base.devices, base.links, MODEL_SMALL)
+    outcome = replan(current, base, loaded, MODEL_SMALL)
+    assert outcome.plan is None
+    assert outcome.candidate is None
+    assert not outcome.drift
+    # the same figures on a link between the two hosts are drift
+    wire = slower_links(base, 8.0, {("a", "c")})
+    decision = should_replan(base, wire)
+    assert decision.act
+    assert decision.drift
+    assert "a -> c" in decision.reason
+    # without the hosts announced the loopback's figures count as any link's
+    anon = dataclasses.replace(base, hosts=())
+    assert should_replan(anon, dataclasses.replace(loaded, hosts=())).drift
+    # one end's identity unknown, or an empty one, shares a host with nobody
+    half = dataclasses.replace(loaded, hosts=(("a", "host-1"), ("c", "host-2")))
+    assert should_replan(base, half).drift
+    blank = dataclasses.replace(loaded, hosts=(("a", ""), ("b", ""), ("c", "host-2")))
+    assert should_replan(base, blank).drift
+    # membership still acts on a colocated mesh, and the hosts travel on the wire
+    fewer = dataclasses.replace(loaded, devices=loaded.devices[:2])
+    assert "left c" in should_replan(base, fewer).reason
+    assert MeshSnapshot.from_wire(base.to_wire()) == base
