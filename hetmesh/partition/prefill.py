@@ -117,8 +117,9 @@ def prefill_schedule(
     pieces = len(sizes)
     if not taper or stages < 2 or pieces < 3:
         return sizes
-    # weights 1/2, 1, ..., 1, 1/2: the middle chunks share count / (pieces - 1) each
-    end = max(1, count // (2 * (pieces - 1)))
+    # weights 1/2, 1, ..., 1, 1/2: an end is count / (2 (pieces - 1)), to the nearest
+    # token (floored, 7 in three would be 1 / 5 / 1), leaving every middle chunk a token
+    end = max(1, min(int(count / (2 * (pieces - 1)) + 0.5), (count - pieces + 2) // 2))
     middle, extra = divmod(count - 2 * end, pieces - 2)
     return [end] + [middle + 1 if i < extra else middle for i in range(pieces - 2)] + [end]
 

@@ -54,6 +54,9 @@ async def test_a_draining_replica_hands_its_session_over_with_its_kv(
         block_step_s=0.003,
         drain_s=120.0,
         weights="float32",
+        # one token a step: prompt lookup drafts this repetitive prompt's whole answer
+        # (96 tokens in 13 steps, CI 2026-12-07), which could end before the drain moved it
+        speculative_k=0,
     )
     async with open_mesh(tmp_path, serving, 4) as mesh:
         await wait_ready(mesh.nodes[0], pipelines=2, timeout_s=300)

@@ -23,6 +23,7 @@ from hetmesh.node.config import ServingConfig
 from hetmesh.node.gateway import GatewayTimeouts
 from tests.integration.node.inprocess_mesh import (
     PROMPT_IDS,
+    SECRET,
     free_port,
     generate,
     hold_a_slot,
@@ -137,6 +138,20 @@ async def test_more_sessions_than_max_sessions_wait_then_get_rejected(
         assert await generate(mesh.addr, 8) == expected  # and it serves again
 
 
+async def tokens_per_s(addr: str, tokens: int) -> float:
+    """Decode tokens a second of one greedy stream through the node at ``addr``, from
+    its first token to its last."""
+    from hetmesh.client.mesh import TokenEvent, open_mesh_client
+
+    stamps: list[float] = []
+    async with open_mesh_client(addr, mesh_secret=SECRET) as client:
+        async for event in client.stream(prompt_ids=list(PROMPT_IDS), max_new_tokens=tokens):
+            if isinstance(event, TokenEvent) and event.token_id >= 0:
+                stamps.append(trio.current_time())
+    assert len(stamps) == tokens, stamps
+    return (tokens - 1) / (stamps[-1] - stamps[0])
+
+
 async def test_idle_sessions_expire_but_a_generating_one_never_does(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
@@ -147,6 +162,7 @@ async def test_idle_sessions_expire_but_a_generating_one_never_does(
         block_step_s=0.002,
         idle_session_s=idle_s,
         weights="float32",  # two 500 MiB nodes must split it (int4 fits one)
+        speculative_k=0,  # one token a step: the pace below holds for the whole stream
     )
     async with open_mesh(tmp_path, serving, 2) as mesh:
         first, *rest = stage_servers(mesh.nodes)
@@ -154,12 +170,11 @@ async def test_idle_sessions_expire_but_a_generating_one_never_does(
         await until_(lambda: "forgotten" not in first.kv, 30, "the idle session to expire")
         assert first.statistics().kv.expired == 1
 
-        # the generation must outlive the idle limit twice over on any machine: a
-        # short one measures this mesh's pace, which sets the long one's length
-        started = trio.current_time()
-        await generate(mesh.addr, 16)
-        pace = 16 / (trio.current_time() - started)
-        tokens = max(120, min(480, int(pace * 4 * idle_s)))
+        # the generation must outlive the idle limit twice over on any machine: a short
+        # stream measures this mesh's pace between tokens (a client's connection and the
+        # prompt left out), which sets the long one's length with 1.5x to spare
+        pace = await tokens_per_s(mesh.addr, 24)
+        tokens = max(120, min(480, int(pace * 3 * idle_s)))
         started = trio.current_time()
         got = await generate(mesh.addr, tokens)
         took = trio.current_time() - started

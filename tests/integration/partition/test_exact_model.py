@@ -94,7 +94,7 @@ def test_tapered_chunks_are_bit_identical(default_model_dir: Path, fmt: WeightFo
     """A cut's gateway tapers its chunks (hetmesh.partition.prefill.prefill_schedule):
     the first and the last half the others; a prompt's logits stay those whole."""
     cuts = prefill_schedule(PROMPT_TOKENS, 80, 4, stages=3, taper=True)
-    assert cuts == [56, 114, 114, 56]
+    assert cuts == [57, 113, 113, 57]
     stage = load_stage(default_model_dir, 0, 32, weights=fmt)
     whole, chunked = whole_and_chunked(stage, PROMPT_TOKENS, cuts)
     assert torch.equal(whole, chunked)

@@ -11,17 +11,7 @@ import torch
 from hetmesh.errors import InvalidRequest
 from hetmesh.partition.kv import KVPool, SessionKV
 from hetmesh.partition.prefix import block_hashes
-
-
-def _pool(blocks: int) -> KVPool:
-    return KVPool(
-        num_blocks=blocks,
-        num_layers=1,
-        kv_heads=1,
-        head_dim=2,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+from tests.unit.partition.test_prefix import pool as new_pool
 
 
 def _session(pool: KVPool) -> SessionKV:
@@ -29,7 +19,7 @@ def _session(pool: KVPool) -> SessionKV:
 
 
 def test_extend_takes_the_next_free_block_in_one_run() -> None:
-    pool = _pool(4)
+    pool = new_pool(4)
     kv = _session(pool)
     assert kv.reserve(16)
     assert kv.extend(16)  # held already: nothing taken
@@ -40,8 +30,8 @@ def test_extend_takes_the_next_free_block_in_one_run() -> None:
     assert pool.free_blocks == 2
 
 
-def test_extend_never_evicts_a_cached_block_nor_grows_a_private_pool() -> None:
-    pool = _pool(2)
+def test_extend_never_evicts_a_cached_block_nor_grows_a_privatepool() -> None:
+    pool = new_pool(2)
     writer = _session(pool)
     assert writer.reserve(32)
     writer._commit(32)  # its two blocks' tokens (a forward writes, then commits)
@@ -70,14 +60,14 @@ def test_extend_never_evicts_a_cached_block_nor_grows_a_private_pool() -> None:
 
 
 def test_extend_on_a_freed_session_is_refused() -> None:
-    kv = _session(_pool(2))
+    kv = _session(new_pool(2))
     kv.free()
     with pytest.raises(InvalidRequest, match="freed"):
         kv.extend(1)
 
 
 def test_extends_on_other_threads_and_the_owners_takes_never_share_a_block() -> None:
-    pool = _pool(4096)
+    pool = new_pool(4096)
     rounds = 300
     grown: list[SessionKV] = []
     start = threading.Barrier(3)

@@ -114,7 +114,7 @@ def test_a_route_chunks_only_where_every_stage_measured_chunks_cheap(
     ("count", "stages", "sizes"),
     [
         (512, 3, [85, 171, 171, 85]),  # the cut's TTFT@512: fill and drain halved
-        (515, 2, [85, 173, 172, 85]),
+        (515, 2, [86, 172, 171, 86]),  # ends to the nearest token (85.8)
         (384, 3, [96, 192, 96]),
         (256, 3, [128, 128]),  # two chunks: both ends, even already
         (200, 3, [200]),  # one chunk: nothing to taper
@@ -136,6 +136,7 @@ def test_a_route_of_several_stages_tapers_its_chunks(
 )
 @example(count=3, chunk=1, most=3, stages=2)  # ends of half a token: one each
 @example(count=5, chunk=1, most=5, stages=3)
+@example(count=7, chunk=1, most=3, stages=2)  # floored ends were 1 / 5 / 1 (CI, 02:12)
 def test_a_tapered_schedule_covers_the_feed_in_as_many_chunks(
     count: int, chunk: int, most: int, stages: int
 ) -> None:
