@@ -130,7 +130,7 @@ def snapshot(records: Sequence[Announcement]) -> tuple[MeshSnapshot, list[tuple[
 def loopback_floors(
     mesh: MeshSnapshot, seen: Mapping[tuple[PeerId, PeerId], LinkProfile]
 ) -> tuple[MeshSnapshot, dict[tuple[PeerId, PeerId], LinkProfile]]:
-    """``mesh`` with each loopback link (:meth:`MeshSnapshot.colocated`) at the best it
+    """``mesh`` with each loopback link (:meth:`MeshSnapshot.loopback_links`) at the best it
     was measured (the lowest RTT, the highest bandwidth, in ``seen`` or now), and the
     new best of each, for the next call (the links of ``mesh`` only: bounded).
 
@@ -142,9 +142,10 @@ def loopback_floors(
     """
     best: dict[tuple[PeerId, PeerId], LinkProfile] = {}
     links: list[LinkProfile] = []
+    loopback = mesh.loopback_links()
     for link in mesh.links:
         key = (link.src, link.dst)
-        if not mesh.colocated(*key):
+        if key not in loopback:
             links.append(link)
             continue
         before = seen.get(key)

@@ -43,7 +43,7 @@ inference tensors are refused outside it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -187,29 +187,22 @@ class SessionKV:
 
     def reserve(self, tokens: int) -> bool:
         """Hold blocks for ``tokens`` tokens in all; False (nothing taken) if the pool is full."""
-        if self._freed:
-            raise InvalidRequest("the session's KV cache was freed")
-        missing = blocks_for(tokens, self.pool.block_tokens) - len(self.blocks)
-        if missing <= 0 or self.num_layers == 0:
-            return True
-        got = self.pool.take(missing, self.blocks[-1] if self.blocks else None)
-        if got is None:
-            return False
-        self.blocks.extend(got)
-        self._index()
-        return True
+        return self._hold(tokens, self.pool.take)
 
     def extend(self, tokens: int) -> bool:
         """:meth:`reserve` from a thread other than the pool's owner, for a session no
         other thread touches meanwhile: only blocks free now (False, nothing taken, if
         there are too few: the owner's :meth:`reserve` evicts cached blocks, grows a
         private pool or the stage preempts a session for them)."""
+        return self._hold(tokens, self.pool.take_free)
+
+    def _hold(self, tokens: int, take: Callable[[int, int | None], list[int] | None]) -> bool:
         if self._freed:
             raise InvalidRequest("the session's KV cache was freed")
         missing = blocks_for(tokens, self.pool.block_tokens) - len(self.blocks)
         if missing <= 0 or self.num_layers == 0:
             return True
-        got = self.pool.take_free(missing, self.blocks[-1] if self.blocks else None)
+        got = take(missing, self.blocks[-1] if self.blocks else None)
         if got is None:
             return False
         self.blocks.extend(got)

@@ -56,6 +56,15 @@ class MeshSnapshot(WireRecord):
         mine = hosts.get(src, "")
         return bool(mine) and mine == hosts.get(dst, "")
 
+    def loopback_links(self) -> frozenset[tuple[PeerId, PeerId]]:
+        """``(src, dst)`` of every link whose ends are :meth:`colocated`, in one pass."""
+        hosts = {peer: host for peer, host in self.hosts if host}
+        return frozenset(
+            (link.src, link.dst)
+            for link in self.links
+            if (host := hosts.get(link.src)) is not None and host == hosts.get(link.dst)
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -106,11 +115,12 @@ def should_replan(
                     drift=True,
                 )
     old_links = {(x.src, x.dst): x for x in previous.links}
+    loopback = current.loopback_links()
     for link in sorted(current.links, key=lambda x: (x.src, x.dst)):
         before = old_links.get((link.src, link.dst))
         if before is None:
             return Verdict(True, f"new link {link.src} -> {link.dst}")
-        if current.colocated(link.src, link.dst):
+        if (link.src, link.dst) in loopback:
             # loopback: a probe's round trip and copy rate between two processes of one
             # host are how soon the CPU ran them (under load: several times the quiet
             # figure, and back), which the devices' own figures already say
