@@ -38,6 +38,8 @@ from hetmesh.errors import (
 )
 from hetmesh.protocol.generate import GENERATE_PROTOCOL, MAX_REQUEST_BYTES
 
+NO_EXPIRY = 0  # libp2p's peerstore TTL that never expires
+
 log = logging.getLogger(__name__)
 
 
@@ -58,10 +60,17 @@ class MeshClient:
     """A connection to one node of a mesh; requests enter the mesh there."""
 
     def __init__(
-        self, host: Any, peer_id: Any, *, timeout_s: float = 60.0, timeout: Timeout | None = None
+        self,
+        host: Any,
+        peer_id: Any,
+        *,
+        timeout_s: float = 60.0,
+        timeout: Timeout | None = None,
+        addrs: Sequence[Any] = (),
     ) -> None:
         self._host = host
         self._peer_id = peer_id
+        self._addrs = list(addrs)  # where the node was dialled: a dropped connection redials
         self.timeout = timeout or Timeout(connect=timeout_s, first_token=timeout_s, total=None)
         self._per_read_s = timeout_s if timeout is None else None
 
@@ -72,6 +81,11 @@ class MeshClient:
     async def _open_stream(self, protocol: str, connect_s: float) -> Any:
         from libp2p.custom_types import TProtocol
 
+        if self._addrs:
+            # libp2p keeps a dialled peer's addresses for 120 s only: a connection the
+            # node (or a network blip) closes later is redialled from these, with no
+            # expiry ("No known addresses" otherwise, for the client's whole life)
+            self._host.get_peerstore().add_addrs(self._peer_id, self._addrs, NO_EXPIRY)
         try:
             with trio.fail_after(connect_s):
                 return await self._host.new_stream(self._peer_id, [TProtocol(protocol)])
@@ -208,11 +222,15 @@ async def open_mesh_client(
     except ValueError as exc:
         raise errors.InvalidRequest(str(exc)) from exc
     connect_s = seconds(limits.connect) if limits is not None else 5.0
+    # a stream's protocol is agreed within the time a request may wait to connect: a
+    # node too busy to answer in a dial's 3 s is slow, not gone (its link is open)
+    negotiate_s = min(seconds(limits.connect) if limits is not None else timeout_s, 600.0)
     async with open_host(
         generate_new_ed25519_identity(),
         psk=derive_psk(mesh_secret),
         listen=["/ip4/127.0.0.1/tcp/0"],
         dial_timeout_s=min(connect_s, 3.0),
+        negotiate_timeout_s=max(negotiate_s, 3.0),
     ) as host:
         chosen = None
         failure: MeshError | None = None
@@ -228,7 +246,9 @@ async def open_mesh_client(
         if chosen is None:
             assert failure is not None
             raise failure
-        yield MeshClient(host, chosen.peer_id, timeout_s=timeout_s, timeout=limits)
+        yield MeshClient(
+            host, chosen.peer_id, timeout_s=timeout_s, timeout=limits, addrs=chosen.addrs
+        )
 
 
 __all__ = [

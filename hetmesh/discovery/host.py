@@ -97,9 +97,19 @@ def load_or_create_identity(data_dir: Path) -> Any:
 
 
 def new_mesh_host(
-    key_pair: Any, *, psk: str, dial_timeout_s: float = DEFAULT_DIAL_TIMEOUT_S
+    key_pair: Any,
+    *,
+    psk: str,
+    dial_timeout_s: float = DEFAULT_DIAL_TIMEOUT_S,
+    negotiate_timeout_s: float | None = None,
 ) -> Any:
-    """A libp2p host: noise only, yamux, one connection per peer, psk, no auto-connector."""
+    """A libp2p host: noise only, yamux, one connection per peer, psk, no auto-connector.
+
+    ``negotiate_timeout_s`` bounds agreeing on a protocol for a new stream on a
+    connection already open (``dial_timeout_s`` when not given): a client that
+    waits minutes for a busy node's answer need not give up on its stream after
+    a dial's few seconds.
+    """
     from libp2p import new_host
     from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
     from libp2p.network.config import ConnectionConfig
@@ -118,8 +128,8 @@ def new_mesh_host(
         dial_timeout=dial_timeout_s,
         outbound_upgrade_timeout=dial_timeout_s,
         inbound_upgrade_timeout=dial_timeout_s,
-        outbound_stream_protocol_negotiation_timeout=dial_timeout_s,
-        inbound_stream_protocol_negotiation_timeout=dial_timeout_s,
+        outbound_stream_protocol_negotiation_timeout=negotiate_timeout_s or dial_timeout_s,
+        inbound_stream_protocol_negotiation_timeout=negotiate_timeout_s or dial_timeout_s,
     )
     host = new_host(
         key_pair=key_pair,
@@ -166,6 +176,7 @@ async def open_host(
     psk: str,
     listen: Sequence[str],
     dial_timeout_s: float = DEFAULT_DIAL_TIMEOUT_S,
+    negotiate_timeout_s: float | None = None,
 ) -> AsyncIterator[Any]:
     """Run a mesh host listening on ``listen`` (multiaddr strings) for the block.
 
@@ -181,7 +192,9 @@ async def open_host(
     """
     from multiaddr import Multiaddr
 
-    host = new_mesh_host(key_pair, psk=psk, dial_timeout_s=dial_timeout_s)
+    host = new_mesh_host(
+        key_pair, psk=psk, dial_timeout_s=dial_timeout_s, negotiate_timeout_s=negotiate_timeout_s
+    )
     try:
         async with host.run(listen_addrs=[Multiaddr(a) for a in listen]):
             try:

@@ -93,3 +93,19 @@ def test_host_wildcard_listen_address_expands_to_dialable_ones() -> None:
     assert all("0.0.0.0" not in a for a in addrs)
     assert all(a.endswith("/p2p/PID") for a in addrs)
     assert len(addrs) >= 2
+
+
+def test_host_negotiates_a_stream_within_its_own_limit_or_the_dials() -> None:
+    from libp2p import generate_new_ed25519_identity
+
+    def limits(**kwargs: float) -> tuple[float, float, float]:
+        host = mesh_host.new_mesh_host(generate_new_ed25519_identity(), psk="0" * 64, **kwargs)
+        config = host.get_network().connection_config
+        return (
+            config.dial_timeout,
+            config.outbound_stream_protocol_negotiation_timeout,
+            config.inbound_stream_protocol_negotiation_timeout,
+        )
+
+    assert limits(dial_timeout_s=3.0) == (3.0, 3.0, 3.0)
+    assert limits(dial_timeout_s=3.0, negotiate_timeout_s=60.0) == (3.0, 60.0, 60.0)
