@@ -74,9 +74,9 @@ def key_block() -> int:
     return _KEY_BLOCK or KEY_BLOCK
 
 
-# the disallowed keys (b, s, total); per query tile: the keys it needs and whether any
-# of them is disallowed to one of its queries; the padding queries (b, s) or None
-Bounds = tuple[torch.Tensor, list[tuple[int, bool]], torch.Tensor | None]
+# the disallowed keys (b, s, total); per query tile: the keys it needs, and the first key
+# disallowed to any of its queries (``need`` where none is); the padding queries (b, s) or None
+Bounds = tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor | None]
 _LAST: tuple[object, int, Bounds] | None = None  # the last forward's bounds (one per layer)
 
 
@@ -92,14 +92,15 @@ def _bounds(rows: Sequence[Sequence[tuple[int, int] | None]], total: int) -> Bou
     needs = []
     for t0 in range(0, seq, QUERY_TILE):
         need = min(max(MIN_KEYS, *(max(h[t0 : t0 + QUERY_TILE]) for h in his)), total)
-        some = any(
-            lo_ > 0 or hi_ < need
-            for lo_row, hi_row in zip(los, his, strict=True)
-            for lo_, hi_ in zip(
-                lo_row[t0 : t0 + QUERY_TILE], hi_row[t0 : t0 + QUERY_TILE], strict=True
-            )
-        )
-        needs.append((need, some))
+        # a causal tile's keys before its first query's own are everyone's: only the keys
+        # from the shortest span's end on (or from 0 where a span starts later) are masked
+        first = need
+        for lo_row, hi_row in zip(los, his, strict=True):
+            if max(lo_row[t0 : t0 + QUERY_TILE]) > 0:
+                first = 0
+                break
+            first = min(first, *hi_row[t0 : t0 + QUERY_TILE])
+        needs.append((need, first))
     padding = None
     if any(span is None for row in rows for span in row):
         padding = torch.tensor([[span is None for span in row] for row in rows])
@@ -153,7 +154,7 @@ def gemm_attention(
     k = key.reshape(batch * kv_heads, total, dim)
     v = value.reshape(batch * kv_heads, total, dim)
     outs = []
-    for tile, (need, some_masked) in enumerate(needs):
+    for tile, (need, first) in enumerate(needs):
         t0 = tile * QUERY_TILE
         t1 = min(seq, t0 + QUERY_TILE)
         n = t1 - t0
@@ -165,8 +166,10 @@ def gemm_attention(
         if short > 0:
             scores = scores[:, : n * groups]
         scores = scores.view(batch, kv_heads, n, groups, need).mul_(scale)
-        if some_masked:
-            scores.masked_fill_(masked[:, None, t0:t1, None, :need], float("-inf"))
+        if first < need:  # only the keys some query of the tile must not see
+            scores[..., first:need].masked_fill_(
+                masked[:, None, t0:t1, None, first:need], float("-inf")
+            )
         weights = torch.softmax(scores, dim=-1).view(batch * kv_heads, n * groups, need)
         if short > 0:
             weights = F.pad(weights, (0, 0, 0, short))

@@ -367,3 +367,41 @@ def test_the_key_block_sums_a_row_as_its_keys_alone() -> None:
     )
     if block < KEY_BLOCK:
         assert any(padding_changes(n, w) for n in lengths for w in range(n, KEY_BLOCK + 1))
+
+
+def test_a_tile_masks_only_from_the_first_key_one_of_its_queries_may_not_see(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A causal tile's keys before its shortest span's end are every query's: masking
+    starts there (the whole tile from 0 where a window starts a span later, padding too),
+    and the result is the one masking every key gives."""
+    rows = QuerySpans.of([100], [70], 80, None).rows  # 70 queries after 100, 10 padding
+    _, needs, padding = exact_gemm._bounds(rows, 170)
+    assert needs == [(164, 101), (170, 1)]  # the second tile holds padding (span end 1)
+    assert padding is not None
+    assert int(padding.sum()) == 10
+    windowed = QuerySpans.of([100], [70], 70, 50).rows
+    assert [first for _, first in exact_gemm._bounds(windowed, 170)[1]] == [0, 0]
+    unmasked = QuerySpans.of([0], [1], 1, None).rows  # one query seeing all its keys
+    assert exact_gemm._bounds(unmasked, 16)[1] == [(16, 1)]  # padded to MIN_KEYS: masked
+    if not gemm_is_exact(9, 3, 64):
+        pytest.skip("this machine's products are not row-invariant (the probe refused)")
+    q, k, v = _inputs(170, seed=5, dtype=torch.float32)
+    spans = QuerySpans.of([100], [70], 70, None)
+    out = exact_gemm.gemm_attention(q[:, :, 100:], k, v, spans.rows, None)
+    for i in (0, 1, 63, 64, 69):  # each query alone: the keys of its own span only
+        p = 100 + i
+        one = QuerySpans.of([p], [1], 1, None)
+        alone = exact_gemm.gemm_attention(
+            q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], one.rows, None
+        )
+        assert torch.equal(out[:, i : i + 1], alone), i
+    # and the bits of masking every key of a tile that masks any, as before
+    bounds = exact_gemm._bounds
+
+    def from_zero(rows, total):
+        masked, needs, padding = bounds(rows, total)
+        return masked, [(need, 0 if first < need else need) for need, first in needs], padding
+
+    monkeypatch.setattr(exact_gemm, "_bounds", from_zero)
+    assert torch.equal(exact_gemm.gemm_attention(q[:, :, 100:], k, v, spans.rows, None), out)
