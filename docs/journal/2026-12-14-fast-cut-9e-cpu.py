@@ -103,15 +103,17 @@ with local_mesh(3, node_args=node_args) as mesh:
                 v0 = await versions()
                 before = {k: cpu(p) for k, p in pids.items()}
                 me0, t0 = time.process_time(), time.perf_counter()
-                made = 0
+                made = together = 0
                 if streams == 0:
                     await trio.sleep(IDLE_S)
                 else:
 
                     async def one() -> None:
-                        nonlocal made
+                        nonlocal made, together
                         stamps = await _stream(client, prompt_ids, TOKENS)
                         made += len(stamps) - 1
+                        # tokens that came within 0.5 ms of the one before: in one step
+                        together += sum(b - a < 5e-4 for a, b in zip(stamps[1:], stamps[2:]))
 
                     async with trio.open_nursery() as nursery:
                         for _ in range(streams):
@@ -126,7 +128,8 @@ with local_mesh(3, node_args=node_args) as mesh:
                 per = made if made else dt
                 unit = "token" if made else "second"
                 print(
-                    f"{label}: {made} tokens, {dt:.1f} s, client {me / per * 1e3:.2f} ms/{unit}, "
+                    f"{label}: {made} tokens ({together} within 0.5 ms of the one before), "
+                    f"{dt:.1f} s, client {me / per * 1e3:.2f} ms/{unit}, "
                     f"load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
