@@ -7,9 +7,10 @@ in one nursery:
 
 - the membership clock (every 0.2 s): probes to ~log N members a second with
   indirect probes, suspicion and death by dissemination; our record is
-  re-versioned when its content changes (its load part at most every
-  ``load_publish_every_s``) and pulled whole, signed by us, by whoever hears
-  of the new version (:mod:`hetmesh.discovery.signing`);
+  re-versioned when its content changes (its load part and its counters,
+  :meth:`Discovery.set_counters`, at most every ``load_publish_every_s``) and
+  pulled whole, signed by us, by whoever hears of the new version
+  (:mod:`hetmesh.discovery.signing`);
 - one long-lived stream per peer for membership messages
   (:mod:`hetmesh.discovery.outbox`), and their handler;
 - mDNS (:mod:`hetmesh.discovery.mdns`, this mesh's fingerprint only) and
