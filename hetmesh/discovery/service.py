@@ -7,9 +7,10 @@ in one nursery:
 
 - the membership clock (every 0.2 s): probes to ~log N members a second with
   indirect probes, suspicion and death by dissemination; our record is
-  re-versioned when its content changes (its load part at most every
-  ``load_publish_every_s``) and pulled whole, signed by us, by whoever hears
-  of the new version (:mod:`hetmesh.discovery.signing`);
+  re-versioned when its content changes (its load part and its counters,
+  :meth:`Discovery.set_counters`, at most every ``load_publish_every_s``) and
+  pulled whole, signed by us, by whoever hears of the new version
+  (:mod:`hetmesh.discovery.signing`);
 - one long-lived stream per peer for membership messages
   (:mod:`hetmesh.discovery.outbox`), and their handler;
 - mDNS (:mod:`hetmesh.discovery.mdns`, this mesh's fingerprint only) and
@@ -148,6 +149,9 @@ class Discovery:
         self._stages: tuple[dict[str, Any], ...] = ()
         self._load = Load()
         self._extra: dict[str, Any] = {}
+        # extra entries that move with serving (counters): announced, but a change of
+        # these alone waits for the load's turn (set_counters)
+        self._counters: dict[str, Any] = {}
         self._subscribers: list[trio.MemorySendChannel[TableEvent]] = []
         self._probe_wanted = trio.Event()
         self._said_goodbye = False
@@ -166,6 +170,7 @@ class Discovery:
         self._content: dict[str, Any] | None = None
         self._content_of: tuple[object, ...] | None = None  # what _content was built from
         self._published_load: Load | None = None
+        self._published_counters: dict[str, Any] = {}
         self._load_published_at = -1e9
         self._record: Announcement | None = None
         self._signed: dict[PeerId, tuple[tuple[int, int], bytes, bytes]] = {}
@@ -216,7 +221,21 @@ class Discovery:
 
     def set_extra(self, key: str, value: Any) -> None:
         """Publish any other msgpack-able field (e.g. ``"plan"``) in the announcement."""
+        self._counters.pop(key, None)
         self._extra[key] = value
+
+    def set_counters(self, key: str, value: Any) -> None:
+        """Publish an ``extra`` field that moves with serving (counters, memory in use):
+        a change of these alone is published with the load, at most every
+        ``load_publish_every_s``; any other change takes their latest values along.
+
+        While tokens flow, a stage's counters move every plan tick: published as
+        content, each tick was a record version every peer pulled, decoded and
+        verified. Nothing plans or routes on these; this node's own view
+        (``local_record(advance=False)``) always shows the latest.
+        """
+        self._extra.pop(key, None)
+        self._counters[key] = value
 
     def want_links(self, peers: Sequence[PeerId]) -> None:
         """Measure our links to ``peers`` too (the coordinator's candidates), beyond the
@@ -335,13 +354,14 @@ class Discovery:
             probe_port=self.probe_port,
             goodbye=goodbye,
             sent_at_s=time.time(),
-            extra=dict(self._extra),
+            extra={**self._extra, **self._counters},
             incarnation=self.table.incarnation,
             link_requests=self._link_requests,
         )
 
     def _refresh(self, now: float) -> None:
-        """Publish a new record version if its content (or, rate-limited, its load) changed."""
+        """Publish a new record version if its content (or, rate-limited, its load or
+        counters) changed."""
         # what the content is built from (the setters replace these, never mutate them):
         # equal, and the content is; only otherwise is the record encoded to compare
         # (five times a second and at every plan tick, it was most of this tick's CPU)
@@ -357,19 +377,23 @@ class Discovery:
         )
         changed = self._record is None
         if made_of != self._content_of:
-            content = replace(
-                self._build(load=Load()), seq=0, sent_at_s=0.0, incarnation=0
+            content = replace(  # the counters are not content: they wait like the load
+                self._build(load=Load()),
+                seq=0,
+                sent_at_s=0.0,
+                incarnation=0,
+                extra=dict(self._extra),
             ).to_wire()
             changed = changed or content != self._content
             self._content, self._content_of = content, made_of
         load_due = (
-            self._load != self._published_load
-            and now - self._load_published_at >= self.config.load_publish_every_s
-        )
+            self._load != self._published_load or self._counters != self._published_counters
+        ) and now - self._load_published_at >= self.config.load_publish_every_s
         if not (changed or load_due):
             return
         self._seq += 1
         self._published_load = self._load
+        self._published_counters = dict(self._counters)
         self._load_published_at = now
         record = self._build(load=self._load)
         blob = wire.encode(record)

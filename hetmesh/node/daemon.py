@@ -121,7 +121,7 @@ def _publish_memory(node: Node, report: MemoryReport) -> None:
         report.runtime = max(report.runtime, used.bytes)
     entry = report.update(used, charged_bytes(plan, node.peer_id))
     if entry is not None:
-        node.discovery.set_extra(MEMORY_KEY, entry)
+        node.discovery.set_counters(MEMORY_KEY, entry)  # moves with the KV: with the load
 
 
 def _write_node_info(node: Node) -> None:

@@ -63,6 +63,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# the serving entries that move while tokens flow (the gateway's, the stage servers' and
+# the shards' counters): nothing plans or routes on them, so a change of these alone is
+# published with the load (Discovery.set_counters), not as a record version of its own
+COUNTER_KEYS = frozenset({"gateway", "stage_servers", "shards"})
 START_POLL_S = 0.05  # how often a node with no plan yet looks for a new peer record
 
 
@@ -383,8 +387,12 @@ class Serving:
         if self.shards is not None:
             changes.update(manifest=self.shards.manifest_id, units_held=self.shards.units_held())
         state = self._announced = dataclasses.replace(self._announced, **changes)
+        discovery = self.node.discovery
         for key, value in serving_extra(state).items():
-            self.node.discovery.set_extra(key, value)
+            if key in COUNTER_KEYS:  # move with every token: published with the load
+                discovery.set_counters(key, value)
+            else:
+                discovery.set_extra(key, value)
         self.node.discovery.set_stages(serving_stages(state))
 
     def announced(self) -> ServingAnnouncement:

@@ -179,6 +179,42 @@ async def test_discovery_record_versions_on_change_and_load_at_most_every_2s(
     assert disc.local_record().seq == later.seq
 
 
+async def test_discovery_counters_alone_wait_for_the_loads_turn_and_ride_with_any_change(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Counters set again and again version the record at most every
+    ``load_publish_every_s``; a content change publishes at once with the latest
+    counters; the node's own view shows them at once; a key moved between the two
+    kinds is announced once, as the last setter said."""
+    a = _Peer()
+    disc = Discovery(_Host(a), DiscoveryConfig(load_publish_every_s=2.0), psk="00" * 32)
+    disc.set_counters("stage_servers", [{"steps": 0}])
+    first = disc.local_record()
+    assert first.extra["stage_servers"] == [{"steps": 0}]
+    for step in range(1, 11):  # a token every 0.1 s for a second: no new version
+        disc.set_counters("stage_servers", [{"steps": step}])
+        assert disc.local_record().seq == first.seq
+        await trio.sleep(0.1)
+    assert disc.local_record(advance=False).extra["stage_servers"] == [{"steps": 10}]
+    disc.set_extra("plan", {"epoch": 1})  # content: at once, the counters with it
+    changed = disc.local_record()
+    assert changed.seq == first.seq + 1
+    assert changed.extra["stage_servers"] == [{"steps": 10}]
+    disc.set_counters("stage_servers", [{"steps": 11}])
+    assert disc.local_record().seq == changed.seq
+    await trio.sleep(2.5)
+    later = disc.local_record()
+    assert later.seq == changed.seq + 1  # their turn came
+    assert later.extra["stage_servers"] == [{"steps": 11}]
+    assert disc.local_record().seq == later.seq  # unchanged since: nothing more
+    disc.set_counters("plan", {"epoch": 2})  # a key moves kind: one value, the last
+    disc.set_extra("stage_servers", [])
+    moved = disc.local_record()
+    assert moved.seq == later.seq + 1
+    assert moved.extra["plan"] == {"epoch": 2}
+    assert moved.extra["stage_servers"] == []
+
+
 async def test_discovery_record_is_encoded_to_compare_only_when_what_it_is_built_from_changed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
