@@ -29,17 +29,25 @@ async def fetch_status(
     when the node cannot be reached, :class:`RemoteProtocolError` for a bad reply.
     """
     limit_s = min(timeout_s, 3.0)
-    async with open_status_client(mesh_secret=mesh_secret, dial_timeout_s=limit_s) as host:
+    # a node too busy to agree on the protocol within a dial's 3 s is slow, not gone (the
+    # connection is open): its stream may take the request's whole time
+    async with open_status_client(
+        mesh_secret=mesh_secret, dial_timeout_s=limit_s, negotiate_timeout_s=timeout_s
+    ) as host:
         return await request_status(host, addr, timeout_s=timeout_s, dial_timeout_s=limit_s)
 
 
 @contextlib.asynccontextmanager
 async def open_status_client(
-    *, mesh_secret: str | None = None, dial_timeout_s: float = 3.0
+    *,
+    mesh_secret: str | None = None,
+    dial_timeout_s: float = 3.0,
+    negotiate_timeout_s: float | None = None,
 ) -> AsyncIterator[Any]:
     """A throw-away host to ask nodes for their views with :func:`request_status`
     (one host for many requests: a watcher polling a mesh dials each node once).
-    ``dial_timeout_s`` also bounds each stream's protocol negotiation."""
+    ``negotiate_timeout_s`` bounds each stream's protocol negotiation
+    (``dial_timeout_s`` when not given)."""
     from libp2p import generate_new_ed25519_identity
 
     async with open_host(
@@ -47,6 +55,7 @@ async def open_status_client(
         psk=derive_psk(mesh_secret),
         listen=["/ip4/127.0.0.1/tcp/0"],
         dial_timeout_s=dial_timeout_s,
+        negotiate_timeout_s=negotiate_timeout_s,
     ) as host:
         yield host
 
