@@ -6,6 +6,7 @@ random weights: the kernels' choices follow shapes, not values."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 from typing import Any
 
@@ -612,6 +613,9 @@ def test_bfloat16_prepacked_rows_are_the_same_at_1_and_2_threads() -> None:
 
 
 def _rss() -> int:
+    """The resident set once glibc has handed back its freed heap (the probes' scratch
+    otherwise stays resident, or not, as its dynamic mmap threshold decides)."""
+    ctypes.CDLL(None).malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
