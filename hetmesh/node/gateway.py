@@ -311,7 +311,7 @@ class Gateway:
         speculation: Speculation | None = None,
     ) -> None:
         """``prefill_chunk_tokens``: see :func:`~hetmesh.partition.prefill.prefill_chunks`
-        (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 128; 0: one frame a
+        (None: the ``HETMESH_PREFILL_CHUNK_TOKENS`` switch, else 96; 0: one frame a
         step). ``chunk_costs``: what chunks cost each hop of a route, as measured there;
         a route with a costly stage gets its prefills whole
         (:func:`~hetmesh.partition.prefill.route_chunk_tokens`; None: chunk every route).

@@ -24,14 +24,18 @@ from collections.abc import Iterable
 from hetmesh.errors import InvalidRequest
 
 # a prefill of at least twice this many tokens is cut into chunks of at least this many
-PREFILL_CHUNK_TOKENS = 128
+# (96: a 512-token prompt is cut in five, 64 / 128 / 128 / 128 / 64 tapered, below)
+PREFILL_CHUNK_TOKENS = 96
 PREFILL_CHUNK_ENV = "HETMESH_PREFILL_CHUNK_TOKENS"
-# chunks of one prefill at most: a stage queues this many frames of one session
-MAX_PREFILL_CHUNKS = 4
-# another cap (a stage then queues as many): 3 stages on 2 vCPUs idle one core while the
-# first chunk fills the pipeline and the last drains it, so more, smaller chunks may
-# bring a prefill closer to half its time whole (the lead's quiet A/B decides; it needs
-# HETMESH_PREFILL_CHUNK_TOKENS small enough too, e.g. 64 for 8 chunks of 512 tokens)
+# chunks of one prefill at most: a stage queues this many frames of one session. Five
+# tapered chunks against four, a 512-token prompt through a 3-stage int4 cut on two
+# vCPUs (AMD EPYC), alternated quiet A/B (docs/journal/2026-12-15-lead.md): the 1B synth
+# 0.623, 0.612 against 0.636, 0.650 of one process's TTFT; the default model 0.640,
+# 0.678 against 0.707, 0.682 -- every pair for five, as cutF's model predicted (more,
+# smaller chunks shorten the fill and the drain, where only one stage works)
+MAX_PREFILL_CHUNKS = 5
+# another cap (a stage then queues as many); more chunks need
+# HETMESH_PREFILL_CHUNK_TOKENS small enough too, e.g. 64 for 8 chunks of 512 tokens
 MAX_PREFILL_CHUNKS_ENV = "HETMESH_PREFILL_MAX_CHUNKS"
 # a route of several stages tapers its chunks (prefill_schedule): the first and the last
 # half the others, so the first stage hands the pipeline its first chunk sooner (fill)

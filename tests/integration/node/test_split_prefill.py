@@ -26,6 +26,7 @@ from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.split import split_unit
 from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.generate import LocalPipeline
+from hetmesh.partition.prefill import PREFILL_CHUNK_TOKENS, prefill_chunks
 from hetmesh.partition.prefix import block_hashes, scoped
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
@@ -38,7 +39,7 @@ GATEWAY = "gw"
 UNITS = 32  # the default model's: embedding, 30 layers, head
 CONTEXT = 384
 TOKENS = 12
-# two long prompts (two chunks of 128 and more each: split) and a short one (whole)
+# two long prompts (two chunks of 96 and more each: split) and a short one (whole)
 LONG = [
     [(7 * i + 3) % 40000 + 100 for i in range(300)],
     [(11 * i) % 30000 + 50 for i in range(260)],
@@ -160,10 +161,12 @@ async def test_long_prompts_split_with_a_helper_equal_the_reference(
     assert stats.recoveries == 0
     assert wiring.servers["b"].statistics().helped == len(LONG)
     half = split_unit(0, UNITS)
-    # the helper ran only the first half of the long prompts' chunks (2 each), the
-    # route's stage the second half of them, then every step whole
-    assert wiring.spans["b"] == [(0, half)] * 4
-    assert wiring.spans["a"].count((half, UNITS)) == 4
+    # the helper ran only the first half of the long prompts' chunks (3 and 2 of at least
+    # 96 tokens), the route's stage the second half of them, then every step whole
+    chunks = [len(prefill_chunks(len(p), PREFILL_CHUNK_TOKENS)) for p in LONG]
+    assert chunks == [3, 2]
+    assert wiring.spans["b"] == [(0, half)] * 5
+    assert wiring.spans["a"].count((half, UNITS)) == 5
     assert None in wiring.spans["a"]
     assert sessions(wiring, "a") == sessions(wiring, "b") == 0
     # the prompts' blocks join the prefix cache where every layer's KV is: not the helper's

@@ -21,6 +21,7 @@ from hetmesh.node.gateway import Gateway, Hop
 from hetmesh.node.kvcache import KVLimits
 from hetmesh.node.stage_server import StageServer
 from hetmesh.partition.generate import LocalPipeline
+from hetmesh.partition.prefill import PREFILL_CHUNK_TOKENS
 from hetmesh.partition.sampling import SamplingParams
 from hetmesh.partition.stage import load_stage
 from hetmesh.transport.frames import Activations, Error, Frame, Tokens
@@ -151,10 +152,11 @@ async def test_concurrent_sessions_run_as_micro_batches_of_half_the_sessions(
     assert wiring.batches.count(2) > 0
 
 
-# one prompt of 400 tokens beside two short ones: three chunks, tapered on this route of
-# two stages (hetmesh.partition.prefill.prefill_schedule: the ends half the middle)
+# one prompt of 400 tokens beside two short ones: four chunks of at least 96, tapered on
+# this route of two stages (hetmesh.partition.prefill.prefill_schedule: the ends half the
+# middle)
 LONG = [(7 * i + 11) % 49_000 + 20 for i in range(400)]
-TAPERED = [100, 200, 100]
+TAPERED = [67, 133, 133, 67]
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["send_now", "trio"])
@@ -163,13 +165,13 @@ async def test_a_long_prompt_leaves_in_chunks_and_matches_the_reference(
 ) -> None:
     prompts = [LONG, PROMPTS[0], PROMPTS[1]]
     wiring = Wiring(tiny_model_dir, fast=fast, context=512)
-    assert wiring.gateway.prefill_chunk_tokens == 128
+    assert wiring.gateway.prefill_chunk_tokens == PREFILL_CHUNK_TOKENS == 96
     with trio.fail_after(120):
         results = await run_sessions(wiring, prompts)
     assert results == reference(tiny_model_dir, tuple(tuple(p) for p in prompts))
     if fast:  # the chunks kept the device thread's path: nothing waited in an outbox
         assert wiring.via_trio == 0
-    # every stage computed the long prompt as its three chunks, in three rounds
+    # every stage computed the long prompt as its four chunks, in four rounds
     for peer, rounds in wiring.rows.items():
         chunks = [n for items in rounds for n in items if n > len(PROMPTS[0])]
         assert chunks == TAPERED, (peer, rounds)

@@ -32,7 +32,8 @@ from hetmesh.partition.prefill import (
         (256, 128, [128, 128]),
         (512, 128, [128, 128, 128, 128]),
         (515, 128, [129, 129, 129, 128]),
-        (4000, 128, [1000, 1000, 1000, 1000]),  # never more frames than a stage queues
+        (4000, 128, [800, 800, 800, 800, 800]),  # never more frames than a stage queues
+        (512, 96, [103, 103, 102, 102, 102]),  # the default floor: five
         (512, 0, [512]),  # chunking off
     ],
 )
@@ -73,11 +74,11 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_chunk_cap_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``HETMESH_PREFILL_MAX_CHUNKS`` caps a gateway's chunks (the default: 4), and the
+    """``HETMESH_PREFILL_MAX_CHUNKS`` caps a gateway's chunks (the default: 5), and the
     stages queue as many frames of one session (``_chunks_cap``)."""
     monkeypatch.delenv(MAX_PREFILL_CHUNKS_ENV, raising=False)
-    assert max_prefill_chunks() == MAX_PREFILL_CHUNKS == _chunks_cap()
-    assert prefill_chunks(512, 64) == [128] * 4
+    assert max_prefill_chunks() == MAX_PREFILL_CHUNKS == _chunks_cap() == 5
+    assert prefill_chunks(512, 64) == [103, 103, 102, 102, 102]
     monkeypatch.setenv(MAX_PREFILL_CHUNKS_ENV, "8")
     assert prefill_chunks(512, 64) == [64] * 8
     assert prefill_chunks(512, 128) == [128] * 4  # chunks of at least 128 still
@@ -125,7 +126,23 @@ def test_a_route_chunks_only_where_every_stage_measured_chunks_cheap(
 def test_a_route_of_several_stages_tapers_its_chunks(
     count: int, stages: int, sizes: list[int]
 ) -> None:
-    assert prefill_schedule(count, 128, MAX_PREFILL_CHUNKS, stages=stages, taper=True) == sizes
+    assert prefill_schedule(count, 128, 4, stages=stages, taper=True) == sizes
+
+
+@pytest.mark.parametrize(
+    ("count", "stages", "sizes"),
+    [
+        (512, 3, [64, 128, 128, 128, 64]),  # the cut's TTFT@512 (the quiet A/B's five)
+        (512, 1, [103, 103, 102, 102, 102]),  # one stage: even
+        (300, 3, [75, 150, 75]),  # three chunks of at least 96
+        (191, 3, [191]),  # shorter than two chunks: whole
+    ],
+)
+def test_the_default_schedule(count: int, stages: int, sizes: list[int]) -> None:
+    assert (
+        prefill_schedule(count, PREFILL_CHUNK_TOKENS, MAX_PREFILL_CHUNKS, stages=stages, taper=True)
+        == sizes
+    )
 
 
 @given(
