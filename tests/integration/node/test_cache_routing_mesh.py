@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from hetmesh.partition.blocks import BLOCK_TOKENS
+from hetmesh.partition.prefill import PREFILL_CHUNK_TOKENS
 from hetmesh.partition.prefix import block_hashes
 from hetmesh.scheduler.prefix_summary import matched_blocks
 from tests.integration.node.inprocess_mesh import (
@@ -32,8 +33,11 @@ from tests.integration.node.mesh_nodes import reference_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(420)]
 
-# a long first turn (arbitrary in-vocabulary ids): 12 full blocks and a tail
-FIRST_TURN = [(17 * i + 5) % 40000 + 100 for i in range(12 * BLOCK_TOKENS + 5)]
+# a long first turn (arbitrary in-vocabulary ids): 10 full blocks and a tail. Every turn
+# stays shorter than two prefill chunks, so it is prefilled whole by one replica: a longer
+# prompt's gateway may borrow the idle replica for its prefill (hetmesh.node.split), and
+# that replica would then run a share of the turn too
+FIRST_TURN = [(17 * i + 5) % 40000 + 100 for i in range(10 * BLOCK_TOKENS + 5)]
 NEW_TOKENS = 6
 HELD = 3  # dummy sessions that make the idle choice look busy
 
@@ -123,6 +127,7 @@ async def test_next_turn_goes_back_to_the_pipeline_holding_its_prefix(
         # the first gateway reads it in the summary, the other finds none of it (a stage
         # shares a block only with the gateway whose session computed it: issue 45)
         third_turn = [*second_turn, *second_out, 46, 47]
+        assert len(third_turn) < 2 * PREFILL_CHUNK_TOKENS  # whole: one replica
         hashes = block_hashes(third_turn)
 
         def seen_by(node: Any) -> int:

@@ -37,6 +37,7 @@ import trio
 from hetmesh.client.mesh import TokenEvent, open_mesh_client
 from hetmesh.errors import MeshError
 from hetmesh.partition.blocks import BLOCK_TOKENS
+from hetmesh.partition.prefill import PREFILL_CHUNK_TOKENS
 from hetmesh.scheduler.replan import newest_in_view
 from tests.integration.node.mesh_nodes import (
     SECRET,
@@ -57,8 +58,11 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-# a long first turn (arbitrary in-vocabulary ids): 12 full blocks and a tail
-FIRST_TURN = [(17 * i + 5) % 40000 + 100 for i in range(12 * BLOCK_TOKENS + 5)]
+# a long first turn (arbitrary in-vocabulary ids): 10 full blocks and a tail. Every turn
+# stays shorter than two prefill chunks, so it is prefilled whole by one replica: a longer
+# prompt's gateway may borrow the idle replica for its prefill (hetmesh.node.split), and
+# that replica would then run a share of the turn too
+FIRST_TURN = [(17 * i + 5) % 40000 + 100 for i in range(10 * BLOCK_TOKENS + 5)]
 TURN_TOKENS = 6
 BUSY_TOKENS = 400  # keeps a replica busy: ~4x what the first turn needs (it runs on when cancelled)
 MOVE_TOKENS = 320  # long enough that the serving replica is stopped while it runs
@@ -210,6 +214,7 @@ async def test_next_turn_goes_back_to_the_replica_holding_its_prefix(
     # through the other node: a stage shares the prefix's blocks only with the gateway
     # whose sessions computed them (issue 45), so the other gateway prefills it all
     third_turn = [*second_turn, *second_out, 46, 47]
+    assert len(third_turn) < 2 * PREFILL_CHUNK_TOKENS  # whole: one replica
     _, third_out, skipped = await served_turn(mesh, back, third_turn)
     assert skipped == 0
     assert third_out == reference_ids(tiny_model_dir, third_turn, TURN_TOKENS)
