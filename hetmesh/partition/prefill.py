@@ -28,11 +28,9 @@ from hetmesh.errors import InvalidRequest
 PREFILL_CHUNK_TOKENS = 96
 PREFILL_CHUNK_ENV = "HETMESH_PREFILL_CHUNK_TOKENS"
 # chunks of one prefill at most: a stage queues this many frames of one session. Five
-# tapered chunks against four, a 512-token prompt through a 3-stage int4 cut on two
-# vCPUs (AMD EPYC), alternated quiet A/B (docs/journal/2026-12-15-lead.md): the 1B synth
-# 0.623, 0.612 against 0.636, 0.650 of one process's TTFT; the default model 0.640,
-# 0.678 against 0.707, 0.682 -- every pair for five, as cutF's model predicted (more,
-# smaller chunks shorten the fill and the drain, where only one stage works)
+# tapered chunks beat four in every pair of a quiet A/B (a 512-token prompt through a
+# 3-stage int4 cut on two vCPUs, both models; docs/journal/2026-12-15-lead.md): more,
+# smaller chunks shorten the fill and the drain, where only one stage works
 MAX_PREFILL_CHUNKS = 5
 # another cap (a stage then queues as many); more chunks need
 # HETMESH_PREFILL_CHUNK_TOKENS small enough too, e.g. 64 for 8 chunks of 512 tokens
@@ -111,9 +109,9 @@ def prefill_schedule(
     through the last stage the others are done: on a host whose cores the stages
     share, those are the prefill's idle cores (the pipeline's fill and drain), and a
     chunk half as long halves them. The chunks in between carry the rest, as even as
-    can be; the count stays what a stage queues (``max_chunks``). Modelled on two
-    cores with three stages of 11 / 13 / 8 layers, four chunks of a 512-token
-    prefill: 0.61 of one process's time even, 0.59 tapered (85 / 171 / 171 / 85).
+    can be; the count stays what a stage queues (``max_chunks``). With the defaults a
+    512-token prefill through three stages goes as 64 / 128 / 128 / 128 / 64
+    (measured against four chunks at :data:`MAX_PREFILL_CHUNKS`).
     """
     sizes = prefill_chunks(count, chunk_tokens, max_chunks)
     if taper is None:
